@@ -1,0 +1,53 @@
+"""Group-relative advantages (GRPO family).
+
+For the rewards r_i of one group, A_i = (r_i - mean_g) / (std + eps), where the baseline is
+always the group mean and ``scale`` picks the denominator:
+- ``group``: the group's standard deviation (Bessel-corrected, as TRL and verl do);
+- ``batch``: one standard deviation over every reward of the batch;
+- ``none``: no division (Dr. GRPO).
+
+A reward of NaN marks a completion no reward function could score: it is left out of the
+group's mean and std and its advantage is 0, so it neither biases the baseline nor moves
+the policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+AdvantageScale = Literal["group", "batch", "none"]
+ADVANTAGE_EPS = 1e-4
+
+
+def nan_std(x: torch.Tensor) -> torch.Tensor:
+    """Bessel-corrected standard deviation over the non-NaN entries (NaN if fewer than two)."""
+    valid = ~torch.isnan(x)
+    n = valid.sum()
+    if n < 2:
+        return torch.tensor(float("nan"), dtype=x.dtype)
+    mean = torch.nanmean(x)
+    return torch.sqrt(torch.nansum((x - mean) ** 2) / (n - 1))
+
+
+def group_advantages(
+    group_rewards: Sequence[torch.Tensor], scale: AdvantageScale = "group", eps: float = ADVANTAGE_EPS
+) -> list[torch.Tensor]:
+    """Advantages for each group of a batch; groups may have different sizes."""
+    if scale not in ("group", "batch", "none"):
+        raise ValueError(f"advantage scale must be 'group', 'batch' or 'none', got {scale!r}")
+    batch_std = nan_std(torch.cat(list(group_rewards))) if scale == "batch" and group_rewards else None
+    out = []
+    for rewards in group_rewards:
+        rewards = rewards.to(torch.float64)
+        centred = rewards - torch.nanmean(rewards) if rewards.numel() else rewards
+        if scale == "group":
+            std = nan_std(rewards)
+            # A group of one has no spread to normalise by; it gets advantage 0 like a zero-std group.
+            centred = centred / (std + eps) if not torch.isnan(std) else torch.zeros_like(centred)
+        elif scale == "batch":
+            centred = centred / (batch_std + eps) if not torch.isnan(batch_std) else torch.zeros_like(centred)
+        out.append(torch.nan_to_num(centred, nan=0.0))
+    return out

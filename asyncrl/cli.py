@@ -1,0 +1,106 @@
+"""The ``asyncrl`` command line: train, sft, config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from asyncrl.errors import AsyncRLError
+
+
+def _train(args: argparse.Namespace) -> int:
+    from asyncrl.config import load_config
+    from asyncrl.orchestration import train
+
+    cfg = load_config(args.config, args.set)
+    summary = train(cfg, Path(args.run_dir) if args.run_dir else None)
+    print(json.dumps({k: v for k, v in summary.items() if k != "eval"}))
+    return 0
+
+
+def _sft(args: argparse.Namespace) -> int:
+    from asyncrl.sft import SFTConfig, run_sft
+
+    cfg = SFTConfig(
+        model=args.model, blur_steps=args.blur_steps, answer_noise=args.answer_noise, seed=args.seed
+    )
+    summary = run_sft(cfg, Path(args.out))
+    print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    from asyncrl.config import dump_config, load_config
+    from asyncrl.docs import config_reference
+
+    if args.docs:
+        print(config_reference(), end="")
+    else:
+        print(dump_config(load_config(args.config, args.set)), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from asyncrl.sft import SFTConfig
+
+    parser = argparse.ArgumentParser(
+        prog="asyncrl", description="Asynchronous RL post-training of language models."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="run RL training (default: the built-in arithmetic example on CPU)")
+    train.add_argument("config", nargs="?", help="YAML config file (optional)")
+    train.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. trainer.lr=1e-4",
+    )
+    train.add_argument(
+        "--run-dir", help="where to write config, metrics and the final model (default runs/<time>)"
+    )
+    train.set_defaults(func=_train)
+
+    sft = sub.add_parser("sft", help="supervised warm start of a tiny model on the arithmetic task")
+    sft.add_argument("--out", required=True, help="directory for the resulting model")
+    sft.add_argument("--model", default="tiny:1m", help="model to start from (default tiny:1m)")
+    sft.add_argument(
+        "--blur-steps", type=int, default=SFTConfig.blur_steps, help="steps on the noisy teacher"
+    )
+    sft.add_argument(
+        "--answer-noise",
+        type=float,
+        default=SFTConfig.answer_noise,
+        help="share of near-miss answers while blurring",
+    )
+    sft.add_argument("--seed", type=int, default=0)
+    sft.set_defaults(func=_sft)
+
+    config = sub.add_parser("config", help="print the resolved config, or the reference of every option")
+    config.add_argument("config", nargs="?")
+    config.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    config.add_argument("--docs", action="store_true", help="print the Markdown reference of all options")
+    config.set_defaults(func=_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        return args.func(args)
+    except AsyncRLError as exc:
+        print(f"asyncrl: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("asyncrl: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

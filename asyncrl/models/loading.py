@@ -1,0 +1,138 @@
+"""Load a policy (model + tokenizer) from a model source string.
+
+Sources:
+- a local directory holding a Hugging Face causal LM and its tokenizer;
+- ``builtin:arith`` — the warm-started tiny model shipped with asyncrl (see ``asyncrl sft``);
+- ``tiny:<size>[:<architecture>]`` — a randomly initialised tiny model with the character
+  tokenizer, e.g. ``tiny:1m`` or ``tiny:6m:llama``.
+
+Nothing is ever downloaded: Hugging Face loaders are called with ``local_files_only``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from asyncrl.errors import ConfigError
+from asyncrl.models.tiny import TINY_ARCHITECTURES, TINY_SIZES, build_tiny_model, tiny_config
+from asyncrl.models.tokenizer import build_char_tokenizer
+
+ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
+BUILTIN_MODELS = {"arith": ASSETS_DIR / "tiny-arith"}
+
+
+@dataclass
+class Policy:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    source: str
+
+    @property
+    def eos_token_id(self) -> int:
+        return int(self.tokenizer.eos_token_id)
+
+    @property
+    def pad_token_id(self) -> int:
+        return int(self.tokenizer.pad_token_id)
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` means CUDA when a GPU is visible, otherwise CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(
+            "model.device", device, "CUDA was requested but no GPU is visible; use 'cpu' or 'auto'"
+        )
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def check_tokenizer(tokenizer: PreTrainedTokenizerBase, where: str) -> None:
+    """RL needs an EOS token to end completions; a missing pad token falls back to EOS."""
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(
+            "model.path",
+            where,
+            "the tokenizer has no EOS token, so completions could never stop; set eos_token in its tokenizer_config.json",
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+
+def load_policy(source: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0) -> Policy:
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    if source.startswith("tiny:"):
+        policy = _random_tiny(source, seed)
+    else:
+        path = (
+            BUILTIN_MODELS.get(source.removeprefix("builtin:"))
+            if source.startswith("builtin:")
+            else Path(source)
+        )
+        if path is None:
+            raise ConfigError(
+                "model.path",
+                source,
+                f"unknown built-in model; allowed: {sorted('builtin:' + k for k in BUILTIN_MODELS)}",
+            )
+        policy = _from_directory(path, source)
+    policy.model.to(device=dev, dtype=torch_dtype)
+    return policy
+
+
+def _random_tiny(source: str, seed: int) -> Policy:
+    parts = source.split(":")
+    size = parts[1] if len(parts) > 1 else ""
+    arch = parts[2] if len(parts) > 2 else "qwen2"
+    if size not in TINY_SIZES or arch not in TINY_ARCHITECTURES or len(parts) > 3:
+        raise ConfigError(
+            "model.path",
+            source,
+            f"expected tiny:<size>[:<architecture>] with size in {sorted(TINY_SIZES)} and architecture in {list(TINY_ARCHITECTURES)}",
+        )
+    tok = build_char_tokenizer()
+    cfg = tiny_config(
+        size, len(tok), architecture=arch, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
+    return Policy(build_tiny_model(cfg, seed=seed), tok, source)
+
+
+def _from_directory(path: Path, source: str) -> Policy:
+    if not path.is_dir():
+        raise ConfigError(
+            "model.path",
+            source,
+            "no such directory (a local Hugging Face model directory is expected; nothing is downloaded)",
+        )
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            "model.path", source, "the directory has no config.json, so it is not a Hugging Face model"
+        )
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError("model.path", source, f"no usable tokenizer in the directory ({exc})") from None
+    check_tokenizer(tok, source)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    return Policy(model, tok, source)
+
+
+def save_policy(policy: Policy, path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    policy.model.save_pretrained(path, safe_serialization=True)
+    policy.tokenizer.save_pretrained(path)

@@ -1,0 +1,92 @@
+"""Building components from a :class:`~asyncrl.config.Config`, shared by every schedule."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import torch
+
+from asyncrl.config import Config
+from asyncrl.engine import EmbeddedEngine, SamplingParams
+from asyncrl.models import Policy, load_policy
+from asyncrl.rollout import RolloutWorker
+from asyncrl.tasks import ArithmeticTask, JsonlDataset, PromptSource, PromptStream, resolve_reward
+from asyncrl.trainer import Trainer
+from asyncrl.types import Prompt
+
+EVAL_SEED_OFFSET = 1_000_003  # held-out arithmetic prompts come from a disjoint seed
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def sampling_params(cfg: Config, policy: Policy, *, greedy: bool = False) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(
+        max_new_tokens=r.max_new_tokens,
+        temperature=0.0 if greedy else r.temperature,
+        top_k=r.top_k,
+        top_p=r.top_p,
+        stop_token_ids=(policy.eos_token_id,),
+    )
+
+
+def prompt_source(cfg: Config, policy: Policy, *, seed_offset: int = 0) -> PromptSource:
+    t = cfg.task
+    if t.name == "arithmetic":
+        a = t.arithmetic
+        return ArithmeticTask(list(a.ops), a.min_digits, a.max_digits, seed=t.seed + seed_offset)
+    return JsonlDataset(
+        t.path,
+        skip_bad_rows=t.skip_bad_rows,
+        prompt_length=lambda text: len(policy.tokenizer(text, add_special_tokens=False).input_ids),
+        max_prompt_tokens=policy.max_positions - cfg.rollout.max_new_tokens,
+    )
+
+
+def eval_prompts(cfg: Config, policy: Policy) -> list[Prompt]:
+    """Held-out prompts: a disjoint arithmetic seed; for JSONL tasks, the first rows of the dataset."""
+    source = prompt_source(cfg, policy, seed_offset=EVAL_SEED_OFFSET)
+    return PromptStream(source, seed=cfg.task.seed, shuffle=False).take(
+        min(cfg.run.eval_prompts, source.size or cfg.run.eval_prompts)
+    )
+
+
+def build_policy(cfg: Config) -> Policy:
+    return load_policy(cfg.model.path, device=cfg.model.device, dtype=cfg.model.dtype, seed=cfg.run.seed)
+
+
+def build_engine(cfg: Config, policy: Policy) -> EmbeddedEngine:
+    """An engine with its own copy of the weights; the trainer pushes updates into it."""
+    return EmbeddedEngine(
+        copy.deepcopy(policy.model),
+        pad_token_id=policy.pad_token_id,
+        max_batch_size=cfg.rollout.max_batch_size,
+        seed=cfg.run.seed,
+    )
+
+
+def build_rollout(cfg: Config, policy: Policy, engine) -> RolloutWorker:
+    return RolloutWorker(
+        engine,
+        policy.tokenizer,
+        resolve_reward(cfg.task.reward),
+        sampling_params(cfg, policy),
+        cfg.rollout.group_size,
+        reward_on_error=cfg.task.reward_on_error,
+    )
+
+
+def build_trainer(cfg: Config, policy: Policy) -> Trainer:
+    return Trainer(
+        policy.model,
+        pad_token_id=policy.pad_token_id,
+        trainer_cfg=cfg.trainer,
+        algo_cfg=cfg.algorithm,
+        temperature=cfg.rollout.temperature,
+        max_completion_length=cfg.rollout.max_new_tokens,
+        total_steps=cfg.run.steps,
+    )

@@ -1,0 +1,88 @@
+"""A run directory and what a run writes into it.
+
+``RUN_DIR/config.yaml`` (the resolved configuration), ``metrics.jsonl`` (one object per
+optimizer step), ``timeline.jsonl`` (spans per component), ``summary.json`` (written at the
+end) and ``final/`` (the trained policy).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from asyncrl.config import Config, dump_config
+from asyncrl.errors import AsyncRLError
+from asyncrl.metrics import JsonlWriter, Timeline
+from asyncrl.orchestration.progress import ProgressDisplay
+
+
+def default_run_dir() -> Path:
+    return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+class RunSession:
+    def __init__(self, cfg: Config, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(dump_config(cfg), encoding="utf-8")
+        except OSError as exc:
+            raise AsyncRLError(f"cannot write the run directory {str(run_dir)!r}: {exc.strerror}") from None
+        self.t0 = time.perf_counter()
+        self.step = 0
+        self.history: list[dict[str, Any]] = []
+        self.evals: list[dict[str, float]] = []
+        self._metrics = JsonlWriter(run_dir / "metrics.jsonl")
+        self._timelines: list[Timeline] = []
+        self.progress = ProgressDisplay(cfg.run.steps, enabled=cfg.run.progress)
+
+    def timeline(self, component: str) -> Timeline:
+        tl = Timeline(self.run_dir / "timeline.jsonl", component)
+        self._timelines.append(tl)
+        return tl
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def record_step(self, record: dict[str, Any]) -> int:
+        self.step += 1
+        record = {"step": self.step, "time_s": round(self.elapsed(), 4), **record}
+        self.history.append(record)
+        self._metrics.write(record)
+        self.progress.update(record)
+        return self.step
+
+    def record_eval(self, step: int, accuracy: float) -> None:
+        entry = {"step": step, "time_s": round(self.elapsed(), 4), "eval_accuracy": accuracy}
+        self.evals.append(entry)
+        with (self.run_dir / "eval.jsonl").open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps(entry) + "\n")
+
+    def summary(self) -> dict[str, Any]:
+        rewards = [r["reward_mean"] for r in self.history]
+        window = max(1, min(10, len(rewards) // 5 or 1))
+        return {
+            "steps": self.step,
+            "wall_s": round(self.elapsed(), 2),
+            "schedule": self.cfg.run.schedule,
+            "reward_first": statistics.fmean(rewards[:window]) if rewards else None,
+            "reward_last": statistics.fmean(rewards[-window:]) if rewards else None,
+            "reward_window": window,
+            "tokens_generated": sum(r["tokens_generated"] for r in self.history),
+            "eval": self.evals,
+            "run_dir": str(self.run_dir),
+        }
+
+    def close(self) -> dict[str, Any]:
+        self.progress.close()
+        self._metrics.close()
+        for tl in self._timelines:
+            tl.close()
+        summary = self.summary()
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+        return summary

@@ -1,0 +1,39 @@
+"""The built-in verifiable task: integer arithmetic with an exact-match answer.
+
+Prompt ``"12+7="``, answer ``"19"``. The i-th prompt is a pure function of (seed, i), so the
+stream is endless, reproducible and resumable, and a held-out split is just another seed.
+"""
+
+from __future__ import annotations
+
+import random
+
+from asyncrl.types import Prompt
+
+_APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+class ArithmeticTask:
+    def __init__(self, ops: list[str], min_digits: int, max_digits: int, seed: int = 0) -> None:
+        unknown = [op for op in ops if op not in _APPLY]
+        if unknown or not ops:
+            raise ValueError(f"arithmetic ops must be a non-empty subset of {sorted(_APPLY)}, got {ops}")
+        if not 1 <= min_digits <= max_digits:
+            raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
+        self.ops, self.min_digits, self.max_digits, self.seed = list(ops), min_digits, max_digits, seed
+        self.name = f"arith{seed}"
+
+    @property
+    def size(self) -> int | None:
+        return None
+
+    def _operand(self, rng: random.Random) -> int:
+        digits = rng.randint(self.min_digits, self.max_digits)
+        low = 0 if digits == 1 else 10 ** (digits - 1)
+        return rng.randint(low, 10**digits - 1)
+
+    def get(self, index: int) -> Prompt:
+        rng = random.Random(f"{self.seed}:{index}")
+        op = rng.choice(self.ops)
+        a, b = self._operand(rng), self._operand(rng)
+        return Prompt(prompt_id=f"{self.name}:{index}", text=f"{a}{op}{b}=", answer=str(_APPLY[op](a, b)))

@@ -1,0 +1,116 @@
+"""Turning samples into padded micro-batches under a token budget.
+
+Layout: prompts are left-padded to the longest prompt P and completions right-padded to
+the longest completion R, so every completion starts at the same column and the logits
+that predict it are the last R positions of the input (``logits_to_keep=R``). The input
+omits each row's final completion column, which predicts nothing that is trained.
+Per-token tensors (masks, log-probs, versions) are completion-aligned, shape (B, R).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncrl.types import Sample
+
+
+@dataclass
+class MicroBatch:
+    samples: list[Sample]
+    input_ids: torch.Tensor  # (B, P + R - 1)
+    attention_mask: torch.Tensor  # (B, P + R - 1)
+    position_ids: torch.Tensor  # (B, P + R - 1)
+    completion_ids: torch.Tensor  # (B, R)
+    mask: torch.Tensor  # (B, R) float, 1 where the token is trained
+    behaviour_logprobs: torch.Tensor  # (B, R)
+    versions: torch.Tensor  # (B, R) long
+    advantages: torch.Tensor  # (B,)
+    # Filled by the trainer before the first update on this batch, when needed.
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def completion_width(self) -> int:
+        return self.completion_ids.shape[1]
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    def to(self, device: torch.device) -> MicroBatch:
+        for name in (
+            "input_ids",
+            "attention_mask",
+            "position_ids",
+            "completion_ids",
+            "mask",
+            "behaviour_logprobs",
+            "versions",
+            "advantages",
+        ):
+            setattr(self, name, getattr(self, name).to(device))
+        return self
+
+
+def padded_cost(prompt_width: int, completion_width: int, rows: int) -> int:
+    return rows * (prompt_width + completion_width - 1)
+
+
+def collate(samples: list[Sample], pad_token_id: int) -> MicroBatch:
+    if any(not s.completion_ids for s in samples):
+        raise ValueError("cannot train on a sample with an empty completion")
+    if any(s.advantage is None for s in samples):
+        raise ValueError("samples must have advantages before they are collated")
+    b = len(samples)
+    p = max(len(s.prompt_ids) for s in samples)
+    r = max(len(s.completion_ids) for s in samples)
+    width = p + r - 1
+    input_ids = torch.full((b, width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((b, width), dtype=torch.long)
+    completion_ids = torch.full((b, r), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((b, r), dtype=torch.float32)
+    behaviour = torch.zeros((b, r), dtype=torch.float32)
+    versions = torch.zeros((b, r), dtype=torch.long)
+    for i, s in enumerate(samples):
+        lp, lc = len(s.prompt_ids), len(s.completion_ids)
+        input_ids[i, p - lp : p] = torch.tensor(s.prompt_ids)
+        input_ids[i, p : p + lc - 1] = torch.tensor(s.completion_ids[:-1])
+        attention[i, p - lp : p + lc - 1] = 1
+        completion_ids[i, :lc] = torch.tensor(s.completion_ids)
+        mask[i, :lc] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        behaviour[i, :lc] = torch.tensor(s.logprobs, dtype=torch.float32)
+        versions[i, :lc] = torch.tensor(s.versions)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    return MicroBatch(
+        samples, input_ids, attention, positions, completion_ids, mask, behaviour, versions, advantages
+    )
+
+
+def plan_micro_batches(samples: list[Sample], token_budget: int) -> list[list[Sample]]:
+    """Group samples into micro-batches whose padded size stays within ``token_budget``.
+
+    Samples are ordered by length so that neighbours pad little; a single sample larger than
+    the budget gets a micro-batch of its own. The plan is deterministic.
+    """
+    order = sorted(
+        samples,
+        key=lambda s: (len(s.prompt_ids) + len(s.completion_ids), len(s.completion_ids)),
+        reverse=True,
+    )
+    plans: list[list[Sample]] = []
+    current: list[Sample] = []
+    p = r = 0
+    for s in order:
+        np_, nr = max(p, len(s.prompt_ids)), max(r, len(s.completion_ids))
+        if current and padded_cost(np_, nr, len(current) + 1) > token_budget:
+            plans.append(current)
+            current, np_, nr = [], len(s.prompt_ids), len(s.completion_ids)
+        current.append(s)
+        p, r = np_, nr
+    if current:
+        plans.append(current)
+    return plans

@@ -1,0 +1,232 @@
+"""The policy trainer: micro-batched forward/backward, AdamW, clipping, LR schedule.
+
+One optimizer step is built in three calls so that a schedule can stream groups into it:
+:meth:`Trainer.begin_step`, any number of :meth:`Trainer.accumulate` calls (each a list of
+samples with advantages), and :meth:`Trainer.finish_step`. Gradients are accumulated as
+undivided sums (see :mod:`asyncrl.algorithms.losses`) and divided once by the divisor of
+the whole batch just before clipping, so the resulting gradient does not depend on how the
+batch was split into micro-batches or in what order groups arrived.
+
+Invariant: ``version`` counts optimizer steps; it is the policy version of the weights
+that :meth:`named_weights` returns.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+
+import torch
+from transformers import PreTrainedModel
+
+from asyncrl.algorithms import losses
+from asyncrl.algorithms.advantages import group_advantages
+from asyncrl.config import AlgorithmConfig, TrainerConfig
+from asyncrl.trainer.batching import MicroBatch, collate, plan_micro_batches
+from asyncrl.trainer.logprobs import completion_logprobs
+from asyncrl.types import Group, Sample
+
+
+def assign_advantages(groups: list[Group], scale: str) -> None:
+    """Set ``sample.advantage`` for every sample, from its group's rewards (None counts as NaN)."""
+    rewards = [
+        torch.tensor([float("nan") if s.reward is None else s.reward for s in g.samples], dtype=torch.float64)
+        for g in groups
+    ]
+    for group, adv in zip(groups, group_advantages(rewards, scale), strict=True):  # type: ignore[arg-type]
+        for sample, a in zip(group.samples, adv.tolist(), strict=True):
+            sample.advantage = a
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
+    def factor(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        if schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class Trainer:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        pad_token_id: int,
+        trainer_cfg: TrainerConfig,
+        algo_cfg: AlgorithmConfig,
+        temperature: float,
+        max_completion_length: int,
+        total_steps: int,
+    ) -> None:
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.cfg = trainer_cfg
+        self.algo = algo_cfg
+        self.temperature = temperature
+        self.max_completion_length = max_completion_length
+        self.device = next(model.parameters()).device
+        self.version = 0
+        # A frozen copy of the initial policy serves as the KL reference only when it is used.
+        self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if algo_cfg.beta > 0 else None
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=trainer_cfg.lr,
+            betas=trainer_cfg.adam_betas,
+            weight_decay=trainer_cfg.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(trainer_cfg.lr_schedule, trainer_cfg.warmup_steps, total_steps)
+        )
+        self._stats: dict[str, float] = defaultdict(float)
+        self._busy_s = 0.0
+
+    # -- one optimizer step, possibly streamed ---------------------------------------------
+
+    def begin_step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self._stats = defaultdict(float)
+        self._busy_s = 0.0
+
+    def prepare(self, samples: list[Sample]) -> list[MicroBatch]:
+        """Micro-batches for these samples, with old-policy and reference log-probs attached.
+
+        Call it before the first update on the samples: the recomputed old log-probs are those
+        of the weights at that moment.
+        """
+        t0 = time.perf_counter()
+        batches = [
+            collate(chunk, self.pad_token_id).to(self.device)
+            for chunk in plan_micro_batches(samples, self.cfg.micro_batch_tokens)
+        ]
+        mode = self.old_logprob_mode
+        with torch.no_grad():
+            for mb in batches:
+                if mode == "recompute":
+                    mb.old_logprobs = completion_logprobs(self.model, mb, self.temperature)[0]
+                elif mode == "behaviour":
+                    mb.old_logprobs = mb.behaviour_logprobs
+                if self.ref_model is not None:
+                    mb.ref_logprobs = completion_logprobs(self.ref_model, mb, self.temperature)[0]
+        self._busy_s += time.perf_counter() - t0
+        return batches
+
+    @property
+    def old_logprob_mode(self) -> str:
+        """'current' means old = the detached current log-probs (ratio 1), valid for one update per batch."""
+        mode = self.algo.old_logprobs
+        if mode == "auto":
+            return "current" if self.algo.num_iterations == 1 else "recompute"
+        return mode
+
+    def accumulate(self, batches: list[MicroBatch]) -> None:
+        """Forward/backward on micro-batches, adding their undivided loss to the gradients."""
+        t0 = time.perf_counter()
+        self.model.train()
+        for mb in batches:
+            loss_sum, stats = self._micro_batch_loss(mb)
+            loss_sum.backward()
+            for k, v in stats.items():
+                self._stats[k] += v
+        self._busy_s += time.perf_counter() - t0
+
+    def finish_step(self, divisor: float) -> dict[str, float]:
+        """Divide the summed gradients by the batch divisor, clip, step; returns step metrics."""
+        t0 = time.perf_counter()
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.div_(divisor)
+        if self.cfg.max_grad_norm is not None:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
+        else:
+            grad_norm = float(
+                torch.linalg.vector_norm(
+                    torch.stack([p.grad.norm() for p in self.params if p.grad is not None])
+                )
+            )
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.version += 1
+        self._busy_s += time.perf_counter() - t0
+        s = self._stats
+        tokens = max(s["tokens"], 1.0)
+        return {
+            "loss": s["loss_sum"] / divisor,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "entropy": s["entropy_sum"] / tokens,
+            "clip_frac": s["clipped_sum"] / tokens,
+            "ratio_mean": s["ratio_sum"] / tokens,
+            "kl_ref": s["kl_sum"] / tokens if self.ref_model is not None else 0.0,
+            "trained_tokens": s["tokens"],
+            "train_s": self._busy_s,
+        }
+
+    def batch_divisor(self, samples: list[Sample]) -> float:
+        return losses.batch_divisor(
+            self.algo.loss_type,
+            num_sequences=len(samples),
+            num_tokens=sum(s.num_trained_tokens for s in samples),
+            max_completion_length=self.max_completion_length,
+        )
+
+    # -- the whole batch at once -----------------------------------------------------------
+
+    def train_on_groups(self, groups: list[Group]) -> list[dict[str, float]]:
+        """Advantages, then ``num_iterations`` optimizer steps on the batch; one metrics dict per step."""
+        assign_advantages(groups, self.algo.advantage_scale)
+        samples = [s for g in groups for s in g.samples]
+        batches = self.prepare(samples)
+        divisor = self.batch_divisor(samples)
+        metrics = []
+        for _ in range(self.algo.num_iterations):
+            self.begin_step()
+            self.accumulate(batches)
+            metrics.append(self.finish_step(divisor))
+        return metrics
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _micro_batch_loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        algo = self.algo
+        logp, entropy = completion_logprobs(
+            self.model, mb, self.temperature, with_entropy=True, entropy_grad=bool(algo.entropy_coef)
+        )
+        mask = mb.mask
+        old = logp.detach() if mb.old_logprobs is None else mb.old_logprobs
+        log_ratio = losses.log_importance_ratio(logp, old, mask, algo.ratio_level)
+        per_token, clipped = losses.clipped_policy_loss(
+            log_ratio, mb.advantages, algo.epsilon_low, algo.epsilon_high, algo.delta
+        )
+        kl = None
+        if self.ref_model is not None and mb.ref_logprobs is not None:
+            kl = losses.kl_penalty(logp, mb.ref_logprobs, algo.kl_estimator)
+            per_token = per_token + algo.beta * kl
+        if algo.entropy_coef:
+            per_token = per_token - algo.entropy_coef * entropy
+        loss_sum = losses.aggregate(per_token, mask, algo.loss_type)
+        with torch.no_grad():
+            ratio = torch.exp(log_ratio).expand_as(mask)
+            stats = {
+                "loss_sum": float(loss_sum),
+                "tokens": float(mask.sum()),
+                "entropy_sum": float((entropy * mask).sum()),
+                "clipped_sum": float((clipped.expand_as(mask) * mask).sum()),
+                "ratio_sum": float((ratio * mask).sum()),
+                "kl_sum": float((kl * mask).sum()) if kl is not None else 0.0,
+            }
+        return loss_sum, stats
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in self.model.named_parameters():
+            yield name, p.detach()

@@ -1,0 +1,122 @@
+"""Wire records shared by the engine, the rollout workers, the buffer and the trainer.
+
+A :class:`Sample` carries token-level provenance from the moment it is generated: every
+completion token has the behaviour log-prob it was sampled with and the policy version
+that produced it, because a sequence may span several versions when weights change
+mid-generation. A :class:`Group` is the G samples of one prompt; groups, not samples, are
+the unit of admission into a training batch, and each carries its prompt id end to end so
+completions are never paired with prompts by order.
+
+The records hold plain Python lists so that they pickle cheaply across processes and
+serialise to JSON for recording and replay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+"""Why generation ended: an EOS/stop token, the token budget, or an abort by the engine."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One task instance: what the policy sees and what the reward function checks.
+
+    ``prompt_id`` is stable for the life of a run (e.g. ``"arith:17"`` or
+    ``"train.jsonl:42"``) and is how every completion finds its way back to its prompt.
+    ``extra`` holds any other dataset fields; they are passed to the reward function.
+    """
+
+    prompt_id: str
+    text: str
+    answer: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Sample:
+    """One completion of a prompt, with per-token provenance.
+
+    Per-token lists (``completion_ids``, ``logprobs``, ``versions``, ``loss_mask``) all
+    have the same length. ``logprobs[t]`` is the behaviour log-prob of
+    ``completion_ids[t]`` under the temperature-scaled distribution of the policy whose
+    version is ``versions[t]``.
+    """
+
+    prompt_id: str
+    group_id: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    loss_mask: list[int]
+    finish_reason: FinishReason
+    completion_text: str = ""
+    reward: float | None = None
+    reward_error: str | None = None
+    advantage: float | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.completion_ids)
+        for name in ("logprobs", "versions", "loss_mask"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(
+                    f"Sample {self.prompt_id!r}: {name} has {len(getattr(self, name))} entries "
+                    f"but completion_ids has {n}"
+                )
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.completion_ids)
+
+    @property
+    def num_trained_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    @property
+    def oldest_version(self) -> int | None:
+        return min(self.versions) if self.versions else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Sample:
+        return cls(**data)
+
+
+@dataclass
+class Group:
+    """The G samples of one prompt, generated together and trained together."""
+
+    group_id: int
+    prompt: Prompt
+    samples: list[Sample]
+
+    def __post_init__(self) -> None:
+        for s in self.samples:
+            if s.prompt_id != self.prompt.prompt_id or s.group_id != self.group_id:
+                raise ValueError(
+                    f"Group {self.group_id} of prompt {self.prompt.prompt_id!r} received a sample of "
+                    f"prompt {s.prompt_id!r}, group {s.group_id}: completions must stay with their prompt"
+                )
+
+    @property
+    def size(self) -> int:
+        return len(self.samples)
+
+    @property
+    def rewards(self) -> list[float | None]:
+        return [s.reward for s in self.samples]
+
+    @property
+    def oldest_version(self) -> int | None:
+        versions = [s.oldest_version for s in self.samples if s.oldest_version is not None]
+        return min(versions) if versions else None
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(s.num_completion_tokens for s in self.samples)
