@@ -128,16 +128,23 @@ class Trainer:
             return "current" if self.algo.num_iterations == 1 else "recompute"
         return mode
 
-    def accumulate(self, batches: list[MicroBatch]) -> None:
-        """Forward/backward on micro-batches, adding their undivided loss to the gradients."""
+    def accumulate(self, batches: list[MicroBatch]) -> float:
+        """Forward/backward on micro-batches, adding their undivided loss to the gradients.
+
+        Returns the undivided loss of these micro-batches; the step's loss is the sum over
+        all ``accumulate`` calls divided by the batch divisor.
+        """
         t0 = time.perf_counter()
         self.model.train()
+        total = 0.0
         for mb in batches:
             loss_sum, stats = self._micro_batch_loss(mb)
             loss_sum.backward()
+            total += stats["loss_sum"]
             for k, v in stats.items():
                 self._stats[k] += v
         self._busy_s += time.perf_counter() - t0
+        return total
 
     def finish_step(self, divisor: float) -> dict[str, float]:
         """Divide the summed gradients by the batch divisor, clip, step; returns step metrics."""
