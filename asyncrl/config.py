@@ -237,7 +237,7 @@ def validate_config(data: dict[str, Any]) -> Config:
 def _describe(err: dict[str, Any]) -> tuple[str, object, str]:
     """Turn pydantic's first error into (key, value, problem) with the allowed values spelled out."""
     loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "literal["))]
-    key = ".".join(loc) or "<config>"
+    key = ".".join(loc) or "config"
     value = err.get("input")
     kind = err["type"]
     if kind == "extra_forbidden":

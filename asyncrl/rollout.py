@@ -57,11 +57,15 @@ class RolloutWorker:
             for k in range(self.group_size):
                 requests.append(GenerationRequest(f"{group_id}/{k}", ids, self.sampling))
         results = self.engine.generate(requests)
+        if len(results) != len(requests):
+            raise ValueError(f"engine returned {len(results)} results for {len(requests)} requests")
+        request_by_id = {r.request_id: r for r in requests}
         samples: dict[int, list[Sample]] = {gid: [] for gid in by_group}
-        for req, res in zip(requests, results, strict=True):
+        for res in results:
             group_id = int(res.request_id.split("/", 1)[0])
             prompt = by_group[group_id]
-            samples[group_id].append(self._score(prompt, group_id, req.prompt_ids, res))
+            prompt_ids = request_by_id[res.request_id].prompt_ids
+            samples[group_id].append(self._score(prompt, group_id, prompt_ids, res))
         groups = []
         for group_id, prompt in by_group.items():
             group = Group(group_id=group_id, prompt=prompt, samples=samples[group_id])

@@ -144,6 +144,8 @@ def run_sft(cfg: SFTConfig, out_dir: Path, log=print) -> dict:
         loss = train_step(cfg.answer_noise)
         if blur_step % cfg.eval_every == 0 or blur_step == cfg.blur_steps:
             acc_sampled, acc_greedy = log_eval("blur", step + blur_step, loss)
+    if cfg.blur_steps < 1:  # no blur phase: report the model as the learn phase left it
+        acc_sampled, acc_greedy = accuracy()
     model.eval()
     save_policy(policy, out_dir)
     summary = {

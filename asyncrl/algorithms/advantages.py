@@ -38,7 +38,11 @@ def group_advantages(
     """Advantages for each group of a batch; groups may have different sizes."""
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"advantage scale must be 'group', 'batch' or 'none', got {scale!r}")
-    batch_std = nan_std(torch.cat(list(group_rewards))) if scale == "batch" and group_rewards else None
+    batch_std = (
+        nan_std(torch.cat(list(group_rewards)).to(torch.float64))
+        if scale == "batch" and group_rewards
+        else None
+    )
     out = []
     for rewards in group_rewards:
         rewards = rewards.to(torch.float64)

@@ -11,11 +11,18 @@ Nothing is ever downloaded: Hugging Face loaders are called with ``local_files_o
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
 from asyncrl.errors import ConfigError
 from asyncrl.models.tiny import TINY_ARCHITECTURES, TINY_SIZES, build_tiny_model, tiny_config
@@ -23,6 +30,8 @@ from asyncrl.models.tokenizer import build_char_tokenizer
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 BUILTIN_MODELS = {"arith": ASSETS_DIR / "tiny-arith"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 @dataclass
@@ -123,13 +132,36 @@ def _from_directory(path: Path, source: str) -> Policy:
         raise ConfigError(
             "model.path", source, "the directory has no config.json, so it is not a Hugging Face model"
         )
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        # transformers would build an empty tokenizer from the model config instead of failing.
+        raise ConfigError(
+            "model.path", source, f"the directory has no tokenizer (none of {list(TOKENIZER_FILES)})"
+        )
     try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tok = _load_tokenizer(path)
     except (OSError, ValueError) as exc:
         raise ConfigError("model.path", source, f"no usable tokenizer in the directory ({exc})") from None
     check_tokenizer(tok, source)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     return Policy(model, tok, source)
+
+
+def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """A tokenizer saved as a generic ``tokenizer.json`` is loaded as exactly that.
+
+    For some model types (qwen2 among them) ``AutoTokenizer`` ignores the saved class and
+    rebuilds the model family's own byte-level pipeline around the vocabulary, which changes
+    the ids of any text with spaces or newlines (e.g. the character tokenizer of the tiny models).
+    """
+    config_file = path / "tokenizer_config.json"
+    declared = (
+        json.loads(config_file.read_text(encoding="utf-8")).get("tokenizer_class")
+        if config_file.is_file()
+        else None
+    )
+    if declared in GENERIC_TOKENIZER_CLASSES and (path / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def save_policy(policy: Policy, path: Path) -> None:

@@ -11,6 +11,7 @@ return NaN, return a string) into a float reward or a recorded per-sample error.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import math
@@ -68,12 +69,24 @@ def resolve_reward(spec: str) -> RewardFn:
     if not callable(fn):
         raise ConfigError("task.reward", spec, f"module {module_name!r} has no callable {attr!r}")
     params = inspect.signature(fn).parameters
-    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    if "completion" not in params and not takes_kwargs:
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return fn
+    missing = [name for name in ("completion", "prompt", "answer") if name not in params]
+    if missing:
         raise ConfigError(
-            "task.reward", spec, "a reward function must accept a 'completion' keyword argument"
+            "task.reward",
+            spec,
+            "a reward function is called with completion=, prompt=, answer= and the row's other fields; "
+            f"it does not accept {missing} (add them, or **kwargs)",
         )
-    return fn
+    accepted = set(params)
+
+    @functools.wraps(fn)
+    def only_accepted_fields(**kwargs: object) -> float:
+        # Dataset rows may carry fields the function does not ask for; those are not passed.
+        return fn(**{k: v for k, v in kwargs.items() if k in accepted})
+
+    return only_accepted_fields
 
 
 def score(
@@ -84,6 +97,9 @@ def score(
         value = fn(completion=completion, prompt=prompt, answer=answer, **extra)
     except Exception as exc:  # a user's reward function may raise anything; it is recorded, not fatal
         return None, f"raised {type(exc).__name__}: {exc}"
+    if isinstance(value, (str, bytes)):
+        # float() would accept "1.0"; a string is a bug in the function (e.g. returning the completion).
+        return None, f"returned a non-numeric {type(value).__name__}: {value!r}"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         try:
             value = float(value)  # numpy and torch scalars

@@ -1,0 +1,136 @@
+"""The rollout buffer between generators and the trainer, and the admission control in front of it.
+
+Staleness is bounded by two tools that work together:
+
+* **Admission (depth bound).** :class:`AdmissionControl` decides whether a generator may
+  *start* another group. With B groups per optimizer step, trainer version v and staleness
+  bound η, the groups started so far (accepted + running) may not exceed (η + v + 1)·B —
+  AReaL's capacity formula. Generators are paced before they produce data that would be
+  too old, instead of having it thrown away afterwards, so slow (often hard) prompts are
+  not silently filtered out.
+* **Rejection at consumption.** :class:`RolloutBuffer` re-checks every group when the
+  trainer takes it: a group whose oldest trained token is more than η versions behind is
+  dropped (``reject="group"``), or just those tokens are masked out (``reject="token"``).
+  Every drop is counted by reason and handed to ``on_drop`` so that its prompt can be
+  issued again.
+
+Invariants (asserted by tests): the buffer never holds more than ``capacity`` groups; a
+group is handed out at most once; no token handed out is older than η versions relative
+to the ``trainer_version`` passed to :meth:`RolloutBuffer.take`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from asyncrl.types import Group
+
+
+class AdmissionControl:
+    """Depth bound on groups in flight: accepted + running <= (max_staleness + v + 1) * groups_per_step."""
+
+    def __init__(self, groups_per_step: int, max_staleness: int) -> None:
+        if groups_per_step < 1 or max_staleness < 0:
+            raise ValueError(
+                f"need groups_per_step >= 1 and max_staleness >= 0, got {groups_per_step}, {max_staleness}"
+            )
+        self.groups_per_step = groups_per_step
+        self.max_staleness = max_staleness
+
+    def capacity(self, trainer_version: int, accepted: int, running: int) -> int:
+        """How many more groups may start now."""
+        limit = (self.max_staleness + trainer_version + 1) * self.groups_per_step
+        return max(0, limit - accepted - running)
+
+
+@dataclass
+class BufferStats:
+    put_blocked_s: float = 0.0
+    take_wait_s: float = 0.0
+    accepted: int = 0
+    taken: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    masked_tokens: int = 0
+    max_depth: int = 0
+
+
+class RolloutBuffer:
+    """A bounded, thread-safe FIFO of complete groups with staleness rejection on the way out."""
+
+    def __init__(
+        self,
+        capacity: int,
+        max_staleness: int,
+        reject: str = "group",
+        on_drop: Callable[[Group, str], None] | None = None,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"buffer capacity must be >= 1 group, got {capacity}")
+        if reject not in ("group", "token"):
+            raise ValueError(f"reject must be 'group' or 'token', got {reject!r}")
+        self.capacity = capacity
+        self.max_staleness = max_staleness
+        self.reject = reject
+        self.on_drop = on_drop
+        self.stats = BufferStats()
+        self._groups: deque[Group] = deque()
+        self._cond = threading.Condition()
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._groups)
+
+    def put(self, group: Group, timeout: float) -> None:
+        """Append a finished group, waiting while the buffer is full (back-pressure)."""
+        t0 = time.perf_counter()
+        with self._cond:
+            if not self._cond.wait_for(lambda: len(self._groups) < self.capacity, timeout=timeout):
+                raise TimeoutError(
+                    f"rollout buffer stayed full ({self.capacity} groups) for {timeout:.0f}s: the trainer is not consuming"
+                )
+            self._groups.append(group)
+            self.stats.accepted += 1
+            self.stats.max_depth = max(self.stats.max_depth, len(self._groups))
+            self.stats.put_blocked_s += time.perf_counter() - t0
+            self._cond.notify_all()
+
+    def take(self, n: int, trainer_version: int, timeout: float | None = 0.0) -> list[Group]:
+        """Up to ``n`` fresh-enough groups in arrival order; waits up to ``timeout`` for the first one.
+
+        ``timeout=0`` never waits; ``None`` waits for at least one group indefinitely.
+        """
+        t0 = time.perf_counter()
+        out: list[Group] = []
+        with self._cond:
+            if timeout != 0.0:
+                self._cond.wait_for(lambda: len(self._groups) > 0, timeout=timeout)
+            while self._groups and len(out) < n:
+                group = self._groups.popleft()
+                if self._admit(group, trainer_version):
+                    out.append(group)
+            self.stats.taken += len(out)
+            self.stats.take_wait_s += time.perf_counter() - t0
+            self._cond.notify_all()
+        return out
+
+    def _admit(self, group: Group, trainer_version: int) -> bool:
+        oldest = trainer_version - self.max_staleness
+        if self.reject == "token":
+            for s in group.samples:
+                keep = [int(m and v >= oldest) for m, v in zip(s.loss_mask, s.versions, strict=True)]
+                self.stats.masked_tokens += sum(s.loss_mask) - sum(keep)
+                s.loss_mask = keep
+            if any(sum(s.loss_mask) for s in group.samples):
+                return True
+        elif all(
+            v >= oldest for s in group.samples for v, m in zip(s.versions, s.loss_mask, strict=True) if m
+        ):
+            return True
+        self.stats.dropped["stale"] += 1
+        if self.on_drop is not None:
+            self.on_drop(group, "stale")
+        return False

@@ -1,0 +1,60 @@
+"""Shared fixtures: seeded tiny policies and a Sample factory."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from asyncrl.models import Policy, load_policy
+from asyncrl.types import Sample
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _single_thread() -> Iterator[None]:
+    """One intra-op thread, so reductions run in one order and results repeat exactly."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def tiny_policy() -> Policy:
+    """A fresh randomly initialised ``tiny:1m`` (qwen2) policy on CPU, float32, seed 0."""
+    return load_policy("tiny:1m", device="cpu", dtype="float32", seed=0)
+
+
+def build_sample(
+    prompt_ids: list[int],
+    completion_ids: list[int],
+    *,
+    logprobs: list[float] | None = None,
+    versions: list[int] | None = None,
+    loss_mask: list[int] | None = None,
+    advantage: float | None = None,
+    reward: float | None = None,
+    prompt_id: str = "p0",
+    group_id: int = 0,
+    finish_reason: str = "length",
+) -> Sample:
+    n = len(completion_ids)
+    return Sample(
+        prompt_id=prompt_id,
+        group_id=group_id,
+        prompt_ids=list(prompt_ids),
+        completion_ids=list(completion_ids),
+        logprobs=[0.0] * n if logprobs is None else list(logprobs),
+        versions=[0] * n if versions is None else list(versions),
+        loss_mask=[1] * n if loss_mask is None else list(loss_mask),
+        finish_reason=finish_reason,  # type: ignore[arg-type]
+        reward=reward,
+        advantage=advantage,
+    )
+
+
+@pytest.fixture
+def make_sample() -> Callable[..., Sample]:
+    """A factory for Samples; per-token fields default to logprob 0, version 0, mask 1."""
+    return build_sample

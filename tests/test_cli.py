@@ -1,0 +1,299 @@
+"""The ``asyncrl`` command line end to end: a short training run, user errors, a JSONL task, and ``sft``."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncrl.cli import main
+from asyncrl.config import load_config
+from asyncrl.metrics import read_jsonl
+from asyncrl.models import load_policy
+from asyncrl.sft import SFTConfig, run_sft
+
+SHORT = [
+    "--set",
+    "run.steps=3",
+    "--set",
+    "rollout.prompts_per_step=4",
+    "--set",
+    "run.eval_every=3",
+    "--set",
+    "run.progress=false",
+    "--set",
+    "run.threads=1",
+]
+STEP_KEYS = {
+    "step",
+    "time_s",
+    "policy_version",
+    "reward_mean",
+    "samples",
+    "tokens_generated",
+    "staleness_mean",
+    "staleness_max",
+    "dropped",
+    "trainer_busy_frac",
+    "generator_busy_frac",
+    "weight_sync_s",
+    "loss",
+}
+
+
+def overrides(args: list[str]) -> list[str]:
+    return [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict, Path]:
+    """``asyncrl train`` in-process on the built-in example for 3 steps: (exit code, printed summary, run dir)."""
+    run_dir = tmp_path_factory.mktemp("cli") / "run"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["train", *SHORT, "--run-dir", str(run_dir)])
+    return code, json.loads(out.getvalue().strip().splitlines()[-1]), run_dir
+
+
+def check_run_dir(run_dir: Path, args: list[str], steps: int = 3, samples: int = 32) -> list[dict]:
+    """Assert the files of a finished short run and return its metrics records."""
+    assert load_config(run_dir / "config.yaml") == load_config(None, overrides(args))
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert len(records) == steps
+    for i, r in enumerate(records, start=1):
+        assert r.keys() >= STEP_KEYS, STEP_KEYS - r.keys()
+        assert r["step"] == r["policy_version"] == i
+        assert r["staleness_mean"] == 0.0 and r["staleness_max"] == 0
+        assert r["samples"] == samples
+        assert r["dropped"] == 0
+        assert 0.0 <= r["reward_mean"] <= 1.0
+        assert r["tokens_generated"] >= samples  # at least EOS in every completion
+        assert 0.0 < r["generator_busy_frac"] <= 1.0 and 0.0 < r["trainer_busy_frac"] <= 1.0
+        assert r["generator_busy_frac"] + r["trainer_busy_frac"] <= 1.0
+        assert r["weight_sync_s"] >= 0.0
+    assert [r["time_s"] for r in records] == sorted(r["time_s"] for r in records)
+    summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    assert summary["steps"] == steps
+    assert summary["tokens_generated"] == sum(r["tokens_generated"] for r in records)
+    assert (run_dir / "final" / "config.json").is_file()
+    assert (run_dir / "final" / "tokenizer.json").is_file()
+    return records
+
+
+def test_train_in_process(short_run) -> None:
+    """``asyncrl train`` exits 0 and writes a config that re-validates, 3 metrics records, summary, evals, model."""
+    code, printed, run_dir = short_run
+    assert code == 0
+    records = check_run_dir(run_dir, SHORT)
+    summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    assert printed == {k: v for k, v in summary.items() if k != "eval"}
+    evals = read_jsonl(run_dir / "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 3]
+    assert all(0.0 <= e["eval_accuracy"] <= 1.0 for e in evals)
+    assert evals[0]["eval_accuracy"] >= 0.7  # builtin:arith greedy is ~0.8 before training
+    assert summary["eval"] == evals
+    assert summary["reward_first"] == records[0]["reward_mean"]
+    assert summary["reward_last"] == records[-1]["reward_mean"]
+
+
+def test_train_changes_the_weights(short_run) -> None:
+    """The final model has the trained weights: different from builtin:arith, same tokenizer."""
+    _, _, run_dir = short_run
+    final = load_policy(str(run_dir / "final"), device="cpu")
+    start = load_policy("builtin:arith", device="cpu")
+    assert not same_weights(final.model, start.model)
+    assert final.tokenizer("12+7=").input_ids == start.tokenizer("12+7=").input_ids
+
+
+def test_train_as_a_subprocess_matches_in_process(short_run, tmp_path: Path) -> None:
+    """``python -m asyncrl.cli train`` exits 0, writes the same files, and reproduces the in-process run."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "train", *SHORT, "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == 3
+    records = check_run_dir(run_dir, SHORT)
+    reference = read_jsonl(short_run[2] / "metrics.jsonl")
+    for key in ("reward_mean", "tokens_generated", "samples", "loss"):
+        assert [r[key] for r in records] == [r[key] for r in reference], key
+    assert (
+        read_jsonl(run_dir / "eval.jsonl")[-1]["eval_accuracy"]
+        == read_jsonl(short_run[2] / "eval.jsonl")[-1]["eval_accuracy"]
+    )
+
+
+def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = main(args)
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "needles"),
+    [
+        (["--set", "trainer.bogus=1"], ["trainer.bogus=1: unknown key; allowed keys here:"]),
+        (["--set", "rollout.temperature=0"], ["rollout.temperature=0", "greater than 0"]),
+        (["--set", "algorithm.loss_type=ppo"], ["algorithm.loss_type='ppo'", "'dapo'"]),
+        (["--set", "run.steps"], ["--set='run.steps'", "expected key=value"]),
+        (["{tmp}/missing.yaml"], ["config file '{tmp}/missing.yaml' does not exist"]),
+        (["--set", "model.path={tmp}/no_model"], ["model.path='{tmp}/no_model': no such directory"]),
+        (
+            ["--set", "task.name=jsonl", "--set", "task.path={tmp}/missing.jsonl"],
+            ["dataset file '{tmp}/missing.jsonl' does not exist"],
+        ),
+        (
+            ["--set", "task.name=jsonl", "--set", "task.path={tmp}/bad.jsonl"],
+            ["{tmp}/bad.jsonl, line 2: missing field(s) ['answer']", "task.skip_bad_rows=true"],
+        ),
+        (["--set", "task.reward=asyncrl_no_such_module:fn"], ["task.reward=", "cannot import module"]),
+    ],
+    ids=[
+        "unknown_key",
+        "bad_value",
+        "bad_literal",
+        "no_equals",
+        "missing_config",
+        "missing_model",
+        "missing_dataset",
+        "bad_dataset_row",
+        "missing_reward",
+    ],
+)
+def test_user_errors_exit_2_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], needles: list[str]
+) -> None:
+    """A user error exits 2 with one ``asyncrl: error:`` line naming the key or file, and no traceback."""
+    (tmp_path / "bad.jsonl").write_text(
+        '{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2="}\n', encoding="utf-8"
+    )
+    args = [a.replace("{tmp}", str(tmp_path)) for a in extra]
+    code, err = run_cli(
+        ["train", *args, "--set", "run.progress=false", "--run-dir", str(tmp_path / "run")], capsys
+    )
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("asyncrl: error: ")
+    for needle in needles:
+        assert needle.replace("{tmp}", str(tmp_path)) in lines[0]
+    assert "Traceback" not in err
+
+
+def test_user_error_in_a_subprocess_has_no_traceback(tmp_path: Path) -> None:
+    """Run as a program, a bad key gives exit code 2 and exactly one error line on stderr."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "config", "--set", "rollout.group_sise=4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "asyncrl: error: rollout.group_sise=4: unknown key; allowed keys here: group_size, max_batch_size, "
+        "max_new_tokens, prompts_per_step, temperature, top_k, top_p"
+    ]
+
+
+def test_jsonl_task_with_user_reward(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A JSONL task trains 2 steps with a ``module:function`` reward that receives the rows' extra fields."""
+    rows = [
+        {"prompt": f"{a}+{b}=", "answer": a + b, "level": 1 + (a + b) % 3}
+        for a, b in [(3, 4), (12, 7), (5, 5), (40, 2), (9, 9)]
+    ]
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    (tmp_path / "asyncrl_test_cli_reward.py").write_text(
+        textwrap.dedent(
+            """
+            def graded(completion, prompt, answer, level):
+                # No **kwargs: if the row's extra field were not passed, every call would be a recorded error.
+                return float(completion.strip() == answer) * level / 3
+            """
+        ),
+        encoding="utf-8",
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = [
+        "--set", "task.name=jsonl",
+        "--set", f"task.path={data}",
+        "--set", "task.reward=asyncrl_test_cli_reward:graded",
+        "--set", "rollout.group_size=4",
+        "--set", "rollout.prompts_per_step=3",
+        "--set", "rollout.max_new_tokens=5",
+        "--set", "run.steps=2",
+        "--set", "run.eval_every=2",
+        "--set", "run.eval_prompts=4",
+        "--set", "run.progress=false",
+    ]  # fmt: skip
+    run_dir = tmp_path / "run"
+    assert main(["train", *args, "--run-dir", str(run_dir)]) == 0
+    records = check_run_dir(run_dir, args, steps=2, samples=12)
+    for r in records:
+        assert r["reward_errors"] == 0
+        assert 0.0 <= r["reward_mean"] <= 1.0
+    assert sum(r["reward_mean"] for r in records) > 0  # builtin:arith solves some of these sums
+    evals = read_jsonl(run_dir / "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 2]
+    assert all(0.0 <= e["eval_accuracy"] <= 1.0 for e in evals)
+
+
+SFT_TINY = SFTConfig(max_learn_steps=2, blur_steps=2, eval_every=2, eval_prompts=8, batch_size=8)
+
+
+def test_sft_writes_a_loadable_model_and_summary(tmp_path: Path) -> None:
+    """``run_sft`` on a tiny budget writes a loadable model and a summary with accuracies in [0, 1]."""
+    out = tmp_path / "sft"
+    summary = run_sft(SFT_TINY, out, log=lambda _: None)
+    assert json.loads((out / "sft_summary.json").read_text(encoding="utf-8")) == summary
+    assert summary["learn_steps"] == 2
+    assert [(h["phase"], h["step"]) for h in summary["history"]] == [("learn", 2), ("blur", 4)]
+    for acc in [summary["accuracy_sampled"], summary["accuracy_greedy"]] + [
+        h[k] for h in summary["history"] for k in ("accuracy_sampled", "accuracy_greedy")
+    ]:
+        assert 0.0 <= acc <= 1.0
+    policy = load_policy(str(out), device="cpu")
+    assert policy.eos_token_id == 1
+    assert not same_weights(policy.model, load_policy("tiny:1m", device="cpu").model)
+
+
+def test_sft_is_deterministic(tmp_path: Path) -> None:
+    """The same SFT config twice gives bit-identical weights and the same history."""
+    a = run_sft(SFT_TINY, tmp_path / "a", log=lambda _: None)
+    b = run_sft(SFT_TINY, tmp_path / "b", log=lambda _: None)
+    assert same_weights(load_policy(str(tmp_path / "a")).model, load_policy(str(tmp_path / "b")).model)
+
+    def without_times(summary: dict) -> list[dict]:
+        return [{k: v for k, v in h.items() if k != "time_s"} for h in summary["history"]]
+
+    assert without_times(a) == without_times(b)
+
+
+def test_sft_without_blur_reports_final_accuracy(tmp_path: Path) -> None:
+    """blur_steps=0 skips the blur phase and still reports the final model's accuracies."""
+    cfg = SFTConfig(max_learn_steps=2, blur_steps=0, eval_every=2, eval_prompts=8, batch_size=8)
+    summary = run_sft(cfg, tmp_path / "noblur", log=lambda _: None)
+    assert [h["phase"] for h in summary["history"]] == ["learn"]
+    assert 0.0 <= summary["accuracy_greedy"] <= 1.0 and 0.0 <= summary["accuracy_sampled"] <= 1.0
+    assert (tmp_path / "noblur" / "model.safetensors").is_file()

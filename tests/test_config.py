@@ -1,0 +1,206 @@
+"""The typed run configuration: defaults, ``--set`` overrides, clear errors, shipped presets, docs page."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from asyncrl.config import Config, dump_config, load_config, parse_override, validate_config
+from asyncrl.docs import config_reference
+from asyncrl.errors import AsyncRLError, ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+DOCS_PAGE = REPO / "docs" / "config.md"
+
+
+def config_error(*overrides: str) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, list(overrides))
+    return info.value
+
+
+def test_defaults_validate_and_round_trip() -> None:
+    """The defaults are a valid config, and the dumped YAML re-validates to the same config."""
+    cfg = load_config()
+    assert cfg == Config()
+    assert cfg.model.path == "builtin:arith"
+    assert cfg.rollout.group_size == 8
+    assert cfg.task.arithmetic.max_digits == 2
+    assert validate_config(yaml.safe_load(dump_config(cfg))) == cfg
+
+
+@pytest.mark.parametrize(
+    ("text", "parts", "value"),
+    [
+        ("trainer.lr=2.5e-4", ["trainer", "lr"], 2.5e-4),
+        ("run.steps=12", ["run", "steps"], 12),
+        ("run.progress=false", ["run", "progress"], False),
+        ("run.progress=true", ["run", "progress"], True),
+        ("algorithm.delta=null", ["algorithm", "delta"], None),
+        ("task.arithmetic.ops=[+, '-']", ["task", "arithmetic", "ops"], ["+", "-"]),
+        ("model.path=tiny:1m", ["model", "path"], "tiny:1m"),
+        ("task.path=", ["task", "path"], ""),
+    ],
+)
+def test_parse_override_reads_yaml_scalars(text: str, parts: list[str], value: object) -> None:
+    """``--set key=value`` splits the dotted key and parses the value as a YAML scalar or list."""
+    assert parse_override(text) == (parts, value)
+
+
+def test_overrides_apply_and_nest() -> None:
+    """Overrides of every kind land in the right nested field with the right type."""
+    cfg = load_config(
+        None,
+        [
+            "trainer.lr=3e-4",
+            "run.progress=false",
+            "algorithm.delta=null",
+            "trainer.max_grad_norm=null",
+            "task.arithmetic.ops=[+, '-', '*']",
+            "task.arithmetic.max_digits=3",
+            "trainer.adam_betas=[0.8, 0.95]",
+            "rollout.top_k=5",
+        ],
+    )
+    assert cfg.trainer.lr == 3e-4  # YAML reads '3e-4' as a string; the float field still parses it
+    assert cfg.run.progress is False
+    assert cfg.algorithm.delta is None
+    assert cfg.trainer.max_grad_norm is None
+    assert cfg.task.arithmetic.ops == ["+", "-", "*"]
+    assert cfg.task.arithmetic.max_digits == 3
+    assert cfg.trainer.adam_betas == (0.8, 0.95)
+    assert cfg.rollout.top_k == 5
+
+
+def test_overrides_win_over_file(tmp_path: Path) -> None:
+    """A ``--set`` override replaces the file's value and keeps the file's other keys."""
+    path = tmp_path / "run.yaml"
+    path.write_text("trainer:\n  lr: 0.5\n  warmup_steps: 7\nrun:\n  steps: 9\n", encoding="utf-8")
+    cfg = load_config(path, ["trainer.lr=0.25"])
+    assert (cfg.trainer.lr, cfg.trainer.warmup_steps, cfg.run.steps) == (0.25, 7, 9)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needles"),
+    [
+        (
+            ["bogus=1"],
+            ["bogus", "unknown key", "allowed keys here: algorithm, model, rollout, run, task, trainer"],
+        ),
+        (["trainer.bogus=1"], ["trainer.bogus", "unknown key", "lr", "warmup_steps"]),
+        (
+            ["task.arithmetic.bogus=1"],
+            ["task.arithmetic.bogus", "unknown key", "max_digits, min_digits, ops"],
+        ),
+        (["trainer.lr=abc"], ["trainer.lr='abc'", "valid number"]),
+        (["run.steps=1.5"], ["run.steps=1.5", "valid integer"]),
+        (["run.progress=maybe"], ["run.progress='maybe'", "valid boolean"]),
+        (["model=3"], ["model=3", "ModelConfig"]),
+        (["trainer.lr=-1"], ["trainer.lr=-1", "greater than 0"]),
+        (["rollout.group_size=0"], ["rollout.group_size=0", "greater than or equal to 1"]),
+        (["rollout.top_p=1.5"], ["rollout.top_p=1.5", "less than or equal to 1"]),
+        (["task.arithmetic.max_digits=10"], ["task.arithmetic.max_digits=10", "less than or equal to 9"]),
+        (["algorithm.loss_type=ppo"], ["algorithm.loss_type='ppo'", "'grpo', 'bnpo', 'dapo' or 'dr_grpo'"]),
+        (["task.name=csv"], ["task.name='csv'", "'arithmetic' or 'jsonl'"]),
+        (["task.arithmetic.ops=[+, /]"], ["task.arithmetic.ops.1='/'", "'+', '-' or '*'"]),
+        (["trainer.lr"], ["--set", "trainer.lr", "expected key=value"]),
+        (["=3"], ["--set", "empty key"]),
+    ],
+)
+def test_bad_values_name_the_key_and_what_is_allowed(overrides: list[str], needles: list[str]) -> None:
+    """Unknown keys, wrong types, out-of-range values and bad literals raise a ConfigError naming the key."""
+    message = str(config_error(*overrides))
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in {message!r}"
+
+
+def test_group_of_one_with_group_scaling_is_rejected() -> None:
+    """group_size=1 with advantage_scale=group is impossible, and the message names both keys."""
+    message = str(config_error("rollout.group_size=1"))
+    assert "algorithm.advantage_scale=group" in message
+    assert "rollout.group_size >= 2" in message
+    # The same group size is fine once advantages are not scaled by the group's spread.
+    cfg = load_config(None, ["rollout.group_size=1", "algorithm.advantage_scale=batch"])
+    assert cfg.rollout.group_size == 1
+
+
+def test_jsonl_task_needs_a_path() -> None:
+    """task.name=jsonl without task.path is rejected with a message naming task.path."""
+    err = config_error("task.name=jsonl")
+    assert err.key == "task"
+    assert "task.name=jsonl needs task.path" in str(err)
+    assert load_config(None, ["task.name=jsonl", "task.path=data.jsonl"]).task.path == "data.jsonl"
+
+
+def test_min_digits_above_max_digits_is_rejected() -> None:
+    """min_digits > max_digits is rejected naming both fields and their values."""
+    err = config_error("task.arithmetic.min_digits=3", "task.arithmetic.max_digits=2")
+    assert err.key == "task.arithmetic"
+    assert "min_digits (3) must not exceed max_digits (2)" in str(err)
+
+
+def test_override_into_a_value_is_rejected() -> None:
+    """Setting a sub-key of a plain value in the file names the value's key."""
+    with pytest.raises(ConfigError, match=r"trainer\.lr.*is a value, not a section"):
+        load_config(None, ["trainer.lr=1e-3", "trainer.lr.x=1"])
+
+
+def test_missing_config_file_names_the_file(tmp_path: Path) -> None:
+    """A config file that does not exist is an AsyncRLError naming the file."""
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(AsyncRLError, match=r"config file '.*nope\.yaml' does not exist"):
+        load_config(path)
+
+
+def test_config_file_that_is_not_yaml_names_the_file(tmp_path: Path) -> None:
+    """A file that is not YAML (or not UTF-8) is an AsyncRLError naming the file."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer: [1, 2\nrun: {", encoding="utf-8")
+    with pytest.raises(AsyncRLError, match=r"config file '.*bad\.yaml' is not valid YAML"):
+        load_config(bad)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"run:\n  steps: \xff\xfe\n")
+    with pytest.raises(AsyncRLError, match=r"config file '.*binary\.yaml' is not valid YAML"):
+        load_config(binary)
+
+
+def test_config_file_that_is_not_a_mapping_names_the_file(tmp_path: Path) -> None:
+    """A YAML file holding a list is an AsyncRLError naming the file; an empty file means the defaults."""
+    path = tmp_path / "list.yaml"
+    path.write_text("- trainer\n- run\n", encoding="utf-8")
+    with pytest.raises(
+        AsyncRLError, match=r"config file '.*list\.yaml' must hold a mapping of sections, got list"
+    ):
+        load_config(path)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("", encoding="utf-8")
+    assert load_config(empty) == Config()
+
+
+def test_every_shipped_example_validates() -> None:
+    """Every ``examples/*.yaml`` loads into a valid config (none shipped is fine)."""
+    files = sorted(EXAMPLES.glob("*.yaml")) if EXAMPLES.is_dir() else []
+    loaded = {}
+    for path in files:
+        try:
+            loaded[path.name] = load_config(path)
+        except AsyncRLError as exc:
+            pytest.fail(f"shipped example {path.name} does not validate: {exc}")
+    assert len(loaded) == len(files)
+    for name, cfg in loaded.items():
+        assert validate_config(yaml.safe_load(dump_config(cfg))) == cfg, name
+
+
+def test_docs_page_is_generated_from_the_config() -> None:
+    """docs/config.md equals ``asyncrl config --docs`` and lists every key with its description."""
+    expected = config_reference()
+    actual = DOCS_PAGE.read_text(encoding="utf-8") if DOCS_PAGE.is_file() else ""
+    assert actual == expected, (
+        "docs/config.md is out of date with asyncrl/config.py; regenerate it with "
+        "`asyncrl config --docs > docs/config.md`"
+    )
+    for key in ("`model.path`", "`task.arithmetic.max_digits`", "`rollout.group_size`", "`run.eval_every`"):
+        assert key in expected

@@ -1,0 +1,256 @@
+"""Models: the character tokenizer, tiny configs, ``load_policy`` sources and errors, save/load, builtin:arith."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from asyncrl.engine import EmbeddedEngine, SamplingParams
+from asyncrl.errors import ConfigError
+from asyncrl.evaluation import evaluate
+from asyncrl.models import Policy, load_policy, save_policy
+from asyncrl.models.tiny import build_tiny_model, tiny_config
+from asyncrl.models.tokenizer import CHARACTERS, build_char_tokenizer
+from asyncrl.tasks import ArithmeticTask, PromptStream
+from asyncrl.tasks.rewards import exact_match
+
+SAMPLE_TEXT = CHARACTERS + "\nWhat is 12 + 7?\n\n  Answer: 19.\n" + "x\ny z"
+SHIPPED_SUMMARY = Path(__file__).resolve().parent.parent / "asyncrl/assets/tiny-arith/sft_summary.json"
+
+
+def ids(tokenizer, text: str = SAMPLE_TEXT) -> list[int]:
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.fixture(scope="module")
+def saved_tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Policy, Path]:
+    """A seeded tiny:1m policy and the directory it was saved to."""
+    policy = load_policy("tiny:1m", device="cpu", seed=3)
+    path = tmp_path_factory.mktemp("models") / "tiny"
+    save_policy(policy, path)
+    return policy, path
+
+
+def copy_model(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_tokenizer_config(path: Path, **changes: object) -> None:
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    config_file.write_text(json.dumps(config), encoding="utf-8")
+
+
+# --- tokenizer ------------------------------------------------------------------------------------
+
+
+def test_char_tokenizer_round_trips_text_exactly() -> None:
+    """Every printable character and newline is one token, and decoding gives the text back exactly."""
+    tok = build_char_tokenizer()
+    encoded = ids(tok)
+    assert len(encoded) == len(SAMPLE_TEXT)
+    assert tok.decode(encoded) == SAMPLE_TEXT
+    assert tok(SAMPLE_TEXT).input_ids == encoded  # no BOS/EOS added implicitly
+    assert tok.unk_token_id not in encoded
+    assert len(tok) == 3 + len(CHARACTERS) == 99
+
+
+def test_char_tokenizer_special_tokens() -> None:
+    """pad, eos and unk are ids 0, 1, 2; eos is dropped by skip_special_tokens; unknown characters map to unk."""
+    tok = build_char_tokenizer()
+    assert (tok.pad_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2)
+    assert tok.decode([*ids(tok, "19"), tok.eos_token_id], skip_special_tokens=True) == "19"
+    assert ids(tok, "a\tb") == [ids(tok, "a")[0], tok.unk_token_id, ids(tok, "b")[0]]
+
+
+def test_char_tokenizer_saves_and_loads_with_auto_tokenizer(tmp_path: Path) -> None:
+    """A saved char tokenizer reloads with AutoTokenizer (offline) and gives identical ids and specials."""
+    tok = build_char_tokenizer()
+    tok.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    assert ids(loaded) == ids(tok)
+    assert loaded.decode(ids(loaded)) == SAMPLE_TEXT
+    assert (loaded.eos_token_id, loaded.pad_token_id, len(loaded)) == (1, 0, 99)
+
+
+# --- tiny configs ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("size", "target"), [("1m", 1_000_000), ("6m", 6_000_000)])
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_tiny_parameter_counts(size: str, target: int, arch: str) -> None:
+    """tiny:1m and tiny:6m have within ±25% of 1M and 6M parameters, in both architectures."""
+    policy = load_policy(f"tiny:{size}:{arch}", device="cpu")
+    n = sum(p.numel() for p in policy.model.parameters())
+    assert 0.75 * target <= n <= 1.25 * target, n
+    assert policy.model.config.model_type == arch
+    assert policy.model.config.vocab_size == len(policy.tokenizer) == 99
+
+
+def test_tiny_models_run_forward() -> None:
+    """Both architectures build and produce finite logits of shape (batch, length, vocab)."""
+    for arch in ("qwen2", "llama"):
+        policy = load_policy(f"tiny:1m:{arch}", device="cpu", seed=1)
+        x = torch.tensor([ids(policy.tokenizer, "12+7=")])
+        logits = policy.model(input_ids=x).logits
+        assert logits.shape == (1, 5, 99)
+        assert torch.isfinite(logits).all()
+
+
+def test_tiny_weights_depend_only_on_seed() -> None:
+    """Same config and seed give identical weights; another seed gives different ones; the global RNG is untouched."""
+    cfg = tiny_config("1m", 99)
+    torch.manual_seed(123)
+    before = torch.rand(3)
+    torch.manual_seed(123)
+    a = build_tiny_model(cfg, seed=5)
+    after = torch.rand(3)
+    assert torch.equal(before, after)
+    assert same_weights(a, build_tiny_model(cfg, seed=5))
+    assert not same_weights(a, build_tiny_model(cfg, seed=6))
+    assert same_weights(
+        load_policy("tiny:1m:llama", seed=2).model, load_policy("tiny:1m:llama", seed=2).model
+    )
+
+
+def test_tiny_config_rejects_unknown_size_and_architecture() -> None:
+    """tiny_config names the bad size or architecture and the allowed ones."""
+    with pytest.raises(ValueError, match=r"unknown tiny model size '3m'; allowed: \['1m', '6m'\]"):
+        tiny_config("3m", 99)
+    with pytest.raises(ValueError, match=r"unknown tiny architecture 'gpt2'; allowed: \['qwen2', 'llama'\]"):
+        tiny_config("1m", 99, architecture="gpt2")
+
+
+# --- load_policy errors ---------------------------------------------------------------------------
+
+
+def load_error(source: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_policy(source, device="cpu")
+    assert info.value.key == "model.path"
+    message = str(info.value)
+    assert message.startswith(f"model.path={source!r}: ")
+    return message
+
+
+def test_load_policy_nonexistent_directory(tmp_path: Path) -> None:
+    """A path that does not exist is a ConfigError naming model.path and saying nothing is downloaded."""
+    assert "no such directory" in load_error(str(tmp_path / "missing"))
+    assert "nothing is downloaded" in load_error("Qwen/Qwen2.5-0.5B")
+
+
+def test_load_policy_directory_without_config(tmp_path: Path) -> None:
+    """A directory without config.json is not a Hugging Face model."""
+    assert "has no config.json" in load_error(str(tmp_path))
+
+
+def test_load_policy_model_without_tokenizer(saved_tiny, tmp_path: Path) -> None:
+    """A model directory with weights but no tokenizer files is refused instead of getting an empty tokenizer."""
+    policy, _ = saved_tiny
+    path = tmp_path / "no_tokenizer"
+    policy.model.save_pretrained(path)
+    assert "has no tokenizer" in load_error(str(path))
+
+
+def test_load_policy_tokenizer_without_eos(saved_tiny, tmp_path: Path) -> None:
+    """A tokenizer whose files define no EOS token is refused: completions could never stop."""
+    path = copy_model(saved_tiny[1], tmp_path / "no_eos")
+    edit_tokenizer_config(path, eos_token=None)
+    assert "no EOS token" in load_error(str(path))
+
+
+def test_load_policy_unreadable_tokenizer(saved_tiny, tmp_path: Path) -> None:
+    """A corrupt tokenizer file is a ConfigError naming model.path, not a traceback."""
+    path = copy_model(saved_tiny[1], tmp_path / "corrupt")
+    (path / "tokenizer.json").write_text("{not json", encoding="utf-8")
+    assert "no usable tokenizer" in load_error(str(path))
+
+
+def test_load_policy_tokenizer_without_pad_uses_eos(saved_tiny, tmp_path: Path) -> None:
+    """A tokenizer with EOS but no pad token pads with EOS."""
+    path = copy_model(saved_tiny[1], tmp_path / "no_pad")
+    edit_tokenizer_config(path, pad_token=None)
+    policy = load_policy(str(path), device="cpu")
+    assert policy.pad_token_id == policy.eos_token_id == 1
+
+
+@pytest.mark.parametrize(
+    ("source", "needle"),
+    [
+        ("tiny:3m", "expected tiny:<size>[:<architecture>] with size in ['1m', '6m']"),
+        ("tiny:1m:gpt2", "architecture in ['qwen2', 'llama']"),
+        ("tiny:1m:llama:x", "expected tiny:<size>[:<architecture>]"),
+        ("tiny:", "expected tiny:<size>[:<architecture>]"),
+        ("builtin:chess", "unknown built-in model; allowed: ['builtin:arith']"),
+    ],
+)
+def test_load_policy_unknown_specs(source: str, needle: str) -> None:
+    """Unknown tiny: and builtin: specs name model.path and the allowed values."""
+    assert needle in load_error(source)
+
+
+# --- save / load ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_save_then_load_is_identical(tmp_path: Path, arch: str) -> None:
+    """save_policy then load_policy gives identical weights, identical tokenizer ids, and the same logits."""
+    policy = load_policy(f"tiny:1m:{arch}", device="cpu", seed=7)
+    save_policy(policy, tmp_path)
+    loaded = load_policy(str(tmp_path), device="cpu")
+    assert same_weights(policy.model, loaded.model)
+    assert ids(loaded.tokenizer) == ids(policy.tokenizer)
+    assert loaded.tokenizer.decode(ids(loaded.tokenizer)) == SAMPLE_TEXT
+    assert (loaded.eos_token_id, loaded.pad_token_id) == (policy.eos_token_id, policy.pad_token_id)
+    x = torch.tensor([ids(policy.tokenizer, "34+5=")])
+    with torch.no_grad():
+        assert torch.equal(policy.model.eval()(input_ids=x).logits, loaded.model.eval()(input_ids=x).logits)
+
+
+# --- builtin:arith --------------------------------------------------------------------------------
+
+
+def test_builtin_arith_tokenizer_is_the_char_tokenizer() -> None:
+    """The shipped model's tokenizer gives the same ids as the character tokenizer on any text."""
+    policy = load_policy("builtin:arith", device="cpu")
+    assert ids(policy.tokenizer) == ids(build_char_tokenizer())
+    assert (policy.eos_token_id, policy.pad_token_id) == (1, 0)
+
+
+def test_builtin_arith_answers_most_additions() -> None:
+    """builtin:arith answers ~80% of held-out 1-2 digit additions greedily and ~18% sampled (its shipped summary)."""
+    policy = load_policy("builtin:arith", device="cpu")
+    summary = json.loads(SHIPPED_SUMMARY.read_text(encoding="utf-8"))
+    stop = (policy.eos_token_id,)
+    greedy = SamplingParams(max_new_tokens=5, temperature=0.0, stop_token_ids=stop)
+    sampled = SamplingParams(max_new_tokens=5, temperature=1.0, stop_token_ids=stop)
+    results = {}
+    for seed in (summary["config"]["eval_seed"], 12345):
+        prompts = PromptStream(ArithmeticTask(["+"], 1, 2, seed=seed)).take(400)
+        engine = EmbeddedEngine(policy.model, pad_token_id=policy.pad_token_id, seed=0)
+        results[seed] = (
+            evaluate(engine, policy.tokenizer, prompts, exact_match, greedy),
+            evaluate(engine, policy.tokenizer, prompts, exact_match, sampled),
+        )
+    # Measured: greedy 0.815 / 0.7975 and sampled 0.185 / 0.175 on the two prompt sets.
+    for acc_greedy, acc_sampled in results.values():
+        assert acc_greedy >= 0.72
+        assert 0.08 <= acc_sampled <= 0.3
+    # On the SFT's own held-out prompts the greedy accuracy reproduces the shipped summary.
+    assert results[summary["config"]["eval_seed"]][0] == pytest.approx(summary["accuracy_greedy"], abs=0.02)

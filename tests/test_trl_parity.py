@@ -1,0 +1,420 @@
+"""Numerical parity of asyncrl's GRPO advantages and losses with TRL's ``GRPOTrainer``.
+
+TRL is only a reference here: every number on the TRL side comes from TRL's own code, run on
+a real ``GRPOTrainer`` built from a tiny local model (no network). Its generation seam,
+``_generate_single_turn``, is replaced on the instance by a function that returns fixed
+completions, and rewards come from a reward function that returns fixed values (None for an
+unscorable completion), so ``_generate_and_score_completions`` computes advantages and
+reference log-probs on inputs we choose; ``_compute_loss`` then gives the loss and
+``backward`` the gradients. On the asyncrl side the public flow is used: ``assign_advantages``,
+and ``Trainer.prepare`` / ``accumulate`` / ``batch_divisor``.
+
+Setup shared by both sides: one process, no vLLM (so no vLLM importance sampling), gradient
+accumulation 1 with one micro-step per generation (so ``num_items_in_batch`` is the batch's
+token count), no entropy bonus, no entropy mask, float32 (TRL's default bf16 autocast is turned
+off), identical weights (the policy is the reference model plus fixed noise, so the KL term is
+not zero), temperature 0.7, prompts of different lengths and completions of different lengths,
+some ending in EOS and some truncated. TRL's ``use_bias_correction_kl`` (default True: the KL
+term is multiplied by the importance ratio) is turned off, since asyncrl has no such term.
+
+Tolerances: advantages and losses are compared to 1e-6 absolute; gradients elementwise to
+``|ours - trl| <= 1e-6 + 1e-5 * |trl|`` (1e-6 absolute plus a 1e-5 relative term for the larger
+entries, which reach ~0.4). TRL works in float32 (rewards included) while asyncrl computes
+advantages in float64, and the two compute log-probs through different kernels (TRL's chunked
+fused LM head vs. a full log-softmax) on different padded layouts, so agreement is to float32
+rounding, not bit-for-bit.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from asyncrl.config import AlgorithmConfig, TrainerConfig
+from asyncrl.models import load_policy, save_policy
+from asyncrl.trainer.trainer import Trainer, assign_advantages
+from asyncrl.types import Group, Prompt, Sample
+
+trl = pytest.importorskip("trl", reason="TRL is the reference implementation for these parity tests")
+datasets = pytest.importorskip("datasets")
+
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
+ADV_ATOL = 1e-6
+LOSS_ATOL = 1e-6
+GRAD_ATOL = 1e-6
+GRAD_RTOL = 1e-5
+
+TEMPERATURE = 0.7
+MAX_COMPLETION_LENGTH = 8
+EPSILON_LOW = 0.2
+EPSILON_HIGH = 0.28
+G = 4
+
+# Prompts of different lengths (4, 5 and 7 characters, one token per character).
+PROMPTS = ["1+2=", "13+4=", "27+705="]
+# (text, ends with EOS) for each completion, in prompt-major order: G per prompt.
+COMPLETIONS = [
+    ("3", True),
+    ("30", True),
+    ("3", False),
+    ("12+3", True),
+    ("17", True),
+    ("7", True),
+    ("1755", False),
+    ("17", False),
+    ("732", True),
+    ("7320", False),
+    ("73", True),
+    ("1+1=2", True),
+]
+LOSS_REWARDS = [
+    [1.0, 0.0, 0.5, 0.25],
+    [0.2, 0.9, 0.4, 0.0],
+    [1.0, 1.0, 0.0, 0.5],
+]
+# Per-sequence offsets of log(π_θ/π_old): ratios from about 0.5 to 1.9, so every group has sequences
+# below 1-ε_low, inside the trust region, above 1+ε_high and above δ.
+OLD_LOGPROB_OFFSETS = [0.7, -0.6, 0.0, 0.45, -0.3, 0.6, 0.1, -0.7, 0.55, 0.05, -0.25, 0.65]
+OLD_LOGPROB_NOISE = 0.15
+DELTA = 1.5
+BETA = 0.1
+
+
+# -- fixtures and builders -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference_policy():
+    """The seeded tiny Qwen2 model and its character tokenizer (the reference, i.e. initial, weights)."""
+    return load_policy("tiny:1m", device="cpu", dtype="float32", seed=0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(reference_policy, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The reference weights and tokenizer saved locally, so TRL can load its ref model from disk."""
+    path = tmp_path_factory.mktemp("tiny-ref")
+    save_policy(reference_policy, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(reference_policy):
+    # The tokenizer object itself, not a reload through AutoTokenizer (which may rebuild a qwen2 pipeline).
+    return reference_policy.tokenizer
+
+
+@pytest.fixture(scope="module")
+def policy_state(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The policy's weights: the reference weights plus fixed noise, so that KL(π_θ || π_ref) > 0."""
+    model = _load_model(model_dir)
+    gen = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _load_model(model_dir: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, local_files_only=True, dtype=torch.float32
+    )
+
+
+def _completion_ids(tokenizer, n: int) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        text, stopped = COMPLETIONS[i % len(COMPLETIONS)]
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        out.append(ids + ([tokenizer.eos_token_id] if stopped else []))
+    return out
+
+
+def _trl_trainer(model_dir: Path, tokenizer, output_dir: Path, prompts, rewards, **config):
+    """A real GRPOTrainer whose generation returns COMPLETIONS and whose reward is ``rewards``."""
+    n = len(prompts) * G
+    flat_rewards = [r for group in rewards for r in group]
+    completions = _completion_ids(tokenizer, n)
+    expected_prompt_ids = [
+        tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts for _ in range(G)
+    ]
+
+    def fixed_reward(prompts, completions, **kwargs):
+        assert len(completions) == n
+        return list(flat_rewards)
+
+    args = trl.GRPOConfig(
+        output_dir=str(output_dir),
+        report_to="none",
+        use_cpu=True,
+        bf16=False,  # TRL's default is bf16 autocast, even on CPU; compare in float32
+        seed=0,
+        per_device_train_batch_size=n,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=G,
+        num_iterations=1,
+        max_completion_length=MAX_COMPLETION_LENGTH,
+        temperature=TEMPERATURE,
+        use_vllm=False,
+        vllm_importance_sampling_correction=False,
+        entropy_coef=0.0,
+        top_entropy_quantile=1.0,
+        mask_truncated_completions=False,
+        activation_checkpointing=False,
+        epsilon=EPSILON_LOW,
+        epsilon_high=EPSILON_HIGH,
+        **config,
+    )
+    dataset = datasets.Dataset.from_dict({"prompt": list(prompts)})
+    trainer = trl.GRPOTrainer(
+        model=_load_model(model_dir),
+        reward_funcs=fixed_reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+
+    def fixed_generation(prompt_ids, images, multimodal_fields, num_generations):
+        assert [list(p) for p in prompt_ids] == expected_prompt_ids and num_generations == G
+        return [list(c) for c in completions], None
+
+    trainer._generate_single_turn = fixed_generation
+    # Set by HF Trainer's training loop; one micro-step per optimizer step here.
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    assert trainer.args.steps_per_generation == 1 and trainer.accelerator.num_processes == 1
+    assert trainer.accelerator.mixed_precision == "no"
+    assert not trainer.use_vllm and trainer.top_entropy_quantile == 1.0 and not trainer._entropy_bonus_enabled
+    return trainer
+
+
+def _trl_inputs(trainer, prompts) -> dict:
+    inputs = [{"prompt": p} for p in prompts for _ in range(G)]
+    return trainer._generate_and_score_completions(inputs)
+
+
+def _unpadded_rows(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    return [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+
+
+def _asyncrl_groups(prompts, prompt_ids, completion_ids, rewards, logprobs=None, eos_id=None) -> list[Group]:
+    groups = []
+    for g, text in enumerate(prompts):
+        prompt = Prompt(prompt_id=f"p{g}", text=text)
+        samples = []
+        for j in range(G):
+            i = g * G + j
+            comp = completion_ids[i]
+            samples.append(
+                Sample(
+                    prompt_id=prompt.prompt_id,
+                    group_id=g,
+                    prompt_ids=list(prompt_ids[i]),
+                    completion_ids=list(comp),
+                    logprobs=list(logprobs[i]) if logprobs is not None else [0.0] * len(comp),
+                    versions=[0] * len(comp),
+                    loss_mask=[1] * len(comp),
+                    finish_reason="stop" if comp[-1] == eos_id else "length",
+                    reward=rewards[g][j],
+                )
+            )
+        groups.append(Group(group_id=g, prompt=prompt, samples=samples))
+    return groups
+
+
+# -- advantages ----------------------------------------------------------------------------
+
+ADV_PROMPTS = ["1+2=", "13+4=", "27+705=", "9*9=", "5-3="]
+ADV_REWARDS = [
+    [1.0, 0.0, 0.3, 0.7],  # ordinary spread
+    [0.5, 0.5, 0.5, 0.5],  # zero std
+    [1.9, None, -0.4, 0.75],  # one unscorable completion
+    [None, 2.0, None, None],  # a single scorable completion: no spread
+    [None, None, None, None],  # nothing scorable
+]
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_match_trl(scale, model_dir, tokenizer, tmp_path):
+    """asyncrl's group advantages equal TRL's from _generate_and_score_completions, None rewards included."""
+    trainer = _trl_trainer(model_dir, tokenizer, tmp_path, ADV_PROMPTS, ADV_REWARDS, scale_rewards=scale)
+    out = _trl_inputs(trainer, ADV_PROMPTS)
+    trl_adv = out["advantages"].to(torch.float64)
+
+    groups = _asyncrl_groups(
+        ADV_PROMPTS,
+        _unpadded_rows(out["prompt_ids"], out["prompt_mask"]),
+        _unpadded_rows(out["completion_ids"], out["completion_mask"]),
+        ADV_REWARDS,
+    )
+    assign_advantages(groups, scale)
+    ours = torch.tensor([s.advantage for g in groups for s in g.samples], dtype=torch.float64)
+
+    assert trl_adv.shape == ours.shape == (len(ADV_PROMPTS) * G,)
+    # Unscorable completions and groups without spread get advantage 0 on both sides.
+    for i, r in enumerate(r for group in ADV_REWARDS for r in group):
+        if r is None:
+            assert ours[i] == 0.0 and trl_adv[i] == 0.0
+    assert ours.abs().max() > 0.5  # not a trivially-zero comparison
+    torch.testing.assert_close(ours, trl_adv, atol=ADV_ATOL, rtol=0)
+
+
+# -- losses and gradients ------------------------------------------------------------------
+
+VARIANTS = {
+    "plain": {"beta": 0.0, "delta": None},
+    "kl": {"beta": BETA, "delta": None},
+    "delta": {"beta": 0.0, "delta": DELTA},
+    "kl+delta": {"beta": BETA, "delta": DELTA},
+}
+
+
+def _run_both(
+    loss_type, level, beta, delta, off_policy, model_dir, tokenizer, policy_state, tmp_path
+) -> tuple[dict, dict]:
+    """Loss, gradients and diagnostics from TRL's _compute_loss and asyncrl's Trainer on the same batch."""
+    torch.manual_seed(0)
+    trainer = _trl_trainer(
+        model_dir,
+        tokenizer,
+        tmp_path,
+        PROMPTS,
+        LOSS_REWARDS,
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        beta=beta,
+        delta=delta,
+        scale_rewards="group",
+        use_bias_correction_kl=False,  # asyncrl's KL term is not importance-weighted
+    )
+    assert (trainer.ref_model is not None) == (beta > 0)
+    trainer.model.load_state_dict(policy_state)
+    out = _trl_inputs(trainer, PROMPTS)
+    mask = out["completion_mask"]
+    assert "old_per_token_logps" not in out  # TRL's on-policy path: old = current.detach()
+
+    input_ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+    attention_mask = torch.cat([out["prompt_mask"], mask], dim=1)
+    with torch.no_grad():
+        current, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, input_ids, attention_mask, out["completion_ids"].size(1)
+        )
+    old = None
+    if off_policy:
+        gen = torch.Generator().manual_seed(7)
+        shift = torch.tensor(OLD_LOGPROB_OFFSETS).unsqueeze(1) + OLD_LOGPROB_NOISE * torch.randn(
+            current.shape, generator=gen
+        )
+        old = ((current - shift) * mask).detach()
+        out["old_per_token_logps"] = old
+
+    trainer.model.zero_grad(set_to_none=True)
+    trl_loss = trainer._compute_loss(trainer.model, out)
+    trl_loss.backward()
+    trl_grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()}
+
+    # asyncrl on the very same token sequences (checked against TRL's padded tensors).
+    prompt_rows = _unpadded_rows(out["prompt_ids"], out["prompt_mask"])
+    completion_rows = _unpadded_rows(out["completion_ids"], mask)
+    assert prompt_rows == [
+        tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS for _ in range(G)
+    ]
+    assert completion_rows == _completion_ids(tokenizer, len(completion_rows))
+    lengths = mask.sum(-1).tolist()
+    behaviour = None if old is None else [old[i, : lengths[i]].tolist() for i in range(len(lengths))]
+    groups = _asyncrl_groups(
+        PROMPTS, prompt_rows, completion_rows, LOSS_REWARDS, logprobs=behaviour, eos_id=tokenizer.eos_token_id
+    )
+    samples = [s for g in groups for s in g.samples]
+    for s, a in zip(samples, out["advantages"].tolist(), strict=True):
+        s.advantage = a  # isolate the loss from the advantage computation (tested above)
+
+    policy = _load_model(model_dir)  # the reference weights: the Trainer copies them as its ref model
+    algo = AlgorithmConfig(
+        loss_type=loss_type,
+        epsilon_low=EPSILON_LOW,
+        epsilon_high=EPSILON_HIGH,
+        delta=delta,
+        ratio_level=level,
+        beta=beta,
+        kl_estimator="k3",
+        entropy_coef=0.0,
+        num_iterations=1,
+        old_logprobs="behaviour" if off_policy else "auto",
+    )
+    ours = Trainer(
+        policy,
+        pad_token_id=tokenizer.pad_token_id,
+        # A small token budget splits the batch into several micro-batches.
+        trainer_cfg=TrainerConfig(micro_batch_tokens=48),
+        algo_cfg=algo,
+        temperature=TEMPERATURE,
+        max_completion_length=MAX_COMPLETION_LENGTH,
+        total_steps=1,
+    )
+    policy.load_state_dict(policy_state)
+    ours.begin_step()
+    batches = ours.prepare(samples)
+    assert len(batches) > 1
+    loss_sum = ours.accumulate(batches)
+    divisor = ours.batch_divisor(samples)
+    our_grads = {n: p.grad.detach() / divisor for n, p in policy.named_parameters()}
+
+    assert int(out["num_items_in_batch"]) == sum(s.num_trained_tokens for s in samples)
+    trl_side = {"loss": trl_loss.item(), "grads": trl_grads, "current": current, "old": old, "out": out}
+    our_side = {"loss": loss_sum / divisor, "grads": our_grads}
+    return trl_side, our_side
+
+
+def _assert_parity(trl_side: dict, our_side: dict) -> None:
+    assert math.isfinite(trl_side["loss"])
+    assert abs(our_side["loss"] - trl_side["loss"]) <= LOSS_ATOL, (our_side["loss"], trl_side["loss"])
+    assert trl_side["grads"].keys() == our_side["grads"].keys()
+    total = torch.sqrt(sum((g**2).sum() for g in trl_side["grads"].values()))
+    assert total > 1e-3  # the gradient is not trivially zero
+    for name, g in trl_side["grads"].items():
+        torch.testing.assert_close(our_side["grads"][name], g, atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=name)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_off_policy_loss_and_gradients_match_trl(
+    loss_type, level, variant, model_dir, tokenizer, policy_state, tmp_path
+):
+    """With off-policy old log-probs (clipping active), asyncrl's loss and every gradient equal TRL's _compute_loss."""
+    beta, delta = VARIANTS[variant]["beta"], VARIANTS[variant]["delta"]
+    trl_side, our_side = _run_both(
+        loss_type, level, beta, delta, True, model_dir, tokenizer, policy_state, tmp_path
+    )
+
+    # The case exercises what it claims: clipping on both sides of the trust region, δ, and a non-zero KL.
+    out = trl_side["out"]
+    mask = out["completion_mask"].bool()
+    log_ratio = trl_side["current"] - trl_side["old"]
+    if level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1)).unsqueeze(-1).expand_as(log_ratio)
+    ratio = log_ratio.exp()[mask]
+    adv = out["advantages"].unsqueeze(-1).expand_as(mask)[mask]
+    assert ((ratio < 1 - EPSILON_LOW) & (adv < 0)).any() and ((ratio > 1 + EPSILON_HIGH) & (adv > 0)).any()
+    assert ((ratio > 1 - EPSILON_LOW) & (ratio < 1 + EPSILON_HIGH)).any()
+    if delta is not None:
+        assert ((ratio > delta) & (adv < 0)).any()  # where δ caps the unclipped branch
+    if beta > 0:
+        assert (out["ref_per_token_logps"] - trl_side["current"])[mask].abs().max() > 0.05
+
+    _assert_parity(trl_side, our_side)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_on_policy_loss_and_gradients_match_trl(loss_type, model_dir, tokenizer, policy_state, tmp_path):
+    """On-policy (TRL old_per_token_logps=None, asyncrl old_logprobs=auto) with KL: loss and gradients equal TRL's."""
+    trl_side, our_side = _run_both(
+        loss_type, "token", BETA, None, False, model_dir, tokenizer, policy_state, tmp_path
+    )
+    _assert_parity(trl_side, our_side)
