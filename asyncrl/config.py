@@ -9,6 +9,7 @@ the key and what is allowed. ``asyncrl config --docs`` renders this module into
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -124,9 +125,53 @@ class AlgorithmConfig(Section):
     old_logprobs: Literal["auto", "behaviour", "recompute"] = Field(
         "auto",
         description="Old-policy log-probs for the ratio: the engine's behaviour log-probs, a recomputation "
-        "with the trainer's weights before the first update, or 'auto' (the detached current log-probs when "
-        "num_iterations=1, otherwise recompute).",
+        "with the trainer's weights before the first update (the proximal policy), or 'auto': recompute "
+        "when num_iterations > 1 or an IS correction is on, else behaviour when schedule.max_staleness > 0, "
+        "else the detached current log-probs (ratio exactly 1).",
     )
+    kl_ratio_correction: bool = Field(
+        False, description="Multiply the per-token KL by the importance ratio (TRL's use_bias_correction_kl)."
+    )
+    is_level: Literal["none", "token", "sequence"] = Field(
+        "none",
+        description="Off-policy importance weight rho = pi_old/pi_behaviour on the loss: per token, one per "
+        "sequence (product of token ratios), or none. With recomputed old log-probs this is the decoupled "
+        "PPO objective.",
+    )
+    is_mode: Literal["truncate", "mask"] = Field(
+        "truncate", description="Outside [is_low, is_cap]: clamp rho (TIS) or set it to 0 (MIS)."
+    )
+    is_cap: float = Field(2.0, gt=0, description="Upper bound of the importance weight.")
+    is_low: float = Field(0.0, ge=0, description="Lower bound of the importance weight.")
+    opsm_delta: float | None = Field(
+        None,
+        description="Off-policy sequence masking: drop sequences with negative advantage whose mean "
+        "log(pi_behaviour/pi_theta) exceeds this (null = off).",
+    )
+    decoupled: bool = Field(
+        False,
+        description="AReaL's decoupled PPO: clip against the recomputed proximal policy and weight by "
+        "pi_prox/pi_behaviour; sets old_logprobs=recompute and is_level=token unless given.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _decoupled_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("decoupled"):
+            data = dict(data)
+            data.setdefault("old_logprobs", "recompute")
+            data.setdefault("is_level", "token")
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AlgorithmConfig:
+        if self.decoupled and (self.old_logprobs == "behaviour" or self.is_level == "none"):
+            raise ValueError(
+                "decoupled=true needs old_logprobs recompute/auto and is_level token or sequence"
+            )
+        if self.is_low > self.is_cap:
+            raise ValueError(f"is_low ({self.is_low}) must not exceed is_cap ({self.is_cap})")
+        return self
 
 
 class TrainerConfig(Section):
@@ -148,17 +193,102 @@ class TrainerConfig(Section):
 class RunConfig(Section):
     """The run as a whole."""
 
-    schedule: Literal["sync"] = Field(
-        "sync", description="How generation and training interleave. 'sync': generate the batch, then train."
-    )
     steps: int = Field(150, ge=1, description="Optimizer steps to run.")
     seed: int = Field(0, description="Seed for sampling, initialisation and data order.")
-    threads: int = Field(0, ge=0, description="torch CPU threads (0 = leave torch's default).")
     progress: bool = Field(True, description="Live progress display on the terminal.")
     eval_every: int = Field(
         25, ge=0, description="Greedy accuracy on held-out prompts every N steps (0 = off)."
     )
     eval_prompts: int = Field(200, ge=1, description="Held-out prompts per evaluation.")
+
+
+SCHEDULE_PRESETS: dict[str, dict[str, Any]] = {
+    "sync": {"max_staleness": 0, "streaming": False, "interrupt": "batch", "sync_every": 1},
+    "periodic": {"max_staleness": 0, "streaming": True, "interrupt": "batch", "sync_every": 1},
+    "one_step_off": {"max_staleness": 1, "streaming": False, "interrupt": "batch", "sync_every": 1},
+    "async": {"max_staleness": 2, "streaming": True, "interrupt": "drain", "sync_every": 1},
+}
+
+
+class ScheduleConfig(Section):
+    """How generation and training interleave: a preset, or the four knobs directly.
+
+    ``schedule: periodic`` selects a preset; any knob given explicitly overrides the
+    preset's value. Presets: sync (generate the batch, then train), periodic (on-policy,
+    train each group as it finishes, one optimizer step per batch), one_step_off (generate
+    batch k+1 while training on k), async (bounded staleness, streaming).
+    """
+
+    preset: Literal["sync", "periodic", "one_step_off", "async", "custom"] = Field(
+        "sync", description="Named schedule whose knob values are used unless a knob is set explicitly."
+    )
+    max_staleness: int = Field(
+        0, ge=0, description="How many policy versions a trained token may lag the trainer (0 = on-policy)."
+    )
+    streaming: bool = Field(
+        False, description="Train on each group as it finishes, before the batch is complete."
+    )
+    interrupt: Literal["batch", "drain"] = Field(
+        "batch",
+        description="What a weight update does to generation in flight: 'batch' applies it when all "
+        "submitted work is done; 'drain' lets the running batch finish, holds queued work, then applies it.",
+    )
+    sync_every: int = Field(1, ge=1, description="Optimizer steps between weight pushes to the generators.")
+    reject: Literal["group", "token"] = Field(
+        "group",
+        description="At consumption, tokens older than max_staleness drop their whole group (the prompt is "
+        "issued again) or are masked out of the loss.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_preset(cls, data: Any) -> Any:
+        if isinstance(data, str):
+            data = {"preset": data}
+        if isinstance(data, dict):
+            preset = data.get("preset", "sync")
+            data = {**SCHEDULE_PRESETS.get(preset, {}), **data}
+        return data
+
+    @model_validator(mode="after")
+    def _knobs_consistent(self) -> ScheduleConfig:
+        if self.sync_every - 1 > self.max_staleness:
+            raise ValueError(
+                f"sync_every={self.sync_every} makes tokens up to {self.sync_every - 1} versions old, "
+                f"more than max_staleness={self.max_staleness}"
+            )
+        return self
+
+
+class RuntimeConfig(Section):
+    """Where the components run."""
+
+    kind: Literal["auto", "inline", "local"] = Field(
+        "auto",
+        description="'inline': generator and trainer take turns in this process; 'local': each in its own "
+        "process on this machine, overlapping; 'auto': inline for the sync schedule, local otherwise.",
+    )
+    generators: int = Field(1, ge=1, description="Generator workers (each one engine).")
+    generator_threads: int = Field(
+        0,
+        ge=0,
+        description="torch threads per generator; 0 = automatic: all cores inline (phases take turns), "
+        "an even share of the cores per process in the local runtime.",
+    )
+    trainer_threads: int = Field(
+        0, ge=0, description="torch threads of the trainer; 0 = automatic, as above."
+    )
+    weight_sync: Literal["shm", "broadcast", "files"] = Field(
+        "shm",
+        description="Transport of weights to local generators: shared memory, torch.distributed broadcast "
+        "(gloo on CPU, NCCL on GPU), or safetensors files.",
+    )
+    bucket_mb: float = Field(64.0, ge=0, description="Broadcast bucket size in MB (0 = one tensor per call).")
+    start_timeout_s: float = Field(300.0, gt=0, description="Longest wait for a worker process to start.")
+    stall_timeout_s: float = Field(
+        600.0, gt=0, description="Longest time without any progress from the workers before the run fails."
+    )
+    stop_timeout_s: float = Field(20.0, gt=0, description="Grace period for workers to exit on stop.")
 
 
 class Config(Section):
@@ -169,6 +299,8 @@ class Config(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")
@@ -177,7 +309,42 @@ class Config(Section):
             raise ValueError(
                 "algorithm.advantage_scale=group needs rollout.group_size >= 2 (a group of one has no spread)"
             )
+        if self.run.steps % self.algorithm.num_iterations:
+            raise ValueError(
+                f"run.steps ({self.run.steps}) must be a multiple of algorithm.num_iterations "
+                f"({self.algorithm.num_iterations}): each generated batch gets num_iterations optimizer steps"
+            )
+        if self.schedule.streaming and self.algorithm.advantage_scale == "batch":
+            raise ValueError(
+                "algorithm.advantage_scale=batch needs the whole batch before training; it cannot be used "
+                "with schedule.streaming=true (use advantage_scale=group or none)"
+            )
         return self
+
+    @property
+    def runtime_kind(self) -> str:
+        if self.runtime.kind != "auto":
+            return self.runtime.kind
+        on_policy_batch = self.schedule.max_staleness == 0 and not self.schedule.streaming
+        return "inline" if on_policy_batch else "local"
+
+    def threads(self, role: str) -> int:
+        """Resolved torch thread count for 'generator' or 'trainer' (0 means leave torch's default)."""
+        explicit = self.runtime.generator_threads if role == "generator" else self.runtime.trainer_threads
+        if explicit or self.runtime_kind == "inline":
+            return explicit
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(1, cores // (self.runtime.generators + 1))
+
+    @property
+    def old_logprob_mode(self) -> str:
+        """What the trainer uses as old-policy log-probs: current, behaviour or recompute."""
+        mode = self.algorithm.old_logprobs
+        if mode != "auto":
+            return mode
+        if self.algorithm.num_iterations > 1 or self.algorithm.is_level != "none":
+            return "recompute"
+        return "behaviour" if self.schedule.max_staleness > 0 else "current"
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -195,10 +362,16 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return parts, value
 
 
+# Sections that may be given as a single string, meaning this key (``schedule: periodic``).
+SHORTHAND_KEYS = {"schedule": "preset"}
+
+
 def _set_nested(data: dict[str, Any], parts: list[str], value: Any) -> None:
     node = data
     for i, p in enumerate(parts[:-1]):
         child = node.setdefault(p, {})
+        if isinstance(child, str) and i == 0 and p in SHORTHAND_KEYS:
+            child = node[p] = {SHORTHAND_KEYS[p]: child}
         if not isinstance(child, dict):
             raise ConfigError(".".join(parts[: i + 1]), child, "is a value, not a section")
         node = child

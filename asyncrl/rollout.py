@@ -24,7 +24,21 @@ class RolloutStats:
     dropped_groups: int = 0
 
 
+@dataclass
+class _PendingGroup:
+    prompt: Prompt
+    prompt_ids: list[int]
+    samples: dict[int, Sample]
+
+
 class RolloutWorker:
+    """Turns prompts into scored groups on top of an engine's ``add_request``/``step`` API.
+
+    Completions are scored as soon as they finish; a group is complete when all G of its
+    completions are, and its samples are ordered by completion index, so a group's content
+    does not depend on the order in which its completions finished.
+    """
+
     def __init__(
         self,
         engine,
@@ -42,40 +56,58 @@ class RolloutWorker:
         self.reward_on_error = reward_on_error
         self.stats = RolloutStats()
         self._next_group_id = 0
+        self._pending: dict[int, _PendingGroup] = {}
 
     def encode(self, prompt: Prompt) -> list[int]:
         return self.tokenizer(prompt.text, add_special_tokens=False).input_ids
 
-    def generate_groups(self, prompts: list[Prompt]) -> list[Group]:
-        """Generate, score and group completions for a batch of prompts; drops groups per policy."""
-        requests, by_group = [], {}
-        for prompt in prompts:
-            group_id = self._next_group_id
-            self._next_group_id += 1
-            by_group[group_id] = prompt
+    @property
+    def groups_in_flight(self) -> int:
+        return len(self._pending)
+
+    def submit(self, work: list[tuple[int, Prompt]]) -> None:
+        """Queue G completions for each (group_id, prompt)."""
+        for group_id, prompt in work:
+            if group_id in self._pending:
+                raise ValueError(f"group {group_id} is already in flight")
             ids = self.encode(prompt)
+            self._pending[group_id] = _PendingGroup(prompt, ids, {})
             for k in range(self.group_size):
-                requests.append(GenerationRequest(f"{group_id}/{k}", ids, self.sampling))
-        results = self.engine.generate(requests)
-        if len(results) != len(requests):
-            raise ValueError(f"engine returned {len(results)} results for {len(requests)} requests")
-        request_by_id = {r.request_id: r for r in requests}
-        samples: dict[int, list[Sample]] = {gid: [] for gid in by_group}
-        for res in results:
-            group_id = int(res.request_id.split("/", 1)[0])
-            prompt = by_group[group_id]
-            prompt_ids = request_by_id[res.request_id].prompt_ids
-            samples[group_id].append(self._score(prompt, group_id, prompt_ids, res))
-        groups = []
-        for group_id, prompt in by_group.items():
-            group = Group(group_id=group_id, prompt=prompt, samples=samples[group_id])
+                self.engine.add_request(GenerationRequest(f"{group_id}/{k}", ids, self.sampling))
+
+    def step(self) -> tuple[list[Group], list[Group]]:
+        """Advance the engine one step; returns (completed groups, groups dropped for reward errors)."""
+        ready, dropped = [], []
+        for res in self.engine.step():
+            group_id, k = (int(x) for x in res.request_id.split("/", 1))
+            pending = self._pending[group_id]
+            pending.samples[k] = self._score(pending.prompt, group_id, pending.prompt_ids, res)
+            if len(pending.samples) < self.group_size:
+                continue
+            del self._pending[group_id]
+            group = Group(group_id, pending.prompt, [pending.samples[i] for i in range(self.group_size)])
             self.stats.samples += group.size
             if self.reward_on_error == "drop_group" and any(s.reward_error for s in group.samples):
                 self.stats.dropped_groups += 1
-                continue
-            self.stats.groups += 1
-            groups.append(group)
-        return groups
+                dropped.append(group)
+            else:
+                self.stats.groups += 1
+                ready.append(group)
+        return ready, dropped
+
+    def generate_groups(self, prompts: list[Prompt]) -> list[Group]:
+        """Generate, score and group completions for a batch of prompts, in prompt order.
+
+        Groups dropped for reward errors are left out (and counted in ``stats``).
+        """
+        ids = list(range(self._next_group_id, self._next_group_id + len(prompts)))
+        self._next_group_id += len(prompts)
+        self.submit(list(zip(ids, prompts, strict=True)))
+        done: dict[int, Group] = {}
+        while any(i in self._pending for i in ids):
+            for group in self.step()[0]:
+                done[group.group_id] = group
+        return [done[i] for i in ids if i in done]
 
     def _score(self, prompt: Prompt, group_id: int, prompt_ids: list[int], res) -> Sample:
         text = self.tokenizer.decode(

@@ -30,7 +30,7 @@ SHORT = [
     "--set",
     "run.progress=false",
     "--set",
-    "run.threads=1",
+    "runtime.trainer_threads=1",
 ]
 STEP_KEYS = {
     "step",

@@ -88,7 +88,11 @@ def test_overrides_win_over_file(tmp_path: Path) -> None:
     [
         (
             ["bogus=1"],
-            ["bogus", "unknown key", "allowed keys here: algorithm, model, rollout, run, task, trainer"],
+            [
+                "bogus",
+                "unknown key",
+                "allowed keys here: algorithm, model, rollout, run, runtime, schedule, task, trainer",
+            ],
         ),
         (["trainer.bogus=1"], ["trainer.bogus", "unknown key", "lr", "warmup_steps"]),
         (

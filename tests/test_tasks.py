@@ -375,10 +375,13 @@ class FakeEngine:
     def __init__(self, tokenizer, reverse: bool = False) -> None:
         self.tokenizer = tokenizer
         self.reverse = reverse
-        self.calls: list[list[str]] = []
+        self.queued: list[GenerationRequest] = []
 
-    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        self.calls.append([r.request_id for r in requests])
+    def add_request(self, request: GenerationRequest) -> None:
+        self.queued.append(request)
+
+    def step(self) -> list[GenerationResult]:
+        requests, self.queued = self.queued, []
         results = []
         for r in requests:
             a, b = self.tokenizer.decode(r.prompt_ids).rstrip("=").split("+")

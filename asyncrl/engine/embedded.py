@@ -32,9 +32,13 @@ class EmbeddedEngine:
         max_batch_size: int = 512,
         seed: int = 0,
         version: int = 0,
+        owns_model: bool = True,
     ) -> None:
-        self.model = model.eval()
-        self.model.requires_grad_(False)
+        # An engine that owns its model keeps it in eval mode without gradients; one that
+        # borrows a model (e.g. the trainer's, for evaluation) leaves its state alone.
+        self.model = model
+        if owns_model:
+            model.eval().requires_grad_(False)
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self.version = version

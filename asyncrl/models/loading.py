@@ -88,23 +88,37 @@ def load_policy(source: str, *, device: str = "auto", dtype: str = "auto", seed:
     if source.startswith("tiny:"):
         policy = _random_tiny(source, seed)
     else:
-        path = (
-            BUILTIN_MODELS.get(source.removeprefix("builtin:"))
-            if source.startswith("builtin:")
-            else Path(source)
-        )
-        if path is None:
-            raise ConfigError(
-                "model.path",
-                source,
-                f"unknown built-in model; allowed: {sorted('builtin:' + k for k in BUILTIN_MODELS)}",
-            )
-        policy = _from_directory(path, source)
+        policy = _from_directory(_directory(source), source)
     policy.model.to(device=dev, dtype=torch_dtype)
     return policy
 
 
-def _random_tiny(source: str, seed: int) -> Policy:
+def load_tokenizer(source: str) -> tuple[PreTrainedTokenizerBase, int]:
+    """The tokenizer and maximum positions of a model source, validated, without loading weights."""
+    if source.startswith("tiny:"):
+        size, arch = _tiny_spec(source)
+        tok = build_char_tokenizer()
+        return tok, tiny_config(size, len(tok), architecture=arch).max_position_embeddings
+    path = _directory(source)
+    tok = _checked_tokenizer(path, source)
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    return tok, int(config.get("max_position_embeddings") or 1 << 30)
+
+
+def _directory(source: str) -> Path:
+    if not source.startswith("builtin:"):
+        return Path(source)
+    path = BUILTIN_MODELS.get(source.removeprefix("builtin:"))
+    if path is None:
+        raise ConfigError(
+            "model.path",
+            source,
+            f"unknown built-in model; allowed: {sorted('builtin:' + k for k in BUILTIN_MODELS)}",
+        )
+    return path
+
+
+def _tiny_spec(source: str) -> tuple[str, str]:
     parts = source.split(":")
     size = parts[1] if len(parts) > 1 else ""
     arch = parts[2] if len(parts) > 2 else "qwen2"
@@ -114,6 +128,11 @@ def _random_tiny(source: str, seed: int) -> Policy:
             source,
             f"expected tiny:<size>[:<architecture>] with size in {sorted(TINY_SIZES)} and architecture in {list(TINY_ARCHITECTURES)}",
         )
+    return size, arch
+
+
+def _random_tiny(source: str, seed: int) -> Policy:
+    size, arch = _tiny_spec(source)
     tok = build_char_tokenizer()
     cfg = tiny_config(
         size, len(tok), architecture=arch, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
@@ -122,6 +141,12 @@ def _random_tiny(source: str, seed: int) -> Policy:
 
 
 def _from_directory(path: Path, source: str) -> Policy:
+    tok = _checked_tokenizer(path, source)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    return Policy(model, tok, source)
+
+
+def _checked_tokenizer(path: Path, source: str) -> PreTrainedTokenizerBase:
     if not path.is_dir():
         raise ConfigError(
             "model.path",
@@ -142,8 +167,7 @@ def _from_directory(path: Path, source: str) -> Policy:
     except (OSError, ValueError) as exc:
         raise ConfigError("model.path", source, f"no usable tokenizer in the directory ({exc})") from None
     check_tokenizer(tok, source)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
-    return Policy(model, tok, source)
+    return tok
 
 
 def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase:

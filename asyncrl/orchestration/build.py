@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import copy
 import random
 
 import torch
 
 from asyncrl.config import Config
-from asyncrl.engine import EmbeddedEngine, SamplingParams
+from asyncrl.engine import SamplingParams
 from asyncrl.models import Policy, load_policy
+from asyncrl.models.loading import load_tokenizer
 from asyncrl.rollout import RolloutWorker
 from asyncrl.tasks import ArithmeticTask, JsonlDataset, PromptSource, PromptStream, resolve_reward
 from asyncrl.trainer import Trainer
@@ -34,7 +34,7 @@ def sampling_params(cfg: Config, policy: Policy, *, greedy: bool = False) -> Sam
     )
 
 
-def prompt_source(cfg: Config, policy: Policy, *, seed_offset: int = 0) -> PromptSource:
+def prompt_source(cfg: Config, tokenizer, max_positions: int, *, seed_offset: int = 0) -> PromptSource:
     t = cfg.task
     if t.name == "arithmetic":
         a = t.arithmetic
@@ -42,31 +42,27 @@ def prompt_source(cfg: Config, policy: Policy, *, seed_offset: int = 0) -> Promp
     return JsonlDataset(
         t.path,
         skip_bad_rows=t.skip_bad_rows,
-        prompt_length=lambda text: len(policy.tokenizer(text, add_special_tokens=False).input_ids),
-        max_prompt_tokens=policy.max_positions - cfg.rollout.max_new_tokens,
+        prompt_length=lambda text: len(tokenizer(text, add_special_tokens=False).input_ids),
+        max_prompt_tokens=max_positions - cfg.rollout.max_new_tokens,
     )
 
 
 def eval_prompts(cfg: Config, policy: Policy) -> list[Prompt]:
     """Held-out prompts: a disjoint arithmetic seed; for JSONL tasks, the first rows of the dataset."""
-    source = prompt_source(cfg, policy, seed_offset=EVAL_SEED_OFFSET)
+    source = prompt_source(cfg, policy.tokenizer, policy.max_positions, seed_offset=EVAL_SEED_OFFSET)
     return PromptStream(source, seed=cfg.task.seed, shuffle=False).take(
         min(cfg.run.eval_prompts, source.size or cfg.run.eval_prompts)
     )
 
 
+def task_prompts(cfg: Config) -> PromptSource:
+    """The training prompt source, validated against the model's tokenizer without loading weights."""
+    tokenizer, max_positions = load_tokenizer(cfg.model.path)
+    return prompt_source(cfg, tokenizer, max_positions)
+
+
 def build_policy(cfg: Config) -> Policy:
     return load_policy(cfg.model.path, device=cfg.model.device, dtype=cfg.model.dtype, seed=cfg.run.seed)
-
-
-def build_engine(cfg: Config, policy: Policy) -> EmbeddedEngine:
-    """An engine with its own copy of the weights; the trainer pushes updates into it."""
-    return EmbeddedEngine(
-        copy.deepcopy(policy.model),
-        pad_token_id=policy.pad_token_id,
-        max_batch_size=cfg.rollout.max_batch_size,
-        seed=cfg.run.seed,
-    )
 
 
 def build_rollout(cfg: Config, policy: Policy, engine) -> RolloutWorker:
@@ -89,4 +85,5 @@ def build_trainer(cfg: Config, policy: Policy) -> Trainer:
         temperature=cfg.rollout.temperature,
         max_completion_length=cfg.rollout.max_new_tokens,
         total_steps=cfg.run.steps,
+        old_logprobs=cfg.old_logprob_mode,
     )

@@ -1,27 +1,32 @@
-"""Entry point of a training run: set up the session, run the schedule, write the summary."""
+"""Entry point of a training run: pick the runtime, run the controller, write the summary."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from asyncrl.config import Config
-from asyncrl.orchestration.build import seed_everything
+from asyncrl.orchestration.build import seed_everything, task_prompts
+from asyncrl.orchestration.controller import run_controller
+from asyncrl.orchestration.runtime import InlineRuntime
 from asyncrl.orchestration.session import RunSession, default_run_dir
-from asyncrl.orchestration.sync import run_sync
 
-SCHEDULES = {"sync": run_sync}
+
+def make_runtime(cfg: Config, session: RunSession):
+    kind = cfg.runtime_kind
+    if kind == "inline":
+        return InlineRuntime(cfg)
+    from asyncrl.orchestration.local import LocalRuntime
+
+    return LocalRuntime(cfg, session.run_dir)
 
 
 def train(cfg: Config, run_dir: Path | None = None) -> dict[str, Any]:
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
     seed_everything(cfg.run.seed)
+    prompts = task_prompts(cfg)  # a bad model path or dataset fails here, before a run directory is made
     session = RunSession(cfg, run_dir or default_run_dir())
     try:
-        SCHEDULES[cfg.run.schedule](cfg, session)
+        session.accounting = run_controller(cfg, session, make_runtime(cfg, session), prompts)
     finally:
         summary = session.close()
     return summary

@@ -16,7 +16,7 @@ from typing import Any
 
 from asyncrl.config import Config, dump_config
 from asyncrl.errors import AsyncRLError
-from asyncrl.metrics import JsonlWriter, Timeline
+from asyncrl.metrics import JsonlWriter
 from asyncrl.orchestration.progress import ProgressDisplay
 
 
@@ -38,13 +38,20 @@ class RunSession:
         self.history: list[dict[str, Any]] = []
         self.evals: list[dict[str, float]] = []
         self._metrics = JsonlWriter(run_dir / "metrics.jsonl")
-        self._timelines: list[Timeline] = []
+        self._timeline = JsonlWriter(run_dir / "timeline.jsonl")
+        self.accounting: dict[str, Any] = {}
         self.progress = ProgressDisplay(cfg.run.steps, enabled=cfg.run.progress)
 
-    def timeline(self, component: str) -> Timeline:
-        tl = Timeline(self.run_dir / "timeline.jsonl", component)
-        self._timelines.append(tl)
-        return tl
+    def record_span(self, span) -> None:
+        self._timeline.write(
+            {
+                "component": span.component,
+                "name": span.name,
+                "start": span.start,
+                "end": span.end,
+                **span.fields,
+            }
+        )
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
@@ -69,20 +76,21 @@ class RunSession:
         return {
             "steps": self.step,
             "wall_s": round(self.elapsed(), 2),
-            "schedule": self.cfg.run.schedule,
+            "schedule": self.cfg.schedule.preset,
+            "runtime": self.cfg.runtime_kind,
             "reward_first": statistics.fmean(rewards[:window]) if rewards else None,
             "reward_last": statistics.fmean(rewards[-window:]) if rewards else None,
             "reward_window": window,
             "tokens_generated": sum(r["tokens_generated"] for r in self.history),
             "eval": self.evals,
+            "accounting": self.accounting,
             "run_dir": str(self.run_dir),
         }
 
     def close(self) -> dict[str, Any]:
         self.progress.close()
         self._metrics.close()
-        for tl in self._timelines:
-            tl.close()
+        self._timeline.close()
         summary = self.summary()
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
         return summary

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import torch
 from transformers import PreTrainedModel
 
-from asyncrl.algorithms import losses
+from asyncrl.algorithms import corrections, losses
 from asyncrl.algorithms.advantages import group_advantages
 from asyncrl.config import AlgorithmConfig, TrainerConfig
 from asyncrl.trainer.batching import MicroBatch, collate, plan_micro_batches
@@ -66,6 +66,7 @@ class Trainer:
         temperature: float,
         max_completion_length: int,
         total_steps: int,
+        old_logprobs: str | None = None,
     ) -> None:
         self.model = model
         self.pad_token_id = pad_token_id
@@ -73,6 +74,16 @@ class Trainer:
         self.algo = algo_cfg
         self.temperature = temperature
         self.max_completion_length = max_completion_length
+        if old_logprobs is None:  # resolve 'auto' without schedule knowledge (Config.old_logprob_mode has it)
+            old_logprobs = algo_cfg.old_logprobs
+            if old_logprobs == "auto":
+                needs_recompute = algo_cfg.num_iterations > 1 or algo_cfg.is_level != "none"
+                old_logprobs = "recompute" if needs_recompute else "current"
+        if old_logprobs not in ("current", "behaviour", "recompute"):
+            raise ValueError(f"old_logprobs must be current, behaviour or recompute, got {old_logprobs!r}")
+        if old_logprobs == "current" and algo_cfg.num_iterations > 1:
+            raise ValueError("old_logprobs='current' gives ratio 1 only for a single update per batch")
+        self.old_logprob_mode = old_logprobs
         self.device = next(model.parameters()).device
         self.version = 0
         # A frozen copy of the initial policy serves as the KL reference only when it is used.
@@ -120,14 +131,6 @@ class Trainer:
         self._busy_s += time.perf_counter() - t0
         return batches
 
-    @property
-    def old_logprob_mode(self) -> str:
-        """'current' means old = the detached current log-probs (ratio 1), valid for one update per batch."""
-        mode = self.algo.old_logprobs
-        if mode == "auto":
-            return "current" if self.algo.num_iterations == 1 else "recompute"
-        return mode
-
     def accumulate(self, batches: list[MicroBatch]) -> float:
         """Forward/backward on micro-batches, adding their undivided loss to the gradients.
 
@@ -142,7 +145,7 @@ class Trainer:
             loss_sum.backward()
             total += stats["loss_sum"]
             for k, v in stats.items():
-                self._stats[k] += v
+                self._stats[k] = max(self._stats[k], v) if k.endswith("_max") else self._stats[k] + v
         self._busy_s += time.perf_counter() - t0
         return total
 
@@ -175,9 +178,23 @@ class Trainer:
             "clip_frac": s["clipped_sum"] / tokens,
             "ratio_mean": s["ratio_sum"] / tokens,
             "kl_ref": s["kl_sum"] / tokens if self.ref_model is not None else 0.0,
+            "old_behaviour_abs_gap": s["old_behav_gap_sum"] / tokens,
             "trained_tokens": s["tokens"],
+            **self._correction_metrics(tokens),
             "train_s": self._busy_s,
         }
+
+    def _correction_metrics(self, tokens: float) -> dict[str, float]:
+        s, out = self._stats, {}
+        if self.algo.is_level != "none":
+            out.update(
+                is_weight_mean=s["is_weight_sum"] / tokens,
+                is_weight_max=s["is_weight_max"],
+                is_clipped_frac=s["is_clipped_sum"] / tokens,
+            )
+        if self.algo.opsm_delta is not None:
+            out["opsm_masked_seqs"] = s["opsm_masked_seqs"]
+        return out
 
     def batch_divisor(self, samples: list[Sample]) -> float:
         return losses.batch_divisor(
@@ -215,23 +232,43 @@ class Trainer:
         per_token, clipped = losses.clipped_policy_loss(
             log_ratio, mb.advantages, algo.epsilon_low, algo.epsilon_high, algo.delta
         )
+        stats: dict[str, float] = {}
+        if algo.opsm_delta is not None:
+            keep = corrections.off_policy_sequence_mask(
+                logp, mb.behaviour_logprobs, mb.advantages, mask, algo.opsm_delta
+            )
+            per_token = per_token * keep
+            stats["opsm_masked_seqs"] = float((keep == 0).sum())
+        is_weights = corrections.importance_weights(
+            old, mb.behaviour_logprobs, mask, algo.is_level, algo.is_mode, algo.is_cap, algo.is_low
+        )
+        if is_weights is not None:
+            per_token = per_token * is_weights.weights
+            w, raw = is_weights.weights.expand_as(mask), is_weights.raw.expand_as(mask)
+            stats["is_weight_sum"] = float((w * mask).sum())
+            stats["is_weight_max"] = float((raw * mask).max()) if mask.any() else 0.0
+            stats["is_clipped_sum"] = float(((w != raw).to(mask.dtype) * mask).sum())
         kl = None
         if self.ref_model is not None and mb.ref_logprobs is not None:
             kl = losses.kl_penalty(logp, mb.ref_logprobs, algo.kl_estimator)
+            if algo.kl_ratio_correction:
+                kl = kl * torch.exp(log_ratio)
             per_token = per_token + algo.beta * kl
         if algo.entropy_coef:
             per_token = per_token - algo.entropy_coef * entropy
         loss_sum = losses.aggregate(per_token, mask, algo.loss_type)
         with torch.no_grad():
             ratio = torch.exp(log_ratio).expand_as(mask)
-            stats = {
-                "loss_sum": float(loss_sum),
-                "tokens": float(mask.sum()),
-                "entropy_sum": float((entropy * mask).sum()),
-                "clipped_sum": float((clipped.expand_as(mask) * mask).sum()),
-                "ratio_sum": float((ratio * mask).sum()),
-                "kl_sum": float((kl * mask).sum()) if kl is not None else 0.0,
-            }
+            behav_gap = (old - mb.behaviour_logprobs).abs() * mask
+            stats.update(
+                loss_sum=float(loss_sum),
+                tokens=float(mask.sum()),
+                entropy_sum=float((entropy * mask).sum()),
+                clipped_sum=float((clipped.expand_as(mask) * mask).sum()),
+                ratio_sum=float((ratio * mask).sum()),
+                kl_sum=float((kl * mask).sum()) if kl is not None else 0.0,
+                old_behav_gap_sum=float(behav_gap.sum()),
+            )
         return loss_sum, stats
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

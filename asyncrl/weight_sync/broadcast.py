@@ -12,6 +12,7 @@ the group's timeout turns a missing peer into an error instead of a hang.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable
 from datetime import timedelta
@@ -150,6 +151,17 @@ class BroadcastReceiver(_BroadcastEnd):
         super().__init__(layout, host, port, rank, world_size, bucket_bytes, timeout_s, torch.device(device))
 
     def receive(self, version: int, timeout: float | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+        """Take part in publications until one of ``version`` or newer has arrived.
+
+        Every publication is a collective, so a receiver that fell behind joins each one in
+        turn; the group's own timeout bounds every wait.
+        """
+        while True:
+            got_version, views = self._receive_one()
+            if got_version >= version:
+                return got_version, views
+
+    def _receive_one(self) -> tuple[int, dict[str, torch.Tensor]]:
         header = torch.zeros(3, dtype=torch.int64, device=self.device)
         chk = torch.zeros(1, dtype=torch.float64, device=self.device)
         self._bcast(header, "a header")
@@ -159,10 +171,52 @@ class BroadcastReceiver(_BroadcastEnd):
         self._bcast(chk, f"the checksum of version {got_version}")
         for flat in self.flat:
             self._bcast(flat, f"version {got_version}")
-        if got_version < version:
-            raise WeightSyncError(
-                f"{self.where}: expected version {version} or newer, received {got_version}"
-            )
         views = self._views()
         verify(views, self.layout, float(chk[0]), got_version, self.where)
         return got_version, views
+
+
+class BackgroundPublisher:
+    """Publishes from a snapshot on a background thread, so the trainer keeps training.
+
+    A broadcast completes only when every receiver joins it, which a generator does between
+    batches; the trainer should not wait for that. Publications stay in order: a new one
+    first waits (up to ``timeout_s``) for the previous one to finish.
+    """
+
+    def __init__(self, sender: BroadcastSender, timeout_s: float) -> None:
+        self.sender = sender
+        self.timeout_s = timeout_s
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def _wait_previous(self) -> None:
+        if self._thread is not None:
+            self._thread.join(self.timeout_s)
+            if self._thread.is_alive():
+                raise WeightSyncError(
+                    f"{self.sender.where}: the previous publication did not complete within {self.timeout_s:.0f}s "
+                    "(a receiver never joined it)"
+                )
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise WeightSyncError(f"{self.sender.where}: background publication failed: {error}")
+
+    def publish(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
+        t0 = time.perf_counter()
+        self._wait_previous()
+        snapshot = [(n, t.detach().clone()) for n, t in named]
+
+        def run() -> None:
+            try:
+                self.sender.publish(snapshot, version)
+            except BaseException as exc:  # surfaced by the next publish or close
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name=f"publish-v{version}", daemon=True)
+        self._thread.start()
+        return SyncStats(version, self.sender.layout.nbytes, time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self._wait_previous()
+        self.sender.close()

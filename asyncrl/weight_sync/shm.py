@@ -85,31 +85,38 @@ class SharedMemorySender:
 
 
 class SharedMemoryReceiver:
+    """Attaches to the sender's segment on first use (the sender may start after the receiver)."""
+
     def __init__(self, name: str, layout: WeightLayout) -> None:
-        try:
-            shm = shared_memory.SharedMemory(name=name, create=False)
-        except FileNotFoundError:
-            raise WeightSyncError(
-                f"shared memory segment {name!r} does not exist (has the trainer started?)"
-            ) from None
-        self._seg = _Segment(shm, layout)
         self.name = name
+        self.layout = layout
+        self._seg: _Segment | None = None
+
+    def _attach(self, deadline: float) -> _Segment:
+        while self._seg is None:
+            try:
+                self._seg = _Segment(shared_memory.SharedMemory(name=self.name, create=False), self.layout)
+            except FileNotFoundError:
+                if time.monotonic() > deadline:
+                    raise WeightSyncError(
+                        f"shared memory segment {self.name!r} does not exist (has the trainer started?)"
+                    ) from None
+                time.sleep(0.01)
+        return self._seg
 
     def receive(self, version: int, timeout: float) -> tuple[int, dict[str, torch.Tensor]]:
         deadline = time.monotonic() + timeout
-        layout = self._seg.layout
+        seg = self._attach(deadline)
+        layout = self.layout
         while True:
-            seq, got_version, chk, fingerprint = self._seg.header()
-            if fingerprint.decode() != layout.fingerprint:
+            seq, got_version, chk, fingerprint = seg.header()
+            if fingerprint.strip(b"\x00") and fingerprint.decode() != layout.fingerprint:
                 raise WeightSyncError(
                     f"shared memory {self.name}: layout fingerprint differs from this model's"
                 )
             if seq % 2 == 0 and got_version >= version:
-                copies = {
-                    spec.name: view.clone() for spec, view in zip(layout.specs, self._seg.views, strict=True)
-                }
-                seq_after = self._seg.header()[0]
-                if seq_after == seq:
+                copies = {spec.name: view.clone() for spec, view in zip(layout.specs, seg.views, strict=True)}
+                if seg.header()[0] == seq:  # nothing was written while we copied
                     verify(copies, layout, chk, got_version, f"shared memory {self.name}")
                     return got_version, copies
             if time.monotonic() > deadline:
@@ -120,4 +127,5 @@ class SharedMemoryReceiver:
             time.sleep(0.001)
 
     def close(self) -> None:
-        self._seg.close()
+        if self._seg is not None:
+            self._seg.close()

@@ -1,0 +1,138 @@
+"""Messages between the controller and its workers.
+
+Commands flow from the controller to one worker; events flow from every worker back to
+the controller. They are plain dataclasses so they pickle across processes (local
+runtime) or are passed by reference (inline runtime).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncrl.types import Group, Prompt
+
+# -- commands ---------------------------------------------------------------------------
+
+
+@dataclass
+class Submit:
+    """Generate one group per (group_id, prompt)."""
+
+    work: list[tuple[int, Prompt]]
+
+
+@dataclass
+class LoadWeights:
+    """Weights of ``version`` are published; load them when the interrupt mode allows."""
+
+    version: int
+
+
+@dataclass
+class Accumulate:
+    """Forward/backward on these groups as part of the current optimizer step."""
+
+    groups: list[Group]
+
+
+@dataclass
+class FinishStep:
+    """All groups of the step are in: divide by ``divisor``, take the optimizer step(s), publish."""
+
+    divisor: float
+    publish: bool
+
+
+@dataclass
+class Evaluate:
+    """Greedy accuracy of the trainer's current weights on the held-out prompts, labelled ``step``."""
+
+    step: int
+
+
+@dataclass
+class SaveModel:
+    path: str
+
+
+@dataclass
+class Stop:
+    pass
+
+
+# -- events -----------------------------------------------------------------------------
+
+
+@dataclass
+class Ready:
+    worker: str
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GroupReady:
+    worker: str
+    group: Group
+
+
+@dataclass
+class GroupDropped:
+    """A finished group that cannot be trained (e.g. its reward function failed under drop_group)."""
+
+    worker: str
+    group: Group
+    reason: str
+
+
+@dataclass
+class WeightsLoaded:
+    worker: str
+    version: int
+    seconds: float
+
+
+@dataclass
+class StepDone:
+    """One optimizer step finished; ``published`` tells whether its weights were pushed."""
+
+    worker: str
+    version: int
+    metrics: dict[str, float]
+    published: bool
+    publish_s: float = 0.0
+
+
+@dataclass
+class EvalDone:
+    worker: str
+    step: int
+    accuracy: float
+
+
+@dataclass
+class Saved:
+    worker: str
+    path: str
+
+
+@dataclass
+class Span:
+    """A timed piece of work, for timeline.jsonl and busy fractions."""
+
+    component: str
+    name: str
+    start: float
+    end: float
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class WorkerFailed:
+    worker: str
+    message: str
+    details: str = ""
+
+
+class WorkerError(RuntimeError):
+    """A worker died, failed, or stopped answering; the message names it."""

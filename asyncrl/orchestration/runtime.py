@@ -1,0 +1,92 @@
+"""The runtime seam: where workers live and how commands and events travel.
+
+A runtime hosts one trainer worker (named ``trainer``) and N generator workers (named
+``generator-<i>``). The controller only calls :meth:`Runtime.send` and :meth:`Runtime.poll`;
+it never learns whether a worker is an object in this process, a child process, or a Ray
+actor.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import torch
+
+from asyncrl.config import Config
+from asyncrl.orchestration.events import LoadWeights, Ready, Submit
+from asyncrl.orchestration.workers import GeneratorWorker, TrainerWorker
+from asyncrl.weight_sync.inprocess import InProcessChannel
+
+
+class Runtime(Protocol):
+    generator_names: list[str]
+
+    def start(self) -> None: ...
+
+    def send(self, worker: str, command) -> None: ...
+
+    def poll(self, timeout: float) -> list: ...
+
+    def stop(self) -> None: ...
+
+
+def generator_name(i: int) -> str:
+    return f"generator-{i}"
+
+
+class InlineRuntime:
+    """Everything in this process, taking turns: the colocated baseline (TRL's loop).
+
+    Trainer commands run when they are sent; generators run during :meth:`poll`. Each phase
+    runs with its own torch thread count (``runtime.generator_threads`` /
+    ``runtime.trainer_threads``), so the baseline can use the fastest setting per phase.
+    """
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.generator_names = [generator_name(i) for i in range(cfg.runtime.generators)]
+        self._default_threads = torch.get_num_threads()
+        self._events: list = []
+        self.trainer: TrainerWorker | None = None
+        self.generators: dict[str, GeneratorWorker] = {}
+
+    def _threads(self, n: int) -> None:
+        torch.set_num_threads(n or self._default_threads)
+
+    def start(self) -> None:
+        channel = InProcessChannel()
+        self.trainer = TrainerWorker("trainer", self.cfg, lambda layout: channel)
+        self.generators = {
+            name: GeneratorWorker(name, self.cfg, lambda layout: channel, seed=self.cfg.run.seed + i)
+            for i, name in enumerate(self.generator_names)
+        }
+        self._events += [Ready(n) for n in ["trainer", *self.generator_names]]
+
+    def send(self, worker: str, command) -> None:
+        if worker == "trainer":
+            self._threads(self.cfg.threads("trainer"))
+            self._events += self.trainer.handle(command)
+        elif isinstance(command, Submit | LoadWeights):
+            self.generators[worker].handle(command)
+        else:
+            raise TypeError(f"{worker} cannot handle {type(command).__name__}")
+
+    def poll(self, timeout: float) -> list:
+        """Pending events, or else run generators until they produce some (or have nothing to do)."""
+        if not self._events:
+            self._threads(self.cfg.threads("generator"))
+            busy = [g for g in self.generators.values() if not g.idle]
+            while busy and not self._events:
+                for g in busy:
+                    self._events += g.work()
+                busy = [g for g in busy if not g.idle]
+            if not self._events:
+                time.sleep(min(timeout, 0.01))  # nothing anywhere: let the controller's watchdog see it
+        events, self._events = self._events, []
+        return events
+
+    def stop(self) -> None:
+        self.generators.clear()
+        self.trainer = None
+        torch.set_num_threads(self._default_threads)

@@ -1,0 +1,233 @@
+"""The two workers every runtime hosts: a generator and a trainer.
+
+They hold the components (engine, rollout, trainer, weight transport), execute commands
+and return events; they know nothing about processes, queues or Ray. A runtime feeds them
+commands and forwards their events to the controller.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from asyncrl.config import Config
+from asyncrl.engine import EmbeddedEngine
+from asyncrl.evaluation import evaluate
+from asyncrl.models import save_policy
+from asyncrl.orchestration import build
+from asyncrl.orchestration.events import (
+    Accumulate,
+    EvalDone,
+    Evaluate,
+    FinishStep,
+    GroupDropped,
+    GroupReady,
+    LoadWeights,
+    Saved,
+    SaveModel,
+    Span,
+    StepDone,
+    Submit,
+    WeightsLoaded,
+)
+from asyncrl.tasks import resolve_reward
+from asyncrl.trainer import assign_advantages
+from asyncrl.trainer.batching import MicroBatch
+from asyncrl.weight_sync import WeightLayout, WeightReceiver, WeightSender
+
+SPAN_FLUSH_S = 0.25  # long generation periods are reported in slices so the timeline stays live
+
+
+class GeneratorWorker:
+    """An engine plus reward scoring, producing groups and applying weight updates.
+
+    Interrupt modes (when a published version is applied):
+    - ``batch``: once all submitted work is finished;
+    - ``drain``: once the running batch is finished; queued work waits and then runs under
+      the new weights.
+    Every token records the version of the weights that sampled it.
+    """
+
+    def __init__(
+        self, name: str, cfg: Config, receiver_factory: Callable[[WeightLayout], WeightReceiver], seed: int
+    ) -> None:
+        self.name = name
+        self.cfg = cfg
+        policy = build.build_policy(cfg)
+        self.receiver = receiver_factory(WeightLayout.of(policy.model.named_parameters()))
+        self.engine = EmbeddedEngine(
+            policy.model,
+            pad_token_id=policy.pad_token_id,
+            max_batch_size=cfg.rollout.max_batch_size,
+            seed=seed,
+        )
+        self.rollout = build.build_rollout(cfg, policy, self.engine)
+        self.interrupt = cfg.schedule.interrupt
+        self.pending_version: int | None = None
+        self._busy_since: float | None = None
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    @property
+    def idle(self) -> bool:
+        return self.pending_version is None and not self.engine.has_work
+
+    def handle(self, command: Submit | LoadWeights) -> None:
+        if isinstance(command, Submit):
+            self.rollout.submit(command.work)
+        elif isinstance(command, LoadWeights):
+            if command.version > self.engine.version:
+                self.pending_version = max(command.version, self.pending_version or 0)
+        else:
+            raise TypeError(f"generator cannot handle {type(command).__name__}")
+
+    def _may_apply_update(self) -> bool:
+        if self.interrupt == "batch":
+            return not self.engine.has_work
+        return self.engine.num_running == 0  # drain
+
+    def work(self) -> list:
+        """One unit of work: apply a pending update if allowed, else one engine step."""
+        events: list = []
+        if self.pending_version is not None and self._may_apply_update():
+            events += self._flush_span()
+            t0, start = time.perf_counter(), time.time()
+            version, tensors = self.receiver.receive(
+                self.pending_version, timeout=self.cfg.runtime.stall_timeout_s
+            )
+            self.engine.load_weights(tensors, version)
+            self.pending_version = None
+            seconds = time.perf_counter() - t0
+            events.append(Span(self.name, "weight_sync", start, time.time(), {"version": version}))
+            events.append(WeightsLoaded(self.name, version, seconds))
+            return events
+        if not self.engine.has_work:
+            return self._flush_span()
+        if self._busy_since is None:
+            self._busy_since = time.time()
+        ready, dropped = self.rollout.step()
+        events += [GroupReady(self.name, g) for g in ready]
+        events += [GroupDropped(self.name, g, "reward_error") for g in dropped]
+        if not self.engine.has_work or time.time() - self._busy_since > SPAN_FLUSH_S:
+            events += self._flush_span()
+        return events
+
+    def _flush_span(self) -> list:
+        if self._busy_since is None:
+            return []
+        span = Span(self.name, "generate", self._busy_since, time.time(), {"version": self.engine.version})
+        self._busy_since = None
+        return [span]
+
+
+class TrainerWorker:
+    """The trainer: accumulates streamed groups into one optimizer step, then publishes weights."""
+
+    def __init__(
+        self, name: str, cfg: Config, sender_factory: Callable[[WeightLayout], WeightSender]
+    ) -> None:
+        self.name = name
+        self.cfg = cfg
+        self.policy = build.build_policy(cfg)
+        self.sender = sender_factory(WeightLayout.of(self.policy.model.named_parameters()))
+        self.trainer = build.build_trainer(cfg, self.policy)
+        self._step_batches: list[MicroBatch] = []
+        self._step_open = False
+        self._eval_engine: EmbeddedEngine | None = None
+        self._eval_prompts: list = []
+        self.trainer_reward = resolve_reward(cfg.task.reward)
+
+    @property
+    def version(self) -> int:
+        return self.trainer.version
+
+    def handle(self, command: Accumulate | FinishStep | Evaluate | SaveModel) -> list:
+        if isinstance(command, Accumulate):
+            return self._accumulate(command)
+        if isinstance(command, FinishStep):
+            return self._finish(command)
+        if isinstance(command, Evaluate):
+            return self._evaluate(command)
+        if isinstance(command, SaveModel):
+            save_policy(self.policy, Path(command.path))
+            return [Saved(self.name, command.path)]
+        raise TypeError(f"trainer cannot handle {type(command).__name__}")
+
+    def _evaluate(self, command: Evaluate) -> list:
+        """Greedy accuracy of the current weights, generated on the trainer's own model (no copy)."""
+        start = time.time()
+        if self._eval_engine is None:
+            self._eval_engine = EmbeddedEngine(
+                self.policy.model,
+                pad_token_id=self.policy.pad_token_id,
+                max_batch_size=self.cfg.rollout.max_batch_size,
+                owns_model=False,
+            )
+            self._eval_prompts = build.eval_prompts(self.cfg, self.policy)
+        model = self.policy.model
+        was_training = model.training
+        model.eval()
+        try:
+            accuracy = evaluate(
+                self._eval_engine,
+                self.policy.tokenizer,
+                self._eval_prompts,
+                self.trainer_reward,
+                build.sampling_params(self.cfg, self.policy, greedy=True),
+            )
+        finally:
+            model.train(was_training)
+        return [Span(self.name, "eval", start, time.time()), EvalDone(self.name, command.step, accuracy)]
+
+    def _accumulate(self, command: Accumulate) -> list:
+        start = time.time()
+        if not self._step_open:
+            self.trainer.begin_step()
+            self._step_batches = []
+            self._step_open = True
+        assign_advantages(command.groups, self.cfg.algorithm.advantage_scale)
+        batches = self.trainer.prepare([s for g in command.groups for s in g.samples])
+        self._step_batches += batches
+        self.trainer.accumulate(batches)
+        return [Span(self.name, "train", start, time.time(), {"groups": len(command.groups)})]
+
+    def _finish(self, command: FinishStep) -> list:
+        if not self._step_open:
+            raise RuntimeError("FinishStep without any accumulated group")
+        events: list = []
+        start = time.time()
+        steps = [self.trainer.finish_step(command.divisor)]
+        for _ in range(self.cfg.algorithm.num_iterations - 1):
+            self.trainer.begin_step()
+            self.trainer.accumulate(self._step_batches)
+            steps.append(self.trainer.finish_step(command.divisor))
+        self._step_open = False
+        self._step_batches = []
+        events.append(Span(self.name, "train", start, time.time(), {"optimizer_steps": len(steps)}))
+        publish_s = 0.0
+        if command.publish:
+            t0, start = time.perf_counter(), time.time()
+            self.sender.publish(self.trainer.named_weights(), self.trainer.version)
+            publish_s = time.perf_counter() - t0
+            events.append(
+                Span(self.name, "weight_sync", start, time.time(), {"version": self.trainer.version})
+            )
+        first_version = self.trainer.version - len(steps) + 1
+        for i, metrics in enumerate(steps):
+            last = i == len(steps) - 1
+            events.append(
+                StepDone(
+                    self.name,
+                    first_version + i,
+                    metrics,
+                    published=last and command.publish,
+                    publish_s=publish_s if last else 0.0,
+                )
+            )
+        return events
+
+    def close(self) -> None:
+        self.sender.close()
