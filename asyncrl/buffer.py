@@ -90,7 +90,7 @@ class RolloutBuffer:
         with self._cond:
             if not self._cond.wait_for(lambda: len(self._groups) < self.capacity, timeout=timeout):
                 raise TimeoutError(
-                    f"rollout buffer stayed full ({self.capacity} groups) for {timeout:.0f}s: the trainer is not consuming"
+                    f"rollout buffer stayed full ({self.capacity} groups) for {timeout:g}s: the trainer is not consuming"
                 )
             self._groups.append(group)
             self.stats.accepted += 1

@@ -42,6 +42,14 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _timeline(args: argparse.Namespace) -> int:
+    from asyncrl.timeline import plot_timeline
+
+    busy = plot_timeline(Path(args.run_dir), Path(args.output), title=args.title, last_s=args.last)
+    print(json.dumps({"output": args.output, "busy_frac": {k: round(v, 4) for k, v in busy.items()}}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from asyncrl.sft import SFTConfig
 
@@ -78,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sft.add_argument("--seed", type=int, default=0)
     sft.set_defaults(func=_sft)
+
+    timeline = sub.add_parser("timeline", help="draw a run's timeline.jsonl as a Gantt chart (PNG)")
+    timeline.add_argument("run_dir", help="a run directory")
+    timeline.add_argument("-o", "--output", default="timeline.png", help="PNG file to write")
+    timeline.add_argument("--last", type=float, help="only the last N seconds of the run")
+    timeline.add_argument("--title", help="chart title (default: the run directory name)")
+    timeline.set_defaults(func=_timeline)
 
     config = sub.add_parser("config", help="print the resolved config, or the reference of every option")
     config.add_argument("config", nargs="?")

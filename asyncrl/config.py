@@ -86,7 +86,15 @@ class RolloutConfig(Section):
 
     group_size: int = Field(8, ge=1, description="Completions per prompt (G).")
     prompts_per_step: int = Field(32, ge=1, description="Prompts per optimizer step (batch = prompts x G).")
-    max_new_tokens: int = Field(8, ge=1, description="Most tokens generated per completion.")
+    max_new_tokens: int = Field(
+        8,
+        ge=1,
+        description="Most tokens generated per completion. A JSONL row may lower it for its prompt with a "
+        "'max_new_tokens' field.",
+    )
+    ignore_eos: bool = Field(
+        False, description="Keep generating past EOS until the token budget (for benchmarks, as in vLLM)."
+    )
     temperature: float = Field(
         1.0, gt=0, description="Sampling temperature; log-probs are of logits/temperature."
     )

@@ -7,11 +7,12 @@ through the request id, which carries the group id and prompt id — never by po
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl.engine import GenerationRequest, SamplingParams
+from asyncrl.errors import DatasetError
 from asyncrl.tasks.rewards import RewardFn, score
 from asyncrl.types import Group, Prompt, Sample
 
@@ -71,9 +72,21 @@ class RolloutWorker:
             if group_id in self._pending:
                 raise ValueError(f"group {group_id} is already in flight")
             ids = self.encode(prompt)
+            sampling = self._sampling_for(prompt)
             self._pending[group_id] = _PendingGroup(prompt, ids, {})
             for k in range(self.group_size):
-                self.engine.add_request(GenerationRequest(f"{group_id}/{k}", ids, self.sampling))
+                self.engine.add_request(GenerationRequest(f"{group_id}/{k}", ids, sampling))
+
+    def _sampling_for(self, prompt: Prompt) -> SamplingParams:
+        """The prompt's own token budget (a dataset field), never above the configured one."""
+        budget = prompt.extra.get("max_new_tokens")
+        if budget is None:
+            return self.sampling
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise DatasetError(
+                f"prompt {prompt.prompt_id}: 'max_new_tokens' must be a positive integer, got {budget!r}"
+            )
+        return replace(self.sampling, max_new_tokens=min(budget, self.sampling.max_new_tokens))
 
     def step(self) -> tuple[list[Group], list[Group]]:
         """Advance the engine one step; returns (completed groups, groups dropped for reward errors)."""

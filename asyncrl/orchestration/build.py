@@ -30,7 +30,7 @@ def sampling_params(cfg: Config, policy: Policy, *, greedy: bool = False) -> Sam
         temperature=0.0 if greedy else r.temperature,
         top_k=r.top_k,
         top_p=r.top_p,
-        stop_token_ids=(policy.eos_token_id,),
+        stop_token_ids=() if r.ignore_eos and not greedy else (policy.eos_token_id,),
     )
 
 

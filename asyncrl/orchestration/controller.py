@@ -102,6 +102,10 @@ class Controller:
 
     def run(self) -> dict:
         self.runtime.start()
+        # Start-up is bounded by runtime.start_timeout_s; the stall clock and the first step's
+        # window start once the workers are ready.
+        self._last_progress = self._loop_t = time.monotonic()
+        self._last_step_end = time.time()
         if self.cfg.run.eval_every:
             self._send(TRAINER, Evaluate(0))
         while self.steps_done < self.cfg.run.steps or self.evals_pending or not self.saved:
@@ -125,16 +129,20 @@ class Controller:
         total_running = sum(self.running.values())
         budget = self.rounds * self.B - (self.accepted + total_running)  # groups the run still needs
         blocked = False
-        for gen in sorted(self.gens, key=lambda g: -self.gen_version[g]):
+        # Freshest weights first; equally fresh generators share what may start, least loaded first.
+        order = sorted(self.gens, key=lambda g: (-self.gen_version[g], self.running[g]))
+        if self.cfg.schedule.interrupt == "batch":  # new work would postpone the update a generator awaits
+            order = [g for g in order if not self.gen_pending_update[g]]
+        for i, gen in enumerate(order):
             if budget <= 0:
                 break
-            if self.cfg.schedule.interrupt == "batch" and self.gen_pending_update[gen]:
-                continue  # new work would postpone the update it is waiting to apply
             cap = self.admission.capacity(self.gen_version[gen], self.accepted, total_running)
             if cap == 0:
                 blocked |= self.running[gen] == 0
                 continue
-            n = min(cap, budget, self.cfg.rollout.max_batch_size // self.cfg.rollout.group_size or 1)
+            peers = sum(self.gen_version[g] == self.gen_version[gen] for g in order[i:])
+            share = -(-min(cap, budget) // peers)
+            n = min(share, self.cfg.rollout.max_batch_size // self.cfg.rollout.group_size or 1)
             work = [(self._new_group_id(), self._next_prompt()) for _ in range(n)]
             self._send(gen, Submit(work))
             self.running[gen] += n

@@ -97,7 +97,6 @@ def _worker_main(
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    evt_q.cancel_join_thread()  # never block on exit because the controller stopped reading
     parent = os.getppid()
     worker = None
     try:
@@ -117,7 +116,10 @@ def _worker_main(
                 seed=cfg.run.seed + index,
             )
         evt_q.put(Ready(name, {"pid": os.getpid(), "threads": torch.get_num_threads()}))
-        while os.getppid() == parent:
+        while True:
+            if os.getppid() != parent:
+                evt_q.cancel_join_thread()  # nobody will read what is still queued; do not wait for it
+                return
             if role == TRAINER:
                 try:
                     command = cmd_q.get(timeout=0.5)
@@ -140,6 +142,7 @@ def _worker_main(
             for event in worker.work():
                 evt_q.put(event)
     except BaseException as exc:
+        # Exiting joins the queue's feeder thread, so the report is written before the process ends.
         evt_q.put(WorkerFailed(name, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         raise SystemExit(1) from None
     finally:

@@ -58,7 +58,7 @@ class RunSession:
 
     def record_step(self, record: dict[str, Any]) -> int:
         self.step += 1
-        record = {"step": self.step, "time_s": round(self.elapsed(), 4), **record}
+        record = {"step": self.step, "time_s": round(self.elapsed(), 4), "wall_time": time.time(), **record}
         self.history.append(record)
         self._metrics.write(record)
         self.progress.update(record)

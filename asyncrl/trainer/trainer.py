@@ -189,7 +189,7 @@ class Trainer:
         if self.algo.is_level != "none":
             out.update(
                 is_weight_mean=s["is_weight_sum"] / tokens,
-                is_weight_max=s["is_weight_max"],
+                is_ratio_max=s["is_ratio_max"],
                 is_clipped_frac=s["is_clipped_sum"] / tokens,
             )
         if self.algo.opsm_delta is not None:
@@ -246,7 +246,7 @@ class Trainer:
             per_token = per_token * is_weights.weights
             w, raw = is_weights.weights.expand_as(mask), is_weights.raw.expand_as(mask)
             stats["is_weight_sum"] = float((w * mask).sum())
-            stats["is_weight_max"] = float((raw * mask).max()) if mask.any() else 0.0
+            stats["is_ratio_max"] = float((raw * mask).max()) if mask.any() else 0.0
             stats["is_clipped_sum"] = float(((w != raw).to(mask.dtype) * mask).sum())
         kl = None
         if self.ref_model is not None and mb.ref_logprobs is not None:

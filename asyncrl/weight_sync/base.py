@@ -75,6 +75,21 @@ def checksum(tensors: Iterable[torch.Tensor]) -> float:
     return float(total)
 
 
+def check_publish(layout: WeightLayout, tensors: dict[str, torch.Tensor], version: int, source: str) -> None:
+    """Refuse a publication whose names, shapes or dtypes differ from the layout, before anything is written."""
+    got = WeightLayout.of(tensors.items())
+    if got != layout:
+        diff = next(
+            (
+                f"got {g.name} {list(g.shape)} {g.dtype}, layout has {w.name} {list(w.shape)} {w.dtype}"
+                for g, w in zip(got.specs, layout.specs, strict=False)
+                if g != w
+            ),
+            f"{len(got.specs)} tensors instead of {len(layout.specs)}",
+        )
+        raise WeightSyncError(f"{source}: publish of version {version} does not match the layout ({diff})")
+
+
 def verify(
     received: dict[str, torch.Tensor],
     layout: WeightLayout,

@@ -20,7 +20,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from asyncrl.weight_sync.base import SyncStats, TensorSpec, WeightLayout, WeightSyncError, checksum, verify
+from asyncrl.weight_sync.base import (
+    SyncStats,
+    TensorSpec,
+    WeightLayout,
+    WeightSyncError,
+    check_publish,
+    checksum,
+    verify,
+)
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
@@ -69,7 +77,7 @@ class _BroadcastEnd:
             self.group = _make_group(host, port, rank, world_size, timeout_s, device)
         except (RuntimeError, dist.DistStoreError) as exc:
             raise WeightSyncError(
-                f"{self.where}: could not form the group within {timeout_s:.0f}s: {exc}"
+                f"{self.where}: could not form the group within {timeout_s:g}s: {exc}"
             ) from None
         self.buckets = plan_buckets(layout, bucket_bytes)
         self.flat = [
@@ -84,7 +92,7 @@ class _BroadcastEnd:
             self.group.broadcast(tensor, 0).wait()
         except RuntimeError as exc:
             raise WeightSyncError(
-                f"{self.where}: broadcast of {what} failed or timed out after {self.timeout_s:.0f}s: {exc}"
+                f"{self.where}: broadcast of {what} failed or timed out after {self.timeout_s:g}s: {exc}"
             ) from None
 
     def _views(self) -> dict[str, torch.Tensor]:
@@ -118,8 +126,7 @@ class BroadcastSender(_BroadcastEnd):
     def publish(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
         t0 = time.perf_counter()
         tensors = dict(named)
-        if list(tensors) != self.layout.names:
-            raise WeightSyncError(f"{self.where}: publish of version {version} does not match the layout")
+        check_publish(self.layout, tensors, version, self.where)
         values = list(tensors.values())
         header = torch.tensor([version, self.fingerprint, 0], dtype=torch.int64, device=self.device)
         chk = torch.tensor([checksum(values)], dtype=torch.float64, device=self.device)
@@ -195,7 +202,7 @@ class BackgroundPublisher:
             self._thread.join(self.timeout_s)
             if self._thread.is_alive():
                 raise WeightSyncError(
-                    f"{self.sender.where}: the previous publication did not complete within {self.timeout_s:.0f}s "
+                    f"{self.sender.where}: the previous publication did not complete within {self.timeout_s:g}s "
                     "(a receiver never joined it)"
                 )
         if self._error is not None:

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from asyncrl.weight_sync.base import SyncStats, WeightLayout, WeightSyncError, checksum, verify
+from asyncrl.weight_sync.base import SyncStats, WeightLayout, WeightSyncError, check_publish, checksum, verify
 
 MARKER = "LATEST"
 
@@ -43,8 +43,7 @@ class FileSender:
     def publish(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
         t0 = time.perf_counter()
         tensors = {n: t.detach().contiguous().cpu() for n, t in named}
-        if list(tensors) != self.layout.names:
-            raise WeightSyncError(f"{self.dir}: publish of version {version} does not match the layout")
+        check_publish(self.layout, tensors, version, str(self.dir))
         chk = checksum(tensors.values())
         path = self.dir / f"weights-v{version}.safetensors"
         meta = {"version": str(version), "fingerprint": self.layout.fingerprint}
@@ -83,7 +82,7 @@ class FileReceiver:
                 pass  # no marker yet, or the file it names was just rotated away; look again
             if time.monotonic() > deadline:
                 raise WeightSyncError(
-                    f"{self.dir}: version {version} not published within {timeout:.0f}s (latest seen: {seen})"
+                    f"{self.dir}: version {version} not published within {timeout:g}s (latest seen: {seen})"
                 )
             time.sleep(0.005)
 

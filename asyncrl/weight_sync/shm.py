@@ -17,7 +17,7 @@ from multiprocessing import shared_memory
 
 import torch
 
-from asyncrl.weight_sync.base import SyncStats, WeightLayout, WeightSyncError, checksum, verify
+from asyncrl.weight_sync.base import SyncStats, WeightLayout, WeightSyncError, check_publish, checksum, verify
 
 HEADER = struct.Struct("<qqd16s")  # sequence, version, checksum, layout fingerprint
 HEADER_BYTES = 64
@@ -66,10 +66,7 @@ class SharedMemorySender:
     def publish(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
         t0 = time.perf_counter()
         tensors = dict(named)
-        if list(tensors) != self._seg.layout.names:
-            raise WeightSyncError(
-                f"shared memory {self.name}: publish of version {version} does not match the layout"
-            )
+        check_publish(self._seg.layout, tensors, version, f"shared memory {self.name}")
         self._seq += 1  # odd: a write is in progress
         self._seg.set_header(self._seq, version, 0.0)
         for view, t in zip(self._seg.views, tensors.values(), strict=True):
@@ -95,7 +92,15 @@ class SharedMemoryReceiver:
     def _attach(self, deadline: float) -> _Segment:
         while self._seg is None:
             try:
-                self._seg = _Segment(shared_memory.SharedMemory(name=self.name, create=False), self.layout)
+                shm = shared_memory.SharedMemory(name=self.name, create=False)
+                need = _offsets(self.layout)[-1]
+                if shm.size < need:  # views past the end would fail with a bare RuntimeError
+                    shm.close()
+                    raise WeightSyncError(
+                        f"shared memory {self.name}: the segment holds {shm.size} bytes but this model's "
+                        f"layout needs {need}: the layout differs from the sender's"
+                    )
+                self._seg = _Segment(shm, self.layout)
             except FileNotFoundError:
                 if time.monotonic() > deadline:
                     raise WeightSyncError(
@@ -121,7 +126,7 @@ class SharedMemoryReceiver:
                     return got_version, copies
             if time.monotonic() > deadline:
                 raise WeightSyncError(
-                    f"shared memory {self.name}: version {version} not available within {timeout:.0f}s "
+                    f"shared memory {self.name}: version {version} not available within {timeout:g}s "
                     f"(latest complete version {got_version if seq % 2 == 0 else 'being written'})"
                 )
             time.sleep(0.001)

@@ -1,0 +1,182 @@
+"""Overlap benchmark: a straggler workload under every schedule, on the same machine.
+
+    python bench/overlap.py [--steps 14] [--warmup 3] [--prompts 16] [--group 4] [--median 16]
+
+Workload: the tiny 1M-parameter Qwen2-style model generates completions whose lengths are
+long-tailed (log-normal over prompts, p99 about 10x the median, EOS ignored so the budget
+sets the length), so generation dominates a step and the slowest group gates it, as in
+reasoning RL.
+
+Machine split: ``sync`` runs inline and uses, for each phase, the torch thread count that
+was measured fastest for that phase (1 or all cores); the disaggregated schedules run the
+generator and the trainer as two processes with an even share of the cores each.
+
+Prints one JSON object (last line): per schedule ``s_per_step`` (steady state, after
+``--warmup`` steps), ``trainer_busy_frac``, ``generator_busy_frac`` (over the same
+window, from timeline.jsonl), ``speedup_vs_sync``, and ``ideal_speedup`` =
+(Tgen + Ttrain) / max(Tgen, Ttrain) from sync's own phase times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from asyncrl.config import load_config
+from asyncrl.metrics import read_jsonl
+from asyncrl.orchestration import train
+from asyncrl.timeline import busy_fractions
+
+REWARD_MODULE = '''
+def score(completion, **_):
+    """Share of digits in the completion: a reward with spread, so every step has a gradient."""
+    return sum(c.isdigit() for c in completion) / max(len(completion), 1)
+'''
+
+
+def write_workload(directory: Path, n: int, median: int, cap: int, seed: int) -> dict:
+    """Prompts with log-normal token budgets: p99/median = exp(2.326 sigma) = 10."""
+    rng = random.Random(seed)
+    sigma = math.log(10) / 2.326
+    budgets = [max(1, min(cap, round(median * math.exp(rng.gauss(0, sigma))))) for _ in range(n)]
+    with (directory / "stragglers.jsonl").open("w") as fh:
+        for i, budget in enumerate(budgets):
+            a, b = rng.randint(0, 99), rng.randint(0, 99)
+            fh.write(
+                json.dumps({"prompt": f"{a}+{b}=", "answer": a + b, "max_new_tokens": budget, "i": i}) + "\n"
+            )
+    (directory / "straggler_reward.py").write_text(REWARD_MODULE)
+    q = statistics.quantiles(budgets, n=100)
+    return {
+        "prompts": n,
+        "median_tokens": statistics.median(budgets),
+        "p99_tokens": q[98],
+        "p99_over_median": q[98] / statistics.median(budgets),
+        "max_tokens": max(budgets),
+    }
+
+
+def run_schedule(name: str, overrides: list[str], work: Path, tag: str) -> Path:
+    run_dir = work / tag
+    train(load_config(None, [*overrides]), run_dir)
+    return run_dir
+
+
+def steady_window(run_dir: Path, warmup: int) -> dict:
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    spans = read_jsonl(run_dir / "timeline.jsonl")
+    start, end = rows[warmup - 1]["wall_time"], rows[-1]["wall_time"]
+    steps = len(rows) - warmup
+    busy = busy_fractions(spans, start, end)
+    gens = [v for k, v in busy.items() if k.startswith("generator")]
+
+    def phase_s(component_prefix: str) -> float:
+        total = sum(
+            min(s["end"], end) - max(s["start"], start)
+            for s in spans
+            if s["component"].startswith(component_prefix) and s["end"] > start and s["start"] < end
+        )
+        return total / steps
+
+    return {
+        "s_per_step": (end - start) / steps,
+        "trainer_busy_frac": busy.get("trainer", 0.0),
+        "generator_busy_frac": statistics.fmean(gens) if gens else 0.0,
+        "gen_s_per_step": phase_s("generator"),
+        "train_s_per_step": phase_s("trainer"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    parser.add_argument("--group", type=int, default=4, help="completions per prompt")
+    parser.add_argument("--median", type=int, default=16, help="median completion length (tokens)")
+    parser.add_argument("--schedules", nargs="+", default=["sync", "periodic", "one_step_off", "async"])
+    parser.add_argument("--keep", type=Path, help="copy the run directories here (for timeline plots)")
+    args = parser.parse_args()
+
+    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="asyncrl-overlap-"))
+    work.mkdir(parents=True, exist_ok=True)
+    cap = args.median * 12
+    workload = write_workload(work, args.prompts * (args.steps + 2) * 4, args.median, cap, seed=0)
+    sys.path.insert(0, str(work))
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(work), os.environ.get("PYTHONPATH", "")])
+    base = [
+        "model.path=tiny:1m",
+        "task.name=jsonl",
+        f"task.path={work / 'stragglers.jsonl'}",
+        "task.reward=straggler_reward:score",
+        "rollout.ignore_eos=true",
+        f"rollout.max_new_tokens={cap}",
+        f"rollout.group_size={args.group}",
+        f"rollout.prompts_per_step={args.prompts}",
+        "run.eval_every=0",
+        "run.progress=false",
+        f"run.steps={args.steps}",
+    ]
+
+    # sync gets the best thread count per phase, measured on this machine.
+    cores = len(os.sched_getaffinity(0))
+    probe_steps = max(args.warmup + 3, 6)
+    probes = {}
+    for threads in sorted({1, cores}):
+        run_dir = run_schedule(
+            "sync",
+            [
+                *base,
+                "schedule=sync",
+                f"run.steps={probe_steps}",
+                f"runtime.generator_threads={threads}",
+                f"runtime.trainer_threads={threads}",
+            ],
+            work,
+            f"probe-{threads}",
+        )
+        probes[threads] = steady_window(run_dir, args.warmup)
+    gen_threads = min(probes, key=lambda t: probes[t]["gen_s_per_step"])
+    train_threads = min(probes, key=lambda t: probes[t]["train_s_per_step"])
+
+    results = {}
+    for name in args.schedules:
+        extra = [f"schedule={name}"]
+        if name == "sync":
+            extra += [f"runtime.generator_threads={gen_threads}", f"runtime.trainer_threads={train_threads}"]
+        results[name] = steady_window(run_schedule(name, [*base, *extra], work, name), args.warmup)
+    sync = results.get("sync")
+    ideal = None
+    if sync:
+        t_gen, t_train = sync["gen_s_per_step"], sync["train_s_per_step"]
+        ideal = (t_gen + t_train) / max(t_gen, t_train)
+    out = {
+        "workload": workload,
+        "machine": {
+            "cores": cores,
+            "sync_generator_threads": gen_threads,
+            "sync_trainer_threads": train_threads,
+            "phase_probe": {str(t): {k: round(v, 4) for k, v in p.items()} for t, p in probes.items()},
+        },
+        "schedules": {
+            name: {
+                **{k: round(v, 4) for k, v in r.items()},
+                "speedup_vs_sync": round(sync["s_per_step"] / r["s_per_step"], 3) if sync else None,
+                "ideal_speedup": round(ideal, 3) if ideal else None,
+            }
+            for name, r in results.items()
+        },
+        "run_dirs": str(work),
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,293 @@
+"""The local runtime (one process per worker): weight-sync transports, hygiene, and worker failures.
+
+Every run here checks that it leaves no child process and no shared-memory segment behind.
+Reward modules written into ``tmp_path`` stand in for user code that behaves differently in
+the worker processes (slow to import, failing, stalling, or telling its pid).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
+from pathlib import Path
+
+import psutil
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.metrics import read_jsonl
+from asyncrl.orchestration import train
+from asyncrl.orchestration.events import WorkerError
+
+STEPS = 5
+PROMPTS = 4
+BASE = [
+    f"rollout.prompts_per_step={PROMPTS}",
+    "rollout.group_size=4",
+    f"run.steps={STEPS}",
+    "run.eval_every=0",
+    "run.progress=false",
+    "runtime.generator_threads=1",
+    "runtime.trainer_threads=1",
+    "schedule=async",
+]
+SHM_DIR = Path("/dev/shm")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _resource_tracker_running() -> None:
+    """multiprocessing's resource tracker outlives every run by design; start it first so it is not a leftover."""
+    resource_tracker.ensure_running()
+
+
+def child_pids() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def own_shm_segments() -> set[str]:
+    """Shared-memory segments of runs started by this process (the shm transport names them asyncrl-<pid>-*)."""
+    if not SHM_DIR.is_dir():
+        return set()
+    return {p.name for p in SHM_DIR.iterdir() if p.name.startswith(f"asyncrl-{os.getpid()}-")}
+
+
+@dataclass
+class Outcome:
+    run_dir: Path
+    summary: dict | None
+    error: WorkerError | None
+    seconds: float
+    leftover_children: list[str] = field(default_factory=list)
+    leftover_shm: list[str] = field(default_factory=list)
+
+    @property
+    def metrics(self) -> list[dict]:
+        return read_jsonl(self.run_dir / "metrics.jsonl")
+
+    @property
+    def timeline(self) -> list[dict]:
+        return read_jsonl(self.run_dir / "timeline.jsonl")
+
+
+def run_local(run_dir: Path, overrides: list[str]) -> Outcome:
+    """``train`` in the local runtime; a WorkerError is returned, not raised, with what the run left behind."""
+    children, segments = child_pids(), own_shm_segments()
+    cfg = load_config(None, [*BASE, "runtime.kind=local", *overrides])
+    t0 = time.monotonic()
+    summary, error = None, None
+    try:
+        summary = train(cfg, run_dir)
+    except WorkerError as exc:
+        error = exc
+    seconds = time.monotonic() - t0
+    leftovers = []
+    for pid in sorted(child_pids() - children):
+        try:
+            leftovers.append(f"{pid}: {' '.join(psutil.Process(pid).cmdline())}")
+        except psutil.NoSuchProcess:
+            continue  # exited between the two looks
+    return Outcome(run_dir, summary, error, seconds, leftovers, sorted(own_shm_segments() - segments))
+
+
+def write_module(directory: Path, name: str, source: str) -> str:
+    (directory / f"{name}.py").write_text(textwrap.dedent(source), encoding="utf-8")
+    return name
+
+
+@pytest.fixture
+def reward_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[str, str], str]:
+    """Writes a reward module into tmp_path, importable here and in spawned workers; returns 'module:reward'."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+
+    def make(name: str, source: str) -> str:
+        return f"{write_module(tmp_path, name, source)}:reward"
+
+    return make
+
+
+# -- 6. weight-sync transports end to end ------------------------------------------------------
+
+TRANSPORTS = {
+    "shm": ["runtime.weight_sync=shm"],
+    "files": ["runtime.weight_sync=files"],
+    "broadcast": ["runtime.weight_sync=broadcast", "runtime.generators=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def transport_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Outcome]:
+    """One short async run per transport, made on first request and shared."""
+    runs: dict[str, Outcome] = {}
+
+    def get(name: str) -> Outcome:
+        if name not in runs:
+            runs[name] = run_local(tmp_path_factory.mktemp(name) / "run", TRANSPORTS[name])
+        return runs[name]
+
+    return get
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_weight_sync_transport_end_to_end(transport_run, transport: str) -> None:
+    """async over shm, files and broadcast: completes, publishes every step, generators' versions advance."""
+    run = transport_run(transport)
+    assert run.error is None, run.error
+    assert run.summary["runtime"] == "local"
+    assert run.summary["accounting"]["reconciles"] is True
+    assert run.summary["accounting"]["trained"] == STEPS * PROMPTS
+    metrics = run.metrics
+    assert [r["step"] for r in metrics] == list(range(1, STEPS + 1))
+    assert max(r["gen_version_min"] for r in metrics) >= STEPS - 3
+    assert all(r["staleness_max"] <= 2 for r in metrics)
+    timeline = run.timeline
+    published = [e["version"] for e in timeline if e["component"] == "trainer" and e["name"] == "weight_sync"]
+    assert published == list(range(1, STEPS))  # every step but the last publishes
+    generators = sorted({e["component"] for e in timeline if e["component"].startswith("generator-")})
+    assert len(generators) == (2 if transport == "broadcast" else 1)
+    for gen in generators:
+        loaded = [e["version"] for e in timeline if e["component"] == gen and e["name"] == "weight_sync"]
+        assert loaded, f"{gen} never loaded weights"
+        assert loaded == sorted(set(loaded)), f"{gen} versions not strictly increasing: {loaded}"
+        assert set(loaded) <= set(published)
+    if transport == "files":
+        assert (run.run_dir / "weights").is_dir()
+
+
+# -- 7. hygiene and failures ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_no_process_or_shared_memory_outlives_a_run(transport_run, transport: str) -> None:
+    """After a run every worker process is gone and no asyncrl-* shared-memory segment of ours remains."""
+    run = transport_run(transport)
+    assert run.error is None, run.error
+    assert run.leftover_children == []
+    assert run.leftover_shm == []
+
+
+PID_REWARD = """
+import os
+from pathlib import Path
+
+def reward(completion, prompt, answer, **_):
+    (Path({pid_dir!r}) / str(os.getpid())).touch()  # only generators score completions
+    return float(completion.strip() == answer)
+"""
+
+
+def test_killed_generator_fails_the_run_naming_it(tmp_path: Path, reward_module) -> None:
+    """SIGKILL of generator-0 mid-run raises WorkerError naming it and exit code -9, quickly, leaving no process."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    reward = reward_module("asyncrl_test_pid_reward", PID_REWARD.format(pid_dir=str(pid_dir)))
+    run_dir = tmp_path / "run"
+    killed: dict[str, float] = {}
+
+    def kill_once_training() -> None:
+        deadline = time.monotonic() + 120
+        metrics = run_dir / "metrics.jsonl"
+        while time.monotonic() < deadline:
+            pids = list(pid_dir.iterdir())
+            if pids and metrics.is_file() and metrics.read_text(encoding="utf-8").strip():
+                pid = int(pids[0].name)
+                if pid in child_pids():  # only ever signal a process this test started
+                    killed["pid"], killed["at"] = pid, time.monotonic()
+                    os.kill(pid, signal.SIGKILL)
+                return
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_once_training, daemon=True)
+    killer.start()
+    run = run_local(run_dir, ["run.steps=400", f"task.reward={reward}"])
+    killer.join(timeout=10)
+    assert not killer.is_alive()
+    assert "pid" in killed, "the run never made progress"
+    assert len(list(pid_dir.iterdir())) == 1  # the one generator scored; the trainer did not
+    assert run.error is not None, "train returned although its generator was killed"
+    message = str(run.error)
+    assert "generator-0" in message and f"pid {killed['pid']}" in message and "code -9" in message
+    assert time.monotonic() - killed["at"] < 30
+    assert 1 <= len(run.metrics) < 400
+    assert run.leftover_children == []
+    assert run.leftover_shm == []
+
+
+FAIL_IN_GENERATOR_REWARD = """
+import multiprocessing
+
+if multiprocessing.current_process().name.startswith("asyncrl-generator"):
+    raise RuntimeError("reward backend unavailable in this generator")
+
+def reward(completion, prompt, answer, **_):
+    return float(completion.strip() == answer)
+"""
+
+
+def test_worker_failing_at_start_is_reported_with_its_error(tmp_path: Path, reward_module) -> None:
+    """A reward module that raises on import only in the generator: WorkerError names generator-0 and the error."""
+    reward = reward_module("asyncrl_test_fail_reward", FAIL_IN_GENERATOR_REWARD)
+    run = run_local(tmp_path / "run", [f"task.reward={reward}"])
+    assert run.error is not None
+    message = str(run.error)
+    assert message.startswith("generator-0 failed while starting: RuntimeError: reward backend unavailable")
+    assert run.seconds < 120
+    assert not (tmp_path / "run" / "metrics.jsonl").read_text(encoding="utf-8")
+    assert run.leftover_children == []
+    assert run.leftover_shm == []
+
+
+SLOW_START_REWARD = """
+import multiprocessing
+import time
+
+if multiprocessing.current_process().name.startswith("asyncrl-"):
+    time.sleep({import_s})  # a slow import in every worker: start-up takes longer than stall_timeout_s
+_calls = 0
+
+def reward(completion, prompt, answer, **_):
+    global _calls
+    _calls += 1
+    if _calls == 1:
+        time.sleep({first_call_s})  # no event reaches the controller for a while after start-up
+    return float(completion.strip() == answer)
+"""
+
+
+def test_slow_worker_start_does_not_count_as_a_stall(tmp_path: Path, reward_module) -> None:
+    """Start-up (3 s) longer than runtime.stall_timeout_s (2 s) is bounded by start_timeout_s only; the run completes."""
+    reward = reward_module(
+        "asyncrl_test_slow_start_reward", SLOW_START_REWARD.format(import_s=3.0, first_call_s=0.5)
+    )
+    run = run_local(
+        tmp_path / "run", [f"task.reward={reward}", "runtime.stall_timeout_s=2", "runtime.start_timeout_s=60"]
+    )
+    assert run.error is None, run.error
+    assert run.seconds > 3.0
+    assert run.summary["accounting"]["trained"] == STEPS * PROMPTS
+    assert run.leftover_children == []
+    assert run.leftover_shm == []
+
+
+def test_stalled_generator_fails_the_run_within_the_stall_timeout(tmp_path: Path, reward_module) -> None:
+    """A generator stuck in its reward function: WorkerError 'no progress' soon after stall_timeout_s; all stopped."""
+    reward = reward_module(
+        "asyncrl_test_stall_reward", SLOW_START_REWARD.format(import_s=0.0, first_call_s=120.0)
+    )
+    run = run_local(
+        tmp_path / "run", [f"task.reward={reward}", "runtime.stall_timeout_s=2", "runtime.stop_timeout_s=1"]
+    )
+    assert run.error is not None
+    assert re.match(
+        r"no progress for \d+s \(runtime.stall_timeout_s\): waiting for \d+ groups", str(run.error)
+    )
+    assert run.seconds < 60
+    assert run.leftover_children == []
+    assert run.leftover_shm == []

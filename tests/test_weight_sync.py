@@ -1,0 +1,700 @@
+"""Weight sync transports (shared memory, files, broadcast, in-process): exact delivery of the published
+version, timeouts that name the peer, layout checks on both ends, torn or corrupted data refused."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import os
+import queue
+import socket
+import struct
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from multiprocessing import shared_memory
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors import safe_open
+
+from asyncrl.weight_sync import shm
+from asyncrl.weight_sync.base import TensorSpec, WeightLayout, WeightSyncError
+from asyncrl.weight_sync.broadcast import (
+    BackgroundPublisher,
+    BroadcastReceiver,
+    BroadcastSender,
+    plan_buckets,
+)
+from asyncrl.weight_sync.files import MARKER, FileReceiver, FileSender
+from asyncrl.weight_sync.inprocess import InProcessChannel
+from asyncrl.weight_sync.shm import SharedMemoryReceiver, SharedMemorySender
+
+HOST = "127.0.0.1"
+WORLD = 3  # the sender (rank 0) and two receivers
+RESULT_S = 15.0  # the longest the test waits for a helper process to report
+SHM_PREFIX = f"asyncrl-test-{os.getpid()}-"
+_names = itertools.count()
+
+
+def named_tensors(version: int) -> list[tuple[str, torch.Tensor]]:
+    """Small named tensors of four dtypes whose values depend on the version."""
+    g = torch.Generator().manual_seed(version)
+    return [
+        ("embed.weight", torch.randn(4, 3, generator=g)),
+        ("layer.weight", torch.randn(2, 3, generator=g)),
+        ("layer.bias", torch.randn(3, generator=g)),
+        ("step", torch.tensor([version, 100 + version], dtype=torch.int64)),
+        ("norm.weight", torch.randn(5, generator=g, dtype=torch.float64)),
+        ("norm.bias", torch.randn(2, generator=g, dtype=torch.float64)),
+        ("head.weight", torch.randn(3, 2, generator=g).to(torch.bfloat16)),
+    ]
+
+
+LAYOUT = WeightLayout.of(named_tensors(0))
+RENAMED = WeightLayout.of([("layer.b" if n == "layer.bias" else n, t) for n, t in named_tensors(0)])
+RESHAPED = WeightLayout.of([(n, t.reshape(-1) if n == "embed.weight" else t) for n, t in named_tensors(0)])
+BIGGER = WeightLayout.of(
+    [(n, torch.zeros(40, 30) if n == "embed.weight" else t) for n, t in named_tensors(0)]
+)
+
+
+def assert_same(got: dict[str, torch.Tensor], expected: list[tuple[str, torch.Tensor]]) -> None:
+    """The same names (consumers look tensors up by name), dtypes and values, bit for bit."""
+    assert sorted(got) == sorted(n for n, _ in expected)
+    for name, t in expected:
+        assert got[name].dtype == t.dtype, name
+        assert torch.equal(got[name], t), name
+
+
+def mismatched_publications() -> list[tuple[str, list[tuple[str, torch.Tensor]]]]:
+    """Publications that differ from LAYOUT by one tensor's name, shape or dtype, or a missing tensor."""
+    good = named_tensors(9)
+    return [
+        ("renamed", [("layer.b" if n == "layer.bias" else n, t) for n, t in good]),
+        ("broadcastable shape", [(n, t[0] if n == "embed.weight" else t) for n, t in good]),
+        ("other shape", [(n, torch.zeros(4, 4) if n == "embed.weight" else t) for n, t in good]),
+        ("other dtype", [(n, t.double() if n == "layer.weight" else t) for n, t in good]),
+        ("missing", good[:-1]),
+    ]
+
+
+def pack(tensors: dict[str, torch.Tensor]) -> bytes:
+    buf = io.BytesIO()
+    torch.save({n: t.clone() for n, t in tensors.items()}, buf)
+    return buf.getvalue()
+
+
+def unpack(data: bytes) -> dict[str, torch.Tensor]:
+    return torch.load(io.BytesIO(data))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_segments() -> Iterator[None]:
+    """Every shared-memory segment a test creates is unlinked by the end of that test."""
+    yield
+    assert [n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIX)] == []
+
+
+# -- helper processes (spawned once per module: a spawn costs seconds) ---------------------------
+
+
+def _serve(rank: int, commands, results) -> None:
+    """Body of a helper process: run jobs ``(tag, fn, kwargs)`` until told to stop (or left idle)."""
+    torch.set_num_threads(1)
+    while True:
+        try:
+            job = commands.get(timeout=120)
+        except queue.Empty:
+            return
+        if job is None:
+            return
+        tag, fn, kwargs = job
+
+        def report(payload: dict, tag: int = tag) -> None:
+            results.put((tag, rank, payload))
+
+        try:
+            fn(rank, report, **kwargs)
+        except BaseException as exc:
+            report({"error": f"{type(exc).__name__}: {exc}"})
+
+
+@dataclass
+class Helpers:
+    """Two spawned processes (ranks 1 and 2) that run jobs and report results through a queue."""
+
+    commands: dict[int, object]
+    results: object
+    _tags: Iterator[int] = field(default_factory=itertools.count)
+
+    def submit(self, fn: Callable, ranks: tuple[int, ...] = (1, 2), **kwargs) -> int:
+        tag = next(self._tags)
+        for r in ranks:
+            self.commands[r].put((tag, fn, kwargs))
+        return tag
+
+    def next(self, tag: int, timeout: float = RESULT_S) -> tuple[int, dict]:
+        """The next report of job ``tag`` as (rank, payload); reports of earlier jobs are discarded."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got_tag, rank, payload = self.results.get(timeout=max(0.0, deadline - time.monotonic()))
+            if got_tag == tag:
+                return rank, payload
+
+    def gather(self, tag: int, ranks: tuple[int, ...] = (1, 2), timeout: float = RESULT_S) -> dict[int, dict]:
+        out: dict[int, dict] = {}
+        deadline = time.monotonic() + timeout
+        while len(out) < len(ranks):
+            rank, payload = self.next(tag, max(0.0, deadline - time.monotonic()))
+            out[rank] = payload
+        return out
+
+
+@pytest.fixture(scope="module")
+def helpers() -> Iterator[Helpers]:
+    """Two helper processes in a torch.multiprocessing spawn context, stopped by their handles afterwards."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    commands = {r: ctx.Queue() for r in (1, 2)}
+    procs = [ctx.Process(target=_serve, args=(r, commands[r], results), daemon=True) for r in (1, 2)]
+    try:
+        for p in procs:
+            p.start()
+        yield Helpers(commands, results)
+    finally:
+        for r, p in zip((1, 2), procs, strict=True):
+            if p.is_alive():
+                commands[r].put(None)
+        for p in procs:
+            p.join(timeout=10)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+        assert all(p.exitcode is not None for p in procs)
+
+
+# -- shared memory -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def shm_sender() -> Iterator[SharedMemorySender]:
+    sender = SharedMemorySender(LAYOUT, name=f"{SHM_PREFIX}{next(_names)}")
+    yield sender
+    if os.path.exists(f"/dev/shm/{sender.name}"):
+        sender.close()
+
+
+@contextmanager
+def shm_receiver(name: str, layout: WeightLayout = LAYOUT) -> Iterator[SharedMemoryReceiver]:
+    receiver = SharedMemoryReceiver(name, layout)
+    try:
+        yield receiver
+    finally:
+        receiver.close()
+
+
+def test_shm_receive_returns_exactly_the_published_version(shm_sender: SharedMemorySender) -> None:
+    """Publish then receive gives the published tensors bit for bit (four dtypes) and the version."""
+    stats = shm_sender.publish(named_tensors(1), version=1)
+    assert (stats.version, stats.nbytes) == (1, LAYOUT.nbytes)
+    with shm_receiver(shm_sender.name) as rx:
+        version, got = rx.receive(1, timeout=2.0)
+        assert version == 1
+        assert_same(got, named_tensors(1))
+        got["embed.weight"].add_(1.0)  # a copy: does not reach the segment
+        shm_sender.publish(named_tensors(2), version=2)
+        version, got = rx.receive(2, timeout=2.0)
+        assert version == 2
+        assert_same(got, named_tensors(2))
+
+
+def test_shm_receive_of_unpublished_version_times_out(shm_sender: SharedMemorySender) -> None:
+    """Asking for a version newer than the latest waits about the timeout, then names the segment and version."""
+    shm_sender.publish(named_tensors(1), version=1)
+    with shm_receiver(shm_sender.name) as rx:
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncError, match=rf"{shm_sender.name}: version 2 not available") as err:
+            rx.receive(2, timeout=0.3)
+        assert 0.3 <= time.monotonic() - t0 < 3.0
+        assert "latest complete version 1" in str(err.value)
+
+
+def test_shm_receive_of_older_version_returns_the_latest(shm_sender: SharedMemorySender) -> None:
+    """A receiver asking for version 1 after versions 1..3 were published gets version 3."""
+    for v in (1, 2, 3):
+        shm_sender.publish(named_tensors(v), version=v)
+    with shm_receiver(shm_sender.name) as rx:
+        version, got = rx.receive(1, timeout=1.0)
+    assert version == 3
+    assert_same(got, named_tensors(3))
+
+
+@pytest.mark.parametrize(
+    ("layout", "match"),
+    [
+        (RENAMED, "layout fingerprint differs"),
+        (RESHAPED, "layout fingerprint differs"),
+        (BIGGER, "layout needs"),
+    ],
+)
+def test_shm_receiver_with_another_layout_is_refused(
+    shm_sender: SharedMemorySender, layout: WeightLayout, match: str
+) -> None:
+    """A receiver whose tensor names or shapes differ from the sender's raises WeightSyncError."""
+    shm_sender.publish(named_tensors(1), version=1)
+    with shm_receiver(shm_sender.name, layout) as rx, pytest.raises(WeightSyncError, match=match):
+        rx.receive(1, timeout=1.0)
+
+
+def test_shm_publish_that_does_not_match_the_layout_is_refused(shm_sender: SharedMemorySender) -> None:
+    """Publishing other names, shapes, dtypes or too few tensors raises and leaves the last version intact."""
+    shm_sender.publish(named_tensors(1), version=1)
+    for what, bad in mismatched_publications():
+        with pytest.raises(WeightSyncError, match="does not match the layout"):
+            shm_sender.publish(bad, version=2)
+        with shm_receiver(shm_sender.name) as rx:
+            version, got = rx.receive(1, timeout=1.0)
+        assert version == 1, what
+        assert_same(got, named_tensors(1))
+
+
+def test_shm_write_in_progress_is_never_returned(shm_sender: SharedMemorySender) -> None:
+    """While the sequence number is odd (a write in progress) receive waits and times out; once even, it returns."""
+    shm_sender.publish(named_tensors(1), version=1)
+    raw = shared_memory.SharedMemory(name=shm_sender.name)
+    try:
+        seq, version, chk, fingerprint = shm.HEADER.unpack_from(raw.buf, 0)
+        assert (seq % 2, version) == (0, 1)
+        shm.HEADER.pack_into(raw.buf, 0, seq + 1, 2, 0.0, fingerprint)
+        with shm_receiver(shm_sender.name) as rx:
+            t0 = time.monotonic()
+            with pytest.raises(WeightSyncError, match=r"version 1 not available.*being written"):
+                rx.receive(1, timeout=0.3)
+            assert 0.3 <= time.monotonic() - t0 < 3.0
+            shm.HEADER.pack_into(raw.buf, 0, seq, version, chk, fingerprint)
+            assert rx.receive(1, timeout=1.0)[0] == 1
+    finally:
+        raw.close()
+
+
+def test_shm_corrupted_data_fails_the_checksum(shm_sender: SharedMemorySender) -> None:
+    """A byte changed in the data region after publish is caught by the checksum, never returned."""
+    shm_sender.publish(named_tensors(1), version=1)
+    offset = shm._offsets(LAYOUT)[LAYOUT.names.index("step")]
+    raw = shared_memory.SharedMemory(name=shm_sender.name)
+    try:
+        raw.buf[offset] = raw.buf[offset] + 1  # step[0]: 1 -> 2
+        with shm_receiver(shm_sender.name) as rx:
+            t0 = time.monotonic()
+            with pytest.raises(WeightSyncError, match=r"version 1 failed its checksum"):
+                rx.receive(1, timeout=2.0)
+            assert time.monotonic() - t0 < 1.0
+    finally:
+        raw.close()
+
+
+def test_shm_sender_close_unlinks_the_segment(shm_sender: SharedMemorySender) -> None:
+    """After sender.close() the segment is gone: attaching fails and a receiver reports it does not exist."""
+    shm_sender.publish(named_tensors(1), version=1)
+    shm_sender.close()
+    assert not os.path.exists(f"/dev/shm/{shm_sender.name}")
+    with pytest.raises(FileNotFoundError):
+        shared_memory.SharedMemory(name=shm_sender.name)
+    with shm_receiver(shm_sender.name) as rx, pytest.raises(WeightSyncError, match="does not exist"):
+        rx.receive(1, timeout=0.2)
+
+
+def _shm_receive_job(rank: int, report: Callable, *, name: str, versions: list[int]) -> None:
+    with shm_receiver(name) as rx:
+        for v in versions:
+            version, tensors = rx.receive(v, timeout=10.0)
+            report({"version": version, "tensors": pack(tensors)})
+
+
+def test_shm_child_process_receives_two_successive_versions(
+    helpers: Helpers, shm_sender: SharedMemorySender
+) -> None:
+    """A spawned process attached to the segment receives version 1, then version 2, exactly."""
+    tag = helpers.submit(_shm_receive_job, ranks=(1,), name=shm_sender.name, versions=[1, 2])
+    shm_sender.publish(named_tensors(1), version=1)
+    rank, first = helpers.next(tag)
+    assert (rank, first.get("error"), first["version"]) == (1, None, 1)
+    assert_same(unpack(first["tensors"]), named_tensors(1))
+    shm_sender.publish(named_tensors(2), version=2)
+    _, second = helpers.next(tag)
+    assert second["version"] == 2
+    assert_same(unpack(second["tensors"]), named_tensors(2))
+
+
+# -- files --------------------------------------------------------------------------------------
+
+
+def test_files_receive_returns_exactly_the_published_version(tmp_path: Path) -> None:
+    """Publish then receive gives the published tensors bit for bit and the version."""
+    sender, rx = FileSender(tmp_path, LAYOUT), FileReceiver(tmp_path, LAYOUT)
+    stats = sender.publish(named_tensors(1), version=1)
+    assert (stats.version, stats.nbytes) == (1, LAYOUT.nbytes)
+    version, got = rx.receive(1, timeout=1.0)
+    assert version == 1
+    assert_same(got, named_tensors(1))
+    sender.publish(named_tensors(2), version=2)
+    version, got = rx.receive(2, timeout=1.0)
+    assert version == 2
+    assert_same(got, named_tensors(2))
+
+
+def test_files_receive_of_unpublished_version_times_out(tmp_path: Path) -> None:
+    """Asking for a version not yet published waits about the timeout, then names the directory and version."""
+    rx = FileReceiver(tmp_path, LAYOUT)
+    with pytest.raises(WeightSyncError, match=r"version 1 not published .*latest seen: None"):
+        rx.receive(1, timeout=0.1)
+    FileSender(tmp_path, LAYOUT).publish(named_tensors(1), version=1)
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match=r"version 2 not published .*latest seen: 1") as err:
+        rx.receive(2, timeout=0.3)
+    assert 0.3 <= time.monotonic() - t0 < 3.0
+    assert str(tmp_path) in str(err.value)
+
+
+def test_files_receive_of_older_version_returns_the_latest(tmp_path: Path) -> None:
+    """A receiver asking for version 1 after versions 1..3 were published gets version 3."""
+    sender = FileSender(tmp_path, LAYOUT, keep=3)
+    for v in (1, 2, 3):
+        sender.publish(named_tensors(v), version=v)
+    version, got = FileReceiver(tmp_path, LAYOUT).receive(1, timeout=1.0)
+    assert version == 3
+    assert_same(got, named_tensors(3))
+
+
+@pytest.mark.parametrize("layout", [RENAMED, RESHAPED, BIGGER])
+def test_files_receiver_with_another_layout_is_refused(tmp_path: Path, layout: WeightLayout) -> None:
+    """A receiver whose tensor names or shapes differ from the sender's raises WeightSyncError naming the file."""
+    FileSender(tmp_path, LAYOUT).publish(named_tensors(1), version=1)
+    with pytest.raises(WeightSyncError, match=r"weights-v1\.safetensors: layout fingerprint differs"):
+        FileReceiver(tmp_path, layout).receive(1, timeout=1.0)
+
+
+def test_files_publish_that_does_not_match_the_layout_is_refused(tmp_path: Path) -> None:
+    """Publishing other names, shapes, dtypes or too few tensors raises and writes nothing."""
+    sender = FileSender(tmp_path, LAYOUT)
+    sender.publish(named_tensors(1), version=1)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    for _, bad in mismatched_publications():
+        with pytest.raises(WeightSyncError, match="publish of version 2 does not match the layout"):
+            sender.publish(bad, version=2)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    assert FileReceiver(tmp_path, LAYOUT).receive(1, timeout=1.0)[0] == 1
+
+
+def test_files_marker_and_file_are_complete_after_publish(tmp_path: Path) -> None:
+    """No temporary file remains; LATEST names an existing file whose metadata carries the version and layout."""
+    sender = FileSender(tmp_path, LAYOUT)
+    for v in (1, 2, 3):
+        sender.publish(named_tensors(v), version=v)
+        assert list(tmp_path.glob("*.tmp")) == []
+        marker = json.loads((tmp_path / MARKER).read_text())
+        assert (marker["version"], marker["file"], marker["fingerprint"]) == (
+            v,
+            f"weights-v{v}.safetensors",
+            LAYOUT.fingerprint,
+        )
+        with safe_open(str(tmp_path / marker["file"]), framework="pt") as fh:
+            assert fh.metadata() == {"version": str(v), "fingerprint": LAYOUT.fingerprint}
+
+
+@pytest.mark.parametrize("keep", [1, 2, 3])
+def test_files_keep_only_the_newest_versions_on_disk(tmp_path: Path, keep: int) -> None:
+    """After five publications exactly the newest ``keep`` weight files remain, plus the marker."""
+    sender = FileSender(tmp_path, LAYOUT, keep=keep)
+    for v in range(1, 6):
+        sender.publish(named_tensors(v), version=v)
+    expected = {f"weights-v{v}.safetensors" for v in range(6 - keep, 6)} | {MARKER}
+    assert {p.name for p in tmp_path.iterdir()} == expected
+
+
+def test_files_marker_that_disagrees_with_the_file_is_refused(tmp_path: Path) -> None:
+    """A LATEST edited to claim another version than the file's metadata raises WeightSyncError."""
+    FileSender(tmp_path, LAYOUT).publish(named_tensors(1), version=1)
+    marker = json.loads((tmp_path / MARKER).read_text())
+    (tmp_path / MARKER).write_text(json.dumps({**marker, "version": 9}))
+    with pytest.raises(WeightSyncError, match="disagrees with the marker"):
+        FileReceiver(tmp_path, LAYOUT).receive(1, timeout=1.0)
+
+
+def test_files_corrupted_tensor_bytes_fail_the_checksum(tmp_path: Path) -> None:
+    """A byte changed inside a tensor's data in the file is caught by the checksum."""
+    FileSender(tmp_path, LAYOUT).publish(named_tensors(1), version=1)
+    path = tmp_path / "weights-v1.safetensors"
+    data = bytearray(path.read_bytes())
+    (header_len,) = struct.unpack("<Q", data[:8])
+    begin, _ = json.loads(data[8 : 8 + header_len])["step"]["data_offsets"]
+    data[8 + header_len + begin] += 1  # step[0]: 1 -> 2
+    path.write_bytes(bytes(data))
+    with pytest.raises(WeightSyncError, match=r"version 1 failed its checksum"):
+        FileReceiver(tmp_path, LAYOUT).receive(1, timeout=1.0)
+
+
+# -- in-process ---------------------------------------------------------------------------------
+
+
+def test_inprocess_receiver_gets_a_snapshot() -> None:
+    """Parameters changed after publish do not change what the receiver gets."""
+    channel = InProcessChannel()
+    params = [
+        (n, torch.nn.Parameter(t.clone(), requires_grad=t.is_floating_point())) for n, t in named_tensors(1)
+    ]
+    stats = channel.publish(params, version=1)
+    assert (stats.version, stats.nbytes) == (1, LAYOUT.nbytes)
+    with torch.no_grad():
+        for _, p in params:
+            p.add_(1)
+    version, got = channel.receive(1, timeout=0.0)
+    assert version == 1
+    assert_same(got, named_tensors(1))
+    assert not any(t.requires_grad for t in got.values())
+
+
+def test_inprocess_versions() -> None:
+    """An older request gets the latest version; a newer one raises at once naming the version."""
+    channel = InProcessChannel()
+    with pytest.raises(
+        WeightSyncError, match=r"in-process weights: version 0 was never published \(latest -1\)"
+    ):
+        channel.receive(0, timeout=1.0)
+    for v in (1, 2):
+        channel.publish(named_tensors(v), version=v)
+    version, got = channel.receive(1, timeout=0.0)
+    assert version == 2
+    assert_same(got, named_tensors(2))
+    with pytest.raises(WeightSyncError, match=r"version 3 was never published \(latest 2\)"):
+        channel.receive(3, timeout=1.0)
+
+
+# -- broadcast ----------------------------------------------------------------------------------
+
+
+def test_plan_buckets_on_a_hand_made_layout() -> None:
+    """Buckets hold consecutive tensors of one dtype within bucket_bytes; 0 means one tensor each."""
+    f32, i64 = torch.float32, torch.int64
+    layout = WeightLayout(
+        (
+            TensorSpec("a", (4,), f32),  # 16 B
+            TensorSpec("b", (2, 2), f32),  # 16 B
+            TensorSpec("c", (8,), f32),  # 32 B
+            TensorSpec("d", (2,), i64),  # 16 B
+            TensorSpec("e", (1,), i64),  # 8 B
+            TensorSpec("f", (3,), f32),  # 12 B
+            TensorSpec("g", (20,), f32),  # 80 B, larger than a bucket
+        )
+    )
+    assert plan_buckets(layout, 48) == [[0, 1], [2], [3, 4], [5], [6]]
+    assert plan_buckets(layout, 64) == [[0, 1, 2], [3, 4], [5], [6]]
+    assert plan_buckets(layout, 0) == [[i] for i in range(7)]
+    assert plan_buckets(layout, 1 << 20) == [[0, 1, 2], [3, 4], [5, 6]]
+    assert plan_buckets(LAYOUT, 64) == [[0], [1, 2], [3], [4, 5], [6]]
+
+
+class RecordingReceiver(BroadcastReceiver):
+    """Keeps a copy of every publication it takes part in (``receive`` returns views that the next one reuses)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen: list[tuple[int, bytes]] = []
+
+    def _receive_one(self) -> tuple[int, dict[str, torch.Tensor]]:
+        version, views = super()._receive_one()
+        self.seen.append((version, pack(views)))
+        return version, views
+
+
+def _broadcast_receive_job(
+    rank: int,
+    report: Callable,
+    *,
+    port: int,
+    layout: WeightLayout,
+    bucket_bytes: int,
+    asks: list[int],
+    timeout_s: float,
+    delay_s: float = 0.0,
+) -> None:
+    rx = RecordingReceiver(layout, HOST, port, rank, WORLD, bucket_bytes, timeout_s)
+    try:
+        time.sleep(delay_s)
+        for ask in asks:
+            rx.seen.clear()
+            t0, joined_at = time.monotonic(), time.time()
+            try:
+                version, tensors = rx.receive(ask)
+            except WeightSyncError as exc:
+                report({"error": str(exc), "elapsed": time.monotonic() - t0})
+                return
+            report({"version": version, "tensors": pack(tensors), "seen": rx.seen, "joined_at": joined_at})
+    finally:
+        rx.close()
+
+
+def receive_in_helpers(
+    helpers: Helpers,
+    port: int,
+    asks: list[int],
+    bucket_bytes: int = 64,
+    layout: WeightLayout = LAYOUT,
+    timeout_s: float = 10.0,
+    delay_s: float = 0.0,
+) -> int:
+    return helpers.submit(
+        _broadcast_receive_job,
+        port=port,
+        layout=layout,
+        bucket_bytes=bucket_bytes,
+        asks=asks,
+        timeout_s=timeout_s,
+        delay_s=delay_s,
+    )
+
+
+@contextmanager
+def broadcast_sender(port: int, bucket_bytes: int = 64, timeout_s: float = 10.0) -> Iterator[BroadcastSender]:
+    sender = BroadcastSender(LAYOUT, HOST, port, WORLD, bucket_bytes, timeout_s)
+    try:
+        yield sender
+    finally:
+        sender.close()
+
+
+def assert_received(results: dict[int, dict], version: int) -> None:
+    for rank, r in results.items():
+        assert r.get("error") is None, (rank, r.get("error"))
+        assert r["version"] == version
+        assert_same(unpack(r["tensors"]), named_tensors(version))
+
+
+def test_broadcast_bucketed_and_per_tensor_deliver_identical_tensors(helpers: Helpers) -> None:
+    """Several dtype-pure buckets and one broadcast per tensor both deliver the published tensors exactly."""
+    delivered = {}
+    for bucket_bytes, n_buckets in [(64, 5), (0, len(LAYOUT.specs))]:
+        port = free_port()
+        tag = receive_in_helpers(helpers, port, asks=[7], bucket_bytes=bucket_bytes)
+        with broadcast_sender(port, bucket_bytes) as sender:
+            assert len(sender.buckets) == n_buckets
+            stats = sender.publish(named_tensors(7), version=7)
+            assert (stats.version, stats.nbytes) == (7, LAYOUT.nbytes)
+            results = helpers.gather(tag)
+        assert_received(results, 7)
+        delivered[bucket_bytes] = [unpack(results[r]["tensors"]) for r in (1, 2)]
+    for a, b in zip(delivered[64], delivered[0], strict=True):
+        assert_same(a, list(b.items()))
+
+
+def test_broadcast_receiver_asking_older_version_gets_the_latest(helpers: Helpers) -> None:
+    """A receiver asking for version 1 returns the version 4 that is published."""
+    port = free_port()
+    tag = receive_in_helpers(helpers, port, asks=[1])
+    with broadcast_sender(port) as sender:
+        sender.publish(named_tensors(4), version=4)
+        results = helpers.gather(tag)
+    assert_received(results, 4)
+
+
+def test_broadcast_receive_of_unpublished_version_times_out(helpers: Helpers) -> None:
+    """Receivers waiting for a version nobody publishes fail within about the group timeout, naming the peer."""
+    port = free_port()
+    tag = receive_in_helpers(helpers, port, asks=[1], timeout_s=2.0)
+    with broadcast_sender(port):
+        results = helpers.gather(tag)
+    for rank, r in results.items():
+        assert f"broadcast group {HOST}:{port} (rank {rank} of {WORLD})" in r["error"]
+        assert "timed out after 2s" in r["error"]
+        assert 1.5 <= r["elapsed"] < 8.0
+
+
+def test_broadcast_receiver_with_another_layout_is_refused(helpers: Helpers) -> None:
+    """Receivers whose tensor names differ from the sender's refuse the publication with WeightSyncError."""
+    port = free_port()
+    tag = receive_in_helpers(helpers, port, asks=[1], layout=RENAMED)
+    with broadcast_sender(port, timeout_s=3.0) as sender:
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncError, match=f"{HOST}:{port} \\(rank 0 of 3\\): broadcast of"):
+            sender.publish(named_tensors(1), version=1)
+        assert time.monotonic() - t0 < 8.0
+        results = helpers.gather(tag)
+    for rank, r in results.items():
+        assert f"(rank {rank} of {WORLD}): the sender's layout differs" in r["error"]
+
+
+def test_broadcast_publish_that_does_not_match_the_layout_is_refused(helpers: Helpers) -> None:
+    """Mismatched publications raise before any broadcast, and the group still delivers the next good one."""
+    port = free_port()
+    tag = receive_in_helpers(helpers, port, asks=[1])
+    with broadcast_sender(port) as sender:
+        for _, bad in mismatched_publications():
+            with pytest.raises(WeightSyncError, match="publish of version 2 does not match the layout"):
+                sender.publish(bad, version=2)
+        sender.publish(named_tensors(1), version=1)
+        results = helpers.gather(tag)
+    assert_received(results, 1)
+
+
+def test_background_publisher_returns_before_receivers_join(helpers: Helpers) -> None:
+    """publish returns while receivers are still busy; they later get the snapshot taken at publish time."""
+    port = free_port()
+    tag = receive_in_helpers(helpers, port, asks=[3], delay_s=1.0)
+    with broadcast_sender(port) as sender:
+        publisher = BackgroundPublisher(sender, timeout_s=10.0)
+        try:
+            params = named_tensors(3)
+            t0 = time.monotonic()
+            stats = publisher.publish(params, version=3)
+            returned_at = time.time()
+            assert time.monotonic() - t0 < 0.5
+            assert (stats.version, stats.nbytes) == (3, LAYOUT.nbytes)
+            for _, t in params:  # the trainer keeps training after publishing
+                t.add_(1)
+            results = helpers.gather(tag)
+        finally:
+            publisher.close()
+    assert_received(results, 3)
+    assert all(returned_at < r["joined_at"] for r in results.values())
+
+
+def test_broadcast_receiver_that_fell_behind_receives_both_versions_in_order(helpers: Helpers) -> None:
+    """A receiver asked for version 2 after 1 and 2 were published joins both, in order, and returns 2."""
+    port = free_port()
+    tag = receive_in_helpers(helpers, port, asks=[2], delay_s=0.5)
+    with broadcast_sender(port) as sender:
+        publisher = BackgroundPublisher(sender, timeout_s=10.0)
+        try:
+            publisher.publish(named_tensors(1), version=1)
+            publisher.publish(named_tensors(2), version=2)
+            results = helpers.gather(tag)
+        finally:
+            publisher.close()
+    assert_received(results, 2)
+    for r in results.values():
+        assert [v for v, _ in r["seen"]] == [1, 2]
+        for v, data in r["seen"]:
+            assert_same(unpack(data), named_tensors(v))
+
+
+def test_broadcast_sender_whose_receivers_never_join_fails_within_its_timeout() -> None:
+    """With no receiver, forming the group raises WeightSyncError after about its timeout instead of hanging."""
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(
+        WeightSyncError, match=rf"{HOST}:{port} \(rank 0 of 3\): could not form the group within 3s"
+    ):
+        BroadcastSender(LAYOUT, HOST, port, WORLD, 64, timeout_s=3.0)
+    assert 2.5 <= time.monotonic() - t0 < 8.0
