@@ -72,21 +72,33 @@ class RolloutWorker:
             if group_id in self._pending:
                 raise ValueError(f"group {group_id} is already in flight")
             ids = self.encode(prompt)
-            sampling = self._sampling_for(prompt)
+            budgets = self._budgets(prompt)
             self._pending[group_id] = _PendingGroup(prompt, ids, {})
             for k in range(self.group_size):
+                sampling = self.sampling
+                if budgets[k] != sampling.max_new_tokens:
+                    sampling = replace(sampling, max_new_tokens=budgets[k])
                 self.engine.add_request(GenerationRequest(f"{group_id}/{k}", ids, sampling))
 
-    def _sampling_for(self, prompt: Prompt) -> SamplingParams:
-        """The prompt's own token budget (a dataset field), never above the configured one."""
-        budget = prompt.extra.get("max_new_tokens")
-        if budget is None:
-            return self.sampling
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+    def _budgets(self, prompt: Prompt) -> list[int]:
+        """Token budget of each of the G completions, never above the configured one.
+
+        A dataset row may set ``max_new_tokens`` for its prompt (one integer) or for each
+        completion (a list of G integers), e.g. for curricula or straggler benchmarks.
+        """
+        cap = self.sampling.max_new_tokens
+        value = prompt.extra.get("max_new_tokens")
+        if value is None:
+            return [cap] * self.group_size
+        values = value if isinstance(value, list) else [value] * self.group_size
+        if len(values) != self.group_size or any(
+            isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values
+        ):
             raise DatasetError(
-                f"prompt {prompt.prompt_id}: 'max_new_tokens' must be a positive integer, got {budget!r}"
+                f"prompt {prompt.prompt_id}: 'max_new_tokens' must be a positive integer or a list of "
+                f"{self.group_size} of them (one per completion), got {value!r}"
             )
-        return replace(self.sampling, max_new_tokens=min(budget, self.sampling.max_new_tokens))
+        return [min(v, cap) for v in values]
 
     def step(self) -> tuple[list[Group], list[Group]]:
         """Advance the engine one step; returns (completed groups, groups dropped for reward errors)."""

@@ -3,18 +3,20 @@
     python bench/overlap.py [--steps 14] [--warmup 3] [--prompts 16] [--group 4] [--median 16]
 
 Workload: the tiny 1M-parameter Qwen2-style model generates completions whose lengths are
-long-tailed (log-normal over prompts, p99 about 10x the median, EOS ignored so the budget
-sets the length), so generation dominates a step and the slowest group gates it, as in
-reasoning RL.
+long-tailed (log-normal, p99 about 10x the median; mostly set by the prompt, with some
+spread inside each group; EOS ignored so the budget sets the length), so generation
+dominates a step and the slowest completion gates it, as in reasoning RL.
 
 Machine split: ``sync`` runs inline and uses, for each phase, the torch thread count that
 was measured fastest for that phase (1 or all cores); the disaggregated schedules run the
 generator and the trainer as two processes with an even share of the cores each.
 
 Prints one JSON object (last line): per schedule ``s_per_step`` (steady state, after
-``--warmup`` steps), ``trainer_busy_frac``, ``generator_busy_frac`` (over the same
-window, from timeline.jsonl), ``speedup_vs_sync``, and ``ideal_speedup`` =
-(Tgen + Ttrain) / max(Tgen, Ttrain) from sync's own phase times.
+``--warmup`` steps), ``trained_tokens_per_s`` over the same window (schedules that train
+groups in completion order can leave the longest ones in flight when the run stops, which
+flatters s_per_step a little; tokens/s does not have that bias), ``trainer_busy_frac``,
+``generator_busy_frac`` (from timeline.jsonl), ``speedup_vs_sync``, and
+``ideal_speedup`` = (Tgen + Ttrain) / max(Tgen, Ttrain) from sync's own phase times.
 """
 
 from __future__ import annotations
@@ -41,24 +43,39 @@ def score(completion, **_):
 '''
 
 
-def write_workload(directory: Path, n: int, median: int, cap: int, seed: int) -> dict:
-    """Prompts with log-normal token budgets: p99/median = exp(2.326 sigma) = 10."""
+def write_workload(
+    directory: Path, n: int, group: int, median: int, cap: int, within_sigma: float, seed: int
+) -> dict:
+    """Log-normal token budgets with p99/median = exp(2.326 sigma) = 10 over all completions.
+
+    A prompt's difficulty sets most of the length (shared by its G completions, as hard
+    prompts make long answers) and each completion varies around it by ``within_sigma``.
+    """
     rng = random.Random(seed)
     sigma = math.log(10) / 2.326
-    budgets = [max(1, min(cap, round(median * math.exp(rng.gauss(0, sigma))))) for _ in range(n)]
+    prompt_sigma = math.sqrt(max(sigma**2 - within_sigma**2, 0.0))
+    budgets: list[int] = []
     with (directory / "stragglers.jsonl").open("w") as fh:
-        for i, budget in enumerate(budgets):
+        for i in range(n):
+            difficulty = rng.gauss(0, prompt_sigma)
+            row = [
+                max(1, min(cap, round(median * math.exp(difficulty + rng.gauss(0, within_sigma)))))
+                for _ in range(group)
+            ]
+            budgets += row
             a, b = rng.randint(0, 99), rng.randint(0, 99)
             fh.write(
-                json.dumps({"prompt": f"{a}+{b}=", "answer": a + b, "max_new_tokens": budget, "i": i}) + "\n"
+                json.dumps({"prompt": f"{a}+{b}=", "answer": a + b, "max_new_tokens": row, "i": i}) + "\n"
             )
     (directory / "straggler_reward.py").write_text(REWARD_MODULE)
     q = statistics.quantiles(budgets, n=100)
     return {
         "prompts": n,
+        "completions": len(budgets),
         "median_tokens": statistics.median(budgets),
         "p99_tokens": q[98],
         "p99_over_median": q[98] / statistics.median(budgets),
+        "within_group_sigma": within_sigma,
         "max_tokens": max(budgets),
     }
 
@@ -85,8 +102,10 @@ def steady_window(run_dir: Path, warmup: int) -> dict:
         )
         return total / steps
 
+    trained_tokens = sum(r["trained_tokens"] for r in rows[warmup:])
     return {
         "s_per_step": (end - start) / steps,
+        "trained_tokens_per_s": trained_tokens / (end - start),
         "trainer_busy_frac": busy.get("trainer", 0.0),
         "generator_busy_frac": statistics.fmean(gens) if gens else 0.0,
         "gen_s_per_step": phase_s("generator"),
@@ -96,19 +115,23 @@ def steady_window(run_dir: Path, warmup: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=14)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
     parser.add_argument("--group", type=int, default=4, help="completions per prompt")
     parser.add_argument("--median", type=int, default=16, help="median completion length (tokens)")
+    parser.add_argument("--within-sigma", type=float, default=0.4, help="log-length spread inside a group")
     parser.add_argument("--schedules", nargs="+", default=["sync", "periodic", "one_step_off", "async"])
     parser.add_argument("--keep", type=Path, help="copy the run directories here (for timeline plots)")
     args = parser.parse_args()
 
-    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="asyncrl-overlap-"))
+    tmp = None if args.keep else tempfile.TemporaryDirectory(prefix="asyncrl-overlap-")
+    work = Path(args.keep) if args.keep else Path(tmp.name)
     work.mkdir(parents=True, exist_ok=True)
     cap = args.median * 12
-    workload = write_workload(work, args.prompts * (args.steps + 2) * 4, args.median, cap, seed=0)
+    workload = write_workload(
+        work, args.prompts * (args.steps + 2) * 4, args.group, args.median, cap, args.within_sigma, seed=0
+    )
     sys.path.insert(0, str(work))
     os.environ["PYTHONPATH"] = os.pathsep.join([str(work), os.environ.get("PYTHONPATH", "")])
     base = [
@@ -169,12 +192,17 @@ def main() -> None:
             name: {
                 **{k: round(v, 4) for k, v in r.items()},
                 "speedup_vs_sync": round(sync["s_per_step"] / r["s_per_step"], 3) if sync else None,
+                "tokens_speedup_vs_sync": (
+                    round(r["trained_tokens_per_s"] / sync["trained_tokens_per_s"], 3) if sync else None
+                ),
                 "ideal_speedup": round(ideal, 3) if ideal else None,
             }
             for name, r in results.items()
         },
-        "run_dirs": str(work),
+        "run_dirs": str(work) if args.keep else None,
     }
+    if tmp is not None:
+        tmp.cleanup()
     print(json.dumps(out))
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.multiprocessing as mp
 
 from asyncrl.config import Config
-from asyncrl.orchestration.events import Ready, Stop, WorkerError, WorkerFailed
+from asyncrl.orchestration.events import Accumulate, Ready, Stop, WorkerError, WorkerFailed
 from asyncrl.orchestration.runtime import generator_name
 from asyncrl.orchestration.workers import GeneratorWorker, TrainerWorker
 from asyncrl.weight_sync import WeightLayout
@@ -122,13 +122,14 @@ def _worker_main(
                 return
             if role == TRAINER:
                 try:
-                    command = cmd_q.get(timeout=0.5)
+                    commands = _coalesced(cmd_q.get(timeout=0.5), cmd_q)
                 except queue.Empty:
                     continue
-                if isinstance(command, Stop):
-                    break
-                for event in worker.handle(command):
-                    evt_q.put(event)
+                for command in commands:
+                    if isinstance(command, Stop):
+                        return
+                    for event in worker.handle(command):
+                        evt_q.put(event)
                 continue
             try:  # a generator with work only glances at its queue between engine steps
                 command = cmd_q.get(timeout=IDLE_WAIT_S) if worker.idle else cmd_q.get_nowait()
@@ -148,6 +149,27 @@ def _worker_main(
     finally:
         if isinstance(worker, TrainerWorker):
             worker.close()
+
+
+def _coalesced(first, cmd_q) -> list:
+    """``first`` plus whatever is already queued, with consecutive Accumulates merged into one.
+
+    When groups arrive faster than the trainer takes them, one forward/backward over all of
+    them costs less than one per group; the step's gradient is the same either way.
+    """
+    commands = [first]
+    try:
+        while True:
+            commands.append(cmd_q.get_nowait())
+    except queue.Empty:
+        pass
+    merged: list = []
+    for command in commands:
+        if isinstance(command, Accumulate) and merged and isinstance(merged[-1], Accumulate):
+            merged[-1] = Accumulate(merged[-1].groups + command.groups)
+        else:
+            merged.append(command)
+    return merged
 
 
 class LocalRuntime:

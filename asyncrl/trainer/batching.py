@@ -90,27 +90,43 @@ def collate(samples: list[Sample], pad_token_id: int) -> MicroBatch:
     )
 
 
-def plan_micro_batches(samples: list[Sample], token_budget: int) -> list[list[Sample]]:
-    """Group samples into micro-batches whose padded size stays within ``token_budget``.
+# A forward/backward has a fixed cost (kernel launches, Python) besides its tokens; the
+# planner counts it as this many padded tokens when it weighs one more micro-batch against
+# more padding.
+MICRO_BATCH_OVERHEAD_TOKENS = 256
+MAX_ROWS_PER_MICRO_BATCH = 1024
 
-    Samples are ordered by length so that neighbours pad little; a single sample larger than
-    the budget gets a micro-batch of its own. The plan is deterministic.
+
+def plan_micro_batches(samples: list[Sample], token_budget: int) -> list[list[Sample]]:
+    """Split samples into micro-batches of padded size <= ``token_budget`` with the least waste.
+
+    Samples are ordered by length; a dynamic programme then cuts the ordered list into
+    contiguous micro-batches minimising padded tokens plus a fixed overhead per
+    micro-batch, so one long straggler does not pad a whole micro-batch of short
+    completions to its length. A single sample larger than the budget gets a micro-batch of
+    its own. The plan is deterministic.
     """
     order = sorted(
         samples,
         key=lambda s: (len(s.prompt_ids) + len(s.completion_ids), len(s.completion_ids)),
         reverse=True,
     )
+    n = len(order)
+    best = [0.0] + [float("inf")] * n  # best[j]: least cost of planning order[:j]
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        p = r = 0
+        for i in range(j - 1, max(-1, j - 1 - MAX_ROWS_PER_MICRO_BATCH), -1):
+            p, r = max(p, len(order[i].prompt_ids)), max(r, len(order[i].completion_ids))
+            cost = padded_cost(p, r, j - i)
+            if cost > token_budget and i < j - 1:
+                break
+            total = best[i] + cost + MICRO_BATCH_OVERHEAD_TOKENS
+            if total < best[j]:
+                best[j], cut[j] = total, i
     plans: list[list[Sample]] = []
-    current: list[Sample] = []
-    p = r = 0
-    for s in order:
-        np_, nr = max(p, len(s.prompt_ids)), max(r, len(s.completion_ids))
-        if current and padded_cost(np_, nr, len(current) + 1) > token_budget:
-            plans.append(current)
-            current, np_, nr = [], len(s.prompt_ids), len(s.completion_ids)
-        current.append(s)
-        p, r = np_, nr
-    if current:
-        plans.append(current)
-    return plans
+    j = n
+    while j > 0:
+        plans.append(order[cut[j] : j])
+        j = cut[j]
+    return plans[::-1]
