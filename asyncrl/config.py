@@ -196,6 +196,12 @@ class TrainerConfig(Section):
     micro_batch_tokens: int = Field(
         8192, ge=1, description="Token budget of one forward/backward (padded tokens counted)."
     )
+    share_prompts: bool = Field(
+        True,
+        description="Forward each prompt once per micro-batch for all the completions that share it "
+        "(its KV cache is reused) where that is cheaper: exact, and G completions cost P + G*R tokens "
+        "instead of G*(P + R).",
+    )
 
 
 class RunConfig(Section):

@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 from asyncrl.algorithms import corrections, losses
 from asyncrl.algorithms.advantages import group_advantages
 from asyncrl.config import AlgorithmConfig, TrainerConfig
-from asyncrl.trainer.batching import MicroBatch, collate, plan_micro_batches
+from asyncrl.trainer.batching import MicroBatch, collate, collate_best, plan_micro_batches
 from asyncrl.trainer.logprobs import completion_logprobs
 from asyncrl.types import Group, Sample
 
@@ -115,9 +115,11 @@ class Trainer:
         of the weights at that moment.
         """
         t0 = time.perf_counter()
+        share = self.cfg.share_prompts
+        build = collate_best if share else collate
         batches = [
-            collate(chunk, self.pad_token_id).to(self.device)
-            for chunk in plan_micro_batches(samples, self.cfg.micro_batch_tokens)
+            build(chunk, self.pad_token_id).to(self.device)
+            for chunk in plan_micro_batches(samples, self.cfg.micro_batch_tokens, share_prompts=share)
         ]
         mode = self.old_logprob_mode
         with torch.no_grad():
