@@ -93,7 +93,9 @@ class RolloutConfig(Section):
         "'max_new_tokens' field.",
     )
     ignore_eos: bool = Field(
-        False, description="Keep generating past EOS until the token budget (for benchmarks, as in vLLM)."
+        False,
+        description="Keep generating past EOS until the token budget (benchmark load, as in vLLM); the "
+        "answer still ends at the first EOS: later tokens are neither scored nor trained.",
     )
     temperature: float = Field(
         1.0, gt=0, description="Sampling temperature; log-probs are of logits/temperature."

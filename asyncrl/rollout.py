@@ -48,8 +48,12 @@ class RolloutWorker:
         sampling: SamplingParams,
         group_size: int,
         reward_on_error: str = "zero",
+        eos_after: int | None = None,
     ) -> None:
+        """``eos_after``: with ignore_eos, the EOS id at which an answer ends although generation went on."""
         self.engine = engine
+        self.eos_after = eos_after
+        self.stop_ids = set(sampling.stop_token_ids) | ({eos_after} if eos_after is not None else set())
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
         self.sampling = sampling
@@ -135,8 +139,14 @@ class RolloutWorker:
         return [done[i] for i in ids if i in done]
 
     def _score(self, prompt: Prompt, group_id: int, prompt_ids: list[int], res) -> Sample:
+        ids = list(res.completion_ids)
+        answer_len, finish = len(ids), res.finish_reason
+        if self.eos_after is not None and self.eos_after in ids:
+            # Generation went on past EOS only to load the engine (ignore_eos): the answer ends
+            # at the first EOS, and the tokens after it are neither scored nor trained.
+            answer_len, finish = ids.index(self.eos_after) + 1, "stop"
         text = self.tokenizer.decode(
-            [t for t in res.completion_ids if t not in self.sampling.stop_token_ids], skip_special_tokens=True
+            [t for t in ids[:answer_len] if t not in self.stop_ids], skip_special_tokens=True
         )
         reward, error = score(self.reward_fn, text, prompt.text, prompt.answer, prompt.extra)
         if error is not None:
@@ -146,11 +156,11 @@ class RolloutWorker:
             prompt_id=prompt.prompt_id,
             group_id=group_id,
             prompt_ids=list(prompt_ids),
-            completion_ids=list(res.completion_ids),
+            completion_ids=ids,
             logprobs=list(res.logprobs),
             versions=list(res.versions),
-            loss_mask=[1] * len(res.completion_ids),
-            finish_reason=res.finish_reason,
+            loss_mask=[1] * answer_len + [0] * (len(ids) - answer_len),
+            finish_reason=finish,
             completion_text=text,
             reward=reward,
             reward_error=error,

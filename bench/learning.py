@@ -1,16 +1,26 @@
 """Learning on the default example: reward over wall time, and time to a target reward.
 
-    python bench/learning.py [--schedules sync ...] [--steps 150] [--target 0.7] [--plot docs/img/learning.png]
+    python bench/learning.py [--schedules sync ...] [--steps 150] [--target 0.7]
+                             [--stragglers] [--plot docs/img/learning.png]
 
 Runs ``asyncrl train`` on the built-in example once per schedule (same seed), then prints
 one JSON object: per schedule the wall time, first/last reward (10-step means), the time
-and step at which the 10-step mean reward first reaches ``--target``, and the curve.
+(from the start of the run, and from the first optimizer step) and the step at which the
+10-step mean reward first reaches ``--target``, and the curve.
+
+``--stragglers`` keeps the task (1-2 digit addition, exact match, the shipped warm start)
+but makes generation long-tailed as in reasoning RL: each completion gets a log-normal
+token budget (median 16, p99 about 10x) and generation continues past EOS to it
+(``rollout.ignore_eos``); the answer still ends at the first EOS, so rewards and the loss
+are those of the default example while generation costs what a straggler-heavy batch does.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import random
 import statistics
 import tempfile
 from pathlib import Path
@@ -18,6 +28,7 @@ from pathlib import Path
 from asyncrl.config import load_config
 from asyncrl.metrics import read_jsonl
 from asyncrl.orchestration import train
+from asyncrl.tasks import ArithmeticTask
 
 WINDOW = 10
 
@@ -28,6 +39,20 @@ def time_to_target(rows: list[dict], target: float) -> tuple[float | None, int |
         if statistics.fmean(r["reward_mean"] for r in window) >= target:
             return window[-1]["time_s"], window[-1]["step"]
     return None, None
+
+
+def straggler_overrides(directory: Path, steps: int, prompts_per_step: int) -> list[str]:
+    """The default arithmetic prompts as JSONL, each completion with a long-tailed token budget."""
+    task = ArithmeticTask(["+"], 1, 2, seed=0)
+    rng = random.Random(0)
+    sigma = math.log(10) / 2.326
+    path = directory / "arith_stragglers.jsonl"
+    with path.open("w") as fh:
+        for i in range(prompts_per_step * (steps + 10)):
+            p = task.get(i)
+            budgets = [max(4, min(192, round(16 * math.exp(rng.gauss(0, sigma))))) for _ in range(8)]
+            fh.write(json.dumps({"prompt": p.text, "answer": p.answer, "max_new_tokens": budgets}) + "\n")
+    return ["task.name=jsonl", f"task.path={path}", "rollout.ignore_eos=true", "rollout.max_new_tokens=192"]
 
 
 def run(schedule: str, steps: int, extra: list[str], out_dir: Path) -> dict:
@@ -44,18 +69,25 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.7)
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--set", action="append", default=[], help="extra config overrides for every run")
+    parser.add_argument("--stragglers", action="store_true", help="long-tailed generation load (see above)")
     args = parser.parse_args()
     out: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        extra = list(args.set)
+        if args.stragglers:
+            extra = straggler_overrides(Path(tmp), args.steps, 32) + extra
         for schedule in args.schedules:
-            result = run(schedule, args.steps, args.set, Path(tmp))
+            result = run(schedule, args.steps, extra, Path(tmp))
             rows = result["rows"]
             t, step = time_to_target(rows, args.target)
+            first_step_s = rows[0]["time_s"]
             out[schedule] = {
                 "wall_s": result["summary"]["wall_s"],
+                "s_per_step": (rows[-1]["time_s"] - rows[WINDOW - 1]["time_s"]) / (len(rows) - WINDOW),
                 "reward_first": statistics.fmean(r["reward_mean"] for r in rows[:WINDOW]),
                 "reward_last": statistics.fmean(r["reward_mean"] for r in rows[-WINDOW:]),
                 "time_to_target_s": t,
+                "time_to_target_after_first_step_s": None if t is None else round(t - first_step_s, 3),
                 "step_at_target": step,
                 "eval": result["summary"]["eval"],
                 "curve": [(r["time_s"], r["reward_mean"]) for r in rows],

@@ -171,7 +171,9 @@ def samples_with_shifted_behaviour(policy: Policy) -> list[Sample]:
         s = Sample(f"p{i}", i, [3, 4, 6], ids, [0.0] * n, [0] * n, mask, "length", advantage=adv)
         with torch.no_grad():
             logp, _ = completion_logprobs(policy.model, collate([s], policy.pad_token_id), TEMPERATURE)
-        s.logprobs = [lp - r for lp, r in zip(logp[0].tolist(), log_ratio, strict=True)]
+        span = logp.shape[1]  # untrained trailing tokens are not run; their behaviour log-prob is unused
+        s.logprobs = [lp - r for lp, r in zip(logp[0].tolist(), log_ratio[:span], strict=True)]
+        s.logprobs += [-r for r in log_ratio[span:]]
         out.append(s)
     return out
 

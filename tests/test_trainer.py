@@ -14,7 +14,7 @@ from asyncrl.algorithms import losses
 from asyncrl.config import AlgorithmConfig, TrainerConfig
 from asyncrl.models import Policy
 from asyncrl.trainer import Trainer, assign_advantages, collate, completion_logprobs, plan_micro_batches
-from asyncrl.trainer.batching import padded_cost
+from asyncrl.trainer.batching import trained_span, padded_cost
 from asyncrl.trainer.trainer import lr_lambda
 from asyncrl.types import Group, Prompt, Sample
 
@@ -69,7 +69,8 @@ def with_behaviour_near_policy(model: torch.nn.Module, samples: list[Sample], pa
         for s in samples:
             logp, _ = completion_logprobs(model, collate([s], pad), TEMPERATURE)
             noise = 0.3 * (2 * torch.rand(len(s.completion_ids), generator=g) - 1)
-            s.logprobs = (logp[0] + noise).tolist()
+            span = logp.shape[1]  # the collated completion stops at its last trained token
+            s.logprobs = (logp[0] + noise[:span]).tolist() + noise[span:].tolist()
 
 
 def flat_grad(trainer: Trainer) -> torch.Tensor:
@@ -141,7 +142,7 @@ def test_plan_micro_batches_respects_budget_and_keeps_every_sample(make_sample, 
     plan = plan_micro_batches(samples, budget)
     for chunk in plan:
         p = max(len(s.prompt_ids) for s in chunk)
-        r = max(len(s.completion_ids) for s in chunk)
+        r = max(trained_span(s) for s in chunk)  # tokens after the last trained one are not run
         cost = padded_cost(p, r, len(chunk))
         assert cost == collate(chunk, 0).padded_tokens
         assert cost <= budget or len(chunk) == 1

@@ -73,6 +73,7 @@ def build_rollout(cfg: Config, policy: Policy, engine) -> RolloutWorker:
         sampling_params(cfg, policy),
         cfg.rollout.group_size,
         reward_on_error=cfg.task.reward_on_error,
+        eos_after=policy.eos_token_id if cfg.rollout.ignore_eos else None,
     )
 
 

@@ -92,12 +92,25 @@ class MicroBatch:
         return self
 
 
+def trained_span(sample: Sample) -> int:
+    """Completion tokens the trainer must run: up to the last trained one (at least one).
+
+    Later tokens cannot change the log-probs of earlier ones in a causal model, so cutting
+    them off saves compute without changing the loss or its gradient.
+    """
+    mask = sample.loss_mask
+    for i in range(len(mask) - 1, -1, -1):
+        if mask[i]:
+            return i + 1
+    return min(1, len(mask))
+
+
 def _per_token(samples: list[Sample], pad_token_id: int) -> dict[str, torch.Tensor]:
     if any(not s.completion_ids for s in samples):
         raise ValueError("cannot train on a sample with an empty completion")
     if any(s.advantage is None for s in samples):
         raise ValueError("samples must have advantages before they are collated")
-    b, r = len(samples), max(len(s.completion_ids) for s in samples)
+    b, r = len(samples), max(trained_span(s) for s in samples)
     out = {
         "completion_ids": torch.full((b, r), pad_token_id, dtype=torch.long),
         "mask": torch.zeros((b, r), dtype=torch.float32),
@@ -105,11 +118,11 @@ def _per_token(samples: list[Sample], pad_token_id: int) -> dict[str, torch.Tens
         "versions": torch.zeros((b, r), dtype=torch.long),
     }
     for i, s in enumerate(samples):
-        n = len(s.completion_ids)
-        out["completion_ids"][i, :n] = torch.tensor(s.completion_ids)
-        out["mask"][i, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
-        out["behaviour_logprobs"][i, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
-        out["versions"][i, :n] = torch.tensor(s.versions)
+        n = trained_span(s)
+        out["completion_ids"][i, :n] = torch.tensor(s.completion_ids[:n])
+        out["mask"][i, :n] = torch.tensor(s.loss_mask[:n], dtype=torch.float32)
+        out["behaviour_logprobs"][i, :n] = torch.tensor(s.logprobs[:n], dtype=torch.float32)
+        out["versions"][i, :n] = torch.tensor(s.versions[:n])
     out["advantages"] = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     return out
 
@@ -124,9 +137,9 @@ def collate(samples: list[Sample], pad_token_id: int) -> MicroBatch:
     input_ids = torch.full((b, width), pad_token_id, dtype=torch.long)
     attention = torch.zeros((b, width), dtype=torch.long)
     for i, s in enumerate(samples):
-        lp, lc = len(s.prompt_ids), len(s.completion_ids)
+        lp, lc = len(s.prompt_ids), trained_span(s)
         input_ids[i, p - lp : p] = torch.tensor(s.prompt_ids)
-        input_ids[i, p : p + lc - 1] = torch.tensor(s.completion_ids[:-1])
+        input_ids[i, p : p + lc - 1] = torch.tensor(s.completion_ids[: lc - 1])
         attention[i, p - lp : p + lc - 1] = 1
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     return MicroBatch(
@@ -149,8 +162,8 @@ def collate_shared(samples: list[Sample], pad_token_id: int) -> MicroBatch:
     completion_input = torch.full((b, r - 1), pad_token_id, dtype=torch.long)
     completion_mask = torch.zeros((b, r - 1), dtype=torch.long)
     for i, s in enumerate(samples):
-        n = len(s.completion_ids) - 1
-        completion_input[i, :n] = torch.tensor(s.completion_ids[:-1], dtype=torch.long)
+        n = trained_span(s) - 1
+        completion_input[i, :n] = torch.tensor(s.completion_ids[:n], dtype=torch.long)
         completion_mask[i, :n] = 1
     prompt_index = torch.tensor(index, dtype=torch.long)
     prompt_lengths = prompt_mask.sum(-1)[prompt_index]
@@ -173,7 +186,7 @@ def collate_best(samples: list[Sample], pad_token_id: int) -> MicroBatch:
     the prompt tokens it saves outweigh one extra pass.
     """
     p = max(len(s.prompt_ids) for s in samples)
-    r = max(len(s.completion_ids) for s in samples)
+    r = max(trained_span(s) for s in samples)
     prompts = len({tuple(s.prompt_ids) for s in samples})
     shared = shared_cost(p, r, prompts, len(samples)) + MICRO_BATCH_OVERHEAD_TOKENS
     return (
@@ -224,12 +237,12 @@ def _plan(units: list[list[Sample]], token_budget: int, shared: bool) -> tuple[l
     order = sorted(
         units,
         key=lambda u: (
-            len(u[0].prompt_ids) + max(len(s.completion_ids) for s in u),
-            max(len(s.completion_ids) for s in u),
+            len(u[0].prompt_ids) + max(trained_span(s) for s in u),
+            max(trained_span(s) for s in u),
         ),
         reverse=True,
     )
-    stats = [(len(u[0].prompt_ids), max(len(s.completion_ids) for s in u), len(u)) for u in order]
+    stats = [(len(u[0].prompt_ids), max(trained_span(s) for s in u), len(u)) for u in order]
     n = len(order)
     best = [0.0] + [float("inf")] * n  # best[j]: least cost of planning order[:j]
     cut = [0] * (n + 1)
@@ -266,7 +279,7 @@ def _length_units(samples: list[Sample], token_budget: int) -> list[list[Sample]
     """
     by_length: dict[tuple[int, int], list[Sample]] = {}
     for s in samples:
-        by_length.setdefault((len(s.prompt_ids), len(s.completion_ids)), []).append(s)
+        by_length.setdefault((len(s.prompt_ids), trained_span(s)), []).append(s)
     units = []
     for (p, r), group in by_length.items():
         per_unit = max(1, token_budget // (p + r - 1))
@@ -281,10 +294,10 @@ def _prompt_units(samples: list[Sample], token_budget: int) -> list[list[Sample]
         by_prompt.setdefault(tuple(s.prompt_ids), []).append(s)
     units = []
     for group in by_prompt.values():
-        group = sorted(group, key=lambda s: len(s.completion_ids), reverse=True)
+        group = sorted(group, key=lambda s: trained_span(s), reverse=True)
         unit: list[Sample] = []
         for s in group:
-            r = max([len(x.completion_ids) for x in unit] + [len(s.completion_ids)])
+            r = max([trained_span(x) for x in unit] + [trained_span(s)])
             if unit and shared_cost(len(s.prompt_ids), r, 1, len(unit) + 1) > token_budget:
                 units.append(unit)
                 unit = []
