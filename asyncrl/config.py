@@ -94,8 +94,13 @@ class RolloutConfig(Section):
     )
     ignore_eos: bool = Field(
         False,
-        description="Keep generating past EOS until the token budget (benchmark load, as in vLLM); the "
-        "answer still ends at the first EOS: later tokens are neither scored nor trained.",
+        description="Generate past EOS until the token budget; the whole completion is the answer (as "
+        "vLLM's ignore_eos, for benchmarks).",
+    )
+    decode_past_eos: bool = Field(
+        False,
+        description="Generate past EOS until the token budget to reproduce the load of long generations, "
+        "but the answer still ends at its first EOS: later tokens are neither scored nor trained.",
     )
     temperature: float = Field(
         1.0, gt=0, description="Sampling temperature; log-probs are of logits/temperature."
@@ -289,10 +294,16 @@ class RuntimeConfig(Section):
         0,
         ge=0,
         description="torch threads per generator; 0 = automatic: all cores inline (phases take turns), "
-        "an even share of the cores per process in the local runtime.",
+        "set by runtime.core_sharing in the local runtime.",
     )
     trainer_threads: int = Field(
         0, ge=0, description="torch threads of the trainer; 0 = automatic, as above."
+    )
+    core_sharing: Literal["dynamic", "static"] = Field(
+        "dynamic",
+        description="For automatic thread counts in the local runtime: 'dynamic' gives every core to "
+        "whichever workers are busy at the moment (an idle worker's cores are not wasted); 'static' "
+        "splits the cores evenly once.",
     )
     weight_sync: Literal["shm", "broadcast", "files"] = Field(
         "shm",
@@ -345,9 +356,13 @@ class Config(Section):
         return "inline" if on_policy_batch else "local"
 
     def threads(self, role: str) -> int:
-        """Resolved torch thread count for 'generator' or 'trainer' (0 means leave torch's default)."""
+        """Torch thread count for 'generator' or 'trainer'.
+
+        0 means: inline, leave torch's default (all cores, the phases take turns); local with
+        dynamic core sharing, decided at run time by the worker (see orchestration/cores.py).
+        """
         explicit = self.runtime.generator_threads if role == "generator" else self.runtime.trainer_threads
-        if explicit or self.runtime_kind == "inline":
+        if explicit or self.runtime_kind == "inline" or self.runtime.core_sharing == "dynamic":
             return explicit
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         return max(1, cores // (self.runtime.generators + 1))

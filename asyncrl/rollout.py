@@ -50,7 +50,7 @@ class RolloutWorker:
         reward_on_error: str = "zero",
         eos_after: int | None = None,
     ) -> None:
-        """``eos_after``: with ignore_eos, the EOS id at which an answer ends although generation went on."""
+        """``eos_after``: with decode_past_eos, the EOS id at which an answer ends although generation went on."""
         self.engine = engine
         self.eos_after = eos_after
         self.stop_ids = set(sampling.stop_token_ids) | ({eos_after} if eos_after is not None else set())
@@ -142,7 +142,7 @@ class RolloutWorker:
         ids = list(res.completion_ids)
         answer_len, finish = len(ids), res.finish_reason
         if self.eos_after is not None and self.eos_after in ids:
-            # Generation went on past EOS only to load the engine (ignore_eos): the answer ends
+            # Generation went on past EOS only to load the engine (decode_past_eos): the answer ends
             # at the first EOS, and the tokens after it are neither scored nor trained.
             answer_len, finish = ids.index(self.eos_after) + 1, "stop"
         text = self.tokenizer.decode(

@@ -11,7 +11,7 @@ one JSON object: per schedule the wall time, first/last reward (10-step means), 
 ``--stragglers`` keeps the task (1-2 digit addition, exact match, the shipped warm start)
 but makes generation long-tailed as in reasoning RL: each completion gets a log-normal
 token budget (median 16, p99 about 10x) and generation continues past EOS to it
-(``rollout.ignore_eos``); the answer still ends at the first EOS, so rewards and the loss
+(``rollout.decode_past_eos``); the answer still ends at the first EOS, so rewards and the loss
 are those of the default example while generation costs what a straggler-heavy batch does.
 """
 
@@ -52,7 +52,12 @@ def straggler_overrides(directory: Path, steps: int, prompts_per_step: int) -> l
             p = task.get(i)
             budgets = [max(4, min(192, round(16 * math.exp(rng.gauss(0, sigma))))) for _ in range(8)]
             fh.write(json.dumps({"prompt": p.text, "answer": p.answer, "max_new_tokens": budgets}) + "\n")
-    return ["task.name=jsonl", f"task.path={path}", "rollout.ignore_eos=true", "rollout.max_new_tokens=192"]
+    return [
+        "task.name=jsonl",
+        f"task.path={path}",
+        "rollout.decode_past_eos=true",
+        "rollout.max_new_tokens=192",
+    ]
 
 
 def run(schedule: str, steps: int, extra: list[str], out_dir: Path) -> dict:

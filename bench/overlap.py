@@ -9,7 +9,9 @@ dominates a step and the slowest completion gates it, as in reasoning RL.
 
 Machine split: ``sync`` runs inline and uses, for each phase, the torch thread count that
 was measured fastest for that phase (1 or all cores); the disaggregated schedules run the
-generator and the trainer as two processes with an even share of the cores each.
+generator and the trainer as two processes with an even share of the cores each
+(``runtime.core_sharing=static``). Extra rows ``<schedule>+dynamic_cores`` use the
+default dynamic sharing, where a busy worker takes the cores an idle one leaves.
 
 Prints one JSON object (last line): per schedule ``s_per_step`` (steady state, after
 ``--warmup`` steps), ``trained_tokens_per_s`` over the same window (schedules that train
@@ -122,6 +124,12 @@ def main() -> None:
     parser.add_argument("--median", type=int, default=16, help="median completion length (tokens)")
     parser.add_argument("--within-sigma", type=float, default=0.4, help="log-length spread inside a group")
     parser.add_argument("--schedules", nargs="+", default=["sync", "periodic", "one_step_off", "async"])
+    parser.add_argument(
+        "--dynamic",
+        nargs="*",
+        default=["periodic", "async"],
+        help="also run these schedules with dynamic core sharing (extra rows)",
+    )
     parser.add_argument("--keep", type=Path, help="copy the run directories here (for timeline plots)")
     args = parser.parse_args()
 
@@ -174,7 +182,13 @@ def main() -> None:
         extra = [f"schedule={name}"]
         if name == "sync":
             extra += [f"runtime.generator_threads={gen_threads}", f"runtime.trainer_threads={train_threads}"]
+        else:  # the rule of this benchmark: disaggregated schedules split the cores evenly
+            extra += ["runtime.core_sharing=static"]
         results[name] = steady_window(run_schedule(name, [*base, *extra], work, name), args.warmup)
+    for name in args.dynamic:
+        tag = f"{name}+dynamic_cores"
+        extra = [f"schedule={name}", "runtime.core_sharing=dynamic"]
+        results[tag] = steady_window(run_schedule(name, [*base, *extra], work, tag), args.warmup)
     sync = results.get("sync")
     ideal = None
     if sync:

@@ -211,7 +211,7 @@ def test_user_error_in_a_subprocess_has_no_traceback(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
-        "asyncrl: error: rollout.group_sise=4: unknown key; allowed keys here: group_size, ignore_eos, max_batch_size, "
+        "asyncrl: error: rollout.group_sise=4: unknown key; allowed keys here: decode_past_eos, group_size, ignore_eos, max_batch_size, "
         "max_new_tokens, prompts_per_step, temperature, top_k, top_p"
     ]
 

@@ -14,7 +14,7 @@ from asyncrl.algorithms import losses
 from asyncrl.config import AlgorithmConfig, TrainerConfig
 from asyncrl.models import Policy
 from asyncrl.trainer import Trainer, assign_advantages, collate, completion_logprobs, plan_micro_batches
-from asyncrl.trainer.batching import trained_span, padded_cost
+from asyncrl.trainer.batching import padded_cost, trained_span
 from asyncrl.trainer.trainer import lr_lambda
 from asyncrl.types import Group, Prompt, Sample
 

@@ -30,7 +30,7 @@ def sampling_params(cfg: Config, policy: Policy, *, greedy: bool = False) -> Sam
         temperature=0.0 if greedy else r.temperature,
         top_k=r.top_k,
         top_p=r.top_p,
-        stop_token_ids=() if r.ignore_eos and not greedy else (policy.eos_token_id,),
+        stop_token_ids=() if (r.ignore_eos or r.decode_past_eos) and not greedy else (policy.eos_token_id,),
     )
 
 
@@ -73,7 +73,7 @@ def build_rollout(cfg: Config, policy: Policy, engine) -> RolloutWorker:
         sampling_params(cfg, policy),
         cfg.rollout.group_size,
         reward_on_error=cfg.task.reward_on_error,
-        eos_after=policy.eos_token_id if cfg.rollout.ignore_eos else None,
+        eos_after=policy.eos_token_id if cfg.rollout.decode_past_eos else None,
     )
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.multiprocessing as mp
 
 from asyncrl.config import Config
+from asyncrl.orchestration.cores import CoreShare, available_cores
 from asyncrl.orchestration.events import Accumulate, Ready, Stop, WorkerError, WorkerFailed
 from asyncrl.orchestration.runtime import generator_name
 from asyncrl.orchestration.workers import GeneratorWorker, TrainerWorker
@@ -90,7 +91,7 @@ def make_receiver(spec: dict, layout: WeightLayout, rank: int, timeout_s: float,
 
 
 def _worker_main(
-    role: str, name: str, index: int, cfg_json: str, spec: dict, threads: int, cmd_q, evt_q
+    role: str, name: str, index: int, cfg_json: str, spec: dict, threads: int, busy_flags, cmd_q, evt_q
 ) -> None:
     """Body of a worker process: build the worker, then execute commands until Stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -99,15 +100,20 @@ def _worker_main(
     hf_logging.disable_progress_bar()
     parent = os.getppid()
     worker = None
+    cores = None
     try:
         if threads:
             torch.set_num_threads(threads)
+        else:
+            cores = CoreShare(busy_flags, slot=0 if role == TRAINER else index + 1, cores=available_cores())
         cfg = Config.model_validate_json(cfg_json)
         timeout = cfg.runtime.stall_timeout_s
         if role == TRAINER:
             worker = TrainerWorker(
                 name, cfg, lambda layout: make_sender(spec, layout, timeout, torch.device("cpu"))
             )
+            if cores is not None:
+                worker.trainer.before_micro_batch = cores.fit
         else:
             worker = GeneratorWorker(
                 name,
@@ -125,11 +131,16 @@ def _worker_main(
                     commands = _coalesced(cmd_q.get(timeout=0.5), cmd_q)
                 except queue.Empty:
                     continue
+                if cores is not None:
+                    cores.set_busy(True)
+                    cores.fit()
                 for command in commands:
                     if isinstance(command, Stop):
                         return
                     for event in worker.handle(command):
                         evt_q.put(event)
+                if cores is not None and cmd_q.empty():
+                    cores.set_busy(False)
                 continue
             try:  # a generator with work only glances at its queue between engine steps
                 command = cmd_q.get(timeout=IDLE_WAIT_S) if worker.idle else cmd_q.get_nowait()
@@ -140,6 +151,9 @@ def _worker_main(
                     command = cmd_q.get_nowait()
             except queue.Empty:
                 pass
+            if cores is not None:
+                cores.set_busy(not worker.idle)
+                cores.fit()
             for event in worker.work():
                 evt_q.put(event)
     except BaseException as exc:
@@ -181,6 +195,8 @@ class LocalRuntime:
         self._events = self._ctx.Queue()
         self._commands: dict[str, object] = {}
         self._procs: dict[str, mp.Process] = {}
+        # Slot 0 is the trainer's, slot i+1 generator i's (see orchestration/cores.py).
+        self._busy = self._ctx.Array("b", cfg.runtime.generators + 1, lock=False)
         self._stopping = False
         self._spec: dict = {}
 
@@ -197,7 +213,17 @@ class LocalRuntime:
                 target=_worker_main,
                 name=f"asyncrl-{name}",
                 daemon=True,
-                args=(role, name, index, cfg_json, self._spec, threads, self._commands[name], self._events),
+                args=(
+                    role,
+                    name,
+                    index,
+                    cfg_json,
+                    self._spec,
+                    threads,
+                    self._busy,
+                    self._commands[name],
+                    self._events,
+                ),
             )
             proc.start()
             self._procs[name] = proc

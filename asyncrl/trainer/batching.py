@@ -179,19 +179,23 @@ def collate_shared(samples: list[Sample], pad_token_id: int) -> MicroBatch:
     return MicroBatch(samples, **per_token, shared=shared)
 
 
-def collate_best(samples: list[Sample], pad_token_id: int) -> MicroBatch:
+def collate_best(samples: list[Sample], pad_token_id: int, token_budget: int | None = None) -> MicroBatch:
     """The cheaper layout for these samples: sharing pays when prompts are long or repeated.
 
     The shared layout runs two passes (prompt, then completions), so it is chosen only when
-    the prompt tokens it saves outweigh one extra pass.
+    the prompt tokens it saves outweigh one extra pass — or when the padded layout would
+    exceed ``token_budget`` and the shared one is smaller: :func:`plan_micro_batches` with
+    ``share_prompts`` admits a micro-batch whose shared layout fits the budget.
     """
     p = max(len(s.prompt_ids) for s in samples)
     r = max(trained_span(s) for s in samples)
     prompts = len({tuple(s.prompt_ids) for s in samples})
-    shared = shared_cost(p, r, prompts, len(samples)) + MICRO_BATCH_OVERHEAD_TOKENS
+    shared = shared_cost(p, r, prompts, len(samples))
+    padded = padded_cost(p, r, len(samples))
+    over_budget = token_budget is not None and padded > token_budget
     return (
         collate_shared(samples, pad_token_id)
-        if shared < padded_cost(p, r, len(samples))
+        if shared + MICRO_BATCH_OVERHEAD_TOKENS < padded or (over_budget and shared < padded)
         else collate(samples, pad_token_id)
     )
 

@@ -17,7 +17,8 @@ import copy
 import math
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 
 import torch
 from transformers import PreTrainedModel
@@ -100,6 +101,8 @@ class Trainer:
         )
         self._stats: dict[str, float] = defaultdict(float)
         self._busy_s = 0.0
+        # Called before every micro-batch forward/backward (e.g. to resize the thread pool).
+        self.before_micro_batch: Callable[[], object] | None = None
 
     # -- one optimizer step, possibly streamed ---------------------------------------------
 
@@ -116,7 +119,8 @@ class Trainer:
         """
         t0 = time.perf_counter()
         share = self.cfg.share_prompts
-        build = collate_best if share else collate
+        # The layout must fit the budget the planner packed for (see collate_best).
+        build = partial(collate_best, token_budget=self.cfg.micro_batch_tokens) if share else collate
         batches = [
             build(chunk, self.pad_token_id).to(self.device)
             for chunk in plan_micro_batches(samples, self.cfg.micro_batch_tokens, share_prompts=share)
@@ -143,6 +147,8 @@ class Trainer:
         self.model.train()
         total = 0.0
         for mb in batches:
+            if self.before_micro_batch is not None:
+                self.before_micro_batch()
             loss_sum, stats = self._micro_batch_loss(mb)
             loss_sum.backward()
             total += stats["loss_sum"]

@@ -1,0 +1,75 @@
+"""The local trainer worker merges queued Accumulate commands without reordering anything."""
+
+from __future__ import annotations
+
+import queue
+
+from asyncrl.orchestration.events import Accumulate, Evaluate, FinishStep, LoadWeights, Stop
+from asyncrl.orchestration.local import _coalesced
+from asyncrl.types import Group, Prompt
+
+
+def group(gid: int) -> Group:
+    return Group(gid, Prompt(f"p{gid}", f"{gid}+1="), [])
+
+
+def queued(*commands: object) -> queue.Queue:
+    q: queue.Queue = queue.Queue()
+    for command in commands:
+        q.put(command)
+    return q
+
+
+def group_ids(command: Accumulate) -> list[int]:
+    return [g.group_id for g in command.groups]
+
+
+def test_consecutive_accumulates_merge_in_order() -> None:
+    """Three queued Accumulates become one with their groups concatenated in arrival order; the queue is drained."""
+    q = queued(Accumulate([group(2)]), Accumulate([group(3), group(4)]))
+    commands = _coalesced(Accumulate([group(0), group(1)]), q)
+    assert len(commands) == 1 and isinstance(commands[0], Accumulate)
+    assert group_ids(commands[0]) == [0, 1, 2, 3, 4]
+    assert q.empty()
+
+
+def test_finish_step_stays_between_the_accumulates_it_separates() -> None:
+    """A FinishStep splits the merge: groups before it stay in its step, groups after it in the next."""
+    finish_a, finish_b = FinishStep(divisor=5.0, publish=True), FinishStep(divisor=2.0, publish=False)
+    q = queued(Accumulate([group(1)]), finish_a, Accumulate([group(2)]), Accumulate([group(3)]), finish_b)
+    commands = _coalesced(Accumulate([group(0)]), q)
+    assert [type(c) for c in commands] == [Accumulate, FinishStep, Accumulate, FinishStep]
+    assert group_ids(commands[0]) == [0, 1]
+    assert commands[1] is finish_a
+    assert group_ids(commands[2]) == [2, 3]
+    assert commands[3] is finish_b
+
+
+def test_stop_and_other_commands_are_kept_in_place() -> None:
+    """Stop, LoadWeights and Evaluate keep their positions and break merges; a lone command passes through."""
+    stop, load, evaluate = Stop(), LoadWeights(version=3), Evaluate(step=4)
+    q = queued(Accumulate([group(1)]), load, Accumulate([group(2)]), evaluate, Accumulate([group(3)]), stop)
+    commands = _coalesced(Accumulate([group(0)]), q)
+    assert [type(c) for c in commands] == [Accumulate, LoadWeights, Accumulate, Evaluate, Accumulate, Stop]
+    assert [group_ids(c) for c in commands if isinstance(c, Accumulate)] == [[0, 1], [2], [3]]
+    assert commands[1] is load and commands[3] is evaluate and commands[5] is stop
+
+    assert _coalesced(stop, queued()) == [stop]
+    finish = FinishStep(divisor=1.0, publish=True)
+    assert _coalesced(finish, queued(Accumulate([group(7)]), stop)) == [finish, Accumulate([group(7)]), stop]
+
+
+def test_commands_after_stop_are_not_merged_across_it() -> None:
+    """Accumulates on either side of a Stop are not merged, so nothing queued after Stop joins work before it."""
+    stop = Stop()
+    commands = _coalesced(Accumulate([group(0)]), queued(stop, Accumulate([group(1)])))
+    assert [type(c) for c in commands] == [Accumulate, Stop, Accumulate]
+    assert group_ids(commands[0]) == [0] and group_ids(commands[2]) == [1]
+
+
+def test_merging_leaves_the_original_commands_untouched() -> None:
+    """Merging builds a new Accumulate; the queued commands' group lists are not mutated."""
+    first, second = Accumulate([group(0)]), Accumulate([group(1)])
+    [merged] = _coalesced(first, queued(second))
+    assert group_ids(merged) == [0, 1]
+    assert group_ids(first) == [0] and group_ids(second) == [1]
