@@ -128,7 +128,7 @@ class BroadcastSender(_BroadcastEnd):
         tensors = dict(named)
         check_publish(self.layout, tensors, version, self.where)
         values = list(tensors.values())
-        header = torch.tensor([version, self.fingerprint, 0], dtype=torch.int64, device=self.device)
+        header = torch.tensor([version, self.fingerprint], dtype=torch.int64, device=self.device)
         chk = torch.tensor([checksum(values)], dtype=torch.float64, device=self.device)
         self._bcast(header, f"the header of version {version}")
         self._bcast(chk, f"the checksum of version {version}")
@@ -169,7 +169,7 @@ class BroadcastReceiver(_BroadcastEnd):
                 return got_version, views
 
     def _receive_one(self) -> tuple[int, dict[str, torch.Tensor]]:
-        header = torch.zeros(3, dtype=torch.int64, device=self.device)
+        header = torch.zeros(2, dtype=torch.int64, device=self.device)
         chk = torch.zeros(1, dtype=torch.float64, device=self.device)
         self._bcast(header, "a header")
         got_version, fingerprint = int(header[0]), int(header[1])
