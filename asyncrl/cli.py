@@ -50,6 +50,27 @@ def _timeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from asyncrl.models import load_policy
+    from asyncrl.server.app import OpenAIServer
+
+    policy = load_policy(args.model, device=args.device, seed=args.seed)
+    server = OpenAIServer(
+        policy, model_name=args.name or args.model, max_batch_size=args.max_batch_size, seed=args.seed
+    )
+    host, port = server.start(args.host, args.port)
+    print(json.dumps({"listening": f"http://{host}:{port}", "model": server.model_name}), flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from asyncrl.sft import SFTConfig
 
@@ -93,6 +114,16 @@ def build_parser() -> argparse.ArgumentParser:
     timeline.add_argument("--last", type=float, help="only the last N seconds of the run")
     timeline.add_argument("--title", help="chart title (default: the run directory name)")
     timeline.set_defaults(func=_timeline)
+
+    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    serve.add_argument("--model", default="builtin:arith", help="model source, as model.path in a config")
+    serve.add_argument("--name", help="model name reported by the API (default: the source)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on start)")
+    serve.add_argument("--device", default="auto")
+    serve.add_argument("--max-batch-size", type=int, default=64)
+    serve.add_argument("--seed", type=int, default=0)
+    serve.set_defaults(func=_serve)
 
     config = sub.add_parser("config", help="print the resolved config, or the reference of every option")
     config.add_argument("config", nargs="?")

@@ -107,7 +107,25 @@ class RolloutConfig(Section):
     )
     top_k: int = Field(0, ge=0, description="Sample among the k most likely tokens (0 = off).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: smallest set with this much mass.")
+    min_p: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Keep tokens with at least min_p times the top token's probability (0 = off).",
+    )
+    keep_sampling_mask: bool = Field(
+        False,
+        description="Record, per sampled token, the set of tokens top-k/top-p/min-p allowed, and have the "
+        "trainer restrict its distribution to the same set before log-probs and IS ratios (Keep Sampling "
+        "Mask): behaviour and target policies then share one support.",
+    )
     max_batch_size: int = Field(512, ge=1, description="Most sequences the engine decodes at once.")
+    max_tokens_in_flight: int | None = Field(
+        None,
+        ge=1,
+        description="KV-cache budget of an engine in tokens: a sequence is admitted only while the running "
+        "ones' prompts plus token budgets fit (null = only max_batch_size limits).",
+    )
 
 
 class AlgorithmConfig(Section):
@@ -249,10 +267,12 @@ class ScheduleConfig(Section):
     streaming: bool = Field(
         False, description="Train on each group as it finishes, before the batch is complete."
     )
-    interrupt: Literal["batch", "drain"] = Field(
+    interrupt: Literal["never", "abort", "drain", "batch"] = Field(
         "batch",
-        description="What a weight update does to generation in flight: 'batch' applies it when all "
-        "submitted work is done; 'drain' lets the running batch finish, holds queued work, then applies it.",
+        description="What a weight update does to generation in flight: 'never' swaps weights between two "
+        "decode steps and sequences continue (each token records its version); 'abort' stops sequences, "
+        "swaps, and resumes them from their prefix; 'drain' admits nothing new until the running sequences "
+        "finish, then swaps; 'batch' swaps only when all submitted work is done.",
     )
     sync_every: int = Field(1, ge=1, description="Optimizer steps between weight pushes to the generators.")
     reject: Literal["group", "token"] = Field(

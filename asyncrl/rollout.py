@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from transformers import PreTrainedTokenizerBase
 
-from asyncrl.engine import GenerationRequest, SamplingParams
+from asyncrl.engine import GenerationRequest, SamplingParams, resume_request
 from asyncrl.errors import DatasetError
 from asyncrl.tasks.rewards import RewardFn, score
 from asyncrl.types import Group, Prompt, Sample
@@ -49,9 +49,15 @@ class RolloutWorker:
         group_size: int,
         reward_on_error: str = "zero",
         eos_after: int | None = None,
+        seed: int = 0,
     ) -> None:
-        """``eos_after``: with decode_past_eos, the EOS id at which an answer ends although generation went on."""
+        """``eos_after``: with decode_past_eos, the EOS id at which an answer ends although generation went on.
+
+        ``seed``: completion k of group g samples with seed (seed, g, k), so a group's
+        completions do not depend on which engine generates them or what runs beside them.
+        """
         self.engine = engine
+        self.seed = seed
         self.eos_after = eos_after
         self.stop_ids = set(sampling.stop_token_ids) | ({eos_after} if eos_after is not None else set())
         self.tokenizer = tokenizer
@@ -62,6 +68,7 @@ class RolloutWorker:
         self.stats = RolloutStats()
         self._next_group_id = 0
         self._pending: dict[int, _PendingGroup] = {}
+        self._sampling: dict[str, SamplingParams] = {}  # of requests in flight, to resume them
 
     def encode(self, prompt: Prompt) -> list[int]:
         return self.tokenizer(prompt.text, add_special_tokens=False).input_ids
@@ -82,7 +89,10 @@ class RolloutWorker:
                 sampling = self.sampling
                 if budgets[k] != sampling.max_new_tokens:
                     sampling = replace(sampling, max_new_tokens=budgets[k])
-                self.engine.add_request(GenerationRequest(f"{group_id}/{k}", ids, sampling))
+                request_id = f"{group_id}/{k}"
+                self._sampling[request_id] = sampling
+                seed = (self.seed << 40) + group_id * self.group_size + k
+                self.engine.add_request(GenerationRequest(request_id, ids, sampling, seed=seed))
 
     def _budgets(self, prompt: Prompt) -> list[int]:
         """Token budget of each of the G completions, never above the configured one.
@@ -104,10 +114,14 @@ class RolloutWorker:
             )
         return [min(v, cap) for v in values]
 
-    def step(self) -> tuple[list[Group], list[Group]]:
-        """Advance the engine one step; returns (completed groups, groups dropped for reward errors)."""
+    def step(self, admit: bool = True) -> tuple[list[Group], list[Group]]:
+        """Advance the engine one step; returns (completed groups, groups dropped for reward errors).
+
+        ``admit=False`` lets only the running sequences advance (draining before an update).
+        """
         ready, dropped = [], []
-        for res in self.engine.step():
+        for res in self.engine.step(admit=admit):
+            self._sampling.pop(res.request_id, None)
             group_id, k = (int(x) for x in res.request_id.split("/", 1))
             pending = self._pending[group_id]
             pending.samples[k] = self._score(pending.prompt, group_id, pending.prompt_ids, res)
@@ -123,6 +137,41 @@ class RolloutWorker:
                 self.stats.groups += 1
                 ready.append(group)
         return ready, dropped
+
+    def abort_and_resume(self, before_resume=None) -> int:
+        """Stop every request in flight, call ``before_resume`` (e.g. load new weights), then
+        resume each one from its prefix; returns how many were interrupted.
+
+        A resumed completion keeps the tokens, log-probs and versions of its prefix and
+        continues with the same seed, so the final sample is one sequence whose tokens record
+        the versions that produced them.
+        """
+        aborted = self.engine.abort()
+        if before_resume is not None:
+            before_resume()
+        for res in aborted:
+            self.engine.add_request(resume_request(res, self._sampling[res.request_id]))
+        return len(aborted)
+
+    def cancel_stale(self, version: int, max_staleness: int) -> list[tuple[int, Prompt]]:
+        """Cancel groups whose oldest token is more than ``max_staleness`` versions behind ``version``.
+
+        Their requests leave the engine and the group is forgotten; the caller re-issues the
+        returned prompts, so nothing is lost.
+        """
+        running = self.engine.oldest_versions()
+        cancelled = []
+        for group_id, pending in list(self._pending.items()):
+            ids = [f"{group_id}/{k}" for k in range(self.group_size)]
+            versions = [running[r] for r in ids if r in running]
+            versions += [min(s.versions) for s in pending.samples.values() if s.versions]
+            if versions and version - min(versions) > max_staleness:
+                self.engine.abort(ids)
+                for r in ids:
+                    self._sampling.pop(r, None)
+                del self._pending[group_id]
+                cancelled.append((group_id, pending.prompt))
+        return cancelled
 
     def generate_groups(self, prompts: list[Prompt]) -> list[Group]:
         """Generate, score and group completions for a batch of prompts, in prompt order.
@@ -164,4 +213,5 @@ class RolloutWorker:
             completion_text=text,
             reward=reward,
             reward_error=error,
+            supports=res.supports,
         )

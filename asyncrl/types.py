@@ -40,10 +40,11 @@ class Prompt:
 class Sample:
     """One completion of a prompt, with per-token provenance.
 
-    Per-token lists (``completion_ids``, ``logprobs``, ``versions``, ``loss_mask``) all
-    have the same length. ``logprobs[t]`` is the behaviour log-prob of
-    ``completion_ids[t]`` under the temperature-scaled distribution of the policy whose
-    version is ``versions[t]``.
+    Per-token lists (``completion_ids``, ``logprobs``, ``versions``, ``loss_mask``, and
+    ``supports`` when recorded) all have the same length. ``logprobs[t]`` is the behaviour
+    log-prob of ``completion_ids[t]`` under the temperature-scaled distribution of the
+    policy whose version is ``versions[t]`` — renormalised over ``supports[t]`` when that is
+    recorded.
     """
 
     prompt_id: str
@@ -58,10 +59,14 @@ class Sample:
     reward: float | None = None
     reward_error: str | None = None
     advantage: float | None = None
+    # Keep Sampling Mask: per token, the ids the sampler could choose (None = the whole vocabulary).
+    supports: list[list[int] | None] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
-        for name in ("logprobs", "versions", "loss_mask"):
+        for name in ("logprobs", "versions", "loss_mask") + (
+            ("supports",) if self.supports is not None else ()
+        ):
             if len(getattr(self, name)) != n:
                 raise ValueError(
                     f"Sample {self.prompt_id!r}: {name} has {len(getattr(self, name))} entries "

@@ -267,5 +267,5 @@ def test_engine_refuses_prompt_longer_than_positions(tiny_policy: Policy) -> Non
     too_long = GenerationRequest("too-long-7", [5] * (limit - 3), SamplingParams(4, temperature=0.0))
     with pytest.raises(ValueError, match=r"'too-long-7'.*509 tokens.*\(4\).*512 positions"):
         engine.generate([ok, too_long])
-    assert engine.stats["decode_steps"] == 0
+    assert engine.stats["steps"] == 0
     assert len(engine.generate([ok])[0].completion_ids) == 4

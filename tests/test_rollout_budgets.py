@@ -35,7 +35,7 @@ class RecordingEngine:
         self.requests.append(request)
         self._queued.append(request)
 
-    def step(self) -> list[GenerationResult]:
+    def step(self, admit: bool = True) -> list[GenerationResult]:
         done, self._queued = self._queued, []
         return [
             GenerationResult(

@@ -284,7 +284,7 @@ class ScrambledEngine:
     def add_request(self, request) -> None:
         self.waiting.append(request)
 
-    def step(self) -> list[GenerationResult]:
+    def step(self, admit: bool = True) -> list[GenerationResult]:
         self.rng.shuffle(self.waiting)
         n = self.rng.randint(1, len(self.waiting))
         done, self.waiting = self.waiting[:n], self.waiting[n:]

@@ -380,7 +380,7 @@ class FakeEngine:
     def add_request(self, request: GenerationRequest) -> None:
         self.queued.append(request)
 
-    def step(self) -> list[GenerationResult]:
+    def step(self, admit: bool = True) -> list[GenerationResult]:
         requests, self.queued = self.queued, []
         results = []
         for r in requests:

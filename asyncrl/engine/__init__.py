@@ -1,7 +1,14 @@
 """Inference engines: token generation with per-token log-probs and policy versions."""
 
-from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.embedded import EmbeddedEngine, resume_request
 from asyncrl.engine.sampling import SamplingParams
-from asyncrl.engine.types import GenerationRequest, GenerationResult
+from asyncrl.engine.types import GenerationRequest, GenerationResult, Prefix
 
-__all__ = ["EmbeddedEngine", "GenerationRequest", "GenerationResult", "SamplingParams"]
+__all__ = [
+    "EmbeddedEngine",
+    "GenerationRequest",
+    "GenerationResult",
+    "Prefix",
+    "SamplingParams",
+    "resume_request",
+]

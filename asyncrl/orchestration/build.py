@@ -30,6 +30,8 @@ def sampling_params(cfg: Config, policy: Policy, *, greedy: bool = False) -> Sam
         temperature=0.0 if greedy else r.temperature,
         top_k=r.top_k,
         top_p=r.top_p,
+        min_p=r.min_p,
+        keep_support=r.keep_sampling_mask and not greedy,
         stop_token_ids=() if (r.ignore_eos or r.decode_past_eos) and not greedy else (policy.eos_token_id,),
     )
 
@@ -74,6 +76,7 @@ def build_rollout(cfg: Config, policy: Policy, engine) -> RolloutWorker:
         cfg.rollout.group_size,
         reward_on_error=cfg.task.reward_on_error,
         eos_after=policy.eos_token_id if cfg.rollout.decode_past_eos else None,
+        seed=cfg.run.seed,
     )
 
 

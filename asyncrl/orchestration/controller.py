@@ -31,6 +31,7 @@ from asyncrl.orchestration.events import (
     EvalDone,
     Evaluate,
     FinishStep,
+    GroupCancelled,
     GroupDropped,
     GroupReady,
     LoadWeights,
@@ -178,6 +179,10 @@ class Controller:
             self.counts["generated"] += 1
             self._tokens_since_step += event.group.num_completion_tokens
             self.buffer.put(event.group, timeout=0.0)
+        elif isinstance(event, GroupCancelled):
+            self.running[event.worker] -= 1
+            self.counts["cancelled_stale"] += 1
+            self.requeued.append(event.prompt)
         elif isinstance(event, GroupDropped):
             self.running[event.worker] -= 1
             self.counts["generated"] += 1
@@ -282,20 +287,26 @@ class Controller:
             )
 
     def accounting(self) -> dict[str, int]:
-        """Where every issued prompt went; ``reconciles`` is the invariant that they add up."""
+        """Where every issued group went; ``reconciles`` is the invariant that they add up.
+
+        A prompt whose group was dropped for staleness or cancelled in flight is issued
+        again as a new group, so it is counted once as dropped/cancelled and once more.
+        """
         counts = dict(self.counts)
         dropped = sum(v for k, v in counts.items() if k.startswith("dropped_"))
         in_flight = sum(self.running.values())
         buffered = len(self.buffer) + len(self.staged) + len(self.step_groups)
+        cancelled = counts.get("cancelled_stale", 0)  # abandoned in flight; their prompts were issued again
         return {
             "issued": counts.get("issued", 0),
             "generated": counts.get("generated", 0),
             "trained": counts.get("trained", 0),
             **{k: v for k, v in counts.items() if k.startswith("dropped_")},
+            "cancelled_stale": cancelled,
             "in_flight": in_flight,
             "buffered": buffered,
             "reconciles": counts.get("issued", 0)
-            == counts.get("trained", 0) + dropped + in_flight + buffered,
+            == counts.get("trained", 0) + dropped + cancelled + in_flight + buffered,
         }
 
 

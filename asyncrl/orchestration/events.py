@@ -86,6 +86,15 @@ class GroupDropped:
 
 
 @dataclass
+class GroupCancelled:
+    """A group abandoned in flight because its oldest token grew too stale; its prompt is re-issued."""
+
+    worker: str
+    group_id: int
+    prompt: Prompt
+
+
+@dataclass
 class WeightsLoaded:
     worker: str
     version: int

@@ -21,6 +21,7 @@ from asyncrl.orchestration.events import (
     EvalDone,
     Evaluate,
     FinishStep,
+    GroupCancelled,
     GroupDropped,
     GroupReady,
     LoadWeights,
@@ -42,11 +43,17 @@ SPAN_FLUSH_S = 0.25  # long generation periods are reported in slices so the tim
 class GeneratorWorker:
     """An engine plus reward scoring, producing groups and applying weight updates.
 
-    Interrupt modes (when a published version is applied):
-    - ``batch``: once all submitted work is finished;
-    - ``drain``: once the running batch is finished; queued work waits and then runs under
-      the new weights.
-    Every token records the version of the weights that sampled it.
+    Interrupt modes (how a published version is applied):
+    - ``never``: at once, between two decode steps; running sequences continue on their KV
+      cache and their later tokens record the new version (PipelineRL);
+    - ``abort``: at once; running sequences stop, keep their prefix (tokens, log-probs,
+      versions) and resume under the new weights, the prefix re-prefilled (SkyRL, slime);
+    - ``drain``: no new sequence starts until the running ones finish; then the update, then
+      the held work starts under the new weights (PRIME-RL, AReaL);
+    - ``batch``: once all submitted work is finished.
+    Every token records the version of the weights that sampled it. After every update,
+    groups whose oldest token is more than ``schedule.max_staleness`` versions old are
+    cancelled and reported, so their prompts are issued again rather than trained stale.
     """
 
     def __init__(
@@ -60,7 +67,9 @@ class GeneratorWorker:
             policy.model,
             pad_token_id=policy.pad_token_id,
             max_batch_size=cfg.rollout.max_batch_size,
+            max_tokens_in_flight=cfg.rollout.max_tokens_in_flight,
             seed=seed,
+            decode=lambda ids: policy.tokenizer.decode(ids, skip_special_tokens=True),
         )
         self.rollout = build.build_rollout(cfg, policy, self.engine)
         self.interrupt = cfg.schedule.interrupt
@@ -87,32 +96,53 @@ class GeneratorWorker:
     def _may_apply_update(self) -> bool:
         if self.interrupt == "batch":
             return not self.engine.has_work
-        return self.engine.num_running == 0  # drain
+        if self.interrupt == "drain":
+            return self.engine.num_running == 0
+        return True  # never, abort
 
     def work(self) -> list:
         """One unit of work: apply a pending update if allowed, else one engine step."""
-        events: list = []
         if self.pending_version is not None and self._may_apply_update():
-            events += self._flush_span()
-            t0, start = time.perf_counter(), time.time()
-            version, tensors = self.receiver.receive(
-                self.pending_version, timeout=self.cfg.runtime.stall_timeout_s
-            )
-            self.engine.load_weights(tensors, version)
-            self.pending_version = None
-            seconds = time.perf_counter() - t0
-            events.append(Span(self.name, "weight_sync", start, time.time(), {"version": version}))
-            events.append(WeightsLoaded(self.name, version, seconds))
-            return events
+            return self._apply_update()
         if not self.engine.has_work:
             return self._flush_span()
         if self._busy_since is None:
             self._busy_since = time.time()
-        ready, dropped = self.rollout.step()
-        events += [GroupReady(self.name, g) for g in ready]
+        # While an update waits for the running sequences (drain), nothing new is admitted.
+        ready, dropped = self.rollout.step(admit=self.pending_version is None)
+        events: list = [GroupReady(self.name, g) for g in ready]
         events += [GroupDropped(self.name, g, "reward_error") for g in dropped]
         if not self.engine.has_work or time.time() - self._busy_since > SPAN_FLUSH_S:
             events += self._flush_span()
+        return events
+
+    def _apply_update(self) -> list:
+        events = self._flush_span()
+        t0, start = time.perf_counter(), time.time()
+        received: dict = {}
+
+        def load() -> None:
+            version, tensors = self.receiver.receive(
+                self.pending_version, timeout=self.cfg.runtime.stall_timeout_s
+            )
+            self.engine.load_weights(tensors, version)
+            received["version"] = version
+
+        if self.interrupt == "abort" and self.engine.num_running:
+            interrupted = self.rollout.abort_and_resume(before_resume=load)
+        else:
+            interrupted = 0
+            load()
+        version = received["version"]
+        self.pending_version = None
+        events.append(
+            Span(
+                self.name, "weight_sync", start, time.time(), {"version": version, "interrupted": interrupted}
+            )
+        )
+        events.append(WeightsLoaded(self.name, version, time.perf_counter() - t0))
+        for group_id, prompt in self.rollout.cancel_stale(version, self.cfg.schedule.max_staleness):
+            events.append(GroupCancelled(self.name, group_id, prompt))
         return events
 
     def _flush_span(self) -> list:

@@ -57,6 +57,9 @@ class MicroBatch:
     attention_mask: torch.Tensor | None = None
     position_ids: torch.Tensor | None = None
     shared: SharedPromptInputs | None = None
+    # Keep Sampling Mask: (B, R, S) kept token ids per position, -1 padded; None when not recorded.
+    support_ids: torch.Tensor | None = None
+    has_support: torch.Tensor | None = None  # (B, R) bool: the position has a recorded support
     # Filled by the trainer before the first update on this batch, when needed.
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
@@ -83,6 +86,8 @@ class MicroBatch:
             "input_ids",
             "attention_mask",
             "position_ids",
+            "support_ids",
+            "has_support",
         ):
             value = getattr(self, name)
             if value is not None:
@@ -124,7 +129,22 @@ def _per_token(samples: list[Sample], pad_token_id: int) -> dict[str, torch.Tens
         out["behaviour_logprobs"][i, :n] = torch.tensor(s.logprobs[:n], dtype=torch.float32)
         out["versions"][i, :n] = torch.tensor(s.versions[:n])
     out["advantages"] = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    if any(s.supports is not None for s in samples):
+        out["support_ids"], out["has_support"] = _support_tensors(samples, r)
     return out
+
+
+def _support_tensors(samples: list[Sample], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Recorded supports as a (B, R, S) id tensor padded with -1, and where they exist."""
+    size = max((len(ids) for s in samples if s.supports for ids in s.supports if ids), default=1)
+    support_ids = torch.full((len(samples), width, size), -1, dtype=torch.long)
+    has_support = torch.zeros((len(samples), width), dtype=torch.bool)
+    for i, s in enumerate(samples):
+        for t, ids in enumerate((s.supports or [])[:width]):
+            if ids:
+                support_ids[i, t, : len(ids)] = torch.tensor(ids)
+                has_support[i, t] = True
+    return support_ids, has_support
 
 
 def collate(samples: list[Sample], pad_token_id: int) -> MicroBatch:

@@ -59,6 +59,12 @@ def completion_logprobs(
     """
     logits = completion_logits(model, batch).float() / temperature
     logp = torch.log_softmax(logits, dim=-1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
+    if batch.support_ids is not None:
+        # Keep Sampling Mask: renormalise over the tokens the sampler could choose at that position.
+        kept = logits.gather(-1, batch.support_ids.clamp(min=0))
+        kept = kept.masked_fill(batch.support_ids < 0, float("-inf"))
+        token = logits.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
+        logp = torch.where(batch.has_support, token - torch.logsumexp(kept, dim=-1), logp)
     entropy = None
     if with_entropy:
         entropy = entropy_from_logits(logits if entropy_grad else logits.detach())

@@ -187,6 +187,10 @@ class Trainer:
             "ratio_mean": s["ratio_sum"] / tokens,
             "kl_ref": s["kl_sum"] / tokens if self.ref_model is not None else 0.0,
             "old_behaviour_abs_gap": s["old_behav_gap_sum"] / tokens,
+            "logprob_diff_mean": s["parity_abs_sum"] / max(s["parity_tokens"], 1.0),
+            "logprob_diff_max": s["parity_abs_max"],
+            "mismatch_kl": s["mismatch_kl_sum"] / max(s["parity_tokens"], 1.0),
+            "parity_tokens": s["parity_tokens"],
             "trained_tokens": s["tokens"],
             **self._correction_metrics(tokens),
             "train_s": self._busy_s,
@@ -268,6 +272,13 @@ class Trainer:
         with torch.no_grad():
             ratio = torch.exp(log_ratio).expand_as(mask)
             behav_gap = (old - mb.behaviour_logprobs).abs() * mask
+            # Engine/trainer parity on tokens sampled by exactly these weights.
+            on_policy = mask * (mb.versions == self.version).to(mask.dtype)
+            gap = logp.detach() - mb.behaviour_logprobs
+            stats["parity_tokens"] = float(on_policy.sum())
+            stats["parity_abs_sum"] = float((gap.abs() * on_policy).sum())
+            stats["parity_abs_max"] = float((gap.abs() * on_policy).max()) if on_policy.any() else 0.0
+            stats["mismatch_kl_sum"] = float(((torch.exp(gap) - gap - 1) * on_policy).sum())
             stats.update(
                 loss_sum=float(loss_sum),
                 tokens=float(mask.sum()),

@@ -1,0 +1,437 @@
+"""An OpenAI-compatible HTTP server over the embedded engine (``asyncrl serve``).
+
+Endpoints:
+
+* ``POST /v1/completions`` and ``POST /v1/chat/completions`` — prompts or chat messages,
+  ``n``, ``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``, ``logprobs``
+  (token log-probs of the sampled tokens), ``stream`` (server-sent events), plus the
+  extensions ``top_k`` and ``min_p``. Every choice also reports the policy versions that
+  produced its tokens (``asyncrl_versions``), which multi-turn agent code needs to build
+  training samples.
+* ``GET /v1/models``; ``GET /health``.
+* ``GET /v1/policy`` — the policy version being served; ``POST /v1/policy`` with
+  ``{"weights_dir": DIR}`` loads the newest weights published there by the files transport
+  (checked for layout, version and checksum) between two decode steps.
+
+Requests from all connections share one continuously batched engine (see engine_loop.py).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+import uuid
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from asyncrl.engine import EmbeddedEngine, GenerationRequest, SamplingParams
+from asyncrl.models import Policy
+from asyncrl.server.engine_loop import EngineLoop, Ticket
+from asyncrl.weight_sync import WeightLayout
+
+REQUEST_TIMEOUT_S = 600.0
+
+
+class BadRequest(ValueError):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def chat_prompt(tokenizer, messages: list[dict]) -> str:
+    """The model's own chat template when it has one, otherwise 'role: content' lines."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list", "messages")
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
+            raise BadRequest("each message needs a 'role' and a string 'content'", "messages")
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+
+class OpenAIServer:
+    def __init__(self, policy: Policy, *, model_name: str, max_batch_size: int = 64, seed: int = 0) -> None:
+        self.policy = policy
+        self.model_name = model_name
+        tok = policy.tokenizer
+        self.engine = EmbeddedEngine(
+            policy.model,
+            pad_token_id=policy.pad_token_id,
+            max_batch_size=max_batch_size,
+            seed=seed,
+            decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+        )
+        self.loop = EngineLoop(self.engine)
+        self.layout = WeightLayout.of(policy.model.named_parameters())
+        self.httpd: ThreadingHTTPServer | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self, host: str, port: int) -> tuple[str, int]:
+        self.loop.start()
+        server = self
+
+        class Handler(_Handler):
+            app = server
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, name="http", daemon=True).start()
+        return self.httpd.server_address[:2]
+
+    def stop(self) -> None:
+        if self.httpd is not None:
+            self.httpd.shutdown()
+            self.httpd.server_close()
+        self.loop.stop()
+
+    # -- requests -----------------------------------------------------------------------
+
+    def sampling(self, body: dict, max_tokens_key: str) -> SamplingParams:
+        def number(key: str, default, kind=float):
+            value = body.get(key, default)
+            if value is None:
+                return default
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise BadRequest(f"'{key}' must be a number, got {value!r}", key)
+            return kind(value)
+
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            raise BadRequest("'stop' must be a string or a list of non-empty strings", "stop")
+        max_tokens = body.get(max_tokens_key)
+        max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
+        max_tokens = 16 if max_tokens is None else max_tokens
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+            raise BadRequest(f"'{max_tokens_key}' must be an integer, got {max_tokens!r}", max_tokens_key)
+        try:
+            return SamplingParams(
+                max_new_tokens=max_tokens,
+                temperature=number("temperature", 1.0),
+                top_p=number("top_p", 1.0),
+                top_k=number("top_k", 0, int),
+                min_p=number("min_p", 0.0),
+                stop_token_ids=(self.policy.eos_token_id,),
+                stop=tuple(stop),
+            )
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+
+    def submit(
+        self, prompt: str, sampling: SamplingParams, n: int, seed: int | None, base_id: str
+    ) -> list[Ticket]:
+        if not isinstance(prompt, str) or not prompt:
+            raise BadRequest("'prompt' must be a non-empty string or a list of them", "prompt")
+        ids = self.policy.tokenizer(prompt, add_special_tokens=False).input_ids
+        tickets = []
+        for j in range(n):
+            request = GenerationRequest(
+                f"{base_id}-{j}", ids, sampling, seed=None if seed is None else seed + j
+            )
+            try:
+                tickets.append(self.loop.submit(request))
+            except ValueError as exc:
+                raise BadRequest(str(exc), "max_tokens") from None
+        return tickets
+
+    def text_of(self, ids: list[int], sampling: SamplingParams) -> str:
+        text = self.policy.tokenizer.decode(
+            [t for t in ids if t not in sampling.stop_token_ids], skip_special_tokens=True
+        )
+        for s in sampling.stop:
+            cut = text.find(s)
+            if cut >= 0:
+                text = text[:cut]
+        return text
+
+
+def _wait(ticket: Ticket):
+    deadline = time.monotonic() + REQUEST_TIMEOUT_S
+    while True:
+        kind, payload = ticket.updates.get(timeout=max(0.0, deadline - time.monotonic()))
+        if kind == "done":
+            return payload
+        if kind == "error":
+            raise RuntimeError(f"the engine failed: {payload}")
+
+
+class _Handler(BaseHTTPRequestHandler):
+    app: OpenAIServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args) -> None:  # quiet: one line per request is noise here
+        pass
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def _json(self, status: int, payload: dict) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _error(self, status: int, message: str, param: str | None = None) -> None:
+        self._json(
+            status,
+            {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}},
+        )
+
+    def _body(self) -> dict:
+        length = int(self.headers.get("Content-Length") or 0)
+        try:
+            body = json.loads(self.rfile.read(length) or b"{}")
+        except json.JSONDecodeError as exc:
+            raise BadRequest(f"the body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        return body
+
+    def _sse(self, payload: dict | str) -> None:
+        data = payload if isinstance(payload, str) else json.dumps(payload)
+        chunk = f"data: {data}\n\n".encode()
+        self.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+        self.wfile.flush()
+
+    def _start_stream(self) -> None:
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+    def _end_stream(self) -> None:
+        self._sse("[DONE]")
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+    # -- routes ---------------------------------------------------------------------------
+
+    def do_GET(self) -> None:
+        app = self.app
+        if self.path == "/health":
+            self._json(200, {"status": "ok"})
+        elif self.path == "/v1/models":
+            self._json(
+                200,
+                {
+                    "object": "list",
+                    "data": [{"id": app.model_name, "object": "model", "created": 0, "owned_by": "asyncrl"}],
+                },
+            )
+        elif self.path == "/v1/policy":
+            self._json(200, {"model": app.model_name, "version": app.engine.version})
+        else:
+            self._error(404, f"no route GET {self.path}")
+
+    def do_POST(self) -> None:
+        routes = {
+            "/v1/completions": self._completions,
+            "/v1/chat/completions": self._chat,
+            "/v1/policy": self._policy,
+        }
+        route = routes.get(self.path)
+        if route is None:
+            self._error(404, f"no route POST {self.path}")
+            return
+        try:
+            route(self._body())
+        except BadRequest as exc:
+            self._error(400, str(exc), exc.param)
+        except (queue.Empty, RuntimeError) as exc:
+            self._error(500, str(exc) or "the request timed out")
+
+    def _common(self, body: dict, max_tokens_key: str) -> tuple[SamplingParams, int, int | None, bool]:
+        sampling = self.app.sampling(body, max_tokens_key)
+        n = body.get("n", 1)
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 64:
+            raise BadRequest(f"'n' must be an integer from 1 to 64, got {n!r}", "n")
+        seed = body.get("seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise BadRequest(f"'seed' must be an integer, got {seed!r}", "seed")
+        return sampling, n, seed, bool(body.get("stream"))
+
+    def _completions(self, body: dict) -> None:
+        app = self.app
+        if body.get("echo"):
+            raise BadRequest("'echo' is not supported", "echo")
+        sampling, n, seed, stream = self._common(body, "max_tokens")
+        prompts = body.get("prompt")
+        prompts = [prompts] if isinstance(prompts, str) else prompts
+        if not isinstance(prompts, list) or not prompts:
+            raise BadRequest("'prompt' must be a non-empty string or a list of them", "prompt")
+        want_logprobs = body.get("logprobs") is not None
+        cid = f"cmpl-{uuid.uuid4().hex[:24]}"
+        tickets = [t for i, p in enumerate(prompts) for t in app.submit(p, sampling, n, seed, f"{cid}-{i}")]
+        head = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": app.model_name}
+        if stream:
+            self._stream(tickets, sampling, head, chat=False, want_logprobs=want_logprobs)
+            return
+        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
+        for index, ticket in enumerate(tickets):
+            result = _wait(ticket)
+            text = app.text_of(result.completion_ids, sampling)
+            choice = {
+                "index": index,
+                "text": text,
+                "finish_reason": result.finish_reason,
+                "asyncrl_versions": result.versions,
+            }
+            if want_logprobs:
+                tokens = [app.policy.tokenizer.decode([t]) for t in result.completion_ids]
+                choice["logprobs"] = {
+                    "tokens": tokens,
+                    "token_logprobs": result.logprobs,
+                    "top_logprobs": None,
+                    "text_offset": _offsets(tokens),
+                }
+            else:
+                choice["logprobs"] = None
+            choices.append(choice)
+            usage["prompt_tokens"] += len(ticket.request.prompt_ids)
+            usage["completion_tokens"] += len(result.completion_ids)
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        self._json(200, {**head, "choices": choices, "usage": usage})
+
+    def _chat(self, body: dict) -> None:
+        app = self.app
+        sampling, n, seed, stream = self._common(body, "max_completion_tokens")
+        prompt = chat_prompt(app.policy.tokenizer, body.get("messages"))
+        want_logprobs = bool(body.get("logprobs"))
+        cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        tickets = app.submit(prompt, sampling, n, seed, cid)
+        head = {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": app.model_name}
+        if stream:
+            self._stream(
+                tickets,
+                sampling,
+                {**head, "object": "chat.completion.chunk"},
+                chat=True,
+                want_logprobs=want_logprobs,
+            )
+            return
+        choices, completion_tokens = [], 0
+        for index, ticket in enumerate(tickets):
+            result = _wait(ticket)
+            choice = {
+                "index": index,
+                "message": {"role": "assistant", "content": app.text_of(result.completion_ids, sampling)},
+                "finish_reason": result.finish_reason,
+                "logprobs": {"content": _content_logprobs(app, result.completion_ids, result.logprobs)}
+                if want_logprobs
+                else None,
+                "asyncrl_versions": result.versions,
+            }
+            choices.append(choice)
+            completion_tokens += len(result.completion_ids)
+        prompt_tokens = len(tickets[0].request.prompt_ids)
+        self._json(
+            200,
+            {
+                **head,
+                "choices": choices,
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": completion_tokens,
+                    "total_tokens": prompt_tokens + completion_tokens,
+                },
+            },
+        )
+
+    def _stream(
+        self, tickets: list[Ticket], sampling: SamplingParams, head: dict, chat: bool, want_logprobs: bool
+    ) -> None:
+        app = self.app
+        self._start_stream()
+        pending = dict(enumerate(tickets))
+        sent_text = dict.fromkeys(pending, "")
+        ids_so_far: dict[int, list[int]] = {i: [] for i in pending}
+        if chat:
+            for i in pending:
+                self._sse(
+                    {
+                        **head,
+                        "choices": [
+                            {
+                                "index": i,
+                                "delta": {"role": "assistant", "content": ""},
+                                "finish_reason": None,
+                                "logprobs": None,
+                            }
+                        ],
+                    }
+                )
+        deadline = time.monotonic() + REQUEST_TIMEOUT_S
+        while pending and time.monotonic() < deadline:
+            for i, ticket in list(pending.items()):
+                try:
+                    kind, payload = ticket.updates.get(timeout=0.01)
+                except queue.Empty:
+                    continue
+                finish = None
+                if kind == "delta":
+                    new_ids, new_lps = payload
+                elif kind == "done":
+                    new_ids, new_lps, finish = [], [], payload.finish_reason
+                    del pending[i]
+                else:
+                    raise RuntimeError(f"the engine failed: {payload}")
+                ids_so_far[i] += new_ids
+                text = app.text_of(ids_so_far[i], sampling)
+                delta, sent_text[i] = text[len(sent_text[i]) :], text
+                lp = None
+                if want_logprobs and new_ids:
+                    if chat:
+                        lp = {"content": _content_logprobs(app, new_ids, new_lps)}
+                    else:
+                        toks = [app.policy.tokenizer.decode([t]) for t in new_ids]
+                        lp = {
+                            "tokens": toks,
+                            "token_logprobs": new_lps,
+                            "top_logprobs": None,
+                            "text_offset": _offsets(toks),
+                        }
+                choice = {"index": i, "finish_reason": finish, "logprobs": lp}
+                choice.update({"delta": {"content": delta}} if chat else {"text": delta})
+                self._sse({**head, "choices": [choice]})
+        self._end_stream()
+
+    def _policy(self, body: dict) -> None:
+        from asyncrl.weight_sync.files import FileReceiver
+
+        app = self.app
+        directory = body.get("weights_dir")
+        if not isinstance(directory, str) or not directory:
+            raise BadRequest(
+                "'weights_dir' must name a directory written by the files weight transport", "weights_dir"
+            )
+        wanted = body.get("version", app.engine.version)
+        receiver = FileReceiver(directory, app.layout)
+        try:
+            version, tensors = receiver.receive(int(wanted), timeout=float(body.get("timeout_s", 30)))
+        except Exception as exc:  # a missing, torn or foreign update is the caller's error, named
+            raise BadRequest(f"cannot load weights from {directory!r}: {exc}", "weights_dir") from None
+        app.loop.call(lambda engine: engine.load_weights(tensors, version), timeout=REQUEST_TIMEOUT_S)
+        self._json(200, {"model": app.model_name, "version": version})
+
+
+def _offsets(tokens: list[str]) -> list[int]:
+    out, pos = [], 0
+    for t in tokens:
+        out.append(pos)
+        pos += len(t)
+    return out
+
+
+def _content_logprobs(app: OpenAIServer, ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
+    out = []
+    for t, lp in zip(ids, logprobs, strict=True):
+        text = app.policy.tokenizer.decode([t])
+        out.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+    return out
