@@ -31,20 +31,29 @@ from asyncrl.types import Group
 
 
 class AdmissionControl:
-    """Depth bound on groups in flight: accepted + running <= (max_staleness + v + 1) * groups_per_step."""
+    """Depth bound on groups in flight: accepted + running < ((max_staleness + v) // K + 1) * groups_per_step.
 
-    def __init__(self, groups_per_step: int, max_staleness: int) -> None:
-        if groups_per_step < 1 or max_staleness < 0:
+    v is the policy version of the weights that will generate the group and K the optimizer
+    steps taken per batch (``versions_per_step``, algorithm.num_iterations): the group that
+    starts now is trained in batch (accepted + running) // groups_per_step, i.e. at version
+    K times that, and may be at most ``max_staleness`` versions older than it. With K = 1
+    this is AReaL's (η + v + 1)·B.
+    """
+
+    def __init__(self, groups_per_step: int, max_staleness: int, versions_per_step: int = 1) -> None:
+        if groups_per_step < 1 or max_staleness < 0 or versions_per_step < 1:
             raise ValueError(
-                f"need groups_per_step >= 1 and max_staleness >= 0, got {groups_per_step}, {max_staleness}"
+                f"need groups_per_step >= 1, max_staleness >= 0 and versions_per_step >= 1, got "
+                f"{groups_per_step}, {max_staleness}, {versions_per_step}"
             )
         self.groups_per_step = groups_per_step
         self.max_staleness = max_staleness
+        self.versions_per_step = versions_per_step
 
     def capacity(self, trainer_version: int, accepted: int, running: int) -> int:
-        """How many more groups may start now."""
-        limit = (self.max_staleness + trainer_version + 1) * self.groups_per_step
-        return max(0, limit - accepted - running)
+        """How many more groups may start now on weights of version ``trainer_version``."""
+        batches = (self.max_staleness + trainer_version) // self.versions_per_step + 1
+        return max(0, batches * self.groups_per_step - accepted - running)
 
 
 @dataclass

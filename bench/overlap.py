@@ -10,8 +10,9 @@ dominates a step and the slowest completion gates it, as in reasoning RL.
 Machine split: ``sync`` runs inline and uses, for each phase, the torch thread count that
 was measured fastest for that phase (1 or all cores); the disaggregated schedules run the
 generator and the trainer as two processes with an even share of the cores each
-(``runtime.core_sharing=static``). Extra rows ``<schedule>+dynamic_cores`` use the
-default dynamic sharing, where a busy worker takes the cores an idle one leaves.
+(``runtime.core_sharing=static``). Extra rows: ``async+interrupt_never`` and
+``async+interrupt_abort`` (the async preset drains), and ``<schedule>+dynamic_cores`` with
+the default dynamic sharing, where a busy worker takes the cores an idle one leaves.
 
 Prints one JSON object (last line): per schedule ``s_per_step`` (steady state, after
 ``--warmup`` steps), ``trained_tokens_per_s`` over the same window (schedules that train
@@ -125,6 +126,12 @@ def main() -> None:
     parser.add_argument("--within-sigma", type=float, default=0.4, help="log-length spread inside a group")
     parser.add_argument("--schedules", nargs="+", default=["sync", "periodic", "one_step_off", "async"])
     parser.add_argument(
+        "--interrupts",
+        nargs="*",
+        default=["never", "abort"],
+        help="also run async with these interrupt modes (its preset uses drain)",
+    )
+    parser.add_argument(
         "--dynamic",
         nargs="*",
         default=["periodic", "async"],
@@ -185,6 +192,10 @@ def main() -> None:
         else:  # the rule of this benchmark: disaggregated schedules split the cores evenly
             extra += ["runtime.core_sharing=static"]
         results[name] = steady_window(run_schedule(name, [*base, *extra], work, name), args.warmup)
+    for mode in args.interrupts:
+        tag = f"async+interrupt_{mode}"
+        extra = ["schedule=async", f"schedule.interrupt={mode}", "runtime.core_sharing=static"]
+        results[tag] = steady_window(run_schedule("async", [*base, *extra], work, tag), args.warmup)
     for name in args.dynamic:
         tag = f"{name}+dynamic_cores"
         extra = [f"schedule={name}", "runtime.core_sharing=dynamic"]

@@ -6,8 +6,10 @@ Requests are queued with :meth:`EmbeddedEngine.add_request` and advanced by
 **Continuous batching.** At every step, waiting requests are admitted while there is a
 free slot (``max_batch_size`` sequences) and room in the token budget
 (``max_tokens_in_flight``: each running sequence reserves its prompt plus its token budget,
-so the KV cache can never outgrow it). Newcomers are prefilled together and merged into
-the running batch; a sequence leaves the batch and the cache the moment it finishes.
+so the real tokens in the KV cache can never outgrow it; the left padding of the dense cache
+comes on top, see ``stats["peak_cache_tokens"]``). Newcomers are prefilled together and
+merged into the running batch; a sequence leaves the batch and the cache the moment it
+finishes.
 
 **Layout.** Rows are left-padded so that every row's newest token sits in the last column
 of the cache; position ids follow each row's own attention mask, so padding never shifts a
@@ -15,9 +17,11 @@ sequence. When newcomers with shorter histories join, they are padded on the lef
 the longest rows finish, columns that are padding for every row are cut away again.
 
 **Between two steps** the engine holds no state that depends on the weights except the KV
-cache, so weights may be swapped there (the ``never`` interrupt mode: sequences continue on
-their cache, and every token records the version that sampled it), or running sequences
-may be aborted and later resumed from their prefix (:meth:`abort`).
+cache and each row's pending logits, so weights may be swapped there (the ``never``
+interrupt mode: sequences continue on their cache, and every token records the version of
+the weights that computed the logits it was drawn from — the first token after a swap
+still comes from the old weights), or running sequences may be aborted and later resumed
+from their prefix (:meth:`abort`).
 """
 
 from __future__ import annotations
@@ -147,10 +151,15 @@ class EmbeddedEngine:
     # -- stepping -----------------------------------------------------------------------
 
     def partial(self) -> dict[str, tuple[list[int], list[float]]]:
-        """Tokens and log-probs generated so far by each running request (for streaming)."""
+        """Tokens and log-probs generated so far by each running request, a resumed prefix included."""
         if self._batch is None:
             return {}
-        return {r.request.request_id: (r.tokens, r.logprobs) for r in self._batch.rows}
+        out = {}
+        for r in self._batch.rows:
+            prefix = r.request.prefix
+            tokens = (prefix.completion_ids if prefix else []) + r.tokens
+            out[r.request.request_id] = (tokens, (prefix.logprobs if prefix else []) + r.logprobs)
+        return out
 
     def oldest_versions(self) -> dict[str, int]:
         """For each running request with tokens, the oldest policy version among them (prefix included)."""
@@ -266,10 +275,22 @@ def _result(req, tokens, logprobs, versions, supports, finish) -> GenerationResu
 class _Row:
     """Python-side state of one running sequence."""
 
-    __slots__ = ("logprobs", "request", "reserved", "stop_chars", "supports", "tokens", "versions")
+    __slots__ = (
+        "logits_version",
+        "logprobs",
+        "request",
+        "reserved",
+        "stop_chars",
+        "supports",
+        "tokens",
+        "versions",
+    )
 
-    def __init__(self, request: GenerationRequest) -> None:
+    def __init__(self, request: GenerationRequest, logits_version: int) -> None:
         self.request = request
+        # The version of the weights that computed the logits this row samples from next: after
+        # a swap between steps, the first token drawn still comes from the old weights' logits.
+        self.logits_version = logits_version
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
@@ -344,7 +365,8 @@ class _Batch:
             use_cache=True,
             logits_to_keep=1,
         )
-        return cls([_Row(r) for r in requests], cache, attention, out.logits[:, -1], positions[:, -1] + 1)
+        rows = [_Row(r, engine.version) for r in requests]
+        return cls(rows, cache, attention, out.logits[:, -1], positions[:, -1] + 1)
 
     def merge(self, other: _Batch) -> _Batch:
         """One batch of both: the narrower cache is padded on the left to the wider one's width."""
@@ -403,7 +425,7 @@ class _Batch:
         ):
             row.tokens.append(tok)
             row.logprobs.append(lp)
-            row.versions.append(engine.version)
+            row.versions.append(row.logits_version)
             if row.supports is not None:
                 row.supports.append(draw.supports[i] if draw.supports else None)
             params = row.request.sampling
@@ -432,6 +454,8 @@ class _Batch:
         )
         self.logits = out.logits[:, -1]
         self.next_pos = self.next_pos + 1
+        for row in self.rows:
+            row.logits_version = engine.version
         engine.stats["peak_cache_tokens"] = max(engine.stats["peak_cache_tokens"], self.attention.numel())
         return finished
 

@@ -66,7 +66,7 @@ class Controller:
         self.rounds = math.ceil(cfg.run.steps / self.iters)
         self.stream = PromptStream(prompt_source, seed=cfg.task.seed)
         self.requeued: deque[Prompt] = deque()
-        self.admission = AdmissionControl(self.B, sched.max_staleness)
+        self.admission = AdmissionControl(self.B, sched.max_staleness, versions_per_step=self.iters)
         # Admission bounds what is generated, so the buffer never fills in normal operation;
         # its capacity is the depth bound plus one step of slack.
         self.buffer = RolloutBuffer(

@@ -109,7 +109,8 @@ class GeneratorWorker:
         if self._busy_since is None:
             self._busy_since = time.time()
         # While an update waits for the running sequences (drain), nothing new is admitted.
-        ready, dropped = self.rollout.step(admit=self.pending_version is None)
+        draining = self.pending_version is not None and self.interrupt == "drain"
+        ready, dropped = self.rollout.step(admit=not draining)
         events: list = [GroupReady(self.name, g) for g in ready]
         events += [GroupDropped(self.name, g, "reward_error") for g in dropped]
         if not self.engine.has_work or time.time() - self._busy_since > SPAN_FLUSH_S:

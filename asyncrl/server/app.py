@@ -25,6 +25,7 @@ import time
 import uuid
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from asyncrl.engine import EmbeddedEngine, GenerationRequest, SamplingParams
@@ -109,6 +110,8 @@ class OpenAIServer:
         max_tokens = 16 if max_tokens is None else max_tokens
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
             raise BadRequest(f"'{max_tokens_key}' must be an integer, got {max_tokens!r}", max_tokens_key)
+        if max_tokens < 1:
+            raise BadRequest(f"'{max_tokens_key}' must be at least 1, got {max_tokens}", max_tokens_key)
         try:
             return SamplingParams(
                 max_new_tokens=max_tokens,
@@ -294,7 +297,8 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 choice["logprobs"] = None
             choices.append(choice)
-            usage["prompt_tokens"] += len(ticket.request.prompt_ids)
+            if index % n == 0:  # a prompt counts once, however many choices it has
+                usage["prompt_tokens"] += len(ticket.request.prompt_ids)
             usage["completion_tokens"] += len(result.completion_ids)
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         self._json(200, {**head, "choices": choices, "usage": usage})
@@ -351,6 +355,9 @@ class _Handler(BaseHTTPRequestHandler):
         self._start_stream()
         pending = dict(enumerate(tickets))
         sent_text = dict.fromkeys(pending, "")
+        # Until a choice finishes, its last characters may be the start of a stop string that the
+        # final text will cut, so they are held back rather than sent and then contradicted.
+        hold = max((len(s) for s in sampling.stop), default=1) - 1
         ids_so_far: dict[int, list[int]] = {i: [] for i in pending}
         if chat:
             for i in pending:
@@ -384,6 +391,8 @@ class _Handler(BaseHTTPRequestHandler):
                     raise RuntimeError(f"the engine failed: {payload}")
                 ids_so_far[i] += new_ids
                 text = app.text_of(ids_so_far[i], sampling)
+                if finish is None and hold:
+                    text = text[: max(len(sent_text[i]), len(text) - hold)]
                 delta, sent_text[i] = text[len(sent_text[i]) :], text
                 lp = None
                 if want_logprobs and new_ids:
@@ -411,13 +420,18 @@ class _Handler(BaseHTTPRequestHandler):
             raise BadRequest(
                 "'weights_dir' must name a directory written by the files weight transport", "weights_dir"
             )
+        if not Path(directory).is_dir():  # a typo is named now, not after waiting timeout_s for weights
+            raise BadRequest(f"cannot load weights from {directory!r}: no such directory", "weights_dir")
         wanted = body.get("version", app.engine.version)
         receiver = FileReceiver(directory, app.layout)
         try:
             version, tensors = receiver.receive(int(wanted), timeout=float(body.get("timeout_s", 30)))
         except Exception as exc:  # a missing, torn or foreign update is the caller's error, named
             raise BadRequest(f"cannot load weights from {directory!r}: {exc}", "weights_dir") from None
-        app.loop.call(lambda engine: engine.load_weights(tensors, version), timeout=REQUEST_TIMEOUT_S)
+        try:
+            app.loop.call(lambda engine: engine.load_weights(tensors, version), timeout=REQUEST_TIMEOUT_S)
+        except ValueError as exc:  # e.g. a version older than the one served
+            raise BadRequest(f"cannot load weights from {directory!r}: {exc}", "weights_dir") from None
         self._json(200, {"model": app.model_name, "version": version})
 
 
