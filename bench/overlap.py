@@ -11,7 +11,9 @@ Machine split: ``sync`` runs inline and uses, for each phase, the torch thread c
 was measured fastest for that phase (1 or all cores); the disaggregated schedules run the
 generator and the trainer as two processes with an even share of the cores each
 (``runtime.core_sharing=static``). Extra rows: ``async+interrupt_never`` and
-``async+interrupt_abort`` (the async preset drains), and ``<schedule>+dynamic_cores`` with
+``async+interrupt_abort`` (the async preset drains; these mask too-old tokens instead of
+cancelling groups, ``schedule.reject=token``, since a long sequence spans several versions
+when weights change under it), and ``<schedule>+dynamic_cores`` with
 the default dynamic sharing, where a busy worker takes the cores an idle one leaves.
 
 Prints one JSON object (last line): per schedule ``s_per_step`` (steady state, after
@@ -194,7 +196,14 @@ def main() -> None:
         results[name] = steady_window(run_schedule(name, [*base, *extra], work, name), args.warmup)
     for mode in args.interrupts:
         tag = f"async+interrupt_{mode}"
-        extra = ["schedule=async", f"schedule.interrupt={mode}", "runtime.core_sharing=static"]
+        # In-flight updates make a long sequence span several versions; rather than cancel such
+        # stragglers, these rows mask their too-old tokens (schedule.reject=token).
+        extra = [
+            "schedule=async",
+            f"schedule.interrupt={mode}",
+            "runtime.core_sharing=static",
+            "schedule.reject=token",
+        ]
         results[tag] = steady_window(run_schedule("async", [*base, *extra], work, tag), args.warmup)
     for name in args.dynamic:
         tag = f"{name}+dynamic_cores"

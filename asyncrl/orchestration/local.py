@@ -156,6 +156,8 @@ def _worker_main(
                 cores.fit()
             for event in worker.work():
                 evt_q.put(event)
+            if cores is not None and worker.idle:
+                cores.set_busy(False)  # at once: the trainer may be starting on what was just sent
     except BaseException as exc:
         # Exiting joins the queue's feeder thread, so the report is written before the process ends.
         evt_q.put(WorkerFailed(name, f"{type(exc).__name__}: {exc}", traceback.format_exc()))

@@ -52,8 +52,10 @@ class GeneratorWorker:
       the held work starts under the new weights (PRIME-RL, AReaL);
     - ``batch``: once all submitted work is finished.
     Every token records the version of the weights that sampled it. After every update,
-    groups whose oldest token is more than ``schedule.max_staleness`` versions old are
-    cancelled and reported, so their prompts are issued again rather than trained stale.
+    with ``schedule.reject=group``, groups whose oldest token is more than
+    ``schedule.max_staleness`` versions old are cancelled and reported — they would be
+    dropped when trained — so their prompts are issued again early; with ``reject=token``
+    they run on and only their too-old tokens are masked out of the loss.
     """
 
     def __init__(
@@ -142,8 +144,9 @@ class GeneratorWorker:
             )
         )
         events.append(WeightsLoaded(self.name, version, time.perf_counter() - t0))
-        for group_id, prompt in self.rollout.cancel_stale(version, self.cfg.schedule.max_staleness):
-            events.append(GroupCancelled(self.name, group_id, prompt))
+        if self.cfg.schedule.reject == "group":  # with reject=token the fresh tokens are still trained
+            for group_id, prompt in self.rollout.cancel_stale(version, self.cfg.schedule.max_staleness):
+                events.append(GroupCancelled(self.name, group_id, prompt))
         return events
 
     def _flush_span(self) -> list:
