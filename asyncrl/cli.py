@@ -1,4 +1,4 @@
-"""The ``asyncrl`` command line: train, sft, config."""
+"""The ``asyncrl`` command line: train, sft, config, timeline, scale, serve."""
 
 from __future__ import annotations
 
@@ -47,6 +47,19 @@ def _timeline(args: argparse.Namespace) -> int:
 
     busy = plot_timeline(Path(args.run_dir), Path(args.output), title=args.title, last_s=args.last)
     print(json.dumps({"output": args.output, "busy_frac": {k: round(v, 4) for k, v in busy.items()}}))
+    return 0
+
+
+def _scale(args: argparse.Namespace) -> int:
+    from asyncrl.orchestration.controller import write_control
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise AsyncRLError(f"{str(run_dir)!r} is not a run directory (no config.yaml)")
+    if args.generators < 1:
+        raise AsyncRLError(f"--generators must be >= 1, got {args.generators}")
+    write_control(run_dir, args.generators)
+    print(json.dumps({"run_dir": str(run_dir), "generators": args.generators}))
     return 0
 
 
@@ -114,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     timeline.add_argument("--last", type=float, help="only the last N seconds of the run")
     timeline.add_argument("--title", help="chart title (default: the run directory name)")
     timeline.set_defaults(func=_timeline)
+
+    scale = sub.add_parser(
+        "scale", help="change the number of generators of a running run (runtime.kind=ray)"
+    )
+    scale.add_argument("run_dir", help="the run directory of a run in progress")
+    scale.add_argument("--generators", type=int, required=True, help="the new number of generators")
+    scale.set_defaults(func=_scale)
 
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     serve.add_argument("--model", default="builtin:arith", help="model source, as model.path in a config")

@@ -301,14 +301,63 @@ class ScheduleConfig(Section):
         return self
 
 
+class RayResources(Section):
+    """What one Ray actor asks the scheduler for."""
+
+    num_cpus: float = Field(
+        1.0,
+        ge=0,
+        description="CPUs reserved for the actor (also its torch thread count, "
+        "rounded down, at least 1, unless runtime.*_threads is set).",
+    )
+    num_gpus: float = Field(0.0, ge=0, description="GPUs reserved for the actor; > 0 puts its model on CUDA.")
+    memory_gb: float | None = Field(
+        None, gt=0, description="Memory reserved for the actor (null = no reservation)."
+    )
+
+
+class RayConfig(Section):
+    """The Ray runtime (runtime.kind=ray): every worker is a Ray actor."""
+
+    address: str | None = Field(
+        None,
+        description="Cluster to join ('auto', 'ray://host:10001' or 'host:6379'); null starts a local Ray instance "
+        "for this run and stops it at the end.",
+    )
+    num_cpus: int | None = Field(
+        None, ge=1, description="CPUs of the local instance Ray starts (null = this machine's cores)."
+    )
+    generator: RayResources = Field(
+        default_factory=RayResources, description="Resources of each generator actor."
+    )
+    trainer: RayResources = Field(
+        default_factory=RayResources, description="Resources of each trainer actor."
+    )
+    trainer_placement: Literal["pack", "strict_pack", "spread"] = Field(
+        "pack",
+        description="Placement group strategy of the trainer actors: they start all together or not at all; "
+        "'strict_pack' forces one node.",
+    )
+    max_generator_restarts: int = Field(
+        3, ge=0, description="Restarts of lost generator actors per run before a loss ends the run."
+    )
+    master_addr: str | None = Field(
+        None,
+        description="Address generators use to reach the trainer for broadcast weight sync (null = the "
+        "trainer actor's node IP as Ray reports it).",
+    )
+
+
 class RuntimeConfig(Section):
     """Where the components run."""
 
-    kind: Literal["auto", "inline", "local"] = Field(
+    kind: Literal["auto", "inline", "local", "ray"] = Field(
         "auto",
         description="'inline': generator and trainer take turns in this process; 'local': each in its own "
-        "process on this machine, overlapping; 'auto': inline for the sync schedule, local otherwise.",
+        "process on this machine, overlapping; 'ray': each a Ray actor, on this machine or a cluster "
+        "(see runtime.ray); 'auto': inline for the sync schedule, local otherwise.",
     )
+    ray: RayConfig = Field(default_factory=RayConfig)
     generators: int = Field(1, ge=1, description="Generator workers (each one engine).")
     generator_threads: int = Field(
         0,

@@ -14,14 +14,27 @@ the metrics; workers only execute commands. The four schedule knobs act here:
 * ``interrupt`` — applied by the generator workers (see ``workers.GeneratorWorker``).
 
 Accounting invariant (checked at the end of every run): every prompt issued is either
-trained, dropped with a reason, or still in flight / buffered when the run stopped.
+trained, dropped with a reason, or still in flight / buffered when the run stopped. Each
+prompt drawn from the stream gets a *ticket* that stays with it when it is issued again
+(after a staleness drop, a cancellation or a lost generator), so the controller can also
+check that no prompt is trained twice and none goes missing.
+
+Membership: generators may come and go during a run. A generator that is lost
+(``WorkerLost``, e.g. its process or actor died) has its in-flight groups re-issued, and
+the runtime may restart it; a restarted or newly added generator announces itself with
+``Ready`` and is sent the latest published weights. The target number of generators can be
+changed while the run goes (``asyncrl scale RUN_DIR --generators N``, which writes
+``control.json`` in the run directory); a generator that is removed first finishes its
+groups, receives no new work, and is then stopped.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections import Counter, deque
+from pathlib import Path
 
 from asyncrl.algorithms.losses import batch_divisor
 from asyncrl.buffer import AdmissionControl, RolloutBuffer
@@ -44,6 +57,7 @@ from asyncrl.orchestration.events import (
     WeightsLoaded,
     WorkerError,
     WorkerFailed,
+    WorkerLost,
 )
 from asyncrl.orchestration.records import batch_metrics
 from asyncrl.orchestration.runtime import Runtime
@@ -53,6 +67,17 @@ from asyncrl.timeline import busy_fractions
 from asyncrl.types import Group, Prompt
 
 TRAINER = "trainer"
+CONTROL_FILE = "control.json"  # written by `asyncrl scale`; read by the controller about once a second
+CONTROL_POLL_S = 1.0
+
+
+def write_control(run_dir: Path, generators: int) -> None:
+    """Ask a running controller to change its number of generators (atomic write)."""
+    if generators < 1:
+        raise ValueError(f"generators must be >= 1, got {generators}")
+    tmp = run_dir / f".{CONTROL_FILE}.tmp"
+    tmp.write_text(json.dumps({"generators": generators}))
+    tmp.replace(run_dir / CONTROL_FILE)
 
 
 class Controller:
@@ -65,7 +90,11 @@ class Controller:
         self.iters = cfg.algorithm.num_iterations
         self.rounds = math.ceil(cfg.run.steps / self.iters)
         self.stream = PromptStream(prompt_source, seed=cfg.task.seed)
-        self.requeued: deque[Prompt] = deque()
+        self.requeued: deque[tuple[int, Prompt]] = deque()  # (ticket, prompt), issued first
+        self.next_ticket = 0
+        self.ticket_of: dict[int, int] = {}  # group id -> ticket, from issue until trained or dropped
+        self.trained_tickets: Counter = Counter()
+        self.dropped_tickets: set[int] = set()
         self.admission = AdmissionControl(self.B, sched.max_staleness, versions_per_step=self.iters)
         # Admission bounds what is generated, so the buffer never fills in normal operation;
         # its capacity is the depth bound plus one step of slack.
@@ -75,10 +104,14 @@ class Controller:
             reject=sched.reject,
             on_drop=self._requeue,
         )
-        self.gens = list(runtime.generator_names)
-        self.running = dict.fromkeys(self.gens, 0)
+        self.gens = list(runtime.generator_names)  # generators that may receive work
+        self.in_flight: dict[str, dict[int, Prompt]] = {g: {} for g in self.gens}  # group id -> prompt
         self.gen_version = dict.fromkeys(self.gens, 0)
         self.gen_pending_update = dict.fromkeys(self.gens, False)
+        self.retiring: set[str] = set()  # removed by scaling down: finish their groups, get no new work
+        self.published_version = 0
+        self._control_mtime = 0.0
+        self._next_control_check = 0.0
         self.accepted = 0  # groups returned by generators and not dropped
         self.next_group_id = 0
         self.counts: Counter = Counter()
@@ -110,9 +143,12 @@ class Controller:
         if self.cfg.run.eval_every:
             self._send(TRAINER, Evaluate(0))
         while self.steps_done < self.cfg.run.steps or self.evals_pending or not self.saved:
+            self._check_control()
             self._dispatch()
             for event in self.runtime.poll(timeout=0.05):
                 self._on_event(event)
+            if self.retiring:
+                self._retire_idle()
             self._feed_trainer()
             self._watchdog()
         return self.accounting()
@@ -127,11 +163,12 @@ class Controller:
     def _dispatch(self) -> None:
         now = time.monotonic()
         dt, self._loop_t = now - self._loop_t, now
-        total_running = sum(self.running.values())
+        total_running = self.total_running
         budget = self.rounds * self.B - (self.accepted + total_running)  # groups the run still needs
         blocked = False
         # Freshest weights first; equally fresh generators share what may start, least loaded first.
-        order = sorted(self.gens, key=lambda g: (-self.gen_version[g], self.running[g]))
+        active = [g for g in self.gens if g not in self.retiring]
+        order = sorted(active, key=lambda g: (-self.gen_version[g], len(self.in_flight[g])))
         if self.cfg.schedule.interrupt == "batch":  # new work would postpone the update a generator awaits
             order = [g for g in order if not self.gen_pending_update[g]]
         for i, gen in enumerate(order):
@@ -139,32 +176,52 @@ class Controller:
                 break
             cap = self.admission.capacity(self.gen_version[gen], self.accepted, total_running)
             if cap == 0:
-                blocked |= self.running[gen] == 0
+                blocked |= not self.in_flight[gen]
                 continue
             peers = sum(self.gen_version[g] == self.gen_version[gen] for g in order[i:])
             share = -(-min(cap, budget) // peers)
             n = min(share, self.cfg.rollout.max_batch_size // self.cfg.rollout.group_size or 1)
-            work = [(self._new_group_id(), self._next_prompt()) for _ in range(n)]
+            work = [self._issue() for _ in range(n)]
+            for group_id, prompt in work:
+                self.in_flight[gen][group_id] = prompt
             self._send(gen, Submit(work))
-            self.running[gen] += n
             total_running += n
             budget -= n
             self.counts["issued"] += n
         if blocked:
             self.admission_blocked_s += dt
 
-    def _new_group_id(self) -> int:
-        self.next_group_id += 1
-        return self.next_group_id - 1
+    @property
+    def total_running(self) -> int:
+        return sum(len(groups) for groups in self.in_flight.values())
 
-    def _next_prompt(self) -> Prompt:
-        return self.requeued.popleft() if self.requeued else self.stream.take(1)[0]
+    def _issue(self) -> tuple[int, Prompt]:
+        """A new group id for the next prompt, re-issued ones first; the prompt's ticket goes with it."""
+        if self.requeued:
+            ticket, prompt = self.requeued.popleft()
+        else:
+            ticket, prompt = self.next_ticket, self.stream.take(1)[0]
+            self.next_ticket += 1
+        group_id = self.next_group_id
+        self.next_group_id += 1
+        self.ticket_of[group_id] = ticket
+        return group_id, prompt
+
+    def _reissue(self, group_id: int, prompt: Prompt) -> None:
+        self.requeued.append((self.ticket_of.pop(group_id), prompt))
 
     def _requeue(self, group: Group, reason: str) -> None:
         """A group dropped for staleness: its prompt is issued again, first in line."""
         self.accepted -= 1
         self.counts[f"dropped_{reason}"] += 1
-        self.requeued.append(group.prompt)
+        self._reissue(group.group_id, group.prompt)
+
+    def _finished_in_flight(self, worker: str, group_id: int) -> bool:
+        """Take a group off its generator's books; False if it was not there (a late duplicate)."""
+        if self.in_flight.get(worker, {}).pop(group_id, None) is None:
+            self.counts["ignored_late"] += 1
+            return False
+        return True
 
     # -- events ----------------------------------------------------------------------------
 
@@ -174,20 +231,26 @@ class Controller:
             self._spans.append(event)
             self.session.record_span(event)
         elif isinstance(event, GroupReady):
-            self.running[event.worker] -= 1
+            if not self._finished_in_flight(event.worker, event.group.group_id):
+                return
             self.accepted += 1
             self.counts["generated"] += 1
             self._tokens_since_step += event.group.num_completion_tokens
             self.buffer.put(event.group, timeout=0.0)
         elif isinstance(event, GroupCancelled):
-            self.running[event.worker] -= 1
+            if not self._finished_in_flight(event.worker, event.group_id):
+                return
             self.counts["cancelled_stale"] += 1
-            self.requeued.append(event.prompt)
+            self._reissue(event.group_id, event.prompt)
         elif isinstance(event, GroupDropped):
-            self.running[event.worker] -= 1
+            if not self._finished_in_flight(event.worker, event.group.group_id):
+                return
             self.counts["generated"] += 1
             self.counts[f"dropped_{event.reason}"] += 1
+            self.dropped_tickets.add(self.ticket_of.pop(event.group.group_id))
         elif isinstance(event, WeightsLoaded):
+            if event.worker not in self.gen_version:
+                return  # a generator lost or removed since
             self.gen_version[event.worker] = event.version
             self.gen_pending_update[event.worker] = False
             self.sync_load_s.setdefault(event.version, []).append(event.seconds)
@@ -199,11 +262,88 @@ class Controller:
         elif isinstance(event, Saved):
             self.saved = True
         elif isinstance(event, Ready):
-            pass  # the runtime waits for readiness; a late one carries no work
+            self._on_ready(event.worker)
+        elif isinstance(event, WorkerLost):
+            self._on_lost(event)
         elif isinstance(event, WorkerFailed):
             raise WorkerError(f"{event.worker} failed: {event.message}\n{event.details}".rstrip())
         else:
             raise TypeError(f"unexpected event {event!r}")
+
+    # -- membership ---------------------------------------------------------------------------
+
+    def _on_ready(self, worker: str) -> None:
+        """A generator started (again): it may receive work once it has the latest weights."""
+        if worker == TRAINER or worker in self.in_flight:
+            return  # start-up readiness, already accounted for by the runtime
+        self.gens.append(worker)
+        self.in_flight[worker] = {}
+        self.gen_version[worker] = 0
+        self.gen_pending_update[worker] = self.published_version > 0
+        self.counts["generators_joined"] += 1
+        if self.published_version > 0:
+            self._send(worker, LoadWeights(self.published_version))
+
+    def _on_lost(self, event: WorkerLost) -> None:
+        """A generator is gone: its groups in flight are issued again; nothing it made is lost."""
+        if event.worker == TRAINER or event.worker not in self.in_flight:
+            raise WorkerError(f"{event.worker} was lost: {event.reason}")
+        lost = self.in_flight.pop(event.worker)
+        for group_id, prompt in lost.items():
+            self._reissue(group_id, prompt)
+        self.counts["lost_in_flight"] += len(lost)
+        self.counts["generators_lost"] += 1
+        self.gens.remove(event.worker)
+        self.retiring.discard(event.worker)
+        del self.gen_version[event.worker], self.gen_pending_update[event.worker]
+        self.session.log(f"{event.worker} lost ({event.reason}); {len(lost)} groups re-issued")
+        if not self.gens and not getattr(self.runtime, "restarts_generators", False):
+            raise WorkerError(f"every generator is lost (last: {event.worker}: {event.reason})")
+
+    def _check_control(self) -> None:
+        """Apply a changed generator count from control.json (see write_control)."""
+        now = time.monotonic()
+        if now < self._next_control_check:
+            return
+        self._next_control_check = now + CONTROL_POLL_S
+        path = self.session.run_dir / CONTROL_FILE
+        try:
+            mtime = path.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if mtime == self._control_mtime:
+            return
+        self._control_mtime = mtime
+        try:
+            target = int(json.loads(path.read_text())["generators"])
+        except (ValueError, KeyError, TypeError) as exc:
+            self.session.log(f'ignored {path.name}: {exc!r} (expected {{"generators": N}})')
+            return
+        self.scale_to(target)
+
+    def scale_to(self, target: int) -> None:
+        if target < 1:
+            raise ValueError(f"the number of generators must be >= 1, got {target}")
+        if not hasattr(self.runtime, "add_generator"):
+            self.session.log(f"{type(self.runtime).__name__} cannot change its generators; ignored")
+            return
+        staying = [g for g in self.gens if g not in self.retiring]
+        starting = getattr(self.runtime, "starting_generators", lambda: [])()
+        for _ in range(target - len(staying) - len(starting)):
+            self.session.log(f"adding {self.runtime.add_generator()}")
+        for name in sorted(staying, key=lambda g: (len(self.in_flight[g]), g))[
+            : max(0, len(staying) - target)
+        ]:
+            self.retiring.add(name)
+            self.session.log(f"retiring {name} once its {len(self.in_flight[name])} groups are done")
+
+    def _retire_idle(self) -> None:
+        for name in [g for g in self.retiring if not self.in_flight[g]]:
+            self.retiring.discard(name)
+            self.gens.remove(name)
+            del self.in_flight[name], self.gen_version[name], self.gen_pending_update[name]
+            self.runtime.remove_generator(name)
+            self.counts["generators_removed"] += 1
 
     def _on_step(self, event: StepDone) -> None:
         self.trainer_version = event.version
@@ -211,6 +351,8 @@ class Controller:
         groups = self.inflight_steps.popleft() if first_of_batch else []
         if first_of_batch:
             self.counts["trained"] += len(groups)
+            for g in groups:
+                self.trained_tickets[self.ticket_of.pop(g.group_id)] += 1
         now = time.time()
         window = (self._last_step_end, now)
         busy = busy_fractions([s.__dict__ for s in self._spans], *window) if self._spans else {}
@@ -228,12 +370,14 @@ class Controller:
             "tokens_per_s": self._tokens_since_step / elapsed,
             "buffer_depth": len(self.buffer),
             "admission_blocked_s": self.admission_blocked_s,
-            "gen_version_min": min(self.gen_version.values()),
+            "gen_version_min": min(self.gen_version.values(), default=-1),  # -1: no generator right now
         }
         self._tokens_since_step = 0
         self._last_step_end = now
         step = self.session.record_step(record)
         self.steps_done = step
+        if event.published:
+            self.published_version = event.version
         if event.published and step < self.cfg.run.steps:
             for gen in self.gens:
                 self.gen_pending_update[gen] = True
@@ -282,31 +426,51 @@ class Controller:
         if stalled > self.cfg.runtime.stall_timeout_s:
             raise WorkerError(
                 f"no progress for {stalled:.0f}s (runtime.stall_timeout_s): waiting for "
-                f"{sum(self.running.values())} groups in flight on {self.gens}, trainer at version "
+                f"{self.total_running} groups in flight on {self.gens}, trainer at version "
                 f"{self.trainer_version} (planned {self.planned_version}), buffer {len(self.buffer)} groups"
             )
 
     def accounting(self) -> dict[str, int]:
         """Where every issued group went; ``reconciles`` is the invariant that they add up.
 
-        A prompt whose group was dropped for staleness or cancelled in flight is issued
-        again as a new group, so it is counted once as dropped/cancelled and once more.
+        A prompt whose group was dropped for staleness, cancelled in flight or lost with its
+        generator is issued again as a new group, so it is counted once as
+        dropped/cancelled/lost and once more. Per prompt (ticket): none is trained twice, and
+        every prompt drawn is trained, dropped, or still pending (in flight, buffered, or
+        waiting to be issued again).
         """
         counts = dict(self.counts)
         dropped = sum(v for k, v in counts.items() if k.startswith("dropped_"))
-        in_flight = sum(self.running.values())
+        in_flight = self.total_running
         buffered = len(self.buffer) + len(self.staged) + len(self.step_groups)
         cancelled = counts.get("cancelled_stale", 0)  # abandoned in flight; their prompts were issued again
+        lost = counts.get("lost_in_flight", 0)  # in flight on a lost generator; issued again
+        trained_twice = sum(1 for n in self.trained_tickets.values() if n > 1)
+        pending = set(self.ticket_of.values()) | {t for t, _ in self.requeued}
+        accounted = set(self.trained_tickets) | self.dropped_tickets | pending
+        missing = self.next_ticket - len(accounted)
+        membership = {
+            k: counts[k]
+            for k in ("generators_lost", "generators_joined", "generators_removed", "ignored_late")
+            if counts.get(k)
+        }
         return {
             "issued": counts.get("issued", 0),
             "generated": counts.get("generated", 0),
             "trained": counts.get("trained", 0),
             **{k: v for k, v in counts.items() if k.startswith("dropped_")},
             "cancelled_stale": cancelled,
+            "lost_in_flight": lost,
             "in_flight": in_flight,
             "buffered": buffered,
+            "prompts_drawn": self.next_ticket,
+            "prompts_trained_twice": trained_twice,
+            "prompts_missing": missing,
+            **membership,
             "reconciles": counts.get("issued", 0)
-            == counts.get("trained", 0) + dropped + cancelled + in_flight + buffered,
+            == counts.get("trained", 0) + dropped + cancelled + lost + in_flight + buffered
+            and trained_twice == 0
+            and missing == 0,
         }
 
 

@@ -137,6 +137,14 @@ class Span:
 
 
 @dataclass
+class WorkerLost:
+    """A generator that is gone (its process or actor died); the runtime may restart it."""
+
+    worker: str
+    reason: str
+
+
+@dataclass
 class WorkerFailed:
     worker: str
     message: str

@@ -51,6 +51,7 @@ def transport_spec(cfg: Config, run_dir: Path) -> dict:
         return {"kind": "files", "dir": str(run_dir / "weights")}
     return {
         "kind": "broadcast",
+        "host": "127.0.0.1",
         "port": free_port(),
         "world": cfg.runtime.generators + 1,
         "bucket_bytes": int(cfg.runtime.bucket_mb * (1 << 20)),
@@ -69,7 +70,7 @@ def make_sender(spec: dict, layout: WeightLayout, timeout_s: float, device: torc
     from asyncrl.weight_sync.broadcast import BackgroundPublisher, BroadcastSender
 
     sender = BroadcastSender(
-        layout, "127.0.0.1", spec["port"], spec["world"], spec["bucket_bytes"], timeout_s, device
+        layout, spec["host"], spec["port"], spec["world"], spec["bucket_bytes"], timeout_s, device
     )
     return BackgroundPublisher(sender, timeout_s)
 
@@ -86,7 +87,7 @@ def make_receiver(spec: dict, layout: WeightLayout, rank: int, timeout_s: float,
     from asyncrl.weight_sync.broadcast import BroadcastReceiver
 
     return BroadcastReceiver(
-        layout, "127.0.0.1", spec["port"], rank, spec["world"], spec["bucket_bytes"], timeout_s, device
+        layout, spec["host"], spec["port"], rank, spec["world"], spec["bucket_bytes"], timeout_s, device
     )
 
 

@@ -53,6 +53,11 @@ class ProgressDisplay:
             self._last_plain = time.monotonic()
             self.console.print(f"step {record['step']}  {stats}", highlight=False)
 
+    def note(self, message: str) -> None:
+        """A one-line notice (a generator lost or added) above the live bar."""
+        if self.enabled:
+            self.console.print(f"[dim]{message}[/dim]", highlight=False)
+
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()

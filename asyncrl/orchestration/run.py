@@ -16,6 +16,10 @@ def make_runtime(cfg: Config, session: RunSession):
     kind = cfg.runtime_kind
     if kind == "inline":
         return InlineRuntime(cfg)
+    if kind == "ray":
+        from asyncrl.orchestration.ray_runtime import RayRuntime
+
+        return RayRuntime(cfg, session.run_dir)
     from asyncrl.orchestration.local import LocalRuntime
 
     return LocalRuntime(cfg, session.run_dir)

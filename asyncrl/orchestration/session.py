@@ -1,7 +1,8 @@
 """A run directory and what a run writes into it.
 
 ``RUN_DIR/config.yaml`` (the resolved configuration), ``metrics.jsonl`` (one object per
-optimizer step), ``timeline.jsonl`` (spans per component), ``summary.json`` (written at the
+optimizer step), ``timeline.jsonl`` (spans per component), ``events.jsonl`` (membership
+changes: generators lost, restarted, added, removed), ``summary.json`` (written at the
 end) and ``final/`` (the trained policy).
 """
 
@@ -63,6 +64,11 @@ class RunSession:
         self._metrics.write(record)
         self.progress.update(record)
         return self.step
+
+    def log(self, message: str) -> None:
+        with (self.run_dir / "events.jsonl").open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps({"time_s": round(self.elapsed(), 4), "message": message}) + "\n")
+        self.progress.note(message)
 
     def record_eval(self, step: int, accuracy: float) -> None:
         entry = {"step": step, "time_s": round(self.elapsed(), 4), "eval_accuracy": accuracy}

@@ -1,0 +1,89 @@
+"""The command loop of a hosted worker, shared by every runtime that runs workers elsewhere.
+
+A host (a local process, a Ray actor) gives the loop a command queue and a function that
+delivers events; the loop executes commands until ``Stop``. A trainer waits for commands
+and takes whatever has queued up at once (coalescing streamed groups); a generator with
+work only glances at its queue between engine steps, so a weight update or new prompts
+reach the engine within one step.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable
+
+from asyncrl.orchestration.events import Accumulate, Stop
+
+IDLE_WAIT_S = 0.02  # how long an idle generator waits for a command before looking again
+TRAINER_WAIT_S = 0.5  # how often a waiting trainer checks should_exit
+
+
+def coalesced(first, cmd_q) -> list:
+    """``first`` plus whatever is already queued, with consecutive Accumulates merged into one.
+
+    When groups arrive faster than the trainer takes them, one forward/backward over all of
+    them costs less than one per group; the step's gradient is the same either way.
+    """
+    commands = [first]
+    try:
+        while True:
+            commands.append(cmd_q.get_nowait())
+    except queue.Empty:
+        pass
+    merged: list = []
+    for command in commands:
+        if isinstance(command, Accumulate) and merged and isinstance(merged[-1], Accumulate):
+            merged[-1] = Accumulate(merged[-1].groups + command.groups)
+        else:
+            merged.append(command)
+    return merged
+
+
+def serve_trainer(
+    worker,
+    cmd_q,
+    emit: Callable[[object], None],
+    should_exit: Callable[[], bool] = lambda: False,
+    on_busy: Callable[[bool], None] | None = None,
+) -> None:
+    """Execute trainer commands until Stop (or ``should_exit``); ``on_busy`` brackets the work."""
+    while not should_exit():
+        try:
+            commands = coalesced(cmd_q.get(timeout=TRAINER_WAIT_S), cmd_q)
+        except queue.Empty:
+            continue
+        if on_busy is not None:
+            on_busy(True)
+        for command in commands:
+            if isinstance(command, Stop):
+                return
+            for event in worker.handle(command):
+                emit(event)
+        if on_busy is not None and cmd_q.empty():
+            on_busy(False)
+
+
+def serve_generator(
+    worker,
+    cmd_q,
+    emit: Callable[[object], None],
+    should_exit: Callable[[], bool] = lambda: False,
+    on_busy: Callable[[bool], None] | None = None,
+) -> None:
+    """Alternate between queued commands and engine steps until Stop (or ``should_exit``)."""
+    while not should_exit():
+        try:
+            command = cmd_q.get(timeout=IDLE_WAIT_S) if worker.idle else cmd_q.get_nowait()
+            while True:
+                if isinstance(command, Stop):
+                    return
+                worker.handle(command)
+                command = cmd_q.get_nowait()
+        except queue.Empty:
+            pass
+        if on_busy is not None:
+            on_busy(not worker.idle)
+        for event in worker.work():
+            emit(event)
+        if on_busy is not None and worker.idle:
+            on_busy(False)  # at once: the trainer may be starting on what was just sent

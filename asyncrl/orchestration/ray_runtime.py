@@ -1,0 +1,383 @@
+"""The Ray runtime: the trainer and each generator as a Ray actor, on one machine or a cluster.
+
+The workers are the same classes the local runtime runs in processes (``workers.py``); an
+actor only hosts one of them (:class:`WorkerHost`): a thread runs the worker's command
+loop (``loop.py``), :meth:`WorkerHost.send` queues a command and :meth:`WorkerHost.events`
+returns what the worker produced, waiting briefly when there is nothing yet. The runtime
+keeps one ``events`` call outstanding per actor, so :meth:`RayRuntime.poll` is a single
+``ray.wait`` over all actors.
+
+Placement: every actor asks for the resources in ``runtime.ray.generator`` /
+``runtime.ray.trainer`` (CPUs, GPUs, memory); the trainer is created in a placement group
+so that, with several ranks, all of them start together or not at all. A local Ray
+instance is started for the run unless ``runtime.ray.address`` names a cluster to join.
+
+Weights: shared memory when every generator shares the trainer's node (checked: a
+generator on another node fails with a message naming the setting to change), a
+torch.distributed broadcast group through the trainer's node address, or files on a
+filesystem all nodes see.
+
+Faults: a generator actor that dies is reported to the controller as ``WorkerLost`` (its
+groups in flight are issued again) and started afresh under the same name, up to
+``runtime.ray.max_generator_restarts`` times; the newcomer receives the latest weights when
+it is ready. Generators can also be added and removed while the run goes
+(:meth:`add_generator`, :meth:`remove_generator`). Both need a transport that a newcomer
+can join at any time (shared memory or files); a broadcast group has a fixed membership,
+so with ``weight_sync=broadcast`` a lost generator ends the run with a clear error. A dead
+trainer always ends the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from asyncrl.config import Config
+from asyncrl.errors import AsyncRLError
+from asyncrl.orchestration.cores import available_cores
+from asyncrl.orchestration.events import Ready, Stop, WorkerError, WorkerFailed, WorkerLost
+from asyncrl.orchestration.local import TRAINER, free_port, make_receiver, make_sender, transport_spec
+from asyncrl.orchestration.runtime import generator_name
+
+POLL_WAIT_S = 0.5  # how long an actor's events() call waits for something to report
+
+
+class WorkerHost:
+    """Hosts one worker inside a Ray actor (this class is wrapped by ``ray.remote`` at start)."""
+
+    def __init__(self, role: str, name: str, index: int, cfg_json: str, threads: int) -> None:
+        self.role, self.name, self.index = role, name, index
+        self._cfg_json, self._threads = cfg_json, threads
+        self._spec: dict = {}
+        self._commands: queue.Queue = queue.Queue()
+        self._events: queue.Queue = queue.Queue()
+        self._next_seq = 0
+        self._early: dict[int, object] = {}
+        self._lock = threading.Lock()
+        self._exit = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"asyncrl-{name}", daemon=True)
+
+    def start(self, spec: dict) -> None:
+        """Build the worker and serve commands, on a thread; ``Ready`` or ``WorkerFailed`` follows."""
+        self._spec = spec
+        self._thread.start()
+
+    def where(self) -> dict:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
+
+    def free_port(self) -> int:
+        return free_port()
+
+    def send(self, seq: int, command) -> None:
+        # Calls may run on different actor threads; the sequence number restores their order.
+        with self._lock:
+            self._early[seq] = command
+            while self._next_seq in self._early:
+                self._commands.put(self._early.pop(self._next_seq))
+                self._next_seq += 1
+
+    def events(self, wait_s: float) -> list:
+        out = []
+        try:
+            out.append(self._events.get(timeout=wait_s))
+            while True:
+                out.append(self._events.get_nowait())
+        except queue.Empty:
+            pass
+        return out
+
+    def stop(self, timeout_s: float) -> bool:
+        self._commands.put(Stop())
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        self._exit.set()
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        import torch
+
+        from asyncrl.config import Config
+        from asyncrl.orchestration.loop import serve_generator, serve_trainer
+        from asyncrl.orchestration.workers import GeneratorWorker, TrainerWorker
+
+        worker = None
+        try:
+            torch.set_num_threads(max(1, self._threads))
+            cfg = Config.model_validate_json(self._cfg_json)
+            timeout = cfg.runtime.stall_timeout_s
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            spec = self._spec
+            if self.role == TRAINER:
+                worker = TrainerWorker(
+                    self.name, cfg, lambda layout: make_sender(spec, layout, timeout, device)
+                )
+                serve = serve_trainer
+            else:
+                worker = GeneratorWorker(
+                    self.name,
+                    cfg,
+                    lambda layout: make_receiver(spec, layout, self.index + 1, timeout, device),
+                    seed=cfg.run.seed + self.index,
+                )
+                serve = serve_generator
+            self._events.put(Ready(self.name, {"pid": os.getpid(), "threads": torch.get_num_threads()}))
+            serve(worker, self._commands, self._events.put, should_exit=self._exit.is_set)
+        except BaseException as exc:
+            self._events.put(WorkerFailed(self.name, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        finally:
+            if self.role == TRAINER and worker is not None:
+                worker.close()
+
+
+class RayRuntime:
+    """Runtime protocol (see runtime.py) over Ray actors, plus elastic generators."""
+
+    restarts_generators = True  # the controller keeps going while a lost generator restarts
+
+    def __init__(self, cfg: Config, run_dir: Path) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise AsyncRLError(
+                "runtime.kind=ray needs Ray: pip install 'asyncrl[ray]' (or pip install ray)"
+            ) from None
+        self.ray = ray
+        self.cfg = cfg
+        self.rcfg = cfg.runtime.ray
+        self.run_dir = run_dir
+        self.generator_names = [generator_name(i) for i in range(cfg.runtime.generators)]
+        self._actors: dict[str, object] = {}
+        self._pending: dict[str, object] = {}  # worker -> outstanding events() reference
+        self._seq: dict[str, int] = {}
+        self._ready: set[str] = set()
+        self._restarts = 0
+        self._next_index = cfg.runtime.generators
+        self._started_ray = False
+        self._placement = None
+        self._spec: dict = {}
+        self._trainer_node: str | None = None
+        self._lost: list = []
+
+    # -- start --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        ray = self.ray
+        if not ray.is_initialized():
+            kwargs = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+            if self.rcfg.address is None:
+                kwargs["num_cpus"] = self.rcfg.num_cpus or available_cores()
+            else:
+                kwargs["address"] = self.rcfg.address
+            ray.init(**kwargs)
+            self._started_ray = True
+        self._spec = transport_spec(self.cfg, self.run_dir)
+        trainer = self._create(TRAINER, TRAINER, 0)
+        if self._spec["kind"] == "broadcast":
+            # The group's store lives with the trainer: its node's address and a port free there.
+            where, port = self.ray.get(
+                [trainer.where.remote(), trainer.free_port.remote()], timeout=self._start_s
+            )
+            self._spec.update(host=self.rcfg.master_addr or where["ip"], port=port)
+        trainer.start.remote(self._spec)
+        for i, name in enumerate(self.generator_names):
+            self._create("generator", name, i).start.remote(self._spec)
+        self._wait_ready(set(self._actors))
+        if self._spec["kind"] == "shm":
+            self._check_same_node(self.generator_names)
+
+    @property
+    def _start_s(self) -> float:
+        return self.cfg.runtime.start_timeout_s
+
+    def _actor_options(self, res) -> dict:
+        options = {
+            "num_cpus": res.num_cpus,
+            "num_gpus": res.num_gpus,
+            "max_restarts": 0,  # restarts are the runtime's: it re-issues the lost work first
+            "max_concurrency": 4,  # send, events and stop may overlap
+        }
+        if res.memory_gb:
+            options["memory"] = int(res.memory_gb * (1 << 30))
+        return options
+
+    def _threads(self, role: str, res) -> int:
+        explicit = self.cfg.runtime.trainer_threads if role == TRAINER else self.cfg.runtime.generator_threads
+        return explicit or max(1, int(res.num_cpus))
+
+    def _create(self, role: str, name: str, index: int):
+        """Create the actor (not yet started) and its first outstanding events() call."""
+        res = self.rcfg.trainer if role == TRAINER else self.rcfg.generator
+        options = self._actor_options(res)
+        if role == TRAINER:
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            bundle = {"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {})}
+            self._placement = placement_group([bundle], strategy=self.rcfg.trainer_placement.upper())
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self._placement)
+        cls = self.ray.remote(WorkerHost).options(**options)
+        actor = cls.remote(role, name, index, self.cfg.model_dump_json(), self._threads(role, res))
+        self._actors[name] = actor
+        self._seq[name] = 0
+        self._pending[name] = actor.events.remote(POLL_WAIT_S)
+        return actor
+
+    def _wait_ready(self, names: set[str]) -> None:
+        deadline = time.monotonic() + self.cfg.runtime.start_timeout_s
+        waiting = set(names)
+        while waiting:
+            if time.monotonic() > deadline:
+                raise WorkerError(
+                    f"{sorted(waiting)} did not start within {self.cfg.runtime.start_timeout_s:.0f}s "
+                    "(runtime.start_timeout_s); are the requested Ray resources (runtime.ray.*) available? "
+                    f"cluster: {self.ray.available_resources()}"
+                )
+            for event in self._collect(0.2):
+                if isinstance(event, WorkerFailed):
+                    raise WorkerError(
+                        f"{event.worker} failed while starting: {event.message}\n{event.details}"
+                    )
+                if isinstance(event, WorkerLost):
+                    raise WorkerError(f"{event.worker} died while starting: {event.reason}")
+                if isinstance(event, Ready):
+                    waiting.discard(event.worker)
+                    self._ready.add(event.worker)
+
+    def _check_same_node(self, names: list[str]) -> None:
+        where = self.ray.get(
+            [self._actors[n].where.remote() for n in [TRAINER, *names]], timeout=self._start_s
+        )
+        trainer = where[0]["node_id"]
+        others = [n for n, w in zip(names, where[1:], strict=True) if w["node_id"] != trainer]
+        if others:
+            raise WorkerError(
+                f"{others} run on another node than the trainer, so shared-memory weight sync cannot reach "
+                "them; set runtime.weight_sync=broadcast (or files on a shared filesystem)"
+            )
+
+    # -- commands and events ------------------------------------------------------------------
+
+    def send(self, worker: str, command) -> None:
+        actor = self._actors.get(worker)
+        if actor is None:
+            return  # lost since the controller decided; its work has been re-issued
+        seq = self._seq[worker]
+        self._seq[worker] = seq + 1
+        actor.send.remote(seq, command)
+
+    def poll(self, timeout: float) -> list:
+        events = self._collect(timeout)
+        for event in events:
+            if isinstance(event, Ready):
+                self._ready.add(event.worker)
+        return events
+
+    def _collect(self, timeout: float) -> list:
+        events, self._lost = self._lost, []
+        refs = list(self._pending.values())
+        if not refs:
+            time.sleep(timeout)
+            return events
+        ready, _ = self.ray.wait(refs, num_returns=1, timeout=timeout)
+        if ready:
+            ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
+        by_ref = {ref: name for name, ref in self._pending.items()}
+        for ref in ready:
+            name = by_ref[ref]
+            try:
+                events += self.ray.get(ref)
+            except self.ray.exceptions.RayActorError as exc:
+                events += self._on_actor_died(name, exc)
+                continue
+            self._pending[name] = self._actors[name].events.remote(POLL_WAIT_S)
+        return events
+
+    def _on_actor_died(self, name: str, exc: Exception) -> list:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        del self._pending[name]
+        self._actors.pop(name, None)
+        self._ready.discard(name)
+        if name == TRAINER:
+            raise WorkerError(f"trainer actor died: {reason}")
+        if self._spec["kind"] == "broadcast":
+            raise WorkerError(
+                f"{name} actor died ({reason}); a broadcast weight-sync group cannot take a replacement, "
+                "so the run stops (runtime.weight_sync=shm or files lets lost generators restart)"
+            )
+        if self._restarts >= self.rcfg.max_generator_restarts:
+            raise WorkerError(
+                f"{name} actor died ({reason}) after {self._restarts} restarts "
+                "(runtime.ray.max_generator_restarts)"
+            )
+        self._restarts += 1
+        self._create("generator", name, self._index_of(name)).start.remote(self._spec)
+        return [WorkerLost(name, reason)]
+
+    @staticmethod
+    def _index_of(name: str) -> int:
+        return int(name.rsplit("-", 1)[1])
+
+    # -- membership -----------------------------------------------------------------------------
+
+    def actor(self, name: str):
+        """The Ray actor handle of a worker (for operators and fault-injection tests)."""
+        return self._actors[name]
+
+    def starting_generators(self) -> list[str]:
+        return [n for n in self._actors if n != TRAINER and n not in self._ready]
+
+    def add_generator(self) -> str:
+        if self._spec["kind"] == "broadcast":
+            raise WorkerError(
+                "generators cannot join a broadcast weight-sync group during a run; use shm or files"
+            )
+        name = generator_name(self._next_index)
+        self._next_index += 1
+        self._create("generator", name, self._index_of(name)).start.remote(self._spec)
+        return name  # its Ready event, through poll(), lets the controller send it work
+
+    def remove_generator(self, name: str) -> None:
+        actor = self._actors.pop(name)
+        self._pending.pop(name, None)
+        self._ready.discard(name)
+        grace = self.cfg.runtime.stop_timeout_s
+        with contextlib.suppress(Exception):  # already gone, or not stopping: it is killed either way
+            self.ray.get(actor.stop.remote(grace), timeout=grace + 5)
+        self.ray.kill(actor)
+
+    # -- stop ---------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop every worker (gracefully, then by kill), the placement group, and Ray if we started it."""
+        ray = self.ray
+        if not ray.is_initialized():
+            return
+        grace = self.cfg.runtime.stop_timeout_s
+        stops = {name: actor.stop.remote(grace) for name, actor in self._actors.items()}
+        with contextlib.suppress(Exception):
+            ray.wait(list(stops.values()), num_returns=len(stops), timeout=grace + 5)
+        for actor in self._actors.values():
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+        self._actors.clear()
+        self._pending.clear()
+        if self._placement is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self._placement)
+            self._placement = None
+        if self._spec.get("kind") == "shm":
+            from asyncrl.orchestration.local import _unlink_shm
+
+            _unlink_shm(self._spec["name"])
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False

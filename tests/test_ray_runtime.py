@@ -1,0 +1,228 @@
+"""The Ray runtime on a local Ray instance: every schedule, equivalence, faults, elasticity, hygiene.
+
+Each run starts its own Ray instance (2 logical CPUs more than enough for the tiny model)
+and must stop it: afterwards no process started by the test remains. The fault test kills
+a generator actor by its handle while it has groups in flight and checks the accounting:
+every prompt is trained exactly once or reported, and the run still completes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytest.importorskip("ray")
+import ray
+
+from asyncrl.cli import main as cli_main
+from asyncrl.config import load_config
+from asyncrl.orchestration import train
+from asyncrl.orchestration.build import seed_everything, task_prompts
+from asyncrl.orchestration.controller import Controller, write_control
+from asyncrl.orchestration.events import StepDone, WorkerError
+from asyncrl.orchestration.ray_runtime import RayRuntime
+from asyncrl.orchestration.session import RunSession
+
+STEPS = 6
+PROMPTS = 4
+BASE = [
+    f"rollout.prompts_per_step={PROMPTS}",
+    "rollout.group_size=4",
+    f"run.steps={STEPS}",
+    "run.eval_every=0",
+    "run.progress=false",
+    "runtime.ray.num_cpus=4",
+]
+pytestmark = pytest.mark.timeout(240)
+
+
+def child_pids() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers():
+    """Ray must not be running before or after; every process the run started must be gone."""
+    assert not ray.is_initialized()
+    before = child_pids()  # e.g. multiprocessing's resource tracker, started by earlier tests
+    yield
+    assert not ray.is_initialized(), "the runtime must shut down the Ray instance it started"
+    started = []
+    for pid in child_pids() - before:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            started.append(psutil.Process(pid))
+    _, alive = psutil.wait_procs(started, timeout=15)
+    assert not alive, f"processes left behind: {[p.name() for p in alive]}"
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "final" / "model.safetensors"))
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("schedule", ["sync", "periodic", "one_step_off", "async"])
+def test_every_schedule_runs_on_ray(tmp_path: Path, schedule: str) -> None:
+    cfg = load_config(None, [*BASE, f"schedule={schedule}", "runtime.kind=ray"])
+    summary = train(cfg, tmp_path)
+    acc = summary["accounting"]
+    assert summary["steps"] == STEPS and summary["runtime"] == "ray"
+    assert acc["trained"] == STEPS * PROMPTS and acc["reconciles"]
+    assert acc["prompts_trained_twice"] == 0 and acc["prompts_missing"] == 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in rows] == list(range(1, STEPS + 1))
+    max_stale = cfg.schedule.max_staleness
+    assert all(r["staleness_max"] <= max_stale for r in rows)
+    assert (tmp_path / "final" / "model.safetensors").is_file()
+
+
+def test_ray_sync_equals_inline_sync(tmp_path: Path) -> None:
+    """The same computation wherever the workers live: identical rollouts, parameters within 1e-5."""
+    inline = train(load_config(None, [*BASE, "schedule=sync", "runtime.kind=inline"]), tmp_path / "inline")
+    on_ray = train(
+        load_config(None, [*BASE, "schedule=sync", "runtime.kind=ray", "runtime.weight_sync=broadcast"]),
+        tmp_path / "ray",
+    )
+    rewards = [
+        [
+            json.loads(line)["reward_mean"]
+            for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()
+        ]
+        for d in ("inline", "ray")
+    ]
+    assert rewards[0] == rewards[1]
+    assert inline["tokens_generated"] == on_ray["tokens_generated"]
+    assert max_abs_diff(final_weights(tmp_path / "inline"), final_weights(tmp_path / "ray")) <= 1e-5
+
+
+def run_with_hook(cfg, run_dir: Path, hook) -> tuple[dict, RayRuntime, Controller]:
+    """Run the controller on a RayRuntime, calling ``hook(runtime, controller, events)`` after every poll."""
+    seed_everything(cfg.run.seed)
+    session = RunSession(cfg, run_dir)
+    runtime = RayRuntime(cfg, run_dir)
+    controller = Controller(cfg, runtime, session, task_prompts(cfg))
+    poll = runtime.poll
+
+    def hooked_poll(timeout: float) -> list:
+        events = poll(timeout)
+        hook(runtime, controller, events)
+        return events
+
+    runtime.poll = hooked_poll  # type: ignore[method-assign]
+    try:
+        accounting = controller.run()
+    finally:
+        runtime.stop()
+        session.accounting = controller.accounting()
+        session.close()
+    return accounting, runtime, controller
+
+
+def test_killed_generator_is_restarted_and_nothing_is_lost_or_trained_twice(tmp_path: Path) -> None:
+    cfg = load_config(
+        None,
+        [
+            *BASE,
+            "schedule=async",
+            "runtime.kind=ray",
+            "rollout.max_new_tokens=24",
+            "rollout.ignore_eos=true",  # long enough generations that the victim has work in flight
+        ],
+    )
+    killed: dict = {}
+    victim = "generator-0"  # the only one: the run can only finish if its restart rejoins
+
+    def kill_once(runtime: RayRuntime, controller: Controller, events: list) -> None:
+        if killed or not any(isinstance(e, StepDone) for e in events):
+            return
+        if controller.in_flight.get(victim):
+            killed["in_flight"] = len(controller.in_flight[victim])
+            ray.kill(runtime.actor(victim))
+
+    acc, _, controller = run_with_hook(cfg, tmp_path, kill_once)
+    assert killed["in_flight"] > 0
+    assert acc["generators_lost"] == 1 and acc["generators_joined"] == 1
+    assert acc["lost_in_flight"] == killed["in_flight"]
+    assert acc["trained"] == STEPS * PROMPTS
+    assert acc["prompts_trained_twice"] == 0 and acc["prompts_missing"] == 0 and acc["reconciles"]
+    assert acc["issued"] == acc["trained"] + acc["lost_in_flight"] + acc["in_flight"] + acc["buffered"] + sum(
+        v for k, v in acc.items() if k.startswith("dropped_") or k == "cancelled_stale"
+    )
+    assert controller.gens == [victim]  # the restarted actor took work again
+    assert f"{victim} lost" in (tmp_path / "events.jsonl").read_text()
+
+
+def test_generators_join_and_leave_during_a_run(tmp_path: Path) -> None:
+    steps = 16
+    cfg = load_config(
+        None,
+        [
+            *BASE,
+            "schedule=async",
+            "runtime.kind=ray",
+            "runtime.ray.generator.num_cpus=1",
+            f"run.steps={steps}",
+        ],
+    )
+    seen: dict = {"max_gens": 0}
+
+    def scale(runtime: RayRuntime, controller: Controller, events: list) -> None:
+        seen["max_gens"] = max(seen["max_gens"], len(controller.gens))
+        step = controller.steps_done
+        if step >= 2 and "up" not in seen:
+            seen["up"] = step
+            write_control(tmp_path, 2)  # what `asyncrl scale RUN_DIR --generators 2` does
+            controller._next_control_check = 0.0
+        if runtime.starting_generators():
+            time.sleep(0.3)  # a tiny run outpaces an actor's start-up; slow the loop until it joins
+        if len(controller.gens) == 2 and "down" not in seen:
+            seen["down"] = step
+            assert cli_main(["scale", str(tmp_path), "--generators", "1"]) == 0
+            controller._next_control_check = 0.0
+
+    acc, _, controller = run_with_hook(cfg, tmp_path, scale)
+    assert seen["max_gens"] == 2 and seen["down"] < steps
+    assert acc["generators_joined"] == 1 and acc["generators_removed"] == 1
+    assert len(controller.gens) == 1
+    assert acc["trained"] == steps * PROMPTS and acc["reconciles"]
+    assert acc["prompts_trained_twice"] == 0 and acc["prompts_missing"] == 0
+    log = (tmp_path / "events.jsonl").read_text()
+    assert "adding generator-1" in log and "retiring" in log
+
+
+def test_lost_generator_with_broadcast_sync_ends_the_run_with_a_clear_error(tmp_path: Path) -> None:
+    cfg = load_config(
+        None,
+        [
+            *BASE,
+            "schedule=async",
+            "runtime.kind=ray",
+            "runtime.weight_sync=broadcast",
+            "runtime.stall_timeout_s=60",
+        ],
+    )
+
+    def kill(runtime: RayRuntime, controller: Controller, events: list) -> None:
+        if any(isinstance(e, StepDone) for e in events):
+            ray.kill(runtime.actor("generator-0"))
+
+    with pytest.raises(WorkerError, match="broadcast weight-sync group cannot take a replacement"):
+        run_with_hook(cfg, tmp_path, kill)
+
+
+def test_scale_command_rejects_bad_input(tmp_path: Path, capsys) -> None:
+    assert cli_main(["scale", str(tmp_path), "--generators", "2"]) == 2
+    assert "not a run directory" in capsys.readouterr().err
+    (tmp_path / "config.yaml").write_text("{}")
+    assert cli_main(["scale", str(tmp_path), "--generators", "0"]) == 2
+    assert "--generators must be >= 1, got 0" in capsys.readouterr().err
