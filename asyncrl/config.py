@@ -72,6 +72,13 @@ class TaskConfig(Section):
     skip_bad_rows: bool = Field(
         False, description="Skip (and count) malformed JSONL rows instead of failing."
     )
+    reward_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Time limit per reward call. When set, the reward function runs in its own process, "
+        "which is killed and replaced when a call runs late; the call counts as a reward error "
+        "(see reward_on_error). null = call it directly, no limit.",
+    )
     seed: int = Field(0, description="Seed of the prompt stream (arithmetic generation and JSONL shuffling).")
 
     @model_validator(mode="after")

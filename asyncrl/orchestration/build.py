@@ -67,11 +67,21 @@ def build_policy(cfg: Config) -> Policy:
     return load_policy(cfg.model.path, device=cfg.model.device, dtype=cfg.model.dtype, seed=cfg.run.seed)
 
 
+def build_reward(cfg: Config):
+    """The task's reward function; with task.reward_timeout_s, a time-limited proxy to it."""
+    fn = resolve_reward(cfg.task.reward)  # a bad spec fails here, in this process, with its config key
+    if cfg.task.reward_timeout_s is None:
+        return fn
+    from asyncrl.tasks.timed_reward import TimedReward
+
+    return TimedReward(cfg.task.reward, cfg.task.reward_timeout_s)
+
+
 def build_rollout(cfg: Config, policy: Policy, engine) -> RolloutWorker:
     return RolloutWorker(
         engine,
         policy.tokenizer,
-        resolve_reward(cfg.task.reward),
+        build_reward(cfg),
         sampling_params(cfg, policy),
         cfg.rollout.group_size,
         reward_on_error=cfg.task.reward_on_error,

@@ -133,7 +133,7 @@ class WorkerHost:
         except BaseException as exc:
             self._events.put(WorkerFailed(self.name, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         finally:
-            if self.role == TRAINER and worker is not None:
+            if worker is not None:
                 worker.close()
 
 

@@ -87,6 +87,8 @@ class InlineRuntime:
         return events
 
     def stop(self) -> None:
+        for generator in self.generators.values():
+            generator.close()
         self.generators.clear()
         self.trainer = None
         torch.set_num_threads(self._default_threads)

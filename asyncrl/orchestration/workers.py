@@ -149,6 +149,12 @@ class GeneratorWorker:
                 events.append(GroupCancelled(self.name, group_id, prompt))
         return events
 
+    def close(self) -> None:
+        """Release what outlives a step: the reward's own process, if it has one."""
+        close = getattr(self.rollout.reward_fn, "close", None)
+        if close is not None:
+            close()
+
     def _flush_span(self) -> list:
         if self._busy_since is None:
             return []

@@ -93,8 +93,14 @@ def score(
     fn: RewardFn, completion: str, prompt: str, answer: str | None, extra: dict
 ) -> tuple[float | None, str | None]:
     """Call a reward function defensively: (reward, None) or (None, error message)."""
+    from asyncrl.tasks.timed_reward import RewardRaised, RewardTimeout
+
     try:
         value = fn(completion=completion, prompt=prompt, answer=answer, **extra)
+    except RewardTimeout as exc:
+        return None, str(exc)
+    except RewardRaised as exc:  # raised in the reward's own process; the message names the original type
+        return None, f"raised {exc}"
     except Exception as exc:  # a user's reward function may raise anything; it is recorded, not fatal
         return None, f"raised {type(exc).__name__}: {exc}"
     if isinstance(value, (str, bytes)):
