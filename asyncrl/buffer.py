@@ -93,6 +93,11 @@ class RolloutBuffer:
         with self._cond:
             return len(self._groups)
 
+    def peek_all(self) -> list[Group]:
+        """The groups held right now, oldest first, without taking them (for checkpoints)."""
+        with self._cond:
+            return list(self._groups)
+
     def put(self, group: Group, timeout: float) -> None:
         """Append a finished group, waiting while the buffer is full (back-pressure)."""
         t0 = time.perf_counter()

@@ -13,9 +13,26 @@ from asyncrl.errors import AsyncRLError
 def _train(args: argparse.Namespace) -> int:
     from asyncrl.config import load_config
     from asyncrl.orchestration import train
+    from asyncrl.orchestration.controller import RunInterrupted
 
-    cfg = load_config(args.config, args.set)
-    summary = train(cfg, Path(args.run_dir) if args.run_dir else None)
+    if args.resume:
+        if args.config or args.run_dir:
+            raise AsyncRLError(
+                "--resume RUN_DIR continues that run with its own config.yaml; "
+                "give no CONFIG or --run-dir with it (--set still applies)"
+            )
+        run_dir = Path(args.resume)
+        if not (run_dir / "config.yaml").is_file():
+            raise AsyncRLError(f"--resume {str(run_dir)!r}: not a run directory (no config.yaml)")
+        cfg = load_config(str(run_dir / "config.yaml"), args.set)
+    else:
+        run_dir = Path(args.run_dir) if args.run_dir else None
+        cfg = load_config(args.config, args.set)
+    try:
+        summary = train(cfg, run_dir, resume=bool(args.resume))
+    except RunInterrupted as exc:
+        print(f"asyncrl: {exc}", file=sys.stderr)
+        return exc.exit_code
     print(json.dumps({k: v for k, v in summary.items() if k != "eval"}))
     return 0
 
@@ -103,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--run-dir", help="where to write config, metrics and the final model (default runs/<time>)"
+    )
+    train.add_argument(
+        "--resume", metavar="RUN_DIR", help="continue a stopped run from its newest checkpoint"
     )
     train.set_defaults(func=_train)
 

@@ -246,6 +246,16 @@ class RunConfig(Section):
         25, ge=0, description="Greedy accuracy on held-out prompts every N steps (0 = off)."
     )
     eval_prompts: int = Field(200, ge=1, description="Held-out prompts per evaluation.")
+    checkpoint_every: int = Field(
+        50,
+        ge=0,
+        description="Write a checkpoint every N steps (0 = only at the end and on a stop); "
+        "`asyncrl train --resume RUN_DIR` continues from the newest.",
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="How many of the newest checkpoints to keep.")
+    checkpoint_timeout_s: float = Field(
+        600.0, gt=0, description="Longest wait for the trainer to write a checkpoint."
+    )
 
 
 SCHEDULE_PRESETS: dict[str, dict[str, Any]] = {

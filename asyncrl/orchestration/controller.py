@@ -30,17 +30,24 @@ groups, receives no new work, and is then stopped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import signal
+import threading
 import time
 from collections import Counter, deque
 from pathlib import Path
 
+from asyncrl import checkpoint
 from asyncrl.algorithms.losses import batch_divisor
 from asyncrl.buffer import AdmissionControl, RolloutBuffer
 from asyncrl.config import Config
+from asyncrl.errors import AsyncRLError
+from asyncrl.orchestration import checkpointing
 from asyncrl.orchestration.events import (
     Accumulate,
+    CheckpointSaved,
     EvalDone,
     Evaluate,
     FinishStep,
@@ -49,6 +56,9 @@ from asyncrl.orchestration.events import (
     GroupReady,
     LoadWeights,
     Ready,
+    Restore,
+    Restored,
+    SaveCheckpoint,
     Saved,
     SaveModel,
     Span,
@@ -69,6 +79,7 @@ from asyncrl.types import Group, Prompt
 TRAINER = "trainer"
 CONTROL_FILE = "control.json"  # written by `asyncrl scale`; read by the controller about once a second
 CONTROL_POLL_S = 1.0
+CANONICAL_CHUNKS = 4  # periodic streams each step in this many fixed chunks (see canonical_streaming)
 
 
 def write_control(run_dir: Path, generators: int) -> None:
@@ -80,8 +91,23 @@ def write_control(run_dir: Path, generators: int) -> None:
     tmp.replace(run_dir / CONTROL_FILE)
 
 
+class RunInterrupted(AsyncRLError):
+    """The run stopped on a signal after writing a checkpoint; ``exit_code`` is 128 + the signal."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 class Controller:
-    def __init__(self, cfg: Config, runtime: Runtime, session: RunSession, prompt_source) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        runtime: Runtime,
+        session: RunSession,
+        prompt_source,
+        resume_from: Path | None = None,
+    ) -> None:
         self.cfg = cfg
         self.runtime = runtime
         self.session = session
@@ -131,6 +157,17 @@ class Controller:
         self._last_progress = time.monotonic()
         self._loop_t = time.monotonic()
         self._tokens_since_step = 0
+        # Checkpoints and stops.
+        self.reissue_exact: deque[tuple[int, int, Prompt]] = (
+            deque()
+        )  # (group id, ticket, prompt) after a resume
+        self.checkpoint_pending: tuple[dict, int, float] | None = None  # (books, version, deadline)
+        self.last_checkpoint: Path | None = None
+        self.stop_signal: str | None = None
+        self.stop_exit_code = 1
+        self.resume_from = resume_from
+        if resume_from is not None:
+            checkpointing.restore(self, checkpoint.read_controller_state(resume_from))
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -140,11 +177,21 @@ class Controller:
         # window start once the workers are ready.
         self._last_progress = self._loop_t = time.monotonic()
         self._last_step_end = time.time()
-        if self.cfg.run.eval_every:
+        if self.resume_from is not None:
+            self._send(TRAINER, Restore(str(self.resume_from)))
+        elif self.cfg.run.eval_every:
             self._send(TRAINER, Evaluate(0))
-        while self.steps_done < self.cfg.run.steps or self.evals_pending or not self.saved:
+        while (
+            self.steps_done < self.cfg.run.steps
+            or self.evals_pending
+            or not self.saved
+            or self.checkpoint_pending is not None
+        ):
             self._check_control()
-            self._dispatch()
+            if self.stop_signal is not None:
+                self._stop_with_checkpoint()
+            else:
+                self._dispatch()
             for event in self.runtime.poll(timeout=0.05):
                 self._on_event(event)
             if self.retiring:
@@ -196,7 +243,14 @@ class Controller:
         return sum(len(groups) for groups in self.in_flight.values())
 
     def _issue(self) -> tuple[int, Prompt]:
-        """A new group id for the next prompt, re-issued ones first; the prompt's ticket goes with it."""
+        """A new group id for the next prompt, re-issued ones first; the prompt's ticket goes with it.
+
+        After a resume, the groups pending at the checkpoint come first, under their own ids.
+        """
+        if self.reissue_exact:
+            group_id, ticket, prompt = self.reissue_exact.popleft()
+            self.ticket_of[group_id] = ticket
+            return group_id, prompt
         if self.requeued:
             ticket, prompt = self.requeued.popleft()
         else:
@@ -261,6 +315,13 @@ class Controller:
             self.session.record_eval(event.step, event.accuracy)
         elif isinstance(event, Saved):
             self.saved = True
+        elif isinstance(event, CheckpointSaved):
+            self._on_checkpoint_saved(event)
+        elif isinstance(event, Restored):
+            self.published_version = event.version
+            for gen in self.gens:
+                self.gen_pending_update[gen] = True
+                self._send(gen, LoadWeights(event.version))
         elif isinstance(event, Ready):
             self._on_ready(event.worker)
         elif isinstance(event, WorkerLost):
@@ -384,6 +445,9 @@ class Controller:
                 self._send(gen, LoadWeights(event.version))
         if self.cfg.run.eval_every and (step % self.cfg.run.eval_every == 0 or step == self.cfg.run.steps):
             self._send(TRAINER, Evaluate(step))
+        every = self.cfg.run.checkpoint_every
+        if step == self.cfg.run.steps or (every and step % every == 0):
+            self._request_checkpoint()
         if step == self.cfg.run.steps:
             self._send(TRAINER, SaveModel(str(self.session.run_dir / "final")))
 
@@ -394,16 +458,21 @@ class Controller:
             return  # every batch of the run has been handed to the trainer
         need = self.B - len(self.step_groups) - len(self.staged)
         fresh = self.buffer.take(need, self.planned_version) if need > 0 else []
-        if self.cfg.schedule.streaming:
+        if self.canonical_streaming:
+            self.staged += fresh
+            self._send_canonical_chunks()
+        elif self.cfg.schedule.streaming:
             if fresh:
                 self._send(TRAINER, Accumulate(fresh))
                 self.step_groups += fresh
         else:
             self.staged += fresh
             if len(self.staged) == self.B:
-                self._send(TRAINER, Accumulate(self.staged))
+                # Group-id order, so the step's computation does not depend on arrival order.
+                self.staged.sort(key=lambda g: g.group_id)
+                self._send(TRAINER, Accumulate(self.staged, mergeable=False))
                 self.step_groups, self.staged = self.staged, []
-        if len(self.step_groups) == self.B:
+        if len(self.step_groups) == self.B and self.checkpoint_pending is None and self.stop_signal is None:
             samples = [s for g in self.step_groups for s in g.samples]
             divisor = batch_divisor(
                 self.cfg.algorithm.loss_type,
@@ -419,9 +488,90 @@ class Controller:
             self.inflight_steps.append(self.step_groups)
             self.step_groups = []
 
+    @property
+    def canonical_streaming(self) -> bool:
+        """On-policy streaming (periodic): stream in fixed chunks, in group-id order.
+
+        Which groups arrive together depends on timing; the gradient's floating-point sum
+        depends on how samples are batched. Streaming the step in chunks fixed by group id
+        (the lowest ids not yet sent, once all of them are here) makes the step's arithmetic
+        independent of timing: periodic runs repeat exactly, and a resumed run equals an
+        uninterrupted one. The asynchronous schedules stream in arrival order instead.
+        """
+        return self.cfg.schedule.streaming and self.cfg.schedule.max_staleness == 0
+
+    def _send_canonical_chunks(self) -> None:
+        chunk = max(1, self.B // CANONICAL_CHUNKS)
+        while self.staged and len(self.step_groups) < self.B:
+            size = min(chunk, self.B - len(self.step_groups))
+            candidates = sorted(
+                [g.group_id for g in self.staged] + [i for groups in self.in_flight.values() for i in groups]
+            )[:size]
+            here = {g.group_id: g for g in self.staged}
+            if len(candidates) < size or any(i not in here for i in candidates):
+                return  # a lower group id is still generating
+            batch = [here[i] for i in candidates]
+            self.staged = [g for g in self.staged if g.group_id not in set(candidates)]
+            self._send(TRAINER, Accumulate(batch, mergeable=False))
+            self.step_groups += batch
+
+    # -- checkpoints and stops -------------------------------------------------------------------
+
+    def _request_checkpoint(self) -> None:
+        """Ask the trainer to save at the version every FinishStep sent so far leads to.
+
+        No FinishStep is sent until it is written, so the trainer's state and the books
+        taken now describe the same moment.
+        """
+        if self.checkpoint_pending is not None:
+            return
+        version = self.planned_version
+        books = checkpointing.snapshot(self)
+        deadline = time.monotonic() + self.cfg.run.checkpoint_timeout_s
+        self.checkpoint_pending = (books, version, deadline)
+        tmp = checkpoint.temporary_dir(self.session.run_dir, version)
+        self._send(TRAINER, SaveCheckpoint(str(tmp), version))
+
+    def _on_checkpoint_saved(self, event: CheckpointSaved) -> None:
+        books, version, _ = self.checkpoint_pending
+        if event.version != version:
+            raise WorkerError(f"trainer saved version {event.version}, expected {version}")
+        try:
+            checkpoint.write_controller_state(Path(event.path), books)
+            path = checkpoint.commit(self.session.run_dir, version, self.cfg.run.keep_checkpoints)
+        except OSError as exc:
+            raise checkpoint.CheckpointError(
+                f"cannot write the checkpoint of step {version} in {event.path!r}: {exc.strerror or exc}; "
+                f"the previous one ({self.last_checkpoint}) is intact"
+            ) from None
+        self.checkpoint_pending = None
+        self.last_checkpoint = path
+        if self.stop_signal is not None:
+            raise RunInterrupted(
+                f"stopped by {self.stop_signal} at step {version}; checkpoint {path}; "
+                f"continue with: asyncrl train --resume {self.session.run_dir}",
+                self.stop_exit_code,
+            )
+
+    def request_stop(self, signal_name: str, exit_code: int) -> None:
+        """First call: stop cleanly with a checkpoint. Second call: stop at once."""
+        if self.stop_signal is not None:
+            raise RunInterrupted(f"stopped at once by a second {signal_name}", exit_code)
+        self.stop_signal, self.stop_exit_code = signal_name, exit_code
+
+    def _stop_with_checkpoint(self) -> None:
+        """No new work; the current step is abandoned (its groups stay pending) once saved."""
+        if self.checkpoint_pending is None:
+            self._request_checkpoint()
+
     # -- liveness ---------------------------------------------------------------------------
 
     def _watchdog(self) -> None:
+        if self.checkpoint_pending is not None and time.monotonic() > self.checkpoint_pending[2]:
+            raise WorkerError(
+                f"the trainer did not write the checkpoint of step {self.checkpoint_pending[1]} within "
+                f"{self.cfg.run.checkpoint_timeout_s:.0f}s (run.checkpoint_timeout_s)"
+            )
         stalled = time.monotonic() - self._last_progress
         if stalled > self.cfg.runtime.stall_timeout_s:
             raise WorkerError(
@@ -474,9 +624,39 @@ class Controller:
         }
 
 
-def run_controller(cfg: Config, session: RunSession, runtime: Runtime, prompts: PromptSource) -> dict:
-    controller = Controller(cfg, runtime, session, prompts)
+def run_controller(
+    cfg: Config,
+    session: RunSession,
+    runtime: Runtime,
+    prompts: PromptSource,
+    resume_from: Path | None = None,
+) -> dict:
+    controller = Controller(cfg, runtime, session, prompts, resume_from=resume_from)
     try:
-        return controller.run()
+        with stop_on_signals(controller):
+            return controller.run()
     finally:
         runtime.stop()
+        session.accounting = controller.accounting()
+
+
+@contextlib.contextmanager
+def stop_on_signals(controller: Controller):
+    """SIGINT and SIGTERM ask the controller to stop (with a checkpoint); a second one stops at once.
+
+    Only the main thread may install handlers; elsewhere (a run inside a library's thread)
+    signals keep their previous behaviour.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame) -> None:
+        controller.request_stop(signal.Signals(signum).name, 128 + signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

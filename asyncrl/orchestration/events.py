@@ -31,9 +31,15 @@ class LoadWeights:
 
 @dataclass
 class Accumulate:
-    """Forward/backward on these groups as part of the current optimizer step."""
+    """Forward/backward on these groups as part of the current optimizer step.
+
+    ``mergeable``: a host may merge it with the next queued Accumulate into one (larger
+    micro-batches, same gradient up to rounding); False when the step's arithmetic must not
+    depend on timing.
+    """
 
     groups: list[Group]
+    mergeable: bool = True
 
 
 @dataclass
@@ -53,6 +59,21 @@ class Evaluate:
 
 @dataclass
 class SaveModel:
+    path: str
+
+
+@dataclass
+class SaveCheckpoint:
+    """Write the trainer's state (which must be of ``version``) into ``path``."""
+
+    path: str
+    version: int
+
+
+@dataclass
+class Restore:
+    """Load the trainer's state from the checkpoint in ``path``, then publish its weights."""
+
     path: str
 
 
@@ -123,6 +144,21 @@ class EvalDone:
 class Saved:
     worker: str
     path: str
+
+
+@dataclass
+class CheckpointSaved:
+    worker: str
+    path: str
+    version: int
+
+
+@dataclass
+class Restored:
+    """The trainer continues from a checkpoint of ``version``; its weights are published."""
+
+    worker: str
+    version: int
 
 
 @dataclass

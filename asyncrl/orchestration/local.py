@@ -182,7 +182,13 @@ def _coalesced(first, cmd_q) -> list:
         pass
     merged: list = []
     for command in commands:
-        if isinstance(command, Accumulate) and merged and isinstance(merged[-1], Accumulate):
+        if (
+            isinstance(command, Accumulate)
+            and merged
+            and isinstance(merged[-1], Accumulate)
+            and command.mergeable
+            and merged[-1].mergeable
+        ):
             merged[-1] = Accumulate(merged[-1].groups + command.groups)
         else:
             merged.append(command)

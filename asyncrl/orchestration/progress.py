@@ -42,7 +42,7 @@ class ProgressDisplay:
         if not self.enabled:
             return
         stats = (
-            f"reward {record['reward_mean']:.3f}  loss {record['loss']:+.4f}  "
+            f"reward {record.get('reward_mean', float('nan')):.3f}  loss {record['loss']:+.4f}  "
             f"{record['tokens_per_s']:.0f} tok/s  v{record['policy_version']}"
         )
         if "eval_accuracy" in record:

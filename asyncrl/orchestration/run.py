@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from asyncrl import checkpoint
 from asyncrl.config import Config
 from asyncrl.orchestration.build import seed_everything, task_prompts
 from asyncrl.orchestration.controller import run_controller
@@ -25,12 +26,17 @@ def make_runtime(cfg: Config, session: RunSession):
     return LocalRuntime(cfg, session.run_dir)
 
 
-def train(cfg: Config, run_dir: Path | None = None) -> dict[str, Any]:
+def train(cfg: Config, run_dir: Path | None = None, *, resume: bool = False) -> dict[str, Any]:
+    """Run training; with ``resume``, continue ``run_dir`` from its newest checkpoint."""
     seed_everything(cfg.run.seed)
     prompts = task_prompts(cfg)  # a bad model path or dataset fails here, before a run directory is made
-    session = RunSession(cfg, run_dir or default_run_dir())
+    run_dir = run_dir or default_run_dir()
+    resume_from = checkpoint.latest(run_dir) if resume else None
+    version = checkpoint.read_controller_state(resume_from)["version"] if resume_from else None
+    session = RunSession(cfg, run_dir, resume_step=version)
     try:
-        session.accounting = run_controller(cfg, session, make_runtime(cfg, session), prompts)
+        checkpoint.check_writable(run_dir)
+        run_controller(cfg, session, make_runtime(cfg, session), prompts, resume_from=resume_from)
     finally:
         summary = session.close()
     return summary

@@ -21,12 +21,30 @@ from asyncrl.metrics import JsonlWriter
 from asyncrl.orchestration.progress import ProgressDisplay
 
 
+def _keep_until(path: Path, step: int) -> list[dict[str, Any]]:
+    """Keep the records of steps <= ``step`` (rewriting the file atomically); returns them."""
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    kept = [r for r in rows if r["step"] <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    tmp.replace(path)
+    return kept
+
+
 def default_run_dir() -> Path:
     return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
 class RunSession:
-    def __init__(self, cfg: Config, run_dir: Path) -> None:
+    """Writes a run directory; with ``resume_step``, continues one whose checkpoint is at that step.
+
+    On resume, records after the checkpoint's step (written before the run stopped, and to
+    be produced again) are cut from ``metrics.jsonl`` and ``eval.jsonl``.
+    """
+
+    def __init__(self, cfg: Config, run_dir: Path, resume_step: int | None = None) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         try:
@@ -38,6 +56,12 @@ class RunSession:
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self.evals: list[dict[str, float]] = []
+        if resume_step is not None:
+            self.history = _keep_until(run_dir / "metrics.jsonl", resume_step)
+            self.evals = _keep_until(run_dir / "eval.jsonl", resume_step)
+            self.step = resume_step
+            # time_s continues from where the run stopped.
+            self.t0 -= self.history[-1]["time_s"] if self.history else 0.0
         self._metrics = JsonlWriter(run_dir / "metrics.jsonl")
         self._timeline = JsonlWriter(run_dir / "timeline.jsonl")
         self.accounting: dict[str, Any] = {}
@@ -77,7 +101,8 @@ class RunSession:
             fh.write(json.dumps(entry) + "\n")
 
     def summary(self) -> dict[str, Any]:
-        rewards = [r["reward_mean"] for r in self.history]
+        # With several optimizer steps per batch, only a batch's first step carries its rewards.
+        rewards = [r["reward_mean"] for r in self.history if "reward_mean" in r]
         window = max(1, min(10, len(rewards) // 5 or 1))
         return {
             "steps": self.step,
@@ -87,7 +112,7 @@ class RunSession:
             "reward_first": statistics.fmean(rewards[:window]) if rewards else None,
             "reward_last": statistics.fmean(rewards[-window:]) if rewards else None,
             "reward_window": window,
-            "tokens_generated": sum(r["tokens_generated"] for r in self.history),
+            "tokens_generated": sum(r.get("tokens_generated", 0) for r in self.history),
             "eval": self.evals,
             "accounting": self.accounting,
             "run_dir": str(self.run_dir),

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from asyncrl import checkpoint
 from asyncrl.config import Config
 from asyncrl.engine import EmbeddedEngine
 from asyncrl.evaluation import evaluate
@@ -18,6 +19,7 @@ from asyncrl.models import save_policy
 from asyncrl.orchestration import build
 from asyncrl.orchestration.events import (
     Accumulate,
+    CheckpointSaved,
     EvalDone,
     Evaluate,
     FinishStep,
@@ -25,6 +27,9 @@ from asyncrl.orchestration.events import (
     GroupDropped,
     GroupReady,
     LoadWeights,
+    Restore,
+    Restored,
+    SaveCheckpoint,
     Saved,
     SaveModel,
     Span,
@@ -184,7 +189,9 @@ class TrainerWorker:
     def version(self) -> int:
         return self.trainer.version
 
-    def handle(self, command: Accumulate | FinishStep | Evaluate | SaveModel) -> list:
+    def handle(
+        self, command: Accumulate | FinishStep | Evaluate | SaveModel | SaveCheckpoint | Restore
+    ) -> list:
         if isinstance(command, Accumulate):
             return self._accumulate(command)
         if isinstance(command, FinishStep):
@@ -194,7 +201,28 @@ class TrainerWorker:
         if isinstance(command, SaveModel):
             save_policy(self.policy, Path(command.path))
             return [Saved(self.name, command.path)]
+        if isinstance(command, SaveCheckpoint):
+            return self._save_checkpoint(command)
+        if isinstance(command, Restore):
+            return self._restore(command)
         raise TypeError(f"trainer cannot handle {type(command).__name__}")
+
+    def _save_checkpoint(self, command: SaveCheckpoint) -> list:
+        if self.trainer.version != command.version:
+            raise RuntimeError(
+                f"checkpoint of version {command.version} requested, but the trainer is at {self.trainer.version}"
+            )
+        start = time.time()
+        checkpoint.save_trainer_state(Path(command.path), self.trainer, self.policy)
+        return [
+            Span(self.name, "checkpoint", start, time.time()),
+            CheckpointSaved(self.name, command.path, command.version),
+        ]
+
+    def _restore(self, command: Restore) -> list:
+        version = checkpoint.load_trainer_state(Path(command.path), self.trainer)
+        self.sender.publish(self.trainer.named_weights(), version)
+        return [Restored(self.name, version)]
 
     def _evaluate(self, command: Evaluate) -> list:
         """Greedy accuracy of the current weights, generated on the trainer's own model (no copy)."""

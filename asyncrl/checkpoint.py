@@ -1,0 +1,171 @@
+"""Checkpoints: what a run needs to continue exactly where it stopped.
+
+A checkpoint is a directory ``RUN_DIR/checkpoints/step-NNNNNN`` holding
+
+* ``model/`` — the policy in Hugging Face format (loadable on its own with ``model.path``);
+* ``trainer_state.pt`` — optimizer and LR-scheduler state, policy version, RNG states;
+* ``controller.json`` — the controller's books: prompt-stream position, next group id and
+  ticket, every group issued but not yet trained (to be issued again, under the same group
+  id, so that a deterministic schedule regenerates it exactly), counts, trained tickets.
+
+Writes are atomic: the trainer and the controller fill ``.tmp-step-NNNNNN``, which is then
+renamed; a crash mid-write leaves the previous checkpoint intact and only a temporary
+directory, removed at the next checkpoint. The last ``run.keep_checkpoints`` are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncrl.errors import AsyncRLError
+
+CHECKPOINTS = "checkpoints"
+CONTROLLER_FILE = "controller.json"
+TRAINER_FILE = "trainer_state.pt"
+MODEL_DIR = "model"
+
+
+class CheckpointError(AsyncRLError):
+    """A checkpoint that cannot be written or read; the message names the directory."""
+
+
+def checkpoint_name(version: int) -> str:
+    return f"step-{version:06d}"
+
+
+def temporary_dir(run_dir: Path, version: int) -> Path:
+    return run_dir / CHECKPOINTS / f".tmp-{checkpoint_name(version)}"
+
+
+def final_dir(run_dir: Path, version: int) -> Path:
+    return run_dir / CHECKPOINTS / checkpoint_name(version)
+
+
+def check_writable(run_dir: Path) -> None:
+    """Fail at start, not at the first checkpoint, when the checkpoint directory cannot be written."""
+    root = run_dir / CHECKPOINTS
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / ".write-test"
+        probe.write_bytes(b"0")
+        probe.unlink()
+    except OSError as exc:
+        raise CheckpointError(f"cannot write checkpoints to {str(root)!r}: {exc.strerror or exc}") from None
+
+
+# -- the trainer's part ----------------------------------------------------------------------
+
+
+def save_trainer_state(directory: Path, trainer, policy) -> None:
+    """Model (HF format), optimizer, scheduler, version and RNG states into ``directory``."""
+    from asyncrl.models import save_policy
+
+    directory.mkdir(parents=True, exist_ok=True)
+    save_policy(policy, directory / MODEL_DIR)
+    state = {
+        "version": trainer.version,
+        "optimizer": trainer.optimizer.state_dict(),
+        "scheduler": trainer.scheduler.state_dict(),
+        "rng": {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "python": random.getstate(),
+        },
+    }
+    _atomic_torch_save(state, directory / TRAINER_FILE)
+
+
+def load_trainer_state(directory: Path, trainer) -> int:
+    """Restore what :func:`save_trainer_state` wrote into a trainer built from the same config."""
+    from safetensors.torch import load_file
+
+    weights_file = directory / MODEL_DIR / "model.safetensors"
+    try:
+        weights = load_file(str(weights_file))
+        state = torch.load(directory / TRAINER_FILE, map_location="cpu", weights_only=False)
+    except (OSError, RuntimeError) as exc:
+        raise CheckpointError(f"cannot read the checkpoint in {str(directory)!r}: {exc}") from None
+    params = dict(trainer.model.named_parameters())
+    missing = [name for name in params if name not in weights]
+    if missing:
+        raise CheckpointError(
+            f"the checkpoint in {str(directory)!r} does not match this model (missing {missing[:3]})"
+        )
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(weights[name].to(param.dtype))
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.scheduler.load_state_dict(state["scheduler"])
+    trainer.version = int(state["version"])
+    torch.set_rng_state(state["rng"]["torch"])
+    if state["rng"]["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    random.setstate(state["rng"]["python"])
+    return trainer.version
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+# -- the controller's part -------------------------------------------------------------------
+
+
+def write_controller_state(directory: Path, state: dict[str, Any]) -> None:
+    tmp = directory / (CONTROLLER_FILE + ".tmp")
+    with tmp.open("w", encoding="utf-8") as fh:
+        json.dump(state, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, directory / CONTROLLER_FILE)
+
+
+def commit(run_dir: Path, version: int, keep: int) -> Path:
+    """Rename the filled temporary directory into place, then prune old and abandoned ones."""
+    tmp, final = temporary_dir(run_dir, version), final_dir(run_dir, version)
+    if final.exists():  # the same version saved twice (e.g. a stop right after a periodic save)
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    done = sorted(p for p in final.parent.iterdir() if p.name.startswith("step-"))
+    for old in done[: max(0, len(done) - keep)]:
+        shutil.rmtree(old, ignore_errors=True)
+    for leftover in final.parent.glob(".tmp-step-*"):
+        if leftover != tmp:
+            shutil.rmtree(leftover, ignore_errors=True)
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def latest(run_dir: Path) -> Path:
+    """The newest complete checkpoint of a run directory."""
+    root = run_dir / CHECKPOINTS
+    done = sorted(p for p in root.glob("step-*") if (p / CONTROLLER_FILE).is_file()) if root.is_dir() else []
+    if not done:
+        raise CheckpointError(
+            f"{str(run_dir)!r} has no checkpoint to resume from (looked for {CHECKPOINTS}/step-*/{CONTROLLER_FILE})"
+        )
+    return done[-1]
+
+
+def read_controller_state(directory: Path) -> dict[str, Any]:
+    try:
+        return json.loads((directory / CONTROLLER_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {CONTROLLER_FILE} in {str(directory)!r}: {exc}") from None
