@@ -63,52 +63,38 @@ def check_writable(run_dir: Path) -> None:
 # -- the trainer's part ----------------------------------------------------------------------
 
 
-def save_trainer_state(directory: Path, trainer, policy) -> None:
-    """Model (HF format), optimizer, scheduler, version and RNG states into ``directory``."""
+def save_trainer_state(directory: Path, policy, state: dict[str, Any]) -> None:
+    """The model (HF format) and ``state`` (from ``Trainer.checkpoint_state``) plus RNG states."""
     from asyncrl.models import save_policy
 
     directory.mkdir(parents=True, exist_ok=True)
     save_policy(policy, directory / MODEL_DIR)
-    state = {
-        "version": trainer.version,
-        "optimizer": trainer.optimizer.state_dict(),
-        "scheduler": trainer.scheduler.state_dict(),
-        "rng": {
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "python": random.getstate(),
-        },
+    rng = {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": random.getstate(),
     }
-    _atomic_torch_save(state, directory / TRAINER_FILE)
+    _atomic_torch_save({**state, "rng": rng}, directory / TRAINER_FILE)
 
 
-def load_trainer_state(directory: Path, trainer) -> int:
-    """Restore what :func:`save_trainer_state` wrote into a trainer built from the same config."""
+def load_trainer_state(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(model weights by parameter name, trainer state) as :func:`save_trainer_state` wrote them.
+
+    Restores the RNG states of this process as a side effect.
+    """
     from safetensors.torch import load_file
 
-    weights_file = directory / MODEL_DIR / "model.safetensors"
     try:
-        weights = load_file(str(weights_file))
+        weights = load_file(str(directory / MODEL_DIR / "model.safetensors"))
         state = torch.load(directory / TRAINER_FILE, map_location="cpu", weights_only=False)
     except (OSError, RuntimeError) as exc:
         raise CheckpointError(f"cannot read the checkpoint in {str(directory)!r}: {exc}") from None
-    params = dict(trainer.model.named_parameters())
-    missing = [name for name in params if name not in weights]
-    if missing:
-        raise CheckpointError(
-            f"the checkpoint in {str(directory)!r} does not match this model (missing {missing[:3]})"
-        )
-    with torch.no_grad():
-        for name, param in params.items():
-            param.copy_(weights[name].to(param.dtype))
-    trainer.optimizer.load_state_dict(state["optimizer"])
-    trainer.scheduler.load_state_dict(state["scheduler"])
-    trainer.version = int(state["version"])
-    torch.set_rng_state(state["rng"]["torch"])
-    if state["rng"]["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    random.setstate(state["rng"]["python"])
-    return trainer.version
+    rng = state.pop("rng")
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    random.setstate(rng["python"])
+    return weights, state
 
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:

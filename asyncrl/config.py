@@ -234,6 +234,20 @@ class TrainerConfig(Section):
         "(its KV cache is reused) where that is cheaper: exact, and G completions cost P + G*R tokens "
         "instead of G*(P + R).",
     )
+    ranks: int = Field(
+        1,
+        ge=1,
+        description="Trainer processes (data-parallel ranks, torch.distributed: NCCL when the model is on "
+        "CUDA, one GPU per rank; gloo on CPU). Each trains on its share of every batch and gradients are "
+        "summed across ranks before the division by the batch divisor; 1 = one trainer process. More than "
+        "1 needs the local runtime (runtime.kind=local, or auto).",
+    )
+    parallel: Literal["ddp", "fsdp2"] = Field(
+        "ddp",
+        description="How ranks > 1 share the model: 'ddp' (DistributedDataParallel: every rank holds the "
+        "whole model and optimizer state) or 'fsdp2' (fully_shard: parameters and optimizer state "
+        "sharded across ranks between commands, gathered for each command). See docs/distributed.md.",
+    )
 
 
 class RunConfig(Section):
@@ -372,7 +386,7 @@ class RuntimeConfig(Section):
         "auto",
         description="'inline': generator and trainer take turns in this process; 'local': each in its own "
         "process on this machine, overlapping; 'ray': each a Ray actor, on this machine or a cluster "
-        "(see runtime.ray); 'auto': inline for the sync schedule, local otherwise.",
+        "(see runtime.ray); 'auto': inline for the sync schedule with one trainer rank, local otherwise.",
     )
     ray: RayConfig = Field(default_factory=RayConfig)
     generators: int = Field(1, ge=1, description="Generator workers (each one engine).")
@@ -383,7 +397,7 @@ class RuntimeConfig(Section):
         "set by runtime.core_sharing in the local runtime.",
     )
     trainer_threads: int = Field(
-        0, ge=0, description="torch threads of the trainer; 0 = automatic, as above."
+        0, ge=0, description="torch threads of the trainer (of each trainer rank); 0 = automatic, as above."
     )
     core_sharing: Literal["dynamic", "static"] = Field(
         "dynamic",
@@ -427,6 +441,16 @@ class Config(Section):
                 f"run.steps ({self.run.steps}) must be a multiple of algorithm.num_iterations "
                 f"({self.algorithm.num_iterations}): each generated batch gets num_iterations optimizer steps"
             )
+        if self.trainer.ranks > 1 and self.runtime.kind == "inline":
+            raise ValueError(
+                f"trainer.ranks={self.trainer.ranks} needs one process per rank, but runtime.kind=inline "
+                "runs the trainer in this process; use runtime.kind=local (or auto)"
+            )
+        if self.trainer.ranks > 1 and self.model.device.startswith("cuda:"):
+            raise ValueError(
+                f"model.device={self.model.device} would put all {self.trainer.ranks} trainer ranks "
+                "(trainer.ranks) on one GPU; use 'cuda' or 'auto' (rank r takes the r-th visible GPU)"
+            )
         if self.schedule.streaming and self.algorithm.advantage_scale == "batch":
             raise ValueError(
                 "algorithm.advantage_scale=batch needs the whole batch before training; it cannot be used "
@@ -439,7 +463,7 @@ class Config(Section):
         if self.runtime.kind != "auto":
             return self.runtime.kind
         on_policy_batch = self.schedule.max_staleness == 0 and not self.schedule.streaming
-        return "inline" if on_policy_batch else "local"
+        return "inline" if on_policy_batch and self.trainer.ranks == 1 else "local"
 
     def threads(self, role: str) -> int:
         """Torch thread count for 'generator' or 'trainer'.
@@ -451,7 +475,7 @@ class Config(Section):
         if explicit or self.runtime_kind == "inline" or self.runtime.core_sharing == "dynamic":
             return explicit
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return max(1, cores // (self.runtime.generators + 1))
+        return max(1, cores // (self.runtime.generators + self.trainer.ranks))
 
     @property
     def old_logprob_mode(self) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import queue
 
 from asyncrl.orchestration.events import Accumulate, Evaluate, FinishStep, LoadWeights, Stop
-from asyncrl.orchestration.local import _coalesced
+from asyncrl.orchestration.loop import coalesced as _coalesced
 from asyncrl.types import Group, Prompt
 
 
@@ -73,3 +73,9 @@ def test_merging_leaves_the_original_commands_untouched() -> None:
     [merged] = _coalesced(first, queued(second))
     assert group_ids(merged) == [0, 1]
     assert group_ids(first) == [0] and group_ids(second) == [1]
+
+
+def test_accumulates_marked_unmergeable_stay_apart() -> None:
+    """Periodic's fixed chunks must reach the trainer as sent, whatever queued up meanwhile."""
+    first, second = Accumulate([group(0)], mergeable=False), Accumulate([group(1)], mergeable=False)
+    assert _coalesced(first, queued(second)) == [first, second]

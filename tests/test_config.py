@@ -208,3 +208,25 @@ def test_docs_page_is_generated_from_the_config() -> None:
     )
     for key in ("`model.path`", "`task.arithmetic.max_digits`", "`rollout.group_size`", "`run.eval_every`"):
         assert key in expected
+
+
+def test_trainer_ranks_combinations_name_their_keys() -> None:
+    """trainer.ranks > 1 needs one process per rank and one GPU per rank; bad values name their key."""
+    message = str(config_error("trainer.ranks=2", "runtime.kind=inline"))
+    for needle in ("trainer.ranks=2", "runtime.kind=inline", "use runtime.kind=local"):
+        assert needle in message, message
+    message = str(config_error("trainer.ranks=2", "model.device=cuda:1"))
+    for needle in ("model.device=cuda:1", "(trainer.ranks)", "use 'cuda' or 'auto'"):
+        assert needle in message, message
+    assert "trainer.ranks=0: Input should be greater than or equal to 1" in str(
+        config_error("trainer.ranks=0")
+    )
+    message = str(config_error("trainer.parallel=zero3"))
+    assert "trainer.parallel='zero3'" in message and "'ddp' or 'fsdp2'" in message
+    # The sync schedule runs inline with one trainer rank; with more, 'auto' picks the local runtime.
+    assert load_config().runtime_kind == "inline"
+    assert load_config(None, ["trainer.ranks=2"]).runtime_kind == "local"
+    assert (
+        load_config(None, ["trainer.ranks=2", "model.device=cuda", "trainer.parallel=fsdp2"]).trainer.ranks
+        == 2
+    )

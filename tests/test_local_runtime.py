@@ -7,6 +7,7 @@ the worker processes (slow to import, failing, stalling, or telling its pid).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -174,6 +175,7 @@ def test_no_process_or_shared_memory_outlives_a_run(transport_run, transport: st
 
 
 PID_REWARD = """
+import math
 import os
 from pathlib import Path
 
@@ -289,5 +291,85 @@ def test_stalled_generator_fails_the_run_within_the_stall_timeout(tmp_path: Path
         r"no progress for \d+s \(runtime.stall_timeout_s\): waiting for \d+ groups", str(run.error)
     )
     assert run.seconds < 60
+    assert run.leftover_children == []
+    assert run.leftover_shm == []
+
+
+# -- 8. trainer ranks ------------------------------------------------------------------------------
+
+RANKS = ["trainer.ranks=2", "runtime.stall_timeout_s=60", "runtime.stop_timeout_s=5"]
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    ["fsdp2", pytest.param("ddp", marks=pytest.mark.slow)],  # DDP equivalence: test_distributed
+)
+def test_two_trainer_ranks_end_to_end(tmp_path: Path, parallel: str) -> None:
+    """trainer.ranks=2 (periodic, with eval and the final save): every step trains the whole batch."""
+    run = run_local(
+        tmp_path / "run",
+        [
+            *RANKS,
+            f"trainer.parallel={parallel}",
+            "schedule=periodic",
+            "run.eval_every=2",
+            "run.eval_prompts=8",
+        ],
+    )
+    assert run.error is None, run.error
+    assert run.summary["accounting"]["reconciles"] is True
+    assert run.summary["accounting"]["trained"] == STEPS * PROMPTS
+    metrics = run.metrics
+    assert [r["step"] for r in metrics] == list(range(1, STEPS + 1))
+    for r in metrics:
+        assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
+        # Rank 0 reports the sum over both ranks: every generated token was trained once.
+        assert r["trained_tokens"] == r["tokens_generated"] > 0
+        assert r["samples"] == PROMPTS * 4
+    assert [e["step"] for e in run.summary["eval"]] == [0, 2, 4, 5]
+    assert all(0.0 <= e["eval_accuracy"] <= 1.0 for e in run.summary["eval"])
+    assert (run.run_dir / "final" / "model.safetensors").is_file()  # gathered on rank 0 under FSDP2
+    trainer_spans = {e["component"] for e in run.timeline if e["name"] == "train"}
+    assert trainer_spans == {"trainer"}  # only rank 0 reports
+    assert run.leftover_children == []
+    assert run.leftover_shm == []
+
+
+def test_killed_trainer_rank_fails_the_run_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGKILL of trainer-rank-1 mid-run: WorkerError names it and exit code -9, quickly; nothing is left."""
+    from asyncrl.orchestration import run as run_module
+
+    runtimes: list = []
+    make_runtime = run_module.make_runtime
+    monkeypatch.setattr(
+        run_module,
+        "make_runtime",
+        lambda cfg, session: runtimes.append(make_runtime(cfg, session)) or runtimes[-1],
+    )
+    run_dir = tmp_path / "run"
+    killed: dict[str, float] = {}
+
+    def kill_once_training() -> None:
+        deadline = time.monotonic() + 120
+        metrics = run_dir / "metrics.jsonl"
+        while time.monotonic() < deadline:
+            if runtimes and metrics.is_file() and metrics.read_text(encoding="utf-8").strip():
+                pid = runtimes[0].pids["trainer-rank-1"]
+                if pid in child_pids():  # only ever signal a process this test started
+                    killed["pid"], killed["at"] = pid, time.monotonic()
+                    os.kill(pid, signal.SIGKILL)
+                return
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_once_training, daemon=True)
+    killer.start()
+    run = run_local(run_dir, [*RANKS, "trainer.parallel=ddp", "run.steps=400"])
+    killer.join(timeout=10)
+    assert "pid" in killed, "the run never made progress"
+    assert run.error is not None, "train returned although a trainer rank was killed"
+    message = str(run.error)
+    assert message.startswith(f"trainer-rank-1 (pid {killed['pid']}) exited unexpectedly with code -9")
+    assert time.monotonic() - killed["at"] < 30
+    assert 1 <= len(run.metrics) < 400
     assert run.leftover_children == []
     assert run.leftover_shm == []

@@ -105,6 +105,35 @@ def test_ray_sync_equals_inline_sync(tmp_path: Path) -> None:
     assert max_abs_diff(final_weights(tmp_path / "inline"), final_weights(tmp_path / "ray")) <= 1e-5
 
 
+def test_two_fsdp2_trainer_ranks_on_ray_match_one_inline_trainer(tmp_path: Path) -> None:
+    """Trainer ranks as actors in one placement group; same rollouts, parameters within 1e-5."""
+    base = [*BASE, "run.steps=3", "schedule=sync"]
+    train(load_config(None, [*base, "runtime.kind=inline"]), tmp_path / "inline")
+    summary = train(
+        load_config(
+            None,
+            [
+                *base,
+                "runtime.kind=ray",
+                "trainer.ranks=2",
+                "trainer.parallel=fsdp2",
+                "runtime.ray.num_cpus=3",
+            ],
+        ),
+        tmp_path / "ray",
+    )
+    assert summary["accounting"]["trained"] == 3 * PROMPTS and summary["accounting"]["reconciles"]
+    rewards = [
+        [
+            json.loads(line)["reward_mean"]
+            for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()
+        ]
+        for d in ("inline", "ray")
+    ]
+    assert rewards[0] == rewards[1]
+    assert max_abs_diff(final_weights(tmp_path / "inline"), final_weights(tmp_path / "ray")) <= 1e-5
+
+
 def run_with_hook(cfg, run_dir: Path, hook) -> tuple[dict, RayRuntime, Controller]:
     """Run the controller on a RayRuntime, calling ``hook(runtime, controller, events)`` after every poll."""
     seed_everything(cfg.run.seed)

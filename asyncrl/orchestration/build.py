@@ -13,6 +13,8 @@ from asyncrl.models.loading import load_tokenizer
 from asyncrl.rollout import RolloutWorker
 from asyncrl.tasks import ArithmeticTask, JsonlDataset, PromptSource, PromptStream, resolve_reward
 from asyncrl.trainer import Trainer
+from asyncrl.trainer.distributed import RankGroup
+from asyncrl.trainer.parallel import DistributedTrainer
 from asyncrl.types import Prompt
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out arithmetic prompts come from a disjoint seed
@@ -63,8 +65,10 @@ def task_prompts(cfg: Config) -> PromptSource:
     return prompt_source(cfg, tokenizer, max_positions)
 
 
-def build_policy(cfg: Config) -> Policy:
-    return load_policy(cfg.model.path, device=cfg.model.device, dtype=cfg.model.dtype, seed=cfg.run.seed)
+def build_policy(cfg: Config, device: torch.device | None = None) -> Policy:
+    """The configured policy, on ``device`` when given (a trainer rank's own GPU), else ``model.device``."""
+    where = str(device) if device is not None else cfg.model.device
+    return load_policy(cfg.model.path, device=where, dtype=cfg.model.dtype, seed=cfg.run.seed)
 
 
 def build_reward(cfg: Config):
@@ -90,9 +94,9 @@ def build_rollout(cfg: Config, policy: Policy, engine) -> RolloutWorker:
     )
 
 
-def build_trainer(cfg: Config, policy: Policy) -> Trainer:
-    return Trainer(
-        policy.model,
+def build_trainer(cfg: Config, policy: Policy, ranks: RankGroup | None = None) -> Trainer:
+    """The single-process trainer, or with ``ranks`` this rank of a ``trainer.parallel`` trainer."""
+    kwargs = dict(
         pad_token_id=policy.pad_token_id,
         trainer_cfg=cfg.trainer,
         algo_cfg=cfg.algorithm,
@@ -101,3 +105,6 @@ def build_trainer(cfg: Config, policy: Policy) -> Trainer:
         total_steps=cfg.run.steps,
         old_logprobs=cfg.old_logprob_mode,
     )
+    if ranks is None:
+        return Trainer(policy.model, **kwargs)
+    return DistributedTrainer(policy.model, ranks=ranks, parallel=cfg.trainer.parallel, **kwargs)

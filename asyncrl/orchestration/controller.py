@@ -70,7 +70,7 @@ from asyncrl.orchestration.events import (
     WorkerLost,
 )
 from asyncrl.orchestration.records import batch_metrics
-from asyncrl.orchestration.runtime import Runtime
+from asyncrl.orchestration.runtime import Runtime, is_generator
 from asyncrl.orchestration.session import RunSession
 from asyncrl.tasks import PromptSource, PromptStream
 from asyncrl.timeline import busy_fractions
@@ -335,8 +335,8 @@ class Controller:
 
     def _on_ready(self, worker: str) -> None:
         """A generator started (again): it may receive work once it has the latest weights."""
-        if worker == TRAINER or worker in self.in_flight:
-            return  # start-up readiness, already accounted for by the runtime
+        if not is_generator(worker) or worker in self.in_flight:
+            return  # start-up readiness (trainer ranks, first generators), already awaited by the runtime
         self.gens.append(worker)
         self.in_flight[worker] = {}
         self.gen_version[worker] = 0

@@ -28,13 +28,16 @@ import torch.multiprocessing as mp
 
 from asyncrl.config import Config
 from asyncrl.orchestration.cores import CoreShare, available_cores
-from asyncrl.orchestration.events import Accumulate, Ready, Stop, WorkerError, WorkerFailed
+from asyncrl.orchestration.events import Ready, Stop, WorkerError, WorkerFailed
+from asyncrl.orchestration.loop import serve_generator, serve_trainer
 from asyncrl.orchestration.runtime import generator_name
-from asyncrl.orchestration.workers import GeneratorWorker, TrainerWorker
+from asyncrl.orchestration.workers import GeneratorWorker, TrainerWorker, run_follower
+from asyncrl.trainer.distributed import trainer_rank_name
 from asyncrl.weight_sync import WeightLayout
 
 TRAINER = "trainer"
-IDLE_WAIT_S = 0.02  # how long an idle generator waits for a command before looking again
+TRAINER_RANK = "trainer-rank"  # role of trainer ranks 1..M-1
+RANK_FAILURE_GRACE_S = 1.0  # how long a trainer rank's failure waits for a sibling rank's exit to show
 
 
 def free_port() -> int:
@@ -92,9 +95,25 @@ def make_receiver(spec: dict, layout: WeightLayout, rank: int, timeout_s: float,
 
 
 def _worker_main(
-    role: str, name: str, index: int, cfg_json: str, spec: dict, threads: int, busy_flags, cmd_q, evt_q
+    role: str,
+    name: str,
+    index: int,
+    cfg_json: str,
+    spec: dict,
+    group: dict,
+    threads: int,
+    busy_flags,
+    slot: int,
+    cmd_q,
+    evt_q,
 ) -> None:
-    """Body of a worker process: build the worker, then execute commands until Stop."""
+    """Body of a worker process: build the worker, then execute commands until Stop.
+
+    ``index`` is the generator's index, or the trainer rank; ``group`` says where trainer
+    ranks meet (``master_addr``, ``master_port``, ``world_size``); ``slot`` is the
+    worker's entry in the shared busy flags. Trainer ranks 1.. have no command queue: they
+    run rank 0's commands (:func:`run_follower`).
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from transformers.utils import logging as hf_logging
 
@@ -106,12 +125,18 @@ def _worker_main(
         if threads:
             torch.set_num_threads(threads)
         else:
-            cores = CoreShare(busy_flags, slot=0 if role == TRAINER else index + 1, cores=available_cores())
+            cores = CoreShare(busy_flags, slot=slot, cores=available_cores())
         cfg = Config.model_validate_json(cfg_json)
         timeout = cfg.runtime.stall_timeout_s
-        if role == TRAINER:
+        if role in (TRAINER, TRAINER_RANK):
             worker = TrainerWorker(
-                name, cfg, lambda layout: make_sender(spec, layout, timeout, torch.device("cpu"))
+                name,
+                cfg,
+                (lambda layout: make_sender(spec, layout, timeout, torch.device("cpu")))
+                if index == 0
+                else None,
+                rank=index,
+                **group,
             )
             if cores is not None:
                 worker.trainer.before_micro_batch = cores.fit
@@ -123,101 +148,72 @@ def _worker_main(
                 seed=cfg.run.seed + index,
             )
         evt_q.put(Ready(name, {"pid": os.getpid(), "threads": torch.get_num_threads()}))
-        while True:
-            if os.getppid() != parent:
-                evt_q.cancel_join_thread()  # nobody will read what is still queued; do not wait for it
-                return
-            if role == TRAINER:
-                try:
-                    commands = _coalesced(cmd_q.get(timeout=0.5), cmd_q)
-                except queue.Empty:
-                    continue
-                if cores is not None:
-                    cores.set_busy(True)
-                    cores.fit()
-                for command in commands:
-                    if isinstance(command, Stop):
-                        return
-                    for event in worker.handle(command):
-                        evt_q.put(event)
-                if cores is not None and cmd_q.empty():
-                    cores.set_busy(False)
-                continue
-            try:  # a generator with work only glances at its queue between engine steps
-                command = cmd_q.get(timeout=IDLE_WAIT_S) if worker.idle else cmd_q.get_nowait()
-                while True:
-                    if isinstance(command, Stop):
-                        return
-                    worker.handle(command)
-                    command = cmd_q.get_nowait()
-            except queue.Empty:
-                pass
-            if cores is not None:
-                cores.set_busy(not worker.idle)
-                cores.fit()
-            for event in worker.work():
-                evt_q.put(event)
-            if cores is not None and worker.idle:
-                cores.set_busy(False)  # at once: the trainer may be starting on what was just sent
+        if role == TRAINER_RANK:
+            run_follower(worker, busy=None if cores is None else lambda busy: _set_busy(cores, busy))
+            return
+        busy = None if cores is None else lambda b: _set_busy(cores, b)
+        serve = serve_trainer if role == TRAINER else serve_generator
+        serve(worker, cmd_q, evt_q.put, should_exit=lambda: os.getppid() != parent, on_busy=busy)
+        if os.getppid() != parent:
+            evt_q.cancel_join_thread()  # nobody will read what is still queued; do not wait for it
     except BaseException as exc:
         # Exiting joins the queue's feeder thread, so the report is written before the process ends.
         evt_q.put(WorkerFailed(name, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         raise SystemExit(1) from None
     finally:
-        if isinstance(worker, TrainerWorker):
+        if worker is not None:
             worker.close()
 
 
-def _coalesced(first, cmd_q) -> list:
-    """``first`` plus whatever is already queued, with consecutive Accumulates merged into one.
-
-    When groups arrive faster than the trainer takes them, one forward/backward over all of
-    them costs less than one per group; the step's gradient is the same either way.
-    """
-    commands = [first]
-    try:
-        while True:
-            commands.append(cmd_q.get_nowait())
-    except queue.Empty:
-        pass
-    merged: list = []
-    for command in commands:
-        if (
-            isinstance(command, Accumulate)
-            and merged
-            and isinstance(merged[-1], Accumulate)
-            and command.mergeable
-            and merged[-1].mergeable
-        ):
-            merged[-1] = Accumulate(merged[-1].groups + command.groups)
-        else:
-            merged.append(command)
-    return merged
+def _set_busy(cores: CoreShare, busy: bool) -> None:
+    cores.set_busy(busy)
+    if busy:
+        cores.fit()
 
 
 class LocalRuntime:
+    """The trainer ranks and the generators, each in its own process on this machine.
+
+    With ``trainer.ranks`` = M > 1, the controller's ``trainer`` is rank 0 and M-1 more
+    processes (``trainer-rank-1``...) join it in a process group on a free 127.0.0.1 port;
+    they take no commands from the controller (rank 0 forwards them). A trainer rank that
+    dies takes the others' collectives down with it: the error then names the rank that
+    died, not the ones that failed after it.
+    """
+
     def __init__(self, cfg: Config, run_dir: Path) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self.generator_names = [generator_name(i) for i in range(cfg.runtime.generators)]
+        self.trainer_names = [trainer_rank_name(r) for r in range(cfg.trainer.ranks)]
         self._ctx = mp.get_context("spawn")
         self._events = self._ctx.Queue()
         self._commands: dict[str, object] = {}
         self._procs: dict[str, mp.Process] = {}
-        # Slot 0 is the trainer's, slot i+1 generator i's (see orchestration/cores.py).
-        self._busy = self._ctx.Array("b", cfg.runtime.generators + 1, lock=False)
+        # Slot 0 is the trainer's, slot i+1 generator i's, slot N+r trainer rank r's (see
+        # orchestration/cores.py).
+        self._busy = self._ctx.Array("b", cfg.runtime.generators + cfg.trainer.ranks, lock=False)
         self._stopping = False
         self._spec: dict = {}
 
     def start(self) -> None:
         self._spec = transport_spec(self.cfg, self.run_dir)
         cfg_json = self.cfg.model_dump_json()
-        roles = [(TRAINER, TRAINER, 0, self.cfg.threads("trainer"))]
+        ranks, gens = self.cfg.trainer.ranks, self.cfg.runtime.generators
+        group = {
+            "world_size": ranks,
+            "master_addr": "127.0.0.1",
+            "master_port": free_port() if ranks > 1 else 0,
+        }
+        trainer_threads, generator_threads = self.cfg.threads("trainer"), self.cfg.threads("generator")
+        roles = [(TRAINER, TRAINER, 0, trainer_threads, 0)]
         roles += [
-            ("generator", n, i, self.cfg.threads("generator")) for i, n in enumerate(self.generator_names)
+            (TRAINER_RANK, self.trainer_names[r], r, trainer_threads, gens + r) for r in range(1, ranks)
         ]
-        for role, name, index, threads in roles:
-            self._commands[name] = self._ctx.Queue()
+        roles += [("generator", n, i, generator_threads, i + 1) for i, n in enumerate(self.generator_names)]
+        for role, name, index, threads, slot in roles:
+            if role != TRAINER_RANK:
+                self._commands[name] = self._ctx.Queue()
             proc = self._ctx.Process(
                 target=_worker_main,
                 name=f"asyncrl-{name}",
@@ -228,9 +224,11 @@ class LocalRuntime:
                     index,
                     cfg_json,
                     self._spec,
+                    group,
                     threads,
                     self._busy,
-                    self._commands[name],
+                    slot,
+                    self._commands.get(name),
                     self._events,
                 ),
             )
@@ -256,14 +254,43 @@ class LocalRuntime:
                     waiting.discard(event.worker)
             self._check_alive()
 
+    @property
+    def pids(self) -> dict[str, int | None]:
+        """Process id of every worker by name (trainer ranks included), once started."""
+        return {name: proc.pid for name, proc in self._procs.items()}
+
     def send(self, worker: str, command) -> None:
         self._commands[worker].put(command)
 
     def poll(self, timeout: float) -> list:
         events = self._drain(timeout)
-        if not any(isinstance(e, WorkerFailed) for e in events):
+        reported = {e.worker for e in events if isinstance(e, WorkerFailed)}
+        if not reported:
             self._check_alive()  # a failure report explains a death better than its exit code
+        elif len(self.trainer_names) > 1 and reported & set(self.trainer_names):
+            self._blame_silent_rank(events)
         return events
+
+    def _blame_silent_rank(self, events: list) -> None:
+        """Trainer ranks fail together when one dies; if one died without a report, name it.
+
+        A rank killed by a signal makes its siblings' collectives fail, and their reports
+        would hide the cause. Watch the ranks for ``RANK_FAILURE_GRACE_S``, adding what
+        arrives to ``events`` (a rank that raised writes its report before it exits).
+        """
+        deadline = time.monotonic() + RANK_FAILURE_GRACE_S
+        while not self._stopping:
+            dead = [n for n in self.trainer_names if self._procs[n].exitcode is not None]
+            events += self._drain(0.05)
+            reported = {e.worker for e in events if isinstance(e, WorkerFailed)}
+            for name in dead:
+                if name not in reported:
+                    proc = self._procs[name]
+                    raise WorkerError(
+                        f"{name} (pid {proc.pid}) exited unexpectedly with code {proc.exitcode}"
+                    )
+            if time.monotonic() >= deadline:
+                return
 
     def _drain(self, timeout: float) -> list:
         events = []
@@ -286,7 +313,7 @@ class LocalRuntime:
         """Ask every worker to stop, wait the grace period, then terminate and kill what is left."""
         self._stopping = True
         for name, proc in self._procs.items():
-            if proc.is_alive():
+            if proc.is_alive() and name in self._commands:  # trainer ranks 1.. stop when rank 0 does
                 self._commands[name].put(Stop())
         deadline = time.monotonic() + self.cfg.runtime.stop_timeout_s
         while any(p.is_alive() for p in self._procs.values()) and time.monotonic() < deadline:

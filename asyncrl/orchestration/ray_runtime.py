@@ -41,8 +41,16 @@ from asyncrl.config import Config
 from asyncrl.errors import AsyncRLError
 from asyncrl.orchestration.cores import available_cores
 from asyncrl.orchestration.events import Ready, Stop, WorkerError, WorkerFailed, WorkerLost
-from asyncrl.orchestration.local import TRAINER, free_port, make_receiver, make_sender, transport_spec
+from asyncrl.orchestration.local import (
+    TRAINER,
+    TRAINER_RANK,
+    free_port,
+    make_receiver,
+    make_sender,
+    transport_spec,
+)
 from asyncrl.orchestration.runtime import generator_name
+from asyncrl.trainer.distributed import trainer_rank_name
 
 POLL_WAIT_S = 0.5  # how long an actor's events() call waits for something to report
 
@@ -62,9 +70,13 @@ class WorkerHost:
         self._exit = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"asyncrl-{name}", daemon=True)
 
-    def start(self, spec: dict) -> None:
-        """Build the worker and serve commands, on a thread; ``Ready`` or ``WorkerFailed`` follows."""
-        self._spec = spec
+    def start(self, spec: dict, group: dict) -> None:
+        """Build the worker and serve commands, on a thread; ``Ready`` or ``WorkerFailed`` follows.
+
+        ``group`` says where the trainer ranks meet (``world_size``, ``master_addr``,
+        ``master_port``); ranks 1.. take their commands from rank 0, not from ``send``.
+        """
+        self._spec, self._group = spec, group
         self._thread.start()
 
     def where(self) -> dict:
@@ -106,7 +118,7 @@ class WorkerHost:
 
         from asyncrl.config import Config
         from asyncrl.orchestration.loop import serve_generator, serve_trainer
-        from asyncrl.orchestration.workers import GeneratorWorker, TrainerWorker
+        from asyncrl.orchestration.workers import GeneratorWorker, TrainerWorker, run_follower
 
         worker = None
         try:
@@ -115,10 +127,11 @@ class WorkerHost:
             timeout = cfg.runtime.stall_timeout_s
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             spec = self._spec
-            if self.role == TRAINER:
-                worker = TrainerWorker(
-                    self.name, cfg, lambda layout: make_sender(spec, layout, timeout, device)
+            if self.role in (TRAINER, TRAINER_RANK):
+                sender = (
+                    (lambda layout: make_sender(spec, layout, timeout, device)) if self.index == 0 else None
                 )
+                worker = TrainerWorker(self.name, cfg, sender, rank=self.index, **self._group)
                 serve = serve_trainer
             else:
                 worker = GeneratorWorker(
@@ -129,7 +142,10 @@ class WorkerHost:
                 )
                 serve = serve_generator
             self._events.put(Ready(self.name, {"pid": os.getpid(), "threads": torch.get_num_threads()}))
-            serve(worker, self._commands, self._events.put, should_exit=self._exit.is_set)
+            if self.role == TRAINER_RANK:
+                run_follower(worker)
+            else:
+                serve(worker, self._commands, self._events.put, should_exit=self._exit.is_set)
         except BaseException as exc:
             self._events.put(WorkerFailed(self.name, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         finally:
@@ -154,6 +170,7 @@ class RayRuntime:
         self.rcfg = cfg.runtime.ray
         self.run_dir = run_dir
         self.generator_names = [generator_name(i) for i in range(cfg.runtime.generators)]
+        self.trainer_names = [trainer_rank_name(r) for r in range(cfg.trainer.ranks)]
         self._actors: dict[str, object] = {}
         self._pending: dict[str, object] = {}  # worker -> outstanding events() reference
         self._seq: dict[str, int] = {}
@@ -163,7 +180,6 @@ class RayRuntime:
         self._started_ray = False
         self._placement = None
         self._spec: dict = {}
-        self._trainer_node: str | None = None
         self._lost: list = []
 
     # -- start --------------------------------------------------------------------------------
@@ -179,16 +195,25 @@ class RayRuntime:
             ray.init(**kwargs)
             self._started_ray = True
         self._spec = transport_spec(self.cfg, self.run_dir)
-        trainer = self._create(TRAINER, TRAINER, 0)
+        self._placement = self._trainer_placement()
+        ranks = [
+            self._create(TRAINER if r == 0 else TRAINER_RANK, name, r)
+            for r, name in enumerate(self.trainer_names)
+        ]
+        # The weight-sync group's store and the trainer ranks' store live with rank 0: its
+        # node's address, and ports free there.
+        where, sync_port, rank_port = self.ray.get(
+            [ranks[0].where.remote(), ranks[0].free_port.remote(), ranks[0].free_port.remote()],
+            timeout=self._start_s,
+        )
+        host = self.rcfg.master_addr or where["ip"]
         if self._spec["kind"] == "broadcast":
-            # The group's store lives with the trainer: its node's address and a port free there.
-            where, port = self.ray.get(
-                [trainer.where.remote(), trainer.free_port.remote()], timeout=self._start_s
-            )
-            self._spec.update(host=self.rcfg.master_addr or where["ip"], port=port)
-        trainer.start.remote(self._spec)
+            self._spec.update(host=host, port=sync_port)
+        group = {"world_size": len(ranks), "master_addr": host, "master_port": rank_port}
+        for rank in ranks:
+            rank.start.remote(self._spec, group)
         for i, name in enumerate(self.generator_names):
-            self._create("generator", name, i).start.remote(self._spec)
+            self._create("generator", name, i).start.remote(self._spec, {})
         self._wait_ready(set(self._actors))
         if self._spec["kind"] == "shm":
             self._check_same_node(self.generator_names)
@@ -208,21 +233,31 @@ class RayRuntime:
             options["memory"] = int(res.memory_gb * (1 << 30))
         return options
 
+    def _trainer_placement(self):
+        """One bundle per trainer rank: the ranks start together or not at all (gang scheduling)."""
+        from ray.util.placement_group import placement_group
+
+        res = self.rcfg.trainer
+        bundle = {"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {})}
+        strategy = self.rcfg.trainer_placement.upper()
+        return placement_group([dict(bundle) for _ in self.trainer_names], strategy=strategy)
+
     def _threads(self, role: str, res) -> int:
-        explicit = self.cfg.runtime.trainer_threads if role == TRAINER else self.cfg.runtime.generator_threads
+        trainer = role in (TRAINER, TRAINER_RANK)
+        explicit = self.cfg.runtime.trainer_threads if trainer else self.cfg.runtime.generator_threads
         return explicit or max(1, int(res.num_cpus))
 
     def _create(self, role: str, name: str, index: int):
         """Create the actor (not yet started) and its first outstanding events() call."""
-        res = self.rcfg.trainer if role == TRAINER else self.rcfg.generator
+        trainer = role in (TRAINER, TRAINER_RANK)
+        res = self.rcfg.trainer if trainer else self.rcfg.generator
         options = self._actor_options(res)
-        if role == TRAINER:
-            from ray.util.placement_group import placement_group
+        if trainer:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-            bundle = {"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {})}
-            self._placement = placement_group([bundle], strategy=self.rcfg.trainer_placement.upper())
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self._placement)
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                self._placement, placement_group_bundle_index=index
+            )
         cls = self.ray.remote(WorkerHost).options(**options)
         actor = cls.remote(role, name, index, self.cfg.model_dump_json(), self._threads(role, res))
         self._actors[name] = actor
@@ -305,8 +340,8 @@ class RayRuntime:
         del self._pending[name]
         self._actors.pop(name, None)
         self._ready.discard(name)
-        if name == TRAINER:
-            raise WorkerError(f"trainer actor died: {reason}")
+        if name in self.trainer_names:
+            raise WorkerError(f"{name} actor died: {reason}")
         if self._spec["kind"] == "broadcast":
             raise WorkerError(
                 f"{name} actor died ({reason}); a broadcast weight-sync group cannot take a replacement, "
@@ -318,7 +353,7 @@ class RayRuntime:
                 "(runtime.ray.max_generator_restarts)"
             )
         self._restarts += 1
-        self._create("generator", name, self._index_of(name)).start.remote(self._spec)
+        self._create("generator", name, self._index_of(name)).start.remote(self._spec, {})
         return [WorkerLost(name, reason)]
 
     @staticmethod
@@ -332,7 +367,7 @@ class RayRuntime:
         return self._actors[name]
 
     def starting_generators(self) -> list[str]:
-        return [n for n in self._actors if n != TRAINER and n not in self._ready]
+        return [n for n in self._actors if n not in self.trainer_names and n not in self._ready]
 
     def add_generator(self) -> str:
         if self._spec["kind"] == "broadcast":
@@ -341,7 +376,7 @@ class RayRuntime:
             )
         name = generator_name(self._next_index)
         self._next_index += 1
-        self._create("generator", name, self._index_of(name)).start.remote(self._spec)
+        self._create("generator", name, self._index_of(name)).start.remote(self._spec, {})
         return name  # its Ready event, through poll(), lets the controller send it work
 
     def remove_generator(self, name: str) -> None:

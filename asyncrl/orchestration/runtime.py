@@ -35,6 +35,10 @@ def generator_name(i: int) -> str:
     return f"generator-{i}"
 
 
+def is_generator(name: str) -> bool:
+    return name.startswith("generator-")
+
+
 class InlineRuntime:
     """Everything in this process, taking turns: the colocated baseline (TRL's loop).
 

@@ -11,11 +11,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from asyncrl import checkpoint
 from asyncrl.config import Config
 from asyncrl.engine import EmbeddedEngine
 from asyncrl.evaluation import evaluate
-from asyncrl.models import save_policy
+from asyncrl.models import Policy, resolve_device, save_policy
 from asyncrl.orchestration import build
 from asyncrl.orchestration.events import (
     Accumulate,
@@ -34,12 +36,14 @@ from asyncrl.orchestration.events import (
     SaveModel,
     Span,
     StepDone,
+    Stop,
     Submit,
     WeightsLoaded,
 )
 from asyncrl.tasks import resolve_reward
 from asyncrl.trainer import assign_advantages
 from asyncrl.trainer.batching import MicroBatch
+from asyncrl.trainer.distributed import RankGroup, RankSpec, rank_device
 from asyncrl.weight_sync import WeightLayout, WeightReceiver, WeightSender
 
 SPAN_FLUSH_S = 0.25  # long generation periods are reported in slices so the timeline stays live
@@ -169,43 +173,110 @@ class GeneratorWorker:
 
 
 class TrainerWorker:
-    """The trainer: accumulates streamed groups into one optimizer step, then publishes weights."""
+    """The trainer: accumulates streamed groups into one optimizer step, then publishes weights.
+
+    With ``world_size`` M > 1 this is one rank of a data-parallel trainer
+    (``trainer.parallel``; see :mod:`asyncrl.trainer.parallel`). Every rank constructs a
+    TrainerWorker with the same ``master_addr``/``master_port``/``world_size`` and its own
+    ``rank`` — concurrently, since construction waits until all M have joined the group.
+    Rank 0 is the worker the controller talks to (named ``trainer``): :meth:`handle`
+    computes the advantages of an ``Accumulate`` from whole groups, forwards every command
+    to the other ranks, then executes it; it alone publishes weights, evaluates, saves and
+    returns events. Ranks 1..M-1 (``sender_factory`` None) run :func:`run_follower`, which
+    executes the same commands until rank 0 closes. The host decides only where the
+    processes live: a child process (local runtime) or a Ray actor is the same to this class.
+    """
 
     def __init__(
-        self, name: str, cfg: Config, sender_factory: Callable[[WeightLayout], WeightSender]
+        self,
+        name: str,
+        cfg: Config,
+        sender_factory: Callable[[WeightLayout], WeightSender] | None,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 0,
     ) -> None:
+        if world_size != cfg.trainer.ranks:
+            raise ValueError(f"world_size={world_size} but the config has trainer.ranks={cfg.trainer.ranks}")
+        if (sender_factory is None) != (rank > 0):
+            raise ValueError("rank 0, and only rank 0, publishes weights: it needs the sender_factory")
         self.name = name
         self.cfg = cfg
-        self.policy = build.build_policy(cfg)
-        self.sender = sender_factory(WeightLayout.of(self.policy.model.named_parameters()))
-        self.trainer = build.build_trainer(cfg, self.policy)
+        device = rank_device(resolve_device(cfg.model.device), rank, world_size)
+        self.ranks: RankGroup | None = None
+        if world_size > 1:
+            spec = RankSpec(
+                rank,
+                world_size,
+                master_addr,
+                master_port,
+                init_timeout_s=cfg.runtime.start_timeout_s,
+                timeout_s=cfg.runtime.stall_timeout_s,
+            )
+            self.ranks = RankGroup(spec, device)
+        self.policy = build.build_policy(cfg, device)
+        # The layout is that of the whole model, read before any sharding.
+        layout = WeightLayout.of(self.policy.model.named_parameters())
+        self.sender = sender_factory(layout) if sender_factory is not None else None
+        self.trainer = build.build_trainer(cfg, self.policy, self.ranks)
         self._step_batches: list[MicroBatch] = []
         self._step_open = False
         self._eval_engine: EmbeddedEngine | None = None
         self._eval_prompts: list = []
+        self._gathered_policy: Policy | None = None
         self.trainer_reward = resolve_reward(cfg.task.reward)
 
     @property
     def version(self) -> int:
         return self.trainer.version
 
+    @property
+    def is_leader(self) -> bool:
+        return self.ranks is None or self.ranks.is_leader
+
     def handle(
         self, command: Accumulate | FinishStep | Evaluate | SaveModel | SaveCheckpoint | Restore
     ) -> list:
+        if not isinstance(command, Accumulate | FinishStep | Evaluate | SaveModel | SaveCheckpoint | Restore):
+            raise TypeError(f"trainer cannot handle {type(command).__name__}")
+        if self.is_leader and isinstance(command, Accumulate):
+            # From whole groups, before the samples are split across ranks.
+            assign_advantages(command.groups, self.cfg.algorithm.advantage_scale)
+        if self.ranks is not None and self.ranks.is_leader:
+            self.ranks.post(command)
         if isinstance(command, Accumulate):
             return self._accumulate(command)
         if isinstance(command, FinishStep):
             return self._finish(command)
         if isinstance(command, Evaluate):
             return self._evaluate(command)
-        if isinstance(command, SaveModel):
-            save_policy(self.policy, Path(command.path))
-            return [Saved(self.name, command.path)]
         if isinstance(command, SaveCheckpoint):
             return self._save_checkpoint(command)
         if isinstance(command, Restore):
             return self._restore(command)
-        raise TypeError(f"trainer cannot handle {type(command).__name__}")
+        policy = self._full_policy()
+        if policy is None:
+            return []
+        save_policy(policy, Path(command.path))
+        return [Saved(self.name, command.path)]
+
+    def _full_policy(self) -> Policy | None:
+        """The policy with whole weights on rank 0 (None elsewhere); with FSDP2 every rank joins a gather."""
+        if not self.trainer.sharded:
+            return self.policy if self.is_leader else None
+        weights = self.trainer.named_weights()
+        if not self.is_leader:
+            return None
+        if self._gathered_policy is None:
+            self._gathered_policy = build.build_policy(self.cfg, self.trainer.device)
+            self._gathered_policy.model.requires_grad_(False)
+        params = dict(self._gathered_policy.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in weights:
+                params[name].copy_(tensor)
+        return self._gathered_policy
 
     def _save_checkpoint(self, command: SaveCheckpoint) -> list:
         if self.trainer.version != command.version:
@@ -213,38 +284,49 @@ class TrainerWorker:
                 f"checkpoint of version {command.version} requested, but the trainer is at {self.trainer.version}"
             )
         start = time.time()
-        checkpoint.save_trainer_state(Path(command.path), self.trainer, self.policy)
+        policy = self._full_policy()  # every rank joins the gathers; rank 0 writes
+        state = self.trainer.checkpoint_state()
+        if not self.is_leader:
+            return []
+        checkpoint.save_trainer_state(Path(command.path), policy, state)
         return [
             Span(self.name, "checkpoint", start, time.time()),
             CheckpointSaved(self.name, command.path, command.version),
         ]
 
     def _restore(self, command: Restore) -> list:
-        version = checkpoint.load_trainer_state(Path(command.path), self.trainer)
-        self.sender.publish(self.trainer.named_weights(), version)
-        return [Restored(self.name, version)]
+        """Every rank loads (rank 0 reads the files and broadcasts); rank 0 publishes the weights."""
+        weights, state = checkpoint.load_trainer_state(Path(command.path)) if self.is_leader else ({}, {})
+        version = self.trainer.load_checkpoint_state(weights, state)
+        named = self.trainer.named_weights()  # with FSDP2 a gather that every rank joins
+        if self.sender is not None:
+            self.sender.publish(named, version)
+        return [Restored(self.name, version)] if self.is_leader else []
 
     def _evaluate(self, command: Evaluate) -> list:
-        """Greedy accuracy of the current weights, generated on the trainer's own model (no copy)."""
+        """Greedy accuracy of the current weights, generated on rank 0 with its own model (no copy but for FSDP2)."""
         start = time.time()
+        policy = self._full_policy()
+        if policy is None:
+            return []
         if self._eval_engine is None:
             self._eval_engine = EmbeddedEngine(
-                self.policy.model,
-                pad_token_id=self.policy.pad_token_id,
+                policy.model,
+                pad_token_id=policy.pad_token_id,
                 max_batch_size=self.cfg.rollout.max_batch_size,
                 owns_model=False,
             )
-            self._eval_prompts = build.eval_prompts(self.cfg, self.policy)
-        model = self.policy.model
+            self._eval_prompts = build.eval_prompts(self.cfg, policy)
+        model = policy.model
         was_training = model.training
         model.eval()
         try:
             accuracy = evaluate(
                 self._eval_engine,
-                self.policy.tokenizer,
+                policy.tokenizer,
                 self._eval_prompts,
                 self.trainer_reward,
-                build.sampling_params(self.cfg, self.policy, greedy=True),
+                build.sampling_params(self.cfg, policy, greedy=True),
             )
         finally:
             model.train(was_training)
@@ -256,7 +338,6 @@ class TrainerWorker:
             self.trainer.begin_step()
             self._step_batches = []
             self._step_open = True
-        assign_advantages(command.groups, self.cfg.algorithm.advantage_scale)
         batches = self.trainer.prepare([s for g in command.groups for s in g.samples])
         self._step_batches += batches
         self.trainer.accumulate(batches)
@@ -278,7 +359,9 @@ class TrainerWorker:
         publish_s = 0.0
         if command.publish:
             t0, start = time.perf_counter(), time.time()
-            self.sender.publish(self.trainer.named_weights(), self.trainer.version)
+            weights = self.trainer.named_weights()  # with FSDP2 a gather that every rank joins
+            if self.sender is not None:
+                self.sender.publish(weights, self.trainer.version)
             publish_s = time.perf_counter() - t0
             events.append(
                 Span(self.name, "weight_sync", start, time.time(), {"version": self.trainer.version})
@@ -298,4 +381,40 @@ class TrainerWorker:
         return events
 
     def close(self) -> None:
-        self.sender.close()
+        """Rank 0: release the other ranks from :func:`run_follower` first. Every rank: leave the group."""
+        try:
+            if self.ranks is not None and self.ranks.is_leader:
+                self.ranks.post(Stop())
+                self.ranks.wait_for_followers()
+        finally:
+            try:
+                if self.sender is not None:
+                    self.sender.close()
+            finally:
+                if self.ranks is not None:
+                    self.ranks.close()
+
+
+def run_follower(worker: TrainerWorker, busy: Callable[[bool], object] | None = None) -> None:
+    """The command loop of trainer ranks 1..M-1: execute what rank 0 forwards, until it closes.
+
+    A host calls this once on each follower rank after constructing its worker (a local
+    child process, or a Ray actor method that returns when the run ends) and then
+    ``worker.close()``. ``busy(True/False)`` brackets every command (the local runtime
+    shares CPU cores by it). Events are rank 0's to report; a follower's are dropped. An
+    exception (a failed collective, rank 0 gone) propagates to the host, which reports it.
+    """
+    if worker.ranks is None or worker.ranks.is_leader:
+        raise ValueError("run_follower is for trainer ranks 1..M-1; rank 0 is driven by handle()")
+    while True:
+        command = worker.ranks.next_command()
+        if isinstance(command, Stop):
+            worker.ranks.acknowledge_stop()
+            return
+        if busy is not None:
+            busy(True)
+        try:
+            worker.handle(command)
+        finally:
+            if busy is not None:
+                busy(False)

@@ -17,7 +17,7 @@ import copy
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from functools import partial
 
 import torch
@@ -57,6 +57,10 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
 
 
 class Trainer:
+    # Whether the weights are split across processes between calls (FSDP2): then only a
+    # collective gather (``named_weights`` on every rank) yields them whole.
+    sharded = False
+
     def __init__(
         self,
         model: PreTrainedModel,
@@ -89,6 +93,8 @@ class Trainer:
         self.version = 0
         # A frozen copy of the initial policy serves as the KL reference only when it is used.
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if algo_cfg.beta > 0 else None
+        # After the reference copy (it stays whole) and before the optimizer sees the parameters.
+        self._parallelize()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params,
@@ -160,23 +166,20 @@ class Trainer:
     def finish_step(self, divisor: float) -> dict[str, float]:
         """Divide the summed gradients by the batch divisor, clip, step; returns step metrics."""
         t0 = time.perf_counter()
+        self._reduce_gradients()
         for p in self.params:
             if p.grad is not None:
                 p.grad.div_(divisor)
+        norm = self._total_grad_norm([p.grad for p in self.params if p.grad is not None])
         if self.cfg.max_grad_norm is not None:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
-        else:
-            grad_norm = float(
-                torch.linalg.vector_norm(
-                    torch.stack([p.grad.norm() for p in self.params if p.grad is not None])
-                )
-            )
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.max_grad_norm, norm)
+        grad_norm = float(norm)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.version += 1
         self._busy_s += time.perf_counter() - t0
-        s = self._stats
+        s = self._step_stats()
         tokens = max(s["tokens"], 1.0)
         return {
             "loss": s["loss_sum"] / divisor,
@@ -192,12 +195,12 @@ class Trainer:
             "mismatch_kl": s["mismatch_kl_sum"] / max(s["parity_tokens"], 1.0),
             "parity_tokens": s["parity_tokens"],
             "trained_tokens": s["tokens"],
-            **self._correction_metrics(tokens),
+            **self._correction_metrics(s, tokens),
             "train_s": self._busy_s,
         }
 
-    def _correction_metrics(self, tokens: float) -> dict[str, float]:
-        s, out = self._stats, {}
+    def _correction_metrics(self, s: dict[str, float], tokens: float) -> dict[str, float]:
+        out = {}
         if self.algo.is_level != "none":
             out.update(
                 is_weight_mean=s["is_weight_sum"] / tokens,
@@ -230,6 +233,21 @@ class Trainer:
             self.accumulate(batches)
             metrics.append(self.finish_step(divisor))
         return metrics
+
+    # -- what a data-parallel trainer replaces (asyncrl/trainer/parallel.py) ---------------
+
+    def _parallelize(self) -> None:
+        """Wrap or shard ``self.model`` for data parallelism; a single process has nothing to do."""
+
+    def _reduce_gradients(self) -> None:
+        """Sum the gradients of every rank into each rank's; a single process has them all."""
+
+    def _total_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        return torch.nn.utils.get_total_norm(grads)
+
+    def _step_stats(self) -> dict[str, float]:
+        """The step's loss and diagnostic sums (and ``*_max`` maxima) over the whole batch."""
+        return self._stats
 
     # -- internals -------------------------------------------------------------------------
 
@@ -290,6 +308,43 @@ class Trainer:
             )
         return loss_sum, stats
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, p in self.model.named_parameters():
-            yield name, p.detach()
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def _state_dict_options(self, loading: bool):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=True)
+
+    def checkpoint_state(self) -> dict:
+        """Optimizer (keyed by parameter name), scheduler and version; the weights are saved apart.
+
+        Uses torch.distributed.checkpoint's full state dicts, so the same code serves a
+        single process, DDP and FSDP2 (where it is a gather every rank joins).
+        """
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        _, optim = get_state_dict(self.model, self.optimizer, options=self._state_dict_options(False))
+        return {"optimizer": optim, "scheduler": self.scheduler.state_dict(), "version": self.version}
+
+    def load_checkpoint_state(self, weights: dict[str, torch.Tensor], state: dict) -> int:
+        """Restore weights and :meth:`checkpoint_state`; returns the restored version."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        params = dict(self.model.named_parameters())
+        missing = [n for n in params if n not in weights]
+        if missing:
+            raise ValueError(f"the checkpoint does not match this model (missing {missing[:3]})")
+        model_state = {n: weights[n] for n in self.model.state_dict() if n in weights}
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=model_state,
+            optim_state_dict=state["optimizer"],
+            options=self._state_dict_options(True),
+        )
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = int(state["version"])
+        return self.version
+
+    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        return ((name, p.detach()) for name, p in self.model.named_parameters())

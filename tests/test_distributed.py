@@ -1,0 +1,282 @@
+"""Data-parallel trainer ranks: the split of a batch, and M ranks equal to one process.
+
+The equivalence tests run the same command sequence — streamed ``Accumulate`` commands of
+uneven size (one of them a single sample, so a rank gets nothing), ``FinishStep`` with a
+publish — through one TrainerWorker in this process and through two ranks spawned on a free
+127.0.0.1 port, and compare the published weights and the step metrics. The bound 1e-5 sits
+above float summation-order noise, which Adam amplifies for near-zero gradients: one
+process whose micro-batching changes differs from itself by ~1.7e-6 on this sequence.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from asyncrl.config import Config, load_config
+from asyncrl.orchestration.events import Accumulate, FinishStep, Restore, SaveCheckpoint, StepDone
+from asyncrl.orchestration.local import free_port
+from asyncrl.orchestration.workers import TrainerWorker, run_follower
+from asyncrl.trainer.batching import trained_span
+from asyncrl.trainer.distributed import reduce_step_stats, split_samples
+from asyncrl.types import Group, Prompt, Sample
+from asyncrl.weight_sync.inprocess import InProcessChannel
+
+RANK_TIMEOUT_S = 120.0
+MAX_COMPLETION = 8
+
+
+def rank_config(ranks: int, parallel: str, model: str = "tiny:1m") -> Config:
+    return load_config(
+        None,
+        [
+            f"model.path={model}",
+            "model.device=cpu",
+            "model.dtype=float32",
+            f"trainer.ranks={ranks}",
+            f"trainer.parallel={parallel}",
+            "trainer.lr=1e-4",
+            "trainer.max_grad_norm=0.5",  # below the gradients' norm: clipping by the global norm is exercised
+            "trainer.micro_batch_tokens=64",  # several micro-batches per rank and command
+            "algorithm.beta=0.04",  # the KL reference copy is used (and is whole on every rank)
+            "algorithm.old_logprobs=recompute",  # a policy forward in prepare, gathered under FSDP2
+            f"rollout.max_new_tokens={MAX_COMPLETION}",
+            "rollout.temperature=0.8",
+            "run.steps=2",
+            "runtime.start_timeout_s=60",
+            "runtime.stall_timeout_s=60",
+        ],
+    )
+
+
+def make_groups(seed: int, sizes: list[int]) -> list[Group]:
+    """Groups of random prompts and completions (varied lengths, some masked tokens) with rewards."""
+    g = torch.Generator().manual_seed(seed)
+    groups = []
+    for gid, size in enumerate(sizes):
+        prompt_ids = torch.randint(
+            3, 99, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g
+        ).tolist()
+        prompt = Prompt(f"s{seed}-p{gid}", "x")
+        samples = []
+        for _ in range(size):
+            n = int(torch.randint(1, MAX_COMPLETION + 1, (1,), generator=g))
+            mask = (torch.rand(n, generator=g) > 0.2).long()
+            mask[0] = 1
+            samples.append(
+                Sample(
+                    prompt_id=prompt.prompt_id,
+                    group_id=gid,
+                    prompt_ids=prompt_ids,
+                    completion_ids=torch.randint(3, 99, (n,), generator=g).tolist(),
+                    logprobs=(-4.6 + 0.5 * torch.randn(n, generator=g)).tolist(),
+                    versions=[0] * n,
+                    loss_mask=mask.tolist(),
+                    finish_reason="length",
+                    reward=float(torch.rand(1, generator=g) > 0.5),
+                )
+            )
+        groups.append(Group(gid, prompt, samples))
+    return groups
+
+
+def command_sequence() -> list:
+    """Two optimizer steps, each streamed in uneven Accumulate commands, each publishing."""
+    commands: list = []
+    for step, sizes in enumerate([[4, 3, 4, 1], [2, 4, 4, 3]]):
+        groups = make_groups(seed=10 + step, sizes=sizes)
+        samples = [s for g in groups for s in g.samples]
+        divisor = float(sum(s.num_trained_tokens for s in samples))  # dapo: trained tokens of the batch
+        commands += [Accumulate(groups[:2]), Accumulate(groups[2:3]), Accumulate(groups[3:])]
+        commands.append(FinishStep(divisor, publish=True))
+    return commands
+
+
+def drive(worker: TrainerWorker, channel: InProcessChannel) -> dict:
+    """Rank 0's side: run the commands, return the published weights and the step metrics."""
+    metrics = []
+    for command in command_sequence():
+        metrics += [e.metrics for e in worker.handle(command) if isinstance(e, StepDone)]
+    return {"weights": dict(channel._tensors), "metrics": metrics}
+
+
+def drive_checkpoint(worker: TrainerWorker, channel: InProcessChannel, script: str, directory: Path) -> dict:
+    """'save': step 1, checkpoint, step 2. 'restore': restore the checkpoint, step 2. Step 2's weights."""
+    commands = command_sequence()
+    step1, step2 = commands[:4], commands[4:]
+    if script == "save":
+        for command in step1:
+            worker.handle(command)
+        saved = worker.handle(SaveCheckpoint(str(directory), 1))
+        assert [type(e).__name__ for e in saved] == ["Span", "CheckpointSaved"]
+    else:
+        assert [e.version for e in worker.handle(Restore(str(directory)))] == [1]
+    for command in step2:
+        worker.handle(command)
+    return {"weights": dict(channel._tensors), "version": worker.version}
+
+
+def _rank_main(
+    rank: int, world_size: int, port: int, parallel: str, model: str, out: str, script: str = "steps"
+) -> None:
+    """Body of one spawned rank (module level, so that spawn can import it)."""
+    torch.set_num_threads(1)
+    channel = InProcessChannel()
+    worker = TrainerWorker(
+        "trainer",
+        rank_config(world_size, parallel, model),
+        (lambda layout: channel) if rank == 0 else None,
+        rank=rank,
+        world_size=world_size,
+        master_addr="127.0.0.1",
+        master_port=port,
+    )
+    try:
+        if rank == 0 and script == "steps":
+            torch.save(drive(worker, channel), out)
+        elif rank == 0:
+            torch.save(drive_checkpoint(worker, channel, script, Path(out).parent / "checkpoint"), out)
+        else:
+            run_follower(worker)
+    finally:
+        worker.close()
+
+
+def run_ranks(world_size: int, parallel: str, model: str, out: Path, script: str = "steps") -> dict:
+    """Spawn the ranks on a free port; join them within RANK_TIMEOUT_S or kill them and fail."""
+    ctx = mp.start_processes(
+        _rank_main,
+        args=(world_size, free_port(), parallel, model, str(out), script),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + RANK_TIMEOUT_S
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                pytest.fail(f"{world_size} {parallel} ranks did not finish within {RANK_TIMEOUT_S:.0f}s")
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=10)
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def single_process() -> Callable[[str], dict]:
+    """The one-process result per model, made on first request: published weights, metrics, initial weights."""
+    results: dict[str, dict] = {}
+
+    def get(model: str) -> dict:
+        if model not in results:
+            channel = InProcessChannel()
+            worker = TrainerWorker("trainer", rank_config(1, "ddp", model), lambda layout: channel)
+            initial = {n: p.detach().clone() for n, p in worker.policy.model.named_parameters()}
+            results[model] = {**drive(worker, channel), "initial": initial}
+        return results[model]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    ("parallel", "model"),
+    [
+        ("ddp", "tiny:1m"),
+        ("fsdp2", "tiny:1m"),
+        pytest.param("ddp", "tiny:1m:llama", marks=pytest.mark.slow),
+        pytest.param("fsdp2", "tiny:1m:llama", marks=pytest.mark.slow),
+    ],
+)
+def test_two_ranks_match_one_process(single_process, tmp_path: Path, parallel: str, model: str) -> None:
+    """2 ranks (DDP, FSDP2) publish the single process's weights after 2 steps: max |diff| <= 1e-5."""
+    t0 = time.monotonic()
+    got = run_ranks(2, parallel, model, tmp_path / "rank0.pt")
+    seconds = time.monotonic() - t0
+    reference = single_process(model)
+    ref, initial = reference["weights"], reference["initial"]
+    assert got["weights"].keys() == ref.keys()
+    max_diff = max(float((got["weights"][n] - ref[n]).abs().max()) for n in ref)
+    moved = max(float((ref[n] - initial[n]).abs().max()) for n in ref)
+    print(
+        f"{parallel} {model}: max |param diff| {max_diff:.3g}, params moved up to {moved:.3g}, {seconds:.1f}s"
+    )
+    assert moved > 1e-4  # two Adam steps at lr 1e-4 moved weights 10x the bound: the check has teeth
+    assert max_diff <= 1e-5
+    # Adam and norm clipping are blind to the gradient's scale (averaging instead of summing
+    # across ranks would pass the weight check); grad_norm and loss are not.
+    for got_m, ref_m in zip(got["metrics"], reference["metrics"], strict=True):
+        # Sums over the batch: rank 0 reports global numbers, not its share.
+        assert got_m["trained_tokens"] == ref_m["trained_tokens"]
+        assert got_m["parity_tokens"] == ref_m["parity_tokens"]
+        assert got_m["logprob_diff_max"] == pytest.approx(ref_m["logprob_diff_max"], abs=1e-5)
+        for key in ("loss", "grad_norm", "kl_ref", "entropy", "clip_frac", "ratio_mean"):
+            assert got_m[key] == pytest.approx(ref_m[key], rel=1e-4, abs=1e-6), key
+    assert max(m["grad_norm"] for m in got["metrics"]) > 0.5  # clipping was active
+
+
+@pytest.mark.parametrize("parallel", ["fsdp2", pytest.param("ddp", marks=pytest.mark.slow)])
+def test_two_ranks_resume_from_a_checkpoint_exactly(tmp_path: Path, parallel: str) -> None:
+    """Sharded optimizer state survives a checkpoint: restored ranks take step 2 exactly as before."""
+    straight = run_ranks(2, parallel, "tiny:1m", tmp_path / "save.pt", script="save")
+    assert (tmp_path / "checkpoint" / "trainer_state.pt").is_file()
+    resumed = run_ranks(2, parallel, "tiny:1m", tmp_path / "restore.pt", script="restore")
+    assert straight["version"] == resumed["version"] == 2
+    diff = max(
+        float((straight["weights"][n] - resumed["weights"][n]).abs().max()) for n in straight["weights"]
+    )
+    assert diff <= 1e-6
+
+
+def test_worker_rank_arguments_must_match_the_config() -> None:
+    """world_size must equal trainer.ranks, only rank 0 takes a sender, and rank 0 is not a follower."""
+    with pytest.raises(ValueError, match=r"world_size=1 but the config has trainer.ranks=2"):
+        TrainerWorker("trainer", rank_config(2, "ddp"), lambda layout: InProcessChannel())
+    with pytest.raises(ValueError, match=r"rank 0, and only rank 0, publishes weights"):
+        TrainerWorker(
+            "trainer-rank-1", rank_config(2, "ddp"), lambda layout: InProcessChannel(), rank=1, world_size=2
+        )
+    worker = TrainerWorker("trainer", rank_config(1, "ddp"), lambda layout: InProcessChannel())
+    with pytest.raises(ValueError, match=r"run_follower is for trainer ranks 1..M-1"):
+        run_follower(worker)
+
+
+# -- the split ------------------------------------------------------------------------------------
+
+
+def test_split_keeps_every_sample_once_and_balances_token_cost() -> None:
+    samples = [s for g in make_groups(seed=3, sizes=[8, 8, 5, 3, 8]) for s in g.samples]
+    for world in (2, 3, 4):
+        shares = split_samples(samples, world)
+        assert sorted(id(s) for share in shares for s in share) == sorted(id(s) for s in samples)
+        for share in shares:  # input order kept within a share
+            assert [samples.index(s) for s in share] == sorted(samples.index(s) for s in share)
+        # The tokens a rank runs: its completions, and each of its distinct prompts once.
+        loads = [
+            sum(trained_span(s) for s in share) + sum(len(p) for p in {tuple(s.prompt_ids) for s in share})
+            for share in shares
+        ]
+        largest = max(trained_span(s) + len(s.prompt_ids) for s in samples)
+        assert max(loads) - min(loads) <= largest  # the greedy's bound: one sample's cost
+        assert split_samples(samples, world) == shares  # deterministic
+
+
+def test_split_gives_empty_shares_when_samples_are_few_and_one_rank_all_of_world_one() -> None:
+    samples = [s for g in make_groups(seed=4, sizes=[1]) for s in g.samples]
+    assert [len(share) for share in split_samples(samples, 3)] == [1, 0, 0]
+    many = [s for g in make_groups(seed=4, sizes=[6]) for s in g.samples]
+    assert split_samples(many, 1) == [many]
+
+
+def test_reduce_step_stats_sums_and_takes_max_of_max_keys() -> None:
+    merged = reduce_step_stats([{"loss_sum": 1.5, "parity_abs_max": 0.2}, {"loss_sum": 2.0, "tokens": 3.0}])
+    assert merged == {"loss_sum": 3.5, "parity_abs_max": 0.2, "tokens": 3.0}
+    assert merged["absent"] == 0.0
+    assert math.isfinite(merged["loss_sum"])
