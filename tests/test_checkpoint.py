@@ -71,8 +71,12 @@ def stop_after_steps(run_dir: Path, overrides: list[str], steps: int, sig: signa
             if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
                 break
             time.sleep(0.01)
+        descendants = psutil.Process(proc.pid).children(recursive=True)  # the run's worker processes
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=120)
+        # Orphans would be re-parented away from this test, so look for the ones seen before the stop.
+        _, alive = psutil.wait_procs(descendants, timeout=15)
+        assert not alive, f"left behind after the stop: {[p.pid for p in alive]}"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -198,3 +202,32 @@ def test_several_optimizer_steps_per_batch_checkpoint_and_summarise(tmp_path: Pa
     assert summary["steps"] == 6 and summary["accounting"]["trained"] == 3 * 4
     assert summary["reward_first"] is not None and summary["accounting"]["reconciles"]
     assert checkpoint.read_controller_state(checkpoint.latest(tmp_path))["version"] == 6
+
+
+def test_dead_trainer_ends_the_run_pointing_at_the_checkpoint_to_resume_from(tmp_path: Path) -> None:
+    from asyncrl.orchestration.build import seed_everything, task_prompts
+    from asyncrl.orchestration.controller import run_controller
+    from asyncrl.orchestration.events import StepDone, WorkerError
+    from asyncrl.orchestration.local import LocalRuntime
+
+    cfg = load_config(None, [*BASE, "schedule=async", "run.steps=40", "run.checkpoint_every=2"])
+    seed_everything(cfg.run.seed)
+    session = RunSession(cfg, tmp_path)
+    runtime = LocalRuntime(cfg, tmp_path)
+    poll = runtime.poll
+
+    def kill_trainer_after_a_checkpoint(timeout: float) -> list:
+        events = poll(timeout)
+        if any(isinstance(e, StepDone) and e.version == 4 for e in events):
+            os.kill(runtime.pids["trainer"], signal.SIGKILL)
+        return events
+
+    runtime.poll = kill_trainer_after_a_checkpoint  # type: ignore[method-assign]
+    with pytest.raises(WorkerError, match=r"trainer \(pid \d+\) exited unexpectedly") as info:
+        run_controller(cfg, session, runtime, task_prompts(cfg))
+    session.close()
+    assert "continue with: asyncrl train --resume" in str(info.value)
+    newest = checkpoint.latest(tmp_path)
+    assert checkpoint.read_controller_state(newest)["version"] >= 2
+    summary = train(load_config(None, [*BASE, "schedule=async", "run.steps=6"]), tmp_path, resume=True)
+    assert summary["steps"] == 6 and summary["accounting"]["reconciles"]

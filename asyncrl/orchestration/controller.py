@@ -635,6 +635,13 @@ def run_controller(
     try:
         with stop_on_signals(controller):
             return controller.run()
+    except WorkerError as exc:
+        if controller.last_checkpoint is None:
+            raise
+        raise WorkerError(
+            f"{exc}\nthe newest checkpoint is {controller.last_checkpoint}; "
+            f"continue with: asyncrl train --resume {session.run_dir}"
+        ) from None
     finally:
         runtime.stop()
         session.accounting = controller.accounting()

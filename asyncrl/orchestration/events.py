@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncrl.errors import AsyncRLError
 from asyncrl.types import Group, Prompt
 
 # -- commands ---------------------------------------------------------------------------
@@ -187,5 +188,5 @@ class WorkerFailed:
     details: str = ""
 
 
-class WorkerError(RuntimeError):
-    """A worker died, failed, or stopped answering; the message names it."""
+class WorkerError(AsyncRLError, RuntimeError):
+    """A worker died, failed, or stopped answering; the message names it (the CLI prints it, no traceback)."""
