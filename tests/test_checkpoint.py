@@ -207,7 +207,7 @@ def test_several_optimizer_steps_per_batch_checkpoint_and_summarise(tmp_path: Pa
 def test_dead_trainer_ends_the_run_pointing_at_the_checkpoint_to_resume_from(tmp_path: Path) -> None:
     from asyncrl.orchestration.build import seed_everything, task_prompts
     from asyncrl.orchestration.controller import run_controller
-    from asyncrl.orchestration.events import StepDone, WorkerError
+    from asyncrl.orchestration.events import CheckpointSaved, WorkerError
     from asyncrl.orchestration.local import LocalRuntime
 
     cfg = load_config(None, [*BASE, "schedule=async", "run.steps=40", "run.checkpoint_every=2"])
@@ -218,7 +218,7 @@ def test_dead_trainer_ends_the_run_pointing_at_the_checkpoint_to_resume_from(tmp
 
     def kill_trainer_after_a_checkpoint(timeout: float) -> list:
         events = poll(timeout)
-        if any(isinstance(e, StepDone) and e.version == 4 for e in events):
+        if any(isinstance(e, CheckpointSaved) for e in events):
             os.kill(runtime.pids["trainer"], signal.SIGKILL)
         return events
 

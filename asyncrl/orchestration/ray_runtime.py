@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -53,6 +54,12 @@ from asyncrl.orchestration.runtime import generator_name
 from asyncrl.trainer.distributed import trainer_rank_name
 
 POLL_WAIT_S = 0.5  # how long an actor's events() call waits for something to report
+
+
+def _import_path() -> str:
+    entries = [p for p in sys.path if p and os.path.isdir(p)]
+    entries += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in entries]
+    return os.pathsep.join(entries)
 
 
 class WorkerHost:
@@ -190,6 +197,9 @@ class RayRuntime:
             kwargs = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
             if self.rcfg.address is None:
                 kwargs["num_cpus"] = self.rcfg.num_cpus or available_cores()
+                # Actors of a local instance import what this process can (e.g. a reward module
+                # next to the user's script): they inherit PYTHONPATH from the Ray processes.
+                kwargs["runtime_env"] = {"env_vars": {"PYTHONPATH": _import_path()}}
             else:
                 kwargs["address"] = self.rcfg.address
             ray.init(**kwargs)
