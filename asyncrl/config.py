@@ -311,6 +311,13 @@ class ScheduleConfig(Section):
         description="At consumption, tokens older than max_staleness drop their whole group (the prompt is "
         "issued again) or are masked out of the loss.",
     )
+    reproducible: bool = Field(
+        False,
+        description="On-policy streaming (periodic) sends each step to the trainer in fixed chunks in "
+        "group-id order instead of as groups arrive, so the result does not depend on timing: reruns and "
+        "resumed runs are bit-identical. Costs overlap: the trainer waits for the lowest-id groups. "
+        "Needs max_staleness=0.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -328,6 +335,11 @@ class ScheduleConfig(Section):
             raise ValueError(
                 f"sync_every={self.sync_every} makes tokens up to {self.sync_every - 1} versions old, "
                 f"more than max_staleness={self.max_staleness}"
+            )
+        if self.reproducible and self.max_staleness > 0:
+            raise ValueError(
+                f"schedule.reproducible=true needs schedule.max_staleness=0 (got {self.max_staleness}): with "
+                "staleness, what is generated depends on timing"
             )
         return self
 

@@ -88,9 +88,17 @@ def own_children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
-@pytest.mark.parametrize(("schedule", "sig"), [("sync", signal.SIGTERM), ("periodic", signal.SIGINT)])
+@pytest.mark.parametrize(
+    ("schedule", "sig"),
+    [("sync", signal.SIGTERM), ("periodic", signal.SIGINT)],
+)
 def test_stopped_and_resumed_run_equals_an_uninterrupted_one(tmp_path: Path, schedule: str, sig) -> None:
-    overrides = [*BASE, f"schedule={schedule}"]
+    """sync always; periodic with schedule.reproducible (arrival-order streaming differs by float noise)."""
+    overrides = [
+        *BASE,
+        f"schedule={schedule}",
+        *(["schedule.reproducible=true"] if schedule == "periodic" else []),
+    ]
     before = own_children()
     straight = subprocess.run(
         cli("train", *sets(overrides), "--run-dir", str(tmp_path / "a")), capture_output=True, timeout=240
@@ -231,3 +239,17 @@ def test_dead_trainer_ends_the_run_pointing_at_the_checkpoint_to_resume_from(tmp
     assert checkpoint.read_controller_state(newest)["version"] >= 2
     summary = train(load_config(None, [*BASE, "schedule=async", "run.steps=6"]), tmp_path, resume=True)
     assert summary["steps"] == 6 and summary["accounting"]["reconciles"]
+
+
+def test_reproducible_periodic_reruns_are_bit_identical(tmp_path: Path) -> None:
+    overrides = [*BASE, "schedule=periodic", "schedule.reproducible=true", "run.steps=4"]
+    for name in ("a", "b"):
+        train(load_config(None, overrides), tmp_path / name)
+    assert max_abs_diff(tmp_path / "a", tmp_path / "b") == 0.0
+
+
+def test_reproducible_needs_an_on_policy_schedule() -> None:
+    from asyncrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"schedule\.reproducible=true needs schedule\.max_staleness=0"):
+        load_config(None, ["schedule=async", "schedule.reproducible=true"])

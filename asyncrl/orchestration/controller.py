@@ -490,15 +490,15 @@ class Controller:
 
     @property
     def canonical_streaming(self) -> bool:
-        """On-policy streaming (periodic): stream in fixed chunks, in group-id order.
+        """schedule.reproducible: stream in fixed chunks, in group-id order (on-policy only).
 
         Which groups arrive together depends on timing; the gradient's floating-point sum
         depends on how samples are batched. Streaming the step in chunks fixed by group id
         (the lowest ids not yet sent, once all of them are here) makes the step's arithmetic
-        independent of timing: periodic runs repeat exactly, and a resumed run equals an
-        uninterrupted one. The asynchronous schedules stream in arrival order instead.
+        independent of timing: runs repeat exactly, and a resumed run equals an
+        uninterrupted one. By default groups stream in arrival order, for overlap.
         """
-        return self.cfg.schedule.streaming and self.cfg.schedule.max_staleness == 0
+        return self.cfg.schedule.streaming and self.cfg.schedule.reproducible
 
     def _send_canonical_chunks(self) -> None:
         chunk = max(1, self.B // CANONICAL_CHUNKS)
