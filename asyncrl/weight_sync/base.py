@@ -97,7 +97,8 @@ def checksum(tensors: Iterable[torch.Tensor]) -> float:
     """An order-dependent fingerprint of the bytes of every tensor (detects partial or torn copies).
 
     ``sum((i + 1) * word_sum(t_i)) mod CHECKSUM_MODULUS``, returned as an exactly representable
-    float; any change of one tensor's word sum changes it, since the modulus is prime.
+    float. The modulus is prime, so a change of one tensor's word sum goes unnoticed only
+    if it is a multiple of the modulus.
     """
     return combine(word_sum(t) for t in tensors)
 
