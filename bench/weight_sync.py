@@ -1,6 +1,7 @@
 """Weight-sync benchmark: per-parameter vs bucketed broadcast vs shared memory vs files.
 
-    python bench/weight_sync.py [--sizes 1m 10m 100m] [--receivers 1 2] [--repeats 5] [--bucket-mb 1 16 64 256]
+    python bench/weight_sync.py [--sizes 1m 10m 100m] [--receivers 1 2] [--repeats 5]
+                                [--bucket-mb 1 16 64 256] [--streams 4]
 
 Weights: the parameter layout of a Qwen2-style causal LM (tied embeddings, q/k/v with bias,
 o, gate/up/down, two RMSNorms per layer, a final norm) at about 1M, 10M and 100M float32
@@ -8,11 +9,13 @@ parameters — 50, 98 and 146 tensors, most of them small, a few large. The tens
 directly (random values), not through ``transformers``.
 
 Cases, each to 1 and to 2 receiver processes (spawned, one torch thread each by default):
-``broadcast_per_param`` (gloo broadcast, ``bucket_bytes=0``: one message per tensor, the
-largest cut into pieces for the two connections),
-``broadcast_bucketed_<N>mb`` (the same transport with N-MB buckets; 64 is the default of
-``runtime.bucket_mb``), ``shm`` (the seqlocked shared-memory segment) and ``files``
-(safetensors + fsync + atomic ``LATEST`` marker, in ``--files-dir``).
+``broadcast_per_param`` (gloo broadcast, ``bucket_bytes=0``: one message per tensor, those
+over 16 MB cut into pieces for the parallel connections), ``broadcast_bucketed_<N>mb`` (the same transport with N-MB buckets; 64 is the default of
+``runtime.bucket_mb``), ``shm`` (the seqlocked shared-memory segment), ``files``
+(safetensors + fsync + atomic ``LATEST`` marker, in ``--files-dir``), and, as a reference
+that is not a transport of the library, ``tcp_sockets``: the same bytes over as many plain
+TCP connections per receiver as broadcast uses (``--streams``), sent straight from the
+tensors, with no header, version or checksum — the least a TCP transport pays here.
 
 What one measurement covers: the sender (this process) publishes a new version with the
 transport's own ``publish`` (layout check, checksum, packing or writing); every receiver,
@@ -52,7 +55,9 @@ import os
 import queue
 import socket
 import statistics
+import struct
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -60,7 +65,7 @@ from dataclasses import dataclass
 import torch
 import torch.multiprocessing as mp
 
-from asyncrl.weight_sync.base import TensorSpec, WeightLayout
+from asyncrl.weight_sync.base import SyncStats, TensorSpec, WeightLayout
 from asyncrl.weight_sync.broadcast import DEFAULT_BUCKET_BYTES, DEFAULT_STREAMS
 
 HOST = "127.0.0.1"
@@ -131,9 +136,9 @@ def free_port() -> int:
 @dataclass(frozen=True)
 class Case:
     name: str
-    transport: str  # "broadcast", "shm" or "files"
+    transport: str  # "broadcast", "shm", "files" or "tcp" (the plain-socket reference)
     bucket_mb: float = 0.0
-    streams: int = DEFAULT_STREAMS  # gloo TCP connections per peer (broadcast only)
+    streams: int = DEFAULT_STREAMS  # TCP connections per receiver (broadcast and tcp)
 
 
 def cases_for(bucket_mbs: list[float], streams: int = DEFAULT_STREAMS) -> list[Case]:
@@ -142,6 +147,7 @@ def cases_for(bucket_mbs: list[float], streams: int = DEFAULT_STREAMS) -> list[C
         *(Case(f"broadcast_bucketed_{mb:g}mb", "broadcast", mb, streams) for mb in bucket_mbs),
         Case("shm", "shm"),
         Case("files", "files"),
+        Case("tcp_sockets", "tcp", streams=streams),
     ]
 
 
@@ -153,7 +159,123 @@ class Job:
     layout: WeightLayout
     versions: int
     world: int  # sender + receivers
-    endpoint: str  # port (broadcast), segment name (shm) or directory (files)
+    endpoint: str  # port (broadcast, tcp), segment name (shm) or directory (files)
+
+
+# -- reference: the same bytes over plain TCP sockets ---------------------------------------------
+
+
+def byte_parts(layout: WeightLayout, parts: int) -> list[list[tuple[int, int, int]]]:
+    """The weights' bytes in layout order, cut into ``parts`` nearly equal ranges, each given as
+    ``(tensor index, first byte, end byte)`` for every tensor it covers."""
+    bounds = [layout.nbytes * k // parts for k in range(parts + 1)]
+    out: list[list[tuple[int, int, int]]] = [[] for _ in range(parts)]
+    pos = 0
+    for i, spec in enumerate(layout.specs):
+        for k in range(parts):
+            first, end = max(pos, bounds[k]), min(pos + spec.nbytes, bounds[k + 1])
+            if first < end:
+                out[k].append((i, first - pos, end - pos))
+        pos += spec.nbytes
+    return out
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous tensor, shared with it (no copy)."""
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def run_threads(calls: list[tuple], timeout: float) -> None:
+    """Run ``fn(*args)`` for every ``(fn, args)`` on its own thread; re-raise the first error."""
+    errors: list[BaseException] = []
+
+    def guarded(fn, args) -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=call, daemon=True) for call in calls]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in threads):
+        raise TimeoutError(f"socket transfer not done within {timeout:g}s")
+    if errors:
+        raise errors[0]
+
+
+class SocketSender:
+    """The plain-TCP reference, not a transport of the library: ``streams`` connections per
+    receiver, each carrying an equal share of the bytes straight from the tensors' memory, with
+    no header, version or checksum — what any TCP transport on this machine has to pay at least."""
+
+    def __init__(self, layout: WeightLayout, receivers: int, streams: int) -> None:
+        self.layout = layout
+        self.parts = byte_parts(layout, streams)
+        self.expected = receivers * streams
+        self.server = socket.create_server((HOST, 0), backlog=self.expected)
+        self.server.settimeout(TRANSPORT_TIMEOUT_S)
+        self.port = self.server.getsockname()[1]
+        self.conns: dict[tuple[int, int], socket.socket] = {}
+
+    def _accept(self) -> None:
+        while len(self.conns) < self.expected:
+            conn, _ = self.server.accept()
+            conn.settimeout(TRANSPORT_TIMEOUT_S)
+            hello = conn.recv(8, socket.MSG_WAITALL)
+            self.conns[struct.unpack("<ii", hello)] = conn
+
+    def publish(self, named, version: int) -> SyncStats:
+        t0 = time.perf_counter()
+        self._accept()  # once: the receivers connect while the first (warm-up) version is sent
+        data = [tensor_bytes(t) for _, t in named]
+
+        def push(conn: socket.socket, part: list[tuple[int, int, int]]) -> None:
+            for i, first, end in part:
+                conn.sendall(data[i][first:end])
+
+        run_threads([(push, (c, self.parts[k])) for (_, k), c in self.conns.items()], TRANSPORT_TIMEOUT_S)
+        return SyncStats(version, self.layout.nbytes, time.perf_counter() - t0)
+
+    def close(self) -> None:
+        for conn in self.conns.values():
+            conn.close()
+        self.server.close()
+
+
+class SocketReceiver:
+    """Receiving end of :class:`SocketSender`: bytes land in preallocated tensors, unchecked."""
+
+    def __init__(self, layout: WeightLayout, port: int, rank: int, streams: int) -> None:
+        self.layout = layout
+        self.buffers = [torch.zeros(s.shape, dtype=s.dtype) for s in layout.specs]
+        self.parts = byte_parts(layout, streams)
+        self.conns = []
+        for k in range(streams):
+            conn = socket.create_connection((HOST, port), timeout=TRANSPORT_TIMEOUT_S)
+            conn.sendall(struct.pack("<ii", rank, k))
+            self.conns.append(conn)
+
+    def receive(self, version: int, timeout: float) -> tuple[int, dict[str, torch.Tensor]]:
+        def pull(conn: socket.socket, part: list[tuple[int, int, int]]) -> None:
+            for i, first, end in part:
+                view = tensor_bytes(self.buffers[i])[first:end]
+                got = 0
+                while got < len(view):
+                    n = conn.recv_into(view[got:])
+                    if n == 0:
+                        raise ConnectionError("the sender closed the connection")
+                    got += n
+
+        run_threads([(pull, (c, p)) for c, p in zip(self.conns, self.parts, strict=True)], timeout)
+        return version, {s.name: b for s, b in zip(self.layout.specs, self.buffers, strict=True)}
+
+    def close(self) -> None:
+        for conn in self.conns:
+            conn.close()
 
 
 # -- receiver processes --------------------------------------------------------------------------
@@ -178,6 +300,8 @@ def _make_receiver(job: Job, rank: int):
         from asyncrl.weight_sync.shm import SharedMemoryReceiver
 
         return SharedMemoryReceiver(job.endpoint, job.layout)
+    if job.case.transport == "tcp":
+        return SocketReceiver(job.layout, int(job.endpoint), rank, job.case.streams)
     from asyncrl.weight_sync.files import FileReceiver
 
     return FileReceiver(job.endpoint, job.layout)
@@ -306,6 +430,8 @@ def open_sender(case: Case, layout: WeightLayout, n: int, endpoint: str) -> Iter
         from asyncrl.weight_sync.shm import SharedMemorySender
 
         sender = SharedMemorySender(layout, name=endpoint)
+    elif case.transport == "tcp":
+        sender = SocketSender(layout, n, case.streams)
     else:
         from asyncrl.weight_sync.files import FileSender
 
@@ -331,20 +457,21 @@ def run_case(
     """Publish ``repeats + 1`` versions (the first is a warm-up) to ``n`` receivers; timings per version."""
     versions = repeats + 1
     with contextlib.ExitStack() as stack:
-        if case.transport == "broadcast":
-            endpoint = str(free_port())
+        if case.transport in ("broadcast", "tcp"):
+            endpoint = str(free_port())  # the tcp reference binds its own port instead
         elif case.transport == "shm":
             endpoint = f"asyncrl-bench-{os.getpid()}-{next(_segments)}"
         else:
             endpoint = stack.enter_context(
                 tempfile.TemporaryDirectory(prefix="asyncrl-wsync-", dir=files_dir)
             )
-        job = Job(case, layout, versions, n + 1, endpoint)
-        if case.transport != "broadcast":  # the segment or directory exists before receivers look
+        if case.transport != "broadcast":  # the segment, directory or socket exists before receivers look
             sender = stack.enter_context(open_sender(case, layout, n, endpoint))
-            pool.submit(job, n)
+            if case.transport == "tcp":
+                endpoint = str(sender.port)
+            pool.submit(Job(case, layout, versions, n + 1, endpoint), n)
         else:  # forming the group needs every rank at once
-            pool.submit(job, n)
+            pool.submit(Job(case, layout, versions, n + 1, endpoint), n)
             sender = stack.enter_context(open_sender(case, layout, n, endpoint))
         rows = []
         for version in range(1, versions + 1):

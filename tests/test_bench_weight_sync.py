@@ -49,6 +49,7 @@ def test_every_case_delivers_the_exact_tensors_with_sane_numbers(bench, tmp_path
         "broadcast_bucketed_1mb",
         "shm",
         "files",
+        "tcp_sockets",
     ]
     memcpy = out["memcpy"]["1m"]
     assert memcpy["bytes"] == 997_888 * 4
