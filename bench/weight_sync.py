@@ -1,6 +1,6 @@
 """Weight-sync benchmark: per-parameter vs bucketed broadcast vs shared memory vs files.
 
-    python bench/weight_sync.py [--sizes 1m 10m 100m] [--receivers 1 2] [--repeats 5]
+    python bench/weight_sync.py [--sizes 1m 10m 100m] [--receivers 1 2] [--repeats 7]
                                 [--bucket-mb 1 16 64 256] [--streams 4]
 
 Weights: the parameter layout of a Qwen2-style causal LM (tied embeddings, q/k/v with bias,
@@ -657,7 +657,7 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--receivers", nargs="+", type=int, default=[1, 2], help="receiver process counts")
     parser.add_argument(
-        "--repeats", type=int, default=5, help="timed publications per case (after one warm-up)"
+        "--repeats", type=int, default=7, help="timed publications per case (after one warm-up)"
     )
     parser.add_argument(
         "--bucket-mb",
