@@ -17,7 +17,7 @@ over ``streams`` TCP connections per peer, each served by its own thread, and me
 larger than ``PIECE_BYTES`` are cut into pieces so that every connection has work. One
 loopback connection leaves the cores partly idle (with plain sockets, two connections
 moved 4.2 GB/s where one moved 2.3); on a 2-core machine, 100M float32 parameters took a
-median 0.25 s over one connection, 0.21 s over two and 0.17 s over four
+median 0.25 s over one connection, 0.23 s over two and 0.17 s over four
 (``bench/weight_sync.py --streams``). The sender computes the checksum while the data is in flight (which is why it comes last) and
 each receiver sums every tensor as soon as its last message has arrived. Every receiver must
 call :meth:`BroadcastReceiver.receive` while the sender publishes; the group's timeout
