@@ -67,7 +67,14 @@ import torch
 import torch.multiprocessing as mp
 
 from asyncrl.weight_sync.base import SyncStats, TensorSpec, WeightLayout
-from asyncrl.weight_sync.broadcast import DEFAULT_BUCKET_BYTES, DEFAULT_STREAMS
+from asyncrl.weight_sync.broadcast import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_STREAMS,
+    BroadcastReceiver,
+    BroadcastSender,
+)
+from asyncrl.weight_sync.files import FileReceiver, FileSender
+from asyncrl.weight_sync.shm import SharedMemoryReceiver, SharedMemorySender
 
 HOST = "127.0.0.1"
 TRANSPORT_TIMEOUT_S = 120.0  # the transports' own deadline for one publication
@@ -284,8 +291,6 @@ class SocketReceiver:
 
 def _make_receiver(job: Job, rank: int):
     if job.case.transport == "broadcast":
-        from asyncrl.weight_sync.broadcast import BroadcastReceiver
-
         bucket = int(job.case.bucket_mb * (1 << 20))
         return BroadcastReceiver(
             job.layout,
@@ -298,13 +303,9 @@ def _make_receiver(job: Job, rank: int):
             streams=job.case.streams,
         )
     if job.case.transport == "shm":
-        from asyncrl.weight_sync.shm import SharedMemoryReceiver
-
         return SharedMemoryReceiver(job.endpoint, job.layout)
     if job.case.transport == "tcp":
         return SocketReceiver(job.layout, int(job.endpoint), rank, job.case.streams)
-    from asyncrl.weight_sync.files import FileReceiver
-
     return FileReceiver(job.endpoint, job.layout)
 
 
@@ -421,21 +422,15 @@ class ReceiverPool:
 @contextlib.contextmanager
 def open_sender(case: Case, layout: WeightLayout, n: int, endpoint: str) -> Iterator:
     if case.transport == "broadcast":
-        from asyncrl.weight_sync.broadcast import BroadcastSender
-
         bucket = int(case.bucket_mb * (1 << 20))
         sender = BroadcastSender(
             layout, HOST, int(endpoint), n + 1, bucket, TRANSPORT_TIMEOUT_S, streams=case.streams
         )
     elif case.transport == "shm":
-        from asyncrl.weight_sync.shm import SharedMemorySender
-
         sender = SharedMemorySender(layout, name=endpoint)
     elif case.transport == "tcp":
         sender = SocketSender(layout, n, case.streams)
     else:
-        from asyncrl.weight_sync.files import FileSender
-
         sender = FileSender(endpoint, layout)
     try:
         yield sender
