@@ -23,12 +23,23 @@ import torch.multiprocessing as mp
 from safetensors import safe_open
 
 from asyncrl.weight_sync import shm
-from asyncrl.weight_sync.base import TensorSpec, WeightLayout, WeightSyncError
+from asyncrl.weight_sync.base import (
+    CHECKSUM_MODULUS,
+    TensorSpec,
+    WeightLayout,
+    WeightSyncError,
+    checksum,
+    word_sum,
+)
 from asyncrl.weight_sync.broadcast import (
+    DIRECT_BYTES,
+    PIECE_BYTES,
     BackgroundPublisher,
     BroadcastReceiver,
     BroadcastSender,
+    Message,
     plan_buckets,
+    plan_messages,
 )
 from asyncrl.weight_sync.files import MARKER, FileReceiver, FileSender
 from asyncrl.weight_sync.inprocess import InProcessChannel
@@ -183,6 +194,47 @@ def helpers() -> Iterator[Helpers]:
                 p.terminate()
                 p.join(timeout=5)
         assert all(p.exitcode is not None for p in procs)
+
+
+# -- checksum -----------------------------------------------------------------------------------
+
+
+def test_checksum_does_not_depend_on_thread_count_or_placement() -> None:
+    """The same bytes give the same checksum with 1 or 2 threads, and as a view that starts
+    between two 64-bit words or ends with a partial word, as in a contiguous copy."""
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(3_000_000, generator=g), torch.randn(5, generator=g)]
+    previous = torch.get_num_threads()
+    try:
+        by_threads = {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            by_threads[threads] = checksum(tensors)
+    finally:
+        torch.set_num_threads(previous)
+    assert by_threads[1] == by_threads[2]
+    flat = torch.randn(101, generator=g)
+    for view in (flat[1:], flat[1:100], flat[2:9], flat[3:4], flat.to(torch.bfloat16)[3:10]):
+        assert word_sum(view) == word_sum(view.clone())
+    assert word_sum(torch.tensor([1, 2], dtype=torch.int32)) == 1 + (2 << 32)
+    assert word_sum(torch.tensor([7], dtype=torch.int8)) == 7  # a zero-padded partial word
+
+
+def test_checksum_catches_any_changed_byte_and_swapped_tensors() -> None:
+    """Changing any single byte of any tensor, or swapping two same-shaped tensors, changes the
+    checksum; the value is an integer below 2**53, so a float64 carries it exactly."""
+    tensors = [t.clone() for _, t in named_tensors(3)]
+    base = checksum(tensors)
+    assert base == int(base) and 0 <= base < CHECKSUM_MODULUS < 2**53
+    for t in tensors:
+        raw = t.reshape(-1).view(torch.uint8)
+        for pos in range(raw.numel()):
+            raw[pos] ^= 0x80
+            assert checksum(tensors) != base, (t.dtype, pos)
+            raw[pos] ^= 0x80
+    assert checksum(tensors) == base
+    a, b = torch.arange(4.0), torch.arange(4.0) + 1
+    assert checksum([a, b]) != checksum([b, a])
 
 
 # -- shared memory -----------------------------------------------------------------------------
@@ -506,6 +558,41 @@ def test_plan_buckets_on_a_hand_made_layout() -> None:
     assert plan_buckets(LAYOUT, 64) == [[0], [1, 2], [3], [4, 5], [6]]
 
 
+def test_plan_messages_packs_small_tensors_and_cuts_large_ones() -> None:
+    """Small neighbours share a message, a tensor of direct_bytes or more has its own, cut into
+    pieces of at most piece_bytes; the messages tile every bucket exactly, in order."""
+    f32, i64 = torch.float32, torch.int64
+    layout = WeightLayout(
+        (
+            TensorSpec("a", (4,), f32),  # 16 B
+            TensorSpec("b", (2, 2), f32),  # 16 B
+            TensorSpec("c", (8,), f32),  # 32 B: direct
+            TensorSpec("d", (2,), i64),  # 16 B
+            TensorSpec("e", (1,), i64),  # 8 B
+            TensorSpec("f", (3,), f32),  # 12 B, alone in its bucket
+            TensorSpec("g", (20,), f32),  # 80 B: direct, two pieces of 40 B
+        )
+    )
+    buckets = plan_buckets(layout, 64)
+    assert plan_messages(layout, buckets, direct_bytes=32, piece_bytes=48) == [
+        Message(0, 0, 8, (0, 1)),
+        Message(0, 8, 16, (2,)),
+        Message(1, 0, 3, (3, 4)),
+        Message(2, 0, 3, (5,)),
+        Message(3, 0, 10, (6,), 0),
+        Message(3, 10, 20, (6,), 10),
+    ]
+    assert plan_messages(layout, buckets, direct_bytes=1 << 30, piece_bytes=0) == [
+        Message(0, 0, 16, (0, 1, 2)),
+        Message(1, 0, 3, (3, 4)),
+        Message(2, 0, 3, (5,)),
+        Message(3, 0, 20, (6,)),
+    ]
+    assert plan_messages(layout, plan_buckets(layout, 0), 1 << 30, 0) == [
+        Message(i, 0, s.numel, (i,)) for i, s in enumerate(layout.specs)
+    ]
+
+
 class RecordingReceiver(BroadcastReceiver):
     """Keeps a copy of every publication it takes part in (``receive`` returns views that the next one reuses)."""
 
@@ -575,11 +662,17 @@ def broadcast_sender(port: int, bucket_bytes: int = 64, timeout_s: float = 10.0)
         sender.close()
 
 
-def assert_received(results: dict[int, dict], version: int) -> None:
+def assert_received_as(
+    results: dict[int, dict], version: int, expected: list[tuple[str, torch.Tensor]]
+) -> None:
     for rank, r in results.items():
         assert r.get("error") is None, (rank, r.get("error"))
         assert r["version"] == version
-        assert_same(unpack(r["tensors"]), named_tensors(version))
+        assert_same(unpack(r["tensors"]), expected)
+
+
+def assert_received(results: dict[int, dict], version: int) -> None:
+    assert_received_as(results, version, named_tensors(version))
 
 
 def test_broadcast_bucketed_and_per_tensor_deliver_identical_tensors(helpers: Helpers) -> None:
@@ -698,3 +791,54 @@ def test_broadcast_sender_whose_receivers_never_join_fails_within_its_timeout() 
     ):
         BroadcastSender(LAYOUT, HOST, port, WORLD, 64, timeout_s=3.0)
     assert 2.5 <= time.monotonic() - t0 < 8.0
+
+
+def big_named_tensors(version: int) -> list[tuple[str, torch.Tensor]]:
+    """Small tensors around one sent directly and one cut into pieces, values set by the version."""
+    g = torch.Generator().manual_seed(1000 + version)
+    return [
+        ("a", torch.randn(3, generator=g)),
+        ("huge", torch.randn(PIECE_BYTES // 4 + 6, generator=g)),  # just over one piece: two
+        ("b", torch.randn(7, generator=g)),
+        ("c", torch.randn(2, 5, generator=g)),
+        ("direct", torch.randn(DIRECT_BYTES // 4 + 3, generator=g)),
+        ("step", torch.tensor([version], dtype=torch.int64)),
+    ]
+
+
+BIG_LAYOUT = WeightLayout.of(big_named_tensors(0))
+
+
+def _big_receive_job(rank: int, report: Callable, *, port: int, bucket_bytes: int) -> None:
+    rx = BroadcastReceiver(BIG_LAYOUT, HOST, port, rank, WORLD, bucket_bytes, timeout_s=10.0)
+    try:
+        for version in (1, 2):
+            got, tensors = rx.receive(version)
+            report({"version": got, "tensors": pack(tensors)})
+    finally:
+        rx.close()
+
+
+@pytest.mark.parametrize(
+    ("bucket_bytes", "carried"),
+    [
+        (0, [(0,), (1,), (1,), (2,), (3,), (4,), (5,)]),
+        (64 << 20, [(0,), (1,), (1,), (2, 3), (4,), (5,)]),
+    ],
+)
+def test_broadcast_of_large_tensors_sent_directly_and_in_pieces(
+    helpers: Helpers, bucket_bytes: int, carried: list[tuple[int, ...]]
+) -> None:
+    """Tensors above DIRECT_BYTES travel alone (the largest in two pieces), small neighbours packed
+    when buckets allow; two successive versions arrive exactly."""
+    port = free_port()
+    tag = helpers.submit(_big_receive_job, port=port, bucket_bytes=bucket_bytes)
+    sender = BroadcastSender(BIG_LAYOUT, HOST, port, WORLD, bucket_bytes, timeout_s=10.0)
+    try:
+        assert [m.tensors for m in sender.messages] == carried
+        for version in (1, 2):
+            sender.publish(big_named_tensors(version), version)
+            results = helpers.gather(tag)
+            assert_received_as(results, version, big_named_tensors(version))
+    finally:
+        sender.close()

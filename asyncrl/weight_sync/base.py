@@ -7,8 +7,8 @@ things before an engine may use what it received:
 * the *layout* — tensor names, shapes and dtypes — matches the receiver's model
   (a fingerprint computed on both sides);
 * the *version* is the one announced (never older than what the engine has);
-* the *content* is complete and untorn: a checksum over every tensor, computed by the
-  sender and recomputed by the receiver.
+* the *content* is complete and untorn: a checksum over the bytes of every tensor,
+  computed by the sender and recomputed by the receiver.
 """
 
 from __future__ import annotations
@@ -67,11 +67,47 @@ class WeightLayout:
         return [s.name for s in self.specs]
 
 
+# The largest prime below 2**53: checksums are integers smaller than this, so a float64 (the
+# shm header, the broadcast header, JSON) carries them exactly.
+CHECKSUM_MODULUS = (1 << 53) - 111
+
+
+def word_sum(t: torch.Tensor) -> int:
+    """The tensor's bytes read as little-endian 64-bit words from its first byte (a last
+    partial word zero-padded), summed modulo 2**64.
+
+    Integer addition is associative, so the result is the same whatever the thread count or
+    reduction order (a float sum is not: summing 100M float32 values in float64 gives other
+    last bits with 1 and with 2 threads), and it reads memory once, at about memory speed,
+    with no converted copy.
+    """
+    data = t.detach().reshape(-1).view(torch.uint8)
+    body = data.numel() // 8 * 8
+    words = data[:body]
+    if words.storage_offset() % 8:  # a view that starts between two words: realign by copying
+        words = words.clone()
+    total = int(words.view(torch.int64).sum()) if body else 0
+    tail = data[body:]
+    if tail.numel():
+        total += int.from_bytes(bytes(tail.cpu().tolist()), "little")
+    return total % (1 << 64)
+
+
 def checksum(tensors: Iterable[torch.Tensor]) -> float:
-    """An order-dependent float64 fingerprint of the values (detects partial or torn copies)."""
-    total = torch.zeros((), dtype=torch.float64)
-    for i, t in enumerate(tensors):
-        total += (i + 1) * t.detach().double().sum().cpu()
+    """An order-dependent fingerprint of the bytes of every tensor (detects partial or torn copies).
+
+    ``sum((i + 1) * word_sum(t_i)) mod CHECKSUM_MODULUS``, returned as an exactly representable
+    float. The modulus is prime, so a change of one tensor's word sum goes unnoticed only
+    if it is a multiple of the modulus.
+    """
+    return combine(word_sum(t) for t in tensors)
+
+
+def combine(word_sums: Iterable[int]) -> float:
+    """The checksum of tensors whose :func:`word_sum` values are given, in order."""
+    total = 0
+    for i, s in enumerate(word_sums):
+        total = (total + (i + 1) * s) % CHECKSUM_MODULUS
     return float(total)
 
 
@@ -96,13 +132,19 @@ def verify(
     expected_checksum: float,
     version: int,
     source: str,
+    word_sums: list[int] | None = None,
 ) -> None:
+    """Raise unless ``received`` is complete and matches ``expected_checksum``.
+
+    ``word_sums`` (in layout order) are used instead of rereading the tensors when the
+    receiver computed them while the data arrived.
+    """
     missing = [n for n in layout.names if n not in received]
     if missing or len(received) != len(layout.specs):
         raise WeightSyncError(
             f"{source}: version {version} is incomplete (missing {missing[:5]}, got {len(received)} tensors)"
         )
-    got = checksum(received[n] for n in layout.names)
+    got = checksum(received[n] for n in layout.names) if word_sums is None else combine(word_sums)
     if got != expected_checksum:
         raise WeightSyncError(
             f"{source}: version {version} failed its checksum ({got!r} != {expected_checksum!r})"

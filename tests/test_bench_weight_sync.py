@@ -1,0 +1,85 @@
+"""The weight-sync benchmark's core on the 1M layout: every case delivers the exact tensors, and the
+numbers it reports are consistent (positive times, finite bandwidth, ratios that match the times)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncrl.models import load_policy
+from asyncrl.weight_sync import WeightLayout
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    # Spawned receivers unpickle their entry point by module name, so the script is imported
+    # as the top-level module ``weight_sync`` from a directory on sys.path (which spawn passes on).
+    sys.path.insert(0, str(BENCH))
+    try:
+        import weight_sync
+
+        yield weight_sync
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_layout_of_1m_is_the_tiny_qwen2_model(bench) -> None:
+    """The hand-written 1M layout has the names, shapes and order of the built-in tiny:1m model."""
+    policy = load_policy("tiny:1m", device="cpu", dtype="float32", seed=0)
+    assert bench.qwen2_layout(bench.SIZES["1m"]) == WeightLayout.of(policy.model.named_parameters())
+
+
+@pytest.mark.parametrize(("size", "params", "tensors"), [("10m", 9_969_920, 98), ("100m", 100_108_032, 146)])
+def test_larger_layouts_have_the_documented_size(bench, size: str, params: int, tensors: int) -> None:
+    layout = bench.qwen2_layout(bench.SIZES[size])
+    assert (sum(s.numel for s in layout.specs), len(layout.specs)) == (params, tensors)
+
+
+def test_every_case_delivers_the_exact_tensors_with_sane_numbers(bench, tmp_path: Path) -> None:
+    """1M parameters to one receiver, one timed repetition per case: every receiver's model
+    ends bit-identical to the sender's weights, and the reported numbers agree with each other."""
+    out = bench.run_benchmark(["1m"], [1], repeats=1, bucket_mbs=[1.0], files_dir=str(tmp_path))
+    assert [r["case"] for r in out["cases"]] == [
+        "broadcast_per_param",
+        "broadcast_bucketed_1mb",
+        "shm",
+        "files",
+        "tcp_sockets",
+    ]
+    memcpy = out["memcpy"]["1m"]
+    assert memcpy["bytes"] == 997_888 * 4
+    assert 0 < memcpy["seconds"] == min(t["min"] for t in memcpy["by_threads"].values()) < 1.0
+    assert math.isclose(memcpy["gbps"], memcpy["bytes"] / memcpy["seconds"] / 1e9, rel_tol=1e-2)
+    for row in out["cases"]:
+        assert row["exact"], row["case"]
+        assert (row["size"], row["params"], row["tensors"], row["receivers"], row["repeats"]) == (
+            "1m",
+            997_888,
+            50,
+            1,
+            1,
+        )
+        assert 0 < row["seconds"] <= row["loaded_seconds"] < 10.0, row
+        assert 0 < row["publish_seconds"] < 10.0, row
+        assert row["seconds_min"] == row["seconds"]  # one repetition
+        assert math.isfinite(row["gbps"]) and row["gbps"] > 0
+        assert math.isclose(row["gbps"], row["bytes"] / row["seconds"] / 1e9, rel_tol=1e-2)
+        assert math.isclose(row["ratio_to_memcpy"], row["seconds"] / memcpy["seconds"], rel_tol=2e-2)
+        one_thread = memcpy["by_threads"]["1"]["min"]
+        assert math.isclose(row["ratio_to_memcpy_1thread"], row["seconds"] / one_thread, rel_tol=2e-2)
+        assert math.isclose(
+            row["loaded_ratio_to_memcpy"], row["loaded_seconds"] / memcpy["seconds"], rel_tol=2e-2
+        )
+    target = out["target"]
+    assert (target["case"], target["size"], target["receivers"], target["limit"]) == (
+        "broadcast_bucketed_1mb",
+        "1m",
+        1,
+        3.0,
+    )
+    assert list(tmp_path.iterdir()) == []  # the files case cleaned up after itself
