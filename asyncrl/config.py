@@ -401,6 +401,12 @@ class RuntimeConfig(Section):
         "(see runtime.ray); 'auto': inline for the sync schedule with one trainer rank, local otherwise.",
     )
     ray: RayConfig = Field(default_factory=RayConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kind_shorthand(cls, data: Any) -> Any:
+        return {"kind": data} if isinstance(data, str) else data  # `runtime: ray` means runtime.kind=ray
+
     generators: int = Field(1, ge=1, description="Generator workers (each one engine).")
     generator_threads: int = Field(
         0,
@@ -516,7 +522,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 # Sections that may be given as a single string, meaning this key (``schedule: periodic``).
-SHORTHAND_KEYS = {"schedule": "preset"}
+SHORTHAND_KEYS = {"schedule": "preset", "runtime": "kind"}
 
 
 def _set_nested(data: dict[str, Any], parts: list[str], value: Any) -> None:

@@ -73,8 +73,11 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 
 @pytest.mark.parametrize("schedule", ["sync", "periodic", "one_step_off", "async"])
 def test_every_schedule_runs_on_ray(tmp_path: Path, schedule: str) -> None:
-    cfg = load_config(None, [*BASE, f"schedule={schedule}", "runtime.kind=ray"])
-    summary = train(cfg, tmp_path)
+    overrides = ["runtime=ray", *BASE, f"schedule={schedule}"]  # the literal `--set runtime=ray`
+    cfg = load_config(None, overrides)
+    args = [a for o in overrides for a in ("--set", o)]
+    assert cli_main(["train", *args, "--run-dir", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
     acc = summary["accounting"]
     assert summary["steps"] == STEPS and summary["runtime"] == "ray"
     assert acc["trained"] == STEPS * PROMPTS and acc["reconciles"]
