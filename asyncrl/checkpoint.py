@@ -2,7 +2,10 @@
 
 A checkpoint is a directory ``RUN_DIR/checkpoints/step-NNNNNN`` holding
 
-* ``model/`` — the policy in Hugging Face format (loadable on its own with ``model.path``);
+* ``model/`` — the policy in Hugging Face format (loadable on its own with ``model.path``),
+  or with LoRA its adapters in peft format (``adapter_config.json`` +
+  ``adapter_model.safetensors``, loadable with ``peft.PeftModel.from_pretrained`` on the
+  base model);
 * ``trainer_state.pt`` — optimizer and LR-scheduler state, policy version, RNG states;
 * ``controller.json`` — the controller's books: prompt-stream position, next group id and
   ticket, every group issued but not yet trained (to be issued again, under the same group
@@ -30,6 +33,7 @@ CHECKPOINTS = "checkpoints"
 CONTROLLER_FILE = "controller.json"
 TRAINER_FILE = "trainer_state.pt"
 MODEL_DIR = "model"
+WEIGHT_FILES = ("adapter_model.safetensors", "model.safetensors")  # a LoRA checkpoint holds the first
 
 
 class CheckpointError(AsyncRLError):
@@ -80,12 +84,17 @@ def save_trainer_state(directory: Path, policy, state: dict[str, Any]) -> None:
 def load_trainer_state(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(model weights by parameter name, trainer state) as :func:`save_trainer_state` wrote them.
 
+    With LoRA the weights are the adapters, named as in ``adapter_model.safetensors``.
     Restores the RNG states of this process as a side effect.
     """
     from safetensors.torch import load_file
 
+    model_dir = directory / MODEL_DIR
+    weights_file = next(
+        (model_dir / f for f in WEIGHT_FILES if (model_dir / f).is_file()), model_dir / WEIGHT_FILES[-1]
+    )
     try:
-        weights = load_file(str(directory / MODEL_DIR / "model.safetensors"))
+        weights = load_file(str(weights_file))
         state = torch.load(directory / TRAINER_FILE, map_location="cpu", weights_only=False)
     except (OSError, RuntimeError) as exc:
         raise CheckpointError(f"cannot read the checkpoint in {str(directory)!r}: {exc}") from None

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from asyncrl.errors import AsyncRLError, ConfigError
 
@@ -250,6 +250,61 @@ class TrainerConfig(Section):
     )
 
 
+class LoraConfig(Section):
+    """LoRA adapters (through ``peft``): train low-rank adapters on a frozen base and sync only them.
+
+    With ``rank`` > 0 the optimizer sees only the adapter parameters, the generators receive
+    only the adapter tensors and merge them into their own copy of the base weights, the KL
+    reference (``algorithm.beta`` > 0) is the base with the adapters switched off (no second
+    model), and the final model and checkpoints are peft adapter directories
+    (``adapter_config.json`` + ``adapter_model.safetensors``). See docs/lora.md.
+    """
+
+    rank: int | None = Field(
+        0, ge=0, description="Adapter rank r; 0 or null = no LoRA (every parameter is trained and synced)."
+    )
+    alpha: float = Field(
+        16.0, gt=0, description="LoRA alpha: the adapter's update B @ A is scaled by alpha / rank."
+    )
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Dropout on the adapters' input in the trainer's training forward passes (old-policy "
+        "and reference log-probs, and the generators, run without it).",
+    )
+    target_modules: str | list[str] = Field(
+        "all-linear",
+        description="Layers that get adapters: 'all-linear' (every linear layer except the output head) or "
+        "a list of module names or name suffixes, e.g. [q_proj, v_proj]. Only linear layers: the "
+        "generators merge the adapters into their weights.",
+    )
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _one_name_is_a_list(cls, value: Any) -> Any:
+        # peft reads a plain string as a regular expression over the full module path, so a
+        # single name like 'q_proj' would match nothing; it means [q_proj].
+        if isinstance(value, str) and value != "all-linear":
+            return [value]
+        if not isinstance(value, str) and not (
+            isinstance(value, list) and all(isinstance(m, str) for m in value)
+        ):
+            raise ValueError("expected 'all-linear' or a list of module names, e.g. [q_proj, v_proj]")
+        return value
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets_named(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and (not value or not all(m.strip() for m in value)):
+            raise ValueError("must name at least one module, e.g. [q_proj, v_proj], or be 'all-linear'")
+        return value
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.rank)
+
+
 class RunConfig(Section):
     """The run as a whole."""
 
@@ -429,6 +484,13 @@ class RuntimeConfig(Section):
         "(gloo on CPU, NCCL on GPU), or safetensors files.",
     )
     bucket_mb: float = Field(64.0, ge=0, description="Broadcast bucket size in MB (0 = one tensor per call).")
+    verify_weight_sync: bool = Field(
+        False,
+        description="After every weight update, compare per-tensor checksums of what each generator's "
+        "engine now holds with the trainer's (sent with the version, apart from the transport) and fail "
+        "naming the version and tensor on a difference; with LoRA, the adapters the engine merged and its "
+        "merged weights are checked. Costs a pass over the synced tensors on both sides.",
+    )
     start_timeout_s: float = Field(300.0, gt=0, description="Longest wait for a worker process to start.")
     stall_timeout_s: float = Field(
         600.0, gt=0, description="Longest time without any progress from the workers before the run fails."
@@ -444,6 +506,7 @@ class Config(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     run: RunConfig = Field(default_factory=RunConfig)

@@ -32,7 +32,7 @@ RANK_TIMEOUT_S = 120.0
 MAX_COMPLETION = 8
 
 
-def rank_config(ranks: int, parallel: str, model: str = "tiny:1m") -> Config:
+def rank_config(ranks: int, parallel: str, model: str = "tiny:1m", extra: tuple[str, ...] = ()) -> Config:
     return load_config(
         None,
         [
@@ -51,6 +51,7 @@ def rank_config(ranks: int, parallel: str, model: str = "tiny:1m") -> Config:
             "run.steps=2",
             "runtime.start_timeout_s=60",
             "runtime.stall_timeout_s=60",
+            *extra,
         ],
     )
 
@@ -123,14 +124,21 @@ def drive_checkpoint(worker: TrainerWorker, channel: InProcessChannel, script: s
 
 
 def _rank_main(
-    rank: int, world_size: int, port: int, parallel: str, model: str, out: str, script: str = "steps"
+    rank: int,
+    world_size: int,
+    port: int,
+    parallel: str,
+    model: str,
+    out: str,
+    script: str = "steps",
+    extra: tuple[str, ...] = (),
 ) -> None:
     """Body of one spawned rank (module level, so that spawn can import it)."""
     torch.set_num_threads(1)
     channel = InProcessChannel()
     worker = TrainerWorker(
         "trainer",
-        rank_config(world_size, parallel, model),
+        rank_config(world_size, parallel, model, extra),
         (lambda layout: channel) if rank == 0 else None,
         rank=rank,
         world_size=world_size,
@@ -148,11 +156,13 @@ def _rank_main(
         worker.close()
 
 
-def run_ranks(world_size: int, parallel: str, model: str, out: Path, script: str = "steps") -> dict:
+def run_ranks(
+    world_size: int, parallel: str, model: str, out: Path, script: str = "steps", extra: tuple[str, ...] = ()
+) -> dict:
     """Spawn the ranks on a free port; join them within RANK_TIMEOUT_S or kill them and fail."""
     ctx = mp.start_processes(
         _rank_main,
-        args=(world_size, free_port(), parallel, model, str(out), script),
+        args=(world_size, free_port(), parallel, model, str(out), script, extra),
         nprocs=world_size,
         join=False,
         start_method="spawn",
@@ -280,3 +290,32 @@ def test_reduce_step_stats_sums_and_takes_max_of_max_keys() -> None:
     assert merged == {"loss_sum": 3.5, "parity_abs_max": 0.2, "tokens": 3.0}
     assert merged["absent"] == 0.0
     assert math.isfinite(merged["loss_sum"])
+
+
+LORA = ("lora.rank=8",)
+
+
+def test_two_fsdp2_ranks_with_lora_match_one_process_and_resume(tmp_path: Path) -> None:
+    """FSDP2 shards the frozen base and the adapters: 2 ranks publish the one-process adapters (<= 1e-5)
+    and a checkpoint (peft adapter files) restores them to take step 2 exactly as before."""
+    channel = InProcessChannel()
+    worker = TrainerWorker("trainer", rank_config(1, "ddp", extra=LORA), lambda layout: channel)
+    initial = {n: t.clone() for n, t in worker.trainer.named_weights()}
+    reference = drive(worker, channel)["weights"]
+    got = run_ranks(2, "fsdp2", "tiny:1m", tmp_path / "rank0.pt", extra=LORA)["weights"]
+    assert got.keys() == reference.keys() == initial.keys()
+    assert all(".lora_" in n for n in got)
+    moved = max(float((reference[n] - initial[n]).abs().max()) for n in reference)
+    max_diff = max(float((got[n] - reference[n]).abs().max()) for n in reference)
+    print(f"fsdp2 + LoRA: max |adapter diff| {max_diff:.3g}, adapters moved up to {moved:.3g}")
+    assert moved > 1e-4
+    assert max_diff <= 1e-5
+
+    straight = run_ranks(2, "fsdp2", "tiny:1m", tmp_path / "save.pt", script="save", extra=LORA)
+    assert (tmp_path / "checkpoint" / "model" / "adapter_model.safetensors").is_file()
+    resumed = run_ranks(2, "fsdp2", "tiny:1m", tmp_path / "restore.pt", script="restore", extra=LORA)
+    assert straight["version"] == resumed["version"] == 2
+    diff = max(
+        float((straight["weights"][n] - resumed["weights"][n]).abs().max()) for n in straight["weights"]
+    )
+    assert diff <= 1e-6

@@ -72,19 +72,27 @@ class EmbeddedEngine:
     # -- weights ------------------------------------------------------------------------
 
     def load_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], version: int
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        version: int,
+        *,
+        partial: bool = False,
     ) -> None:
         """Copy a complete set of parameters into the engine's model and adopt their policy version.
 
         The update must name every parameter of the model exactly once, with matching shapes;
-        a partial or mismatched update is refused before anything is copied. Sequences in
-        flight keep their KV cache; their later tokens record the new version.
+        a partial or mismatched update is refused before anything is copied. With
+        ``partial`` it may name a non-empty subset (e.g. the layers LoRA adapters were merged
+        into, see :mod:`asyncrl.engine.lora`) and the other parameters keep their values.
+        Sequences in flight keep their KV cache; their later tokens record the new version.
         """
         if version < self.version:
             raise ValueError(f"policy version went backwards: engine at {self.version}, update is {version}")
         items = dict(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         params = dict(self.model.named_parameters())
         missing, unknown = params.keys() - items.keys(), items.keys() - params.keys()
+        if partial:
+            missing = set() if items else {"(an empty partial update)"}
         if missing or unknown:
             raise ValueError(
                 f"weight update for version {version} is incomplete or foreign: "

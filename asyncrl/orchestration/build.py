@@ -10,6 +10,7 @@ from asyncrl.config import Config
 from asyncrl.engine import SamplingParams
 from asyncrl.models import Policy, load_policy
 from asyncrl.models.loading import load_tokenizer
+from asyncrl.models.lora import apply_lora
 from asyncrl.rollout import RolloutWorker
 from asyncrl.tasks import ArithmeticTask, JsonlDataset, PromptSource, PromptStream, resolve_reward
 from asyncrl.trainer import Trainer
@@ -65,10 +66,17 @@ def task_prompts(cfg: Config) -> PromptSource:
     return prompt_source(cfg, tokenizer, max_positions)
 
 
-def build_policy(cfg: Config, device: torch.device | None = None) -> Policy:
-    """The configured policy, on ``device`` when given (a trainer rank's own GPU), else ``model.device``."""
+def build_policy(cfg: Config, device: torch.device | None = None, *, trainable: bool = False) -> Policy:
+    """The configured policy, on ``device`` when given (a trainer rank's own GPU), else ``model.device``.
+
+    ``trainable``: the trainer's policy, which with ``lora.rank`` > 0 carries fresh LoRA adapters
+    (generators keep the plain model and merge the adapters they receive).
+    """
     where = str(device) if device is not None else cfg.model.device
-    return load_policy(cfg.model.path, device=where, dtype=cfg.model.dtype, seed=cfg.run.seed)
+    policy = load_policy(cfg.model.path, device=where, dtype=cfg.model.dtype, seed=cfg.run.seed)
+    if trainable and cfg.lora.enabled:
+        policy.model = apply_lora(policy.model, cfg.lora, seed=cfg.run.seed)
+    return policy
 
 
 def build_reward(cfg: Config):

@@ -136,6 +136,7 @@ class Controller:
         self.gen_pending_update = dict.fromkeys(self.gens, False)
         self.retiring: set[str] = set()  # removed by scaling down: finish their groups, get no new work
         self.published_version = 0
+        self.published_checksums: dict[str, float] | None = None
         self._control_mtime = 0.0
         self._next_control_check = 0.0
         self.accepted = 0  # groups returned by generators and not dropped
@@ -318,10 +319,10 @@ class Controller:
         elif isinstance(event, CheckpointSaved):
             self._on_checkpoint_saved(event)
         elif isinstance(event, Restored):
-            self.published_version = event.version
+            self.published_version, self.published_checksums = event.version, event.checksums
             for gen in self.gens:
                 self.gen_pending_update[gen] = True
-                self._send(gen, LoadWeights(event.version))
+                self._send(gen, LoadWeights(event.version, event.checksums))
         elif isinstance(event, Ready):
             self._on_ready(event.worker)
         elif isinstance(event, WorkerLost):
@@ -343,7 +344,7 @@ class Controller:
         self.gen_pending_update[worker] = self.published_version > 0
         self.counts["generators_joined"] += 1
         if self.published_version > 0:
-            self._send(worker, LoadWeights(self.published_version))
+            self._send(worker, LoadWeights(self.published_version, self.published_checksums))
 
     def _on_lost(self, event: WorkerLost) -> None:
         """A generator is gone: its groups in flight are issued again; nothing it made is lost."""
@@ -438,11 +439,11 @@ class Controller:
         step = self.session.record_step(record)
         self.steps_done = step
         if event.published:
-            self.published_version = event.version
+            self.published_version, self.published_checksums = event.version, event.checksums
         if event.published and step < self.cfg.run.steps:
             for gen in self.gens:
                 self.gen_pending_update[gen] = True
-                self._send(gen, LoadWeights(event.version))
+                self._send(gen, LoadWeights(event.version, event.checksums))
         if self.cfg.run.eval_every and (step % self.cfg.run.eval_every == 0 or step == self.cfg.run.steps):
             self._send(TRAINER, Evaluate(step))
         every = self.cfg.run.checkpoint_every

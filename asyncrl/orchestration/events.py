@@ -25,9 +25,14 @@ class Submit:
 
 @dataclass
 class LoadWeights:
-    """Weights of ``version`` are published; load them when the interrupt mode allows."""
+    """Weights of ``version`` are published; load them when the interrupt mode allows.
+
+    ``checksums``: the trainer's per-tensor checksums of that version (with
+    runtime.verify_weight_sync), for the generator to check its engine against.
+    """
 
     version: int
+    checksums: dict[str, float] | None = None
 
 
 @dataclass
@@ -132,6 +137,7 @@ class StepDone:
     metrics: dict[str, float]
     published: bool
     publish_s: float = 0.0
+    checksums: dict[str, float] | None = None  # of the published tensors, with runtime.verify_weight_sync
 
 
 @dataclass
@@ -160,6 +166,7 @@ class Restored:
 
     worker: str
     version: int
+    checksums: dict[str, float] | None = None  # as in StepDone
 
 
 @dataclass

@@ -16,8 +16,10 @@ import torch
 from asyncrl import checkpoint
 from asyncrl.config import Config
 from asyncrl.engine import EmbeddedEngine
+from asyncrl.engine.lora import MergedLora
 from asyncrl.evaluation import evaluate
 from asyncrl.models import Policy, resolve_device, save_policy
+from asyncrl.models.lora import published_weights, synced_parameters
 from asyncrl.orchestration import build
 from asyncrl.orchestration.events import (
     Accumulate,
@@ -44,7 +46,8 @@ from asyncrl.tasks import resolve_reward
 from asyncrl.trainer import assign_advantages
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.distributed import RankGroup, RankSpec, rank_device
-from asyncrl.weight_sync import WeightLayout, WeightReceiver, WeightSender
+from asyncrl.weight_sync import WeightLayout, WeightReceiver, WeightSender, WeightSyncError
+from asyncrl.weight_sync.base import check_checksums, tensor_checksums
 
 SPAN_FLUSH_S = 0.25  # long generation periods are reported in slices so the timeline stays live
 
@@ -65,6 +68,12 @@ class GeneratorWorker:
     ``schedule.max_staleness`` versions old are cancelled and reported — they would be
     dropped when trained — so their prompts are issued again early; with ``reject=token``
     they run on and only their too-old tokens are masked out of the loss.
+
+    With LoRA (``lora.rank`` > 0) an update carries only the adapters, which
+    :class:`~asyncrl.engine.lora.MergedLora` merges into the engine's base weights. An
+    update must advance the engine to the version received, or the run fails; with
+    ``runtime.verify_weight_sync`` the engine's weights are also checked against the
+    trainer's per-tensor checksums of that version (carried by ``LoadWeights``).
     """
 
     def __init__(
@@ -73,7 +82,11 @@ class GeneratorWorker:
         self.name = name
         self.cfg = cfg
         policy = build.build_policy(cfg)
-        self.receiver = receiver_factory(WeightLayout.of(policy.model.named_parameters()))
+        # Built before the engine's first update: it keeps the base weights it merges into.
+        self.lora = MergedLora(policy.model, cfg.lora) if cfg.lora.enabled else None
+        layout = self.lora.layout if self.lora else WeightLayout.of(policy.model.named_parameters())
+        self.receiver = receiver_factory(layout)
+        self._checksums: dict[int, dict[str, float]] = {}  # the trainer's, by version, until checked
         self.engine = EmbeddedEngine(
             policy.model,
             pad_token_id=policy.pad_token_id,
@@ -99,6 +112,9 @@ class GeneratorWorker:
         if isinstance(command, Submit):
             self.rollout.submit(command.work)
         elif isinstance(command, LoadWeights):
+            if command.checksums is not None:
+                self._checksums[command.version] = command.checksums
+                self._verify_engine()  # the engine may already hold this version (a receiver returns the latest)
             if command.version > self.engine.version:
                 self.pending_version = max(command.version, self.pending_version or 0)
         else:
@@ -134,11 +150,21 @@ class GeneratorWorker:
         received: dict = {}
 
         def load() -> None:
+            before = self.engine.version
             version, tensors = self.receiver.receive(
                 self.pending_version, timeout=self.cfg.runtime.stall_timeout_s
             )
-            self.engine.load_weights(tensors, version)
+            if self.lora is not None:
+                self.lora.load(self.engine, tensors, version)
+            else:
+                self.engine.load_weights(tensors, version)
+            if self.engine.version != version or version <= before:
+                raise WeightSyncError(
+                    f"{self.name}: the weight update to version {version} did not change the engine's "
+                    f"version (it was {before}, it is {self.engine.version})"
+                )
             received["version"] = version
+            self._verify_engine()
 
         if self.interrupt == "abort" and self.engine.num_running:
             interrupted = self.rollout.abort_and_resume(before_resume=load)
@@ -157,6 +183,20 @@ class GeneratorWorker:
             for group_id, prompt in self.rollout.cancel_stale(version, self.cfg.schedule.max_staleness):
                 events.append(GroupCancelled(self.name, group_id, prompt))
         return events
+
+    def _verify_engine(self) -> None:
+        """Check the engine's weights against the trainer's checksums of its version, once both are here."""
+        version = self.engine.version
+        expected = self._checksums.pop(version, None)
+        for old in [v for v in self._checksums if v < version]:
+            del self._checksums[old]  # superseded before it was loaded
+        if expected is None:
+            return
+        where = f"{self.name}'s engine"
+        if self.lora is not None:
+            self.lora.verify(self.engine, expected, version, where)
+        else:
+            check_checksums(dict(self.engine.model.named_parameters()), expected, version, where)
 
     def close(self) -> None:
         """Release what outlives a step: the reward's own process, if it has one."""
@@ -216,9 +256,9 @@ class TrainerWorker:
                 timeout_s=cfg.runtime.stall_timeout_s,
             )
             self.ranks = RankGroup(spec, device)
-        self.policy = build.build_policy(cfg, device)
-        # The layout is that of the whole model, read before any sharding.
-        layout = WeightLayout.of(self.policy.model.named_parameters())
+        self.policy = build.build_policy(cfg, device, trainable=True)
+        # What the sync moves (the whole model, or with LoRA the adapters), read before any sharding.
+        layout = WeightLayout.of(published_weights(self.policy.model))
         self.sender = sender_factory(layout) if sender_factory is not None else None
         self.trainer = build.build_trainer(cfg, self.policy, self.ranks)
         self._step_batches: list[MicroBatch] = []
@@ -270,9 +310,9 @@ class TrainerWorker:
         if not self.is_leader:
             return None
         if self._gathered_policy is None:
-            self._gathered_policy = build.build_policy(self.cfg, self.trainer.device)
+            self._gathered_policy = build.build_policy(self.cfg, self.trainer.device, trainable=True)
             self._gathered_policy.model.requires_grad_(False)
-        params = dict(self._gathered_policy.model.named_parameters())
+        params = dict(synced_parameters(self._gathered_policy.model))
         with torch.no_grad():
             for name, tensor in weights:
                 params[name].copy_(tensor)
@@ -298,10 +338,13 @@ class TrainerWorker:
         """Every rank loads (rank 0 reads the files and broadcasts); rank 0 publishes the weights."""
         weights, state = checkpoint.load_trainer_state(Path(command.path)) if self.is_leader else ({}, {})
         version = self.trainer.load_checkpoint_state(weights, state)
-        named = self.trainer.named_weights()  # with FSDP2 a gather that every rank joins
+        named = list(self.trainer.named_weights())  # with FSDP2 a gather that every rank joins
         if self.sender is not None:
             self.sender.publish(named, version)
-        return [Restored(self.name, version)] if self.is_leader else []
+        return [Restored(self.name, version, self._checksums(named))] if self.is_leader else []
+
+    def _checksums(self, named: list) -> dict[str, float] | None:
+        return tensor_checksums(named) if self.cfg.runtime.verify_weight_sync else None
 
     def _evaluate(self, command: Evaluate) -> list:
         """Greedy accuracy of the current weights, generated on rank 0 with its own model (no copy but for FSDP2)."""
@@ -356,12 +399,13 @@ class TrainerWorker:
         self._step_open = False
         self._step_batches = []
         events.append(Span(self.name, "train", start, time.time(), {"optimizer_steps": len(steps)}))
-        publish_s = 0.0
+        publish_s, sync_bytes, checksums = 0.0, 0, None
         if command.publish:
             t0, start = time.perf_counter(), time.time()
-            weights = self.trainer.named_weights()  # with FSDP2 a gather that every rank joins
+            weights = list(self.trainer.named_weights())  # with FSDP2 a gather that every rank joins
             if self.sender is not None:
-                self.sender.publish(weights, self.trainer.version)
+                sync_bytes = self.sender.publish(weights, self.trainer.version).nbytes
+                checksums = self._checksums(weights)
             publish_s = time.perf_counter() - t0
             events.append(
                 Span(self.name, "weight_sync", start, time.time(), {"version": self.trainer.version})
@@ -369,6 +413,7 @@ class TrainerWorker:
         first_version = self.trainer.version - len(steps) + 1
         for i, metrics in enumerate(steps):
             last = i == len(steps) - 1
+            metrics["weight_sync_bytes"] = sync_bytes if last else 0
             events.append(
                 StepDone(
                     self.name,
@@ -376,6 +421,7 @@ class TrainerWorker:
                     metrics,
                     published=last and command.publish,
                     publish_s=publish_s if last else 0.0,
+                    checksums=checksums if last else None,
                 )
             )
         return events

@@ -35,7 +35,8 @@ sharded (1/M per rank). During a command the parameters are gathered, and gradie
 accumulate unsharded until the step's sync pass reduce-scatters them: per rank that is
 the full parameters and gradients plus 1/M of the optimizer state (ZeRO-2-like), the
 price of collective-free streaming accumulation. The KL reference model, when
-``algorithm.beta > 0``, is a whole frozen copy on every rank.
+``algorithm.beta > 0``, is a whole frozen copy on every rank (with LoRA there is none: the
+reference is the policy with its adapters switched off).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from asyncrl.models.lora import synced_parameters
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.distributed import RankGroup, reduce_step_stats, split_samples
 from asyncrl.trainer.trainer import Trainer
@@ -134,7 +136,8 @@ class DistributedTrainer(Trainer):
     def prepare(self, samples: list[Sample]) -> list[MicroBatch]:
         """Micro-batches of this rank's share of ``samples`` (see :func:`split_samples`)."""
         share = split_samples(samples, self.ranks.world_size, self.cfg.share_prompts)[self.ranks.rank]
-        if self.old_logprob_mode != "recompute":  # no forward of the policy: nothing to gather
+        runs_policy = self.old_logprob_mode == "recompute" or (self.lora and self.algo.beta > 0)
+        if not runs_policy:  # no forward of the policy: nothing to gather
             return super().prepare(share)
         with self._gathered():
             return super().prepare(share)
@@ -167,7 +170,7 @@ class DistributedTrainer(Trainer):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         # Saving: the full tensors, gathered to rank 0 only and on the CPU.
-        return StateDictOptions(full_state_dict=True, cpu_offload=not loading)
+        return StateDictOptions(full_state_dict=True, cpu_offload=not loading, strict=not self.lora)
 
     def load_checkpoint_state(self, weights: dict[str, torch.Tensor], state: dict) -> int:
         """Rank 0 passes what it read and sends it to every rank; each rank keeps its own shard.
@@ -184,7 +187,7 @@ class DistributedTrainer(Trainer):
         if not self.sharded:
             return list(super().named_weights())
         out = []
-        for name, p in self.model.named_parameters():
+        for name, p in synced_parameters(self.model):
             full_tensor = getattr(p, "full_tensor", None)
             out.append((name, full_tensor() if full_tensor is not None else p.detach()))
         return out

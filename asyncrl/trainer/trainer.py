@@ -9,6 +9,14 @@ batch was split into micro-batches or in what order groups arrived.
 
 Invariant: ``version`` counts optimizer steps; it is the policy version of the weights
 that :meth:`named_weights` returns.
+
+**Three policies, as few models as possible.** The current policy is ``model``. Old-policy
+log-probs (the ratio's denominator) are the engine's behaviour log-probs, a recomputation
+with ``model`` before the first update, or the detached current ones (``old_logprobs``; the
+choice is logged as ``old_logprobs_source``). The KL reference (``algorithm.beta`` > 0) is
+the initial policy: with LoRA (``model`` a ``peft.PeftModel``) that is ``model`` with its
+adapters switched off, so no second model is held; otherwise a frozen copy made at start.
+With LoRA only the adapters are trained, and only they are published and checkpointed.
 """
 
 from __future__ import annotations
@@ -17,7 +25,8 @@ import copy
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -26,6 +35,7 @@ from transformers import PreTrainedModel
 from asyncrl.algorithms import corrections, losses
 from asyncrl.algorithms.advantages import group_advantages
 from asyncrl.config import AlgorithmConfig, TrainerConfig
+from asyncrl.models.lora import adapter_fqns, is_lora, published_weights
 from asyncrl.trainer.batching import MicroBatch, collate, collate_best, plan_micro_batches
 from asyncrl.trainer.logprobs import completion_logprobs
 from asyncrl.types import Group, Sample
@@ -91,8 +101,12 @@ class Trainer:
         self.old_logprob_mode = old_logprobs
         self.device = next(model.parameters()).device
         self.version = 0
-        # A frozen copy of the initial policy serves as the KL reference only when it is used.
-        self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if algo_cfg.beta > 0 else None
+        self.lora = is_lora(model)
+        # The KL reference: with LoRA the base itself (see _reference_logprobs); otherwise a
+        # frozen copy of the initial policy, made only when it is used.
+        self.ref_model = (
+            copy.deepcopy(model).eval().requires_grad_(False) if algo_cfg.beta > 0 and not self.lora else None
+        )
         # After the reference copy (it stays whole) and before the optimizer sees the parameters.
         self._parallelize()
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -132,16 +146,32 @@ class Trainer:
             for chunk in plan_micro_batches(samples, self.cfg.micro_batch_tokens, share_prompts=share)
         ]
         mode = self.old_logprob_mode
-        with torch.no_grad():
+        with torch.no_grad(), self._eval_mode():
             for mb in batches:
                 if mode == "recompute":
                     mb.old_logprobs = completion_logprobs(self.model, mb, self.temperature)[0]
                 elif mode == "behaviour":
                     mb.old_logprobs = mb.behaviour_logprobs
-                if self.ref_model is not None:
-                    mb.ref_logprobs = completion_logprobs(self.ref_model, mb, self.temperature)[0]
+                if self.algo.beta > 0:
+                    mb.ref_logprobs = self._reference_logprobs(mb)
         self._busy_s += time.perf_counter() - t0
         return batches
+
+    @contextmanager
+    def _eval_mode(self) -> Iterator[None]:
+        """Old-policy and reference log-probs are of the policy itself, without (LoRA) dropout."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train(was_training)
+
+    def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        if self.ref_model is not None:
+            return completion_logprobs(self.ref_model, mb, self.temperature)[0]
+        with self.model.disable_adapter():  # LoRA: the base model is the initial policy
+            return completion_logprobs(self.model, mb, self.temperature)[0]
 
     def accumulate(self, batches: list[MicroBatch]) -> float:
         """Forward/backward on micro-batches, adding their undivided loss to the gradients.
@@ -188,7 +218,7 @@ class Trainer:
             "entropy": s["entropy_sum"] / tokens,
             "clip_frac": s["clipped_sum"] / tokens,
             "ratio_mean": s["ratio_sum"] / tokens,
-            "kl_ref": s["kl_sum"] / tokens if self.ref_model is not None else 0.0,
+            "kl_ref": s["kl_sum"] / tokens if self.algo.beta > 0 else 0.0,
             "old_behaviour_abs_gap": s["old_behav_gap_sum"] / tokens,
             "logprob_diff_mean": s["parity_abs_sum"] / max(s["parity_tokens"], 1.0),
             "logprob_diff_max": s["parity_abs_max"],
@@ -197,6 +227,7 @@ class Trainer:
             "trained_tokens": s["tokens"],
             **self._correction_metrics(s, tokens),
             "train_s": self._busy_s,
+            "old_logprobs_source": self.old_logprob_mode,
         }
 
     def _correction_metrics(self, s: dict[str, float], tokens: float) -> dict[str, float]:
@@ -279,7 +310,7 @@ class Trainer:
             stats["is_ratio_max"] = float((raw * mask).max()) if mask.any() else 0.0
             stats["is_clipped_sum"] = float(((w != raw).to(mask.dtype) * mask).sum())
         kl = None
-        if self.ref_model is not None and mb.ref_logprobs is not None:
+        if mb.ref_logprobs is not None:
             kl = losses.kl_penalty(logp, mb.ref_logprobs, algo.kl_estimator)
             if algo.kl_ratio_correction:
                 kl = kl * torch.exp(log_ratio)
@@ -313,10 +344,12 @@ class Trainer:
     def _state_dict_options(self, loading: bool):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        return StateDictOptions(full_state_dict=True)
+        # With LoRA the model state loaded is the adapters only; the base comes from model.path.
+        return StateDictOptions(full_state_dict=True, strict=not self.lora)
 
     def checkpoint_state(self) -> dict:
-        """Optimizer (keyed by parameter name), scheduler and version; the weights are saved apart.
+        """Optimizer (keyed by parameter name), scheduler and version; the weights are saved apart
+        (with LoRA only the adapters, as peft saves them).
 
         Uses torch.distributed.checkpoint's full state dicts, so the same code serves a
         single process, DDP and FSDP2 (where it is a gather every rank joins).
@@ -327,11 +360,19 @@ class Trainer:
         return {"optimizer": optim, "scheduler": self.scheduler.state_dict(), "version": self.version}
 
     def load_checkpoint_state(self, weights: dict[str, torch.Tensor], state: dict) -> int:
-        """Restore weights and :meth:`checkpoint_state`; returns the restored version."""
+        """Restore weights and :meth:`checkpoint_state`; returns the restored version.
+
+        With LoRA, ``weights`` are the adapters under their saved-format names.
+        """
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        params = dict(self.model.named_parameters())
-        missing = [n for n in params if n not in weights]
+        if self.lora:
+            fqns = adapter_fqns(self.model)
+            weights = {fqns[n]: t for n, t in weights.items() if n in fqns}
+            expected = list(fqns.values())
+        else:
+            expected = [n for n, _ in self.model.named_parameters()]
+        missing = [n for n in expected if n not in weights]
         if missing:
             raise ValueError(f"the checkpoint does not match this model (missing {missing[:3]})")
         model_state = {n: weights[n] for n in self.model.state_dict() if n in weights}
@@ -347,4 +388,5 @@ class Trainer:
         return self.version
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        return ((name, p.detach()) for name, p in self.model.named_parameters())
+        """What a weight sync publishes: with LoRA the adapters (saved-format names), else every parameter."""
+        return published_weights(self.model)

@@ -14,7 +14,7 @@ things before an engine may use what it received:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -149,6 +149,35 @@ def verify(
         raise WeightSyncError(
             f"{source}: version {version} failed its checksum ({got!r} != {expected_checksum!r})"
         )
+
+
+def tensor_checksums(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+    """One fingerprint per tensor, for the end-to-end check of what an engine holds after an update.
+
+    The trainer computes them from what it publishes and sends them with the version,
+    apart from the transport; see :func:`check_checksums`.
+    """
+    return {name: checksum([t]) for name, t in named}
+
+
+def check_checksums(
+    actual: Mapping[str, torch.Tensor], expected: Mapping[str, float], version: int, where: str
+) -> None:
+    """Every tensor of ``expected`` is in ``actual`` with the trainer's checksum, or the error names it.
+
+    Transports verify what they deliver; this verifies what the engine holds afterwards, so
+    an update that was received but not applied (the engine still computing with older
+    weights under a new version number) cannot pass silently.
+    """
+    for name, want in expected.items():
+        if name not in actual:
+            raise WeightSyncError(f"{where}: after the update to version {version} it has no tensor {name}")
+        got = checksum([actual[name]])
+        if got != want:
+            raise WeightSyncError(
+                f"{where}: after the update to version {version}, {name} differs from the trainer's "
+                f"(checksum {got!r}, trainer {want!r})"
+            )
 
 
 @dataclass
