@@ -423,10 +423,15 @@ def sync(worker: GeneratorWorker, channel: InProcessChannel, named, version: int
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 def test_verified_sync_passes(lora: bool) -> None:
+    """With verify on, a correct update (adapters, or every weight) passes and changes the engine's weights."""
     worker, channel, named = generator(lora)
+    before = {n: p.detach().clone() for n, p in worker.engine.model.named_parameters()}
     events = sync(worker, channel, named, 1, tensor_checksums(named))
     assert [e.version for e in events if isinstance(e, WeightsLoaded)] == [1]
     assert worker.version == 1
+    after = dict(worker.engine.model.named_parameters())
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert changed == ({t.weight for t in worker.lora.targets} if lora else set(before))
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
