@@ -81,6 +81,7 @@ TRANSPORT_TIMEOUT_S = 120.0  # the transports' own deadline for one publication
 REPORT_TIMEOUT_S = 180.0  # the longest this process waits for a receiver's report
 SETTLE_S = 0.02  # after every receiver said "ready", so that each is inside ``receive``
 TARGET_RATIO = 3.0
+DEFAULT_BUCKET_MB = DEFAULT_BUCKET_BYTES / (1 << 20)
 
 
 @dataclass(frozen=True)
@@ -147,12 +148,14 @@ class Case:
     transport: str  # "broadcast", "shm", "files" or "tcp" (the plain-socket reference)
     bucket_mb: float = 0.0
     streams: int = DEFAULT_STREAMS  # TCP connections per receiver (broadcast and tcp)
+    same_host: bool = False  # broadcast: payloads through the shared segment instead of TCP
 
 
 def cases_for(bucket_mbs: list[float], streams: int = DEFAULT_STREAMS) -> list[Case]:
     return [
         Case("broadcast_per_param", "broadcast", 0.0, streams),
         *(Case(f"broadcast_bucketed_{mb:g}mb", "broadcast", mb, streams) for mb in bucket_mbs),
+        Case(f"broadcast_same_host_{DEFAULT_BUCKET_MB:g}mb", "broadcast", DEFAULT_BUCKET_MB, streams, True),
         Case("shm", "shm"),
         Case("files", "files"),
         Case("tcp_sockets", "tcp", streams=streams),
@@ -424,8 +427,17 @@ def open_sender(case: Case, layout: WeightLayout, n: int, endpoint: str) -> Iter
     if case.transport == "broadcast":
         bucket = int(case.bucket_mb * (1 << 20))
         sender = BroadcastSender(
-            layout, HOST, int(endpoint), n + 1, bucket, TRANSPORT_TIMEOUT_S, streams=case.streams
+            layout,
+            HOST,
+            int(endpoint),
+            n + 1,
+            bucket,
+            TRANSPORT_TIMEOUT_S,
+            streams=case.streams,
+            same_host=case.same_host,
         )
+        if case.same_host and sender.plane is None:
+            raise RuntimeError(f"{case.name}: the same-host segment was refused: {sender.plane_refused}")
     elif case.transport == "shm":
         sender = SharedMemorySender(layout, name=endpoint)
     elif case.transport == "tcp":
@@ -623,25 +635,39 @@ def run_benchmark(
 
 
 def _target(rows: list[dict], bucket_mbs: list[float]) -> dict | None:
-    """Bucketed broadcast of the largest size measured, to one receiver, against ``TARGET_RATIO``."""
-    default_mb = DEFAULT_BUCKET_BYTES / (1 << 20)
+    """Bucketed broadcast of the largest size measured, to one receiver, against ``TARGET_RATIO``.
+
+    The broadcast the runtime uses between processes of one machine is the same-host case
+    (payloads through the shared segment); across machines it is the TCP case with the default
+    bucket size. Both are reported; ``met`` is judged on the same-host case when it was run,
+    against the machine's memcpy time (the faster of one and two threads).
+    """
     pick = [r for r in rows if r["transport"] == "broadcast" and r["bucket_mb"] and r["receivers"] == 1]
     if not pick:
         return None
     largest = max(r["params"] for r in pick)
     pick = [r for r in pick if r["params"] == largest]
-    default = next((r for r in pick if math.isclose(r["bucket_mb"], default_mb)), None)
-    best = min(pick, key=lambda r: r["seconds"])
-    chosen = default or best
+    tcp = [r for r in pick if not r["case"].startswith("broadcast_same_host")]
+    same_host = next((r for r in pick if r["case"].startswith("broadcast_same_host")), None)
+    default_tcp = next((r for r in tcp if math.isclose(r["bucket_mb"], DEFAULT_BUCKET_MB)), None)
+    best_tcp = min(tcp, key=lambda r: r["seconds"]) if tcp else None
+    chosen = same_host or default_tcp or best_tcp
+
+    def ratios(row: dict | None) -> dict | None:
+        if row is None:
+            return None
+        keys = ("case", "seconds", "ratio_to_memcpy", "ratio_to_memcpy_1thread", "loaded_ratio_to_memcpy")
+        return {k: row[k] for k in keys}
+
     return {
-        "case": chosen["case"],
         "size": chosen["size"],
         "receivers": 1,
+        "case": chosen["case"],
         "ratio_to_memcpy": chosen["ratio_to_memcpy"],
         "ratio_to_memcpy_1thread": chosen["ratio_to_memcpy_1thread"],
-        "loaded_ratio_to_memcpy": chosen["loaded_ratio_to_memcpy"],
-        "best_bucket_case": best["case"],
-        "best_ratio_to_memcpy": best["ratio_to_memcpy"],
+        "same_host": ratios(same_host),
+        "tcp_default_bucket": ratios(default_tcp),
+        "tcp_best_bucket": ratios(best_tcp),
         "limit": TARGET_RATIO,
         "met": chosen["ratio_to_memcpy"] <= TARGET_RATIO,
     }

@@ -47,6 +47,7 @@ def test_every_case_delivers_the_exact_tensors_with_sane_numbers(bench, tmp_path
     assert [r["case"] for r in out["cases"]] == [
         "broadcast_per_param",
         "broadcast_bucketed_1mb",
+        "broadcast_same_host_64mb",
         "shm",
         "files",
         "tcp_sockets",
@@ -77,9 +78,13 @@ def test_every_case_delivers_the_exact_tensors_with_sane_numbers(bench, tmp_path
         )
     target = out["target"]
     assert (target["case"], target["size"], target["receivers"], target["limit"]) == (
-        "broadcast_bucketed_1mb",
+        "broadcast_same_host_64mb",
         "1m",
         1,
         3.0,
     )
+    assert target["met"] == (target["ratio_to_memcpy"] <= 3.0)
+    assert target["tcp_default_bucket"] is None  # only 1 MB buckets were measured over TCP
+    assert target["tcp_best_bucket"]["case"] == "broadcast_bucketed_1mb"
+    assert target["same_host"]["ratio_to_memcpy"] == target["ratio_to_memcpy"]
     assert list(tmp_path.iterdir()) == []  # the files case cleaned up after itself

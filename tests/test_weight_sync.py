@@ -42,6 +42,7 @@ from asyncrl.weight_sync.broadcast import (
     plan_messages,
 )
 from asyncrl.weight_sync.files import MARKER, FileReceiver, FileSender
+from asyncrl.weight_sync.host_plane import host_identity, plane_refusal
 from asyncrl.weight_sync.inprocess import InProcessChannel
 from asyncrl.weight_sync.shm import SharedMemoryReceiver, SharedMemorySender
 
@@ -654,8 +655,10 @@ def receive_in_helpers(
 
 
 @contextmanager
-def broadcast_sender(port: int, bucket_bytes: int = 64, timeout_s: float = 10.0) -> Iterator[BroadcastSender]:
-    sender = BroadcastSender(LAYOUT, HOST, port, WORLD, bucket_bytes, timeout_s)
+def broadcast_sender(
+    port: int, bucket_bytes: int = 64, timeout_s: float = 10.0, same_host: bool = True
+) -> Iterator[BroadcastSender]:
+    sender = BroadcastSender(LAYOUT, HOST, port, WORLD, bucket_bytes, timeout_s, same_host=same_host)
     try:
         yield sender
     finally:
@@ -676,20 +679,25 @@ def assert_received(results: dict[int, dict], version: int) -> None:
 
 
 def test_broadcast_bucketed_and_per_tensor_deliver_identical_tensors(helpers: Helpers) -> None:
-    """Several dtype-pure buckets and one broadcast per tensor both deliver the published tensors exactly."""
+    """Several dtype-pure buckets and one broadcast per tensor, over TCP and through the same-host
+    segment, all deliver the published tensors exactly."""
     delivered = {}
-    for bucket_bytes, n_buckets in [(64, 5), (0, len(LAYOUT.specs))]:
-        port = free_port()
-        tag = receive_in_helpers(helpers, port, asks=[7], bucket_bytes=bucket_bytes)
-        with broadcast_sender(port, bucket_bytes) as sender:
-            assert len(sender.buckets) == n_buckets
-            stats = sender.publish(named_tensors(7), version=7)
-            assert (stats.version, stats.nbytes) == (7, LAYOUT.nbytes)
-            results = helpers.gather(tag)
-        assert_received(results, 7)
-        delivered[bucket_bytes] = [unpack(results[r]["tensors"]) for r in (1, 2)]
-    for a, b in zip(delivered[64], delivered[0], strict=True):
-        assert_same(a, list(b.items()))
+    for same_host in (False, True):
+        for bucket_bytes, n_buckets in [(64, 5), (0, len(LAYOUT.specs))]:
+            port = free_port()
+            tag = receive_in_helpers(helpers, port, asks=[7], bucket_bytes=bucket_bytes)
+            with broadcast_sender(port, bucket_bytes, same_host=same_host) as sender:
+                assert len(sender.buckets) == n_buckets
+                assert (sender.plane is not None) == same_host, sender.plane_refused
+                stats = sender.publish(named_tensors(7), version=7)
+                assert (stats.version, stats.nbytes) == (7, LAYOUT.nbytes)
+                results = helpers.gather(tag)
+            assert_received(results, 7)
+            delivered[same_host, bucket_bytes] = [unpack(results[r]["tensors"]) for r in (1, 2)]
+    reference = delivered[False, 0]
+    for got in delivered.values():
+        for a, b in zip(got, reference, strict=True):
+            assert_same(a, list(b.items()))
 
 
 def test_broadcast_receiver_asking_older_version_gets_the_latest(helpers: Helpers) -> None:
@@ -814,31 +822,63 @@ def _big_receive_job(rank: int, report: Callable, *, port: int, bucket_bytes: in
     try:
         for version in (1, 2):
             got, tensors = rx.receive(version)
-            report({"version": got, "tensors": pack(tensors)})
+            report({"version": got, "tensors": pack(tensors), "plane": rx.plane is not None})
     finally:
         rx.close()
 
 
 @pytest.mark.parametrize(
-    ("bucket_bytes", "carried"),
+    ("bucket_bytes", "same_host", "carried"),
     [
-        (0, [(0,), (1,), (1,), (2,), (3,), (4,), (5,)]),
-        (64 << 20, [(0,), (1,), (1,), (2, 3), (4,), (5,)]),
+        (0, False, [(0,), (1,), (1,), (2,), (3,), (4,), (5,)]),
+        (64 << 20, False, [(0,), (1,), (1,), (2, 3), (4,), (5,)]),
+        # Through the segment, pieces are a quarter the size: "huge" (16 MB + 24 bytes) in five.
+        (64 << 20, True, [(0,), *[(1,)] * 5, (2, 3), (4,), (5,)]),
     ],
 )
 def test_broadcast_of_large_tensors_sent_directly_and_in_pieces(
-    helpers: Helpers, bucket_bytes: int, carried: list[tuple[int, ...]]
+    helpers: Helpers, bucket_bytes: int, same_host: bool, carried: list[tuple[int, ...]]
 ) -> None:
-    """Tensors above DIRECT_BYTES travel alone (the largest in two pieces), small neighbours packed
-    when buckets allow; two successive versions arrive exactly."""
+    """Tensors above DIRECT_BYTES travel alone (the largest in pieces), small neighbours packed
+    when buckets allow; two successive versions arrive exactly, over TCP or through the segment."""
     port = free_port()
     tag = helpers.submit(_big_receive_job, port=port, bucket_bytes=bucket_bytes)
-    sender = BroadcastSender(BIG_LAYOUT, HOST, port, WORLD, bucket_bytes, timeout_s=10.0)
+    sender = BroadcastSender(BIG_LAYOUT, HOST, port, WORLD, bucket_bytes, timeout_s=10.0, same_host=same_host)
     try:
         assert [m.tensors for m in sender.messages] == carried
         for version in (1, 2):
             sender.publish(big_named_tensors(version), version)
             results = helpers.gather(tag)
             assert_received_as(results, version, big_named_tensors(version))
+            assert all(r["plane"] == same_host for r in results.values())
     finally:
         sender.close()
+
+
+# -- the same-host segment of the broadcast transport ---------------------------------------------
+
+
+def test_plane_is_refused_with_the_reason_when_it_cannot_serve() -> None:
+    """Off by config, weights on a GPU, a receiver elsewhere or too little /dev/shm each keep TCP, named."""
+    cpu, here = torch.device("cpu"), host_identity()
+    assert plane_refusal(True, cpu, here, [here, here], 1 << 20) is None
+    assert plane_refusal(False, cpu, here, [here], 1 << 20) == "same_host is off"
+    assert "GPU" in plane_refusal(True, torch.device("cuda"), here, [here], 1 << 20)
+    assert plane_refusal(True, cpu, here, [here, "other/boot"], 1 << 20) == (
+        "receiver rank(s) [2] run on another machine"
+    )
+    too_big = plane_refusal(True, cpu, here, [here], 1 << 60)
+    assert too_big.startswith("/dev/shm has ") and "MB free" in too_big
+
+
+def test_plane_segment_is_removed_when_the_sender_closes(helpers: Helpers) -> None:
+    """The sender owns the segment: it exists while the group publishes and is gone after close,
+    and the receivers (which only attach) leave it alone when they exit."""
+    port = free_port()
+    tag = receive_in_helpers(helpers, port, asks=[3])
+    with broadcast_sender(port) as sender:
+        name = sender.plane.name
+        assert Path("/dev/shm", name).exists()
+        sender.publish(named_tensors(3), version=3)
+        assert_received(helpers.gather(tag), 3)
+    assert not Path("/dev/shm", name).exists()

@@ -12,13 +12,23 @@ small tensors; a tensor of at least ``DIRECT_BYTES`` is sent from its own memory
 it into a bucket first would cost about as much as sending it). ``bucket_bytes=0`` gives
 every tensor its own bucket and message (the unbucketed baseline).
 
-All messages of a publication are issued at once, asynchronously. On CPU, gloo carries them
-over ``streams`` TCP connections per peer, each served by its own thread, and messages
-larger than ``PIECE_BYTES`` are cut into pieces so that every connection has work. One
-loopback connection leaves the cores partly idle (with plain sockets, two connections
-moved 4.2 GB/s where one moved 2.3); on a 2-core machine, 100M float32 parameters took a
-median 0.25 s over one connection, 0.23 s over two and 0.17 s over four
-(``bench/weight_sync.py --streams``). The sender computes the checksum while the data is in flight (which is why it comes last) and
+Two data planes carry the messages:
+
+* **same host** (CPU weights, every receiver on the sender's machine, the default there):
+  the sender writes each message into one shared-memory segment laid out like the
+  receivers' buckets and announces it with a tiny broadcast; each receiver copies it out
+  while the sender writes the next, so the two copies overlap (see ``host_plane``). This is
+  what NCCL does inside a node; over loopback TCP the same bytes cost two kernel copies and
+  the socket machinery.
+* **TCP** (receivers on other machines, or ``same_host=False``): all messages of a
+  publication are issued at once, asynchronously; gloo carries them over ``streams`` TCP
+  connections per peer, each served by its own thread, and messages larger than
+  ``PIECE_BYTES`` are cut into pieces so that every connection has work (one loopback
+  connection leaves the cores partly idle: with plain sockets, two connections moved 4.2 GB/s
+  where one moved 2.3).
+
+Measured figures for both are in docs/weight_sync.md. On either plane the sender sums each
+tensor's words while later messages are in flight (the checksum therefore comes last) and
 each receiver sums every tensor as soon as its last message has arrived. Every receiver must
 call :meth:`BroadcastReceiver.receive` while the sender publishes; the group's timeout
 turns a missing peer into an error instead of a hang.
@@ -26,6 +36,8 @@ turns a missing peer into an error instead of a hang.
 
 from __future__ import annotations
 
+import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -42,14 +54,17 @@ from asyncrl.weight_sync.base import (
     WeightSyncError,
     check_publish,
     checksum,
+    combine,
     verify,
     word_sum,
 )
+from asyncrl.weight_sync.host_plane import HostPlane, bucket_offsets, host_identity, plane_refusal
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 DEFAULT_STREAMS = 4
 DIRECT_BYTES = 1 << 20
 PIECE_BYTES = 16 << 20
+PLANE_PIECE_BYTES = 4 << 20
 
 
 def plan_buckets(layout: WeightLayout, bucket_bytes: int) -> list[list[int]]:
@@ -121,14 +136,14 @@ def _make_group(
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timedelta(seconds=timeout_s)
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        return store, dist.ProcessGroupNCCL(store, rank, world_size, opts)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timedelta(seconds=timeout_s)
     # One gloo device per stream: each has its own TCP connection to every peer, and gloo
     # assigns successive collectives to the devices in turn; one thread per device runs them.
     opts._devices = [dist.ProcessGroupGloo.create_default_device() for _ in range(streams)]
     opts._threads = streams
-    return dist.ProcessGroupGloo(store, rank, world_size, opts)
+    return store, dist.ProcessGroupGloo(store, rank, world_size, opts)
 
 
 class _BroadcastEnd:
@@ -149,10 +164,11 @@ class _BroadcastEnd:
         self.layout = layout
         self.device = device
         self.rank = rank
+        self.world_size = world_size
         self.timeout_s = timeout_s
         self.where = f"broadcast group {host}:{port} (rank {rank} of {world_size})"
         try:
-            self.group = _make_group(host, port, rank, world_size, timeout_s, device, streams)
+            self.store, self.group = _make_group(host, port, rank, world_size, timeout_s, device, streams)
         except (RuntimeError, dist.DistStoreError) as exc:
             raise WeightSyncError(
                 f"{self.where}: could not form the group within {timeout_s:g}s: {exc}"
@@ -161,6 +177,25 @@ class _BroadcastEnd:
         self.messages = plan_messages(layout, self.buckets, DIRECT_BYTES, PIECE_BYTES)
         fp = int(layout.fingerprint, 16) & ((1 << 62) - 1)
         self.fingerprint = fp
+        self._index_messages()
+
+    def _use_plane_messages(self) -> None:
+        """Smaller pieces through the segment: the receivers' copies trail the sender's by one piece."""
+        self.messages = plan_messages(self.layout, self.buckets, DIRECT_BYTES, PLANE_PIECE_BYTES)
+        self._index_messages()
+
+    def _index_messages(self) -> None:
+        # completed[k]: the tensors whose last bytes travel with message k; their word sums
+        # are computed while later messages are still in flight.
+        last = {i: k for k, m in enumerate(self.messages) for i in m.tensors}
+        self.completed: list[list[int]] = [[] for _ in self.messages]
+        for i, k in sorted(last.items()):
+            self.completed[k].append(i)
+        self.notices = torch.zeros(len(self.messages), dtype=torch.int64)  # one per same-host message
+
+    def _all_ready(self):
+        """Completes once every rank has joined the current publication."""
+        return self.group.allreduce([torch.zeros(1, dtype=torch.int64)])
 
     def _bucket_numel(self, bucket: list[int]) -> int:
         return sum(self.layout.specs[i].numel for i in bucket)
@@ -184,6 +219,7 @@ class _BroadcastEnd:
     def close(self) -> None:
         # Process groups are released with their Python object; nothing to tear down explicitly.
         self.group = None
+        self.store = None
 
 
 class BroadcastSender(_BroadcastEnd):
@@ -197,19 +233,51 @@ class BroadcastSender(_BroadcastEnd):
         timeout_s: float = 300.0,
         device: torch.device | str = "cpu",
         streams: int = DEFAULT_STREAMS,
+        same_host: bool = True,
     ) -> None:
         super().__init__(
             layout, host, port, 0, world_size, bucket_bytes, timeout_s, torch.device(device), streams
         )
-        # Staging only for the packed messages; direct ones are sent from the caller's tensors.
-        # Buffers are zero-filled here so that the first publication does not pay the page faults.
+        self.plane, self.plane_refused = self._open_plane(
+            same_host, f"asyncrl-bcast-{os.getpid()}-{secrets.token_hex(4)}"
+        )
+        if self.plane is not None:
+            self._use_plane_messages()
+        # Staging only for the packed messages of the TCP path; direct ones are sent from the
+        # caller's tensors. Zero-filled here so that the first publication does not pay the page faults.
         self.staging = {
             b: torch.zeros(
                 self._bucket_numel(bucket), dtype=layout.specs[bucket[0]].dtype, device=self.device
             )
             for b, bucket in enumerate(self.buckets)
-            if any(len(m.tensors) > 1 for m in self.messages if m.bucket == b)
+            if self.plane is None and any(len(m.tensors) > 1 for m in self.messages if m.bucket == b)
         }
+
+    def _open_plane(self, same_host: bool, name: str) -> tuple[HostPlane | None, str | None]:
+        """The shared segment if every receiver is on this machine, else (None, why not).
+
+        The receivers wait for the segment's name (empty: stay on TCP) in the group's store.
+        """
+        keys = [f"host/{r}" for r in range(1, self.world_size)]
+        peers: list[str] = []
+        if same_host and self.device.type == "cpu":  # only then do the receivers' hosts matter
+            try:
+                self.store.wait(keys, timedelta(seconds=self.timeout_s))
+            except (RuntimeError, dist.DistStoreError) as exc:
+                raise WeightSyncError(
+                    f"{self.where}: receivers did not report within {self.timeout_s:g}s: {exc}"
+                ) from None
+            peers = [self.store.get(k).decode() for k in keys]
+        nbytes = bucket_offsets(self.layout, self.buckets)[-1]
+        refused = plane_refusal(same_host, self.device, host_identity(), peers, nbytes)
+        plane = None
+        if refused is None:
+            try:
+                plane = HostPlane.create(self.layout, self.buckets, name)
+            except OSError as exc:  # e.g. /dev/shm not writable: TCP still works
+                refused = f"could not create a shared segment: {exc}"
+        self.store.set("plane", plane.name if plane else "")
+        return plane, refused
 
     def publish(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
         t0 = time.perf_counter()
@@ -218,6 +286,9 @@ class BroadcastSender(_BroadcastEnd):
         values = [t.detach() for t in tensors.values()]
         flats = [t.reshape(-1) for t in values]
         header = torch.tensor([version, self.fingerprint], dtype=torch.int64, device=self.device)
+        if self.plane is not None:
+            self._publish_through_plane(header, values, flats, version)
+            return SyncStats(version, self.layout.nbytes, time.perf_counter() - t0)
         works = [self._bcast(header)]
         for m in self.messages:
             if len(m.tensors) > 1:
@@ -230,6 +301,31 @@ class BroadcastSender(_BroadcastEnd):
         works.append(self._bcast(chk))
         self._wait(works, f"version {version}")
         return SyncStats(version, self.layout.nbytes, time.perf_counter() - t0)
+
+    def _publish_through_plane(
+        self, header: torch.Tensor, values: list[torch.Tensor], flats: list[torch.Tensor], version: int
+    ) -> None:
+        # The segment is rewritten only once every receiver has joined this publication,
+        # i.e. has finished copying the previous one out.
+        self._wait([self._bcast(header), self._all_ready()], f"version {version} (receivers ready)")
+        works, sums = [], [0] * len(values)
+        for k, m in enumerate(self.messages):
+            out = self.plane.flat[m.bucket][m.start : m.stop]
+            if len(m.tensors) > 1:
+                torch.cat([flats[i] for i in m.tensors], out=out)
+            else:
+                out.copy_(flats[m.tensors[0]][m.offset : m.offset + m.stop - m.start])
+            works.append(self._bcast(self.notices[k : k + 1]))  # "message k is in the segment"
+            for i in self.completed[k]:  # summed while the receivers copy message k out
+                sums[i] = word_sum(values[i])
+        works.append(self._bcast(torch.tensor([combine(sums)], dtype=torch.float64)))
+        self._wait(works, f"version {version}")
+
+    def close(self) -> None:
+        if self.plane is not None:
+            self.plane.close(unlink=True)
+            self.plane = None
+        super().close()
 
 
 class BroadcastReceiver(_BroadcastEnd):
@@ -250,6 +346,9 @@ class BroadcastReceiver(_BroadcastEnd):
         super().__init__(
             layout, host, port, rank, world_size, bucket_bytes, timeout_s, torch.device(device), streams
         )
+        self.plane = self._join_plane(rank)
+        if self.plane is not None:
+            self._use_plane_messages()
         self.flat = [  # zero-filled now, like the sender's staging, to page-fault before the first publication
             torch.zeros(self._bucket_numel(b), dtype=layout.specs[b[0]].dtype, device=self.device)
             for b in self.buckets
@@ -262,12 +361,17 @@ class BroadcastReceiver(_BroadcastEnd):
                 views[i] = flat[pos : pos + spec.numel].view(spec.shape)
                 pos += spec.numel
         self.views = [views[i] for i in range(len(layout.specs))]  # in layout order
-        # completed[k]: the tensors whose last bytes arrive with message k; their word sums
-        # are computed while later messages are still in flight.
-        last = {i: k for k, m in enumerate(self.messages) for i in m.tensors}
-        self.completed: list[list[int]] = [[] for _ in self.messages]
-        for i, k in sorted(last.items()):
-            self.completed[k].append(i)
+
+    def _join_plane(self, rank: int) -> HostPlane | None:
+        """Tell the sender where this receiver runs; attach to its segment if it made one."""
+        try:
+            self.store.set(f"host/{rank}", host_identity())
+            name = self.store.get("plane").decode()
+        except (RuntimeError, dist.DistStoreError) as exc:
+            raise WeightSyncError(
+                f"{self.where}: no word from the sender within {self.timeout_s:g}s: {exc}"
+            ) from None
+        return HostPlane.attach(self.layout, self.buckets, name) if name else None
 
     def receive(self, version: int, timeout: float | None = None) -> tuple[int, dict[str, torch.Tensor]]:
         """Take part in publications until one of ``version`` or newer has arrived.
@@ -286,19 +390,39 @@ class BroadcastReceiver(_BroadcastEnd):
         got_version, fingerprint = int(header[0]), int(header[1])
         if fingerprint != self.fingerprint:
             raise WeightSyncError(f"{self.where}: the sender's layout differs from this model's")
-        works = [self._bcast(self.flat[m.bucket][m.start : m.stop]) for m in self.messages]
-        chk = torch.zeros(1, dtype=torch.float64, device=self.device)
-        works.append(self._bcast(chk))
         sums = [0] * len(self.views)
+        chk = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if self.plane is None:  # the bytes arrive in the buckets themselves
+            works = [self._bcast(self.flat[m.bucket][m.start : m.stop]) for m in self.messages]
+            first = 0
+        else:  # announcements arrive; the bytes are copied out of the segment
+            works = [
+                self._all_ready(),
+                *(self._bcast(self.notices[k : k + 1]) for k in range(len(self.messages))),
+            ]
+            first = 1
+        works.append(self._bcast(chk))
 
-        def add_sums(k: int) -> None:
-            for i in self.completed[k] if k < len(self.completed) else ():
+        def arrived(j: int) -> None:
+            k = j - first
+            if not 0 <= k < len(self.messages):
+                return
+            if self.plane is not None:
+                m = self.messages[k]
+                self.flat[m.bucket][m.start : m.stop].copy_(self.plane.flat[m.bucket][m.start : m.stop])
+            for i in self.completed[k]:
                 sums[i] = word_sum(self.views[i])
 
-        self._wait(works, f"version {got_version}", after=add_sums)
+        self._wait(works, f"version {got_version}", after=arrived)
         views = {spec.name: v for spec, v in zip(self.layout.specs, self.views, strict=True)}
         verify(views, self.layout, float(chk[0]), got_version, self.where, sums)
         return got_version, views
+
+    def close(self) -> None:
+        if self.plane is not None:
+            self.plane.close()
+            self.plane = None
+        super().close()
 
 
 class BackgroundPublisher:
