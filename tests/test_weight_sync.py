@@ -882,3 +882,17 @@ def test_plane_segment_is_removed_when_the_sender_closes(helpers: Helpers) -> No
         sender.publish(named_tensors(3), version=3)
         assert_received(helpers.gather(tag), 3)
     assert not Path("/dev/shm", name).exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_pieces_start_on_words_so_their_word_sums_add_up(dtype: torch.dtype) -> None:
+    """A tensor cut into pieces (odd element counts included) has word sums that add up to its own,
+    which the same-host sender relies on when it sums each piece as it writes it."""
+    n = 1_000_003
+    t = (torch.arange(n) % 251 - 125).to(dtype)
+    layout = WeightLayout.of([("t", t)])
+    messages = plan_messages(layout, plan_buckets(layout, 0), 1, piece_bytes=t.nbytes // 7)
+    assert len(messages) >= 7
+    assert all(m.offset * t.element_size() % 8 == 0 for m in messages)
+    total = sum(word_sum(t[m.offset : m.offset + m.stop - m.start]) for m in messages) % (1 << 64)
+    assert total == word_sum(t)

@@ -121,7 +121,10 @@ def plan_messages(
                 run = []
             if spec is not None:
                 pieces = -(-spec.nbytes // piece_bytes) if piece_bytes > 0 else 1
-                per = -(-spec.numel // pieces)
+                # Pieces start on whole 64-bit words of the tensor, so their word sums add up
+                # to the tensor's (the same-host sender sums each piece as it writes it).
+                word = max(1, 8 // torch.empty((), dtype=spec.dtype).element_size())
+                per = -(-spec.numel // pieces // word) * word
                 for offset in range(0, spec.numel, per):
                     n = min(per, spec.numel - offset)
                     messages.append(Message(b, pos + offset, pos + offset + n, (i,), offset))
@@ -305,8 +308,8 @@ class BroadcastSender(_BroadcastEnd):
     def _publish_through_plane(
         self, header: torch.Tensor, values: list[torch.Tensor], flats: list[torch.Tensor], version: int
     ) -> None:
-        # The segment is rewritten only once every receiver has joined this publication,
-        # i.e. has finished copying the previous one out.
+        # The segment is rewritten only once every receiver has joined this publication, i.e.
+        # is done with the views of the previous one (they are valid until the next receive).
         self._wait([self._bcast(header), self._all_ready()], f"version {version} (receivers ready)")
         works, sums = [], [0] * len(values)
         for k, m in enumerate(self.messages):
@@ -316,8 +319,14 @@ class BroadcastSender(_BroadcastEnd):
             else:
                 out.copy_(flats[m.tensors[0]][m.offset : m.offset + m.stop - m.start])
             works.append(self._bcast(self.notices[k : k + 1]))  # "message k is in the segment"
-            for i in self.completed[k]:  # summed while the receivers copy message k out
-                sums[i] = word_sum(values[i])
+            # Summed from the piece just written (still in cache) while the receivers sum
+            # theirs; a piece starts on a word of its tensor, so the sums add up.
+            if len(m.tensors) > 1:
+                for i, part in zip(m.tensors, out.split([flats[i].numel() for i in m.tensors]), strict=True):
+                    sums[i] = word_sum(part)
+            else:
+                i = m.tensors[0]
+                sums[i] = (sums[i] + word_sum(out)) % (1 << 64)
         works.append(self._bcast(torch.tensor([combine(sums)], dtype=torch.float64)))
         self._wait(works, f"version {version}")
 
@@ -348,11 +357,16 @@ class BroadcastReceiver(_BroadcastEnd):
         )
         self.plane = self._join_plane(rank)
         if self.plane is not None:
+            # Zero copy: what receive() returns are views of the segment itself. The sender
+            # rewrites it only after this receiver has joined the next publication, so they
+            # stay valid until the next receive(), as the TCP path's views of self.flat do.
             self._use_plane_messages()
-        self.flat = [  # zero-filled now, like the sender's staging, to page-fault before the first publication
-            torch.zeros(self._bucket_numel(b), dtype=layout.specs[b[0]].dtype, device=self.device)
-            for b in self.buckets
-        ]
+            self.flat = self.plane.flat
+        else:  # zero-filled now, like the sender's staging, to page-fault before the first publication
+            self.flat = [
+                torch.zeros(self._bucket_numel(b), dtype=layout.specs[b[0]].dtype, device=self.device)
+                for b in self.buckets
+            ]
         views: dict[int, torch.Tensor] = {}
         for flat, bucket in zip(self.flat, self.buckets, strict=True):
             pos = 0
@@ -377,7 +391,9 @@ class BroadcastReceiver(_BroadcastEnd):
         """Take part in publications until one of ``version`` or newer has arrived.
 
         Every publication is a collective, so a receiver that fell behind joins each one in
-        turn; the group's own timeout bounds every wait.
+        turn; the group's own timeout bounds every wait. The returned tensors are views into
+        this receiver's buckets (or the same-host segment), valid until the next call: copy
+        them into the model.
         """
         while True:
             got_version, views = self._receive_one()
@@ -395,7 +411,7 @@ class BroadcastReceiver(_BroadcastEnd):
         if self.plane is None:  # the bytes arrive in the buckets themselves
             works = [self._bcast(self.flat[m.bucket][m.start : m.stop]) for m in self.messages]
             first = 0
-        else:  # announcements arrive; the bytes are copied out of the segment
+        else:  # announcements arrive; the bytes are already in the segment
             works = [
                 self._all_ready(),
                 *(self._bcast(self.notices[k : k + 1]) for k in range(len(self.messages))),
@@ -407,9 +423,6 @@ class BroadcastReceiver(_BroadcastEnd):
             k = j - first
             if not 0 <= k < len(self.messages):
                 return
-            if self.plane is not None:
-                m = self.messages[k]
-                self.flat[m.bucket][m.start : m.stop].copy_(self.plane.flat[m.bucket][m.start : m.stop])
             for i in self.completed[k]:
                 sums[i] = word_sum(self.views[i])
 
@@ -420,6 +433,7 @@ class BroadcastReceiver(_BroadcastEnd):
 
     def close(self) -> None:
         if self.plane is not None:
+            self.flat, self.views = [], []  # drop the views of the segment before unmapping it
             self.plane.close()
             self.plane = None
         super().close()

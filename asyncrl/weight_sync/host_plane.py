@@ -5,8 +5,9 @@ on the CPU, sending the bytes over loopback TCP costs two kernel copies and the 
 machinery per byte (about 2.3x a memcpy here even with plain sockets). NCCL solves the same
 problem inside a node with a shared-memory transport; this is the CPU counterpart. The
 sender writes each message of a publication into a segment laid out like the receivers'
-flat buckets and announces it with a tiny gloo broadcast; each receiver copies that message
-into its own buckets while the sender writes the next one, so the two copies overlap.
+flat buckets and announces it with a tiny gloo broadcast. Receivers hand out views of the
+segment itself (no copy: the engine's load into its model is the only one) and checksum
+each tensor as its last piece is announced, while the sender writes the next piece.
 Header, announcements, readiness and checksum still travel through the process group, so
 ordering, timeouts and the collective semantics (every receiver takes part in every
 publication) are those of the TCP path.
@@ -17,6 +18,7 @@ and publishes the segment's name there, or an empty name to keep everything on T
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from multiprocessing import resource_tracker, shared_memory
@@ -127,6 +129,8 @@ class HostPlane:
 
     def close(self, unlink: bool = False) -> None:
         self.flat = []
-        self.shm.close()
+        # If a caller still holds a view, the mapping goes when the last view does.
+        with contextlib.suppress(BufferError):
+            self.shm.close()
         if unlink:
             self.shm.unlink()

@@ -82,12 +82,18 @@ class SharedMemorySender:
 
 
 class SharedMemoryReceiver:
-    """Attaches to the sender's segment on first use (the sender may start after the receiver)."""
+    """Attaches to the sender's segment on first use (the sender may start after the receiver).
+
+    Copies land in buffers allocated (and touched) once, so a publication does not pay for
+    fresh memory and its page faults; like the broadcast receiver's views, what
+    :meth:`receive` returns is valid until the next call, and callers copy it into their model.
+    """
 
     def __init__(self, name: str, layout: WeightLayout) -> None:
         self.name = name
         self.layout = layout
         self._seg: _Segment | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
 
     def _attach(self, deadline: float) -> _Segment:
         while self._seg is None:
@@ -120,7 +126,11 @@ class SharedMemoryReceiver:
                     f"shared memory {self.name}: layout fingerprint differs from this model's"
                 )
             if seq % 2 == 0 and got_version >= version:
-                copies = {spec.name: view.clone() for spec, view in zip(layout.specs, seg.views, strict=True)}
+                if not self._buffers:
+                    self._buffers = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in layout.specs}
+                copies = self._buffers
+                for spec, view in zip(layout.specs, seg.views, strict=True):
+                    copies[spec.name].copy_(view)
                 if seg.header()[0] == seq:  # nothing was written while we copied
                     verify(copies, layout, chk, got_version, f"shared memory {self.name}")
                     return got_version, copies
