@@ -7,11 +7,12 @@ from transformers import DynamicCache, PreTrainedModel
 
 from asyncrl.algorithms.losses import entropy_from_logits
 from asyncrl.trainer.batching import MicroBatch
+from asyncrl.trainer.packing import TreeInputs
 
 
 def completion_logits(model: PreTrainedModel, batch: MicroBatch) -> torch.Tensor:
     """Logits that predict each completion token, shape (B, R, V), in either layout."""
-    if batch.shared is None:
+    if batch.tree is None:
         out = model(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
@@ -20,29 +21,29 @@ def completion_logits(model: PreTrainedModel, batch: MicroBatch) -> torch.Tensor
             use_cache=False,
         )
         return out.logits
-    s = batch.shared
+    return tree_logits(model, batch.tree)
+
+
+def tree_logits(model: PreTrainedModel, tree: TreeInputs) -> torch.Tensor:
+    """Run the prefix tree level by level (see :mod:`asyncrl.trainer.packing`)."""
     cache = DynamicCache(config=model.config)
-    prompt_out = model(
-        input_ids=s.prompt_ids,
-        attention_mask=s.prompt_mask,
-        position_ids=s.prompt_positions,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    first = prompt_out.logits[:, -1][s.prompt_index].unsqueeze(1)  # predicts each completion's first token
-    if batch.completion_width == 1:
-        return first
-    # Gathering the cache rows per sample is differentiable, so gradients reach the prompt pass.
-    cache.batch_select_indices(s.prompt_index)
-    rest = model(
-        input_ids=s.completion_input,
-        attention_mask=s.attention_mask,
-        position_ids=s.completion_positions,
-        past_key_values=cache,
-        use_cache=True,
-    ).logits
-    return torch.cat([first, rest], dim=1)
+    kept = []
+    for depth, level in enumerate(tree.levels):
+        if depth:
+            # Each row continues its parent's path: gathering the cache rows is differentiable,
+            # so gradients reach the levels above.
+            cache.batch_select_indices(level.parent)
+        out = model(
+            input_ids=level.input_ids,
+            attention_mask=level.attention_mask,
+            position_ids=level.position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            # An int keeps the last columns (0 would keep all); an empty index keeps none.
+            logits_to_keep=level.keep or torch.zeros(0, dtype=torch.long, device=level.input_ids.device),
+        )
+        kept.append(out.logits.flatten(0, 1))
+    return torch.cat(kept)[tree.logit_index]
 
 
 def completion_logprobs(
