@@ -24,7 +24,7 @@ from asyncrl.trainer.batching import (
     padded_cost,
     trained_span,
 )
-from asyncrl.trainer.logprobs import completion_logprobs
+from asyncrl.trainer.logprobs import completion_logits, completion_logprobs
 from asyncrl.trainer.packing import build_tree, choose_layout, collate_best, collate_tree, packing_for
 from asyncrl.trainer.planning import collate_layout, plan_layouts, plan_micro_batches
 from asyncrl.types import Sample
@@ -290,6 +290,21 @@ def test_collate_tree_inputs_by_hand(make_sample) -> None:
     assert mb.completion_ids.tolist() == [[20, 21, 0, 0], [22, 0, 0, 0], [23, 24, 25, 26], [27, 28, 29, 0]]
     assert mb.padded_tokens == 2 * 5 + 3 * 3 == 19
     assert collate(samples, 0).padded_tokens == 4 * (5 + 4 - 1) == 32
+
+
+def test_completion_logits_are_the_padded_layouts(make_sample) -> None:
+    """completion_logits gives the (B, R, V) logits of the padded layout from the tree's kept positions."""
+    policy = load_policy("tiny:1m:llama", device="cpu", dtype="float32", seed=0)
+    samples = MIXES["multi_turn_histories"](make_sample) + MIXES["shared_first_completion_tokens"](
+        make_sample
+    )
+    padded = collate(samples, policy.pad_token_id)
+    with torch.no_grad():
+        expected = completion_logits(policy.model, padded)
+        got = completion_logits(policy.model, packed(samples, policy.pad_token_id, "tree_every_branch"))
+    assert got.shape == expected.shape == (len(samples), padded.completion_width, 99)
+    trained = padded.mask.bool()
+    assert float((got - expected)[trained].abs().max()) <= 1e-4
 
 
 def test_a_tree_level_without_predicting_positions_computes_no_logits(make_sample) -> None:
