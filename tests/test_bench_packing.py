@@ -51,8 +51,9 @@ def test_quick_mode_reports_consistent_numbers(bench) -> None:
     # 96-token prompts, 4 completions each: each prompt forwarded once (2 + 8 rows, two passes).
     assert shared["tokens_packed"] == 2 * 96 + 8 * 7 < shared["tokens_unpacked"] == 8 * 103
     assert shared["passes_packed"] == 2
+    # From the rounded seconds (4 decimals of ~0.05 s), so within 1e-2.
     assert shared["realized_fraction"] == pytest.approx(
-        (1 - shared["seconds_packed"] / shared["seconds_unpacked"]) / shared["theoretical_saving"], abs=2e-3
+        (1 - shared["seconds_packed"] / shared["seconds_unpacked"]) / shared["theoretical_saving"], abs=1e-2
     )
     assert system["tokens_packed"] < system["tokens_unpacked"]
     # 4-token prompts: sharing cannot pay for a pass, the padded layout is kept.
