@@ -16,7 +16,9 @@ micro-batches of ``trainer.micro_batch_tokens`` = ``--budget``, collation) +
 ``Trainer.accumulate`` (forward and backward of every micro-batch) — a training step less
 the optimizer update, which does not depend on the layout. The same model and samples run
 with ``trainer.packing=tree`` and ``off`` (the padded layout), alternating, after one
-warm-up each; the median of ``--repeats`` is reported.
+warm-up each (and a few untimed steps before the first setting); the median of
+``--repeats`` is reported, every time in ``seconds_*_all``. ``same_layout`` marks settings
+where the chooser kept the padded layout: both runs do the same work there.
 
 Per setting: ``tokens_packed`` / ``tokens_unpacked`` (token positions forwarded, padding
 included, summed over micro-batches), ``theoretical_saving`` = 1 - tokens_packed /
@@ -222,6 +224,9 @@ def run_benchmark(
     t0 = time.perf_counter()
     try:
         model = build_model(shape, max_positions=max(s.prompt + s.completion for s in grid))
+        # The process's first steps are slower (allocator, thread pool, page faults): a few
+        # untimed steps of the middle setting, so that the first setting is not measured cold.
+        run_setting(model, grid[len(grid) // 2], groups, 2, budget)
         rows = [run_setting(model, setting, groups, repeats, budget) for setting in grid]
     finally:
         torch.set_num_threads(previous)
