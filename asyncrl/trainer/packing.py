@@ -1,7 +1,7 @@
 """The prefix-tree layout of a micro-batch, and the choice between it and the padded layout.
 
 The segments of a :class:`~asyncrl.trainer.prefix_tree.PrefixTree` are forwarded level by
-level (see :func:`asyncrl.trainer.logprobs.completion_logits`): the segments of one level
+level (see :func:`asyncrl.trainer.logprobs.tree_logits`): the segments of one level
 are the rows of one batch, left-padded to the level's widest segment. Before level ℓ runs,
 the KV cache of level ℓ - 1 is gathered so that each row gets its parent's cache row, which
 holds the keys and values of the parent's whole path; the row's attention mask is its
