@@ -514,10 +514,11 @@ def test_trainer_step_gives_the_same_parameters_with_packing(
     """One whole optimizer step (AdamW at lr 1e-4, clipping) packed and not: the same parameters.
 
     Measured (tree): the updates differ by 3.1e-5 of their norm, 99.99% of the parameters by
-    under 3.5e-8 and the largest by 1.4e-6. The first AdamW step divides each gradient coordinate by its own
-    magnitude, so the few coordinates whose gradient is at float32 rounding level (~1e-8 after
-    division and clipping, next to ~1 for the largest) move by a fraction of lr set by rounding,
-    in any layout; the bounds are relative to the step for that reason.
+    under 3.5e-8 and the largest by 1.4e-6. The first AdamW step divides each gradient
+    coordinate by its own magnitude, so the few coordinates whose gradient is at float32
+    rounding level (~1e-8 after division and clipping, next to ~1 for the largest) move by a
+    fraction of lr set by rounding, in any layout; the bounds are relative to the step for
+    that reason.
     """
     pad = tiny_policy.pad_token_id
     samples = trainer_samples(make_sample)
