@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from asyncrl.errors import AsyncRLError, ConfigError
 
@@ -228,11 +236,15 @@ class TrainerConfig(Section):
     micro_batch_tokens: int = Field(
         8192, ge=1, description="Token budget of one forward/backward (padded tokens counted)."
     )
-    share_prompts: bool = Field(
-        True,
-        description="Forward each prompt once per micro-batch for all the completions that share it "
-        "(its KV cache is reused) where that is cheaper: exact, and G completions cost P + G*R tokens "
-        "instead of G*(P + R).",
+    packing: Literal["tree", "prompts", "off"] = Field(
+        "tree",
+        description="How a micro-batch's inputs are laid out. 'tree': every token prefix that samples "
+        "share (a group's prompt, a system prompt common to several groups, a multi-turn history, "
+        "identical first completion tokens) is forwarded once, level by level against the KV cache of "
+        "the level above; 'prompts': only identical prompts are shared (two levels); 'off': one padded "
+        "row per sample. Packing is exact (the same log-probs and gradients as 'off') and is used per "
+        "micro-batch only where its saved tokens outweigh its extra forward passes. Replaces "
+        "share_prompts (true = 'prompts', false = 'off'). See docs/packing.md.",
     )
     ranks: int = Field(
         1,
@@ -248,6 +260,33 @@ class TrainerConfig(Section):
         "whole model and optimizer state) or 'fsdp2' (fully_shard: parameters and optimizer state "
         "sharded across ranks between commands, gathered for each command). See docs/distributed.md.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _packing_spellings(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if data.get("packing") is False:  # YAML reads an unquoted `off` as false
+            data = {**data, "packing": "off"}
+        # trainer.share_prompts (a bool) was replaced by trainer.packing; old configs keep working.
+        if "share_prompts" not in data:
+            return data
+        data = dict(data)
+        share = data.pop("share_prompts")
+        try:
+            share = TypeAdapter(bool).validate_python(share)  # what the old bool field accepted
+        except ValidationError:
+            raise ValueError(
+                f"trainer.share_prompts={share!r} must be true or false (it is the old name of "
+                "trainer.packing: true = 'prompts', false = 'off')"
+            ) from None
+        if "packing" in data:
+            raise ValueError(
+                f"trainer.share_prompts={share!r} and trainer.packing={data['packing']!r} both given; "
+                "share_prompts is the old name of packing: keep only packing"
+            )
+        data["packing"] = "prompts" if share else "off"
+        return data
 
 
 class LoraConfig(Section):

@@ -109,6 +109,12 @@ def test_overrides_win_over_file(tmp_path: Path) -> None:
         (["task.arithmetic.max_digits=10"], ["task.arithmetic.max_digits=10", "less than or equal to 9"]),
         (["algorithm.loss_type=ppo"], ["algorithm.loss_type='ppo'", "'grpo', 'bnpo', 'dapo' or 'dr_grpo'"]),
         (["task.name=csv"], ["task.name='csv'", "'arithmetic' or 'jsonl'"]),
+        (["trainer.packing=dense"], ["trainer.packing='dense'", "'tree', 'prompts' or 'off'"]),
+        (["trainer.share_prompts=maybe"], ["trainer.share_prompts='maybe'", "true or false", "'prompts'"]),
+        (
+            ["trainer.share_prompts=true", "trainer.packing=tree"],
+            ["trainer.share_prompts=True", "trainer.packing='tree'", "keep only packing"],
+        ),
         (["task.arithmetic.ops=[+, /]"], ["task.arithmetic.ops.1='/'", "'+', '-' or '*'"]),
         (["trainer.lr"], ["--set", "trainer.lr", "expected key=value"]),
         (["=3"], ["--set", "empty key"]),
@@ -119,6 +125,25 @@ def test_bad_values_name_the_key_and_what_is_allowed(overrides: list[str], needl
     message = str(config_error(*overrides))
     for needle in needles:
         assert needle in message, f"{needle!r} not in {message!r}"
+
+
+@pytest.mark.parametrize(("share", "packing"), [("true", "prompts"), ("false", "off"), ("yes", "prompts")])
+def test_old_share_prompts_key_maps_to_packing(tmp_path: Path, share: str, packing: str) -> None:
+    """trainer.share_prompts (the old bool) still loads, from a file or --set, as packing prompts/off."""
+    assert load_config().trainer.packing == "tree"
+    assert load_config(None, [f"trainer.share_prompts={share}"]).trainer.packing == packing
+    path = tmp_path / "old.yaml"
+    path.write_text(f"trainer:\n  share_prompts: {share}\n  lr: 0.5\n", encoding="utf-8")
+    cfg = load_config(path)
+    assert (cfg.trainer.packing, cfg.trainer.lr) == (packing, 0.5)
+    assert "share_prompts" not in dump_config(cfg)
+    assert validate_config(yaml.safe_load(dump_config(cfg))).trainer.packing == packing
+
+
+def test_packing_off_needs_no_quotes() -> None:
+    """YAML reads an unquoted `off` as false; trainer.packing=off still means 'off'."""
+    assert load_config(None, ["trainer.packing=off"]).trainer.packing == "off"
+    assert load_config(None, ["trainer.packing=prompts"]).trainer.packing == "prompts"
 
 
 def test_group_of_one_with_group_scaling_is_rejected() -> None:

@@ -94,7 +94,7 @@ def test_before_micro_batch_runs_once_per_micro_batch(
     trainer = Trainer(
         copy.deepcopy(tiny_policy.model),
         pad_token_id=tiny_policy.pad_token_id,
-        trainer_cfg=TrainerConfig(micro_batch_tokens=5, share_prompts=False),
+        trainer_cfg=TrainerConfig(micro_batch_tokens=5, packing="off"),
         algo_cfg=AlgorithmConfig(old_logprobs="behaviour"),
         temperature=1.0,
         max_completion_length=8,

@@ -181,19 +181,20 @@ def reduce_step_stats(per_rank: list[dict[str, float]]) -> defaultdict[str, floa
     return total
 
 
-def split_samples(samples: list[Sample], world_size: int, share_prompts: bool = True) -> list[list[Sample]]:
+def split_samples(samples: list[Sample], world_size: int, packing: str = "tree") -> list[list[Sample]]:
     """Each rank's share of ``samples``: deterministic and balanced by the tokens each rank runs.
 
     Greedy longest-first: samples are taken by decreasing cost and each goes to the rank
     whose load grows least (ties to the lower rank). A sample costs its trained completion
-    span plus its prompt; with ``share_prompts`` the prompt is counted only on a rank that
-    does not hold that prompt yet (the micro-batch forwards it once), so a group's samples
-    stay together unless the balance needs them apart. Within a share the input order is
-    kept. Samples of one group may go to different ranks: their advantages were computed
+    span plus its prompt; when packing (``packing`` other than ``off``) the prompt is counted
+    only on a rank that does not hold that prompt yet (a packed micro-batch forwards it once;
+    prefixes shared by different prompts are not counted), so a group's samples stay
+    together unless the balance needs them apart. Within a share the input order is kept. Samples of one group may go to different ranks: their advantages were computed
     from the whole group before the split.
     """
     if world_size == 1:
         return [list(samples)]
+    share_prompts = packing != "off"
     order = sorted(
         range(len(samples)),
         key=lambda i: (-(len(samples[i].prompt_ids) + trained_span(samples[i])), i),

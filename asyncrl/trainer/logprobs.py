@@ -7,11 +7,18 @@ from transformers import DynamicCache, PreTrainedModel
 
 from asyncrl.algorithms.losses import entropy_from_logits
 from asyncrl.trainer.batching import MicroBatch
+from asyncrl.trainer.packing import TreeInputs
 
 
-def completion_logits(model: PreTrainedModel, batch: MicroBatch) -> torch.Tensor:
-    """Logits that predict each completion token, shape (B, R, V), in either layout."""
-    if batch.shared is None:
+def predicting_logits(model: PreTrainedModel, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of the positions that predict completion tokens, (N, V), and each token's row, (B, R).
+
+    Padded layout: the last R positions of every row, N = B·R. Prefix tree: the kept
+    positions of every level; a position several samples share (a prompt's last token
+    predicts the first token of each of its completions) is one row. Working on these rows
+    rather than on a (B, R, V) copy saves copying the largest tensor of the step.
+    """
+    if batch.tree is None:
         out = model(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
@@ -19,30 +26,38 @@ def completion_logits(model: PreTrainedModel, batch: MicroBatch) -> torch.Tensor
             logits_to_keep=batch.completion_width,
             use_cache=False,
         )
-        return out.logits
-    s = batch.shared
+        b, r = batch.completion_ids.shape
+        index = torch.arange(b * r, device=batch.completion_ids.device).view(b, r)
+        return out.logits.flatten(0, 1), index
+    return tree_logits(model, batch.tree), batch.tree.logit_index
+
+
+def tree_logits(model: PreTrainedModel, tree: TreeInputs) -> torch.Tensor:
+    """Run the prefix tree level by level (see :mod:`asyncrl.trainer.packing`); the kept logits, flat."""
     cache = DynamicCache(config=model.config)
-    prompt_out = model(
-        input_ids=s.prompt_ids,
-        attention_mask=s.prompt_mask,
-        position_ids=s.prompt_positions,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    first = prompt_out.logits[:, -1][s.prompt_index].unsqueeze(1)  # predicts each completion's first token
-    if batch.completion_width == 1:
-        return first
-    # Gathering the cache rows per sample is differentiable, so gradients reach the prompt pass.
-    cache.batch_select_indices(s.prompt_index)
-    rest = model(
-        input_ids=s.completion_input,
-        attention_mask=s.attention_mask,
-        position_ids=s.completion_positions,
-        past_key_values=cache,
-        use_cache=True,
-    ).logits
-    return torch.cat([first, rest], dim=1)
+    kept = []
+    for depth, level in enumerate(tree.levels):
+        if depth:
+            # Each row continues its parent's path: gathering the cache rows is differentiable,
+            # so gradients reach the levels above.
+            cache.batch_select_indices(level.parent)
+        out = model(
+            input_ids=level.input_ids,
+            attention_mask=level.attention_mask,
+            position_ids=level.position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            # An int keeps the last columns (0 would keep all); an empty index keeps none.
+            logits_to_keep=level.keep or torch.zeros(0, dtype=torch.long, device=level.input_ids.device),
+        )
+        kept.append(out.logits.flatten(0, 1))
+    return kept[0] if len(kept) == 1 else torch.cat(kept)
+
+
+def completion_logits(model: PreTrainedModel, batch: MicroBatch) -> torch.Tensor:
+    """Logits that predict each completion token, shape (B, R, V), in either layout."""
+    flat, index = predicting_logits(model, batch)
+    return flat[index]
 
 
 def completion_logprobs(
@@ -57,15 +72,16 @@ def completion_logprobs(
     Only positions that predict completion tokens go through the LM head. The entropy
     keeps its graph only when ``entropy_grad`` (an entropy bonus); as a metric it is detached.
     """
-    logits = completion_logits(model, batch).float() / temperature
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
+    flat, index = predicting_logits(model, batch)
+    flat = flat.float() / temperature
+    logp = torch.log_softmax(flat, dim=-1)[index, batch.completion_ids]
     if batch.support_ids is not None:
         # Keep Sampling Mask: renormalise over the tokens the sampler could choose at that position.
-        kept = logits.gather(-1, batch.support_ids.clamp(min=0))
+        kept = flat[index.unsqueeze(-1), batch.support_ids.clamp(min=0)]
         kept = kept.masked_fill(batch.support_ids < 0, float("-inf"))
-        token = logits.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
+        token = flat[index, batch.completion_ids]
         logp = torch.where(batch.has_support, token - torch.logsumexp(kept, dim=-1), logp)
     entropy = None
     if with_entropy:
-        entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+        entropy = entropy_from_logits(flat if entropy_grad else flat.detach())[index]
     return logp, entropy

@@ -135,7 +135,7 @@ class DistributedTrainer(Trainer):
 
     def prepare(self, samples: list[Sample]) -> list[MicroBatch]:
         """Micro-batches of this rank's share of ``samples`` (see :func:`split_samples`)."""
-        share = split_samples(samples, self.ranks.world_size, self.cfg.share_prompts)[self.ranks.rank]
+        share = split_samples(samples, self.ranks.world_size, self.packing)[self.ranks.rank]
         runs_policy = self.old_logprob_mode == "recompute" or (self.lora and self.algo.beta > 0)
         if not runs_policy:  # no forward of the policy: nothing to gather
             return super().prepare(share)

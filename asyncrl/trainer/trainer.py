@@ -27,7 +27,6 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from functools import partial
 
 import torch
 from transformers import PreTrainedModel
@@ -36,8 +35,10 @@ from asyncrl.algorithms import corrections, losses
 from asyncrl.algorithms.advantages import group_advantages
 from asyncrl.config import AlgorithmConfig, TrainerConfig
 from asyncrl.models.lora import adapter_fqns, is_lora, published_weights
-from asyncrl.trainer.batching import MicroBatch, collate, collate_best, plan_micro_batches
+from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.logprobs import completion_logprobs
+from asyncrl.trainer.packing import packing_for
+from asyncrl.trainer.planning import collate_layout, plan_layouts
 from asyncrl.types import Group, Sample
 
 
@@ -100,6 +101,7 @@ class Trainer:
             raise ValueError("old_logprobs='current' gives ratio 1 only for a single update per batch")
         self.old_logprob_mode = old_logprobs
         self.device = next(model.parameters()).device
+        self.packing = packing_for(model.config, trainer_cfg.packing)
         self.version = 0
         self.lora = is_lora(model)
         # The KL reference: with LoRA the base itself (see _reference_logprobs); otherwise a
@@ -138,12 +140,9 @@ class Trainer:
         of the weights at that moment.
         """
         t0 = time.perf_counter()
-        share = self.cfg.share_prompts
-        # The layout must fit the budget the planner packed for (see collate_best).
-        build = partial(collate_best, token_budget=self.cfg.micro_batch_tokens) if share else collate
         batches = [
-            build(chunk, self.pad_token_id).to(self.device)
-            for chunk in plan_micro_batches(samples, self.cfg.micro_batch_tokens, share_prompts=share)
+            collate_layout(chunk, layout, self.pad_token_id).to(self.device)
+            for chunk, layout in plan_layouts(samples, self.cfg.micro_batch_tokens, self.packing)
         ]
         mode = self.old_logprob_mode
         with torch.no_grad(), self._eval_mode():

@@ -1,0 +1,211 @@
+"""The prefix-tree layout of a micro-batch, and the choice between it and the padded layout.
+
+The segments of a :class:`~asyncrl.trainer.prefix_tree.PrefixTree` are forwarded level by
+level (see :func:`asyncrl.trainer.logprobs.tree_logits`): the segments of one level
+are the rows of one batch, left-padded to the level's widest segment. Before level ℓ runs,
+the KV cache of level ℓ - 1 is gathered so that each row gets its parent's cache row, which
+holds the keys and values of the parent's whole path; the row's attention mask is its
+parent's mask (holes where the ancestors' rows were padded) followed by its own, and its
+position ids continue from the number of tokens on its path. A segment so attends to its
+ancestors and to its own earlier tokens, exactly as in a plain forward over the sample's
+input: the attention is block-sparse (each segment sees only its path), computed by the
+model's own attention implementation over the gathered cache. The gather is differentiable,
+so gradients flow back into every level; log-probs and gradients equal the padded layout's.
+
+Each level computes logits only for its last ``keep`` columns: the positions that predict a
+completion token form a suffix of every segment, and left padding lines those suffixes up.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from transformers import PretrainedConfig
+
+from asyncrl.trainer.batching import (
+    MICRO_BATCH_OVERHEAD_TOKENS,
+    MicroBatch,
+    collate,
+    padded_cost,
+    per_token_tensors,
+    trained_span,
+)
+from asyncrl.trainer.prefix_tree import PrefixTree, prefix_tree, prompt_tree
+from asyncrl.types import Sample
+
+Packing = Literal["tree", "prompts", "off"]
+PACKINGS: tuple[str, ...] = ("tree", "prompts", "off")
+
+
+@dataclass
+class TreeLevel:
+    """One forward pass: the segments of one level of the tree."""
+
+    input_ids: torch.Tensor  # (n, W) segments, left-padded
+    attention_mask: torch.Tensor  # (n, C) the ancestors' columns of all levels above, then its own W
+    position_ids: torch.Tensor  # (n, W)
+    parent: torch.Tensor  # (n,) row of each segment's parent on the level above (empty on level 0)
+    keep: int  # logits are computed for the last ``keep`` columns (0: none)
+
+
+@dataclass
+class TreeInputs:
+    levels: list[TreeLevel]
+    # (B, R) index into the kept logits of all levels, flattened level by level and row by
+    # row, of the position that predicts each completion token (0 past a sample's span).
+    logit_index: torch.Tensor
+
+    @property
+    def tokens(self) -> int:
+        return sum(level.input_ids.numel() for level in self.levels)
+
+    def to(self, device: torch.device) -> TreeInputs:
+        for level in self.levels:
+            for name, value in vars(level).items():
+                if isinstance(value, torch.Tensor):
+                    setattr(level, name, value.to(device))
+        self.logit_index = self.logit_index.to(device)
+        return self
+
+
+def packing_for(config: PretrainedConfig, packing: Packing) -> Packing:
+    """``packing``, or ``off`` (with a warning) for a model whose attention is not global.
+
+    A tree level's cache holds the padding of the levels above between a segment and its
+    ancestors, so a token's distance in the cache is not its distance in the text: attention
+    limited to a window measured in the cache (sliding-window or chunked layers) or a
+    non-attention layer's state would be wrong there.
+    """
+    if packing not in PACKINGS:
+        raise ValueError(f"trainer.packing must be one of {', '.join(PACKINGS)}; got {packing!r}")
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if packing != "off" and (layer_types != {"full_attention"} or getattr(config, "sliding_window", None)):
+        warnings.warn(
+            f"trainer.packing={packing!r} needs global attention in every layer; this model has "
+            f"{sorted(layer_types)} layers (sliding_window={getattr(config, 'sliding_window', None)}), "
+            "so micro-batches use the padded layout",
+            stacklevel=2,
+        )
+        return "off"
+    return packing
+
+
+def model_input(sample: Sample) -> list[int]:
+    """What the model reads for a sample: its prompt and the completion tokens fed back in."""
+    return sample.prompt_ids + sample.completion_ids[: trained_span(sample) - 1]
+
+
+def build_tree(
+    samples: list[Sample], branch: Literal["tree", "prompts"], threshold: int = MICRO_BATCH_OVERHEAD_TOKENS
+) -> PrefixTree:
+    """The prefix tree of the samples' inputs; ``prompts`` branches only at prompt ends.
+
+    ``threshold`` is the merge rule's (see :mod:`~asyncrl.trainer.prefix_tree`): 0 keeps
+    every prefix that two or more children share, a negative one keeps every segment.
+    """
+    inputs = [model_input(s) for s in samples]
+    if branch == "prompts":
+        return prompt_tree(inputs, [len(s.prompt_ids) for s in samples], threshold)
+    return prefix_tree(inputs, threshold)
+
+
+def collate_tree(samples: list[Sample], pad_token_id: int, tree: PrefixTree | None = None) -> MicroBatch:
+    """The prefix-tree layout (``tree`` defaults to the full prefix tree of the samples)."""
+    per_token = per_token_tensors(samples, pad_token_id)
+    tree = build_tree(samples, "tree") if tree is None else tree
+    # For every segment, the earliest of its tokens whose logits predict a completion token.
+    need_from: dict[int, int] = {}
+    spans = []  # (sample, segment, first path position, end path position) of predicting positions
+    for i, s in enumerate(samples):
+        first, end = len(s.prompt_ids) - 1, len(s.prompt_ids) + trained_span(s) - 1
+        for seg in tree.paths[i]:
+            lo, hi = max(seg.start, first), min(seg.start + len(seg), end)
+            if lo < hi:
+                need_from[id(seg)] = min(need_from.get(id(seg), len(seg)), lo - seg.start)
+                spans.append((i, seg, lo, hi))
+    levels = []
+    keeps = []
+    mask_above = torch.zeros((0, 0), dtype=torch.long)
+    for rows in tree.levels:
+        width = max(len(seg) for seg in rows)
+        input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+        own_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        positions = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, seg in enumerate(rows):
+            n = len(seg)
+            input_ids[r, width - n :] = torch.tensor(seg.tokens)
+            own_mask[r, width - n :] = 1
+            positions[r, width - n :] = torch.arange(seg.start, seg.start + n)
+        parent = torch.tensor([seg.parent.row for seg in rows if seg.level > 0], dtype=torch.long)
+        mask = torch.cat([mask_above[parent], own_mask], dim=1) if len(parent) else own_mask
+        keep = max((len(seg) - need_from[id(seg)] for seg in rows if id(seg) in need_from), default=0)
+        levels.append(TreeLevel(input_ids, mask, positions, parent, keep))
+        keeps.append(keep)
+        mask_above = mask
+    base = [0]
+    for rows, keep in zip(tree.levels, keeps, strict=True):
+        base.append(base[-1] + len(rows) * keep)
+    logit_index = torch.zeros(per_token["completion_ids"].shape, dtype=torch.long)
+    for i, seg, lo, hi in spans:
+        # Column of path position j in the kept logits of its row: keep - len(seg) + (j - start).
+        first = base[seg.level] + seg.row * keeps[seg.level] + keeps[seg.level] - len(seg) - seg.start
+        t0 = lo - (len(samples[i].prompt_ids) - 1)
+        logit_index[i, t0 : t0 + hi - lo] = torch.arange(first + lo, first + hi)
+    return MicroBatch(samples, **per_token, tree=TreeInputs(levels, logit_index))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A micro-batch's layout: a prefix tree, or the padded layout when ``tree`` is None."""
+
+    tree: PrefixTree | None
+    tokens: int  # token positions forwarded, padding included
+    passes: int
+
+    @property
+    def cost(self) -> int:
+        """Tokens plus the fixed cost of every forward pass beyond the first."""
+        return self.tokens + MICRO_BATCH_OVERHEAD_TOKENS * (self.passes - 1)
+
+
+def choose_layout(samples: list[Sample], packing: Packing, token_budget: int | None = None) -> Layout:
+    """The cheapest layout for these samples by :attr:`Layout.cost`.
+
+    A tree is so taken only when the tokens it saves outweigh its extra passes: tiny or
+    unique prompts stay padded. Candidates: padded; the tree that branches at prompt ends;
+    with ``tree`` also the full prefix tree (which can pad its levels more than the other).
+    A tree of one level shares nothing and is not a candidate. When ``token_budget`` is
+    given, layouts within it are preferred, and if none of these fits, the trees that keep
+    every shared prefix (merge threshold 0: fewest tokens, more passes) are candidates too —
+    the planner admits a micro-batch by the size of its smallest layout, and this is how it
+    gets that layout. Ties go to the padded layout, then to the tree branching at prompt ends.
+    """
+    if packing not in PACKINGS:
+        raise ValueError(f"packing must be one of {', '.join(PACKINGS)}; got {packing!r}")
+    p = max(len(s.prompt_ids) for s in samples)
+    r = max(trained_span(s) for s in samples)
+    candidates = [Layout(None, padded_cost(p, r, len(samples)), 1)]
+    branches = {"off": (), "prompts": ("prompts",), "tree": ("prompts", "tree")}[packing]
+
+    def add_trees(threshold: int) -> None:
+        for branch in branches:
+            tree = build_tree(samples, branch, threshold)
+            if tree.passes > 1:
+                candidates.append(Layout(tree, tree.tokens, tree.passes))
+
+    add_trees(MICRO_BATCH_OVERHEAD_TOKENS)
+    if token_budget is not None and all(c.tokens > token_budget for c in candidates):
+        add_trees(0)
+    fitting = [c for c in candidates if token_budget is None or c.tokens <= token_budget]
+    return min(fitting or candidates, key=lambda c: c.cost)
+
+
+def collate_best(
+    samples: list[Sample], pad_token_id: int, packing: Packing = "tree", token_budget: int | None = None
+) -> MicroBatch:
+    """The micro-batch in the layout :func:`choose_layout` picks."""
+    tree = choose_layout(samples, packing, token_budget).tree
+    return collate(samples, pad_token_id) if tree is None else collate_tree(samples, pad_token_id, tree)
