@@ -42,6 +42,10 @@ BASE = [
 LORA = ["lora.rank=8", "trainer.lr=1e-3"]
 ADAPTER_BYTES = 4 * 90112  # rank 8 on q, k, v, o, gate, up, down of the 4 layers, float32
 PARITY_BOUND = 1e-4
+# Runs with the same rollouts whose micro-batches are summed in another order (arrival order,
+# ranks, packing levels) differ by float rounding; AdamW normalises rounding-level gradients,
+# so such coordinates can move by a fraction of the learning rate (1e-3): 5 % of it.
+ADAPTER_TOL = 5e-5
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -138,14 +142,14 @@ def test_shipped_lora_example_async_end_to_end(tmp_path: Path) -> None:
 
 
 def test_lora_sync_and_periodic_reach_the_same_adapters(lora_run) -> None:
-    """sync (inline) and periodic (local processes) with LoRA: same rollouts, adapters equal within 1e-5."""
+    """sync (inline) and periodic (local processes) with LoRA: same rollouts, adapters equal within 5e-5 (float rounding of another summation order)."""
     sync, periodic = lora_run("sync"), lora_run("periodic")
     assert (sync["summary"]["runtime"], periodic["summary"]["runtime"]) == ("inline", "local")
     sync_metrics, periodic_metrics = check_lora_run(sync), check_lora_run(periodic)
     for key in ("reward_mean", "tokens_generated"):
         assert [r[key] for r in periodic_metrics] == [r[key] for r in sync_metrics], key
     assert all(r["staleness_max"] == 0 for r in sync_metrics + periodic_metrics)
-    assert max_abs_diff(adapters(sync["dir"]), adapters(periodic["dir"])) <= 1e-5
+    assert max_abs_diff(adapters(sync["dir"]), adapters(periodic["dir"])) <= ADAPTER_TOL
     moved = max(float(t.abs().max()) for n, t in adapters(sync["dir"]).items() if "lora_B" in n)
     assert moved > 1e-3  # B started at zero: the comparison has teeth
 
@@ -157,23 +161,23 @@ def test_lora_one_step_off(lora_run) -> None:
 
 
 def test_lora_with_two_ddp_trainer_ranks(lora_run) -> None:
-    """trainer.ranks=2 (DDP) with LoRA: the adapters match the one-process sync run within 1e-5."""
+    """trainer.ranks=2 (DDP) with LoRA: the adapters match the one-process sync run within 5e-5."""
     ddp, sync = lora_run("ddp"), lora_run("sync")
     metrics = check_lora_run(ddp)
     assert all(r["trained_tokens"] == r["tokens_generated"] > 0 for r in metrics)
     assert [r["reward_mean"] for r in metrics] == [r["reward_mean"] for r in sync["metrics"]]
-    assert max_abs_diff(adapters(ddp["dir"]), adapters(sync["dir"])) <= 1e-5
+    assert max_abs_diff(adapters(ddp["dir"]), adapters(sync["dir"])) <= ADAPTER_TOL
 
 
 def test_lora_on_ray_with_broadcast_sync_matches_the_inline_run(lora_run) -> None:
     """LoRA on the Ray runtime: adapter-only broadcasts verified by checksum, the inline run's
-    rewards, adapters within 1e-5."""
+    rewards, adapters within 5e-5."""
     pytest.importorskip("ray")
     on_ray, sync = lora_run("ray"), lora_run("sync")
     assert on_ray["summary"]["runtime"] == "ray"
     metrics = check_lora_run(on_ray)
     assert [r["reward_mean"] for r in metrics] == [r["reward_mean"] for r in sync["metrics"]]
-    assert max_abs_diff(adapters(on_ray["dir"]), adapters(sync["dir"])) <= 1e-5
+    assert max_abs_diff(adapters(on_ray["dir"]), adapters(sync["dir"])) <= ADAPTER_TOL
 
 
 def test_lora_resume_from_a_checkpoint_equals_the_uninterrupted_run(tmp_path: Path) -> None:
