@@ -44,6 +44,7 @@ from asyncrl.weight_sync.broadcast import (
 from asyncrl.weight_sync.files import MARKER, FileReceiver, FileSender
 from asyncrl.weight_sync.host_plane import host_identity, plane_refusal
 from asyncrl.weight_sync.inprocess import InProcessChannel
+from asyncrl.weight_sync.segments import attach_segment
 from asyncrl.weight_sync.shm import SharedMemoryReceiver, SharedMemorySender
 
 HOST = "127.0.0.1"
@@ -367,6 +368,34 @@ def test_shm_sender_close_unlinks_the_segment(shm_sender: SharedMemorySender) ->
         shared_memory.SharedMemory(name=shm_sender.name)
     with shm_receiver(shm_sender.name) as rx, pytest.raises(WeightSyncError, match="does not exist"):
         rx.receive(1, timeout=0.2)
+
+
+def test_attaching_leaves_the_resource_tracker_to_the_owner(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Receivers attach without registering the segment with the resource tracker (which would unlink it
+    when they exit, or, once unregistered, fail the owner's unlink), and the owner's registration is kept."""
+    from multiprocessing import resource_tracker
+
+    calls: list[tuple[str, str]] = []
+
+    def register(name: str, kind: str) -> None:
+        calls.append(("register", name))
+
+    monkeypatch.setattr(resource_tracker, "register", register)
+    monkeypatch.setattr(resource_tracker, "unregister", lambda name, kind: calls.append(("unregister", name)))
+    owner = shared_memory.SharedMemory(name=f"{SHM_PREFIX}{next(_names)}", create=True, size=4096)
+    try:
+        assert calls == [("register", owner._name)]
+        for _ in range(2):
+            seg = attach_segment(owner.name)
+            seg.buf[:3] = b"abc"
+            seg.close()
+        assert bytes(owner.buf[:3]) == b"abc"
+        assert calls == [("register", owner._name)]
+        assert resource_tracker.register is register  # attaching put it back
+    finally:
+        owner.close()
+        owner.unlink()
+    assert calls == [("register", owner._name), ("unregister", owner._name)]
 
 
 def _shm_receive_job(rank: int, report: Callable, *, name: str, versions: list[int]) -> None:

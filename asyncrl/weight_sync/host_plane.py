@@ -21,11 +21,12 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import torch
 
 from asyncrl.weight_sync.base import WeightLayout, WeightSyncError
+from asyncrl.weight_sync.segments import attach_segment
 
 ALIGN = 64
 SHM_DIR = "/dev/shm"
@@ -110,12 +111,9 @@ class HostPlane:
     @classmethod
     def attach(cls, layout: WeightLayout, buckets: list[list[int]], name: str) -> HostPlane:
         try:
-            shm = shared_memory.SharedMemory(name=name, create=False)
+            shm = attach_segment(name)  # the sender owns it
         except FileNotFoundError:
             raise WeightSyncError(f"broadcast: the sender's segment {name!r} does not exist") from None
-        # The sender owns the segment; without this, this process's resource tracker would
-        # unlink it (and warn of a leak) when this process exits.
-        resource_tracker.unregister(shm._name, "shared_memory")  # no public way on 3.11
         need = bucket_offsets(layout, buckets)[-1]
         if shm.size < need:
             shm.close()

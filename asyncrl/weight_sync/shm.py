@@ -18,6 +18,7 @@ from multiprocessing import shared_memory
 import torch
 
 from asyncrl.weight_sync.base import SyncStats, WeightLayout, WeightSyncError, check_publish, checksum, verify
+from asyncrl.weight_sync.segments import attach_segment
 
 HEADER = struct.Struct("<qqd16s")  # sequence, version, checksum, layout fingerprint
 HEADER_BYTES = 64
@@ -98,7 +99,7 @@ class SharedMemoryReceiver:
     def _attach(self, deadline: float) -> _Segment:
         while self._seg is None:
             try:
-                shm = shared_memory.SharedMemory(name=self.name, create=False)
+                shm = attach_segment(self.name)  # the sender owns it
                 need = _offsets(self.layout)[-1]
                 if shm.size < need:  # views past the end would fail with a bare RuntimeError
                     shm.close()
