@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 from pathlib import Path
@@ -254,3 +255,41 @@ def test_builtin_arith_answers_most_additions() -> None:
         assert 0.08 <= acc_sampled <= 0.3
     # On the SFT's own held-out prompts the greedy accuracy reproduces the shipped summary.
     assert results[summary["config"]["eval_seed"]][0] == pytest.approx(summary["accuracy_greedy"], abs=0.02)
+
+
+class _LegacyForward(torch.nn.Module):
+    """A model written for transformers 4.x: its forward only knows ``past_key_values``."""
+
+    def forward(self, input_ids: torch.Tensor, past_key_values=None, use_cache: bool = False):
+        return {"cache": past_key_values, "input_ids": input_ids}
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_with_cache_uses_the_keyword_the_model_declares(arch: str) -> None:
+    """The KV cache goes in under the name the model's forward declares (``cache`` in transformers 5,
+    ``past_key_values`` before), also through a peft wrapper, and fills the cache without a warning;
+    the logits equal those of a cache-less forward."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import DynamicCache
+
+    from asyncrl.models.forward import _cache_keyword, with_cache
+
+    model = build_tiny_model(tiny_config("1m", 99, architecture=arch), seed=0).eval()
+    declared = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    assert _cache_keyword(type(model)) == declared
+    ids = torch.tensor([[5, 6, 7, 8]])
+    cache = DynamicCache(config=model.config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a deprecated keyword would raise here
+        out = with_cache(model, cache, input_ids=ids, use_cache=True)
+    assert cache.get_seq_length() == 4
+    torch.testing.assert_close(out.logits, model(input_ids=ids).logits, rtol=0, atol=0)
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    cache = DynamicCache(config=model.config)
+    with_cache(peft_model, cache, input_ids=ids, use_cache=True)
+    assert cache.get_seq_length() == 4
+    legacy = _LegacyForward()
+    marker = object()
+    assert with_cache(legacy, marker, input_ids=ids)["cache"] is marker

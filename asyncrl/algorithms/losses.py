@@ -117,5 +117,10 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: LossType) 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Shannon entropy (nats) of each row of logits."""
-    logp = torch.log_softmax(logits, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    return entropy_from_logprobs(torch.log_softmax(logits, dim=-1))
+
+
+def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy (nats) of each row of log-probabilities (a log-softmax already taken)."""
+    # A batched dot product: no (rows, vocabulary) product tensor between the multiply and the sum.
+    return -torch.einsum("...v,...v->...", logp.exp(), logp)

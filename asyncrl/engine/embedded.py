@@ -35,6 +35,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from asyncrl.engine.sampling import SamplingParams, sample_tokens
 from asyncrl.engine.types import GenerationRequest, GenerationResult, Prefix
+from asyncrl.models.forward import with_cache
 
 
 class EmbeddedEngine:
@@ -365,11 +366,12 @@ class _Batch:
         input_ids, attention = input_ids.to(dev), attention.to(dev)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=engine.model.config)
-        out = engine.model(
+        out = with_cache(
+            engine.model,
+            cache,
             input_ids=input_ids,
             attention_mask=attention,
             position_ids=positions,
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
         )
@@ -453,11 +455,12 @@ class _Batch:
         if not self.rows:
             return finished
         self.attention = torch.cat([self.attention, self.attention.new_ones((len(self.rows), 1))], dim=1)
-        out = engine.model(
+        out = with_cache(
+            engine.model,
+            self.cache,
             input_ids=draw_tokens.unsqueeze(-1),
             attention_mask=self.attention,
             position_ids=self.next_pos.unsqueeze(-1),
-            past_key_values=self.cache,
             use_cache=True,
         )
         self.logits = out.logits[:, -1]

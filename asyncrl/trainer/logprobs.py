@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from asyncrl.algorithms.losses import entropy_from_logits
+from asyncrl.algorithms.losses import entropy_from_logprobs
+from asyncrl.models.forward import with_cache
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.packing import TreeInputs
 
@@ -41,11 +42,12 @@ def tree_logits(model: PreTrainedModel, tree: TreeInputs) -> torch.Tensor:
             # Each row continues its parent's path: gathering the cache rows is differentiable,
             # so gradients reach the levels above.
             cache.batch_select_indices(level.parent)
-        out = model(
+        out = with_cache(
+            model,
+            cache,
             input_ids=level.input_ids,
             attention_mask=level.attention_mask,
             position_ids=level.position_ids,
-            past_key_values=cache,
             use_cache=True,
             # An int keeps the last columns (0 would keep all); an empty index keeps none.
             logits_to_keep=level.keep or torch.zeros(0, dtype=torch.long, device=level.input_ids.device),
@@ -73,8 +75,13 @@ def completion_logprobs(
     keeps its graph only when ``entropy_grad`` (an entropy bonus); as a metric it is detached.
     """
     flat, index = predicting_logits(model, batch)
-    flat = flat.float() / temperature
-    logp = torch.log_softmax(flat, dim=-1)[index, batch.completion_ids]
+    flat = flat.float()
+    if temperature != 1.0:  # a division of every logit, and of every gradient, saved when it is 1
+        flat = flat / temperature
+    # One log-softmax over the vocabulary serves the tokens' log-probs and the entropy: on a CPU
+    # these passes over (tokens, vocabulary) cost as much as a third of a packed step.
+    full = torch.log_softmax(flat, dim=-1)
+    logp = full[index, batch.completion_ids]
     if batch.support_ids is not None:
         # Keep Sampling Mask: renormalise over the tokens the sampler could choose at that position.
         kept = flat[index.unsqueeze(-1), batch.support_ids.clamp(min=0)]
@@ -83,5 +90,5 @@ def completion_logprobs(
         logp = torch.where(batch.has_support, token - torch.logsumexp(kept, dim=-1), logp)
     entropy = None
     if with_entropy:
-        entropy = entropy_from_logits(flat if entropy_grad else flat.detach())[index]
+        entropy = entropy_from_logprobs(full if entropy_grad else full.detach())[index]
     return logp, entropy
