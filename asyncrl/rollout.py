@@ -147,10 +147,12 @@ class RolloutWorker:
         the versions that produced them.
         """
         aborted = self.engine.abort()
-        if before_resume is not None:
-            before_resume()
-        for res in aborted:
-            self.engine.add_request(resume_request(res, self._sampling[res.request_id]))
+        try:
+            if before_resume is not None:
+                before_resume()
+        finally:  # the requests go on (under the old weights) even if the update failed
+            for res in aborted:
+                self.engine.add_request(resume_request(res, self._sampling[res.request_id]))
         return len(aborted)
 
     def cancel_stale(self, version: int, max_staleness: int) -> list[tuple[int, Prompt]]:

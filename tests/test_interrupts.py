@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import random
+import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -31,6 +33,7 @@ from asyncrl.orchestration.events import (
 )
 from asyncrl.orchestration.workers import GeneratorWorker
 from asyncrl.types import Group, Prompt
+from asyncrl.weight_sync.broadcast import UnjoinedReceiver
 from asyncrl.weight_sync.inprocess import InProcessChannel
 
 GROUP = 2
@@ -450,3 +453,73 @@ def test_stragglers_are_cancelled_in_flight_and_every_trained_token_is_fresh_eno
     assert len(metrics) == STEPS
     assert all(r["staleness_max"] <= 1 for r in metrics), [r["staleness_max"] for r in metrics]
     assert [r["samples"] for r in metrics] == [PROMPTS * E2E_GROUP] * STEPS
+
+
+# -- moving to a new weight-sync group (broadcast membership changes) ------------------------------
+
+
+def weights_equal(worker: GeneratorWorker, weights: Weights) -> bool:
+    params = dict(worker.engine.model.named_parameters())
+    return all(torch.equal(params[n], t) for n, t in weights)
+
+
+def test_a_new_group_is_joined_by_taking_its_first_publication() -> None:
+    """After join_group the worker takes the new group's first publication: the weights it holds (no
+    load), or newer ones than it was told about (loaded), and then goes on with the new receiver."""
+    worker, first = generator("never")
+    v1 = perturbed(worker, seed=1)
+    announce(worker, first, v1, 1)
+    work_until_idle(worker)
+    assert worker.engine.version == 1
+    second = InProcessChannel()
+    second.publish(v1, 1)  # the trainer republishes its newest weights to every new group
+    worker.join_group(lambda layout: second, version=1)
+    events = worker.work()
+    assert worker.receiver is second and worker.idle
+    assert [e.version for e in of_type(events, WeightsLoaded)] == [1]
+    assert worker.engine.version == 1 and weights_equal(worker, v1)
+    third = InProcessChannel()
+    v3 = perturbed(worker, seed=3)
+    third.publish(v3, 3)  # published after the runtime last heard of a version (1)
+    worker.join_group(lambda layout: third, version=1)
+    events = worker.work()
+    assert [e.version for e in of_type(events, WeightsLoaded)] == [3]
+    assert worker.engine.version == 3 and weights_equal(worker, v3) and worker.idle
+    announce(worker, third, perturbed(worker, seed=4), 4)
+    work_until_idle(worker)
+    assert worker.engine.version == 4
+
+
+@pytest.mark.parametrize("interrupt", ["never", "abort"])
+def test_a_wait_on_a_group_being_replaced_is_given_up_and_the_update_comes_from_the_new_one(
+    interrupt: str,
+) -> None:
+    """A generator that waits for a publication of a group that is being replaced (a newcomer before it
+    has a group; a survivor whose group lost a member) stops waiting at join_group, keeps its running
+    sequences, and takes the update from the new group."""
+    cfg = generator(interrupt)[0].cfg
+    waiting = UnjoinedReceiver("generator-0", timeout_s=60.0)
+    worker = GeneratorWorker("generator-0", cfg, lambda layout: waiting, seed=0)
+    worker.handle(Submit([(0, prompt(0))]))
+    work(worker, 3)
+    running = worker.engine.num_running
+    assert running == GROUP
+    v2 = perturbed(worker, seed=2)
+    group = InProcessChannel()
+    group.publish(v2, 2)
+    worker.handle(LoadWeights(2))
+    mover = threading.Timer(0.3, worker.join_group, args=(lambda layout: group, 2))
+    mover.start()
+    try:
+        t0 = time.monotonic()
+        events = worker.work()  # waits in the old receiver until the move interrupts it
+        assert 0.2 < time.monotonic() - t0 < 5.0
+    finally:
+        mover.cancel()
+    assert of_type(events, WeightsLoaded) == [] and worker.engine.version == 0
+    assert worker.engine.num_running + worker.engine.num_waiting == running  # nothing was dropped
+    events = worker.work()
+    assert [e.version for e in of_type(events, WeightsLoaded)] == [2] and worker.receiver is group
+    groups = ready(work_until_idle(worker))
+    assert list(groups) == [0]
+    assert all(s.versions[:3] == [0] * 3 and s.versions[-1] == 2 for s in groups[0].samples)

@@ -26,7 +26,7 @@ from asyncrl.config import load_config
 from asyncrl.orchestration import train
 from asyncrl.orchestration.build import seed_everything, task_prompts
 from asyncrl.orchestration.controller import Controller, write_control
-from asyncrl.orchestration.events import StepDone, WorkerError
+from asyncrl.orchestration.events import GroupCancelled, GroupDropped, GroupReady, StepDone, WorkerError
 from asyncrl.orchestration.ray_runtime import RayRuntime
 from asyncrl.orchestration.session import RunSession
 
@@ -137,6 +137,14 @@ def test_two_fsdp2_trainer_ranks_on_ray_match_one_inline_trainer(tmp_path: Path)
     assert max_abs_diff(final_weights(tmp_path / "inline"), final_weights(tmp_path / "ray")) <= 1e-5
 
 
+def is_group_end(event, worker: str) -> bool:
+    return isinstance(event, GroupReady | GroupDropped | GroupCancelled) and event.worker == worker
+
+
+def ended_group(event: GroupReady | GroupDropped | GroupCancelled) -> int:
+    return event.group_id if isinstance(event, GroupCancelled) else event.group.group_id
+
+
 def run_with_hook(cfg, run_dir: Path, hook) -> tuple[dict, RayRuntime, Controller]:
     """Run the controller on a RayRuntime, calling ``hook(runtime, controller, events)`` after every poll."""
     seed_everything(cfg.run.seed)
@@ -160,41 +168,67 @@ def run_with_hook(cfg, run_dir: Path, hook) -> tuple[dict, RayRuntime, Controlle
     return accounting, runtime, controller
 
 
-def test_killed_generator_is_restarted_and_nothing_is_lost_or_trained_twice(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("weight_sync", "generators"), [("shm", 1), ("broadcast", 1), ("broadcast", 2)])
+def test_killed_generator_is_restarted_and_nothing_is_lost_or_trained_twice(
+    tmp_path: Path, weight_sync: str, generators: int
+) -> None:
+    """A generator killed with groups in flight is replaced and its groups are issued again. Alone, the
+    run can only finish if its restart rejoins (with broadcast: a group of the trainer alone, then one
+    with the replacement). With a second generator (broadcast), the survivor moves to a group without
+    the victim at once and keeps loading new versions; the replacement joins if it is up in time."""
+    steps = 12  # a kill well before the end leaves published versions for the survivor to load
     cfg = load_config(
         None,
         [
             *BASE,
             "schedule=async",
             "runtime.kind=ray",
+            f"runtime.weight_sync={weight_sync}",
+            f"runtime.generators={generators}",
+            "runtime.ray.generator.num_cpus=1",
             "rollout.max_new_tokens=24",
             "rollout.ignore_eos=true",  # long enough generations that the victim has work in flight
+            f"run.steps={steps}",
         ],
     )
     killed: dict = {}
-    victim = "generator-0"  # the only one: the run can only finish if its restart rejoins
+    victim = "generator-0"
 
     def kill_once(runtime: RayRuntime, controller: Controller, events: list) -> None:
-        if killed or not any(isinstance(e, StepDone) for e in events):
+        if killed or not 1 <= controller.steps_done < steps // 2:  # after a publication, well before the end
             return
-        if controller.in_flight.get(victim):
-            killed["in_flight"] = len(controller.in_flight[victim])
+        # The controller handles this poll's events after the hook: groups they finish are not in flight.
+        done = {ended_group(e) for e in events if is_group_end(e, victim)}
+        in_flight = set(controller.in_flight.get(victim, {})) - done
+        if in_flight:
+            killed["in_flight"] = len(in_flight)
+            killed["step"] = controller.steps_done
             ray.kill(runtime.actor(victim))
 
-    acc, _, controller = run_with_hook(cfg, tmp_path, kill_once)
+    acc, runtime, controller = run_with_hook(cfg, tmp_path, kill_once)
     assert killed["in_flight"] > 0
-    assert acc["generators_lost"] == 1 and acc["generators_joined"] == 1
+    joined = acc.get("generators_joined", 0)
+    assert acc["generators_lost"] == 1 and joined == (1 if generators == 1 else joined)
     assert acc["lost_in_flight"] == killed["in_flight"]
-    assert acc["trained"] == STEPS * PROMPTS
+    assert acc["trained"] == steps * PROMPTS
     assert acc["prompts_trained_twice"] == 0 and acc["prompts_missing"] == 0 and acc["reconciles"]
     assert acc["issued"] == acc["trained"] + acc["lost_in_flight"] + acc["in_flight"] + acc["buffered"] + sum(
         v for k, v in acc.items() if k.startswith("dropped_") or k == "cancelled_stale"
     )
-    assert controller.gens == [victim]  # the restarted actor took work again
     assert f"{victim} lost" in (tmp_path / "events.jsonl").read_text()
+    if generators == 1:
+        assert controller.gens == [victim]  # the restarted actor took work again
+    if weight_sync == "broadcast":
+        # One group without the victim, one more with its replacement once it was ready.
+        assert runtime.regroups == 1 + joined
+        if joined:  # a fresh engine is at version 0: it loaded the trainer's weights from its group
+            assert controller.gen_version[victim] >= 1
+        if generators == 2:  # the survivor loaded versions published after the loss
+            assert controller.gen_version["generator-1"] > killed["step"]
 
 
-def test_generators_join_and_leave_during_a_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("weight_sync", ["shm", "broadcast"])
+def test_generators_join_and_leave_during_a_run(tmp_path: Path, weight_sync: str) -> None:
     steps = 16
     cfg = load_config(
         None,
@@ -202,6 +236,7 @@ def test_generators_join_and_leave_during_a_run(tmp_path: Path) -> None:
             *BASE,
             "schedule=async",
             "runtime.kind=ray",
+            f"runtime.weight_sync={weight_sync}",
             "runtime.ray.generator.num_cpus=1",
             f"run.steps={steps}",
         ],
@@ -217,22 +252,26 @@ def test_generators_join_and_leave_during_a_run(tmp_path: Path) -> None:
             controller._next_control_check = 0.0
         if runtime.starting_generators():
             time.sleep(0.3)  # a tiny run outpaces an actor's start-up; slow the loop until it joins
-        if len(controller.gens) == 2 and "down" not in seen:
+        if len(controller.gens) == 2 and "down" not in seen and controller.gen_version["generator-1"] > 0:
             seen["down"] = step
+            seen["newcomer_version"] = controller.gen_version["generator-1"]
             assert cli_main(["scale", str(tmp_path), "--generators", "1"]) == 0
             controller._next_control_check = 0.0
 
-    acc, _, controller = run_with_hook(cfg, tmp_path, scale)
+    acc, runtime, controller = run_with_hook(cfg, tmp_path, scale)
     assert seen["max_gens"] == 2 and seen["down"] < steps
+    assert seen["newcomer_version"] >= seen["up"]  # it started from the trainer's newest weights
     assert acc["generators_joined"] == 1 and acc["generators_removed"] == 1
     assert len(controller.gens) == 1
     assert acc["trained"] == steps * PROMPTS and acc["reconciles"]
     assert acc["prompts_trained_twice"] == 0 and acc["prompts_missing"] == 0
     log = (tmp_path / "events.jsonl").read_text()
     assert "adding generator-1" in log and "retiring" in log
+    if weight_sync == "broadcast":
+        assert runtime.regroups == 2  # one group with the newcomer, one without the retired generator
 
 
-def test_lost_generator_with_broadcast_sync_ends_the_run_with_a_clear_error(tmp_path: Path) -> None:
+def test_lost_generator_beyond_the_restart_budget_ends_the_run_with_a_clear_error(tmp_path: Path) -> None:
     cfg = load_config(
         None,
         [
@@ -240,6 +279,7 @@ def test_lost_generator_with_broadcast_sync_ends_the_run_with_a_clear_error(tmp_
             "schedule=async",
             "runtime.kind=ray",
             "runtime.weight_sync=broadcast",
+            "runtime.ray.max_generator_restarts=0",
             "runtime.stall_timeout_s=60",
         ],
     )
@@ -248,7 +288,7 @@ def test_lost_generator_with_broadcast_sync_ends_the_run_with_a_clear_error(tmp_
         if any(isinstance(e, StepDone) for e in events):
             ray.kill(runtime.actor("generator-0"))
 
-    with pytest.raises(WorkerError, match="broadcast weight-sync group cannot take a replacement"):
+    with pytest.raises(WorkerError, match=r"generator-0 actor died .* after 0 restarts"):
         run_with_hook(cfg, tmp_path, kill)
 
 

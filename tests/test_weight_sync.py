@@ -10,6 +10,7 @@ import os
 import queue
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ from safetensors import safe_open
 from asyncrl.weight_sync import shm
 from asyncrl.weight_sync.base import (
     CHECKSUM_MODULUS,
+    SyncInterrupted,
     TensorSpec,
     WeightLayout,
     WeightSyncError,
@@ -38,6 +40,7 @@ from asyncrl.weight_sync.broadcast import (
     BroadcastReceiver,
     BroadcastSender,
     Message,
+    UnjoinedReceiver,
     plan_buckets,
     plan_messages,
 )
@@ -828,6 +831,167 @@ def test_broadcast_sender_whose_receivers_never_join_fails_within_its_timeout() 
     ):
         BroadcastSender(LAYOUT, HOST, port, WORLD, 64, timeout_s=3.0)
     assert 2.5 <= time.monotonic() - t0 < 8.0
+
+
+def _interrupted_receive_job(rank: int, report: Callable, *, port: int, after_s: float) -> None:
+    """Wait for a publication that never comes; another thread interrupts the wait after ``after_s``."""
+    rx = BroadcastReceiver(LAYOUT, HOST, port, rank, WORLD, 64, timeout_s=30.0)
+    try:
+        timer = threading.Timer(after_s, rx.interrupt)
+        timer.start()
+        t0 = time.monotonic()
+        try:
+            rx.receive(1)
+        except WeightSyncError as exc:
+            report({"error": type(exc).__name__, "message": str(exc), "elapsed": time.monotonic() - t0})
+        finally:
+            timer.cancel()
+    finally:
+        rx.close()
+
+
+def test_interrupt_ends_a_receivers_wait_at_once(helpers: Helpers) -> None:
+    """A receiver waiting on a group that is being replaced stops at interrupt(), not at the 30 s timeout."""
+    port = free_port()
+    tag = helpers.submit(_interrupted_receive_job, port=port, after_s=0.5)
+    with broadcast_sender(port):
+        results = helpers.gather(tag)
+    for rank, r in results.items():
+        assert r["error"] == "SyncInterrupted", r
+        assert f"(rank {rank} of {WORLD}): a header interrupted: the group is being replaced" in r["message"]
+        assert 0.4 < r["elapsed"] < 3.0
+
+
+def _group_member_job(
+    rank: int,
+    report: Callable,
+    *,
+    groups_of: dict[int, list[tuple[int | str, int, int, list[int]]]],
+    leave_after: int | None = None,
+) -> None:
+    """Join each group ``(port, rank, world, asks)`` of ``groups_of[rank]`` in turn and receive what
+    ``asks`` names there.
+
+    A port given as a path is read from that file once it exists: a later group's port is chosen
+    just before it forms (a port chosen early may meanwhile be taken by a connection of the first
+    group). Rank 2 with ``leave_after`` stops after that many receives without a word, as a
+    generator that dies would.
+    """
+    for port, my_rank, world, asks in groups_of[rank]:
+        if isinstance(port, str):
+            deadline = time.monotonic() + RESULT_S
+            while not os.path.exists(port) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            port = int(Path(port).read_text())
+        rx = BroadcastReceiver(LAYOUT, HOST, port, my_rank, world, 64, timeout_s=20.0)
+        try:
+            for k, ask in enumerate(asks):
+                if leave_after is not None and rank == 2 and k == leave_after:
+                    return
+                version, tensors = rx.receive(ask)
+                report({"port": port, "version": version, "tensors": pack(tensors)})
+        finally:
+            rx.close()
+
+
+def regroup_to_a_new_port(publisher: BackgroundPublisher, world: int, port_file: Path) -> int:
+    port = free_port()
+    port_file.write_text(str(port))
+    publisher.regroup(lambda: BroadcastSender(LAYOUT, HOST, port, world, 64, 20.0))
+    return port
+
+
+def test_publisher_regroup_publishes_the_newest_weights_to_the_new_group_first(
+    helpers: Helpers, tmp_path: Path
+) -> None:
+    """regroup() moves the publisher to a new group (here: rank 2 left); the new group's first publication
+    is the newest snapshot (version 1 again), and later publications follow on it."""
+    first, port_file = free_port(), tmp_path / "second-port"
+    groups = {
+        1: [(first, 1, WORLD, [1]), (str(port_file), 1, 2, [1, 2])],
+        2: [(first, 2, WORLD, [1])],
+    }
+    tag = helpers.submit(_group_member_job, groups_of=groups)
+    publisher = BackgroundPublisher(BroadcastSender(LAYOUT, HOST, first, WORLD, 64, 20.0), timeout_s=20.0)
+    try:
+        publisher.publish(named_tensors(1), version=1)
+        assert_received(helpers.gather(tag), 1)
+        second = regroup_to_a_new_port(publisher, 2, port_file)
+        _, republished = helpers.next(tag)
+        assert (republished["port"], republished["version"]) == (second, 1)
+        assert_same(unpack(republished["tensors"]), named_tensors(1))
+        publisher.publish(named_tensors(2), version=2)
+        _, newer = helpers.next(tag)
+        assert (newer["port"], newer["version"]) == (second, 2)
+        assert_same(unpack(newer["tensors"]), named_tensors(2))
+        assert publisher.regroups == 1 and publisher.sender.world_size == 2
+    finally:
+        publisher.close()
+
+
+def test_elastic_publisher_waits_for_the_regroup_after_a_member_is_lost(
+    helpers: Helpers, tmp_path: Path
+) -> None:
+    """Rank 2 leaves its group without a word; the publication it misses fails on the old group, and an
+    elastic publisher waits for the regroup instead of failing: the remaining member gets that version."""
+    first, port_file = free_port(), tmp_path / "second-port"
+    groups = {
+        1: [(first, 1, WORLD, [1]), (str(port_file), 1, 2, [2])],
+        2: [(first, 2, WORLD, [1, 2])],
+    }
+    tag = helpers.submit(_group_member_job, groups_of=groups, leave_after=1)
+    publisher = BackgroundPublisher(
+        BroadcastSender(LAYOUT, HOST, first, WORLD, 64, 20.0), timeout_s=20.0, elastic=True
+    )
+    try:
+        publisher.publish(named_tensors(1), version=1)
+        assert_received(helpers.gather(tag), 1)
+        publisher.publish(named_tensors(2), version=2)  # rank 2 is gone; rank 1 moved on to the next group
+        time.sleep(1.0)  # the publication fails on the old group meanwhile; the publisher waits
+        assert publisher._error is None
+        second = regroup_to_a_new_port(publisher, 2, port_file)
+        _, got = helpers.next(tag)
+        assert (got["port"], got["version"]) == (second, 2)
+        assert_same(unpack(got["tensors"]), named_tensors(2))
+    finally:
+        publisher.close()
+
+
+def test_a_publisher_without_elastic_reports_a_lost_member() -> None:
+    """Without elastic, a failed publication is reported by the next publish (as before regroups existed)."""
+
+    class Failing:
+        layout = LAYOUT
+        where = "broadcast group test"
+
+        def publish(self, named, version):
+            raise WeightSyncError("Connection closed by peer")
+
+        def interrupt(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    publisher = BackgroundPublisher(Failing(), timeout_s=5.0)  # type: ignore[arg-type]
+    publisher.publish(named_tensors(1), version=1)
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match="background publication failed: Connection closed by peer"):
+        publisher.publish(named_tensors(2), version=2)
+    assert time.monotonic() - t0 < 2.0
+    publisher.close()
+
+
+def test_unjoined_receiver_waits_for_its_group() -> None:
+    """A generator with no group yet: receive() ends with SyncInterrupted when moved, else after its timeout."""
+    rx = UnjoinedReceiver("generator-3", timeout_s=5.0)
+    with pytest.raises(WeightSyncError, match=r"generator-3: was given no broadcast group within 0\.2s"):
+        rx.receive(1, timeout=0.2)
+    threading.Timer(0.2, rx.interrupt).start()
+    t0 = time.monotonic()
+    with pytest.raises(SyncInterrupted, match="generator-3: moving to its broadcast group"):
+        rx.receive(1)
+    assert time.monotonic() - t0 < 2.0
 
 
 def big_named_tensors(version: int) -> list[tuple[str, torch.Tensor]]:

@@ -61,7 +61,10 @@ def transport_spec(cfg: Config, run_dir: Path) -> dict:
     }
 
 
-def make_sender(spec: dict, layout: WeightLayout, timeout_s: float, device: torch.device):
+def make_sender(
+    spec: dict, layout: WeightLayout, timeout_s: float, device: torch.device, elastic: bool = False
+):
+    """The trainer's sender; ``elastic``: a broadcast group that the runtime re-forms when generators change."""
     if spec["kind"] == "shm":
         from asyncrl.weight_sync.shm import SharedMemorySender
 
@@ -70,12 +73,20 @@ def make_sender(spec: dict, layout: WeightLayout, timeout_s: float, device: torc
         from asyncrl.weight_sync.files import FileSender
 
         return FileSender(spec["dir"], layout)
-    from asyncrl.weight_sync.broadcast import BackgroundPublisher, BroadcastSender
+    from asyncrl.weight_sync.broadcast import BackgroundPublisher
 
-    sender = BroadcastSender(
+    return BackgroundPublisher(make_broadcast_sender(spec, layout, timeout_s, device), timeout_s, elastic)
+
+
+def make_broadcast_sender(spec: dict, layout: WeightLayout, timeout_s: float, device: torch.device):
+    """Rank 0 of the broadcast group ``spec`` names, or None if the group has no receivers."""
+    from asyncrl.weight_sync.broadcast import BroadcastSender
+
+    if spec["world"] < 2:
+        return None
+    return BroadcastSender(
         layout, spec["host"], spec["port"], spec["world"], spec["bucket_bytes"], timeout_s, device
     )
-    return BackgroundPublisher(sender, timeout_s)
 
 
 def make_receiver(spec: dict, layout: WeightLayout, rank: int, timeout_s: float, device: torch.device):
@@ -87,8 +98,10 @@ def make_receiver(spec: dict, layout: WeightLayout, rank: int, timeout_s: float,
         from asyncrl.weight_sync.files import FileReceiver
 
         return FileReceiver(spec["dir"], layout)
-    from asyncrl.weight_sync.broadcast import BroadcastReceiver
+    from asyncrl.weight_sync.broadcast import BroadcastReceiver, UnjoinedReceiver
 
+    if spec.get("port") is None:  # a generator that joined a running run: the runtime gives it a group
+        return UnjoinedReceiver(f"generator rank {rank}", timeout_s)
     return BroadcastReceiver(
         layout, spec["host"], spec["port"], rank, spec["world"], spec["bucket_bytes"], timeout_s, device
     )

@@ -21,10 +21,12 @@ Faults: a generator actor that dies is reported to the controller as ``WorkerLos
 groups in flight are issued again) and started afresh under the same name, up to
 ``runtime.ray.max_generator_restarts`` times; the newcomer receives the latest weights when
 it is ready. Generators can also be added and removed while the run goes
-(:meth:`add_generator`, :meth:`remove_generator`). Both need a transport that a newcomer
-can join at any time (shared memory or files); a broadcast group has a fixed membership,
-so with ``weight_sync=broadcast`` a lost generator ends the run with a clear error. A dead
-trainer always ends the run.
+(:meth:`add_generator`, :meth:`remove_generator`). Shared memory and files take a newcomer
+at any time. A broadcast group has fixed members, so with ``weight_sync=broadcast`` every
+change makes a new group (:meth:`_regroup`): when a member is lost the survivors move at
+once (waits on the old group are given up), a newcomer joins when it is ready, and the
+trainer publishes its newest weights to each new group first. A dead trainer always ends
+the run.
 """
 
 from __future__ import annotations
@@ -41,7 +43,15 @@ from pathlib import Path
 from asyncrl.config import Config
 from asyncrl.errors import AsyncRLError
 from asyncrl.orchestration.cores import available_cores
-from asyncrl.orchestration.events import Ready, Stop, WorkerError, WorkerFailed, WorkerLost
+from asyncrl.orchestration.events import (
+    Ready,
+    Restored,
+    StepDone,
+    Stop,
+    WorkerError,
+    WorkerFailed,
+    WorkerLost,
+)
 from asyncrl.orchestration.local import (
     TRAINER,
     TRAINER_RANK,
@@ -75,6 +85,7 @@ class WorkerHost:
         self._early: dict[int, object] = {}
         self._lock = threading.Lock()
         self._exit = threading.Event()
+        self._worker = None  # once built
         self._thread = threading.Thread(target=self._run, name=f"asyncrl-{name}", daemon=True)
 
     def start(self, spec: dict, group: dict) -> None:
@@ -103,6 +114,27 @@ class WorkerHost:
                 self._commands.put(self._early.pop(self._next_seq))
                 self._next_seq += 1
 
+    def regroup(self, spec: dict, rank: int, version: int) -> None:
+        """Move this worker's end of the broadcast weight sync to the group ``spec`` names.
+
+        ``rank`` is its place there (0: the trainer), ``version`` the newest version published
+        so far, which the group's first publication carries at least.
+        """
+        with self._lock:
+            worker = self._worker
+        if worker is None:
+            raise RuntimeError(f"{self.name} is not started: the runtime regroups only ready workers")
+        import torch
+
+        from asyncrl.orchestration.local import make_broadcast_sender
+
+        timeout = worker.cfg.runtime.stall_timeout_s
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if rank == 0:
+            worker.join_group(lambda layout: make_broadcast_sender(spec, layout, timeout, device))
+        else:
+            worker.join_group(lambda layout: make_receiver(spec, layout, rank, timeout, device), version)
+
     def events(self, wait_s: float) -> list:
         out = []
         try:
@@ -114,6 +146,10 @@ class WorkerHost:
         return out
 
     def stop(self, timeout_s: float) -> bool:
+        with self._lock:
+            worker = self._worker
+        if worker is not None:
+            worker.stop_waiting()  # a wait for weights or for receivers would hold the Stop back
         self._commands.put(Stop())
         if self._thread.is_alive():
             self._thread.join(timeout_s)
@@ -136,7 +172,9 @@ class WorkerHost:
             spec = self._spec
             if self.role in (TRAINER, TRAINER_RANK):
                 sender = (
-                    (lambda layout: make_sender(spec, layout, timeout, device)) if self.index == 0 else None
+                    (lambda layout: make_sender(spec, layout, timeout, device, elastic=True))
+                    if self.index == 0
+                    else None
                 )
                 worker = TrainerWorker(self.name, cfg, sender, rank=self.index, **self._group)
                 serve = serve_trainer
@@ -148,6 +186,8 @@ class WorkerHost:
                     seed=cfg.run.seed + self.index,
                 )
                 serve = serve_generator
+            with self._lock:
+                self._worker = worker
             self._events.put(Ready(self.name, {"pid": os.getpid(), "threads": torch.get_num_threads()}))
             if self.role == TRAINER_RANK:
                 run_follower(worker)
@@ -188,6 +228,12 @@ class RayRuntime:
         self._placement = None
         self._spec: dict = {}
         self._lost: list = []
+        # Broadcast weight sync: the generators in the current group, in rank order (rank i+1),
+        # those started during the run that join it once ready, and the newest published version.
+        self._members: list[str] = []  # filled at start when the transport is broadcast
+        self._joining: set[str] = set()
+        self._published = 0
+        self.regroups = 0
 
     # -- start --------------------------------------------------------------------------------
 
@@ -205,6 +251,8 @@ class RayRuntime:
             ray.init(**kwargs)
             self._started_ray = True
         self._spec = transport_spec(self.cfg, self.run_dir)
+        if self._spec["kind"] == "broadcast":
+            self._members = list(self.generator_names)
         self._placement = self._trainer_placement()
         ranks = [
             self._create(TRAINER if r == 0 else TRAINER_RANK, name, r)
@@ -323,6 +371,12 @@ class RayRuntime:
         for event in events:
             if isinstance(event, Ready):
                 self._ready.add(event.worker)
+                if event.worker in self._joining:  # a newcomer: now it can join the group
+                    self._joining.discard(event.worker)
+                    self._members.append(event.worker)
+                    self._regroup()
+            elif isinstance(event, Restored) or (isinstance(event, StepDone) and event.published):
+                self._published = max(self._published, event.version)
         return events
 
     def _collect(self, timeout: float) -> list:
@@ -352,19 +406,40 @@ class RayRuntime:
         self._ready.discard(name)
         if name in self.trainer_names:
             raise WorkerError(f"{name} actor died: {reason}")
-        if self._spec["kind"] == "broadcast":
-            raise WorkerError(
-                f"{name} actor died ({reason}); a broadcast weight-sync group cannot take a replacement, "
-                "so the run stops (runtime.weight_sync=shm or files lets lost generators restart)"
-            )
         if self._restarts >= self.rcfg.max_generator_restarts:
             raise WorkerError(
                 f"{name} actor died ({reason}) after {self._restarts} restarts "
                 "(runtime.ray.max_generator_restarts)"
             )
         self._restarts += 1
-        self._create("generator", name, self._index_of(name)).start.remote(self._spec, {})
+        self._start_newcomer(name)
+        if name in self._members:  # the survivors move to a group without it at once
+            self._members.remove(name)
+            self._regroup()
         return [WorkerLost(name, reason)]
+
+    def _start_newcomer(self, name: str) -> None:
+        """Start a generator during the run; with broadcast sync it joins the group once ready."""
+        spec = self._spec
+        if spec["kind"] == "broadcast":
+            spec = {**spec, "port": None}
+            self._joining.add(name)
+        self._create("generator", name, self._index_of(name)).start.remote(spec, {})
+
+    def _regroup(self) -> None:
+        """Form a new broadcast group of the trainer and ``_members`` (their ranks in order).
+
+        A broadcast group has fixed members, so every change of generators makes a new one, on a
+        new port: every member is told its rank, waits of the old group are given up, and the
+        trainer publishes its newest weights to the new group first.
+        """
+        trainer = self._actors[TRAINER]
+        port = self.ray.get(trainer.free_port.remote(), timeout=self._start_s)
+        spec = {**self._spec, "port": port, "world": len(self._members) + 1}
+        for rank, name in enumerate(self._members, start=1):
+            self._actors[name].regroup.remote(spec, rank, self._published)
+        trainer.regroup.remote(spec, 0, self._published)
+        self.regroups += 1
 
     @staticmethod
     def _index_of(name: str) -> int:
@@ -380,16 +455,16 @@ class RayRuntime:
         return [n for n in self._actors if n not in self.trainer_names and n not in self._ready]
 
     def add_generator(self) -> str:
-        if self._spec["kind"] == "broadcast":
-            raise WorkerError(
-                "generators cannot join a broadcast weight-sync group during a run; use shm or files"
-            )
         name = generator_name(self._next_index)
         self._next_index += 1
-        self._create("generator", name, self._index_of(name)).start.remote(self._spec, {})
+        self._start_newcomer(name)
         return name  # its Ready event, through poll(), lets the controller send it work
 
     def remove_generator(self, name: str) -> None:
+        self._joining.discard(name)
+        if name in self._members:  # the others move to a group without it before it stops
+            self._members.remove(name)
+            self._regroup()
         actor = self._actors.pop(name)
         self._pending.pop(name, None)
         self._ready.discard(name)

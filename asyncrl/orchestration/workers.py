@@ -7,6 +7,7 @@ commands and forwards their events to the controller.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,7 +48,7 @@ from asyncrl.trainer import assign_advantages
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.distributed import RankGroup, RankSpec, rank_device
 from asyncrl.weight_sync import WeightLayout, WeightReceiver, WeightSender, WeightSyncError
-from asyncrl.weight_sync.base import check_checksums, tensor_checksums
+from asyncrl.weight_sync.base import SyncInterrupted, check_checksums, tensor_checksums
 
 SPAN_FLUSH_S = 0.25  # long generation periods are reported in slices so the timeline stays live
 
@@ -99,6 +100,12 @@ class GeneratorWorker:
         self.interrupt = cfg.schedule.interrupt
         self.pending_version: int | None = None
         self._busy_since: float | None = None
+        self._layout = layout
+        # A new broadcast group to move to (set by join_group from the host's thread), and the
+        # version its first publication carries at least, once moved.
+        self._group_lock = threading.Lock()
+        self._next_receiver: tuple[Callable[[WeightLayout], WeightReceiver], int] | None = None
+        self._rejoin_version: int | None = None
 
     @property
     def version(self) -> int:
@@ -127,8 +134,43 @@ class GeneratorWorker:
             return self.engine.num_running == 0
         return True  # never, abort
 
+    def join_group(self, make_receiver: Callable[[WeightLayout], WeightReceiver], version: int) -> None:
+        """Move to a new weight-sync group (a broadcast group whose members changed); any thread.
+
+        A wait on the current group is given up at once; the worker's own thread then builds
+        the new receiver and takes the group's first publication, which carries the trainer's
+        newest weights, of ``version`` or newer (0: nothing has been published yet).
+        """
+        with self._group_lock:  # the receiver to interrupt is the one in use before the move
+            self._next_receiver = (make_receiver, version)
+            current = self.receiver
+        interrupt = getattr(current, "interrupt", None)
+        if interrupt is not None:
+            interrupt()
+
+    def stop_waiting(self) -> None:
+        """Give up a wait for weights (any thread): the run is stopping."""
+        interrupt = getattr(self.receiver, "interrupt", None)
+        if interrupt is not None:
+            interrupt()
+
+    def _switch_group(self) -> None:
+        with self._group_lock:
+            (make_receiver, version), self._next_receiver = self._next_receiver, None
+        self.receiver.close()
+        receiver = make_receiver(self._layout)  # waits until the group has formed
+        with self._group_lock:
+            self.receiver = receiver
+        if version > 0:
+            self._rejoin_version = version
+            self.pending_version = max(self.pending_version or 0, version)
+        else:
+            self._rejoin_version = None
+
     def work(self) -> list:
         """One unit of work: apply a pending update if allowed, else one engine step."""
+        if self._next_receiver is not None:
+            self._switch_group()
         if self.pending_version is not None and self._may_apply_update():
             return self._apply_update()
         if not self.engine.has_work:
@@ -151,9 +193,13 @@ class GeneratorWorker:
 
         def load() -> None:
             before = self.engine.version
-            version, tensors = self.receiver.receive(
-                self.pending_version, timeout=self.cfg.runtime.stall_timeout_s
-            )
+            # After a move to a new group, its first publication, whatever version it carries.
+            ask = self.pending_version if self._rejoin_version is None else self._rejoin_version
+            version, tensors = self.receiver.receive(ask, timeout=self.cfg.runtime.stall_timeout_s)
+            rejoined, self._rejoin_version = self._rejoin_version is not None, None
+            received["version"] = version
+            if rejoined and version == before:
+                return  # the group's first publication: weights this engine already holds
             if self.lora is not None:
                 self.lora.load(self.engine, tensors, version)
             else:
@@ -163,16 +209,18 @@ class GeneratorWorker:
                     f"{self.name}: the weight update to version {version} did not change the engine's "
                     f"version (it was {before}, it is {self.engine.version})"
                 )
-            received["version"] = version
             self._verify_engine()
 
-        if self.interrupt == "abort" and self.engine.num_running:
-            interrupted = self.rollout.abort_and_resume(before_resume=load)
-        else:
-            interrupted = 0
-            load()
+        try:
+            if self.interrupt == "abort" and self.engine.num_running:
+                interrupted = self.rollout.abort_and_resume(before_resume=load)
+            else:
+                interrupted = 0
+                load()
+        except SyncInterrupted:
+            return events  # the group is being replaced: the update is taken from the new one
         version = received["version"]
-        self.pending_version = None
+        self.pending_version = None if version >= self.pending_version else self.pending_version
         events.append(
             Span(
                 self.name, "weight_sync", start, time.time(), {"version": version, "interrupted": interrupted}
@@ -259,6 +307,7 @@ class TrainerWorker:
         self.policy = build.build_policy(cfg, device, trainable=True)
         # What the sync moves (the whole model, or with LoRA the adapters), read before any sharding.
         layout = WeightLayout.of(published_weights(self.policy.model))
+        self._layout = layout
         self.sender = sender_factory(layout) if sender_factory is not None else None
         self.trainer = build.build_trainer(cfg, self.policy, self.ranks)
         self._step_batches: list[MicroBatch] = []
@@ -275,6 +324,24 @@ class TrainerWorker:
     @property
     def is_leader(self) -> bool:
         return self.ranks is None or self.ranks.is_leader
+
+    def join_group(self, make_sender: Callable[[WeightLayout], WeightSender | None]) -> None:
+        """Publish to a new broadcast group from now on (its generators changed); any thread.
+
+        The publication in flight is given up and the newest weights go to the new group
+        first (see :class:`~asyncrl.weight_sync.broadcast.BackgroundPublisher`).
+        """
+        regroup = getattr(self.sender, "regroup", None)
+        if regroup is None:
+            raise WeightSyncError(f"{self.name}: its weight transport has no group to move ({self.sender!r})")
+        layout = self._layout
+        regroup(lambda: make_sender(layout))
+
+    def stop_waiting(self) -> None:
+        """Give up a publication that waits for receivers or for a regroup (any thread): the run is stopping."""
+        stop = getattr(self.sender, "stop_waiting", None)
+        if stop is not None:
+            stop()
 
     def handle(
         self, command: Accumulate | FinishStep | Evaluate | SaveModel | SaveCheckpoint | Restore

@@ -25,6 +25,10 @@ class WeightSyncError(RuntimeError):
     """A weight update that is incomplete, torn, of the wrong version or layout, or late."""
 
 
+class SyncInterrupted(WeightSyncError):
+    """A wait on a broadcast group that is being replaced was given up (see ``interrupt``)."""
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str

@@ -31,7 +31,9 @@ Measured figures for both are in docs/weight_sync.md. On either plane the sender
 tensor's words while later messages are in flight (the checksum therefore comes last) and
 each receiver sums every tensor as soon as its last message has arrived. Every receiver must
 call :meth:`BroadcastReceiver.receive` while the sender publishes; the group's timeout
-turns a missing peer into an error instead of a hang.
+turns a missing peer into an error instead of a hang. A group whose members change is
+replaced, not repaired: ``interrupt`` gives up the waits of the old one, and
+:meth:`BackgroundPublisher.regroup` moves the trainer to the new one.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.weight_sync.base import (
+    SyncInterrupted,
     SyncStats,
     TensorSpec,
     WeightLayout,
@@ -65,6 +68,8 @@ DEFAULT_STREAMS = 4
 DIRECT_BYTES = 1 << 20
 PIECE_BYTES = 16 << 20
 PLANE_PIECE_BYTES = 4 << 20
+# A CPU group waits in slices this long, so that ``interrupt`` from another thread is seen.
+WAIT_SLICE_S = 0.25
 
 
 def plan_buckets(layout: WeightLayout, bucket_bytes: int) -> list[list[int]]:
@@ -181,6 +186,17 @@ class _BroadcastEnd:
         fp = int(layout.fingerprint, 16) & ((1 << 62) - 1)
         self.fingerprint = fp
         self._index_messages()
+        self._interrupted = threading.Event()
+
+    def interrupt(self) -> None:
+        """Make every wait of this end, now or later, raise :class:`SyncInterrupted` (any thread).
+
+        For a group that is being replaced (a member was lost or added): a publication that
+        waits for a peer that will never come is given up at once instead of at the timeout.
+        """
+        self._interrupted.set()
+        if self.device.type == "cuda" and self.group is not None:
+            self.group.abort()  # NCCL fails its pending work; gloo's is watched in slices by _wait
 
     def _use_plane_messages(self) -> None:
         """Smaller pieces through the segment: the receivers' copies trail the sender's by one piece."""
@@ -208,16 +224,44 @@ class _BroadcastEnd:
 
     def _wait(self, works: list, what: str, after: Callable[[int], None] | None = None) -> None:
         """Wait for every broadcast in order, calling ``after(k)`` once the k-th is done; the
-        first that fails or times out is reported."""
+        first that fails or times out is reported, and an interrupt ends the wait."""
         try:
             for k, work in enumerate(works):
-                work.wait()
+                self._wait_one(work)
                 if after is not None:
                     after(k)
+        except SyncInterrupted:
+            raise SyncInterrupted(f"{self.where}: {what} interrupted: the group is being replaced") from None
         except RuntimeError as exc:
+            if self._interrupted.is_set():  # NCCL's abort fails the pending work
+                raise SyncInterrupted(
+                    f"{self.where}: {what} interrupted: the group is being replaced"
+                ) from None
             raise WeightSyncError(
                 f"{self.where}: broadcast of {what} failed or timed out after {self.timeout_s:g}s: {exc}"
             ) from None
+
+    def _wait_one(self, work) -> None:
+        if self._interrupted.is_set():
+            raise SyncInterrupted
+        if self.device.type == "cuda":
+            work.wait()
+            return
+        # A gloo wait with a timeout that expires leaves the operation running (a later wait
+        # completes it); the group's own timeout still bounds the operation itself.
+        while True:
+            try:
+                work.wait(timedelta(seconds=WAIT_SLICE_S))
+                return
+            except RuntimeError:
+                if work.is_completed():
+                    # Done by now: a wait returns if it succeeded (it may have just as the slice
+                    # ran out) and raises the operation's own error (a lost peer, the group's
+                    # timeout) if it failed.
+                    work.wait()
+                    return
+                if self._interrupted.is_set():
+                    raise SyncInterrupted from None
 
     def close(self) -> None:
         # Process groups are released with their Python object; nothing to tear down explicitly.
@@ -439,47 +483,170 @@ class BroadcastReceiver(_BroadcastEnd):
         super().close()
 
 
+class UnjoinedReceiver:
+    """The receiving end of a generator that has no broadcast group yet (it joined a running run).
+
+    The runtime gives it a group once the generator is ready (:meth:`GeneratorWorker.join_group`);
+    a receive before that waits for the move, which interrupts it.
+    """
+
+    def __init__(self, where: str, timeout_s: float) -> None:
+        self.where = where
+        self.timeout_s = timeout_s
+        self._interrupted = threading.Event()
+
+    def receive(self, version: int, timeout: float | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+        wait_s = self.timeout_s if timeout is None else timeout
+        if self._interrupted.wait(wait_s):
+            raise SyncInterrupted(f"{self.where}: moving to its broadcast group")
+        raise WeightSyncError(f"{self.where}: was given no broadcast group within {wait_s:g}s")
+
+    def interrupt(self) -> None:
+        self._interrupted.set()
+
+    def close(self) -> None:
+        pass
+
+
 class BackgroundPublisher:
     """Publishes from a snapshot on a background thread, so the trainer keeps training.
 
     A broadcast completes only when every receiver joins it, which a generator does between
     batches; the trainer should not wait for that. Publications stay in order: a new one
     first waits (up to ``timeout_s``) for the previous one to finish.
+
+    A broadcast group has fixed members. When a generator is lost, added or removed, the
+    runtime forms a new group and calls :meth:`regroup` with a function that builds this
+    end of it. The publication in flight on the old group is given up (a lost member will
+    never join it), the old group is closed, the new one formed, and the newest snapshot is
+    published to it: the first publication of every group carries the current weights, and
+    every member takes it, so survivors and newcomers start from the same version. With
+    ``elastic``, a publication that fails (a member died) does not fail the trainer at once:
+    the publisher waits up to ``timeout_s`` for the regroup the runtime starts when it
+    notices the loss, and only then reports the failure.
     """
 
-    def __init__(self, sender: BroadcastSender, timeout_s: float) -> None:
-        self.sender = sender
+    def __init__(self, sender: BroadcastSender, timeout_s: float, elastic: bool = False) -> None:
+        self.sender: BroadcastSender | None = sender
+        self.layout = sender.layout
         self.timeout_s = timeout_s
+        self.elastic = elastic
+        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._running = False  # a background thread is at work (or about to start)
         self._error: BaseException | None = None
+        self._latest: tuple[list[tuple[str, torch.Tensor]], int] | None = None  # the newest publication
+        self._next_group: Callable[[], BroadcastSender | None] | None = None
+        self._regroup_pending = threading.Event()
+        self._closing = threading.Event()
+        self.regroups = 0  # groups formed after the first
+
+    @property
+    def where(self) -> str:
+        sender = self.sender
+        return sender.where if sender is not None else "broadcast weight sync (between groups)"
 
     def _wait_previous(self) -> None:
-        if self._thread is not None:
-            self._thread.join(self.timeout_s)
-            if self._thread.is_alive():
+        thread = self._thread
+        if thread is not None:
+            thread.join(self.timeout_s)
+            if thread.is_alive():
                 raise WeightSyncError(
-                    f"{self.sender.where}: the previous publication did not complete within {self.timeout_s:g}s "
+                    f"{self.where}: the previous publication did not complete within {self.timeout_s:g}s "
                     "(a receiver never joined it)"
                 )
         if self._error is not None:
             error, self._error = self._error, None
-            raise WeightSyncError(f"{self.sender.where}: background publication failed: {error}")
+            raise WeightSyncError(f"{self.where}: background publication failed: {error}")
 
     def publish(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
         t0 = time.perf_counter()
         self._wait_previous()
         snapshot = [(n, t.detach().clone()) for n, t in named]
+        with self._lock:
+            self._latest = (snapshot, version)
+            self._start((snapshot, version))
+        return SyncStats(version, self.layout.nbytes, time.perf_counter() - t0)
 
-        def run() -> None:
-            try:
-                self.sender.publish(snapshot, version)
-            except BaseException as exc:  # surfaced by the next publish or close
-                self._error = exc
+    def regroup(self, make_sender: Callable[[], BroadcastSender | None]) -> None:
+        """Move to a new group built by ``make_sender`` (None from it: no receivers for now).
 
-        self._thread = threading.Thread(target=run, name=f"publish-v{version}", daemon=True)
+        Safe from any thread, also while the trainer's thread waits in :meth:`publish`.
+        """
+        with self._lock:
+            self._next_group = make_sender
+            self._regroup_pending.set()
+            sender = self.sender
+            if not self._running:
+                self._start(None)
+        if sender is not None:
+            sender.interrupt()
+
+    def _start(self, job: tuple[list, int] | None) -> None:
+        """Start the background thread (with the lock held)."""
+        self._running = True
+        name = "publish-regroup" if job is None else f"publish-v{job[1]}"
+        self._thread = threading.Thread(target=self._run, args=(job,), name=name, daemon=True)
         self._thread.start()
-        return SyncStats(version, self.sender.layout.nbytes, time.perf_counter() - t0)
+
+    def _run(self, job: tuple[list, int] | None) -> None:
+        while True:
+            if job is not None and self.sender is not None:
+                try:
+                    self.sender.publish(*job)
+                except SyncInterrupted:
+                    if self._closing.is_set():
+                        self._stop(None)
+                        return
+                    # else a regroup is pending; the new group gets the newest snapshot
+                except BaseException as exc:
+                    waited = self.elastic and self._regroup_pending.wait(self.timeout_s)
+                    if not waited or self._closing.is_set():
+                        self._stop(exc)
+                        return
+            with self._lock:
+                make, self._next_group = self._next_group, None
+                self._regroup_pending.clear()
+                if make is None or self._closing.is_set():
+                    self._running = False
+                    return
+                old, self.sender = self.sender, None
+            try:
+                if old is not None:
+                    old.close()
+                new = make()
+            except BaseException as exc:
+                if self._regroup_pending.is_set():
+                    job = None
+                    continue  # superseded by a newer group while this one formed
+                self._stop(exc)
+                return
+            with self._lock:
+                self.sender = new
+                self.regroups += 1
+                # A newer regroup that came while this group formed could not interrupt it.
+                job = None if self._regroup_pending.is_set() else self._latest
+
+    def _stop(self, error: BaseException | None) -> None:
+        with self._lock:
+            self._error = error
+            self._running = False
+
+    def stop_waiting(self) -> None:
+        """Give up a publication still waiting for receivers, or for a regroup (any thread): the run is
+        ending. What was given up is not reported as a failure; a failure before it still is."""
+        with self._lock:
+            self._closing.set()
+            self._regroup_pending.set()  # ends a wait for a regroup
+            sender = self.sender
+        if sender is not None:
+            sender.interrupt()
 
     def close(self) -> None:
-        self._wait_previous()
-        self.sender.close()
+        """Stop publishing (see :meth:`stop_waiting`; the last step of a run publishes nothing)."""
+        self.stop_waiting()
+        try:
+            self._wait_previous()
+        finally:
+            if self.sender is not None:
+                self.sender.close()
