@@ -54,7 +54,10 @@ def test_every_case_delivers_the_exact_tensors_with_sane_numbers(bench, tmp_path
     ]
     memcpy = out["memcpy"]["1m"]
     assert memcpy["bytes"] == 997_888 * 4
-    assert 0 < memcpy["seconds"] == min(t["min"] for t in memcpy["by_threads"].values()) < 1.0
+    # The typical copy (the faster thread count's median) is the reference; the fastest is reported.
+    assert 0 < memcpy["seconds"] == min(t["median"] for t in memcpy["by_threads"].values()) < 1.0
+    assert 0 < memcpy["fastest_seconds"] == min(t["min"] for t in memcpy["by_threads"].values())
+    assert memcpy["fastest_seconds"] <= memcpy["seconds"]
     assert math.isclose(memcpy["gbps"], memcpy["bytes"] / memcpy["seconds"] / 1e9, rel_tol=1e-2)
     for row in out["cases"]:
         assert row["exact"], row["case"]
@@ -71,8 +74,10 @@ def test_every_case_delivers_the_exact_tensors_with_sane_numbers(bench, tmp_path
         assert math.isfinite(row["gbps"]) and row["gbps"] > 0
         assert math.isclose(row["gbps"], row["bytes"] / row["seconds"] / 1e9, rel_tol=1e-2)
         assert math.isclose(row["ratio_to_memcpy"], row["seconds"] / memcpy["seconds"], rel_tol=2e-2)
-        one_thread = memcpy["by_threads"]["1"]["min"]
+        one_thread = memcpy["by_threads"]["1"]["median"]
         assert math.isclose(row["ratio_to_memcpy_1thread"], row["seconds"] / one_thread, rel_tol=2e-2)
+        fastest = memcpy["fastest_seconds"]
+        assert math.isclose(row["ratio_to_fastest_memcpy"], row["seconds"] / fastest, rel_tol=2e-2)
         assert math.isclose(
             row["loaded_ratio_to_memcpy"], row["loaded_seconds"] / memcpy["seconds"], rel_tol=2e-2
         )
@@ -87,4 +92,5 @@ def test_every_case_delivers_the_exact_tensors_with_sane_numbers(bench, tmp_path
     assert target["tcp_default_bucket"] is None  # only 1 MB buckets were measured over TCP
     assert target["tcp_best_bucket"]["case"] == "broadcast_bucketed_1mb"
     assert target["same_host"]["ratio_to_memcpy"] == target["ratio_to_memcpy"]
+    assert target["same_host"]["ratio_to_fastest_memcpy"] == target["ratio_to_fastest_memcpy"]
     assert list(tmp_path.iterdir()) == []  # the files case cleaned up after itself
