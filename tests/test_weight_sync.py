@@ -912,7 +912,9 @@ def test_publisher_regroup_publishes_the_newest_weights_to_the_new_group_first(
         2: [(first, 2, WORLD, [1])],
     }
     tag = helpers.submit(_group_member_job, groups_of=groups)
-    publisher = BackgroundPublisher(BroadcastSender(LAYOUT, HOST, first, WORLD, 64, 20.0), timeout_s=20.0)
+    publisher = BackgroundPublisher(
+        BroadcastSender(LAYOUT, HOST, first, WORLD, 64, 20.0), timeout_s=20.0, elastic=True
+    )
     try:
         publisher.publish(named_tensors(1), version=1)
         assert_received(helpers.gather(tag), 1)
@@ -974,6 +976,8 @@ def test_a_publisher_without_elastic_reports_a_lost_member() -> None:
             pass
 
     publisher = BackgroundPublisher(Failing(), timeout_s=5.0)  # type: ignore[arg-type]
+    with pytest.raises(WeightSyncError, match="regroup needs a publisher made with elastic=True"):
+        publisher.regroup(lambda: None)
     publisher.publish(named_tensors(1), version=1)
     t0 = time.monotonic()
     with pytest.raises(WeightSyncError, match="background publication failed: Connection closed by peer"):

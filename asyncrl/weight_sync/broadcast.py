@@ -523,7 +523,9 @@ class BackgroundPublisher:
     every member takes it, so survivors and newcomers start from the same version. With
     ``elastic``, a publication that fails (a member died) does not fail the trainer at once:
     the publisher waits up to ``timeout_s`` for the regroup the runtime starts when it
-    notices the loss, and only then reports the failure.
+    notices the loss, and only then reports the failure. The price of ``elastic``: the
+    newest snapshot is kept between publications (one more copy of the synced weights on
+    the trainer's device; without it the snapshot lives only while it is published).
     """
 
     def __init__(self, sender: BroadcastSender, timeout_s: float, elastic: bool = False) -> None:
@@ -561,18 +563,25 @@ class BackgroundPublisher:
 
     def publish(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
         t0 = time.perf_counter()
-        self._wait_previous()
         snapshot = [(n, t.detach().clone()) for n, t in named]
-        with self._lock:
-            self._latest = (snapshot, version)
-            self._start((snapshot, version))
+        while True:
+            self._wait_previous()
+            with self._lock:
+                if not self._running:  # else a regroup started meanwhile: wait for it too
+                    if self.elastic:  # kept for the next group's first publication
+                        self._latest = (snapshot, version)
+                    self._start((snapshot, version))
+                    break
         return SyncStats(version, self.layout.nbytes, time.perf_counter() - t0)
 
     def regroup(self, make_sender: Callable[[], BroadcastSender | None]) -> None:
         """Move to a new group built by ``make_sender`` (None from it: no receivers for now).
 
-        Safe from any thread, also while the trainer's thread waits in :meth:`publish`.
+        Safe from any thread, also while the trainer's thread waits in :meth:`publish`. Only an
+        ``elastic`` publisher keeps the snapshot a new group needs.
         """
+        if not self.elastic:
+            raise WeightSyncError(f"{self.where}: regroup needs a publisher made with elastic=True")
         with self._lock:
             self._next_group = make_sender
             self._regroup_pending.set()
