@@ -86,6 +86,7 @@ class WorkerHost:
         self._lock = threading.Lock()
         self._exit = threading.Event()
         self._worker = None  # once built
+        self._device = None  # where the worker's weights live, once built
         self._thread = threading.Thread(target=self._run, name=f"asyncrl-{name}", daemon=True)
 
     def start(self, spec: dict, group: dict) -> None:
@@ -124,12 +125,9 @@ class WorkerHost:
             worker = self._worker
         if worker is None:
             raise RuntimeError(f"{self.name} is not started: the runtime regroups only ready workers")
-        import torch
-
         from asyncrl.orchestration.local import make_broadcast_sender
 
-        timeout = worker.cfg.runtime.stall_timeout_s
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        timeout, device = worker.cfg.runtime.stall_timeout_s, self._device
         if rank == 0:
             worker.join_group(lambda layout: make_broadcast_sender(spec, layout, timeout, device))
         else:
@@ -169,6 +167,7 @@ class WorkerHost:
             cfg = Config.model_validate_json(self._cfg_json)
             timeout = cfg.runtime.stall_timeout_s
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            self._device = device  # the weight-sync ends of later groups use it too
             spec = self._spec
             if self.role in (TRAINER, TRAINER_RANK):
                 sender = (

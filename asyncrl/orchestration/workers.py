@@ -144,15 +144,11 @@ class GeneratorWorker:
         with self._group_lock:  # the receiver to interrupt is the one in use before the move
             self._next_receiver = (make_receiver, version)
             current = self.receiver
-        interrupt = getattr(current, "interrupt", None)
-        if interrupt is not None:
-            interrupt()
+        _interrupt(current)
 
     def stop_waiting(self) -> None:
         """Give up a wait for weights (any thread): the run is stopping."""
-        interrupt = getattr(self.receiver, "interrupt", None)
-        if interrupt is not None:
-            interrupt()
+        _interrupt(self.receiver)
 
     def _switch_group(self) -> None:
         with self._group_lock:
@@ -258,6 +254,13 @@ class GeneratorWorker:
         span = Span(self.name, "generate", self._busy_since, time.time(), {"version": self.engine.version})
         self._busy_since = None
         return [span]
+
+
+def _interrupt(receiver: WeightReceiver) -> None:
+    """End a wait of ``receiver`` at once, if its transport can (a broadcast group's can)."""
+    interrupt = getattr(receiver, "interrupt", None)
+    if interrupt is not None:
+        interrupt()
 
 
 class TrainerWorker:

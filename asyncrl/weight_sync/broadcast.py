@@ -69,7 +69,7 @@ DIRECT_BYTES = 1 << 20
 PIECE_BYTES = 16 << 20
 PLANE_PIECE_BYTES = 4 << 20
 # A CPU group waits in slices this long, so that ``interrupt`` from another thread is seen.
-WAIT_SLICE_S = 0.25
+WAIT_SLICE = timedelta(seconds=0.25)
 
 
 def plan_buckets(layout: WeightLayout, bucket_bytes: int) -> list[list[int]]:
@@ -233,10 +233,6 @@ class _BroadcastEnd:
         except SyncInterrupted:
             raise SyncInterrupted(f"{self.where}: {what} interrupted: the group is being replaced") from None
         except RuntimeError as exc:
-            if self._interrupted.is_set():  # NCCL's abort fails the pending work
-                raise SyncInterrupted(
-                    f"{self.where}: {what} interrupted: the group is being replaced"
-                ) from None
             raise WeightSyncError(
                 f"{self.where}: broadcast of {what} failed or timed out after {self.timeout_s:g}s: {exc}"
             ) from None
@@ -245,13 +241,18 @@ class _BroadcastEnd:
         if self._interrupted.is_set():
             raise SyncInterrupted
         if self.device.type == "cuda":
-            work.wait()
+            try:
+                work.wait()
+            except RuntimeError:
+                if self._interrupted.is_set():  # NCCL's abort fails the pending work
+                    raise SyncInterrupted from None
+                raise
             return
         # A gloo wait with a timeout that expires leaves the operation running (a later wait
         # completes it); the group's own timeout still bounds the operation itself.
         while True:
             try:
-                work.wait(timedelta(seconds=WAIT_SLICE_S))
+                work.wait(WAIT_SLICE)
                 return
             except RuntimeError:
                 if work.is_completed():
