@@ -141,6 +141,19 @@ class RolloutConfig(Section):
         description="KV-cache budget of an engine in tokens: a sequence is admitted only while the running "
         "ones' prompts plus token budgets fit (null = only max_batch_size limits).",
     )
+    max_seq_len: int | None = Field(
+        None,
+        ge=1,
+        description="Longest prompt + completion a sequence may have: the length of one slot of the engine's "
+        "static KV cache (null = the model's max_position_embeddings). A request that needs more is refused.",
+    )
+    kv_cache_gb: float | None = Field(
+        None,
+        gt=0,
+        description="Memory of the engine's static KV cache in GiB, allocated once: it holds "
+        "min(max_batch_size, kv_cache_gb / slot size) sequences of max_seq_len tokens (null = "
+        "max_batch_size slots). On a GPU set it, or max_seq_len, well below the model's full context.",
+    )
 
 
 class AlgorithmConfig(Section):

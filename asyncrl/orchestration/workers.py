@@ -93,6 +93,8 @@ class GeneratorWorker:
             pad_token_id=policy.pad_token_id,
             max_batch_size=cfg.rollout.max_batch_size,
             max_tokens_in_flight=cfg.rollout.max_tokens_in_flight,
+            max_seq_len=cfg.rollout.max_seq_len,
+            kv_cache_gb=cfg.rollout.kv_cache_gb,
             seed=seed,
             decode=lambda ids: policy.tokenizer.decode(ids, skip_special_tokens=True),
         )
