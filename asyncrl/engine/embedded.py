@@ -337,6 +337,7 @@ class _Row:
     """Python-side state of one running sequence."""
 
     __slots__ = (
+        "head",
         "kv_epoch",
         "logits_version",
         "logprobs",
@@ -354,6 +355,7 @@ class _Row:
         # a swap between steps, the first token drawn still comes from the old weights' logits.
         self.logits_version = logits_version
         self.kv_epoch = 0  # the engine's weights_epoch when this row's cache was prefilled
+        self.head: tuple[int, ...] = ()  # the first MIN_SHARED_PREFIX tokens of its context
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
@@ -422,12 +424,12 @@ class _Slots:
             return slice(0, len(slots))
         return torch.tensor(slots, dtype=torch.long, device=self.seeds.device)
 
-    def _attend_length(self, longest: int) -> int:
-        """Columns a forward attends over: the whole slot on an accelerator (one shape per
-        batch-size bucket, for CUDA graphs); on the CPU the smallest multiple of
-        ``LENGTH_BUCKET`` covering the longest row, since attending over empty columns there
-        costs as much as over real ones."""
-        if self.static:
+    def _attend_length(self, longest: int, decode: bool) -> int:
+        """Columns a forward attends over: for a decode step on an accelerator the whole slot
+        (one shape per batch-size bucket, for CUDA graphs); otherwise the smallest multiple of
+        ``LENGTH_BUCKET`` covering the longest row, since attending over empty columns costs
+        as much as over real ones."""
+        if self.static and decode:
             return self.cache.slot_len
         return min(self.cache.slot_len, -(-longest // LENGTH_BUCKET) * LENGTH_BUCKET)
 
@@ -524,7 +526,7 @@ class _Slots:
                 torch.tensor(starts, dtype=torch.long, device=dev),
                 torch.tensor(write_slots, dtype=torch.long, device=dev),
                 torch.tensor(source_idx, dtype=torch.long, device=dev),
-                self._attend_length(max(len(contexts[i]) for i, _, _ in batch)),
+                self._attend_length(max(len(contexts[i]) for i, _, _ in batch), decode=False),
             )
             if self.logits is None:
                 self.logits = logits.new_zeros((self.cache.slots, logits.shape[-1]))
@@ -541,6 +543,7 @@ class _Slots:
         for req, slot, ctx in zip(requests, slots, contexts, strict=True):
             row = _Row(req, engine.version)
             row.kv_epoch = engine.weights_epoch
+            row.head = tuple(ctx[:MIN_SHARED_PREFIX])
             self.rows[slot] = row
             self.lengths[slot] = len(ctx)
         index = torch.tensor(slots, dtype=torch.long, device=dev)
@@ -571,11 +574,10 @@ class _Slots:
         for slot, row in enumerate(self.rows):
             if row is None or row.kv_epoch != engine.weights_epoch:
                 continue  # a cache computed by older weights is not the current policy's
-            prefix = row.request.prefix.completion_ids if row.request.prefix else []
-            key = tuple((row.request.prompt_ids + prefix)[:MIN_SHARED_PREFIX])
-            if key in buckets:
+            if row.head in buckets:
+                prefix = row.request.prefix.completion_ids if row.request.prefix else []
                 cached = row.request.prompt_ids + prefix + row.tokens
-                buckets[key].append((cached[: self.lengths[slot]], slot))
+                buckets[row.head].append((cached[: self.lengths[slot]], slot))
         for members in buckets.values():
             if len(members) < 2:
                 continue
@@ -676,7 +678,7 @@ class _Slots:
         # Slots without a row (holes, and the padding of a bucket) decode a pad token at
         # column 0 of their own slot: written to a free slot, never read.
         starts = torch.tensor(self.lengths[:width], dtype=torch.long, device=dev)
-        length = self._attend_length(max(self.lengths[s] for s in next_token) + 1)
+        length = self._attend_length(max(self.lengths[s] for s in next_token) + 1, decode=True)
         rows = slice(0, width)
         logits = self._forward(
             engine,
