@@ -141,10 +141,11 @@ class Recorder:
         for rid, (tokens, _) in partial.items():
             length = len(self.prompts[rid]) + len(tokens)
             assert mask[slots[rid]].tolist() == [True] * length + [False] * (mask.shape[1] - length)
-        # The CPU attends over the smallest multiple of 64 columns covering the longest row.
+        # The CPU attends over exactly the longest row, and its decode batch has no holes but
+        # those the next admission fills.
         longest = max(len(self.prompts[rid]) + len(t) for rid, (t, _) in partial.items())
-        assert mask.shape[1] == -(-longest // 64) * 64
-        assert len(slots) <= mask.shape[0] < 2 * len(slots)
+        assert mask.shape[1] == longest
+        assert len(slots) <= mask.shape[0] <= len(slots) + self.engine.num_waiting
         self.cached.append(sum(len(self.prompts[rid]) + len(t) for rid, (t, _) in partial.items()))
         self.widths_checked += 1
 

@@ -18,17 +18,17 @@ token at position ``p`` lives in column ``p`` of its slot; each step writes ever
 keys and values in place at the row's own length, and the attention mask is built from the
 per-row lengths, so nothing is padded, shifted or concatenated, and rows join and leave
 without copying any other row's cache. A newcomer takes the lowest free slot. The decode
-batch spans slots ``0..highest``; when finished rows leave so many holes that it could
-shrink (on the CPU: half of its rows would be holes; on an accelerator: a smaller
-power-of-two batch bucket), the highest rows are moved down into the holes — the only copy
-of a running row's cache, one row at a time.
+batch spans slots ``0..highest``; when finished rows leave holes in it, the highest rows
+are moved down into them — the only copy of a running row's cache, one row at a time: on
+the CPU into every hole the next admission will not fill (the batch stays dense, since a
+hole costs a decode row at every step and a move one copy of that row's columns), on an
+accelerator only when the batch drops to a smaller power-of-two bucket.
 
 **CPU and accelerator shapes.** On an accelerator every decode step attends over the whole
 slot and its batch is a power of two (capped at the slot count): the step's tensor shapes
 come from a handful of buckets, as CUDA graphs need. On the CPU, attending over empty
-columns costs as much as over real ones, so a step attends over the smallest multiple of
-``LENGTH_BUCKET`` (64) columns covering its longest row and its batch is exactly slots
-``0..highest``: shapes change only at those boundaries.
+columns costs as much as over real ones and nothing needs fixed shapes, so every forward
+attends over exactly its longest row and its batch is exactly slots ``0..highest``.
 
 **One prefill per group, shared prefixes.** Newcomers with identical contexts (the G samples
 of a GRPO group) are prefilled once and the prefilled slot and logits are copied to the
@@ -60,7 +60,6 @@ from asyncrl.engine.sampling import SamplingParams, sample_tokens
 from asyncrl.engine.types import GenerationRequest, GenerationResult, Prefix
 from asyncrl.models.forward import with_cache
 
-LENGTH_BUCKET = 64  # on the CPU, attention spans a multiple of this many columns
 MIN_SHARED_PREFIX = 8  # shorter shared prefixes are prefilled again rather than copied
 
 
@@ -246,23 +245,30 @@ class EmbeddedEngine:
             self._admit()
         if not self.num_running:
             return []
-        finished = self._slots.step(self)
+        finished = self._slots.step(self, admit)
         self.stats["steps"] += 1
         self.stats["busy_s"] += time.perf_counter() - t0
         return finished
 
-    def _admit(self) -> None:
-        running = self.num_running
+    def _admissible(self) -> int:
+        """How many waiting requests (from the front of the queue) fit now: a free slot and room
+        in the token budget for each."""
+        count = 0
+        free = self.num_slots - self.num_running
         reserved = self.tokens_in_flight()
-        admitted: list[GenerationRequest] = []
-        while self._waiting and running + len(admitted) < self.num_slots:
-            need = _reserve(self._waiting[0])
+        for request in self._waiting[:free]:
+            need = _reserve(request)
             if self.max_tokens_in_flight is not None and reserved + need > self.max_tokens_in_flight:
                 break
-            admitted.append(self._waiting.pop(0))
+            count += 1
             reserved += need
+        return count
+
+    def _admit(self) -> None:
+        admitted = self._waiting[: self._admissible()]
         if not admitted:
             return
+        del self._waiting[: len(admitted)]
         if self._slots is None:
             self._slots = _Slots(self)
         self._slots.admit(self, admitted)
@@ -426,12 +432,12 @@ class _Slots:
 
     def _attend_length(self, longest: int, decode: bool) -> int:
         """Columns a forward attends over: for a decode step on an accelerator the whole slot
-        (one shape per batch-size bucket, for CUDA graphs); otherwise the smallest multiple of
-        ``LENGTH_BUCKET`` covering the longest row, since attending over empty columns costs
-        as much as over real ones."""
+        (one shape per batch-size bucket, for CUDA graphs); otherwise exactly the longest row,
+        since attending over empty columns costs as much as over real ones and shapes may
+        change at every step."""
         if self.static and decode:
             return self.cache.slot_len
-        return min(self.cache.slot_len, -(-longest // LENGTH_BUCKET) * LENGTH_BUCKET)
+        return min(self.cache.slot_len, longest)
 
     def _decode_rows(self, highest: int) -> int:
         """Batch rows of a decode step covering slots 0..highest: exact on the CPU, the next
@@ -601,7 +607,10 @@ class _Slots:
     # -- decoding -----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self, engine: EmbeddedEngine) -> list[GenerationResult]:
+    def step(self, engine: EmbeddedEngine, admit: bool) -> list[GenerationResult]:
+        """Sample a token for every running row, free the finished rows' slots, and run the
+        decode forward of the others (``admit``: whether the next step will admit newcomers
+        into the lowest free slots)."""
         active = self.active()
         index = self._index(active)
         positions = torch.tensor([self.rows[s].done for s in active], dtype=torch.long, device=engine.device)
@@ -637,21 +646,32 @@ class _Slots:
             self._free(slot)
         engine.stats["tokens_generated"] += len(active)
         if next_token:
-            self._decode(engine, self._compact(next_token))
+            self._decode(engine, self._compact(next_token, engine._admissible() if admit else 0))
         return finished
 
-    def _compact(self, next_token: dict[int, int]) -> dict[int, int]:
-        """Move the rows above the packed range down into free slots when the decode batch
-        could shrink (on the CPU: when at least half of its rows would be holes; on an
-        accelerator: to a smaller batch-size bucket). Rows that stay are not touched. Returns
-        the next tokens by (new) slot."""
-        count = len(next_token)
-        current, packed = self._decode_rows(max(next_token)), self._decode_rows(count - 1)
-        if current == packed or (not self.static and current < 2 * count):
-            return next_token
-        holes = iter(s for s in range(packed) if self.rows[s] is None)
-        for slot in sorted(s for s in next_token if s >= packed):
-            target = next(holes)
+    def _compact(self, next_token: dict[int, int], refill: int) -> dict[int, int]:
+        """Move the highest rows down into free slots so that the decode batch shrinks. On the
+        CPU the batch is kept dense: every hole below the highest row that the next admission
+        will not fill (it fills the ``refill`` lowest free slots) takes the highest row, since
+        a hole costs a decode row at every step and a move one copy of the row's columns. On
+        an accelerator rows move only when the batch drops to a smaller batch-size bucket.
+        Rows that stay are not touched. Returns the next tokens by (new) slot."""
+        if not self.static:
+            top = max(next_token)
+            holes = [s for s in range(top) if self.rows[s] is None][refill:]
+            moves = []
+            for target, slot in zip(holes, sorted(next_token, reverse=True)):
+                if target > slot:
+                    break
+                moves.append((slot, target))
+        else:
+            count = len(next_token)
+            current, packed = self._decode_rows(max(next_token)), self._decode_rows(count - 1)
+            if current == packed:
+                return next_token
+            holes = [s for s in range(packed) if self.rows[s] is None]
+            moves = list(zip(sorted(s for s in next_token if s >= packed), holes))
+        for slot, target in moves:
             self.cache.copy_prefix(slot, target, self.lengths[slot])
             self.rows[target], self.lengths[target] = self.rows[slot], self.lengths[slot]
             for buf in (
