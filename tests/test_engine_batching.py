@@ -137,7 +137,7 @@ class Recorder:
         # row of its slot, the mask lets it see prompt + tokens so far and nothing else.
         slots = self.engine.slots()
         assert slots.keys() == partial.keys()
-        mask = self._mask[:, 0, -1]  # (rows, columns) of the step's decode forward
+        mask = self._mask[:, 0, -1] == 0  # (rows, columns) of the step's decode forward (additive)
         for rid, (tokens, _) in partial.items():
             length = len(self.prompts[rid]) + len(tokens)
             assert mask[slots[rid]].tolist() == [True] * length + [False] * (mask.shape[1] - length)

@@ -410,7 +410,6 @@ class _Slots:
         self.min_p = torch.zeros(n, dtype=torch.float32, device=dev)
         self.keep_support = torch.zeros(n, dtype=torch.bool, device=dev)
         self.seeds = torch.zeros(n, dtype=torch.long, device=dev)
-        self.boolean_mask = getattr(model.config, "_attn_implementation", None) == "sdpa"
         self.static = dev.type != "cpu"
 
     # -- bookkeeping --------------------------------------------------------------------
@@ -463,7 +462,9 @@ class _Slots:
         write_cols = positions.flatten() if source is None else positions.flatten()[source]
         self.cache.plan(rows, write_slots, write_cols, length, source)
         dtype = next(engine.model.parameters()).dtype
-        mask = length_mask(starts, width, length, dtype, self.boolean_mask)
+        # Additive, built once per forward and shared by every layer (SDPA would turn a boolean
+        # mask into an additive one in each layer).
+        mask = length_mask(starts, width, length, dtype, boolean=False)
         out = with_cache(
             engine.model,
             self.cache,

@@ -134,9 +134,10 @@ def length_mask(
     """The (rows, 1, width, length) mask of a forward whose row ``i`` has its query ``j`` at
     position ``starts[i] + j``: it sees the columns up to and including that position.
 
-    Boolean (True = attend) for ``sdpa``, additive (0 / dtype min) for the other attention
-    functions. A query at a negative position (left padding) sees column 0 only, so its
-    softmax stays finite; its output is never used.
+    Boolean (True = attend) or additive (0 / dtype min); the engine passes the additive one to
+    every attention function (``sdpa`` would otherwise convert a boolean mask in each layer).
+    A query at a negative position (left padding) sees column 0 only, so its softmax stays
+    finite; its output is never used.
     """
     query_pos = starts.unsqueeze(-1) + torch.arange(width, device=starts.device)  # (rows, width)
     cols = torch.arange(length, device=starts.device)
