@@ -212,3 +212,37 @@ def test_tokens_and_logprobs_equal_a_forward_without_cache(source: str) -> None:
         n = len(req.prompt_ids)
         assert logits[n - 1 : -1].argmax(-1).tolist() == res.completion_ids
     assert engine.stats["peak_cache_tokens"] <= 3 * 128
+
+
+def test_accelerator_shapes_run_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The accelerator layout (decode over the whole slot, power-of-two batch buckets, rows moved
+    only when the batch drops a bucket), forced on the CPU: same completions and log-probs as the
+    CPU layout, and every decode forward has one of the bucketed shapes."""
+    from asyncrl.engine import embedded
+
+    policy = policy_for()
+    reqs = [
+        request(f"r{k}", prompt(3 + 2 * k, 80 + k), 4 + 5 * k, seed=k, temperature=1.0, top_p=0.9)
+        for k in range(7)
+    ]
+    cpu = make_engine(policy, max_batch_size=8, max_seq_len=64).generate(reqs)
+
+    init = embedded._Slots.__init__
+
+    def static_init(self, engine) -> None:
+        init(self, engine)
+        self.static = True
+
+    monkeypatch.setattr(embedded._Slots, "__init__", static_init)
+    engine = make_engine(policy, max_batch_size=8, max_seq_len=64)
+    shapes = set()
+    engine.model.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.add(tuple(kwargs["attention_mask"].shape)), with_kwargs=True
+    )
+    static = engine.generate(reqs)
+    for a, b in zip(cpu, static, strict=True):
+        assert a.completion_ids == b.completion_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
+    decode_shapes = {s for s in shapes if s[2] == 1}
+    assert decode_shapes <= {(rows, 1, 1, 64) for rows in (1, 2, 4, 8)}
+    assert len(decode_shapes) > 1  # the batch dropped buckets as rows finished
