@@ -41,7 +41,11 @@ class ModelConfig(Section):
     )
     device: str = Field("auto", description="'auto' (CUDA when available, else CPU), 'cpu', or 'cuda[:N]'.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Parameter dtype; 'auto' is bfloat16 on CUDA and float32 on CPU."
+        "auto",
+        description="Compute dtype: the generators' engines hold their weights in it, and the trainer runs "
+        "its forward and backward passes in it (autocast) while keeping its own weights in "
+        "trainer.master_dtype. 'auto' is bfloat16 on CUDA and float32 on the CPU. Log-probs, entropies "
+        "and losses are always computed in float32 from the logits.",
     )
 
 
@@ -235,6 +239,14 @@ class TrainerConfig(Section):
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps from 0 to lr.")
     micro_batch_tokens: int = Field(
         8192, ge=1, description="Token budget of one forward/backward (padded tokens counted)."
+    )
+    master_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="Dtype of the trainer's parameters, accumulated gradients and optimizer state (the "
+        "master weights); with LoRA, of the adapters (the frozen base is held in model.dtype). RL updates "
+        "are small: at lr 1e-6 one AdamW step moves almost no bfloat16 weight (the change rounds away), "
+        "so float32 is the default; a lower master dtype saves memory at that cost. Weights are sent to "
+        "the engines in model.dtype (LoRA adapters in float32).",
     )
     packing: Literal["tree", "prompts", "off"] = Field(
         "tree",
@@ -570,6 +582,12 @@ class Config(Section):
             raise ValueError(
                 f"model.device={self.model.device} would put all {self.trainer.ranks} trainer ranks "
                 "(trainer.ranks) on one GPU; use 'cuda' or 'auto' (rank r takes the r-th visible GPU)"
+            )
+        if self.model.dtype == "float16" and self.trainer.master_dtype != "float16":
+            raise ValueError(
+                f"model.dtype=float16 with trainer.master_dtype={self.trainer.master_dtype} needs loss scaling, "
+                "which asyncrl does not do (float16 gradients under- and overflow); use model.dtype=bfloat16, "
+                "or trainer.master_dtype=float16 for pure float16 training"
             )
         if self.schedule.streaming and self.algorithm.advantage_scale == "batch":
             raise ValueError(

@@ -64,10 +64,16 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """A dtype name (or ``auto``: bfloat16 on CUDA, float32 elsewhere) as a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    return DTYPES[dtype]
 
 
 def check_tokenizer(tokenizer: PreTrainedTokenizerBase, where: str) -> None:
@@ -82,7 +88,9 @@ def check_tokenizer(tokenizer: PreTrainedTokenizerBase, where: str) -> None:
         tokenizer.pad_token = tokenizer.eos_token
 
 
-def load_policy(source: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0) -> Policy:
+def load_policy(
+    source: str, *, device: str = "auto", dtype: str | torch.dtype = "auto", seed: int = 0
+) -> Policy:
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     if source.startswith("tiny:"):

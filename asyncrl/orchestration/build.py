@@ -9,7 +9,7 @@ import torch
 from asyncrl.config import Config
 from asyncrl.engine import SamplingParams
 from asyncrl.models import Policy, load_policy
-from asyncrl.models.loading import load_tokenizer
+from asyncrl.models.loading import DTYPES, load_tokenizer, resolve_device, resolve_dtype
 from asyncrl.models.lora import apply_lora
 from asyncrl.rollout import RolloutWorker
 from asyncrl.tasks import ArithmeticTask, JsonlDataset, PromptSource, PromptStream, resolve_reward
@@ -66,16 +66,30 @@ def task_prompts(cfg: Config) -> PromptSource:
     return prompt_source(cfg, tokenizer, max_positions)
 
 
+def compute_dtype(cfg: Config, device: torch.device | None = None) -> torch.dtype:
+    """``model.dtype`` resolved on ``device`` (default ``model.device``): the engines' and the trainer's compute dtype."""
+    return resolve_dtype(cfg.model.dtype, device if device is not None else resolve_device(cfg.model.device))
+
+
 def build_policy(cfg: Config, device: torch.device | None = None, *, trainable: bool = False) -> Policy:
     """The configured policy, on ``device`` when given (a trainer rank's own GPU), else ``model.device``.
 
-    ``trainable``: the trainer's policy, which with ``lora.rank`` > 0 carries fresh LoRA adapters
-    (generators keep the plain model and merge the adapters they receive).
+    A generator's policy is held in the compute dtype (``model.dtype``). ``trainable``: the
+    trainer's policy, held in ``trainer.master_dtype`` (it computes in ``model.dtype`` under
+    autocast); with ``lora.rank`` > 0 it carries fresh LoRA adapters in the master dtype on a
+    frozen base kept in the compute dtype (generators keep the plain model and merge the
+    adapters they receive).
     """
-    where = str(device) if device is not None else cfg.model.device
-    policy = load_policy(cfg.model.path, device=where, dtype=cfg.model.dtype, seed=cfg.run.seed)
+    where = resolve_device(str(device) if device is not None else cfg.model.device)
+    compute = compute_dtype(cfg, where)
+    master = DTYPES[cfg.trainer.master_dtype]
+    held = master if trainable and not cfg.lora.enabled else compute
+    policy = load_policy(cfg.model.path, device=str(where), dtype=held, seed=cfg.run.seed)
     if trainable and cfg.lora.enabled:
         policy.model = apply_lora(policy.model, cfg.lora, seed=cfg.run.seed)
+        for p in policy.model.parameters():
+            if p.requires_grad:
+                p.data = p.data.to(master)
     return policy
 
 
@@ -112,6 +126,7 @@ def build_trainer(cfg: Config, policy: Policy, ranks: RankGroup | None = None) -
         max_completion_length=cfg.rollout.max_new_tokens,
         total_steps=cfg.run.steps,
         old_logprobs=cfg.old_logprob_mode,
+        compute_dtype=compute_dtype(cfg, next(policy.model.parameters()).device),
     )
     if ranks is None:
         return Trainer(policy.model, **kwargs)

@@ -47,6 +47,7 @@ from asyncrl.tasks import resolve_reward
 from asyncrl.trainer import assign_advantages
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.distributed import RankGroup, RankSpec, rank_device
+from asyncrl.trainer.trainer import sync_dtype
 from asyncrl.weight_sync import WeightLayout, WeightReceiver, WeightSender, WeightSyncError
 from asyncrl.weight_sync.base import SyncInterrupted, check_checksums, tensor_checksums
 
@@ -308,8 +309,10 @@ class TrainerWorker:
             )
             self.ranks = RankGroup(spec, device)
         self.policy = build.build_policy(cfg, device, trainable=True)
-        # What the sync moves (the whole model, or with LoRA the adapters), read before any sharding.
-        layout = WeightLayout.of(published_weights(self.policy.model))
+        # What the sync moves (the whole model, or with LoRA the adapters), read before any sharding,
+        # in the dtype it travels in.
+        dtype = sync_dtype(cfg.lora.enabled, build.compute_dtype(cfg, device))
+        layout = WeightLayout.of((n, t.to(dtype)) for n, t in published_weights(self.policy.model))
         self._layout = layout
         self.sender = sender_factory(layout) if sender_factory is not None else None
         self.trainer = build.build_trainer(cfg, self.policy, self.ranks)
@@ -408,7 +411,7 @@ class TrainerWorker:
         """Every rank loads (rank 0 reads the files and broadcasts); rank 0 publishes the weights."""
         weights, state = checkpoint.load_trainer_state(Path(command.path)) if self.is_leader else ({}, {})
         version = self.trainer.load_checkpoint_state(weights, state)
-        named = list(self.trainer.named_weights())  # with FSDP2 a gather that every rank joins
+        named = self.trainer.synced_weights()  # with FSDP2 a gather that every rank joins
         if self.sender is not None:
             self.sender.publish(named, version)
         return [Restored(self.name, version, self._checksums(named))] if self.is_leader else []
@@ -434,13 +437,14 @@ class TrainerWorker:
         was_training = model.training
         model.eval()
         try:
-            accuracy = evaluate(
-                self._eval_engine,
-                policy.tokenizer,
-                self._eval_prompts,
-                self.trainer_reward,
-                build.sampling_params(self.cfg, policy, greedy=True),
-            )
+            with self.trainer.compute():
+                accuracy = evaluate(
+                    self._eval_engine,
+                    policy.tokenizer,
+                    self._eval_prompts,
+                    self.trainer_reward,
+                    build.sampling_params(self.cfg, policy, greedy=True),
+                )
         finally:
             model.train(was_training)
         return [Span(self.name, "eval", start, time.time()), EvalDone(self.name, command.step, accuracy)]
@@ -472,7 +476,7 @@ class TrainerWorker:
         publish_s, sync_bytes, checksums = 0.0, 0, None
         if command.publish:
             t0, start = time.perf_counter(), time.time()
-            weights = list(self.trainer.named_weights())  # with FSDP2 a gather that every rank joins
+            weights = self.trainer.synced_weights()  # with FSDP2 a gather that every rank joins
             if self.sender is not None:
                 sync_bytes = self.sender.publish(weights, self.trainer.version).nbytes
                 checksums = self._checksums(weights)

@@ -21,6 +21,7 @@ With LoRA only the adapters are trained, and only they are published and checkpo
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -53,6 +54,13 @@ def assign_advantages(groups: list[Group], scale: str) -> None:
             sample.advantage = a
 
 
+def sync_dtype(lora: bool, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype weights travel in to the engines: the engines' own (compute) dtype, half the
+    bytes of float32 master weights in bfloat16; LoRA adapters in float32 (they are small, and the
+    engine merges them into its base in float32, see :mod:`asyncrl.engine.lora`)."""
+    return torch.float32 if lora else compute_dtype
+
+
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
     def factor(step: int) -> float:
         if warmup_steps and step < warmup_steps:
@@ -83,6 +91,7 @@ class Trainer:
         max_completion_length: int,
         total_steps: int,
         old_logprobs: str | None = None,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.pad_token_id = pad_token_id
@@ -101,11 +110,18 @@ class Trainer:
             raise ValueError("old_logprobs='current' gives ratio 1 only for a single update per batch")
         self.old_logprob_mode = old_logprobs
         self.device = next(model.parameters()).device
+        trained = [p for p in model.parameters() if p.requires_grad]
+        self.master_dtype = trained[0].dtype if trained else next(model.parameters()).dtype
+        self.compute_dtype = compute_dtype or self.master_dtype
+        # Mixed precision: master weights stay in their dtype, forward passes run in the compute dtype.
+        self.autocast = any(p.dtype != self.compute_dtype for p in trained)
         self.packing = packing_for(model.config, trainer_cfg.packing)
         self.version = 0
         self.lora = is_lora(model)
         # The KL reference: with LoRA the base itself (see _reference_logprobs); otherwise a
-        # frozen copy of the initial policy, made only when it is used.
+        # frozen copy of the initial policy, made only when it is used. It stays in the master
+        # dtype and runs under the same autocast as the policy, so that the KL of the initial
+        # policy to itself is exactly 0.
         self.ref_model = (
             copy.deepcopy(model).eval().requires_grad_(False) if algo_cfg.beta > 0 and not self.lora else None
         )
@@ -145,7 +161,7 @@ class Trainer:
             for chunk, layout in plan_layouts(samples, self.cfg.micro_batch_tokens, self.packing)
         ]
         mode = self.old_logprob_mode
-        with torch.no_grad(), self._eval_mode():
+        with torch.no_grad(), self._eval_mode(), self.compute():
             for mb in batches:
                 if mode == "recompute":
                     mb.old_logprobs = completion_logprobs(self.model, mb, self.temperature)[0]
@@ -155,6 +171,16 @@ class Trainer:
                     mb.ref_logprobs = self._reference_logprobs(mb)
         self._busy_s += time.perf_counter() - t0
         return batches
+
+    def compute(self) -> contextlib.AbstractContextManager:
+        """Where the model's forward passes run: autocast to the compute dtype under mixed precision.
+
+        Only the forward pass: backward runs each op in the dtype its forward used, and the
+        gradients land in the master dtype of the parameters.
+        """
+        if not self.autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     @contextmanager
     def _eval_mode(self) -> Iterator[None]:
@@ -283,9 +309,10 @@ class Trainer:
 
     def _micro_batch_loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
         algo = self.algo
-        logp, entropy = completion_logprobs(
-            self.model, mb, self.temperature, with_entropy=True, entropy_grad=bool(algo.entropy_coef)
-        )
+        with self.compute():
+            logp, entropy = completion_logprobs(
+                self.model, mb, self.temperature, with_entropy=True, entropy_grad=bool(algo.entropy_coef)
+            )
         mask = mb.mask
         old = logp.detach() if mb.old_logprobs is None else mb.old_logprobs
         log_ratio = losses.log_importance_ratio(logp, old, mask, algo.ratio_level)
@@ -387,5 +414,14 @@ class Trainer:
         return self.version
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        """What a weight sync publishes: with LoRA the adapters (saved-format names), else every parameter."""
+        """The trained weights in the master dtype: with LoRA the adapters (saved-format names), else every parameter."""
         return published_weights(self.model)
+
+    @property
+    def sync_dtype(self) -> torch.dtype:
+        return sync_dtype(self.lora, self.compute_dtype)
+
+    def synced_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """What a weight sync publishes: :meth:`named_weights` in :func:`sync_dtype` (no copy where it matches)."""
+        dtype = self.sync_dtype
+        return [(name, t.to(dtype)) for name, t in self.named_weights()]
