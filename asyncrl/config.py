@@ -529,10 +529,14 @@ class RuntimeConfig(Section):
         "whichever workers are busy at the moment (an idle worker's cores are not wasted); 'static' "
         "splits the cores evenly once.",
     )
-    weight_sync: Literal["shm", "broadcast", "files"] = Field(
-        "shm",
-        description="Transport of weights to local generators: shared memory, torch.distributed broadcast "
-        "(gloo on CPU, NCCL on GPU), or safetensors files.",
+    weight_sync: Literal["auto", "shm", "broadcast", "files", "cuda_ipc"] = Field(
+        "auto",
+        description="Transport of weights to the generators: 'shm' (a shared-memory segment on the "
+        "trainer's machine), 'broadcast' (torch.distributed: NCCL when every member has a GPU of its own, "
+        "else gloo, with weights on a GPU staged through pinned host memory), 'files' (safetensors), "
+        "'cuda_ipc' (trainer and generators on one GPU share the published buffer by a CUDA IPC handle; "
+        "the local runtime only), or 'auto': cuda_ipc in the local runtime when the model is on CUDA, "
+        "else shm. Every transport checks layout, version and checksum.",
     )
     bucket_mb: float = Field(64.0, ge=0, description="Broadcast bucket size in MB (0 = one tensor per call).")
     verify_weight_sync: bool = Field(
@@ -589,6 +593,17 @@ class Config(Section):
                 "which asyncrl does not do (float16 gradients under- and overflow); use model.dtype=bfloat16, "
                 "or trainer.master_dtype=float16 for pure float16 training"
             )
+        if self.runtime.weight_sync == "cuda_ipc":
+            if self.model.device == "cpu":
+                raise ValueError(
+                    "runtime.weight_sync=cuda_ipc shares a GPU buffer between trainer and generators, but "
+                    "model.device=cpu; use shm (or auto)"
+                )
+            if self.runtime.kind == "ray":
+                raise ValueError(
+                    "runtime.weight_sync=cuda_ipc needs trainer and generators on one GPU, which only the local "
+                    "runtime guarantees; on Ray use broadcast (NCCL between GPUs) or shm"
+                )
         if self.schedule.streaming and self.algorithm.advantage_scale == "batch":
             raise ValueError(
                 "algorithm.advantage_scale=batch needs the whole batch before training; it cannot be used "

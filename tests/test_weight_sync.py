@@ -44,6 +44,8 @@ from asyncrl.weight_sync.broadcast import (
     plan_buckets,
     plan_messages,
 )
+from asyncrl.weight_sync.device_ipc import DeviceIpcReceiver, DeviceIpcSender, HostMemory
+from asyncrl.weight_sync.devices import HostStaging, backend_reason, choose_backend, device_identity
 from asyncrl.weight_sync.files import MARKER, FileReceiver, FileSender
 from asyncrl.weight_sync.host_plane import host_identity, plane_refusal
 from asyncrl.weight_sync.inprocess import InProcessChannel
@@ -1093,3 +1095,111 @@ def test_pieces_start_on_words_so_their_word_sums_add_up(dtype: torch.dtype) -> 
     assert all(m.offset * t.element_size() % 8 == 0 for m in messages)
     total = sum(word_sum(t[m.offset : m.offset + m.stop - m.start]) for m in messages) % (1 << 64)
     assert total == word_sum(t)
+
+
+# -- where the weights live: backend choice, host staging ----------------------------------------
+
+
+def test_nccl_only_when_every_member_has_a_gpu_of_its_own() -> None:
+    gpu = [f"cuda:GPU-{i}" for i in range(3)]
+    assert choose_backend(gpu) == "nccl"
+    assert backend_reason(gpu) == "every member has a GPU of its own"
+    shared = [gpu[0], gpu[1], gpu[0]]  # trainer and a generator on one GPU: NCCL refuses two ranks there
+    assert choose_backend(shared) == "gloo"
+    assert backend_reason(shared) == "ranks [0, 2] share a GPU, and NCCL cannot join two ranks on one device"
+    assert choose_backend(["cpu", "cpu"]) == "gloo"
+    assert choose_backend([gpu[0], "cpu"]) == "gloo"
+    assert backend_reason([gpu[0], "cpu"]) == "rank(s) [1] hold their weights on the CPU"
+    assert device_identity(torch.device("cpu")) == "cpu"
+
+
+def test_broadcast_group_of_cpu_members_negotiates_gloo(helpers: Helpers) -> None:
+    port = free_port()
+    tag = receive_in_helpers(helpers, port, asks=[3])
+    with broadcast_sender(port) as sender:
+        assert (sender.backend, sender.device.type, sender.weights_device.type) == ("gloo", "cpu", "cpu")
+        assert sender.store.get("backend").decode() == "gloo:rank(s) [0, 1, 2] hold their weights on the CPU"
+        sender.publish(named_tensors(3), version=3)
+        assert_received(helpers.gather(tag), 3)
+    assert sender.host_staging.nbytes == 0  # host tensors are sent from where they are
+
+
+def test_host_staging_passes_host_tensors_through_and_refuses_a_changed_layout() -> None:
+    staging = HostStaging(pin=False)
+    tensors = [t for _, t in named_tensors(1)]
+    staged = staging.stage(tensors)
+    assert all(a is b for a, b in zip(staged, tensors, strict=True))
+    with pytest.raises(WeightSyncError, match="holds 7 tensors, the publication has 4"):
+        staging.stage(tensors[:4])
+
+
+# -- device IPC (the CPU's shared memory standing in for a GPU's IPC handle) ----------------------
+
+
+def _ipc_receive_job(rank: int, report: Callable, *, name: str, versions: list[int]) -> None:
+    rx = DeviceIpcReceiver(name, LAYOUT, HostMemory())
+    try:
+        for v in versions:
+            version, tensors = rx.receive(v, timeout=10.0)
+            report({"version": version, "tensors": pack(tensors)})
+    finally:
+        rx.close()
+
+
+@contextmanager
+def ipc_sender() -> Iterator[DeviceIpcSender]:
+    sender = DeviceIpcSender(LAYOUT, f"{SHM_PREFIX}ipc-{os.urandom(3).hex()}", HostMemory())
+    try:
+        yield sender
+    finally:
+        sender.close()
+
+
+def test_device_ipc_receivers_in_other_processes_get_each_version_exactly(helpers: Helpers) -> None:
+    with ipc_sender() as sender:
+        tag = helpers.submit(_ipc_receive_job, name=sender.name, versions=[1, 2])
+        stats = sender.publish(named_tensors(1), version=1)
+        assert (stats.version, stats.nbytes) == (1, LAYOUT.nbytes)
+        assert_received(helpers.gather(tag), 1)
+        sender.publish(named_tensors(2), version=2)
+        assert_received(helpers.gather(tag), 2)
+
+
+def test_device_ipc_write_in_progress_is_never_returned_and_late_versions_name_themselves() -> None:
+    with ipc_sender() as sender:
+        sender.publish(named_tensors(1), version=1)
+        rx = DeviceIpcReceiver(sender.name, LAYOUT, HostMemory())
+        try:
+            assert rx.receive(1, timeout=2.0)[0] == 1
+            seq, version, chk, fingerprint, handle_len = sender._header.read()
+            sender._header.write(seq + 1, 2, 0.0, fingerprint.decode(), handle_len)  # a write in progress
+            with pytest.raises(WeightSyncError, match=r"version 1 not available.*being written"):
+                rx.receive(1, timeout=0.3)
+            sender._header.write(seq, version, chk, fingerprint.decode(), handle_len)
+            version, got = rx.receive(1, timeout=1.0)
+            assert version == 1
+            assert_same(got, named_tensors(1))
+            with pytest.raises(
+                WeightSyncError, match=r"version 5 not available within 0.2s \(latest complete version 1\)"
+            ):
+                rx.receive(5, timeout=0.2)
+            sender._views[0].view(torch.uint8)[0] ^= 1  # a corrupted byte after the checksum was taken
+            with pytest.raises(WeightSyncError, match="failed its checksum"):
+                rx.receive(1, timeout=1.0)
+        finally:
+            rx.close()
+
+
+def test_device_ipc_receiver_with_another_layout_and_a_wrong_publication_are_refused() -> None:
+    with ipc_sender() as sender:
+        for layout in (RENAMED, RESHAPED):
+            rx = DeviceIpcReceiver(sender.name, layout, HostMemory())
+            with pytest.raises(WeightSyncError, match="layout differs"):
+                rx.receive(0, timeout=1.0)
+            rx.close()
+        for _, bad in mismatched_publications():
+            with pytest.raises(WeightSyncError, match="does not match the layout"):
+                sender.publish(bad, version=2)
+    missing = DeviceIpcReceiver(f"{SHM_PREFIX}absent", LAYOUT, HostMemory())
+    with pytest.raises(WeightSyncError, match="no sender"):
+        missing.receive(0, timeout=0.1)

@@ -27,12 +27,14 @@ import torch
 import torch.multiprocessing as mp
 
 from asyncrl.config import Config
+from asyncrl.errors import ConfigError
+from asyncrl.models import resolve_device
 from asyncrl.orchestration.cores import CoreShare, available_cores
 from asyncrl.orchestration.events import Ready, Stop, WorkerError, WorkerFailed
 from asyncrl.orchestration.loop import serve_generator, serve_trainer
 from asyncrl.orchestration.runtime import generator_name
 from asyncrl.orchestration.workers import GeneratorWorker, TrainerWorker, run_follower
-from asyncrl.trainer.distributed import trainer_rank_name
+from asyncrl.trainer.distributed import rank_device, trainer_rank_name
 from asyncrl.weight_sync import WeightLayout
 
 TRAINER = "trainer"
@@ -46,10 +48,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def transport_spec(cfg: Config, run_dir: Path) -> dict:
+def weight_sync_kind(cfg: Config) -> str:
+    """``runtime.weight_sync`` resolved for this machine (``auto``: see the field's description)."""
     kind = cfg.runtime.weight_sync
-    if kind == "shm":
-        return {"kind": "shm", "name": f"asyncrl-{os.getpid()}-{secrets.token_hex(4)}"}
+    if cfg.runtime_kind != "local":  # on Ray the driver may have no GPU of its own; cuda_ipc is refused there
+        return "shm" if kind == "auto" else kind
+    on_cuda = resolve_device(cfg.model.device).type == "cuda"
+    if kind == "auto":
+        return "cuda_ipc" if on_cuda else "shm"
+    if kind == "cuda_ipc" and not on_cuda:
+        raise ConfigError(
+            "runtime.weight_sync",
+            kind,
+            f"needs the model on a GPU, but model.device={cfg.model.device} resolves to the CPU here",
+        )
+    return kind
+
+
+def weights_device(cfg: Config, trainer: bool) -> torch.device:
+    """Where a worker keeps the weights a transport moves: trainer rank 0's device, or a generator's."""
+    device = resolve_device(cfg.model.device)
+    return rank_device(device, 0, cfg.trainer.ranks) if trainer else device
+
+
+def transport_spec(cfg: Config, run_dir: Path) -> dict:
+    kind = weight_sync_kind(cfg)
+    if kind in ("shm", "cuda_ipc"):
+        return {"kind": kind, "name": f"asyncrl-{os.getpid()}-{secrets.token_hex(4)}"}
     if kind == "files":
         return {"kind": "files", "dir": str(run_dir / "weights")}
     return {
@@ -73,6 +98,10 @@ def make_sender(
         from asyncrl.weight_sync.files import FileSender
 
         return FileSender(spec["dir"], layout)
+    if spec["kind"] == "cuda_ipc":
+        from asyncrl.weight_sync.device_ipc import DeviceIpcSender, memory_for
+
+        return DeviceIpcSender(layout, spec["name"], memory_for(device))
     from asyncrl.weight_sync.broadcast import BackgroundPublisher
 
     return BackgroundPublisher(make_broadcast_sender(spec, layout, timeout_s, device), timeout_s, elastic)
@@ -98,6 +127,10 @@ def make_receiver(spec: dict, layout: WeightLayout, rank: int, timeout_s: float,
         from asyncrl.weight_sync.files import FileReceiver
 
         return FileReceiver(spec["dir"], layout)
+    if spec["kind"] == "cuda_ipc":
+        from asyncrl.weight_sync.device_ipc import DeviceIpcReceiver, memory_for
+
+        return DeviceIpcReceiver(spec["name"], layout, memory_for(device))
     from asyncrl.weight_sync.broadcast import BroadcastReceiver, UnjoinedReceiver
 
     if spec.get("port") is None:  # a generator that joined a running run: the runtime gives it a group
@@ -141,13 +174,12 @@ def _worker_main(
             cores = CoreShare(busy_flags, slot=slot, cores=available_cores())
         cfg = Config.model_validate_json(cfg_json)
         timeout = cfg.runtime.stall_timeout_s
+        device = weights_device(cfg, trainer=role in (TRAINER, TRAINER_RANK))
         if role in (TRAINER, TRAINER_RANK):
             worker = TrainerWorker(
                 name,
                 cfg,
-                (lambda layout: make_sender(spec, layout, timeout, torch.device("cpu")))
-                if index == 0
-                else None,
+                (lambda layout: make_sender(spec, layout, timeout, device)) if index == 0 else None,
                 rank=index,
                 **group,
             )
@@ -157,7 +189,7 @@ def _worker_main(
             worker = GeneratorWorker(
                 name,
                 cfg,
-                lambda layout: make_receiver(spec, layout, index + 1, timeout, torch.device("cpu")),
+                lambda layout: make_receiver(spec, layout, index + 1, timeout, device),
                 seed=cfg.run.seed + index,
             )
         evt_q.put(Ready(name, {"pid": os.getpid(), "threads": torch.get_num_threads()}))
@@ -340,7 +372,7 @@ class LocalRuntime:
         for q in [*self._commands.values(), self._events]:
             q.cancel_join_thread()
             q.close()
-        if self._spec.get("kind") == "shm":
+        if self._spec.get("kind") in ("shm", "cuda_ipc"):
             _unlink_shm(self._spec["name"])  # the trainer unlinks on a clean exit; this covers a killed one
 
 

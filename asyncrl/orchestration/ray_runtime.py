@@ -158,6 +158,7 @@ class WorkerHost:
         import torch
 
         from asyncrl.config import Config
+        from asyncrl.orchestration.local import weights_device
         from asyncrl.orchestration.loop import serve_generator, serve_trainer
         from asyncrl.orchestration.workers import GeneratorWorker, TrainerWorker, run_follower
 
@@ -166,7 +167,7 @@ class WorkerHost:
             torch.set_num_threads(max(1, self._threads))
             cfg = Config.model_validate_json(self._cfg_json)
             timeout = cfg.runtime.stall_timeout_s
-            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            device = weights_device(cfg, trainer=self.role in (TRAINER, TRAINER_RANK))
             self._device = device  # the weight-sync ends of later groups use it too
             spec = self._spec
             if self.role in (TRAINER, TRAINER_RANK):
