@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from asyncrl.engine import sampling
@@ -395,3 +396,33 @@ def test_the_hot_path_never_waits_for_the_device(monkeypatch) -> None:
     drawn = [sample_tokens(flat_logits(3, v, seed=1), **batch).tokens for v in (99, sampling.SORT_BELOW + 1)]
     monkeypatch.undo()
     assert all(torch.equal(a, b) for a, b in zip(drawn, expected, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_draws_the_cpu_tokens_without_synchronising() -> None:
+    """On identical float32 logits (a 151,936-token vocabulary, so the radix path) the CUDA sampler draws
+    the CPU's tokens: all but a few, since the devices' exp and log_softmax may differ in the last bit.
+    With CUDA's sync debug mode set to error, a synchronising operation would raise."""
+    rows = 256
+    logits = flat_logits(rows, 151_936, seed=2) * torch.linspace(1, 30, rows).unsqueeze(-1)
+    batch = dict(
+        temperature=torch.tensor([1.0, 0.7, 0.0, 1.0]).repeat(rows // 4),
+        top_k=torch.tensor([0, 50, 0, 0]).repeat(rows // 4),
+        top_p=torch.tensor([0.95, 1.0, 1.0, 0.9]).repeat(rows // 4),
+        seeds=torch.arange(rows) * 7 + 1,
+        positions=torch.arange(rows) % 97,
+        min_p=torch.tensor([0.0, 0.0, 0.0, 0.05]).repeat(rows // 4),
+    )
+    cpu = sample_tokens(logits, **batch)
+    on_cuda = {name: t.cuda() for name, t in batch.items()}
+    cuda_logits = logits.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gpu = sample_tokens(cuda_logits, **on_cuda)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    same = gpu.tokens.cpu() == cpu.tokens
+    assert float(same.double().mean()) >= 0.99, int((~same).sum())
+    torch.testing.assert_close(gpu.logprobs.cpu()[same], cpu.logprobs[same], rtol=0, atol=1e-4)
