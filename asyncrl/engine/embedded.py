@@ -426,7 +426,8 @@ class _Batch:
             self.seeds,
             positions,
             self.min_p,
-            self.keep_support,
+            # Checked on the host params: asking the device would wait for it every step.
+            self.keep_support if any(r.supports is not None for r in self.rows) else None,
         )
         done = torch.zeros(len(self.rows), dtype=torch.bool)
         finished = []
