@@ -85,17 +85,20 @@ class ChunkedLogprobs(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             for i, start in enumerate(range(0, n, chunk)):
                 stop = min(start + chunk, n)
+                # At most two (chunk x vocabulary) float32 tensors at a time, here and in backward.
                 z = _scaled_logits(hidden[start:stop], w, b, dtype, temperature)
-                full = torch.log_softmax(z, dim=-1)
                 pairs = order[bounds[i] : bounds[i + 1]]
-                r, t = rows[pairs] - start, tokens[pairs]
-                logp[pairs] = full[r, t]
                 if support is not None:
                     sup = pairs[has_support[pairs]]
-                    logp[sup] = _support_logprob(z, rows[sup] - start, tokens[sup], support[sup])[0]
+                    renormalised = _support_logprob(z, rows[sup] - start, tokens[sup], support[sup])[0]
+                full = torch.log_softmax(z, dim=-1)
+                del z
+                logp[pairs] = full[rows[pairs] - start, tokens[pairs]]
+                if support is not None:
+                    logp[sup] = renormalised
                 if with_entropy:
                     entropy[start:stop] = entropy_from_logprobs(full)
-                del z, full
+                del full
         ctx.save_for_backward(hidden, weight, bias, rows, tokens, support, has_support, order, entropy)
         ctx.config = (temperature, chunk, dtype, bounds, entropy_grad)
         if not entropy_grad:
@@ -122,31 +125,37 @@ class ChunkedLogprobs(torch.autograd.Function):
                 stop = min(start + chunk, n)
                 h = hidden[start:stop].to(dtype)
                 z = _scaled_logits(h, w, b, dtype, temperature)
-                full = torch.log_softmax(z, dim=-1)
-                p = full.exp()
                 pairs = order[bounds[i] : bounds[i + 1]]
                 r, t, g = rows[pairs] - start, tokens[pairs], grad_logp[pairs].float()
-                # d logp[t] / dz = onehot(t) - softmax(z), or - softmax over the support where recorded.
-                on_full = g if support is None else torch.where(has_support[pairs], 0.0, g)
-                row_grad = torch.zeros(stop - start, dtype=torch.float32, device=z.device).index_add_(
-                    0, r, on_full
-                )
-                grad_z = p * row_grad.neg_().unsqueeze(-1)
-                grad_z.index_put_((r, t), g, accumulate=True)
                 if support is not None:
                     sup = has_support[pairs]
                     rs, ss = r[sup], support[pairs[sup]]
                     q = _support_logprob(z, rs, t[sup], ss)[1]
+                full = torch.log_softmax(z, dim=-1)
+                del z
+                # d logp[t] / dz = onehot(t) - softmax(z), or - softmax over the support where recorded.
+                on_full = g if support is None else torch.where(sup, 0.0, g)
+                row_grad = torch.zeros(stop - start, dtype=torch.float32, device=h.device).index_add_(
+                    0, r, on_full
+                )
+                row_grad = row_grad.unsqueeze(-1)
+                if use_entropy:
+                    # d entropy / dz = -p (log p + entropy); computed in place of the log-softmax.
+                    p = full.exp()
+                    ge = grad_entropy[start:stop].float().unsqueeze(-1)
+                    grad_z = full.add_(entropy[start:stop].unsqueeze(-1)).mul_(p).mul_(ge.neg_())
+                    grad_z.sub_(p.mul_(row_grad))
+                    del p
+                else:
+                    grad_z = full.exp_().mul_(row_grad.neg_())
+                del full
+                grad_z.index_put_((r, t), g, accumulate=True)
+                if support is not None:
                     grad_z.index_put_(
                         (rs.unsqueeze(-1).expand_as(ss), ss.clamp(min=0)),
                         -g[sup].unsqueeze(-1) * q,
                         accumulate=True,
                     )
-                if use_entropy:
-                    # d entropy / dz = -p (log p + entropy)
-                    ge = grad_entropy[start:stop].float().unsqueeze(-1)
-                    grad_z -= ge * p * (full + entropy[start:stop].unsqueeze(-1))
-                del full, p, z
                 if temperature != 1.0:
                     grad_z /= temperature
                 if need_bias:
@@ -181,7 +190,7 @@ def _scaled_logits(
 ) -> torch.Tensor:
     z = F.linear(hidden.to(dtype), weight, bias).float()
     if temperature != 1.0:  # the same division as the unchunked path, skipped at 1 as there
-        z = z / temperature
+        z.div_(temperature)  # z is the matmul's fresh output (or its float32 copy)
     return z
 
 
