@@ -270,6 +270,7 @@ class TrainerConfig(Section):
         if tokens < 1:
             raise ValueError(f"must be a positive number of tokens or 'auto', got {tokens}")
         return tokens
+
     packing: Literal["tree", "prompts", "off"] = Field(
         "tree",
         description="How a micro-batch's inputs are laid out. 'tree': every token prefix that samples "

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from asyncrl.models.forward import _base_model
+from asyncrl.models.forward import base_model
 
 _MARK = "_asyncrl_checkpointed"
 
@@ -40,7 +40,7 @@ def checkpoint_decoder_layers(model: torch.nn.Module) -> int:
 
     Returns the number of layers wrapped; calling it again changes nothing.
     """
-    layers = _base_model(model).get_decoder().layers
+    layers = base_model(model).get_decoder().layers
     for index, layer in enumerate(layers):
         if not getattr(layer, _MARK, False):
             layer.forward = functools.partial(_checkpointed_forward, layer, index)

@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from asyncrl.algorithms.losses import entropy_from_logprobs
-from asyncrl.models.forward import _base_model, with_cache
+from asyncrl.models.forward import base_model, with_cache
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.chunked import chunked_logprobs
 from asyncrl.trainer.packing import TreeInputs
@@ -87,7 +87,7 @@ def lm_head(model: PreTrainedModel) -> torch.nn.Linear | None:
     uses as is; not a peft layer or wrapper (adapters or ``modules_to_save`` on the head) and
     not a model that soft-caps or scales its logits.
     """
-    base = _base_model(model)
+    base = base_model(model)
     head = base.get_output_embeddings()
     if type(head) is not torch.nn.Linear:
         return None
@@ -104,7 +104,7 @@ def _final_hidden(model: PreTrainedModel) -> Iterator[Callable[[], torch.Tensor]
     def keep(module: torch.nn.Module, args: object, output: object) -> None:
         seen[:] = [output[0] if isinstance(output, tuple) else output.last_hidden_state]
 
-    handle = _base_model(model).get_decoder().register_forward_hook(keep)
+    handle = base_model(model).get_decoder().register_forward_hook(keep)
     try:
         yield lambda: seen.pop()
     finally:
