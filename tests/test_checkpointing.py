@@ -2,8 +2,8 @@
 
 Measured on CPU, float32: with and without checkpointing, log-probs and parameter gradients
 are bitwise equal in both layouts (padded, and the prefix tree run level by level against
-its KV cache), on tiny:1m and tiny:1m:llama, with chunked and whole logits, and with LoRA;
-bounds below are 0 for log-probs and 1e-6 (relative) for gradients.
+its KV cache), on tiny:1m and tiny:1m:llama, with chunked and whole logits, with LoRA, and
+under CPU bfloat16 autocast; bounds below are 0 for log-probs and 1e-6 (relative) for gradients.
 """
 
 from __future__ import annotations
@@ -92,5 +92,17 @@ def test_checkpointing_with_lora(make_sample) -> None:
         logp_ck, grads_ck, _, calls_ck = run(checkpointed, mb, 5)
         assert calls_ck == 2 * calls, name
         assert grads.numel() == 90112  # only the adapters have gradients
+        assert torch.equal(logp_ck, logp), name
+        assert float((grads_ck - grads).norm() / grads.norm()) <= 1e-6, name
+
+
+def test_checkpointing_under_bfloat16_autocast(tiny_policy, make_sample) -> None:
+    """The replay runs under the forward's autocast state: the same bfloat16 numbers as without checkpointing."""
+    checkpointed = copy.deepcopy(tiny_policy.model)
+    checkpoint_decoder_layers(checkpointed)
+    for name, mb in layouts(mixed_samples(make_sample), tiny_policy.pad_token_id).items():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logp, grads, _, _ = run(tiny_policy.model, mb, 5)
+            logp_ck, grads_ck, _, _ = run(checkpointed, mb, 5)
         assert torch.equal(logp_ck, logp), name
         assert float((grads_ck - grads).norm() / grads.norm()) <= 1e-6, name
