@@ -237,8 +237,12 @@ class TrainerConfig(Section):
         "constant", description="Decay after warm-up: none, linear to 0, or cosine to 0."
     )
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps from 0 to lr.")
-    micro_batch_tokens: int = Field(
-        8192, ge=1, description="Token budget of one forward/backward (padded tokens counted)."
+    micro_batch_tokens: int | Literal["auto"] = Field(
+        8192,
+        description="Token budget of one forward/backward (padded tokens counted), or 'auto': sized on CUDA "
+        "from the free GPU memory and the model's shape (hidden size, layers, vocabulary, "
+        "logprob_chunk_tokens, gradient_checkpointing) with a safety margin, and logged once; 8192 on "
+        "the CPU. See docs/trainer_memory.md.",
     )
     master_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32",
@@ -248,6 +252,37 @@ class TrainerConfig(Section):
         "so float32 is the default; a lower master dtype saves memory at that cost. Weights are sent to "
         "the engines in model.dtype (LoRA adapters in float32).",
     )
+    logprob_chunk_tokens: int = Field(
+        1024,
+        ge=0,
+        description="Positions whose logits the LM head, log-softmax, log-probs and entropy compute at once, "
+        "forward and backward (backward recomputes them): the (tokens x vocabulary) float32 logits of a whole "
+        "micro-batch are never held. Exact (same log-probs and gradients as unchunked). 0 = the model's "
+        "own logits for the whole micro-batch at once. See docs/trainer_memory.md.",
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Activation checkpointing of every decoder layer (torch.utils.checkpoint, non-reentrant): "
+        "a layer keeps only its input for backward and is run again there, trading about one more forward "
+        "for much less activation memory. Works with both layouts (the prefix tree's KV cache included) "
+        "and LoRA; gradients equal those without it. See docs/trainer_memory.md.",
+    )
+
+    @field_validator("micro_batch_tokens", mode="before")
+    @classmethod
+    def _token_budget(cls, value: Any) -> int | str:
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise ValueError(f"must be a positive number of tokens or 'auto', got {value!r}")
+        try:
+            tokens = int(value)
+        except ValueError:
+            raise ValueError(f"must be a positive number of tokens or 'auto', got {value!r}") from None
+        if tokens < 1:
+            raise ValueError(f"must be a positive number of tokens or 'auto', got {tokens}")
+        return tokens
+
     packing: Literal["tree", "prompts", "off"] = Field(
         "tree",
         description="How a micro-batch's inputs are laid out. 'tree': every token prefix that samples "

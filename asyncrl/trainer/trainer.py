@@ -35,9 +35,11 @@ from transformers import PreTrainedModel
 from asyncrl.algorithms import corrections, losses
 from asyncrl.algorithms.advantages import group_advantages
 from asyncrl.config import AlgorithmConfig, TrainerConfig
+from asyncrl.models.checkpointing import checkpoint_decoder_layers
 from asyncrl.models.lora import adapter_fqns, is_lora, published_weights
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.logprobs import completion_logprobs
+from asyncrl.trainer.memory import resolve_micro_batch_tokens
 from asyncrl.trainer.packing import packing_for
 from asyncrl.trainer.planning import collate_layout, plan_layouts
 from asyncrl.types import Group, Sample
@@ -125,6 +127,16 @@ class Trainer:
         self.ref_model = (
             copy.deepcopy(model).eval().requires_grad_(False) if algo_cfg.beta > 0 and not self.lora else None
         )
+        if trainer_cfg.gradient_checkpointing:  # the policy only: the reference computes no gradients
+            checkpoint_decoder_layers(model)
+        self.micro_batch_tokens = resolve_micro_batch_tokens(
+            trainer_cfg.micro_batch_tokens,
+            model,
+            self.device,
+            chunk_tokens=trainer_cfg.logprob_chunk_tokens,
+            checkpointing=trainer_cfg.gradient_checkpointing,
+            autocast_dtype=self.compute_dtype if self.autocast else None,
+        )
         # After the reference copy (it stays whole) and before the optimizer sees the parameters.
         self._parallelize()
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -158,13 +170,15 @@ class Trainer:
         t0 = time.perf_counter()
         batches = [
             collate_layout(chunk, layout, self.pad_token_id).to(self.device)
-            for chunk, layout in plan_layouts(samples, self.cfg.micro_batch_tokens, self.packing)
+            for chunk, layout in plan_layouts(samples, self.micro_batch_tokens, self.packing)
         ]
         mode = self.old_logprob_mode
         with torch.no_grad(), self._eval_mode(), self.compute():
             for mb in batches:
                 if mode == "recompute":
-                    mb.old_logprobs = completion_logprobs(self.model, mb, self.temperature)[0]
+                    mb.old_logprobs = completion_logprobs(
+                        self.model, mb, self.temperature, chunk_tokens=self.cfg.logprob_chunk_tokens
+                    )[0]
                 elif mode == "behaviour":
                     mb.old_logprobs = mb.behaviour_logprobs
                 if self.algo.beta > 0:
@@ -194,9 +208,13 @@ class Trainer:
 
     def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
         if self.ref_model is not None:
-            return completion_logprobs(self.ref_model, mb, self.temperature)[0]
+            return completion_logprobs(
+                self.ref_model, mb, self.temperature, chunk_tokens=self.cfg.logprob_chunk_tokens
+            )[0]
         with self.model.disable_adapter():  # LoRA: the base model is the initial policy
-            return completion_logprobs(self.model, mb, self.temperature)[0]
+            return completion_logprobs(
+                self.model, mb, self.temperature, chunk_tokens=self.cfg.logprob_chunk_tokens
+            )[0]
 
     def accumulate(self, batches: list[MicroBatch]) -> float:
         """Forward/backward on micro-batches, adding their undivided loss to the gradients.
@@ -311,7 +329,12 @@ class Trainer:
         algo = self.algo
         with self.compute():
             logp, entropy = completion_logprobs(
-                self.model, mb, self.temperature, with_entropy=True, entropy_grad=bool(algo.entropy_coef)
+                self.model,
+                mb,
+                self.temperature,
+                with_entropy=True,
+                entropy_grad=bool(algo.entropy_coef),
+                chunk_tokens=self.cfg.logprob_chunk_tokens,
             )
         mask = mb.mask
         old = logp.detach() if mb.old_logprobs is None else mb.old_logprobs
