@@ -200,7 +200,7 @@ def single_process() -> Callable[[str], dict]:
 @pytest.mark.parametrize(
     ("parallel", "model"),
     [
-        ("ddp", "tiny:1m"),
+        pytest.param("ddp", "tiny:1m", marks=pytest.mark.slow),  # fsdp2 below: the same exchange, sharded
         ("fsdp2", "tiny:1m"),
         pytest.param("ddp", "tiny:1m:llama", marks=pytest.mark.slow),
         pytest.param("fsdp2", "tiny:1m:llama", marks=pytest.mark.slow),

@@ -400,11 +400,9 @@ def straggler_overrides(directory: Path, straggler: int = STRAGGLER) -> list[str
     ]
 
 
+@pytest.mark.slow  # the interrupt modes: the GeneratorWorker tests above; a local async run: test_local_runtime
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(
-    "interrupt",
-    [pytest.param("never", marks=pytest.mark.slow), "abort"],  # abort, the harder case, stays quick
-)
+@pytest.mark.parametrize("interrupt", ["never", "abort"])
 def test_async_run_with_interrupt_completes_and_reconciles(tmp_path: Path, interrupt: str) -> None:
     """async (max_staleness 2), never/abort, stragglers in flight at updates: reconciles, staleness <= 2, aborts counted."""
     cfg = load_config(
