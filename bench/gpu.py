@@ -336,9 +336,9 @@ def trainer_part(device: torch.device, quick: bool) -> dict:
 # -- weight sync --------------------------------------------------------------------------------
 
 
-def _receiver(spec: dict, layout, device: str, versions: int, results) -> None:
+def _receiver(spec, layout, device: str, versions: int, results) -> None:
     """Another process: receive each version and copy it into GPU tensors, as an engine loads it."""
-    from asyncrl.orchestration.local import make_receiver
+    from asyncrl.orchestration.transport import make_receiver
 
     dev = torch.device(device)
     engine_weights = {s.name: torch.empty(s.shape, dtype=s.dtype, device=dev) for s in layout.specs}
@@ -357,7 +357,7 @@ def _receiver(spec: dict, layout, device: str, versions: int, results) -> None:
 
 
 def weight_sync_part(device: torch.device, quick: bool) -> dict:
-    from asyncrl.orchestration.local import free_port, make_sender
+    from asyncrl.orchestration.transport import TransportSpec, free_port, make_sender
     from asyncrl.weight_sync import WeightLayout
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -370,9 +370,9 @@ def weight_sync_part(device: torch.device, quick: bool) -> dict:
     ctx = mp.get_context("spawn")
     for kind in transports:
         with tempfile.TemporaryDirectory() as tmp:
-            spec = {"kind": kind, "name": f"asyncrl-bench-{os.getpid()}-{kind}", "dir": tmp}
+            spec = TransportSpec(kind, name=f"asyncrl-bench-{os.getpid()}-{kind}", dir=tmp)
             if kind == "broadcast":
-                spec.update(host="127.0.0.1", port=free_port(), world=2, bucket_bytes=64 << 20)
+                spec = spec.replace(port=free_port(), world=2, bucket_bytes=64 << 20)
             results = ctx.Queue()
             proc = ctx.Process(target=_receiver, args=(spec, layout, str(device), versions, results))
             proc.start()

@@ -25,9 +25,8 @@ from transformers import DynamicCache, PreTrainedModel
 
 from asyncrl.algorithms.losses import entropy_from_logprobs
 from asyncrl.models.forward import base_model, with_cache
-from asyncrl.trainer.batching import MicroBatch
+from asyncrl.trainer.batching import MicroBatch, TreeInputs
 from asyncrl.trainer.chunked import chunked_logprobs
-from asyncrl.trainer.packing import TreeInputs
 
 # Positions whose logits are computed at once: (1024 × 151,936) float32 logits are 0.6 GB.
 DEFAULT_CHUNK_TOKENS = 1024
