@@ -6,8 +6,9 @@
 Prints one JSON object (its last line) with the device's name and, per part:
 
 * ``default``: the default example (``asyncrl train`` with ``model.device`` set) for the
-  ``sync`` and ``async`` schedules: seconds per step, mean reward of the first and last ten
-  steps, the engine/trainer log-prob gap;
+  ``sync``, ``periodic`` and ``async`` schedules, generator and trainer on one GPU: seconds
+  per step, mean reward of the first and last ten steps, the engine/trainer log-prob gap,
+  the trainer's and generators' busy fractions;
 * ``engine``: output tokens/s of asyncrl's engine against ``model.generate`` (eager, dynamic
   cache) and ``model.generate(cache_implementation="static")`` on the same requests, for a
   Qwen2-0.5B-shaped model (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864,
@@ -114,7 +115,7 @@ def default_example(device: torch.device, steps: int) -> dict:
     from asyncrl.orchestration import train
 
     out = {}
-    for schedule in ("sync", "async"):
+    for schedule in ("sync", "periodic", "async"):
         with tempfile.TemporaryDirectory() as tmp:
             cfg = load_config(
                 overrides=[
@@ -137,6 +138,8 @@ def default_example(device: torch.device, steps: int) -> dict:
             "reward_last10": round(statistics.fmean(rewards[-window:]), 4),
             "logprob_diff_max": round(max(r["logprob_diff_max"] for r in rows), 5),
             "mismatch_kl_mean": statistics.fmean(r["mismatch_kl"] for r in rows),
+            "trainer_busy_frac": round(statistics.fmean(r["trainer_busy_frac"] for r in rows), 3),
+            "generator_busy_frac": round(statistics.fmean(r["generator_busy_frac"] for r in rows), 3),
         }
     return out
 
