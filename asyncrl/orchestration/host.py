@@ -46,7 +46,7 @@ def build_worker(
         sender = (lambda layout: make_sender(spec, layout, timeout, device, elastic)) if index == 0 else None
         return TrainerWorker(name, cfg, sender, rank=index, **group), device
     receiver = lambda layout: make_receiver(spec, layout, index + 1, timeout, device)  # noqa: E731
-    return GeneratorWorker(name, cfg, receiver, seed=cfg.run.seed + index), device
+    return GeneratorWorker(name, cfg, receiver, seed=cfg.run.seed + index, regroups=elastic), device
 
 
 def ready(name: str) -> Ready:
