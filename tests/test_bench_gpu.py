@@ -9,9 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import child_env
+
+pytestmark = pytest.mark.multiprocess
+
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "gpu.py"
 
 
+@pytest.mark.slow  # ~140 s; the engine, trainer and transports it times are tested in test_engine*, test_trainer, test_bench_weight_sync
 @pytest.mark.timeout(600)
 def test_gpu_bench_quick_mode_reports_every_part_on_the_cpu() -> None:
     out = subprocess.run(
@@ -29,6 +34,7 @@ def test_gpu_bench_quick_mode_reports_every_part_on_the_cpu() -> None:
         capture_output=True,
         text=True,
         timeout=540,
+        env=child_env(),
     )
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -53,6 +59,8 @@ def test_gpu_bench_without_cuda_says_so() -> None:
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is visible")
-    out = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120, env=child_env()
+    )
     assert out.returncode == 1
     assert "no CUDA device is visible" in out.stderr

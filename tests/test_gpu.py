@@ -116,6 +116,7 @@ def test_engine_and_trainer_log_probs_agree(dtype: str) -> None:
 # -- whole runs -----------------------------------------------------------------------------------
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("schedule", ["sync", "periodic", "one_step_off", "async"])
 def test_every_schedule_runs_to_the_end(tmp_path: Path, schedule: str) -> None:
     run = _reconciled(
@@ -132,6 +133,7 @@ def test_every_schedule_runs_to_the_end(tmp_path: Path, schedule: str) -> None:
 TRANSPORTS = ["shm", "files", "broadcast"] + ([] if ON_CPU else ["cuda_ipc"])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_every_weight_transport_delivers_to_a_generator_on_the_gpu(tmp_path: Path, transport: str) -> None:
     """Async on the local runtime, each generator's weights checked against the trainer's checksums."""
@@ -204,6 +206,7 @@ def _one_rank_step(parallel: str, port: int, device: str) -> float:
     return max(float((plain[n].float() - wrapped[n].float()).abs().max()) for n in plain)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
 def test_one_rank_of_ddp_and_fsdp2_matches_the_plain_trainer(parallel: str) -> None:
     with socket.socket() as s:
@@ -219,6 +222,7 @@ def test_one_rank_of_ddp_and_fsdp2_matches_the_plain_trainer(parallel: str) -> N
 # -- checkpoint and resume --------------------------------------------------------------------------
 
 
+@pytest.mark.multiprocess
 def test_stopped_and_resumed_run_continues_from_float32_master_weights(tmp_path: Path) -> None:
     """A sync run stopped by SIGTERM at step >= 3 of 6 and resumed ends where an uninterrupted run ends.
 

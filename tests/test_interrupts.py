@@ -36,6 +36,7 @@ from asyncrl.types import Group, Prompt
 from asyncrl.weight_sync.base import WeightSyncError
 from asyncrl.weight_sync.broadcast import UnjoinedReceiver
 from asyncrl.weight_sync.inprocess import InProcessChannel
+from tests.helpers import ONE_THREAD_EACH, short_run
 
 GROUP = 2
 BUDGET = 24
@@ -361,16 +362,7 @@ STEPS = 4
 PROMPTS = 4
 E2E_GROUP = 4
 STRAGGLER = 160
-E2E = [
-    f"rollout.prompts_per_step={PROMPTS}",
-    f"rollout.group_size={E2E_GROUP}",
-    f"run.steps={STEPS}",
-    "run.eval_every=0",
-    "run.progress=false",
-    "runtime.kind=local",
-    "runtime.generator_threads=1",
-    "runtime.trainer_threads=1",
-]
+E2E = [*short_run(STEPS, PROMPTS, E2E_GROUP), "runtime.kind=local", *ONE_THREAD_EACH]
 
 
 def write_straggler_task(directory: Path, rows: int = 48, straggler: int = STRAGGLER) -> Path:
@@ -409,7 +401,11 @@ def straggler_overrides(directory: Path, straggler: int = STRAGGLER) -> list[str
     ]
 
 
-@pytest.mark.parametrize("interrupt", ["never", "abort"])
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "interrupt",
+    [pytest.param("never", marks=pytest.mark.slow), "abort"],  # abort, the harder case, stays quick
+)
 def test_async_run_with_interrupt_completes_and_reconciles(tmp_path: Path, interrupt: str) -> None:
     """async (max_staleness 2), never/abort, stragglers in flight at updates: reconciles, staleness <= 2, aborts counted."""
     cfg = load_config(
@@ -430,6 +426,8 @@ def test_async_run_with_interrupt_completes_and_reconciles(tmp_path: Path, inter
         assert min(interrupted) >= 1, interrupted
 
 
+@pytest.mark.slow  # cancelling stale groups: test_group_with_v0_tokens_is_cancelled_... and test_only_the_group_older_than_...
+@pytest.mark.multiprocess
 def test_stragglers_are_cancelled_in_flight_and_every_trained_token_is_fresh_enough(tmp_path: Path) -> None:
     """max_staleness 1, streaming, never, straggler completions: cancelled_stale > 0, reconciles, staleness <= 1."""
     # max_staleness 1, not 0: with 0, admission lets a generator at version w start only the

@@ -9,15 +9,11 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 from asyncrl import checkpoint
 from asyncrl.config import AlgorithmConfig, TrainerConfig, load_config
@@ -26,6 +22,7 @@ from asyncrl.models import load_policy
 from asyncrl.orchestration import build
 from asyncrl.trainer import Trainer
 from asyncrl.trainer.trainer import sync_dtype
+from tests.helpers import child_env, cli, final_weights, max_abs_diff, sets, short_run, stop_after_steps
 from tests.test_trainer import random_samples
 
 LAYER = "model.layers.0.self_attn.q_proj.weight"
@@ -160,63 +157,33 @@ def test_float16_compute_without_loss_scaling_is_refused_by_name() -> None:
 
 
 STEPS = 6
-RUN = [
-    "model.dtype=bfloat16",
-    "rollout.prompts_per_step=4",
-    "rollout.group_size=4",
-    f"run.steps={STEPS}",
-    "run.eval_every=0",
-    "run.progress=false",
-    "run.checkpoint_every=2",
-]
+RUN = ["model.dtype=bfloat16", *short_run(STEPS), "run.checkpoint_every=2"]
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "asyncrl.cli", *args]
-
-
-def _sets(overrides: list[str]) -> list[str]:
-    return [a for o in overrides for a in ("--set", o)]
-
-
+@pytest.mark.slow  # three subprocess runs; master dtype: the tests above; resume: test_checkpoint
+@pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_mixed_precision_checkpoint_holds_float32_master_weights_and_resumes_exactly(tmp_path: Path) -> None:
     straight = subprocess.run(
-        _cli("train", *_sets(RUN), "--run-dir", str(tmp_path / "a")), capture_output=True, timeout=300
+        cli("train", *sets(RUN), "--run-dir", str(tmp_path / "a")),
+        capture_output=True,
+        timeout=300,
+        env=child_env(),
     )
     assert straight.returncode == 0, straight.stderr
-    proc = subprocess.Popen(
-        _cli("train", *_sets(RUN), "--run-dir", str(tmp_path / "b")),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        metrics = tmp_path / "b" / "metrics.jsonl"
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None:
-            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
-                break
-            time.sleep(0.02)
-        descendants = psutil.Process(proc.pid).children(recursive=True)
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=240)
-        psutil.wait_procs(descendants, timeout=15)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-    assert proc.returncode == 128 + signal.SIGTERM.value
+    code, _ = stop_after_steps(tmp_path / "b", RUN, 3, signal.SIGTERM, timeout=240)
+    assert code == 128 + signal.SIGTERM.value
     saved = checkpoint.latest(tmp_path / "b")
     assert 3 <= checkpoint.read_controller_state(saved)["version"] < STEPS
     with safe_open(str(next(saved.rglob("model.safetensors"))), "pt") as fh:
         assert {fh.get_slice(k).get_dtype() for k in fh.keys()} == {"F32"}  # noqa: SIM118 (safe_open is not iterable)
-    resumed = subprocess.run(_cli("train", "--resume", str(tmp_path / "b")), capture_output=True, timeout=300)
+    resumed = subprocess.run(
+        cli("train", "--resume", str(tmp_path / "b")), capture_output=True, timeout=300, env=child_env()
+    )
     assert resumed.returncode == 0, resumed.stderr
-    wa = load_file(str(tmp_path / "a" / "final" / "model.safetensors"))
-    wb = load_file(str(tmp_path / "b" / "final" / "model.safetensors"))
+    wa, wb = final_weights(tmp_path / "a"), final_weights(tmp_path / "b")
     assert {t.dtype for t in wa.values()} == {torch.float32}
-    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) == 0.0
+    assert max_abs_diff(wa, wb) == 0.0
     rewards = [
         [json.loads(x)["reward_mean"] for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
         for d in "ab"

@@ -8,14 +8,10 @@ every prompt is trained exactly once or reported, and the run still completes.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
-import psutil
 import pytest
-import torch
-from safetensors.torch import load_file
 
 pytest.importorskip("ray")
 import ray
@@ -36,22 +32,12 @@ from asyncrl.orchestration.events import (
 from asyncrl.orchestration.membership import write_control
 from asyncrl.orchestration.ray_runtime import RayRuntime
 from asyncrl.orchestration.session import RunSession
+from tests.helpers import child_pids, final_weights, max_abs_diff, sets, short_run, wait_gone
 
 STEPS = 6
 PROMPTS = 4
-BASE = [
-    f"rollout.prompts_per_step={PROMPTS}",
-    "rollout.group_size=4",
-    f"run.steps={STEPS}",
-    "run.eval_every=0",
-    "run.progress=false",
-    "runtime.ray.num_cpus=4",
-]
+BASE = [*short_run(STEPS, PROMPTS), "runtime.ray.num_cpus=4"]
 pytestmark = pytest.mark.timeout(240)
-
-
-def child_pids() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
 @pytest.fixture(autouse=True)
@@ -61,28 +47,17 @@ def _no_leftovers():
     before = child_pids()  # e.g. multiprocessing's resource tracker, started by earlier tests
     yield
     assert not ray.is_initialized(), "the runtime must shut down the Ray instance it started"
-    started = []
-    for pid in child_pids() - before:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            started.append(psutil.Process(pid))
-    _, alive = psutil.wait_procs(started, timeout=15)
+    alive = wait_gone(child_pids() - before)
     assert not alive, f"processes left behind: {[p.name() for p in alive]}"
 
 
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(run_dir / "final" / "model.safetensors"))
-
-
-def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
+@pytest.mark.ray
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("schedule", ["sync", "periodic", "one_step_off", "async"])
 def test_every_schedule_runs_on_ray(tmp_path: Path, schedule: str) -> None:
     overrides = ["runtime=ray", *BASE, f"schedule={schedule}"]  # the issue's literal `--set runtime=ray`
     cfg = load_config(None, overrides)
-    args = [a for o in overrides for a in ("--set", o)]
+    args = sets(overrides)
     assert cli_main(["train", *args, "--run-dir", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     acc = summary["accounting"]
@@ -96,6 +71,8 @@ def test_every_schedule_runs_on_ray(tmp_path: Path, schedule: str) -> None:
     assert (tmp_path / "final" / "model.safetensors").is_file()
 
 
+@pytest.mark.ray
+@pytest.mark.multiprocess
 def test_ray_sync_equals_inline_sync(tmp_path: Path) -> None:
     """The same computation wherever the workers live: identical rollouts, parameters within 1e-5."""
     inline = train(load_config(None, [*BASE, "schedule=sync", "runtime.kind=inline"]), tmp_path / "inline")
@@ -115,6 +92,8 @@ def test_ray_sync_equals_inline_sync(tmp_path: Path) -> None:
     assert max_abs_diff(final_weights(tmp_path / "inline"), final_weights(tmp_path / "ray")) <= 1e-5
 
 
+@pytest.mark.ray
+@pytest.mark.multiprocess
 def test_two_fsdp2_trainer_ranks_on_ray_match_one_inline_trainer(tmp_path: Path) -> None:
     """Trainer ranks as actors in one placement group; same rollouts, parameters within 1e-5."""
     base = [*BASE, "run.steps=3", "schedule=sync"]
@@ -175,6 +154,8 @@ def run_with_hook(cfg, run_dir: Path, hook) -> tuple[dict, RayRuntime, Controlle
     return accounting, runtime, controller
 
 
+@pytest.mark.ray
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("weight_sync", "generators"), [("shm", 1), ("broadcast", 1), ("broadcast", 2)])
 def test_killed_generator_is_restarted_and_nothing_is_lost_or_trained_twice(
     tmp_path: Path, weight_sync: str, generators: int
@@ -248,6 +229,8 @@ def test_killed_generator_is_restarted_and_nothing_is_lost_or_trained_twice(
             assert controller.generators.version["generator-1"] > killed["step"]
 
 
+@pytest.mark.ray
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("weight_sync", ["shm", "broadcast"])
 def test_generators_join_and_leave_during_a_run(tmp_path: Path, weight_sync: str) -> None:
     steps = 16
@@ -305,6 +288,8 @@ def test_generators_join_and_leave_during_a_run(tmp_path: Path, weight_sync: str
         assert runtime.regroups == 2  # one group with the newcomer, one without the retired generator
 
 
+@pytest.mark.ray
+@pytest.mark.multiprocess
 def test_lost_generator_beyond_the_restart_budget_ends_the_run_with_a_clear_error(tmp_path: Path) -> None:
     cfg = load_config(
         None,

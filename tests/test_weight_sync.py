@@ -410,6 +410,7 @@ def _shm_receive_job(rank: int, report: Callable, *, name: str, versions: list[i
             report({"version": version, "tensors": pack(tensors)})
 
 
+@pytest.mark.multiprocess
 def test_shm_child_process_receives_two_successive_versions(
     helpers: Helpers, shm_sender: SharedMemorySender
 ) -> None:
@@ -712,6 +713,7 @@ def assert_received(results: dict[int, dict], version: int) -> None:
     assert_received_as(results, version, named_tensors(version))
 
 
+@pytest.mark.multiprocess
 def test_broadcast_bucketed_and_per_tensor_deliver_identical_tensors(helpers: Helpers) -> None:
     """Several dtype-pure buckets and one broadcast per tensor, over TCP and through the same-host
     segment, all deliver the published tensors exactly."""
@@ -734,6 +736,7 @@ def test_broadcast_bucketed_and_per_tensor_deliver_identical_tensors(helpers: He
             assert_same(a, list(b.items()))
 
 
+@pytest.mark.multiprocess
 def test_broadcast_receiver_asking_older_version_gets_the_latest(helpers: Helpers) -> None:
     """A receiver asking for version 1 returns the version 4 that is published."""
     port = free_port()
@@ -744,6 +747,7 @@ def test_broadcast_receiver_asking_older_version_gets_the_latest(helpers: Helper
     assert_received(results, 4)
 
 
+@pytest.mark.multiprocess
 def test_broadcast_receive_of_unpublished_version_times_out(helpers: Helpers) -> None:
     """Receivers waiting for a version nobody publishes fail within about the group timeout, naming the peer."""
     port = free_port()
@@ -756,6 +760,7 @@ def test_broadcast_receive_of_unpublished_version_times_out(helpers: Helpers) ->
         assert 1.5 <= r["elapsed"] < 8.0
 
 
+@pytest.mark.multiprocess
 def test_broadcast_receiver_with_another_layout_is_refused(helpers: Helpers) -> None:
     """Receivers whose tensor names differ from the sender's refuse the publication with WeightSyncError."""
     port = free_port()
@@ -770,6 +775,7 @@ def test_broadcast_receiver_with_another_layout_is_refused(helpers: Helpers) -> 
         assert f"(rank {rank} of {WORLD}): the sender's layout differs" in r["error"]
 
 
+@pytest.mark.multiprocess
 def test_broadcast_publish_that_does_not_match_the_layout_is_refused(helpers: Helpers) -> None:
     """Mismatched publications raise before any broadcast, and the group still delivers the next good one."""
     port = free_port()
@@ -783,6 +789,7 @@ def test_broadcast_publish_that_does_not_match_the_layout_is_refused(helpers: He
     assert_received(results, 1)
 
 
+@pytest.mark.multiprocess
 def test_background_publisher_returns_before_receivers_join(helpers: Helpers) -> None:
     """publish returns while receivers are still busy; they later get the snapshot taken at publish time."""
     port = free_port()
@@ -805,6 +812,7 @@ def test_background_publisher_returns_before_receivers_join(helpers: Helpers) ->
     assert all(returned_at < r["joined_at"] for r in results.values())
 
 
+@pytest.mark.multiprocess
 def test_broadcast_receiver_that_fell_behind_receives_both_versions_in_order(helpers: Helpers) -> None:
     """A receiver asked for version 2 after 1 and 2 were published joins both, in order, and returns 2."""
     port = free_port()
@@ -852,6 +860,7 @@ def _interrupted_receive_job(rank: int, report: Callable, *, port: int, after_s:
         rx.close()
 
 
+@pytest.mark.multiprocess
 def test_interrupt_ends_a_receivers_wait_at_once(helpers: Helpers) -> None:
     """A receiver waiting on a group that is being replaced stops at interrupt(), not at the 30 s timeout."""
     port = free_port()
@@ -903,6 +912,7 @@ def regroup_to_a_new_port(publisher: BackgroundPublisher, world: int, port_file:
     return port
 
 
+@pytest.mark.multiprocess
 def test_publisher_regroup_publishes_the_newest_weights_to_the_new_group_first(
     helpers: Helpers, tmp_path: Path
 ) -> None:
@@ -933,6 +943,7 @@ def test_publisher_regroup_publishes_the_newest_weights_to_the_new_group_first(
         publisher.close()
 
 
+@pytest.mark.multiprocess
 def test_elastic_publisher_waits_for_the_regroup_after_a_member_is_lost(
     helpers: Helpers, tmp_path: Path
 ) -> None:
@@ -1026,6 +1037,7 @@ def _big_receive_job(rank: int, report: Callable, *, port: int, bucket_bytes: in
         rx.close()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("bucket_bytes", "same_host", "carried"),
     [
@@ -1070,6 +1082,7 @@ def test_plane_is_refused_with_the_reason_when_it_cannot_serve() -> None:
     assert too_big.startswith("/dev/shm has ") and "MB free" in too_big
 
 
+@pytest.mark.multiprocess
 def test_plane_segment_is_removed_when_the_sender_closes(helpers: Helpers) -> None:
     """The sender owns the segment: it exists while the group publishes and is gone after close,
     and the receivers (which only attach) leave it alone when they exit."""
@@ -1113,6 +1126,7 @@ def test_nccl_only_when_every_member_has_a_gpu_of_its_own() -> None:
     assert device_identity(torch.device("cpu")) == "cpu"
 
 
+@pytest.mark.multiprocess
 def test_broadcast_group_of_cpu_members_negotiates_gloo(helpers: Helpers) -> None:
     port = free_port()
     tag = receive_in_helpers(helpers, port, asks=[3])
@@ -1155,6 +1169,7 @@ def ipc_sender() -> Iterator[DeviceIpcSender]:
         sender.close()
 
 
+@pytest.mark.multiprocess
 def test_device_ipc_receivers_in_other_processes_get_each_version_exactly(helpers: Helpers) -> None:
     with ipc_sender() as sender:
         tag = helpers.submit(_ipc_receive_job, name=sender.name, versions=[1, 2])
