@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,34 +15,26 @@ from asyncrl.orchestration.controller import Controller
 from asyncrl.orchestration.events import WorkerError
 from asyncrl.orchestration.session import RunSession
 from asyncrl.tasks import ArithmeticTask
+from tests.helpers import child_env, cli, sets, short_run
 
-RUN = [
-    "rollout.prompts_per_step=4",
-    "rollout.group_size=4",
-    "run.steps=2",
-    "run.eval_every=0",
-    "run.progress=false",
-]
+RUN = short_run(steps=2)
 pytestmark = pytest.mark.timeout(300)
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "asyncrl.cli", *args]
-
-
-def _sets(overrides: list[str]) -> list[str]:
-    return [a for o in overrides for a in ("--set", o)]
-
-
+@pytest.mark.multiprocess
 def test_resume_of_a_finished_run_says_so_and_raising_steps_continues_it(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     first = subprocess.run(
-        _cli("train", *_sets(RUN), "--run-dir", str(run_dir)), capture_output=True, text=True, timeout=240
+        cli("train", *sets(RUN), "--run-dir", str(run_dir)),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=child_env(),
     )
     assert first.returncode == 0, first.stderr
     t0 = time.monotonic()
     again = subprocess.run(
-        _cli("train", "--resume", str(run_dir)), capture_output=True, text=True, timeout=120
+        cli("train", "--resume", str(run_dir)), capture_output=True, text=True, timeout=120
     )
     assert again.returncode == 0, again.stderr
     assert time.monotonic() - t0 < 60  # no training, no waiting
@@ -53,7 +44,7 @@ def test_resume_of_a_finished_run_says_so_and_raising_steps_continues_it(tmp_pat
         f"(asyncrl train --resume {run_dir} --set run.steps=4)"
     )
     more = subprocess.run(
-        _cli("train", "--resume", str(run_dir), "--set", "run.steps=4"),
+        cli("train", "--resume", str(run_dir), "--set", "run.steps=4"),
         capture_output=True,
         text=True,
         timeout=240,
