@@ -57,30 +57,19 @@ def peak_flops(name: str) -> float | None:
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
+# Qwen2 shapes: a tiny one for --quick, and Qwen2-0.5B's (494M parameters, tied embeddings).
+SHAPES = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=512, max_position_embeddings=2048),
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, vocab_size=151936, max_position_embeddings=4096),
+}  # fmt: skip
+
+
 def qwen2_config(quick: bool):
     from transformers import Qwen2Config
 
-    if quick:
-        return Qwen2Config(
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=128,
-            vocab_size=512,
-            max_position_embeddings=2048,
-            tie_word_embeddings=True,
-        )
-    return Qwen2Config(
-        hidden_size=896,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        intermediate_size=4864,
-        vocab_size=151936,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    )
+    return Qwen2Config(**SHAPES["tiny" if quick else "0.5b"], tie_word_embeddings=True)
 
 
 def build_model(quick: bool, device: torch.device, dtype: torch.dtype, seed: int = 0):
