@@ -14,6 +14,7 @@ def _train(args: argparse.Namespace) -> int:
     from asyncrl.config import load_config
     from asyncrl.orchestration import train
     from asyncrl.orchestration.controller import RunInterrupted
+    from asyncrl.orchestration.run import RunComplete
 
     if args.resume:
         if args.config or args.run_dir:
@@ -30,6 +31,9 @@ def _train(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.set)
     try:
         summary = train(cfg, run_dir, resume=bool(args.resume))
+    except RunComplete as exc:
+        print(f"asyncrl: {exc}", file=sys.stderr)
+        return 0
     except RunInterrupted as exc:
         print(f"asyncrl: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -68,7 +72,7 @@ def _timeline(args: argparse.Namespace) -> int:
 
 
 def _scale(args: argparse.Namespace) -> int:
-    from asyncrl.orchestration.controller import write_control
+    from asyncrl.orchestration.membership import write_control
 
     run_dir = Path(args.run_dir)
     if not (run_dir / "config.yaml").is_file():

@@ -668,12 +668,19 @@ class Config(Section):
     @property
     def old_logprob_mode(self) -> str:
         """What the trainer uses as old-policy log-probs: current, behaviour or recompute."""
-        mode = self.algorithm.old_logprobs
-        if mode != "auto":
-            return mode
-        if self.algorithm.num_iterations > 1 or self.algorithm.is_level != "none":
-            return "recompute"
-        return "behaviour" if self.schedule.max_staleness > 0 else "current"
+        return old_logprob_mode(self.algorithm, self.schedule.max_staleness)
+
+
+def old_logprob_mode(algorithm: AlgorithmConfig, max_staleness: int) -> str:
+    """``algorithm.old_logprobs`` resolved: ``auto`` recomputes when several updates share a batch
+    or an IS correction needs the proximal policy, uses the engine's behaviour log-probs when
+    tokens may be stale, and else the detached current log-probs (the ratio is then exactly 1)."""
+    mode = algorithm.old_logprobs
+    if mode != "auto":
+        return mode
+    if algorithm.num_iterations > 1 or algorithm.is_level != "none":
+        return "recompute"
+    return "behaviour" if max_staleness > 0 else "current"
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -6,8 +6,9 @@
 Prints one JSON object (its last line) with the device's name and, per part:
 
 * ``default``: the default example (``asyncrl train`` with ``model.device`` set) for the
-  ``sync`` and ``async`` schedules: seconds per step, mean reward of the first and last ten
-  steps, the engine/trainer log-prob gap;
+  ``sync``, ``periodic`` and ``async`` schedules, generator and trainer on one GPU: seconds
+  per step, mean reward of the first and last ten steps, the engine/trainer log-prob gap,
+  the trainer's and generators' busy fractions;
 * ``engine``: output tokens/s of asyncrl's engine against ``model.generate`` (eager, dynamic
   cache) and ``model.generate(cache_implementation="static")`` on the same requests, for a
   Qwen2-0.5B-shaped model (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864,
@@ -56,30 +57,19 @@ def peak_flops(name: str) -> float | None:
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
+# Qwen2 shapes: a tiny one for --quick, and Qwen2-0.5B's (494M parameters, tied embeddings).
+SHAPES = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=512, max_position_embeddings=2048),
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, vocab_size=151936, max_position_embeddings=4096),
+}  # fmt: skip
+
+
 def qwen2_config(quick: bool):
     from transformers import Qwen2Config
 
-    if quick:
-        return Qwen2Config(
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=128,
-            vocab_size=512,
-            max_position_embeddings=2048,
-            tie_word_embeddings=True,
-        )
-    return Qwen2Config(
-        hidden_size=896,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        intermediate_size=4864,
-        vocab_size=151936,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    )
+    return Qwen2Config(**SHAPES["tiny" if quick else "0.5b"], tie_word_embeddings=True)
 
 
 def build_model(quick: bool, device: torch.device, dtype: torch.dtype, seed: int = 0):
@@ -114,7 +104,7 @@ def default_example(device: torch.device, steps: int) -> dict:
     from asyncrl.orchestration import train
 
     out = {}
-    for schedule in ("sync", "async"):
+    for schedule in ("sync", "periodic", "async"):
         with tempfile.TemporaryDirectory() as tmp:
             cfg = load_config(
                 overrides=[
@@ -137,6 +127,8 @@ def default_example(device: torch.device, steps: int) -> dict:
             "reward_last10": round(statistics.fmean(rewards[-window:]), 4),
             "logprob_diff_max": round(max(r["logprob_diff_max"] for r in rows), 5),
             "mismatch_kl_mean": statistics.fmean(r["mismatch_kl"] for r in rows),
+            "trainer_busy_frac": round(statistics.fmean(r["trainer_busy_frac"] for r in rows), 3),
+            "generator_busy_frac": round(statistics.fmean(r["generator_busy_frac"] for r in rows), 3),
         }
     return out
 
@@ -336,9 +328,9 @@ def trainer_part(device: torch.device, quick: bool) -> dict:
 # -- weight sync --------------------------------------------------------------------------------
 
 
-def _receiver(spec: dict, layout, device: str, versions: int, results) -> None:
+def _receiver(spec, layout, device: str, versions: int, results) -> None:
     """Another process: receive each version and copy it into GPU tensors, as an engine loads it."""
-    from asyncrl.orchestration.local import make_receiver
+    from asyncrl.orchestration.transport import make_receiver
 
     dev = torch.device(device)
     engine_weights = {s.name: torch.empty(s.shape, dtype=s.dtype, device=dev) for s in layout.specs}
@@ -357,7 +349,7 @@ def _receiver(spec: dict, layout, device: str, versions: int, results) -> None:
 
 
 def weight_sync_part(device: torch.device, quick: bool) -> dict:
-    from asyncrl.orchestration.local import free_port, make_sender
+    from asyncrl.orchestration.transport import TransportSpec, free_port, make_sender
     from asyncrl.weight_sync import WeightLayout
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -370,9 +362,9 @@ def weight_sync_part(device: torch.device, quick: bool) -> dict:
     ctx = mp.get_context("spawn")
     for kind in transports:
         with tempfile.TemporaryDirectory() as tmp:
-            spec = {"kind": kind, "name": f"asyncrl-bench-{os.getpid()}-{kind}", "dir": tmp}
+            spec = TransportSpec(kind, name=f"asyncrl-bench-{os.getpid()}-{kind}", dir=tmp)
             if kind == "broadcast":
-                spec.update(host="127.0.0.1", port=free_port(), world=2, bucket_bytes=64 << 20)
+                spec = spec.replace(port=free_port(), world=2, bucket_bytes=64 << 20)
             results = ctx.Queue()
             proc = ctx.Process(target=_receiver, args=(spec, layout, str(device), versions, results))
             proc.start()

@@ -18,11 +18,8 @@ import os
 import signal
 import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -33,6 +30,7 @@ from asyncrl.engine import EmbeddedEngine, GenerationRequest, SamplingParams
 from asyncrl.orchestration import build, train
 from asyncrl.trainer import collate, completion_logprobs
 from asyncrl.types import Sample
+from tests.helpers import child_env, cli, final_weights, max_abs_diff, sets, stop_after_steps
 
 ON_CPU = os.environ.get("ASYNCRL_GPU_TESTS_ON_CPU") == "1"
 DEVICE = "cpu" if ON_CPU else "cuda"
@@ -230,38 +228,22 @@ def test_stopped_and_resumed_run_continues_from_float32_master_weights(tmp_path:
     deterministic, so the comparison has a bound (set before a GPU run); on the CPU it is exact.
     """
     overrides = [*SHORT_RUN, "run.eval_every=0", "run.checkpoint_every=2"]
-    sets = [a for o in overrides for a in ("--set", o)]
-    cli = [sys.executable, "-m", "asyncrl.cli", "train", *sets]
-    straight = subprocess.run([*cli, "--run-dir", str(tmp_path / "a")], capture_output=True, timeout=240)
+    straight = subprocess.run(
+        cli("train", *sets(overrides), "--run-dir", str(tmp_path / "a")),
+        capture_output=True,
+        timeout=240,
+        env=child_env(),
+    )
     assert straight.returncode == 0, straight.stderr
-    proc = subprocess.Popen([*cli, "--run-dir", str(tmp_path / "b")], stderr=subprocess.PIPE, text=True)
-    try:
-        metrics = tmp_path / "b" / "metrics.jsonl"
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and proc.poll() is None:
-            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
-                break
-            time.sleep(0.02)
-        children = psutil.Process(proc.pid).children(recursive=True)
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=180)
-        psutil.wait_procs(children, timeout=15)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-    assert proc.returncode == 128 + signal.SIGTERM.value
+    code, _ = stop_after_steps(tmp_path / "b", overrides, 3, signal.SIGTERM, timeout=180)
+    assert code == 128 + signal.SIGTERM.value
     saved = checkpoint.latest(tmp_path / "b")
     weights = load_file(str(next(saved.rglob("model.safetensors"))))
     assert {t.dtype for t in weights.values()} == {torch.float32}
     resumed = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "train", "--resume", str(tmp_path / "b")],
-        capture_output=True,
-        timeout=240,
+        cli("train", "--resume", str(tmp_path / "b")), capture_output=True, timeout=240, env=child_env()
     )
     assert resumed.returncode == 0, resumed.stderr
-    wa = load_file(str(tmp_path / "a" / "final" / "model.safetensors"))
-    wb = load_file(str(tmp_path / "b" / "final" / "model.safetensors"))
-    diff = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+    diff = max_abs_diff(final_weights(tmp_path / "a"), final_weights(tmp_path / "b"))
     _report("resume", max_abs_param_diff=diff)
     assert diff <= (0.0 if ON_CPU else 1e-3)

@@ -33,6 +33,7 @@ from asyncrl.orchestration.events import (
 )
 from asyncrl.orchestration.workers import GeneratorWorker
 from asyncrl.types import Group, Prompt
+from asyncrl.weight_sync.base import WeightSyncError
 from asyncrl.weight_sync.broadcast import UnjoinedReceiver
 from asyncrl.weight_sync.inprocess import InProcessChannel
 from tests.helpers import ONE_THREAD_EACH, short_run
@@ -522,3 +523,41 @@ def test_a_wait_on_a_group_being_replaced_is_given_up_and_the_update_comes_from_
     groups = ready(work_until_idle(worker))
     assert list(groups) == [0]
     assert all(s.versions[:3] == [0] * 3 and s.versions[-1] == 2 for s in groups[0].samples)
+
+
+class BrokenGroupReceiver:
+    """A receiver whose group broke under it (a member left before this worker heard of the move)."""
+
+    def receive(self, version: int, timeout: float):
+        raise WeightSyncError("broadcast group: broadcast of version 2 failed: Connection closed by peer")
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("regroups", [True, False])
+def test_a_wait_that_fails_as_its_group_is_replaced_waits_for_the_move_on_an_elastic_runtime(
+    regroups: bool,
+) -> None:
+    """On a runtime that re-forms groups, the old group's failure is the move announcing itself: the
+    worker waits for join_group and takes the update from the new group; elsewhere the failure is fatal."""
+    cfg = generator("never")[0].cfg
+    worker = GeneratorWorker(
+        "generator-0", cfg, lambda layout: BrokenGroupReceiver(), seed=0, regroups=regroups
+    )
+    group = InProcessChannel()
+    group.publish(perturbed(worker, seed=2), 2)
+    worker.handle(LoadWeights(2))
+    if not regroups:
+        with pytest.raises(WeightSyncError, match="Connection closed by peer"):
+            worker.work()
+        return
+    mover = threading.Timer(0.3, worker.join_group, args=(lambda layout: group, 2))
+    mover.start()
+    try:
+        events = worker.work()  # the failed wait, then the wait for the move
+    finally:
+        mover.join(timeout=10)
+    assert of_type(events, WeightsLoaded) == [] and worker.engine.version == 0
+    events = worker.work()
+    assert [e.version for e in of_type(events, WeightsLoaded)] == [2] and worker.receiver is group

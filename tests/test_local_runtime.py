@@ -382,23 +382,23 @@ def test_weight_sync_auto_picks_cuda_ipc_only_for_one_gpu_and_refusals_name_the_
     import torch
 
     from asyncrl.errors import ConfigError
-    from asyncrl.orchestration import local
+    from asyncrl.orchestration import transport
 
     async_local = ["schedule=async", "runtime.kind=local"]
-    assert local.weight_sync_kind(load_config(overrides=async_local)) == "shm"  # no GPU here
+    assert transport.weight_sync_kind(load_config(overrides=async_local)) == "shm"  # no GPU here
     with pytest.raises(ConfigError, match=r"runtime.weight_sync.*resolves to the CPU here"):
-        local.weight_sync_kind(load_config(overrides=[*async_local, "runtime.weight_sync=cuda_ipc"]))
+        transport.weight_sync_kind(load_config(overrides=[*async_local, "runtime.weight_sync=cuda_ipc"]))
     with pytest.raises(ConfigError, match=r"runtime.weight_sync=cuda_ipc.*model.device=cpu"):
         load_config(overrides=["runtime.weight_sync=cuda_ipc", "model.device=cpu"])
     with pytest.raises(ConfigError, match=r"cuda_ipc needs trainer and generators on one GPU.*on Ray"):
         load_config(overrides=["runtime.weight_sync=cuda_ipc", "runtime.kind=ray"])
     # On a machine whose model.device resolves to a GPU, auto shares it through CUDA IPC.
-    monkeypatch.setattr(local, "resolve_device", lambda _device: torch.device("cuda", 0))
-    assert local.weight_sync_kind(load_config(overrides=async_local)) == "cuda_ipc"
+    monkeypatch.setattr(transport, "resolve_device", lambda _device: torch.device("cuda", 0))
+    assert transport.weight_sync_kind(load_config(overrides=async_local)) == "cuda_ipc"
     for explicit in ("shm", "broadcast", "files"):
         cfg = load_config(overrides=[*async_local, f"runtime.weight_sync={explicit}"])
-        assert local.weight_sync_kind(cfg) == explicit
+        assert transport.weight_sync_kind(cfg) == explicit
     # Ray's driver may have no GPU: auto stays shm there, whatever it resolves.
-    assert local.weight_sync_kind(load_config(overrides=["schedule=async", "runtime.kind=ray"])) == "shm"
-    spec = local.transport_spec(load_config(overrides=async_local), Path("unused"))
-    assert spec["kind"] == "cuda_ipc" and spec["name"].startswith("asyncrl-")
+    assert transport.weight_sync_kind(load_config(overrides=["schedule=async", "runtime.kind=ray"])) == "shm"
+    spec = transport.transport_spec(load_config(overrides=async_local), Path("unused"))
+    assert spec.kind == "cuda_ipc" and spec.segment == spec.name and spec.name.startswith("asyncrl-")

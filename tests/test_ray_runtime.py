@@ -9,7 +9,6 @@ every prompt is trained exactly once or reported, and the run still completes.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from asyncrl.cli import main as cli_main
 from asyncrl.config import load_config
 from asyncrl.orchestration import train
 from asyncrl.orchestration.build import seed_everything, task_prompts
-from asyncrl.orchestration.controller import Controller, write_control
+from asyncrl.orchestration.controller import Controller
 from asyncrl.orchestration.events import (
     GroupCancelled,
     GroupDropped,
@@ -30,6 +29,7 @@ from asyncrl.orchestration.events import (
     WorkerError,
     WorkerLost,
 )
+from asyncrl.orchestration.membership import write_control
 from asyncrl.orchestration.ray_runtime import RayRuntime
 from asyncrl.orchestration.session import RunSession
 from tests.helpers import child_pids, final_weights, max_abs_diff, sets, short_run, wait_gone
@@ -200,7 +200,7 @@ def test_killed_generator_is_restarted_and_nothing_is_lost_or_trained_twice(
             return
         # The controller handles this poll's events after the hook: groups they finish are not in flight.
         done = {ended_group(e) for e in events if is_group_end(e, victim)}
-        in_flight = set(controller.in_flight.get(victim, {})) - done
+        in_flight = set(controller.generators.in_flight.get(victim, {})) - done
         if in_flight:
             killed.update(
                 in_flight=len(in_flight), ids=in_flight, finished_after=0, step=controller.steps_done
@@ -219,14 +219,14 @@ def test_killed_generator_is_restarted_and_nothing_is_lost_or_trained_twice(
     )
     assert f"{victim} lost" in (tmp_path / "events.jsonl").read_text()
     if generators == 1:
-        assert controller.gens == [victim]  # the restarted actor took work again
+        assert controller.generators.names == [victim]  # the restarted actor took work again
     if weight_sync == "broadcast":
         # One group without the victim, one more with its replacement once it was ready.
         assert runtime.regroups == 1 + joined
         if joined:  # a fresh engine is at version 0: it loaded the trainer's weights from its group
-            assert controller.gen_version[victim] >= 1
+            assert controller.generators.version[victim] >= 1
         if generators == 2:  # the survivor loaded versions published after the loss
-            assert controller.gen_version["generator-1"] > killed["step"]
+            assert controller.generators.version["generator-1"] > killed["step"]
 
 
 @pytest.mark.ray
@@ -248,25 +248,38 @@ def test_generators_join_and_leave_during_a_run(tmp_path: Path, weight_sync: str
     seen: dict = {"max_gens": 0}
 
     def scale(runtime: RayRuntime, controller: Controller, events: list) -> None:
-        seen["max_gens"] = max(seen["max_gens"], len(controller.gens))
+        seen["max_gens"] = max(seen["max_gens"], len(controller.generators.names))
         step = controller.steps_done
         if step >= 2 and "up" not in seen:
             seen["up"] = step
             write_control(tmp_path, 2)  # what `asyncrl scale RUN_DIR --generators 2` does
-            controller._next_control_check = 0.0
-        if runtime.starting_generators():
-            time.sleep(0.3)  # a tiny run outpaces an actor's start-up; slow the loop until it joins
-        if len(controller.gens) == 2 and "down" not in seen and controller.gen_version["generator-1"] > 0:
+            controller.generators.next_control_check = 0.0
+        if "hold" not in seen:
+            # A tiny run can outpace an actor's start-up (on a loaded machine, by far): the
+            # trainer gets no new groups while a generator is starting, so the run waits for it.
+            feed = controller.steps.feed
+            seen["hold"] = True
+
+            def feed_unless_starting(*args, **kwargs) -> None:
+                if not runtime.starting_generators():
+                    feed(*args, **kwargs)
+
+            controller.steps.feed = feed_unless_starting
+        if (
+            len(controller.generators.names) == 2
+            and "down" not in seen
+            and controller.generators.version["generator-1"] > 0
+        ):
             seen["down"] = step
-            seen["newcomer_version"] = controller.gen_version["generator-1"]
+            seen["newcomer_version"] = controller.generators.version["generator-1"]
             assert cli_main(["scale", str(tmp_path), "--generators", "1"]) == 0
-            controller._next_control_check = 0.0
+            controller.generators.next_control_check = 0.0
 
     acc, runtime, controller = run_with_hook(cfg, tmp_path, scale)
     assert seen["max_gens"] == 2 and seen["down"] < steps
     assert seen["newcomer_version"] >= seen["up"]  # it started from the trainer's newest weights
     assert acc["generators_joined"] == 1 and acc["generators_removed"] == 1
-    assert len(controller.gens) == 1
+    assert len(controller.generators.names) == 1
     assert acc["trained"] == steps * PROMPTS and acc["reconciles"]
     assert acc["prompts_trained_twice"] == 0 and acc["prompts_missing"] == 0
     log = (tmp_path / "events.jsonl").read_text()

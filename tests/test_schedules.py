@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from asyncrl.cli import main
@@ -148,7 +149,14 @@ def test_periodic_equals_sync(schedule_run) -> None:
         assert [r[key] for r in periodic.metrics] == [r[key] for r in sync.metrics], key
     final_sync = final_weights(sync.run_dir)
     final_periodic = final_weights(periodic.run_dir)
-    assert max_abs_diff(final_sync, final_periodic) <= 1e-5
+    # Float noise, not a different computation: the sums of a streamed step run in another order,
+    # and AdamW turns a rounding-level gradient difference on a near-zero coordinate into an
+    # update difference up to a fraction of lr (max measured: 1.6e-6, 4.6e-6 and, on a loaded
+    # machine, 1.3e-5). Training on different data would move most coordinates apart.
+    diffs = torch.cat([(final_sync[k] - final_periodic[k]).abs().flatten() for k in final_sync])
+    assert float(diffs.quantile(0.999)) <= 1e-7  # measured 7.5e-9
+    assert float((diffs > 1e-6).float().mean()) <= 1e-4  # measured 4e-6 (4 of 997,888)
+    assert float(diffs.max()) <= 1e-4  # one optimizer step's movement at lr 1e-4
     # Not vacuous: training moved the weights far more than the tolerance.
     initial = dict(load_policy("builtin:arith", device="cpu", dtype="float32").model.state_dict())
     assert max_abs_diff(final_sync, {k: initial[k] for k in final_sync}) > 1e-4

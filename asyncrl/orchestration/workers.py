@@ -79,10 +79,18 @@ class GeneratorWorker:
     """
 
     def __init__(
-        self, name: str, cfg: Config, receiver_factory: Callable[[WeightLayout], WeightReceiver], seed: int
+        self,
+        name: str,
+        cfg: Config,
+        receiver_factory: Callable[[WeightLayout], WeightReceiver],
+        seed: int,
+        regroups: bool = False,
     ) -> None:
+        """``regroups``: the runtime re-forms broadcast groups (Ray); a wait that fails because the
+        group's members changed then waits for :meth:`join_group` instead of failing the run."""
         self.name = name
         self.cfg = cfg
+        self.regroups = regroups
         policy = build.build_policy(cfg)
         # Built before the engine's first update: it keeps the base weights it merges into.
         self.lora = MergedLora(policy.model, cfg.lora) if cfg.lora.enabled else None
@@ -106,6 +114,7 @@ class GeneratorWorker:
         # version its first publication carries at least, once moved.
         self._group_lock = threading.Lock()
         self._next_receiver: tuple[Callable[[WeightLayout], WeightReceiver], int] | None = None
+        self._moving = threading.Event()  # set by join_group until the move is made
         self._rejoin_version: int | None = None
 
     @property
@@ -145,6 +154,7 @@ class GeneratorWorker:
         with self._group_lock:  # the receiver to interrupt is the one in use before the move
             self._next_receiver = (make_receiver, version)
             current = self.receiver
+            self._moving.set()
         _interrupt(current)
 
     def stop_waiting(self) -> None:
@@ -154,6 +164,7 @@ class GeneratorWorker:
     def _switch_group(self) -> None:
         with self._group_lock:
             (make_receiver, version), self._next_receiver = self._next_receiver, None
+            self._moving.clear()
         self.receiver.close()
         receiver = make_receiver(self._layout)  # waits until the group has formed
         with self._group_lock:
@@ -216,6 +227,12 @@ class GeneratorWorker:
                 load()
         except SyncInterrupted:
             return events  # the group is being replaced: the update is taken from the new one
+        except WeightSyncError:
+            # A member left the group before this worker heard of the new one (the old group
+            # fails under a waiting receive); the move, sent at the same time, follows.
+            if not self.regroups or not self._moving.wait(self.cfg.runtime.stall_timeout_s):
+                raise
+            return events
         version = received["version"]
         self.pending_version = None if version >= self.pending_version else self.pending_version
         events.append(

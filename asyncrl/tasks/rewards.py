@@ -89,18 +89,23 @@ def resolve_reward(spec: str) -> RewardFn:
     return only_accepted_fields
 
 
+class RewardCallError(Exception):
+    """A reward call that failed outside the caller's process (see :mod:`asyncrl.tasks.timed_reward`)."""
+
+    @property
+    def recorded(self) -> str:
+        """The error as recorded for the sample."""
+        return str(self)
+
+
 def score(
     fn: RewardFn, completion: str, prompt: str, answer: str | None, extra: dict
 ) -> tuple[float | None, str | None]:
     """Call a reward function defensively: (reward, None) or (None, error message)."""
-    from asyncrl.tasks.timed_reward import RewardRaised, RewardTimeout
-
     try:
         value = fn(completion=completion, prompt=prompt, answer=answer, **extra)
-    except RewardTimeout as exc:
-        return None, str(exc)
-    except RewardRaised as exc:  # raised in the reward's own process; the message names the original type
-        return None, f"raised {exc}"
+    except RewardCallError as exc:  # timed out, or raised in the reward's own process
+        return None, exc.recorded
     except Exception as exc:  # a user's reward function may raise anything; it is recorded, not fatal
         return None, f"raised {type(exc).__name__}: {exc}"
     if isinstance(value, (str, bytes)):

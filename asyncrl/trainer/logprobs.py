@@ -25,9 +25,8 @@ from transformers import DynamicCache, PreTrainedModel
 
 from asyncrl.algorithms.losses import entropy_from_logprobs
 from asyncrl.models.forward import base_model, with_cache
-from asyncrl.trainer.batching import MicroBatch
+from asyncrl.trainer.batching import MicroBatch, TreeInputs, TreeLevel
 from asyncrl.trainer.chunked import chunked_logprobs
-from asyncrl.trainer.packing import TreeInputs
 
 # Positions whose logits are computed at once: (1024 × 151,936) float32 logits are 0.6 GB.
 DEFAULT_CHUNK_TOKENS = 1024
@@ -57,10 +56,11 @@ def predicting_logits(model: PreTrainedModel, batch: MicroBatch) -> tuple[torch.
     return tree_logits(model, batch.tree), batch.tree.logit_index
 
 
-def tree_logits(model: PreTrainedModel, tree: TreeInputs) -> torch.Tensor:
-    """Run the prefix tree level by level (see :mod:`asyncrl.trainer.packing`); the kept logits, flat."""
+def _tree_levels(
+    model: PreTrainedModel, tree: TreeInputs, logits_to_keep: Callable[[TreeLevel], int | torch.Tensor]
+) -> Iterator[tuple[TreeLevel, object]]:
+    """Forward the prefix tree level by level against the KV cache of the levels above; each level's output."""
     cache = DynamicCache(config=model.config)
-    kept = []
     for depth, level in enumerate(tree.levels):
         if depth:
             # Each row continues its parent's path: gathering the cache rows is differentiable,
@@ -73,10 +73,18 @@ def tree_logits(model: PreTrainedModel, tree: TreeInputs) -> torch.Tensor:
             attention_mask=level.attention_mask,
             position_ids=level.position_ids,
             use_cache=True,
-            # An int keeps the last columns (0 would keep all); an empty index keeps none.
-            logits_to_keep=level.keep or torch.zeros(0, dtype=torch.long, device=level.input_ids.device),
+            logits_to_keep=logits_to_keep(level),
         )
-        kept.append(out.logits.flatten(0, 1))
+        yield level, out
+
+
+def tree_logits(model: PreTrainedModel, tree: TreeInputs) -> torch.Tensor:
+    """Run the prefix tree level by level (see :mod:`asyncrl.trainer.packing`); the kept logits, flat."""
+    # An int keeps the last columns (0 would keep all); an empty index keeps none.
+    none = _NO_POSITION.to(tree.logit_index.device)
+    kept = [
+        out.logits.flatten(0, 1) for _, out in _tree_levels(model, tree, lambda level: level.keep or none)
+    ]
     return kept[0] if len(kept) == 1 else torch.cat(kept)
 
 
@@ -132,20 +140,8 @@ def predicting_hidden(model: PreTrainedModel, batch: MicroBatch) -> tuple[torch.
             b, r = batch.completion_ids.shape
             index = torch.arange(b * r, device=batch.completion_ids.device).view(b, r)
             return hidden()[:, -r:].flatten(0, 1), index
-        cache = DynamicCache(config=model.config)
         kept = []
-        for depth, level in enumerate(batch.tree.levels):
-            if depth:
-                cache.batch_select_indices(level.parent)
-            with_cache(
-                model,
-                cache,
-                input_ids=level.input_ids,
-                attention_mask=level.attention_mask,
-                position_ids=level.position_ids,
-                use_cache=True,
-                logits_to_keep=none,
-            )
+        for level, _ in _tree_levels(model, batch.tree, lambda level: none):
             h = hidden()
             if level.keep:
                 kept.append(h[:, -level.keep :].flatten(0, 1))

@@ -34,7 +34,7 @@ from transformers import PreTrainedModel
 
 from asyncrl.algorithms import corrections, losses
 from asyncrl.algorithms.advantages import group_advantages
-from asyncrl.config import AlgorithmConfig, TrainerConfig
+from asyncrl.config import AlgorithmConfig, TrainerConfig, old_logprob_mode
 from asyncrl.models.checkpointing import checkpoint_decoder_layers
 from asyncrl.models.lora import adapter_fqns, is_lora, published_weights
 from asyncrl.trainer.batching import MicroBatch
@@ -101,11 +101,8 @@ class Trainer:
         self.algo = algo_cfg
         self.temperature = temperature
         self.max_completion_length = max_completion_length
-        if old_logprobs is None:  # resolve 'auto' without schedule knowledge (Config.old_logprob_mode has it)
-            old_logprobs = algo_cfg.old_logprobs
-            if old_logprobs == "auto":
-                needs_recompute = algo_cfg.num_iterations > 1 or algo_cfg.is_level != "none"
-                old_logprobs = "recompute" if needs_recompute else "current"
+        if old_logprobs is None:  # a trainer built without a run's schedule: on-policy
+            old_logprobs = old_logprob_mode(algo_cfg, max_staleness=0)
         if old_logprobs not in ("current", "behaviour", "recompute"):
             raise ValueError(f"old_logprobs must be current, behaviour or recompute, got {old_logprobs!r}")
         if old_logprobs == "current" and algo_cfg.num_iterations > 1:
