@@ -285,7 +285,8 @@ def test_stalled_generator_fails_the_run_within_the_stall_timeout(tmp_path: Path
     )
     assert run.error is not None
     assert re.match(
-        r"no progress for \d+s \(runtime.stall_timeout_s\): waiting for \d+ groups", str(run.error)
+        r"no progress for \d+s \(runtime.stall_timeout_s\): waiting for step 1 of 5: \d+ groups in flight on \['generator-0'\]",
+        str(run.error),
     )
     assert run.seconds < 60
     assert run.leftover_children == []
