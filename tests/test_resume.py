@@ -21,6 +21,7 @@ RUN = short_run(steps=2)
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.mark.slow  # three subprocess runs; resume in-process: test_checkpoint's test_full_disk_at_a_checkpoint_...
 @pytest.mark.multiprocess
 def test_resume_of_a_finished_run_says_so_and_raising_steps_continues_it(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
