@@ -37,6 +37,11 @@ def _load_split(path: Path, split: str):
         elif path.is_dir():
             loaded = datasets.load_dataset(str(path))
         elif path.suffix in FILE_FORMATS:
+            if split != "train":
+                raise DatasetError(
+                    f"dataset {str(path)!r} is one file, the 'train' split; split {split!r} needs a dataset "
+                    "directory with several splits (or use task.eval_fraction)"
+                )
             loaded = datasets.load_dataset(FILE_FORMATS[path.suffix], data_files={"train": str(path)})
         else:
             raise DatasetError(
@@ -52,10 +57,7 @@ def _load_split(path: Path, split: str):
             raise DatasetError(f"dataset {str(path)!r} has no split {split!r}; it has {sorted(loaded)}")
         return loaded[split]
     if split != "train":
-        raise DatasetError(
-            f"dataset {str(path)!r} is a single split (used as 'train'); split {split!r} needs a dataset "
-            "directory with several splits (or use task.eval_fraction)"
-        )
+        raise DatasetError(f"dataset {str(path)!r} holds a single split (used as 'train'), not {split!r}")
     return loaded
 
 
