@@ -179,3 +179,22 @@ def test_run_on_conversational_rows_with_two_rewards(tmp_path: Path, monkeypatch
     assert len(prompts) == len(completions) == len(answers) == len(ids) == 4
     assert prompts[0] in [r["prompt"] for r in rows] and answers[0] in [r["answer"] for r in rows]
     assert all(c == [{"role": "assistant", "content": c[0]["content"]}] for c in completions)
+
+
+def test_shipped_chat_example_loads_its_data_and_rewards(monkeypatch: pytest.MonkeyPatch) -> None:
+    """examples/chat_rewards.yaml: conversational rows, the template file, two labelled rewards."""
+    from asyncrl.orchestration.build import build_reward, prompt_source
+
+    repo = Path(__file__).resolve().parent.parent
+    monkeypatch.chdir(repo)
+    cfg = load_config("examples/chat_rewards.yaml", [])
+    tok, max_positions = load_tokenizer(cfg.model.path, cfg.model.chat_template)
+    train = prompt_source(cfg, tok, max_positions)
+    held = prompt_source(cfg, tok, max_positions, evaluation=True)
+    assert (train.size, held.size) == (360, 40)
+    first = train.get(0)
+    assert first.messages is not None and render_prompt(tok, first) == first.messages[0]["content"]
+    rewards = build_reward(cfg)
+    assert rewards.labels == ["correct", "digits_only"]
+    (right, wrong) = rewards.score(first, [first.answer, "x"], [[0], [0]])
+    assert (right.reward, wrong.reward) == (1.2, 0.0)
