@@ -212,9 +212,7 @@ def _summary_rows(runs: list[Run]) -> str:
 def _html(runs, drawn, pngs, timelines, absent) -> str:
     title = "asyncrl report: " + ", ".join(r.name for r in runs)
     panels = "\n".join(
-        f'<figure><img alt="{html.escape(p.title)}" src="{_data_uri(pngs[p.slug])}">'
-        f"<figcaption>{html.escape(p.title)}</figcaption></figure>"
-        for p in drawn
+        f'<figure><img alt="{html.escape(p.title)}" src="{_data_uri(pngs[p.slug])}"></figure>' for p in drawn
     )
     gantt = "\n".join(
         f'<figure class="wide"><img alt="timeline of {html.escape(n)}" src="{_data_uri(path)}">'

@@ -9,6 +9,8 @@ from __future__ import annotations
 import base64
 import json
 import math
+import shutil
+import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -132,3 +134,36 @@ def test_missing_panels_are_listed_not_drawn(tmp_path: Path) -> None:
 def test_not_a_run_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["report", str(tmp_path), "-o", str(tmp_path / "r.html")]) == 2
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
+
+
+BROWSER = next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
+
+
+@pytest.mark.skipif(BROWSER is None, reason="no headless Chromium (Debian: apt-get install chromium)")
+def test_page_renders_in_a_headless_browser(tmp_path: Path) -> None:
+    """Chromium draws the page from the one HTML file: both runs' colours and the Gantt bars are on screen."""
+    a = fake_run(tmp_path, "run-a", 0.02)
+    b = fake_run(tmp_path, "run-b", 0.005)
+    out = tmp_path / "report.html"
+    assert main(["report", str(a), str(b), "-o", str(out)]) == 0
+    shutil.rmtree(tmp_path / "report-figures")  # the page must not need them
+    shot = tmp_path / "shot.png"
+    subprocess.run(
+        [
+            BROWSER,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--window-size=1400,6000",
+            f"--screenshot={shot}",
+            out.as_uri(),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    image = imread(shot)
+    assert image.shape[:2] == (6000, 1400)
+    assert colour_pixels(image, RUN_COLORS[0]) > 2000 and colour_pixels(image, RUN_COLORS[1]) > 2000
+    assert colour_pixels(image, "#4C72B0") > 2000  # the timelines' generate bars
