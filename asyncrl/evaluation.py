@@ -23,6 +23,7 @@ def evaluate(
     total = 0.0
     for prompt, res in zip(prompts, engine.generate(requests), strict=True):
         ids = [t for t in res.completion_ids if t not in sampling.stop_token_ids]
-        (scored,) = rewards.score(prompt, [tokenizer.decode(ids, skip_special_tokens=True)], [ids])
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        (scored,) = rewards.score(prompt, [text], [list(res.completion_ids)])  # token ids as in training
         total += scored.reward or 0.0
     return total / max(len(prompts), 1)
