@@ -187,3 +187,18 @@ def test_resolve_batched_without_kwargs_filters_columns(
     monkeypatch.syspath_prepend(str(tmp_path))
     fn = resolve_reward("asyncrl_test_trl_plain:f")
     assert [s.reward for s in scored(RewardSet([RewardTerm("f", fn, batched=True)]))] == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_a_column_named_like_an_argument_is_an_error_per_sample() -> None:
+    """A row field that would shadow completion/prompt/answer/completion_ids is reported, not passed."""
+    clashing = Prompt("p:1", "2+2=", "4", {"completion_ids": [9]})
+    for rewards in (
+        RewardSet.of(exact_match),
+        RewardSet.of(lambda completions, **_: [1.0] * len(completions)),
+    ):
+        (out,) = rewards.score(clashing, ["4"], [[1]])
+        assert out.reward is None
+        assert (
+            out.error
+            == "the row's field(s) ['completion_ids'] clash with the reward function's own arguments"
+        )

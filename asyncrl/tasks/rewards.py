@@ -135,6 +135,11 @@ def _as_reward(value: Any) -> tuple[float | None, str | None]:
     return float(value), None
 
 
+def _clash(columns: dict[str, Any], own: dict[str, Any]) -> str | None:
+    same = sorted(set(columns) & set(own))
+    return f"the row's field(s) {same} clash with the reward function's own arguments" if same else None
+
+
 def _call(fn: RewardFn, kwargs: dict[str, Any]) -> tuple[Any, str | None]:
     from asyncrl.tasks.timed_reward import RewardRaised, RewardTimeout
 
@@ -152,7 +157,11 @@ def score(
     fn: RewardFn, completion: str, prompt: Any, answer: str | None, extra: dict, **more: Any
 ) -> tuple[float | None, str | None]:
     """Call a per-completion reward function defensively: (reward, None) or (None, error message)."""
-    value, error = _call(fn, dict(completion=completion, prompt=prompt, answer=answer, **extra, **more))
+    own = dict(completion=completion, prompt=prompt, answer=answer, **more)
+    clash = _clash(extra, own)
+    if clash is not None:
+        return None, clash
+    value, error = _call(fn, {**own, **extra})
     return (None, error) if error is not None else _as_reward(value)
 
 
@@ -248,15 +257,17 @@ class RewardSet:
                 values.append(v)
                 errors.append(e)
             return values, errors
-        kwargs: dict[str, Any] = {
+        own: dict[str, Any] = {
             "prompts": [reward_prompt(prompt)] * n,
             "completions": [[m] for m in messages] if conversational else list(texts),
             "completion_ids": [list(ids) for ids in completion_ids],
             "answer": [prompt.answer] * n,
-            **{k: [v] * n for k, v in prompt.extra.items()},
             **term.args,
         }
-        result, error = _call(term.fn, kwargs)
+        error = _clash(prompt.extra, own)
+        result = None
+        if error is None:
+            result, error = _call(term.fn, {**own, **{k: [v] * n for k, v in prompt.extra.items()}})
         if error is None:
             try:
                 result = list(result)
