@@ -1,4 +1,4 @@
-"""The ``asyncrl`` command line: train, sft, config, timeline, scale, serve."""
+"""The ``asyncrl`` command line: train, sft, config, timeline, report, scale, serve."""
 
 from __future__ import annotations
 
@@ -68,6 +68,13 @@ def _timeline(args: argparse.Namespace) -> int:
 
     busy = plot_timeline(Path(args.run_dir), Path(args.output), title=args.title, last_s=args.last)
     print(json.dumps({"output": args.output, "busy_frac": {k: round(v, 4) for k, v in busy.items()}}))
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from asyncrl.report import write_report
+
+    print(json.dumps(write_report([Path(p) for p in args.run_dirs], Path(args.output))))
     return 0
 
 
@@ -151,6 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
     timeline.add_argument("--last", type=float, help="only the last N seconds of the run")
     timeline.add_argument("--title", help="chart title (default: the run directory name)")
     timeline.set_defaults(func=_timeline)
+
+    report = sub.add_parser(
+        "report", help="draw runs' curves and timelines as PNGs and one self-contained HTML page"
+    )
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (several: overlaid)")
+    report.add_argument(
+        "-o", "--output", default="report.html", help="HTML file; PNGs go to <name>-figures/ beside it"
+    )
+    report.set_defaults(func=_report)
 
     scale = sub.add_parser(
         "scale", help="change the number of generators of a running run (runtime.kind=ray)"

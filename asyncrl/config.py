@@ -47,6 +47,11 @@ class ModelConfig(Section):
         "trainer.master_dtype. 'auto' is bfloat16 on CUDA and float32 on the CPU. Log-probs, entropies "
         "and losses are always computed in float32 from the logits.",
     )
+    chat_template: str | None = Field(
+        None,
+        description="Chat template for conversational prompts, replacing the tokenizer's: a path to a Jinja "
+        "file, or the template itself (any value containing '{'). null = the tokenizer's own.",
+    )
 
 
 class ArithmeticConfig(Section):
@@ -63,18 +68,63 @@ class ArithmeticConfig(Section):
         return self
 
 
+class RewardEntry(Section):
+    """One of several reward functions; the reward is the weighted sum of their values."""
+
+    name: str = Field(
+        description="A registered reward (exact_match, numeric_match, math_verify, format_regex, "
+        "overlong_penalty) or 'module:function'."
+    )
+    weight: float = Field(1.0, description="Weight of this function in the summed reward.")
+    args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra keyword arguments of every call (e.g. {pattern: '...'} for format_regex).",
+    )
+    label: str | None = Field(
+        None, description="Name in metrics (reward/<label>); default: the function's name."
+    )
+
+
 class TaskConfig(Section):
     """Where prompts come from and how completions are scored."""
 
-    name: Literal["arithmetic", "jsonl"] = Field(
+    name: Literal["arithmetic", "jsonl", "dataset"] = Field(
         "arithmetic",
-        description="'arithmetic' (built-in, generated) or 'jsonl' (rows with 'prompt' and 'answer').",
+        description="'arithmetic' (built-in, generated), 'jsonl' (a JSONL file), or 'dataset' (Hugging Face "
+        "`datasets`: a directory saved with save_to_disk, a folder of data files, or a .parquet, .jsonl, "
+        ".json or .csv file). A row's prompt is a string or a list of chat messages.",
     )
     arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
-    path: str | None = Field(None, description="JSONL file for task.name=jsonl.")
+    path: str | None = Field(None, description="The dataset file or directory (task.name=jsonl or dataset).")
+    split: str = Field("train", description="Split trained on (task.name=dataset).")
+    eval_split: str | None = Field(
+        None,
+        description="Split evaluated on (a dataset directory with several splits). null = see eval_fraction.",
+    )
+    eval_fraction: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Hold out this fraction of the rows (chosen by task.seed) for evaluation, and train on "
+        "the rest. 0 with no eval_split = evaluate on the first rows of the training data.",
+    )
+    prompt_field: str = Field(
+        "prompt", description="Column holding the prompt (a string, or a list of {role, content} messages)."
+    )
+    answer_field: str | None = Field(
+        "answer", description="Column holding the reference answer (null = rows have none)."
+    )
     reward: str = Field(
         "exact_match",
-        description="Reward function: a registered name (exact_match, numeric_match) or 'module:function'.",
+        description="Reward function: a registered name (exact_match, numeric_match, math_verify, "
+        "format_regex, overlong_penalty) or 'module:function'. Per-completion "
+        "(`completion, prompt, answer, **fields`) and TRL's batched signature (`prompts, completions, "
+        "**columns` -> list) are both accepted.",
+    )
+    rewards: list[RewardEntry] = Field(
+        default_factory=list,
+        description="Several reward functions [{name, weight, args, label}]: the reward is the weighted sum, "
+        "each is logged as reward/<label>. When given, it replaces task.reward.",
     )
     reward_on_error: Literal["zero", "drop_group"] = Field(
         "zero",
@@ -82,7 +132,7 @@ class TaskConfig(Section):
         "completion 0, or drop its whole group. The error is recorded per sample either way.",
     )
     skip_bad_rows: bool = Field(
-        False, description="Skip (and count) malformed JSONL rows instead of failing."
+        False, description="Skip (and count) malformed dataset rows instead of failing."
     )
     reward_timeout_s: float | None = Field(
         None,
@@ -91,12 +141,22 @@ class TaskConfig(Section):
         "which is killed and replaced when a call runs late; the call counts as a reward error "
         "(see reward_on_error). null = call it directly, no limit.",
     )
-    seed: int = Field(0, description="Seed of the prompt stream (arithmetic generation and JSONL shuffling).")
+    seed: int = Field(
+        0,
+        description="Seed of the prompt stream (arithmetic generation, dataset shuffling and held-out rows).",
+    )
 
     @model_validator(mode="after")
-    def _path_for_jsonl(self) -> TaskConfig:
-        if self.name == "jsonl" and not self.path:
-            raise ValueError("task.name=jsonl needs task.path")
+    def _path_for_datasets(self) -> TaskConfig:
+        if self.name in ("jsonl", "dataset") and not self.path:
+            raise ValueError(f"task.name={self.name} needs task.path")
+        if self.eval_split is not None and self.eval_fraction > 0:
+            raise ValueError("give task.eval_split or task.eval_fraction, not both")
+        labels = [e.label or e.name.rpartition(":")[2] for e in self.rewards]
+        if len(set(labels)) != len(labels):
+            raise ValueError(
+                f"task.rewards: two entries share a label ({labels}); set 'label' to tell them apart"
+            )
         return self
 
 
@@ -410,6 +470,17 @@ class RunConfig(Section):
     keep_checkpoints: int = Field(2, ge=1, description="How many of the newest checkpoints to keep.")
     checkpoint_timeout_s: float = Field(
         600.0, gt=0, description="Longest wait for the trainer to write a checkpoint."
+    )
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(
+        default_factory=list,
+        description="Experiment trackers that receive every metrics.jsonl record under the same names: "
+        "tensorboard (event files in RUN_DIR/tensorboard), wandb (Weights & Biases; see wandb_mode).",
+    )
+    wandb_project: str = Field("asyncrl", description="Weights & Biases project (run.report_to: [wandb]).")
+    wandb_mode: Literal["auto", "online", "offline"] = Field(
+        "auto",
+        description="'auto': online when an API key is configured (WANDB_API_KEY or `wandb login`), else "
+        "offline (files in RUN_DIR/wandb, to `wandb sync` later). WANDB_MODE in the environment wins.",
     )
 
 

@@ -43,7 +43,6 @@ from asyncrl.orchestration.events import (
     Submit,
     WeightsLoaded,
 )
-from asyncrl.tasks import resolve_reward
 from asyncrl.trainer import assign_advantages
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.distributed import RankGroup, RankSpec, rank_device
@@ -338,7 +337,7 @@ class TrainerWorker:
         self._eval_engine: EmbeddedEngine | None = None
         self._eval_prompts: list = []
         self._gathered_policy: Policy | None = None
-        self.trainer_reward = resolve_reward(cfg.task.reward)
+        self.trainer_reward = build.build_reward(cfg, timed=False)
 
     @property
     def version(self) -> int:
