@@ -103,6 +103,27 @@ def stop_after_steps(
     return proc.returncode, err
 
 
+def train_to_end(*args: str, timeout: float = 300) -> None:
+    """``asyncrl train ARGS`` as a child that must finish with exit code 0."""
+    done = subprocess.run(
+        cli("train", *args), capture_output=True, text=True, timeout=timeout, env=child_env()
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def straight_and_stopped(
+    straight_dir: Path, stopped_dir: Path, overrides: list[str], steps: int, timeout: float = 300
+) -> Path:
+    """An uninterrupted run in ``straight_dir``; the same run in ``stopped_dir`` stopped by SIGTERM once
+    ``steps`` steps are logged. Returns the checkpoint the stop wrote (resume with ``train_to_end``)."""
+    from asyncrl import checkpoint
+
+    train_to_end(*sets(overrides), "--run-dir", str(straight_dir), timeout=timeout)
+    code, _ = stop_after_steps(stopped_dir, overrides, steps, signal.SIGTERM, timeout=timeout)
+    assert code == 128 + signal.SIGTERM.value
+    return checkpoint.latest(stopped_dir)
+
+
 def final_weights(run_dir: Path, name: str = "model.safetensors") -> dict[str, torch.Tensor]:
     """The tensors a run saved in ``final/`` (``adapter_model.safetensors`` for LoRA)."""
     return load_file(str(run_dir / "final" / name))

@@ -15,22 +15,19 @@ import concurrent.futures
 import json
 import multiprocessing
 import os
-import signal
 import socket
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from asyncrl import checkpoint
 from asyncrl.config import load_config
 from asyncrl.engine import EmbeddedEngine, GenerationRequest, SamplingParams
 from asyncrl.orchestration import build, train
 from asyncrl.trainer import collate, completion_logprobs
 from asyncrl.types import Sample
-from tests.helpers import child_env, cli, final_weights, max_abs_diff, sets, stop_after_steps
+from tests.helpers import final_weights, max_abs_diff, straight_and_stopped, train_to_end
 
 ON_CPU = os.environ.get("ASYNCRL_GPU_TESTS_ON_CPU") == "1"
 DEVICE = "cpu" if ON_CPU else "cuda"
@@ -221,29 +218,17 @@ def test_one_rank_of_ddp_and_fsdp2_matches_the_plain_trainer(parallel: str) -> N
 
 
 @pytest.mark.multiprocess
-def test_stopped_and_resumed_run_continues_from_float32_master_weights(tmp_path: Path) -> None:
+def test_straight_and_stopped_run_continues_from_float32_master_weights(tmp_path: Path) -> None:
     """A sync run stopped by SIGTERM at step >= 3 of 6 and resumed ends where an uninterrupted run ends.
 
     On CUDA some kernels' reductions (index_add in the embedding's backward, for one) are not
     deterministic, so the comparison has a bound (set before a GPU run); on the CPU it is exact.
     """
     overrides = [*SHORT_RUN, "run.eval_every=0", "run.checkpoint_every=2"]
-    straight = subprocess.run(
-        cli("train", *sets(overrides), "--run-dir", str(tmp_path / "a")),
-        capture_output=True,
-        timeout=240,
-        env=child_env(),
-    )
-    assert straight.returncode == 0, straight.stderr
-    code, _ = stop_after_steps(tmp_path / "b", overrides, 3, signal.SIGTERM, timeout=180)
-    assert code == 128 + signal.SIGTERM.value
-    saved = checkpoint.latest(tmp_path / "b")
+    saved = straight_and_stopped(tmp_path / "a", tmp_path / "b", overrides, 3, timeout=240)
     weights = load_file(str(next(saved.rglob("model.safetensors"))))
     assert {t.dtype for t in weights.values()} == {torch.float32}
-    resumed = subprocess.run(
-        cli("train", "--resume", str(tmp_path / "b")), capture_output=True, timeout=240, env=child_env()
-    )
-    assert resumed.returncode == 0, resumed.stderr
+    train_to_end("--resume", str(tmp_path / "b"), timeout=240)
     diff = max_abs_diff(final_weights(tmp_path / "a"), final_weights(tmp_path / "b"))
     _report("resume", max_abs_param_diff=diff)
     assert diff <= (0.0 if ON_CPU else 1e-3)

@@ -7,8 +7,6 @@ CUDA are in tests/test_gpu.py.
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,7 @@ from asyncrl.models import load_policy
 from asyncrl.orchestration import build
 from asyncrl.trainer import Trainer
 from asyncrl.trainer.trainer import sync_dtype
-from tests.helpers import child_env, cli, final_weights, max_abs_diff, sets, short_run, stop_after_steps
+from tests.helpers import final_weights, max_abs_diff, short_run, straight_and_stopped, train_to_end
 from tests.test_trainer import random_samples
 
 LAYER = "model.layers.0.self_attn.q_proj.weight"
@@ -164,23 +162,11 @@ RUN = ["model.dtype=bfloat16", *short_run(STEPS), "run.checkpoint_every=2"]
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_mixed_precision_checkpoint_holds_float32_master_weights_and_resumes_exactly(tmp_path: Path) -> None:
-    straight = subprocess.run(
-        cli("train", *sets(RUN), "--run-dir", str(tmp_path / "a")),
-        capture_output=True,
-        timeout=300,
-        env=child_env(),
-    )
-    assert straight.returncode == 0, straight.stderr
-    code, _ = stop_after_steps(tmp_path / "b", RUN, 3, signal.SIGTERM, timeout=240)
-    assert code == 128 + signal.SIGTERM.value
-    saved = checkpoint.latest(tmp_path / "b")
+    saved = straight_and_stopped(tmp_path / "a", tmp_path / "b", RUN, 3, timeout=300)
     assert 3 <= checkpoint.read_controller_state(saved)["version"] < STEPS
     with safe_open(str(next(saved.rglob("model.safetensors"))), "pt") as fh:
         assert {fh.get_slice(k).get_dtype() for k in fh.keys()} == {"F32"}  # noqa: SIM118 (safe_open is not iterable)
-    resumed = subprocess.run(
-        cli("train", "--resume", str(tmp_path / "b")), capture_output=True, timeout=300, env=child_env()
-    )
-    assert resumed.returncode == 0, resumed.stderr
+    train_to_end("--resume", str(tmp_path / "b"), timeout=300)
     wa, wb = final_weights(tmp_path / "a"), final_weights(tmp_path / "b")
     assert {t.dtype for t in wa.values()} == {torch.float32}
     assert max_abs_diff(wa, wb) == 0.0
