@@ -1,4 +1,4 @@
-"""The ``asyncrl`` command line: train, sft, config, timeline, scale, serve."""
+"""The ``asyncrl`` command line: train, sft, config, timeline, report, scale, serve."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ def _train(args: argparse.Namespace) -> int:
     from asyncrl.config import load_config
     from asyncrl.orchestration import train
     from asyncrl.orchestration.controller import RunInterrupted
+    from asyncrl.orchestration.run import RunComplete
 
     if args.resume:
         if args.config or args.run_dir:
@@ -30,6 +31,9 @@ def _train(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.set)
     try:
         summary = train(cfg, run_dir, resume=bool(args.resume))
+    except RunComplete as exc:
+        print(f"asyncrl: {exc}", file=sys.stderr)
+        return 0
     except RunInterrupted as exc:
         print(f"asyncrl: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -67,8 +71,15 @@ def _timeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from asyncrl.report import write_report
+
+    print(json.dumps(write_report([Path(p) for p in args.run_dirs], Path(args.output))))
+    return 0
+
+
 def _scale(args: argparse.Namespace) -> int:
-    from asyncrl.orchestration.controller import write_control
+    from asyncrl.orchestration.membership import write_control
 
     run_dir = Path(args.run_dir)
     if not (run_dir / "config.yaml").is_file():
@@ -147,6 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
     timeline.add_argument("--last", type=float, help="only the last N seconds of the run")
     timeline.add_argument("--title", help="chart title (default: the run directory name)")
     timeline.set_defaults(func=_timeline)
+
+    report = sub.add_parser(
+        "report", help="draw runs' curves and timelines as PNGs and one self-contained HTML page"
+    )
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (several: overlaid)")
+    report.add_argument(
+        "-o", "--output", default="report.html", help="HTML file; PNGs go to <name>-figures/ beside it"
+    )
+    report.set_defaults(func=_report)
 
     scale = sub.add_parser(
         "scale", help="change the number of generators of a running run (runtime.kind=ray)"

@@ -41,7 +41,16 @@ class ModelConfig(Section):
     )
     device: str = Field("auto", description="'auto' (CUDA when available, else CPU), 'cpu', or 'cuda[:N]'.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Parameter dtype; 'auto' is bfloat16 on CUDA and float32 on CPU."
+        "auto",
+        description="Compute dtype: the generators' engines hold their weights in it, and the trainer runs "
+        "its forward and backward passes in it (autocast) while keeping its own weights in "
+        "trainer.master_dtype. 'auto' is bfloat16 on CUDA and float32 on the CPU. Log-probs, entropies "
+        "and losses are always computed in float32 from the logits.",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="Chat template for conversational prompts, replacing the tokenizer's: a path to a Jinja "
+        "file, or the template itself (any value containing '{'). null = the tokenizer's own.",
     )
 
 
@@ -59,18 +68,63 @@ class ArithmeticConfig(Section):
         return self
 
 
+class RewardEntry(Section):
+    """One of several reward functions; the reward is the weighted sum of their values."""
+
+    name: str = Field(
+        description="A registered reward (exact_match, numeric_match, math_verify, format_regex, "
+        "overlong_penalty) or 'module:function'."
+    )
+    weight: float = Field(1.0, description="Weight of this function in the summed reward.")
+    args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra keyword arguments of every call (e.g. {pattern: '...'} for format_regex).",
+    )
+    label: str | None = Field(
+        None, description="Name in metrics (reward/<label>); default: the function's name."
+    )
+
+
 class TaskConfig(Section):
     """Where prompts come from and how completions are scored."""
 
-    name: Literal["arithmetic", "jsonl"] = Field(
+    name: Literal["arithmetic", "jsonl", "dataset"] = Field(
         "arithmetic",
-        description="'arithmetic' (built-in, generated) or 'jsonl' (rows with 'prompt' and 'answer').",
+        description="'arithmetic' (built-in, generated), 'jsonl' (a JSONL file), or 'dataset' (Hugging Face "
+        "`datasets`: a directory saved with save_to_disk, a folder of data files, or a .parquet, .jsonl, "
+        ".json or .csv file). A row's prompt is a string or a list of chat messages.",
     )
     arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
-    path: str | None = Field(None, description="JSONL file for task.name=jsonl.")
+    path: str | None = Field(None, description="The dataset file or directory (task.name=jsonl or dataset).")
+    split: str = Field("train", description="Split trained on (task.name=dataset).")
+    eval_split: str | None = Field(
+        None,
+        description="Split evaluated on (a dataset directory with several splits). null = see eval_fraction.",
+    )
+    eval_fraction: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Hold out this fraction of the rows (chosen by task.seed) for evaluation, and train on "
+        "the rest. 0 with no eval_split = evaluate on the first rows of the training data.",
+    )
+    prompt_field: str = Field(
+        "prompt", description="Column holding the prompt (a string, or a list of {role, content} messages)."
+    )
+    answer_field: str | None = Field(
+        "answer", description="Column holding the reference answer (null = rows have none)."
+    )
     reward: str = Field(
         "exact_match",
-        description="Reward function: a registered name (exact_match, numeric_match) or 'module:function'.",
+        description="Reward function: a registered name (exact_match, numeric_match, math_verify, "
+        "format_regex, overlong_penalty) or 'module:function'. Per-completion "
+        "(`completion, prompt, answer, **fields`) and TRL's batched signature (`prompts, completions, "
+        "**columns` -> list) are both accepted.",
+    )
+    rewards: list[RewardEntry] = Field(
+        default_factory=list,
+        description="Several reward functions [{name, weight, args, label}]: the reward is the weighted sum, "
+        "each is logged as reward/<label>. When given, it replaces task.reward.",
     )
     reward_on_error: Literal["zero", "drop_group"] = Field(
         "zero",
@@ -78,7 +132,7 @@ class TaskConfig(Section):
         "completion 0, or drop its whole group. The error is recorded per sample either way.",
     )
     skip_bad_rows: bool = Field(
-        False, description="Skip (and count) malformed JSONL rows instead of failing."
+        False, description="Skip (and count) malformed dataset rows instead of failing."
     )
     reward_timeout_s: float | None = Field(
         None,
@@ -87,12 +141,22 @@ class TaskConfig(Section):
         "which is killed and replaced when a call runs late; the call counts as a reward error "
         "(see reward_on_error). null = call it directly, no limit.",
     )
-    seed: int = Field(0, description="Seed of the prompt stream (arithmetic generation and JSONL shuffling).")
+    seed: int = Field(
+        0,
+        description="Seed of the prompt stream (arithmetic generation, dataset shuffling and held-out rows).",
+    )
 
     @model_validator(mode="after")
-    def _path_for_jsonl(self) -> TaskConfig:
-        if self.name == "jsonl" and not self.path:
-            raise ValueError("task.name=jsonl needs task.path")
+    def _path_for_datasets(self) -> TaskConfig:
+        if self.name in ("jsonl", "dataset") and not self.path:
+            raise ValueError(f"task.name={self.name} needs task.path")
+        if self.eval_split is not None and self.eval_fraction > 0:
+            raise ValueError("give task.eval_split or task.eval_fraction, not both")
+        labels = [e.label or e.name.rpartition(":")[2] for e in self.rewards]
+        if len(set(labels)) != len(labels):
+            raise ValueError(
+                f"task.rewards: two entries share a label ({labels}); set 'label' to tell them apart"
+            )
         return self
 
 
@@ -246,9 +310,52 @@ class TrainerConfig(Section):
         "constant", description="Decay after warm-up: none, linear to 0, or cosine to 0."
     )
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps from 0 to lr.")
-    micro_batch_tokens: int = Field(
-        8192, ge=1, description="Token budget of one forward/backward (padded tokens counted)."
+    micro_batch_tokens: int | Literal["auto"] = Field(
+        8192,
+        description="Token budget of one forward/backward (padded tokens counted), or 'auto': sized on CUDA "
+        "from the free GPU memory and the model's shape (hidden size, layers, vocabulary, "
+        "logprob_chunk_tokens, gradient_checkpointing) with a safety margin, and logged once; 8192 on "
+        "the CPU. See docs/trainer_memory.md.",
     )
+    master_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="Dtype of the trainer's parameters, accumulated gradients and optimizer state (the "
+        "master weights); with LoRA, of the adapters (the frozen base is held in model.dtype). RL updates "
+        "are small: at lr 1e-6 one AdamW step moves almost no bfloat16 weight (the change rounds away), "
+        "so float32 is the default; a lower master dtype saves memory at that cost. Weights are sent to "
+        "the engines in model.dtype (LoRA adapters in float32).",
+    )
+    logprob_chunk_tokens: int = Field(
+        1024,
+        ge=0,
+        description="Positions whose logits the LM head, log-softmax, log-probs and entropy compute at once, "
+        "forward and backward (backward recomputes them): the (tokens x vocabulary) float32 logits of a whole "
+        "micro-batch are never held. Exact (same log-probs and gradients as unchunked). 0 = the model's "
+        "own logits for the whole micro-batch at once. See docs/trainer_memory.md.",
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Activation checkpointing of every decoder layer (torch.utils.checkpoint, non-reentrant): "
+        "a layer keeps only its input for backward and is run again there, trading about one more forward "
+        "for much less activation memory. Works with both layouts (the prefix tree's KV cache included) "
+        "and LoRA; gradients equal those without it. See docs/trainer_memory.md.",
+    )
+
+    @field_validator("micro_batch_tokens", mode="before")
+    @classmethod
+    def _token_budget(cls, value: Any) -> int | str:
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise ValueError(f"must be a positive number of tokens or 'auto', got {value!r}")
+        try:
+            tokens = int(value)
+        except ValueError:
+            raise ValueError(f"must be a positive number of tokens or 'auto', got {value!r}") from None
+        if tokens < 1:
+            raise ValueError(f"must be a positive number of tokens or 'auto', got {tokens}")
+        return tokens
+
     packing: Literal["tree", "prompts", "off"] = Field(
         "tree",
         description="How a micro-batch's inputs are laid out. 'tree': every token prefix that samples "
@@ -376,6 +483,17 @@ class RunConfig(Section):
     keep_checkpoints: int = Field(2, ge=1, description="How many of the newest checkpoints to keep.")
     checkpoint_timeout_s: float = Field(
         600.0, gt=0, description="Longest wait for the trainer to write a checkpoint."
+    )
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(
+        default_factory=list,
+        description="Experiment trackers that receive every metrics.jsonl record under the same names: "
+        "tensorboard (event files in RUN_DIR/tensorboard), wandb (Weights & Biases; see wandb_mode).",
+    )
+    wandb_project: str = Field("asyncrl", description="Weights & Biases project (run.report_to: [wandb]).")
+    wandb_mode: Literal["auto", "online", "offline"] = Field(
+        "auto",
+        description="'auto': online when an API key is configured (WANDB_API_KEY or `wandb login`), else "
+        "offline (files in RUN_DIR/wandb, to `wandb sync` later). WANDB_MODE in the environment wins.",
     )
 
 
@@ -530,10 +648,14 @@ class RuntimeConfig(Section):
         "whichever workers are busy at the moment (an idle worker's cores are not wasted); 'static' "
         "splits the cores evenly once.",
     )
-    weight_sync: Literal["shm", "broadcast", "files"] = Field(
-        "shm",
-        description="Transport of weights to local generators: shared memory, torch.distributed broadcast "
-        "(gloo on CPU, NCCL on GPU), or safetensors files.",
+    weight_sync: Literal["auto", "shm", "broadcast", "files", "cuda_ipc"] = Field(
+        "auto",
+        description="Transport of weights to the generators: 'shm' (a shared-memory segment on the "
+        "trainer's machine), 'broadcast' (torch.distributed: NCCL when every member has a GPU of its own, "
+        "else gloo, with weights on a GPU staged through pinned host memory), 'files' (safetensors), "
+        "'cuda_ipc' (trainer and generators on one GPU share the published buffer by a CUDA IPC handle; "
+        "the local runtime only), or 'auto': cuda_ipc in the local runtime when the model is on CUDA, "
+        "else shm. Every transport checks layout, version and checksum.",
     )
     bucket_mb: float = Field(64.0, ge=0, description="Broadcast bucket size in MB (0 = one tensor per call).")
     verify_weight_sync: bool = Field(
@@ -584,6 +706,23 @@ class Config(Section):
                 f"model.device={self.model.device} would put all {self.trainer.ranks} trainer ranks "
                 "(trainer.ranks) on one GPU; use 'cuda' or 'auto' (rank r takes the r-th visible GPU)"
             )
+        if self.model.dtype == "float16" and self.trainer.master_dtype != "float16":
+            raise ValueError(
+                f"model.dtype=float16 with trainer.master_dtype={self.trainer.master_dtype} needs loss scaling, "
+                "which asyncrl does not do (float16 gradients under- and overflow); use model.dtype=bfloat16, "
+                "or trainer.master_dtype=float16 for pure float16 training"
+            )
+        if self.runtime.weight_sync == "cuda_ipc":
+            if self.model.device == "cpu":
+                raise ValueError(
+                    "runtime.weight_sync=cuda_ipc shares a GPU buffer between trainer and generators, but "
+                    "model.device=cpu; use shm (or auto)"
+                )
+            if self.runtime.kind == "ray":
+                raise ValueError(
+                    "runtime.weight_sync=cuda_ipc needs trainer and generators on one GPU, which only the local "
+                    "runtime guarantees; on Ray use broadcast (NCCL between GPUs) or shm"
+                )
         if self.schedule.streaming and self.algorithm.advantage_scale == "batch":
             raise ValueError(
                 "algorithm.advantage_scale=batch needs the whole batch before training; it cannot be used "
@@ -613,12 +752,19 @@ class Config(Section):
     @property
     def old_logprob_mode(self) -> str:
         """What the trainer uses as old-policy log-probs: current, behaviour or recompute."""
-        mode = self.algorithm.old_logprobs
-        if mode != "auto":
-            return mode
-        if self.algorithm.num_iterations > 1 or self.algorithm.is_level != "none":
-            return "recompute"
-        return "behaviour" if self.schedule.max_staleness > 0 else "current"
+        return old_logprob_mode(self.algorithm, self.schedule.max_staleness)
+
+
+def old_logprob_mode(algorithm: AlgorithmConfig, max_staleness: int) -> str:
+    """``algorithm.old_logprobs`` resolved: ``auto`` recomputes when several updates share a batch
+    or an IS correction needs the proximal policy, uses the engine's behaviour log-probs when
+    tokens may be stale, and else the detached current log-probs (the ratio is then exactly 1)."""
+    mode = algorithm.old_logprobs
+    if mode != "auto":
+        return mode
+    if algorithm.num_iterations > 1 or algorithm.is_level != "none":
+        return "recompute"
+    return "behaviour" if max_staleness > 0 else "current"
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -1,29 +1,29 @@
-"""Accuracy of a policy on held-out prompts: the fraction of completions scored 1 by the reward."""
+"""Accuracy of a policy on held-out prompts: the mean reward of one completion per prompt."""
 
 from __future__ import annotations
 
 from asyncrl.engine import GenerationRequest, SamplingParams
-from asyncrl.tasks.rewards import RewardFn, score
+from asyncrl.tasks.chat import encode_prompt
+from asyncrl.tasks.rewards import RewardFn, RewardSet
 from asyncrl.types import Prompt
 
 
 def evaluate(
-    engine, tokenizer, prompts: list[Prompt], reward_fn: RewardFn, sampling: SamplingParams
+    engine, tokenizer, prompts: list[Prompt], reward_fn: RewardFn | RewardSet, sampling: SamplingParams
 ) -> float:
-    """Mean reward of one completion per prompt (greedy when ``sampling.temperature`` is 0)."""
+    """Mean reward of one completion per prompt (greedy when ``sampling.temperature`` is 0).
+
+    With several reward functions this is their weighted sum, as in training; a completion
+    whose reward fails counts 0.
+    """
+    rewards = RewardSet.of(reward_fn)
     requests = [
-        GenerationRequest(f"eval/{i}", tokenizer(p.text, add_special_tokens=False).input_ids, sampling)
-        for i, p in enumerate(prompts)
+        GenerationRequest(f"eval/{i}", encode_prompt(tokenizer, p), sampling) for i, p in enumerate(prompts)
     ]
     total = 0.0
     for prompt, res in zip(prompts, engine.generate(requests), strict=True):
         ids = [t for t in res.completion_ids if t not in sampling.stop_token_ids]
-        reward, _ = score(
-            reward_fn,
-            tokenizer.decode(ids, skip_special_tokens=True),
-            prompt.text,
-            prompt.answer,
-            prompt.extra,
-        )
-        total += reward or 0.0
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        (scored,) = rewards.score(prompt, [text], [list(res.completion_ids)])  # token ids as in training
+        total += scored.reward or 0.0
     return total / max(len(prompts), 1)

@@ -13,7 +13,8 @@ from transformers import PreTrainedTokenizerBase
 
 from asyncrl.engine import GenerationRequest, SamplingParams, resume_request
 from asyncrl.errors import DatasetError
-from asyncrl.tasks.rewards import RewardFn, score
+from asyncrl.tasks.chat import encode_prompt
+from asyncrl.tasks.rewards import RewardFn, RewardSet
 from asyncrl.types import Group, Prompt, Sample
 
 
@@ -35,16 +36,17 @@ class _PendingGroup:
 class RolloutWorker:
     """Turns prompts into scored groups on top of an engine's ``add_request``/``step`` API.
 
-    Completions are scored as soon as they finish; a group is complete when all G of its
-    completions are, and its samples are ordered by completion index, so a group's content
-    does not depend on the order in which its completions finished.
+    A group is complete when all G of its completions are; it is then scored as a whole (a
+    batched reward function sees the G completions of its prompt together), and its samples
+    are ordered by completion index, so a group's content does not depend on the order in
+    which its completions finished.
     """
 
     def __init__(
         self,
         engine,
         tokenizer: PreTrainedTokenizerBase,
-        reward_fn: RewardFn,
+        reward_fn: RewardFn | RewardSet,
         sampling: SamplingParams,
         group_size: int,
         reward_on_error: str = "zero",
@@ -61,7 +63,7 @@ class RolloutWorker:
         self.eos_after = eos_after
         self.stop_ids = set(sampling.stop_token_ids) | ({eos_after} if eos_after is not None else set())
         self.tokenizer = tokenizer
-        self.reward_fn = reward_fn
+        self.rewards = RewardSet.of(reward_fn)
         self.sampling = sampling
         self.group_size = group_size
         self.reward_on_error = reward_on_error
@@ -70,8 +72,12 @@ class RolloutWorker:
         self._pending: dict[int, _PendingGroup] = {}
         self._sampling: dict[str, SamplingParams] = {}  # of requests in flight, to resume them
 
+    @property
+    def reward_fn(self) -> RewardSet:
+        return self.rewards
+
     def encode(self, prompt: Prompt) -> list[int]:
-        return self.tokenizer(prompt.text, add_special_tokens=False).input_ids
+        return encode_prompt(self.tokenizer, prompt)
 
     @property
     def groups_in_flight(self) -> int:
@@ -124,11 +130,12 @@ class RolloutWorker:
             self._sampling.pop(res.request_id, None)
             group_id, k = (int(x) for x in res.request_id.split("/", 1))
             pending = self._pending[group_id]
-            pending.samples[k] = self._score(pending.prompt, group_id, pending.prompt_ids, res)
+            pending.samples[k] = self._sample(pending.prompt, group_id, pending.prompt_ids, res)
             if len(pending.samples) < self.group_size:
                 continue
             del self._pending[group_id]
             group = Group(group_id, pending.prompt, [pending.samples[i] for i in range(self.group_size)])
+            self._score(group)
             self.stats.samples += group.size
             if self.reward_on_error == "drop_group" and any(s.reward_error for s in group.samples):
                 self.stats.dropped_groups += 1
@@ -189,7 +196,7 @@ class RolloutWorker:
                 done[group.group_id] = group
         return [done[i] for i in ids if i in done]
 
-    def _score(self, prompt: Prompt, group_id: int, prompt_ids: list[int], res) -> Sample:
+    def _sample(self, prompt: Prompt, group_id: int, prompt_ids: list[int], res) -> Sample:
         ids = list(res.completion_ids)
         answer_len, finish = len(ids), res.finish_reason
         if self.eos_after is not None and self.eos_after in ids:
@@ -199,10 +206,6 @@ class RolloutWorker:
         text = self.tokenizer.decode(
             [t for t in ids[:answer_len] if t not in self.stop_ids], skip_special_tokens=True
         )
-        reward, error = score(self.reward_fn, text, prompt.text, prompt.answer, prompt.extra)
-        if error is not None:
-            self.stats.reward_errors += 1
-            reward = 0.0 if self.reward_on_error == "zero" else None
         return Sample(
             prompt_id=prompt.prompt_id,
             group_id=group_id,
@@ -213,7 +216,20 @@ class RolloutWorker:
             loss_mask=[1] * answer_len + [0] * (len(ids) - answer_len),
             finish_reason=finish,
             completion_text=text,
-            reward=reward,
-            reward_error=error,
             supports=res.supports,
         )
+
+    def _score(self, group: Group) -> None:
+        """Rewards of a whole group; a failed reward is recorded per sample (see ``reward_on_error``)."""
+        scored = self.rewards.score(
+            group.prompt,
+            [s.completion_text for s in group.samples],
+            [[t for t, m in zip(s.completion_ids, s.loss_mask, strict=True) if m] for s in group.samples],
+        )
+        for sample, result in zip(group.samples, scored, strict=True):
+            reward, error = result.reward, result.error
+            if error is not None:
+                self.stats.reward_errors += 1
+                reward = 0.0 if self.reward_on_error == "zero" else None
+            sample.reward, sample.reward_error = reward, error
+            sample.reward_components = result.components

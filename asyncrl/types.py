@@ -28,12 +28,15 @@ class Prompt:
     ``prompt_id`` is stable for the life of a run (e.g. ``"arith:17"`` or
     ``"train.jsonl:42"``) and is how every completion finds its way back to its prompt.
     ``extra`` holds any other dataset fields; they are passed to the reward function.
+    ``messages`` is set for a conversational prompt (``[{"role", "content"}, ...]``): the
+    chat template renders it, and ``text`` then only labels it (its last user message).
     """
 
     prompt_id: str
     text: str
     answer: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    messages: list[dict[str, str]] | None = None
 
 
 @dataclass
@@ -58,6 +61,8 @@ class Sample:
     completion_text: str = ""
     reward: float | None = None
     reward_error: str | None = None
+    # Each reward function's unweighted value, by label (None: it did not apply or failed).
+    reward_components: dict[str, float | None] | None = None
     advantage: float | None = None
     # Keep Sampling Mask: per token, the ids the sampler could choose (None = the whole vocabulary).
     supports: list[list[int] | None] | None = None

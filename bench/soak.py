@@ -100,8 +100,8 @@ def run_soak(work: Path, steps: int, kill_every: int, hang_every: int, generator
         for e in events:
             if isinstance(e, StepDone) and kill_every and e.version % kill_every == 0 and e.version < steps:
                 victim = (
-                    controller.gens[e.version // kill_every % len(controller.gens)]
-                    if controller.gens
+                    controller.generators.names[e.version // kill_every % len(controller.generators.names)]
+                    if controller.generators.names
                     else None
                 )
                 if victim is not None:

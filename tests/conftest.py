@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -9,6 +10,19 @@ import torch
 
 from asyncrl.models import Policy, load_policy
 from asyncrl.types import Sample
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` are skipped, with the reason, where no CUDA device is visible
+    (``ASYNCRL_GPU_TESTS_ON_CPU=1`` runs them on the CPU instead, see tests/test_gpu.py)."""
+    if torch.cuda.is_available() or os.environ.get("ASYNCRL_GPU_TESTS_ON_CPU") == "1":
+        return
+    skip = pytest.mark.skip(
+        reason="needs a CUDA device (none is visible); run `python -m pytest -m gpu` on a GPU"
+    )
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True, scope="session")

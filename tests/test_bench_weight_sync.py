@@ -40,6 +40,7 @@ def test_larger_layouts_have_the_documented_size(bench, size: str, params: int, 
     assert (sum(s.numel for s in layout.specs), len(layout.specs)) == (params, tensors)
 
 
+@pytest.mark.multiprocess
 def test_every_case_delivers_the_exact_tensors_with_sane_numbers(bench, tmp_path: Path) -> None:
     """1M parameters to one receiver, one timed repetition per case: every receiver's model
     ends bit-identical to the sender's weights, and the reported numbers agree with each other."""

@@ -12,13 +12,9 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
-from safetensors.torch import load_file
 
 from asyncrl import checkpoint
 from asyncrl.config import load_config
@@ -26,68 +22,25 @@ from asyncrl.orchestration import train
 from asyncrl.orchestration.controller import Controller, RunInterrupted
 from asyncrl.orchestration.runtime import InlineRuntime
 from asyncrl.orchestration.session import RunSession
+from tests.helpers import (
+    child_env,
+    child_pids,
+    cli,
+    final_weights,
+    max_abs_diff,
+    sets,
+    short_run,
+    stop_after_steps,
+    wait_gone,
+)
 
 STEPS = 8
-BASE = [
-    "rollout.prompts_per_step=4",
-    "rollout.group_size=4",
-    f"run.steps={STEPS}",
-    "run.eval_every=0",
-    "run.progress=false",
-    "run.checkpoint_every=0",
-]
+BASE = [*short_run(STEPS), "run.checkpoint_every=0"]
 pytestmark = pytest.mark.timeout(300)
 
 
-def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "asyncrl.cli", *args]
-
-
-def sets(overrides: list[str]) -> list[str]:
-    return [a for o in overrides for a in ("--set", o)]
-
-
-def max_abs_diff(a: Path, b: Path) -> float:
-    wa, wb = (
-        load_file(str(a / "final" / "model.safetensors")),
-        load_file(str(b / "final" / "model.safetensors")),
-    )
-    assert wa.keys() == wb.keys()
-    return max(float((wa[k] - wb[k]).abs().max()) for k in wa)
-
-
-def stop_after_steps(run_dir: Path, overrides: list[str], steps: int, sig: signal.Signals) -> tuple[int, str]:
-    """Start a run, send it ``sig`` once metrics.jsonl has ``steps`` lines; (exit code, stderr)."""
-    proc = subprocess.Popen(
-        cli("train", *sets(overrides), "--run-dir", str(run_dir)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        metrics = run_dir / "metrics.jsonl"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
-                break
-            time.sleep(0.01)
-        descendants = psutil.Process(proc.pid).children(recursive=True)  # the run's worker processes
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=120)
-        # Orphans would be re-parented away from this test, so look for the ones seen before the stop.
-        _, alive = psutil.wait_procs(descendants, timeout=15)
-        assert not alive, f"left behind after the stop: {[p.pid for p in alive]}"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-    return proc.returncode, err
-
-
-def own_children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
-
-
+@pytest.mark.slow  # three subprocess runs; exact resume in-process: test_full_disk_at_a_checkpoint_..., test_lora_resume_...
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("schedule", "sig"),
     [("sync", signal.SIGTERM), ("periodic", signal.SIGINT)],
@@ -99,9 +52,12 @@ def test_stopped_and_resumed_run_equals_an_uninterrupted_one(tmp_path: Path, sch
         f"schedule={schedule}",
         *(["schedule.reproducible=true"] if schedule == "periodic" else []),
     ]
-    before = own_children()
+    before = child_pids()
     straight = subprocess.run(
-        cli("train", *sets(overrides), "--run-dir", str(tmp_path / "a")), capture_output=True, timeout=240
+        cli("train", *sets(overrides), "--run-dir", str(tmp_path / "a")),
+        capture_output=True,
+        timeout=240,
+        env=child_env(),
     )
     assert straight.returncode == 0, straight.stderr
     code, err = stop_after_steps(tmp_path / "b", overrides, 3, sig)
@@ -111,25 +67,30 @@ def test_stopped_and_resumed_run_equals_an_uninterrupted_one(tmp_path: Path, sch
     assert "continue with: asyncrl train --resume" in lines[-1]
     stopped_at = checkpoint.read_controller_state(checkpoint.latest(tmp_path / "b"))["version"]
     assert 3 <= stopped_at < STEPS
-    resumed = subprocess.run(cli("train", "--resume", str(tmp_path / "b")), capture_output=True, timeout=240)
+    resumed = subprocess.run(
+        cli("train", "--resume", str(tmp_path / "b")), capture_output=True, timeout=240, env=child_env()
+    )
     assert resumed.returncode == 0, resumed.stderr
-    assert max_abs_diff(tmp_path / "a", tmp_path / "b") <= 1e-6
+    assert max_abs_diff(final_weights(tmp_path / "a"), final_weights(tmp_path / "b")) <= 1e-6
     rows = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     ref = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert [r["reward_mean"] for r in rows] == [r["reward_mean"] for r in ref]
     accounting = json.loads((tmp_path / "b" / "summary.json").read_text())["accounting"]
     assert accounting["trained"] == STEPS * 4 and accounting["reconciles"]
-    _, alive = psutil.wait_procs([psutil.Process(p) for p in own_children() - before], timeout=10)
-    assert not alive
+    assert not wait_gone(child_pids() - before, timeout=10)
 
 
+@pytest.mark.slow  # subprocess stop + resume; async accounting (no prompt lost or trained twice): test_schedules
+@pytest.mark.multiprocess
 def test_async_resume_trains_every_prompt_exactly_once(tmp_path: Path) -> None:
     overrides = [*BASE, "schedule=async"]
     code, _ = stop_after_steps(tmp_path, overrides, 3, signal.SIGTERM)
     assert code == 143
     books = checkpoint.read_controller_state(checkpoint.latest(tmp_path))
-    resumed = subprocess.run(cli("train", "--resume", str(tmp_path)), capture_output=True, timeout=240)
+    resumed = subprocess.run(
+        cli("train", "--resume", str(tmp_path)), capture_output=True, timeout=240, env=child_env()
+    )
     assert resumed.returncode == 0, resumed.stderr
     acc = json.loads((tmp_path / "summary.json").read_text())["accounting"]
     assert acc["trained"] == STEPS * 4
@@ -200,6 +161,8 @@ def test_second_stop_request_stops_at_once(tmp_path: Path) -> None:
     assert info.value.exit_code == 130
 
 
+@pytest.mark.slow  # num_iterations=2 steps: test_trainer; checkpoints: test_checkpoints_are_periodic_complete_and_pruned
+@pytest.mark.multiprocess
 def test_several_optimizer_steps_per_batch_checkpoint_and_summarise(tmp_path: Path) -> None:
     """num_iterations=2 on the local runtime: steps 2k carry no rewards; summary and checkpoints cope."""
     cfg = load_config(
@@ -212,6 +175,8 @@ def test_several_optimizer_steps_per_batch_checkpoint_and_summarise(tmp_path: Pa
     assert checkpoint.read_controller_state(checkpoint.latest(tmp_path))["version"] == 6
 
 
+@pytest.mark.slow  # a dead worker failing the run: test_local_runtime's test_killed_generator_fails_the_run_naming_it
+@pytest.mark.multiprocess
 def test_dead_trainer_ends_the_run_pointing_at_the_checkpoint_to_resume_from(tmp_path: Path) -> None:
     from asyncrl.orchestration.build import seed_everything, task_prompts
     from asyncrl.orchestration.controller import run_controller
@@ -241,11 +206,13 @@ def test_dead_trainer_ends_the_run_pointing_at_the_checkpoint_to_resume_from(tmp
     assert summary["steps"] == 6 and summary["accounting"]["reconciles"]
 
 
+@pytest.mark.slow  # two local runs; periodic reproduces sync exactly: test_schedules' test_periodic_equals_sync
+@pytest.mark.multiprocess
 def test_reproducible_periodic_reruns_are_bit_identical(tmp_path: Path) -> None:
     overrides = [*BASE, "schedule=periodic", "schedule.reproducible=true", "run.steps=4"]
     for name in ("a", "b"):
         train(load_config(None, overrides), tmp_path / name)
-    assert max_abs_diff(tmp_path / "a", tmp_path / "b") == 0.0
+    assert max_abs_diff(final_weights(tmp_path / "a"), final_weights(tmp_path / "b")) == 0.0
 
 
 def test_reproducible_needs_an_on_policy_schedule() -> None:

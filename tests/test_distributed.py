@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 from asyncrl.config import Config, load_config
 from asyncrl.orchestration.events import Accumulate, FinishStep, Restore, SaveCheckpoint, StepDone
-from asyncrl.orchestration.local import free_port
+from asyncrl.orchestration.transport import free_port
 from asyncrl.orchestration.workers import TrainerWorker, run_follower
 from asyncrl.trainer.batching import trained_span
 from asyncrl.trainer.distributed import reduce_step_stats, split_samples
@@ -196,10 +196,11 @@ def single_process() -> Callable[[str], dict]:
     return get
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("parallel", "model"),
     [
-        ("ddp", "tiny:1m"),
+        pytest.param("ddp", "tiny:1m", marks=pytest.mark.slow),  # fsdp2 below: the same exchange, sharded
         ("fsdp2", "tiny:1m"),
         pytest.param("ddp", "tiny:1m:llama", marks=pytest.mark.slow),
         pytest.param("fsdp2", "tiny:1m:llama", marks=pytest.mark.slow),
@@ -232,6 +233,8 @@ def test_two_ranks_match_one_process(single_process, tmp_path: Path, parallel: s
     assert max(m["grad_norm"] for m in got["metrics"]) > 0.5  # clipping was active
 
 
+@pytest.mark.slow  # two ranks: test_two_ranks_match_one_process; exact resume: test_checkpoint
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("parallel", ["fsdp2", pytest.param("ddp", marks=pytest.mark.slow)])
 def test_two_ranks_resume_from_a_checkpoint_exactly(tmp_path: Path, parallel: str) -> None:
     """Sharded optimizer state survives a checkpoint: restored ranks take step 2 exactly as before."""
@@ -295,6 +298,8 @@ def test_reduce_step_stats_sums_and_takes_max_of_max_keys() -> None:
 LORA = ("lora.rank=8",)
 
 
+@pytest.mark.slow  # two FSDP2 ranks: test_two_ranks_match_one_process; LoRA steps: test_lora
+@pytest.mark.multiprocess
 def test_two_fsdp2_ranks_with_lora_match_one_process_and_resume(tmp_path: Path) -> None:
     """FSDP2 shards the frozen base and the adapters: 2 ranks publish the one-process adapters (<= 1e-5)
     and a checkpoint (peft adapter files) restores them to take step 2 exactly as before."""

@@ -33,8 +33,10 @@ from asyncrl.orchestration.events import (
 )
 from asyncrl.orchestration.workers import GeneratorWorker
 from asyncrl.types import Group, Prompt
+from asyncrl.weight_sync.base import WeightSyncError
 from asyncrl.weight_sync.broadcast import UnjoinedReceiver
 from asyncrl.weight_sync.inprocess import InProcessChannel
+from tests.helpers import ONE_THREAD_EACH, short_run
 
 GROUP = 2
 BUDGET = 24
@@ -360,16 +362,7 @@ STEPS = 4
 PROMPTS = 4
 E2E_GROUP = 4
 STRAGGLER = 160
-E2E = [
-    f"rollout.prompts_per_step={PROMPTS}",
-    f"rollout.group_size={E2E_GROUP}",
-    f"run.steps={STEPS}",
-    "run.eval_every=0",
-    "run.progress=false",
-    "runtime.kind=local",
-    "runtime.generator_threads=1",
-    "runtime.trainer_threads=1",
-]
+E2E = [*short_run(STEPS, PROMPTS, E2E_GROUP), "runtime.kind=local", *ONE_THREAD_EACH]
 
 
 def write_straggler_task(directory: Path, rows: int = 48, straggler: int = STRAGGLER) -> Path:
@@ -408,6 +401,8 @@ def straggler_overrides(directory: Path, straggler: int = STRAGGLER) -> list[str
     ]
 
 
+@pytest.mark.slow  # the interrupt modes: the GeneratorWorker tests above; a local async run: test_local_runtime
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("interrupt", ["never", "abort"])
 def test_async_run_with_interrupt_completes_and_reconciles(tmp_path: Path, interrupt: str) -> None:
     """async (max_staleness 2), never/abort, stragglers in flight at updates: reconciles, staleness <= 2, aborts counted."""
@@ -429,6 +424,8 @@ def test_async_run_with_interrupt_completes_and_reconciles(tmp_path: Path, inter
         assert min(interrupted) >= 1, interrupted
 
 
+@pytest.mark.slow  # cancelling stale groups: test_group_with_v0_tokens_is_cancelled_... and test_only_the_group_older_than_...
+@pytest.mark.multiprocess
 def test_stragglers_are_cancelled_in_flight_and_every_trained_token_is_fresh_enough(tmp_path: Path) -> None:
     """max_staleness 1, streaming, never, straggler completions: cancelled_stale > 0, reconciles, staleness <= 1."""
     # max_staleness 1, not 0: with 0, admission lets a generator at version w start only the
@@ -526,3 +523,41 @@ def test_a_wait_on_a_group_being_replaced_is_given_up_and_the_update_comes_from_
     groups = ready(work_until_idle(worker))
     assert list(groups) == [0]
     assert all(s.versions[:3] == [0] * 3 and s.versions[-1] == 2 for s in groups[0].samples)
+
+
+class BrokenGroupReceiver:
+    """A receiver whose group broke under it (a member left before this worker heard of the move)."""
+
+    def receive(self, version: int, timeout: float):
+        raise WeightSyncError("broadcast group: broadcast of version 2 failed: Connection closed by peer")
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("regroups", [True, False])
+def test_a_wait_that_fails_as_its_group_is_replaced_waits_for_the_move_on_an_elastic_runtime(
+    regroups: bool,
+) -> None:
+    """On a runtime that re-forms groups, the old group's failure is the move announcing itself: the
+    worker waits for join_group and takes the update from the new group; elsewhere the failure is fatal."""
+    cfg = generator("never")[0].cfg
+    worker = GeneratorWorker(
+        "generator-0", cfg, lambda layout: BrokenGroupReceiver(), seed=0, regroups=regroups
+    )
+    group = InProcessChannel()
+    group.publish(perturbed(worker, seed=2), 2)
+    worker.handle(LoadWeights(2))
+    if not regroups:
+        with pytest.raises(WeightSyncError, match="Connection closed by peer"):
+            worker.work()
+        return
+    mover = threading.Timer(0.3, worker.join_group, args=(lambda layout: group, 2))
+    mover.start()
+    try:
+        events = worker.work()  # the failed wait, then the wait for the move
+    finally:
+        mover.join(timeout=10)
+    assert of_type(events, WeightsLoaded) == [] and worker.engine.version == 0
+    events = worker.work()
+    assert [e.version for e in of_type(events, WeightsLoaded)] == [2] and worker.receiver is group

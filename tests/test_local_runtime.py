@@ -26,19 +26,11 @@ from asyncrl.config import load_config
 from asyncrl.metrics import read_jsonl
 from asyncrl.orchestration import train
 from asyncrl.orchestration.events import WorkerError
+from tests.helpers import ONE_THREAD_EACH, child_pids, short_run
 
 STEPS = 5
 PROMPTS = 4
-BASE = [
-    f"rollout.prompts_per_step={PROMPTS}",
-    "rollout.group_size=4",
-    f"run.steps={STEPS}",
-    "run.eval_every=0",
-    "run.progress=false",
-    "runtime.generator_threads=1",
-    "runtime.trainer_threads=1",
-    "schedule=async",
-]
+BASE = [*short_run(STEPS, PROMPTS), *ONE_THREAD_EACH, "schedule=async"]
 SHM_DIR = Path("/dev/shm")
 
 
@@ -46,10 +38,6 @@ SHM_DIR = Path("/dev/shm")
 def _resource_tracker_running() -> None:
     """multiprocessing's resource tracker outlives every run by design; start it first so it is not a leftover."""
     resource_tracker.ensure_running()
-
-
-def child_pids() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
 def own_shm_segments() -> set[str]:
@@ -121,6 +109,8 @@ TRANSPORTS = {
     "files": ["runtime.weight_sync=files"],
     "broadcast": ["runtime.weight_sync=broadcast", "runtime.generators=2"],
 }
+# One run per transport; files and broadcast are slow: test_weight_sync covers both (broadcast to helper processes).
+TRANSPORT_PARAMS = ["shm", *(pytest.param(t, marks=pytest.mark.slow) for t in ("files", "broadcast"))]
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +126,8 @@ def transport_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], O
     return get
 
 
-@pytest.mark.parametrize("transport", list(TRANSPORTS))
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
 def test_weight_sync_transport_end_to_end(transport_run, transport: str) -> None:
     """async over shm, files and broadcast: completes, publishes every step, generators' versions advance."""
     run = transport_run(transport)
@@ -165,7 +156,8 @@ def test_weight_sync_transport_end_to_end(transport_run, transport: str) -> None
 # -- 7. hygiene and failures ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("transport", list(TRANSPORTS))
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
 def test_no_process_or_shared_memory_outlives_a_run(transport_run, transport: str) -> None:
     """After a run every worker process is gone and no asyncrl-* shared-memory segment of ours remains."""
     run = transport_run(transport)
@@ -185,6 +177,7 @@ def reward(completion, prompt, answer, **_):
 """
 
 
+@pytest.mark.multiprocess
 def test_killed_generator_fails_the_run_naming_it(tmp_path: Path, reward_module) -> None:
     """SIGKILL of generator-0 mid-run raises WorkerError naming it and exit code -9, quickly, leaving no process."""
     pid_dir = tmp_path / "pids"
@@ -233,6 +226,8 @@ def reward(completion, prompt, answer, **_):
 """
 
 
+@pytest.mark.slow  # a worker's error failing the run by name: test_killed_generator_fails_the_run_naming_it
+@pytest.mark.multiprocess
 def test_worker_failing_at_start_is_reported_with_its_error(tmp_path: Path, reward_module) -> None:
     """A reward module that raises on import only in the generator: WorkerError names generator-0 and the error."""
     reward = reward_module("asyncrl_test_fail_reward", FAIL_IN_GENERATOR_REWARD)
@@ -263,6 +258,8 @@ def reward(completion, prompt, answer, **_):
 """
 
 
+@pytest.mark.slow  # the stall timer: test_stalled_generator_fails_the_run_within_the_stall_timeout
+@pytest.mark.multiprocess
 def test_slow_worker_start_does_not_count_as_a_stall(tmp_path: Path, reward_module) -> None:
     """Start-up (3 s) longer than runtime.stall_timeout_s (2 s) is bounded by start_timeout_s only; the run completes."""
     reward = reward_module(
@@ -278,6 +275,7 @@ def test_slow_worker_start_does_not_count_as_a_stall(tmp_path: Path, reward_modu
     assert run.leftover_shm == []
 
 
+@pytest.mark.multiprocess
 def test_stalled_generator_fails_the_run_within_the_stall_timeout(tmp_path: Path, reward_module) -> None:
     """A generator stuck in its reward function: WorkerError 'no progress' soon after stall_timeout_s; all stopped."""
     reward = reward_module(
@@ -288,7 +286,8 @@ def test_stalled_generator_fails_the_run_within_the_stall_timeout(tmp_path: Path
     )
     assert run.error is not None
     assert re.match(
-        r"no progress for \d+s \(runtime.stall_timeout_s\): waiting for \d+ groups", str(run.error)
+        r"no progress for \d+s \(runtime.stall_timeout_s\): waiting for step 1 of 5: \d+ groups in flight on \['generator-0'\]",
+        str(run.error),
     )
     assert run.seconds < 60
     assert run.leftover_children == []
@@ -300,6 +299,8 @@ def test_stalled_generator_fails_the_run_within_the_stall_timeout(tmp_path: Path
 RANKS = ["trainer.ranks=2", "runtime.stall_timeout_s=60", "runtime.stop_timeout_s=5"]
 
 
+@pytest.mark.slow  # two ranks against one process: test_distributed's test_two_ranks_match_one_process
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "parallel",
     ["fsdp2", pytest.param("ddp", marks=pytest.mark.slow)],  # DDP equivalence: test_distributed
@@ -335,6 +336,8 @@ def test_two_trainer_ranks_end_to_end(tmp_path: Path, parallel: str) -> None:
     assert run.leftover_shm == []
 
 
+@pytest.mark.slow  # a killed worker named in the error: test_killed_generator_fails_the_run_naming_it
+@pytest.mark.multiprocess
 def test_killed_trainer_rank_fails_the_run_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGKILL of trainer-rank-1 mid-run: WorkerError names it and exit code -9, quickly; nothing is left."""
     from asyncrl.orchestration import run as run_module
@@ -373,3 +376,31 @@ def test_killed_trainer_rank_fails_the_run_naming_it(tmp_path: Path, monkeypatch
     assert 1 <= len(run.metrics) < 400
     assert run.leftover_children == []
     assert run.leftover_shm == []
+
+
+def test_weight_sync_auto_picks_cuda_ipc_only_for_one_gpu_and_refusals_name_the_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    from asyncrl.errors import ConfigError
+    from asyncrl.orchestration import transport
+
+    async_local = ["schedule=async", "runtime.kind=local"]
+    assert transport.weight_sync_kind(load_config(overrides=async_local)) == "shm"  # no GPU here
+    with pytest.raises(ConfigError, match=r"runtime.weight_sync.*resolves to the CPU here"):
+        transport.weight_sync_kind(load_config(overrides=[*async_local, "runtime.weight_sync=cuda_ipc"]))
+    with pytest.raises(ConfigError, match=r"runtime.weight_sync=cuda_ipc.*model.device=cpu"):
+        load_config(overrides=["runtime.weight_sync=cuda_ipc", "model.device=cpu"])
+    with pytest.raises(ConfigError, match=r"cuda_ipc needs trainer and generators on one GPU.*on Ray"):
+        load_config(overrides=["runtime.weight_sync=cuda_ipc", "runtime.kind=ray"])
+    # On a machine whose model.device resolves to a GPU, auto shares it through CUDA IPC.
+    monkeypatch.setattr(transport, "resolve_device", lambda _device: torch.device("cuda", 0))
+    assert transport.weight_sync_kind(load_config(overrides=async_local)) == "cuda_ipc"
+    for explicit in ("shm", "broadcast", "files"):
+        cfg = load_config(overrides=[*async_local, f"runtime.weight_sync={explicit}"])
+        assert transport.weight_sync_kind(cfg) == explicit
+    # Ray's driver may have no GPU: auto stays shm there, whatever it resolves.
+    assert transport.weight_sync_kind(load_config(overrides=["schedule=async", "runtime.kind=ray"])) == "shm"
+    spec = transport.transport_spec(load_config(overrides=async_local), Path("unused"))
+    assert spec.kind == "cuda_ipc" and spec.segment == spec.name and spec.name.startswith("asyncrl-")

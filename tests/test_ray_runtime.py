@@ -8,15 +8,10 @@ every prompt is trained exactly once or reported, and the run still completes.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import time
 from pathlib import Path
 
-import psutil
 import pytest
-import torch
-from safetensors.torch import load_file
 
 pytest.importorskip("ray")
 import ray
@@ -25,7 +20,7 @@ from asyncrl.cli import main as cli_main
 from asyncrl.config import load_config
 from asyncrl.orchestration import train
 from asyncrl.orchestration.build import seed_everything, task_prompts
-from asyncrl.orchestration.controller import Controller, write_control
+from asyncrl.orchestration.controller import Controller
 from asyncrl.orchestration.events import (
     GroupCancelled,
     GroupDropped,
@@ -34,24 +29,15 @@ from asyncrl.orchestration.events import (
     WorkerError,
     WorkerLost,
 )
+from asyncrl.orchestration.membership import write_control
 from asyncrl.orchestration.ray_runtime import RayRuntime
 from asyncrl.orchestration.session import RunSession
+from tests.helpers import child_pids, final_weights, max_abs_diff, sets, short_run, wait_gone
 
 STEPS = 6
 PROMPTS = 4
-BASE = [
-    f"rollout.prompts_per_step={PROMPTS}",
-    "rollout.group_size=4",
-    f"run.steps={STEPS}",
-    "run.eval_every=0",
-    "run.progress=false",
-    "runtime.ray.num_cpus=4",
-]
+BASE = [*short_run(STEPS, PROMPTS), "runtime.ray.num_cpus=4"]
 pytestmark = pytest.mark.timeout(240)
-
-
-def child_pids() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
 @pytest.fixture(autouse=True)
@@ -61,28 +47,17 @@ def _no_leftovers():
     before = child_pids()  # e.g. multiprocessing's resource tracker, started by earlier tests
     yield
     assert not ray.is_initialized(), "the runtime must shut down the Ray instance it started"
-    started = []
-    for pid in child_pids() - before:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            started.append(psutil.Process(pid))
-    _, alive = psutil.wait_procs(started, timeout=15)
+    alive = wait_gone(child_pids() - before)
     assert not alive, f"processes left behind: {[p.name() for p in alive]}"
 
 
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(run_dir / "final" / "model.safetensors"))
-
-
-def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
+@pytest.mark.ray
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("schedule", ["sync", "periodic", "one_step_off", "async"])
 def test_every_schedule_runs_on_ray(tmp_path: Path, schedule: str) -> None:
     overrides = ["runtime=ray", *BASE, f"schedule={schedule}"]  # the issue's literal `--set runtime=ray`
     cfg = load_config(None, overrides)
-    args = [a for o in overrides for a in ("--set", o)]
+    args = sets(overrides)
     assert cli_main(["train", *args, "--run-dir", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     acc = summary["accounting"]
@@ -96,6 +71,8 @@ def test_every_schedule_runs_on_ray(tmp_path: Path, schedule: str) -> None:
     assert (tmp_path / "final" / "model.safetensors").is_file()
 
 
+@pytest.mark.ray
+@pytest.mark.multiprocess
 def test_ray_sync_equals_inline_sync(tmp_path: Path) -> None:
     """The same computation wherever the workers live: identical rollouts, parameters within 1e-5."""
     inline = train(load_config(None, [*BASE, "schedule=sync", "runtime.kind=inline"]), tmp_path / "inline")
@@ -115,6 +92,8 @@ def test_ray_sync_equals_inline_sync(tmp_path: Path) -> None:
     assert max_abs_diff(final_weights(tmp_path / "inline"), final_weights(tmp_path / "ray")) <= 1e-5
 
 
+@pytest.mark.ray
+@pytest.mark.multiprocess
 def test_two_fsdp2_trainer_ranks_on_ray_match_one_inline_trainer(tmp_path: Path) -> None:
     """Trainer ranks as actors in one placement group; same rollouts, parameters within 1e-5."""
     base = [*BASE, "run.steps=3", "schedule=sync"]
@@ -175,6 +154,8 @@ def run_with_hook(cfg, run_dir: Path, hook) -> tuple[dict, RayRuntime, Controlle
     return accounting, runtime, controller
 
 
+@pytest.mark.ray
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("weight_sync", "generators"), [("shm", 1), ("broadcast", 1), ("broadcast", 2)])
 def test_killed_generator_is_restarted_and_nothing_is_lost_or_trained_twice(
     tmp_path: Path, weight_sync: str, generators: int
@@ -219,7 +200,7 @@ def test_killed_generator_is_restarted_and_nothing_is_lost_or_trained_twice(
             return
         # The controller handles this poll's events after the hook: groups they finish are not in flight.
         done = {ended_group(e) for e in events if is_group_end(e, victim)}
-        in_flight = set(controller.in_flight.get(victim, {})) - done
+        in_flight = set(controller.generators.in_flight.get(victim, {})) - done
         if in_flight:
             killed.update(
                 in_flight=len(in_flight), ids=in_flight, finished_after=0, step=controller.steps_done
@@ -238,16 +219,18 @@ def test_killed_generator_is_restarted_and_nothing_is_lost_or_trained_twice(
     )
     assert f"{victim} lost" in (tmp_path / "events.jsonl").read_text()
     if generators == 1:
-        assert controller.gens == [victim]  # the restarted actor took work again
+        assert controller.generators.names == [victim]  # the restarted actor took work again
     if weight_sync == "broadcast":
         # One group without the victim, one more with its replacement once it was ready.
         assert runtime.regroups == 1 + joined
         if joined:  # a fresh engine is at version 0: it loaded the trainer's weights from its group
-            assert controller.gen_version[victim] >= 1
+            assert controller.generators.version[victim] >= 1
         if generators == 2:  # the survivor loaded versions published after the loss
-            assert controller.gen_version["generator-1"] > killed["step"]
+            assert controller.generators.version["generator-1"] > killed["step"]
 
 
+@pytest.mark.ray
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("weight_sync", ["shm", "broadcast"])
 def test_generators_join_and_leave_during_a_run(tmp_path: Path, weight_sync: str) -> None:
     steps = 16
@@ -265,25 +248,38 @@ def test_generators_join_and_leave_during_a_run(tmp_path: Path, weight_sync: str
     seen: dict = {"max_gens": 0}
 
     def scale(runtime: RayRuntime, controller: Controller, events: list) -> None:
-        seen["max_gens"] = max(seen["max_gens"], len(controller.gens))
+        seen["max_gens"] = max(seen["max_gens"], len(controller.generators.names))
         step = controller.steps_done
         if step >= 2 and "up" not in seen:
             seen["up"] = step
             write_control(tmp_path, 2)  # what `asyncrl scale RUN_DIR --generators 2` does
-            controller._next_control_check = 0.0
-        if runtime.starting_generators():
-            time.sleep(0.3)  # a tiny run outpaces an actor's start-up; slow the loop until it joins
-        if len(controller.gens) == 2 and "down" not in seen and controller.gen_version["generator-1"] > 0:
+            controller.generators.next_control_check = 0.0
+        if "hold" not in seen:
+            # A tiny run can outpace an actor's start-up (on a loaded machine, by far): the
+            # trainer gets no new groups while a generator is starting, so the run waits for it.
+            feed = controller.steps.feed
+            seen["hold"] = True
+
+            def feed_unless_starting(*args, **kwargs) -> None:
+                if not runtime.starting_generators():
+                    feed(*args, **kwargs)
+
+            controller.steps.feed = feed_unless_starting
+        if (
+            len(controller.generators.names) == 2
+            and "down" not in seen
+            and controller.generators.version["generator-1"] > 0
+        ):
             seen["down"] = step
-            seen["newcomer_version"] = controller.gen_version["generator-1"]
+            seen["newcomer_version"] = controller.generators.version["generator-1"]
             assert cli_main(["scale", str(tmp_path), "--generators", "1"]) == 0
-            controller._next_control_check = 0.0
+            controller.generators.next_control_check = 0.0
 
     acc, runtime, controller = run_with_hook(cfg, tmp_path, scale)
     assert seen["max_gens"] == 2 and seen["down"] < steps
     assert seen["newcomer_version"] >= seen["up"]  # it started from the trainer's newest weights
     assert acc["generators_joined"] == 1 and acc["generators_removed"] == 1
-    assert len(controller.gens) == 1
+    assert len(controller.generators.names) == 1
     assert acc["trained"] == steps * PROMPTS and acc["reconciles"]
     assert acc["prompts_trained_twice"] == 0 and acc["prompts_missing"] == 0
     log = (tmp_path / "events.jsonl").read_text()
@@ -292,6 +288,8 @@ def test_generators_join_and_leave_during_a_run(tmp_path: Path, weight_sync: str
         assert runtime.regroups == 2  # one group with the newcomer, one without the retired generator
 
 
+@pytest.mark.ray
+@pytest.mark.multiprocess
 def test_lost_generator_beyond_the_restart_budget_ends_the_run_with_a_clear_error(tmp_path: Path) -> None:
     cfg = load_config(
         None,

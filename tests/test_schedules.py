@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 
 from asyncrl.cli import main
 from asyncrl.config import load_config
@@ -47,19 +46,12 @@ from asyncrl.orchestration.session import RunSession
 from asyncrl.rollout import RolloutWorker
 from asyncrl.tasks import ArithmeticTask, JsonlDataset, resolve_reward
 from asyncrl.types import Group, Prompt, Sample
+from tests.helpers import ONE_THREAD_EACH, final_weights, max_abs_diff, short_run
 
 STEPS = 5
 PROMPTS = 4
 GROUP = 4
-BASE = [
-    f"rollout.prompts_per_step={PROMPTS}",
-    f"rollout.group_size={GROUP}",
-    f"run.steps={STEPS}",
-    "run.eval_every=0",
-    "run.progress=false",
-    "runtime.generator_threads=1",
-    "runtime.trainer_threads=1",
-]
+BASE = [*short_run(STEPS, PROMPTS, GROUP), *ONE_THREAD_EACH]
 # Every schedule the tests read, as CLI overrides. sync/periodic/async recompute the old
 # log-probs so that old_behaviour_abs_gap measures trainer-vs-engine weights.
 SCHEDULES: dict[str, list[str]] = {
@@ -75,6 +67,21 @@ SCHEDULES: dict[str, list[str]] = {
         "schedule.interrupt=batch",
     ],
 }
+# Every schedule but sync runs in worker processes. sync, periodic and async are the quick tier;
+# the other three are slow: a staleness bound of 1 and the batch interrupt are asserted again on them.
+SLOW_SCHEDULES = {"one_step_off", "async_staleness_1", "custom_batch"}
+
+
+def schedule_param(name: str, *rest: object):
+    """A parametrize entry for a schedule of SCHEDULES, with its tier's marks."""
+    marks = [] if name == "sync" else [pytest.mark.multiprocess]
+    if name in SLOW_SCHEDULES:
+        marks.append(pytest.mark.slow)
+    return pytest.param(
+        name, *rest, marks=marks, id="-".join([name, *(str(x) for x in rest if not isinstance(x, dict))])
+    )
+
+
 ON_POLICY_GAP = 1e-4  # |trainer log-prob - engine log-prob| when both hold the same weights
 
 
@@ -125,11 +132,6 @@ def assert_reconciles(accounting: dict) -> None:
     assert accounting["trained"] == STEPS * PROMPTS
 
 
-def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
 def spans(timeline: list[dict], component: str, name: str) -> list[tuple[float, float]]:
     return [(e["start"], e["end"]) for e in timeline if e["component"] == component and e["name"] == name]
 
@@ -137,6 +139,7 @@ def spans(timeline: list[dict], component: str, name: str) -> list[tuple[float, 
 # -- 1. periodic == sync ---------------------------------------------------------------------
 
 
+@pytest.mark.multiprocess
 def test_periodic_equals_sync(schedule_run) -> None:
     """periodic (local processes) generates the same rollouts and reaches the same weights as sync (inline)."""
     sync, periodic = schedule_run("sync"), schedule_run("periodic")
@@ -144,9 +147,16 @@ def test_periodic_equals_sync(schedule_run) -> None:
     assert len(sync.metrics) == len(periodic.metrics) == STEPS
     for key in ("reward_mean", "tokens_generated", "samples"):
         assert [r[key] for r in periodic.metrics] == [r[key] for r in sync.metrics], key
-    final_sync = load_file(sync.run_dir / "final" / "model.safetensors")
-    final_periodic = load_file(periodic.run_dir / "final" / "model.safetensors")
-    assert max_abs_diff(final_sync, final_periodic) <= 1e-5
+    final_sync = final_weights(sync.run_dir)
+    final_periodic = final_weights(periodic.run_dir)
+    # Float noise, not a different computation: the sums of a streamed step run in another order,
+    # and AdamW turns a rounding-level gradient difference on a near-zero coordinate into an
+    # update difference up to a fraction of lr (max measured: 1.6e-6, 4.6e-6 and, on a loaded
+    # machine, 1.3e-5). Training on different data would move most coordinates apart.
+    diffs = torch.cat([(final_sync[k] - final_periodic[k]).abs().flatten() for k in final_sync])
+    assert float(diffs.quantile(0.999)) <= 1e-7  # measured 7.5e-9
+    assert float((diffs > 1e-6).float().mean()) <= 1e-4  # measured 4e-6 (4 of 997,888)
+    assert float(diffs.max()) <= 1e-4  # one optimizer step's movement at lr 1e-4
     # Not vacuous: training moved the weights far more than the tolerance.
     initial = dict(load_policy("builtin:arith", device="cpu", dtype="float32").model.state_dict())
     assert max_abs_diff(final_sync, {k: initial[k] for k in final_sync}) > 1e-4
@@ -157,7 +167,10 @@ def test_periodic_equals_sync(schedule_run) -> None:
 
 @pytest.mark.parametrize(
     ("name", "bound"),
-    [("one_step_off", 1), ("async_staleness_1", 1), ("async", 2), ("custom_batch", 1)],
+    [
+        schedule_param(n, b)
+        for n, b in [("one_step_off", 1), ("async_staleness_1", 1), ("async", 2), ("custom_batch", 1)]
+    ],
 )
 def test_no_trained_token_is_older_than_max_staleness(schedule_run, name: str, bound: int) -> None:
     """Every step's staleness_max is <= max_staleness, reaches it, and every issued prompt is accounted for."""
@@ -167,14 +180,15 @@ def test_no_trained_token_is_older_than_max_staleness(schedule_run, name: str, b
     stale = [r["staleness_max"] for r in run.metrics]
     assert len(stale) == STEPS
     assert max(stale) == bound, stale
-    assert all(0 <= r["staleness_mean"] <= r["staleness_max"] for r in run.metrics)
+    # Step 1 trains on tokens of the initial weights, which are the trainer's then: nothing is stale yet.
+    assert (run.metrics[0]["staleness_mean"], run.metrics[0]["staleness_max"]) == (0.0, 0)
     assert_reconciles(run.summary["accounting"])
 
 
 # -- 3. max_staleness 0 is on-policy ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["sync", "periodic"])
+@pytest.mark.parametrize("name", [schedule_param("sync"), schedule_param("periodic")])
 def test_on_policy_schedules_train_on_the_weights_that_generated(schedule_run, name: str) -> None:
     """sync and periodic: staleness 0 everywhere; recomputed old log-probs equal the engine's within 1e-4."""
     run = schedule_run(name)
@@ -184,6 +198,7 @@ def test_on_policy_schedules_train_on_the_weights_that_generated(schedule_run, n
     assert_reconciles(run.summary["accounting"])
 
 
+@pytest.mark.multiprocess
 def test_stale_tokens_show_a_behaviour_gap(schedule_run) -> None:
     """async (max_staleness 2): steps on stale tokens show old-vs-behaviour gaps far above the on-policy bound."""
     run = schedule_run("async")
@@ -239,6 +254,8 @@ def test_pairing_reward_rejects_a_foreign_row(pairing_module) -> None:
         fn(completion="19", prompt="12+7=", answer="20", a=12, b=8)
 
 
+@pytest.mark.slow  # pairing under reordering: test_controller_keeps_groups_with_their_prompts_... and test_rollout_assembles_...
+@pytest.mark.multiprocess
 def test_completions_stay_with_their_prompt_in_async_with_two_generators(pairing_module, tmp_path) -> None:
     """async, 2 generators, drop_group: no reward error and no group dropped for one; accounting reconciles."""
     data, module = pairing_module
@@ -462,15 +479,23 @@ def test_controller_keeps_groups_with_their_prompts_when_they_arrive_out_of_orde
 @pytest.mark.parametrize(
     ("name", "knobs"),
     [
-        ("sync", {"preset": "sync", "max_staleness": 0, "streaming": False, "interrupt": "batch"}),
-        ("periodic", {"preset": "periodic", "max_staleness": 0, "streaming": True, "interrupt": "batch"}),
-        ("one_step_off", {"preset": "one_step_off", "max_staleness": 1, "streaming": False}),
-        ("async", {"preset": "async", "max_staleness": 2, "streaming": True, "interrupt": "drain"}),
-        (
+        schedule_param(
+            "sync", {"preset": "sync", "max_staleness": 0, "streaming": False, "interrupt": "batch"}
+        ),
+        schedule_param(
+            "periodic", {"preset": "periodic", "max_staleness": 0, "streaming": True, "interrupt": "batch"}
+        ),
+        schedule_param("one_step_off", {"preset": "one_step_off", "max_staleness": 1, "streaming": False}),
+        schedule_param(
+            "async", {"preset": "async", "max_staleness": 2, "streaming": True, "interrupt": "drain"}
+        ),
+        schedule_param(
             "async_staleness_1",
             {"preset": "async", "max_staleness": 1, "streaming": True, "interrupt": "drain"},
         ),
-        ("custom_batch", {"preset": "custom", "max_staleness": 1, "streaming": True, "interrupt": "batch"}),
+        schedule_param(
+            "custom_batch", {"preset": "custom", "max_staleness": 1, "streaming": True, "interrupt": "batch"}
+        ),
     ],
 )
 def test_cli_runs_each_schedule_and_records_its_knobs(schedule_run, name: str, knobs: dict) -> None:
@@ -507,7 +532,10 @@ def test_cli_rejects_inconsistent_schedule_knobs(tmp_path, capsys) -> None:
 # -- 8. interrupt modes -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("name", "interrupt"), [("async_staleness_1", "drain"), ("custom_batch", "batch")])
+@pytest.mark.parametrize(
+    ("name", "interrupt"),
+    [schedule_param("async_staleness_1", "drain"), schedule_param("custom_batch", "batch")],
+)
 def test_weight_updates_never_land_inside_a_generate_span(schedule_run, name: str, interrupt: str) -> None:
     """interrupt=drain and batch: each generator's weight_sync spans are disjoint from its generate spans."""
     run = schedule_run(name)

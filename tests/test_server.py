@@ -28,6 +28,9 @@ from asyncrl.models import Policy, load_policy
 from asyncrl.tasks import ArithmeticTask
 from asyncrl.weight_sync import WeightLayout
 from asyncrl.weight_sync.files import FileSender
+from tests.helpers import child_env
+
+pytestmark = pytest.mark.multiprocess
 
 MODEL = "builtin:arith"
 START_TIMEOUT_S = 60.0
@@ -70,6 +73,7 @@ def start_server(log_dir: Path) -> Server:
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,
+            env=child_env(),
         )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()

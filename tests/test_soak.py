@@ -11,7 +11,7 @@ pytest.importorskip("ray")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from soak import run_soak
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.ray, pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
 
 def test_faults_everywhere_and_the_books_still_balance(tmp_path: Path) -> None:

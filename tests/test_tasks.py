@@ -276,7 +276,10 @@ def test_resolve_reward_by_name_and_by_module(tmp_path: Path, monkeypatch: pytes
 @pytest.mark.parametrize(
     ("spec", "needle"),
     [
-        ("no_such_reward", "not a registered reward (['exact_match', 'numeric_match'"),
+        (
+            "no_such_reward",
+            "not a registered reward (['exact_match', 'format_regex', 'math_verify', 'numeric_match'",
+        ),
         ("asyncrl_no_such_module:fn", "cannot import module 'asyncrl_no_such_module'"),
         ("asyncrl_test_bad_rewards:missing", "has no callable 'missing'"),
         ("asyncrl_test_bad_rewards:THRESHOLD", "has no callable 'THRESHOLD'"),

@@ -14,6 +14,9 @@ from asyncrl.config import load_config
 from asyncrl.orchestration import train
 from asyncrl.tasks.rewards import score
 from asyncrl.tasks.timed_reward import RewardRaised, TimedReward
+from tests.helpers import child_pids, short_run
+
+pytestmark = pytest.mark.multiprocess  # every reward call here runs in the reward's own process
 
 MODULE = """
 import math, os, time
@@ -89,14 +92,10 @@ def test_run_with_a_reward_that_hangs_once_finishes_and_records_one_error(
         [
             "task.reward=asyncrl_test_timed:hangs_once",
             "task.reward_timeout_s=1",
-            "rollout.prompts_per_step=4",
-            "rollout.group_size=4",
-            "run.steps=3",
-            "run.eval_every=0",
-            "run.progress=false",
+            *short_run(3),
         ],
     )
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    before = child_pids()
     t0 = time.monotonic()
     summary = train(cfg, tmp_path / "run")
     assert time.monotonic() - t0 < 60

@@ -44,6 +44,8 @@ from asyncrl.weight_sync.broadcast import (
     plan_buckets,
     plan_messages,
 )
+from asyncrl.weight_sync.device_ipc import DeviceIpcReceiver, DeviceIpcSender, HostMemory
+from asyncrl.weight_sync.devices import HostStaging, backend_reason, choose_backend, device_identity
 from asyncrl.weight_sync.files import MARKER, FileReceiver, FileSender
 from asyncrl.weight_sync.host_plane import host_identity, plane_refusal
 from asyncrl.weight_sync.inprocess import InProcessChannel
@@ -408,6 +410,7 @@ def _shm_receive_job(rank: int, report: Callable, *, name: str, versions: list[i
             report({"version": version, "tensors": pack(tensors)})
 
 
+@pytest.mark.multiprocess
 def test_shm_child_process_receives_two_successive_versions(
     helpers: Helpers, shm_sender: SharedMemorySender
 ) -> None:
@@ -710,6 +713,7 @@ def assert_received(results: dict[int, dict], version: int) -> None:
     assert_received_as(results, version, named_tensors(version))
 
 
+@pytest.mark.multiprocess
 def test_broadcast_bucketed_and_per_tensor_deliver_identical_tensors(helpers: Helpers) -> None:
     """Several dtype-pure buckets and one broadcast per tensor, over TCP and through the same-host
     segment, all deliver the published tensors exactly."""
@@ -732,6 +736,7 @@ def test_broadcast_bucketed_and_per_tensor_deliver_identical_tensors(helpers: He
             assert_same(a, list(b.items()))
 
 
+@pytest.mark.multiprocess
 def test_broadcast_receiver_asking_older_version_gets_the_latest(helpers: Helpers) -> None:
     """A receiver asking for version 1 returns the version 4 that is published."""
     port = free_port()
@@ -742,6 +747,7 @@ def test_broadcast_receiver_asking_older_version_gets_the_latest(helpers: Helper
     assert_received(results, 4)
 
 
+@pytest.mark.multiprocess
 def test_broadcast_receive_of_unpublished_version_times_out(helpers: Helpers) -> None:
     """Receivers waiting for a version nobody publishes fail within about the group timeout, naming the peer."""
     port = free_port()
@@ -754,6 +760,7 @@ def test_broadcast_receive_of_unpublished_version_times_out(helpers: Helpers) ->
         assert 1.5 <= r["elapsed"] < 8.0
 
 
+@pytest.mark.multiprocess
 def test_broadcast_receiver_with_another_layout_is_refused(helpers: Helpers) -> None:
     """Receivers whose tensor names differ from the sender's refuse the publication with WeightSyncError."""
     port = free_port()
@@ -768,6 +775,7 @@ def test_broadcast_receiver_with_another_layout_is_refused(helpers: Helpers) -> 
         assert f"(rank {rank} of {WORLD}): the sender's layout differs" in r["error"]
 
 
+@pytest.mark.multiprocess
 def test_broadcast_publish_that_does_not_match_the_layout_is_refused(helpers: Helpers) -> None:
     """Mismatched publications raise before any broadcast, and the group still delivers the next good one."""
     port = free_port()
@@ -781,6 +789,7 @@ def test_broadcast_publish_that_does_not_match_the_layout_is_refused(helpers: He
     assert_received(results, 1)
 
 
+@pytest.mark.multiprocess
 def test_background_publisher_returns_before_receivers_join(helpers: Helpers) -> None:
     """publish returns while receivers are still busy; they later get the snapshot taken at publish time."""
     port = free_port()
@@ -803,6 +812,7 @@ def test_background_publisher_returns_before_receivers_join(helpers: Helpers) ->
     assert all(returned_at < r["joined_at"] for r in results.values())
 
 
+@pytest.mark.multiprocess
 def test_broadcast_receiver_that_fell_behind_receives_both_versions_in_order(helpers: Helpers) -> None:
     """A receiver asked for version 2 after 1 and 2 were published joins both, in order, and returns 2."""
     port = free_port()
@@ -850,6 +860,7 @@ def _interrupted_receive_job(rank: int, report: Callable, *, port: int, after_s:
         rx.close()
 
 
+@pytest.mark.multiprocess
 def test_interrupt_ends_a_receivers_wait_at_once(helpers: Helpers) -> None:
     """A receiver waiting on a group that is being replaced stops at interrupt(), not at the 30 s timeout."""
     port = free_port()
@@ -901,6 +912,7 @@ def regroup_to_a_new_port(publisher: BackgroundPublisher, world: int, port_file:
     return port
 
 
+@pytest.mark.multiprocess
 def test_publisher_regroup_publishes_the_newest_weights_to_the_new_group_first(
     helpers: Helpers, tmp_path: Path
 ) -> None:
@@ -931,6 +943,7 @@ def test_publisher_regroup_publishes_the_newest_weights_to_the_new_group_first(
         publisher.close()
 
 
+@pytest.mark.multiprocess
 def test_elastic_publisher_waits_for_the_regroup_after_a_member_is_lost(
     helpers: Helpers, tmp_path: Path
 ) -> None:
@@ -1024,6 +1037,7 @@ def _big_receive_job(rank: int, report: Callable, *, port: int, bucket_bytes: in
         rx.close()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("bucket_bytes", "same_host", "carried"),
     [
@@ -1068,6 +1082,7 @@ def test_plane_is_refused_with_the_reason_when_it_cannot_serve() -> None:
     assert too_big.startswith("/dev/shm has ") and "MB free" in too_big
 
 
+@pytest.mark.multiprocess
 def test_plane_segment_is_removed_when_the_sender_closes(helpers: Helpers) -> None:
     """The sender owns the segment: it exists while the group publishes and is gone after close,
     and the receivers (which only attach) leave it alone when they exit."""
@@ -1093,3 +1108,113 @@ def test_pieces_start_on_words_so_their_word_sums_add_up(dtype: torch.dtype) -> 
     assert all(m.offset * t.element_size() % 8 == 0 for m in messages)
     total = sum(word_sum(t[m.offset : m.offset + m.stop - m.start]) for m in messages) % (1 << 64)
     assert total == word_sum(t)
+
+
+# -- where the weights live: backend choice, host staging ----------------------------------------
+
+
+def test_nccl_only_when_every_member_has_a_gpu_of_its_own() -> None:
+    gpu = [f"cuda:GPU-{i}" for i in range(3)]
+    assert choose_backend(gpu) == "nccl"
+    assert backend_reason(gpu) == "every member has a GPU of its own"
+    shared = [gpu[0], gpu[1], gpu[0]]  # trainer and a generator on one GPU: NCCL refuses two ranks there
+    assert choose_backend(shared) == "gloo"
+    assert backend_reason(shared) == "ranks [0, 2] share a GPU, and NCCL cannot join two ranks on one device"
+    assert choose_backend(["cpu", "cpu"]) == "gloo"
+    assert choose_backend([gpu[0], "cpu"]) == "gloo"
+    assert backend_reason([gpu[0], "cpu"]) == "rank(s) [1] hold their weights on the CPU"
+    assert device_identity(torch.device("cpu")) == "cpu"
+
+
+@pytest.mark.multiprocess
+def test_broadcast_group_of_cpu_members_negotiates_gloo(helpers: Helpers) -> None:
+    port = free_port()
+    tag = receive_in_helpers(helpers, port, asks=[3])
+    with broadcast_sender(port) as sender:
+        assert (sender.backend, sender.device.type, sender.weights_device.type) == ("gloo", "cpu", "cpu")
+        assert sender.store.get("backend").decode() == "gloo:rank(s) [0, 1, 2] hold their weights on the CPU"
+        sender.publish(named_tensors(3), version=3)
+        assert_received(helpers.gather(tag), 3)
+    assert sender.host_staging.nbytes == 0  # host tensors are sent from where they are
+
+
+def test_host_staging_passes_host_tensors_through_and_refuses_a_changed_layout() -> None:
+    staging = HostStaging(pin=False)
+    tensors = [t for _, t in named_tensors(1)]
+    staged = staging.stage(tensors)
+    assert all(a is b for a, b in zip(staged, tensors, strict=True))
+    with pytest.raises(WeightSyncError, match="holds 7 tensors, the publication has 4"):
+        staging.stage(tensors[:4])
+
+
+# -- device IPC (the CPU's shared memory standing in for a GPU's IPC handle) ----------------------
+
+
+def _ipc_receive_job(rank: int, report: Callable, *, name: str, versions: list[int]) -> None:
+    rx = DeviceIpcReceiver(name, LAYOUT, HostMemory())
+    try:
+        for v in versions:
+            version, tensors = rx.receive(v, timeout=10.0)
+            report({"version": version, "tensors": pack(tensors)})
+    finally:
+        rx.close()
+
+
+@contextmanager
+def ipc_sender() -> Iterator[DeviceIpcSender]:
+    sender = DeviceIpcSender(LAYOUT, f"{SHM_PREFIX}ipc-{os.urandom(3).hex()}", HostMemory())
+    try:
+        yield sender
+    finally:
+        sender.close()
+
+
+@pytest.mark.multiprocess
+def test_device_ipc_receivers_in_other_processes_get_each_version_exactly(helpers: Helpers) -> None:
+    with ipc_sender() as sender:
+        tag = helpers.submit(_ipc_receive_job, name=sender.name, versions=[1, 2])
+        stats = sender.publish(named_tensors(1), version=1)
+        assert (stats.version, stats.nbytes) == (1, LAYOUT.nbytes)
+        assert_received(helpers.gather(tag), 1)
+        sender.publish(named_tensors(2), version=2)
+        assert_received(helpers.gather(tag), 2)
+
+
+def test_device_ipc_write_in_progress_is_never_returned_and_late_versions_name_themselves() -> None:
+    with ipc_sender() as sender:
+        sender.publish(named_tensors(1), version=1)
+        rx = DeviceIpcReceiver(sender.name, LAYOUT, HostMemory())
+        try:
+            assert rx.receive(1, timeout=2.0)[0] == 1
+            seq, version, chk, fingerprint, handle_len = sender._header.read()
+            sender._header.write(seq + 1, 2, 0.0, fingerprint.decode(), handle_len)  # a write in progress
+            with pytest.raises(WeightSyncError, match=r"version 1 not available.*being written"):
+                rx.receive(1, timeout=0.3)
+            sender._header.write(seq, version, chk, fingerprint.decode(), handle_len)
+            version, got = rx.receive(1, timeout=1.0)
+            assert version == 1
+            assert_same(got, named_tensors(1))
+            with pytest.raises(
+                WeightSyncError, match=r"version 5 not available within 0.2s \(latest complete version 1\)"
+            ):
+                rx.receive(5, timeout=0.2)
+            sender._views[0].view(torch.uint8)[0] ^= 1  # a corrupted byte after the checksum was taken
+            with pytest.raises(WeightSyncError, match="failed its checksum"):
+                rx.receive(1, timeout=1.0)
+        finally:
+            rx.close()
+
+
+def test_device_ipc_receiver_with_another_layout_and_a_wrong_publication_are_refused() -> None:
+    with ipc_sender() as sender:
+        for layout in (RENAMED, RESHAPED):
+            rx = DeviceIpcReceiver(sender.name, layout, HostMemory())
+            with pytest.raises(WeightSyncError, match="layout differs"):
+                rx.receive(0, timeout=1.0)
+            rx.close()
+        for _, bad in mismatched_publications():
+            with pytest.raises(WeightSyncError, match="does not match the layout"):
+                sender.publish(bad, version=2)
+    missing = DeviceIpcReceiver(f"{SHM_PREFIX}absent", LAYOUT, HostMemory())
+    with pytest.raises(WeightSyncError, match="no sender"):
+        missing.receive(0, timeout=0.1)

@@ -623,7 +623,8 @@ class _Slots:
             self.seeds[index],
             positions,
             self.min_p[index],
-            self.keep_support[index],
+            # Checked on the host rows: asking the device would wait for it every step.
+            self.keep_support[index] if any(self.rows[s].supports is not None for s in active) else None,
         )
         finished = []
         next_token: dict[int, int] = {}
@@ -661,7 +662,7 @@ class _Slots:
             top = max(next_token)
             holes = [s for s in range(top) if self.rows[s] is None][refill:]
             moves = []
-            for target, slot in zip(holes, sorted(next_token, reverse=True)):
+            for target, slot in zip(holes, sorted(next_token, reverse=True), strict=False):
                 if target > slot:
                     break
                 moves.append((slot, target))
@@ -671,7 +672,7 @@ class _Slots:
             if current == packed:
                 return next_token
             holes = [s for s in range(packed) if self.rows[s] is None]
-            moves = list(zip(sorted(s for s in next_token if s >= packed), holes))
+            moves = list(zip(sorted(s for s in next_token if s >= packed), holes, strict=False))
         for slot, target in moves:
             self.cache.copy_prefix(slot, target, self.lengths[slot])
             self.rows[target], self.lengths[target] = self.rows[slot], self.lengths[slot]

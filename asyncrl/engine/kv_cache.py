@@ -50,7 +50,9 @@ class _Plan:
     rows: slice | torch.Tensor  # the slots of the forward's batch rows: a range (a view) or indices
     write_slots: torch.Tensor  # (N,) slot of every written token
     write_cols: torch.Tensor  # (N,) its column (position) in the slot
-    flat: torch.Tensor  # (N * kv_heads,) rows of the buffers viewed as (slots * kv_heads * slot_len, head_dim)
+    flat: (
+        torch.Tensor
+    )  # (N * kv_heads,) rows of the buffers viewed as (slots * kv_heads * slot_len, head_dim)
     source: torch.Tensor | None  # (N,) index into the forward's (rows x width) tokens; None = all, width 1
     length: int  # columns returned to attention
 
@@ -99,7 +101,9 @@ class SlotKVCache(Cache):
             raise ValueError(f"attention over {length} columns, but slots hold {self.slot_len}")
         # Computed once per forward, shared by every layer: one index_copy_ per buffer writes all.
         heads = self.keys[0].shape[1]
-        flat = (write_slots.unsqueeze(-1) * heads + torch.arange(heads, device=write_slots.device)) * self.slot_len
+        flat = (
+            write_slots.unsqueeze(-1) * heads + torch.arange(heads, device=write_slots.device)
+        ) * self.slot_len
         flat = (flat + write_cols.unsqueeze(-1)).flatten()
         self._plan = _Plan(rows, write_slots, write_cols, flat, source, length)
 
@@ -113,7 +117,9 @@ class SlotKVCache(Cache):
         for buf, new in ((self.keys[layer_idx], key_states), (self.values[layer_idx], value_states)):
             # (tokens, heads, dim): a decode step writes every row's single token.
             tokens = new[:, :, 0] if plan.source is None else new.transpose(1, 2).flatten(0, 1)[plan.source]
-            buf.view(-1, buf.shape[-1]).index_copy_(0, plan.flat, tokens.reshape(-1, buf.shape[-1]).to(buf.dtype))
+            buf.view(-1, buf.shape[-1]).index_copy_(
+                0, plan.flat, tokens.reshape(-1, buf.shape[-1]).to(buf.dtype)
+            )
             # A range of slots is a view of the buffer; an index tensor gathers (prefill only).
             out.append(buf[plan.rows, :, : plan.length])
         return out[0], out[1]

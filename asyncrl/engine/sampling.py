@@ -2,10 +2,35 @@
 
 **Randomness is a function of (request seed, token position)**, not of a shared stream:
 each draw uses one uniform number computed by hashing the pair, and picks the token by
-inverse CDF over the (restricted) distribution. A request therefore samples the same
-completion whatever else is in the batch, in whatever order requests were admitted, and
-also when it is aborted and resumed from its prefix — the maths allows it wherever the
-logits themselves are the same.
+inverse CDF over the (restricted) distribution, in token-id order. A request therefore
+samples the same completion whatever else is in the batch, in whatever order requests were
+admitted, and also when it is aborted and resumed from its prefix — the maths allows it
+wherever the logits themselves are the same.
+
+**The kept set is a threshold, found without sorting the vocabulary.** top-k, top-p and
+min-p each keep a prefix of the tokens ordered by probability, so their intersection is
+``{log p >= tau}`` for one threshold per row (tokens tied with the threshold are all kept).
+min-p's threshold is closed-form (``log p_max + log min_p``). For top-k and top-p the
+threshold is the smallest ``|log p|`` at which the tokens at or above it reach k tokens or
+top_p of the mass: a selection problem, solved by radix select over the float bits of
+``|log p|`` (non-negative floats order like their bit patterns) — three passes of 11, 10
+and 10 bits, each a per-row histogram of (count, mass) and a cumulative sum over its bins.
+Rows of at most ``SORT_BELOW`` tokens sort instead: a few operations on a short row cost
+less than three histogram passes (the tiny CPU models have 99 tokens). Both give the same
+threshold (``tests/test_sampling.py``).
+
+Why not ``torch.topk`` with a candidate cap: whether a row's kept set fits under the cap
+depends on the logits, and a fixed-shape, sync-free step (what a CUDA graph captures)
+cannot branch on that, so the exact fallback would run every step anyway and the
+candidates would only add work. The radix select costs the same whether the kept set is
+10 tokens or the whole vocabulary (top_p 0.95 over a flat distribution).
+
+**Integer masses.** Probabilities enter the selection and the CDF as int64 fixed point
+(``p * 2**40``, rounded; count packed above the mass), so every sum is exact: the result
+does not depend on reduction order (batch size, device kernels) and nothing over the
+vocabulary is float64. A token with p < 2**-41 rounds to no mass and is never drawn. The
+hot path has no host synchronisation (no ``.item()``, ``bool()`` or ``.tolist()``) and no
+branch on data; only the opt-in ``keep_support`` rows copy their kept sets to the host.
 
 **Log-probs.** By default the recorded behaviour log-prob is log softmax(logits /
 temperature) at the sampled token — the full distribution the trainer recomputes; top-k,
@@ -23,6 +48,11 @@ from dataclasses import dataclass, field
 import torch
 
 MAX_RECORDED_SUPPORT = 4096  # larger kept sets are not recorded (the trainer then uses the full vocabulary)
+SORT_BELOW = 2048  # rows up to this many tokens sort to find their threshold; longer ones radix-select
+MASS_BITS = 40  # fixed point of the integer probability masses: p * 2**40
+_MASS = (1 << (MASS_BITS + 1)) - 1  # a row's masses sum to under 2**41; the count sits above them
+_ONE = 1 << (MASS_BITS + 1)  # one token in the packed (count, mass) weight
+_RADIX_PASSES = ((20, 11), (10, 10), (0, 10))  # (shift, bits) of the 31 bits of a non-negative float
 
 
 @dataclass(frozen=True)
@@ -48,29 +78,91 @@ class SamplingParams:
             )
 
 
+def _masses(logp: torch.Tensor) -> torch.Tensor:
+    """Probabilities as int64 fixed point: exact to sum in any order."""
+    return (logp.exp() * float(1 << MASS_BITS)).round().long()
+
+
+def _keys(logp: torch.Tensor) -> torch.Tensor:
+    """int64 keys in [0, 2**31) that order tokens like -log p (the most likely token has the smallest)."""
+    return logp.abs().view(torch.int32).long()
+
+
+def _reached(packed: torch.Tensor, need_count: torch.Tensor, need_mass: torch.Tensor) -> torch.Tensor:
+    """Whether cumulative packed (count, mass) sums reach the row's top-k count or top-p mass."""
+    return ((packed >> (MASS_BITS + 1)) >= need_count.unsqueeze(-1)) | (
+        (packed & _MASS) >= need_mass.unsqueeze(-1)
+    )
+
+
+def _threshold_by_sort(
+    keys: torch.Tensor, packed: torch.Tensor, need_count: torch.Tensor, need_mass: torch.Tensor
+) -> torch.Tensor:
+    """The smallest key whose tokens at or below it reach the targets; for short rows."""
+    sorted_keys, order = keys.sort(-1)
+    cum = packed.gather(-1, order).cumsum(-1)
+    first = (~_reached(cum, need_count, need_mass)).sum(-1, keepdim=True).clamp(max=keys.shape[-1] - 1)
+    return sorted_keys.gather(-1, first).squeeze(-1)
+
+
+def _threshold_by_radix(
+    keys: torch.Tensor, packed: torch.Tensor, need_count: torch.Tensor, need_mass: torch.Tensor
+) -> torch.Tensor:
+    """The same threshold as ``_threshold_by_sort``, by radix select: no sort, three fixed passes.
+
+    Each pass histograms the tokens that share the key prefix chosen so far by their next
+    digit (the others go to a spare bin), and picks the first digit at which the tokens
+    below the prefix plus the cumulative bins reach the targets. Integer sums keep it exact.
+    """
+    rows = keys.shape[0]
+    prefix = torch.zeros(rows, 1, dtype=torch.long, device=keys.device)
+    below = torch.zeros(rows, 1, dtype=torch.long, device=keys.device)  # packed sums of smaller keys
+    for shift, bits in _RADIX_PASSES:
+        bins = 1 << bits
+        digit = torch.where((keys >> (shift + bits)) == prefix, (keys >> shift) & (bins - 1), bins)
+        hist = torch.zeros(rows, bins + 1, dtype=torch.long, device=keys.device)
+        hist = hist.scatter_add_(-1, digit, packed)[:, :bins]
+        cum = hist.cumsum(-1) + below
+        first = (~_reached(cum, need_count, need_mass)).sum(-1, keepdim=True).clamp(max=bins - 1)
+        below = (cum - hist).gather(-1, first)
+        prefix = (prefix << bits) | first
+    return prefix.squeeze(-1)
+
+
+def _kept(
+    logp: torch.Tensor,
+    masses: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor | None,
+) -> torch.Tensor:
+    """(B, V) bool: each row's top-k / top-p / min-p set, from its log-probs and integer masses."""
+    vocab = logp.shape[-1]
+    keys = _keys(logp)
+    need_count = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    # top_p >= 1 (off) asks for more mass than a row has; min_p = 0 gives an infinite threshold.
+    need_mass = torch.where(top_p < 1, (top_p.double() * float(1 << MASS_BITS)).round().long(), _MASS + 1)
+    find = _threshold_by_sort if vocab <= SORT_BELOW else _threshold_by_radix
+    limit = find(keys, masses + _ONE, need_count, need_mass)
+    if min_p is not None:
+        floor = logp.amax(-1) + min_p.to(logp.dtype).log()
+        limit = torch.minimum(limit, _keys(floor))
+    return keys <= limit.unsqueeze(-1)
+
+
 def restrict_support(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Set logits outside each row's top-k / top-p / min-p set to -inf.
 
-    ``top_k`` (B,) with 0 meaning off; ``top_p`` (B,) with 1.0 meaning off; ``min_p`` (B,)
-    keeps tokens whose probability is at least min_p times the largest (0 = off). The most
-    likely token is always kept.
+    ``top_k`` (B,) with 0 meaning off; ``top_p`` (B,) with 1.0 meaning off (the smallest set
+    of most likely tokens whose mass reaches top_p); ``min_p`` (B,) keeps tokens whose
+    probability is at least min_p times the largest (0 = off). The most likely token is
+    always kept, and tokens tied with the last kept one are kept too.
     """
-    if min_p is None:
-        min_p = torch.zeros_like(top_p)
-    if bool((top_k == 0).all()) and bool((top_p >= 1.0).all()) and bool((min_p <= 0).all()):
-        return logits
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    rank = torch.arange(logits.shape[-1], device=logits.device).expand_as(sorted_logits)
-    drop = (top_k.unsqueeze(-1) > 0) & (rank >= top_k.unsqueeze(-1))
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = probs.cumsum(-1) - probs
-    drop |= mass_before >= top_p.unsqueeze(-1)
-    drop |= probs < min_p.unsqueeze(-1) * probs[..., :1]
-    drop[..., 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    kept = _kept(logp, _masses(logp), top_k, top_p, min_p)
+    return logits.masked_fill(~kept, float("-inf"))
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -110,28 +202,28 @@ def sample_tokens(
     min_p: torch.Tensor | None = None,
     keep_support: torch.Tensor | None = None,
 ) -> Draw:
-    """Draw one token per row by inverse CDF with the row's counter-based uniform.
+    """Draw one token per row by inverse CDF, over the row's kept set, with its counter-based uniform.
 
-    A temperature of 0 is greedy; its log-prob is reported at temperature 1.
+    A temperature of 0 is greedy; its log-prob is reported at temperature 1. Without
+    ``keep_support`` (pass None when no row asks for it) this never waits for the device.
     """
-    logits = logits.float()
     greedy = temperature == 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
-    full = torch.log_softmax(scaled, dim=-1)
-    if bool(greedy.all()):
-        tokens = scaled.argmax(-1)
-        return Draw(tokens, full.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), None)
-    restricted = restrict_support(scaled, top_k, top_p, min_p)
-    kept_logp = torch.log_softmax(restricted, dim=-1)
-    cdf = kept_logp.double().exp().cumsum(-1)
-    u = counter_uniform(seeds, positions).to(cdf.device) * cdf[:, -1]
-    drawn = torch.searchsorted(cdf, u.unsqueeze(-1)).squeeze(-1).clamp(max=logits.shape[-1] - 1)
+    scaled = logits.float() / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
+    logp = torch.log_softmax(scaled, dim=-1)
+    masses = _masses(logp)
+    kept = _kept(logp, masses, top_k, top_p, min_p)
+    cdf = torch.where(kept, masses, 0).cumsum(-1)
+    total = cdf[:, -1:]
+    u = counter_uniform(seeds, positions).to(logits.device).unsqueeze(-1)
+    target = torch.minimum((u * total.double()).long(), total - 1)
+    drawn = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     tokens = torch.where(greedy, scaled.argmax(-1), drawn)
-    logprobs = full.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    logprobs = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     supports = None
     if keep_support is not None and bool(keep_support.any()):
-        kept = restricted > float("-inf")
+        kept &= logp > float("-inf")
         recorded = keep_support & ~greedy & (kept.sum(-1) <= MAX_RECORDED_SUPPORT)
+        kept_logp = torch.log_softmax(scaled.masked_fill(~kept, float("-inf")), dim=-1)
         logprobs = torch.where(recorded, kept_logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), logprobs)
         supports = [
             kept[row].nonzero().squeeze(-1).tolist() if bool(recorded[row]) else None

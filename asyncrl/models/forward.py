@@ -22,7 +22,7 @@ def _cache_keyword(model_class: type) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _base_model(model: torch.nn.Module) -> torch.nn.Module:
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model under a peft wrapper (whose own forward takes ``**kwargs``)."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
@@ -30,5 +30,5 @@ def _base_model(model: torch.nn.Module) -> torch.nn.Module:
 
 def with_cache(model: torch.nn.Module, cache: Any, **inputs: Any) -> Any:
     """``model(**inputs)`` with ``cache`` as its KV cache, under the keyword the model declares."""
-    keyword = _cache_keyword(type(_base_model(model)))
+    keyword = _cache_keyword(type(base_model(model)))
     return model(**inputs, **{keyword: cache})

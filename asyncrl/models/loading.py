@@ -27,6 +27,7 @@ from transformers import (
 from asyncrl.errors import ConfigError
 from asyncrl.models.tiny import TINY_ARCHITECTURES, TINY_SIZES, build_tiny_model, tiny_config
 from asyncrl.models.tokenizer import build_char_tokenizer
+from asyncrl.tasks.chat import apply_chat_template_override
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 BUILTIN_MODELS = {"arith": ASSETS_DIR / "tiny-arith"}
@@ -64,10 +65,16 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """A dtype name (or ``auto``: bfloat16 on CUDA, float32 elsewhere) as a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    return DTYPES[dtype]
 
 
 def check_tokenizer(tokenizer: PreTrainedTokenizerBase, where: str) -> None:
@@ -82,25 +89,36 @@ def check_tokenizer(tokenizer: PreTrainedTokenizerBase, where: str) -> None:
         tokenizer.pad_token = tokenizer.eos_token
 
 
-def load_policy(source: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0) -> Policy:
+def load_policy(
+    source: str,
+    *,
+    device: str = "auto",
+    dtype: str | torch.dtype = "auto",
+    seed: int = 0,
+    chat_template: str | None = None,
+) -> Policy:
+    """``chat_template``: replaces the tokenizer's (a file path or the template; see ``model.chat_template``)."""
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     if source.startswith("tiny:"):
         policy = _random_tiny(source, seed)
     else:
         policy = _from_directory(_directory(source), source)
+    apply_chat_template_override(policy.tokenizer, chat_template)
     policy.model.to(device=dev, dtype=torch_dtype)
     return policy
 
 
-def load_tokenizer(source: str) -> tuple[PreTrainedTokenizerBase, int]:
+def load_tokenizer(source: str, chat_template: str | None = None) -> tuple[PreTrainedTokenizerBase, int]:
     """The tokenizer and maximum positions of a model source, validated, without loading weights."""
     if source.startswith("tiny:"):
         size, arch = _tiny_spec(source)
         tok = build_char_tokenizer()
+        apply_chat_template_override(tok, chat_template)
         return tok, tiny_config(size, len(tok), architecture=arch).max_position_embeddings
     path = _directory(source)
     tok = _checked_tokenizer(path, source)
+    apply_chat_template_override(tok, chat_template)
     config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     return tok, int(config.get("max_position_embeddings") or 1 << 30)
 

@@ -4,6 +4,11 @@ One token per printable ASCII character plus three specials. It is built with th
 ``tokenizers`` library and wrapped in a ``PreTrainedTokenizerFast`` so that it saves,
 loads and behaves exactly like any Hugging Face tokenizer; nothing in asyncrl special-cases
 it.
+
+Its chat template is deliberately plain: a system message is its text and a newline, a
+user message is its text, an assistant message is its text and EOS, and the generation
+prompt adds nothing. A one-message conversation ``[{"role": "user", "content": "12+7="}]``
+therefore renders to exactly the arithmetic prompt ``12+7=`` the tiny models were trained on.
 """
 
 from __future__ import annotations
@@ -17,6 +22,14 @@ PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<eos>"
 UNK_TOKEN = "<unk>"
 SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN, UNK_TOKEN)
+CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' -%}{{ m['content'] }}{{ '\\n' }}"
+    "{%- elif m['role'] == 'assistant' -%}{{ m['content'] }}{{ eos_token }}"
+    "{%- else -%}{{ m['content'] }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
 CHARACTERS = "".join(c for c in string.printable if c.isprintable() or c == "\n")
 
 
@@ -35,4 +48,5 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
         eos_token=EOS_TOKEN,
         unk_token=UNK_TOKEN,
     )
+    tok.chat_template = CHAT_TEMPLATE
     return tok

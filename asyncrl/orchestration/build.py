@@ -9,10 +9,13 @@ import torch
 from asyncrl.config import Config
 from asyncrl.engine import SamplingParams
 from asyncrl.models import Policy, load_policy
-from asyncrl.models.loading import load_tokenizer
+from asyncrl.models.loading import DTYPES, load_tokenizer, resolve_device, resolve_dtype
 from asyncrl.models.lora import apply_lora
 from asyncrl.rollout import RolloutWorker
 from asyncrl.tasks import ArithmeticTask, JsonlDataset, PromptSource, PromptStream, resolve_reward
+from asyncrl.tasks.chat import render_prompt
+from asyncrl.tasks.hf_dataset import hold_out, load_rows
+from asyncrl.tasks.rewards import RewardSet, RewardTerm, is_batched
 from asyncrl.trainer import Trainer
 from asyncrl.trainer.distributed import RankGroup
 from asyncrl.trainer.parallel import DistributedTrainer
@@ -39,22 +42,37 @@ def sampling_params(cfg: Config, policy: Policy, *, greedy: bool = False) -> Sam
     )
 
 
-def prompt_source(cfg: Config, tokenizer, max_positions: int, *, seed_offset: int = 0) -> PromptSource:
+def prompt_source(
+    cfg: Config, tokenizer, max_positions: int, *, seed_offset: int = 0, evaluation: bool = False
+) -> PromptSource:
+    """The training prompts, or with ``evaluation`` the held-out ones (see :func:`eval_prompts`)."""
     t = cfg.task
     if t.name == "arithmetic":
         a = t.arithmetic
-        return ArithmeticTask(list(a.ops), a.min_digits, a.max_digits, seed=t.seed + seed_offset)
-    return JsonlDataset(
-        t.path,
+        offset = seed_offset + (EVAL_SEED_OFFSET if evaluation else 0)
+        return ArithmeticTask(list(a.ops), a.min_digits, a.max_digits, seed=t.seed + offset)
+    options = dict(
+        prompt_field=t.prompt_field,
+        answer_field=t.answer_field,
         skip_bad_rows=t.skip_bad_rows,
         prompt_length=lambda text: len(tokenizer(text, add_special_tokens=False).input_ids),
         max_prompt_tokens=max_positions - cfg.rollout.max_new_tokens,
+        render=lambda prompt: render_prompt(tokenizer, prompt),
     )
+    if t.name == "jsonl":
+        rows = JsonlDataset(t.path, **options)
+    else:
+        rows = load_rows(t.path, t.eval_split if evaluation and t.eval_split else t.split, **options)
+    if t.eval_fraction > 0:
+        train, held = hold_out(rows, t.eval_fraction, t.seed)
+        return held if evaluation else train
+    return rows
 
 
 def eval_prompts(cfg: Config, policy: Policy) -> list[Prompt]:
-    """Held-out prompts: a disjoint arithmetic seed; for JSONL tasks, the first rows of the dataset."""
-    source = prompt_source(cfg, policy.tokenizer, policy.max_positions, seed_offset=EVAL_SEED_OFFSET)
+    """Held-out prompts: a disjoint arithmetic seed; for datasets, task.eval_split or the
+    task.eval_fraction held out, else the first rows of the training data."""
+    source = prompt_source(cfg, policy.tokenizer, policy.max_positions, evaluation=True)
     return PromptStream(source, seed=cfg.task.seed, shuffle=False).take(
         min(cfg.run.eval_prompts, source.size or cfg.run.eval_prompts)
     )
@@ -62,31 +80,71 @@ def eval_prompts(cfg: Config, policy: Policy) -> list[Prompt]:
 
 def task_prompts(cfg: Config) -> PromptSource:
     """The training prompt source, validated against the model's tokenizer without loading weights."""
-    tokenizer, max_positions = load_tokenizer(cfg.model.path)
-    return prompt_source(cfg, tokenizer, max_positions)
+    tokenizer, max_positions = load_tokenizer(cfg.model.path, cfg.model.chat_template)
+    source = prompt_source(cfg, tokenizer, max_positions)
+    if cfg.task.name != "arithmetic":
+        prompt_source(cfg, tokenizer, max_positions, evaluation=True)  # a bad eval split fails here too
+    return source
+
+
+def compute_dtype(cfg: Config, device: torch.device | None = None) -> torch.dtype:
+    """``model.dtype`` resolved on ``device`` (default ``model.device``): the engines' and the trainer's compute dtype."""
+    return resolve_dtype(cfg.model.dtype, device if device is not None else resolve_device(cfg.model.device))
 
 
 def build_policy(cfg: Config, device: torch.device | None = None, *, trainable: bool = False) -> Policy:
     """The configured policy, on ``device`` when given (a trainer rank's own GPU), else ``model.device``.
 
-    ``trainable``: the trainer's policy, which with ``lora.rank`` > 0 carries fresh LoRA adapters
-    (generators keep the plain model and merge the adapters they receive).
+    A generator's policy is held in the compute dtype (``model.dtype``). ``trainable``: the
+    trainer's policy, held in ``trainer.master_dtype`` (it computes in ``model.dtype`` under
+    autocast); with ``lora.rank`` > 0 it carries fresh LoRA adapters in the master dtype on a
+    frozen base kept in the compute dtype (generators keep the plain model and merge the
+    adapters they receive).
     """
-    where = str(device) if device is not None else cfg.model.device
-    policy = load_policy(cfg.model.path, device=where, dtype=cfg.model.dtype, seed=cfg.run.seed)
+    where = resolve_device(str(device) if device is not None else cfg.model.device)
+    compute = compute_dtype(cfg, where)
+    master = DTYPES[cfg.trainer.master_dtype]
+    held = master if trainable and not cfg.lora.enabled else compute
+    policy = load_policy(
+        cfg.model.path,
+        device=str(where),
+        dtype=held,
+        seed=cfg.run.seed,
+        chat_template=cfg.model.chat_template,
+    )
     if trainable and cfg.lora.enabled:
         policy.model = apply_lora(policy.model, cfg.lora, seed=cfg.run.seed)
+        for p in policy.model.parameters():
+            if p.requires_grad:
+                p.data = p.data.to(master)
     return policy
 
 
-def build_reward(cfg: Config):
-    """The task's reward function; with task.reward_timeout_s, a time-limited proxy to it."""
-    fn = resolve_reward(cfg.task.reward)  # a bad spec fails here, in this process, with its config key
-    if cfg.task.reward_timeout_s is None:
-        return fn
-    from asyncrl.tasks.timed_reward import TimedReward
+def reward_terms(cfg: Config) -> list[tuple[str, str, float, dict]]:
+    """(label, spec, weight, args) of each configured reward function."""
+    t = cfg.task
+    entries = [(e.label, e.name, e.weight, dict(e.args)) for e in t.rewards] or [(None, t.reward, 1.0, {})]
+    terms = []
+    for label, spec, weight, args in entries:
+        if spec == "overlong_penalty":
+            args.setdefault("max_length", cfg.rollout.max_new_tokens)
+        terms.append((label or spec.rpartition(":")[2], spec, weight, args))
+    return terms
 
-    return TimedReward(cfg.task.reward, cfg.task.reward_timeout_s)
+
+def build_reward(cfg: Config, *, timed: bool = True) -> RewardSet:
+    """The task's reward functions; with task.reward_timeout_s (and ``timed``), time-limited proxies to them."""
+    key = "task.rewards" if cfg.task.rewards else "task.reward"
+    terms = []
+    for label, spec, weight, args in reward_terms(cfg):
+        fn = resolve_reward(spec, key)  # a bad spec fails here, in this process, with its config key
+        batched = is_batched(fn)
+        if timed and cfg.task.reward_timeout_s is not None:
+            from asyncrl.tasks.timed_reward import TimedReward
+
+            fn = TimedReward(spec, cfg.task.reward_timeout_s)
+        terms.append(RewardTerm(label, fn, weight, batched, args))
+    return RewardSet(terms)
 
 
 def build_rollout(cfg: Config, policy: Policy, engine) -> RolloutWorker:
@@ -112,6 +170,7 @@ def build_trainer(cfg: Config, policy: Policy, ranks: RankGroup | None = None) -
         max_completion_length=cfg.rollout.max_new_tokens,
         total_steps=cfg.run.steps,
         old_logprobs=cfg.old_logprob_mode,
+        compute_dtype=compute_dtype(cfg, next(policy.model.parameters()).device),
     )
     if ranks is None:
         return Trainer(policy.model, **kwargs)

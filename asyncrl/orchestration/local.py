@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import os
 import queue
-import secrets
 import signal
-import socket
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -29,82 +26,12 @@ import torch.multiprocessing as mp
 from asyncrl.config import Config
 from asyncrl.orchestration.cores import CoreShare, available_cores
 from asyncrl.orchestration.events import Ready, Stop, WorkerError, WorkerFailed
-from asyncrl.orchestration.loop import serve_generator, serve_trainer
+from asyncrl.orchestration.host import TRAINER, TRAINER_RANK, build_worker, failed, ready, serve_worker
 from asyncrl.orchestration.runtime import generator_name
-from asyncrl.orchestration.workers import GeneratorWorker, TrainerWorker, run_follower
+from asyncrl.orchestration.transport import TransportSpec, free_port, transport_spec, unlink_segment
 from asyncrl.trainer.distributed import trainer_rank_name
-from asyncrl.weight_sync import WeightLayout
 
-TRAINER = "trainer"
-TRAINER_RANK = "trainer-rank"  # role of trainer ranks 1..M-1
 RANK_FAILURE_GRACE_S = 1.0  # how long a trainer rank's failure waits for a sibling rank's exit to show
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def transport_spec(cfg: Config, run_dir: Path) -> dict:
-    kind = cfg.runtime.weight_sync
-    if kind == "shm":
-        return {"kind": "shm", "name": f"asyncrl-{os.getpid()}-{secrets.token_hex(4)}"}
-    if kind == "files":
-        return {"kind": "files", "dir": str(run_dir / "weights")}
-    return {
-        "kind": "broadcast",
-        "host": "127.0.0.1",
-        "port": free_port(),
-        "world": cfg.runtime.generators + 1,
-        "bucket_bytes": int(cfg.runtime.bucket_mb * (1 << 20)),
-    }
-
-
-def make_sender(
-    spec: dict, layout: WeightLayout, timeout_s: float, device: torch.device, elastic: bool = False
-):
-    """The trainer's sender; ``elastic``: a broadcast group that the runtime re-forms when generators change."""
-    if spec["kind"] == "shm":
-        from asyncrl.weight_sync.shm import SharedMemorySender
-
-        return SharedMemorySender(layout, name=spec["name"])
-    if spec["kind"] == "files":
-        from asyncrl.weight_sync.files import FileSender
-
-        return FileSender(spec["dir"], layout)
-    from asyncrl.weight_sync.broadcast import BackgroundPublisher
-
-    return BackgroundPublisher(make_broadcast_sender(spec, layout, timeout_s, device), timeout_s, elastic)
-
-
-def make_broadcast_sender(spec: dict, layout: WeightLayout, timeout_s: float, device: torch.device):
-    """Rank 0 of the broadcast group ``spec`` names, or None if the group has no receivers."""
-    from asyncrl.weight_sync.broadcast import BroadcastSender
-
-    if spec["world"] < 2:
-        return None
-    return BroadcastSender(
-        layout, spec["host"], spec["port"], spec["world"], spec["bucket_bytes"], timeout_s, device
-    )
-
-
-def make_receiver(spec: dict, layout: WeightLayout, rank: int, timeout_s: float, device: torch.device):
-    if spec["kind"] == "shm":
-        from asyncrl.weight_sync.shm import SharedMemoryReceiver
-
-        return SharedMemoryReceiver(spec["name"], layout)
-    if spec["kind"] == "files":
-        from asyncrl.weight_sync.files import FileReceiver
-
-        return FileReceiver(spec["dir"], layout)
-    from asyncrl.weight_sync.broadcast import BroadcastReceiver, UnjoinedReceiver
-
-    if spec.get("port") is None:  # a generator that joined a running run: the runtime gives it a group
-        return UnjoinedReceiver(f"generator rank {rank}", timeout_s)
-    return BroadcastReceiver(
-        layout, spec["host"], spec["port"], rank, spec["world"], spec["bucket_bytes"], timeout_s, device
-    )
 
 
 def _worker_main(
@@ -112,7 +39,7 @@ def _worker_main(
     name: str,
     index: int,
     cfg_json: str,
-    spec: dict,
+    spec: TransportSpec,
     group: dict,
     threads: int,
     busy_flags,
@@ -140,38 +67,17 @@ def _worker_main(
         else:
             cores = CoreShare(busy_flags, slot=slot, cores=available_cores())
         cfg = Config.model_validate_json(cfg_json)
-        timeout = cfg.runtime.stall_timeout_s
-        if role in (TRAINER, TRAINER_RANK):
-            worker = TrainerWorker(
-                name,
-                cfg,
-                (lambda layout: make_sender(spec, layout, timeout, torch.device("cpu")))
-                if index == 0
-                else None,
-                rank=index,
-                **group,
-            )
-            if cores is not None:
-                worker.trainer.before_micro_batch = cores.fit
-        else:
-            worker = GeneratorWorker(
-                name,
-                cfg,
-                lambda layout: make_receiver(spec, layout, index + 1, timeout, torch.device("cpu")),
-                seed=cfg.run.seed + index,
-            )
-        evt_q.put(Ready(name, {"pid": os.getpid(), "threads": torch.get_num_threads()}))
-        if role == TRAINER_RANK:
-            run_follower(worker, busy=None if cores is None else lambda busy: _set_busy(cores, busy))
-            return
+        worker, _ = build_worker(role, name, index, cfg, spec, group, elastic=False)
+        if cores is not None and role == TRAINER:
+            worker.trainer.before_micro_batch = cores.fit
+        evt_q.put(ready(name))
         busy = None if cores is None else lambda b: _set_busy(cores, b)
-        serve = serve_trainer if role == TRAINER else serve_generator
-        serve(worker, cmd_q, evt_q.put, should_exit=lambda: os.getppid() != parent, on_busy=busy)
+        serve_worker(role, worker, cmd_q, evt_q.put, should_exit=lambda: os.getppid() != parent, on_busy=busy)
         if os.getppid() != parent:
             evt_q.cancel_join_thread()  # nobody will read what is still queued; do not wait for it
     except BaseException as exc:
         # Exiting joins the queue's feeder thread, so the report is written before the process ends.
-        evt_q.put(WorkerFailed(name, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        evt_q.put(failed(name, exc))
         raise SystemExit(1) from None
     finally:
         if worker is not None:
@@ -194,6 +100,8 @@ class LocalRuntime:
     died, not the ones that failed after it.
     """
 
+    restarts_generators = False
+
     def __init__(self, cfg: Config, run_dir: Path) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
@@ -207,7 +115,7 @@ class LocalRuntime:
         # orchestration/cores.py).
         self._busy = self._ctx.Array("b", cfg.runtime.generators + cfg.trainer.ranks, lock=False)
         self._stopping = False
-        self._spec: dict = {}
+        self._spec: TransportSpec | None = None
 
     def start(self) -> None:
         self._spec = transport_spec(self.cfg, self.run_dir)
@@ -340,16 +248,7 @@ class LocalRuntime:
         for q in [*self._commands.values(), self._events]:
             q.cancel_join_thread()
             q.close()
-        if self._spec.get("kind") == "shm":
-            _unlink_shm(self._spec["name"])  # the trainer unlinks on a clean exit; this covers a killed one
-
-
-def _unlink_shm(name: str) -> None:
-    from multiprocessing import shared_memory
-
-    try:
-        shm = shared_memory.SharedMemory(name=name, create=False)
-    except FileNotFoundError:
-        return
-    shm.close()
-    shm.unlink()
+        if self._spec is not None and self._spec.segment:
+            unlink_segment(
+                self._spec.segment
+            )  # the trainer unlinks on a clean exit; this covers a killed one

@@ -37,7 +37,6 @@ import queue
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 
 from asyncrl.config import Config
@@ -52,15 +51,24 @@ from asyncrl.orchestration.events import (
     WorkerFailed,
     WorkerLost,
 )
-from asyncrl.orchestration.local import (
+from asyncrl.orchestration.host import (
     TRAINER,
     TRAINER_RANK,
-    free_port,
-    make_receiver,
-    make_sender,
-    transport_spec,
+    build_worker,
+    failed,
+    is_trainer,
+    ready,
+    serve_worker,
 )
 from asyncrl.orchestration.runtime import generator_name
+from asyncrl.orchestration.transport import (
+    TransportSpec,
+    free_port,
+    make_broadcast_sender,
+    make_receiver,
+    transport_spec,
+    unlink_segment,
+)
 from asyncrl.trainer.distributed import trainer_rank_name
 
 POLL_WAIT_S = 0.5  # how long an actor's events() call waits for something to report
@@ -78,7 +86,7 @@ class WorkerHost:
     def __init__(self, role: str, name: str, index: int, cfg_json: str, threads: int) -> None:
         self.role, self.name, self.index = role, name, index
         self._cfg_json, self._threads = cfg_json, threads
-        self._spec: dict = {}
+        self._spec: TransportSpec | None = None
         self._commands: queue.Queue = queue.Queue()
         self._events: queue.Queue = queue.Queue()
         self._next_seq = 0
@@ -89,7 +97,7 @@ class WorkerHost:
         self._device = None  # where the worker's weights live, once built
         self._thread = threading.Thread(target=self._run, name=f"asyncrl-{name}", daemon=True)
 
-    def start(self, spec: dict, group: dict) -> None:
+    def start(self, spec: TransportSpec, group: dict) -> None:
         """Build the worker and serve commands, on a thread; ``Ready`` or ``WorkerFailed`` follows.
 
         ``group`` says where the trainer ranks meet (``world_size``, ``master_addr``,
@@ -115,7 +123,7 @@ class WorkerHost:
                 self._commands.put(self._early.pop(self._next_seq))
                 self._next_seq += 1
 
-    def regroup(self, spec: dict, rank: int, version: int) -> None:
+    def regroup(self, spec: TransportSpec, rank: int, version: int) -> None:
         """Move this worker's end of the broadcast weight sync to the group ``spec`` names.
 
         ``rank`` is its place there (0: the trainer), ``version`` the newest version published
@@ -125,8 +133,6 @@ class WorkerHost:
             worker = self._worker
         if worker is None:
             raise RuntimeError(f"{self.name} is not started: the runtime regroups only ready workers")
-        from asyncrl.orchestration.local import make_broadcast_sender
-
         timeout, device = worker.cfg.runtime.stall_timeout_s, self._device
         if rank == 0:
             worker.join_group(lambda layout: make_broadcast_sender(spec, layout, timeout, device))
@@ -158,42 +164,21 @@ class WorkerHost:
         import torch
 
         from asyncrl.config import Config
-        from asyncrl.orchestration.loop import serve_generator, serve_trainer
-        from asyncrl.orchestration.workers import GeneratorWorker, TrainerWorker, run_follower
 
         worker = None
         try:
             torch.set_num_threads(max(1, self._threads))
             cfg = Config.model_validate_json(self._cfg_json)
-            timeout = cfg.runtime.stall_timeout_s
-            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            self._device = device  # the weight-sync ends of later groups use it too
-            spec = self._spec
-            if self.role in (TRAINER, TRAINER_RANK):
-                sender = (
-                    (lambda layout: make_sender(spec, layout, timeout, device, elastic=True))
-                    if self.index == 0
-                    else None
-                )
-                worker = TrainerWorker(self.name, cfg, sender, rank=self.index, **self._group)
-                serve = serve_trainer
-            else:
-                worker = GeneratorWorker(
-                    self.name,
-                    cfg,
-                    lambda layout: make_receiver(spec, layout, self.index + 1, timeout, device),
-                    seed=cfg.run.seed + self.index,
-                )
-                serve = serve_generator
+            worker, device = build_worker(
+                self.role, self.name, self.index, cfg, self._spec, self._group, elastic=True
+            )
             with self._lock:
                 self._worker = worker
-            self._events.put(Ready(self.name, {"pid": os.getpid(), "threads": torch.get_num_threads()}))
-            if self.role == TRAINER_RANK:
-                run_follower(worker)
-            else:
-                serve(worker, self._commands, self._events.put, should_exit=self._exit.is_set)
+                self._device = device  # the weight-sync ends of later groups use it too
+            self._events.put(ready(self.name))
+            serve_worker(self.role, worker, self._commands, self._events.put, should_exit=self._exit.is_set)
         except BaseException as exc:
-            self._events.put(WorkerFailed(self.name, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+            self._events.put(failed(self.name, exc))
         finally:
             if worker is not None:
                 worker.close()
@@ -225,7 +210,7 @@ class RayRuntime:
         self._next_index = cfg.runtime.generators
         self._started_ray = False
         self._placement = None
-        self._spec: dict = {}
+        self._spec: TransportSpec | None = None
         self._lost: list = []
         # Broadcast weight sync: the generators in the current group, in rank order (rank i+1),
         # those started during the run that join it once ready, and the newest published version.
@@ -250,7 +235,7 @@ class RayRuntime:
             ray.init(**kwargs)
             self._started_ray = True
         self._spec = transport_spec(self.cfg, self.run_dir)
-        if self._spec["kind"] == "broadcast":
+        if self._spec.kind == "broadcast":
             self._members = list(self.generator_names)
         self._placement = self._trainer_placement()
         ranks = [
@@ -264,15 +249,15 @@ class RayRuntime:
             timeout=self._start_s,
         )
         host = self.rcfg.master_addr or where["ip"]
-        if self._spec["kind"] == "broadcast":
-            self._spec.update(host=host, port=sync_port)
+        if self._spec.kind == "broadcast":
+            self._spec = self._spec.replace(host=host, port=sync_port)
         group = {"world_size": len(ranks), "master_addr": host, "master_port": rank_port}
         for rank in ranks:
             rank.start.remote(self._spec, group)
         for i, name in enumerate(self.generator_names):
             self._create("generator", name, i).start.remote(self._spec, {})
         self._wait_ready(set(self._actors))
-        if self._spec["kind"] == "shm":
+        if self._spec.kind == "shm":
             self._check_same_node(self.generator_names)
 
     @property
@@ -300,13 +285,13 @@ class RayRuntime:
         return placement_group([dict(bundle) for _ in self.trainer_names], strategy=strategy)
 
     def _threads(self, role: str, res) -> int:
-        trainer = role in (TRAINER, TRAINER_RANK)
+        trainer = is_trainer(role)
         explicit = self.cfg.runtime.trainer_threads if trainer else self.cfg.runtime.generator_threads
         return explicit or max(1, int(res.num_cpus))
 
     def _create(self, role: str, name: str, index: int):
         """Create the actor (not yet started) and its first outstanding events() call."""
-        trainer = role in (TRAINER, TRAINER_RANK)
+        trainer = is_trainer(role)
         res = self.rcfg.trainer if trainer else self.rcfg.generator
         options = self._actor_options(res)
         if trainer:
@@ -420,8 +405,8 @@ class RayRuntime:
     def _start_newcomer(self, name: str) -> None:
         """Start a generator during the run; with broadcast sync it joins the group once ready."""
         spec = self._spec
-        if spec["kind"] == "broadcast":
-            spec = {**spec, "port": None}
+        if spec.kind == "broadcast":
+            spec = spec.replace(port=None)
             self._joining.add(name)
         self._create("generator", name, self._index_of(name)).start.remote(spec, {})
 
@@ -434,7 +419,7 @@ class RayRuntime:
         """
         trainer = self._actors[TRAINER]
         port = self.ray.get(trainer.free_port.remote(), timeout=self._start_s)
-        spec = {**self._spec, "port": port, "world": len(self._members) + 1}
+        spec = self._spec.replace(port=port, world=len(self._members) + 1)
         for rank, name in enumerate(self._members, start=1):
             self._actors[name].regroup.remote(spec, rank, self._published)
         trainer.regroup.remote(spec, 0, self._published)
@@ -493,10 +478,8 @@ class RayRuntime:
 
             remove_placement_group(self._placement)
             self._placement = None
-        if self._spec.get("kind") == "shm":
-            from asyncrl.orchestration.local import _unlink_shm
-
-            _unlink_shm(self._spec["name"])
+        if self._spec is not None and self._spec.segment:
+            unlink_segment(self._spec.segment)
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False

@@ -30,4 +30,16 @@ def batch_metrics(groups: list[Group], trainer_version: int) -> dict[str, float]
         "solve_all_frac": sum(solved) / max(len(groups), 1),
         "staleness_mean": statistics.fmean(lags) if lags else 0.0,
         "staleness_max": max(lags, default=0),
+        **reward_components(samples),
     }
+
+
+def reward_components(samples) -> dict[str, float]:
+    """``reward/<label>``: each reward function's mean unweighted value over the samples it applied to."""
+    values: dict[str, list[float]] = {}
+    for s in samples:
+        for label, value in (s.reward_components or {}).items():
+            bucket = values.setdefault(label, [])
+            if value is not None:
+                bucket.append(value)
+    return {f"reward/{label}": statistics.fmean(v) if v else float("nan") for label, v in values.items()}

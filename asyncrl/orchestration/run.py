@@ -7,10 +7,15 @@ from typing import Any
 
 from asyncrl import checkpoint
 from asyncrl.config import Config
+from asyncrl.errors import AsyncRLError
 from asyncrl.orchestration.build import seed_everything, task_prompts
 from asyncrl.orchestration.controller import run_controller
 from asyncrl.orchestration.runtime import InlineRuntime
 from asyncrl.orchestration.session import RunSession, default_run_dir
+
+
+class RunComplete(AsyncRLError):
+    """``--resume`` of a run that has already taken all its ``run.steps``: nothing to do."""
 
 
 def make_runtime(cfg: Config, session: RunSession):
@@ -33,6 +38,11 @@ def train(cfg: Config, run_dir: Path | None = None, *, resume: bool = False) -> 
     run_dir = run_dir or default_run_dir()
     resume_from = checkpoint.latest(run_dir) if resume else None
     version = checkpoint.read_controller_state(resume_from)["version"] if resume_from else None
+    if version is not None and version >= cfg.run.steps:
+        raise RunComplete(
+            f"run complete at step {version}; to continue, raise run.steps "
+            f"(asyncrl train --resume {run_dir} --set run.steps={version + cfg.run.steps})"
+        )
     session = RunSession(cfg, run_dir, resume_step=version)
     try:
         checkpoint.check_writable(run_dir)

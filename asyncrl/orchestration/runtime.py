@@ -9,7 +9,7 @@ actor.
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -21,6 +21,8 @@ from asyncrl.weight_sync.inprocess import InProcessChannel
 
 class Runtime(Protocol):
     generator_names: list[str]
+    # Whether a lost generator is restarted: the run then goes on while none is left.
+    restarts_generators: bool
 
     def start(self) -> None: ...
 
@@ -29,6 +31,23 @@ class Runtime(Protocol):
     def poll(self, timeout: float) -> list: ...
 
     def stop(self) -> None: ...
+
+
+@runtime_checkable
+class ElasticRuntime(Protocol):
+    """A runtime whose generators can be added and removed while the run goes (``asyncrl scale``)."""
+
+    def add_generator(self) -> str:
+        """Start one more generator; returns its name. It joins with ``Ready`` once started."""
+        ...
+
+    def remove_generator(self, name: str) -> None:
+        """Stop a generator that has no work left."""
+        ...
+
+    def starting_generators(self) -> list[str]:
+        """Generators added and not yet ready."""
+        ...
 
 
 def generator_name(i: int) -> str:
@@ -46,6 +65,8 @@ class InlineRuntime:
     runs with its own torch thread count (``runtime.generator_threads`` /
     ``runtime.trainer_threads``), so the baseline can use the fastest setting per phase.
     """
+
+    restarts_generators = False
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg

@@ -19,6 +19,7 @@ from asyncrl.config import Config, dump_config
 from asyncrl.errors import AsyncRLError
 from asyncrl.metrics import JsonlWriter
 from asyncrl.orchestration.progress import ProgressDisplay
+from asyncrl.trackers import build_trackers
 
 
 def _keep_until(path: Path, step: int) -> list[dict[str, Any]]:
@@ -66,6 +67,7 @@ class RunSession:
         self._timeline = JsonlWriter(run_dir / "timeline.jsonl")
         self.accounting: dict[str, Any] = {}
         self.progress = ProgressDisplay(cfg.run.steps, enabled=cfg.run.progress)
+        self.trackers = build_trackers(cfg, run_dir)  # run.report_to: the same records, same names
 
     def record_span(self, span) -> None:
         self._timeline.write(
@@ -86,6 +88,8 @@ class RunSession:
         record = {"step": self.step, "time_s": round(self.elapsed(), 4), "wall_time": time.time(), **record}
         self.history.append(record)
         self._metrics.write(record)
+        for tracker in self.trackers:
+            tracker.log(self.step, record)
         self.progress.update(record)
         return self.step
 
@@ -99,6 +103,8 @@ class RunSession:
         self.evals.append(entry)
         with (self.run_dir / "eval.jsonl").open("a", encoding="utf-8") as fh:
             fh.write(json.dumps(entry) + "\n")
+        for tracker in self.trackers:
+            tracker.log(step, {"eval_accuracy": accuracy})
 
     def summary(self) -> dict[str, Any]:
         # With several optimizer steps per batch, only a batch's first step carries its rewards.
@@ -122,6 +128,8 @@ class RunSession:
         self.progress.close()
         self._metrics.close()
         self._timeline.close()
+        for tracker in self.trackers:
+            tracker.close()
         summary = self.summary()
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
         return summary

@@ -43,10 +43,10 @@ from asyncrl.orchestration.events import (
     Submit,
     WeightsLoaded,
 )
-from asyncrl.tasks import resolve_reward
 from asyncrl.trainer import assign_advantages
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.distributed import RankGroup, RankSpec, rank_device
+from asyncrl.trainer.trainer import sync_dtype
 from asyncrl.weight_sync import WeightLayout, WeightReceiver, WeightSender, WeightSyncError
 from asyncrl.weight_sync.base import SyncInterrupted, check_checksums, tensor_checksums
 
@@ -78,10 +78,18 @@ class GeneratorWorker:
     """
 
     def __init__(
-        self, name: str, cfg: Config, receiver_factory: Callable[[WeightLayout], WeightReceiver], seed: int
+        self,
+        name: str,
+        cfg: Config,
+        receiver_factory: Callable[[WeightLayout], WeightReceiver],
+        seed: int,
+        regroups: bool = False,
     ) -> None:
+        """``regroups``: the runtime re-forms broadcast groups (Ray); a wait that fails because the
+        group's members changed then waits for :meth:`join_group` instead of failing the run."""
         self.name = name
         self.cfg = cfg
+        self.regroups = regroups
         policy = build.build_policy(cfg)
         # Built before the engine's first update: it keeps the base weights it merges into.
         self.lora = MergedLora(policy.model, cfg.lora) if cfg.lora.enabled else None
@@ -107,6 +115,7 @@ class GeneratorWorker:
         # version its first publication carries at least, once moved.
         self._group_lock = threading.Lock()
         self._next_receiver: tuple[Callable[[WeightLayout], WeightReceiver], int] | None = None
+        self._moving = threading.Event()  # set by join_group until the move is made
         self._rejoin_version: int | None = None
 
     @property
@@ -146,6 +155,7 @@ class GeneratorWorker:
         with self._group_lock:  # the receiver to interrupt is the one in use before the move
             self._next_receiver = (make_receiver, version)
             current = self.receiver
+            self._moving.set()
         _interrupt(current)
 
     def stop_waiting(self) -> None:
@@ -155,6 +165,7 @@ class GeneratorWorker:
     def _switch_group(self) -> None:
         with self._group_lock:
             (make_receiver, version), self._next_receiver = self._next_receiver, None
+            self._moving.clear()
         self.receiver.close()
         receiver = make_receiver(self._layout)  # waits until the group has formed
         with self._group_lock:
@@ -217,6 +228,12 @@ class GeneratorWorker:
                 load()
         except SyncInterrupted:
             return events  # the group is being replaced: the update is taken from the new one
+        except WeightSyncError:
+            # A member left the group before this worker heard of the new one (the old group
+            # fails under a waiting receive); the move, sent at the same time, follows.
+            if not self.regroups or not self._moving.wait(self.cfg.runtime.stall_timeout_s):
+                raise
+            return events
         version = received["version"]
         self.pending_version = None if version >= self.pending_version else self.pending_version
         events.append(
@@ -310,8 +327,10 @@ class TrainerWorker:
             )
             self.ranks = RankGroup(spec, device)
         self.policy = build.build_policy(cfg, device, trainable=True)
-        # What the sync moves (the whole model, or with LoRA the adapters), read before any sharding.
-        layout = WeightLayout.of(published_weights(self.policy.model))
+        # What the sync moves (the whole model, or with LoRA the adapters), read before any sharding,
+        # in the dtype it travels in.
+        dtype = sync_dtype(cfg.lora.enabled, build.compute_dtype(cfg, device))
+        layout = WeightLayout.of((n, t.to(dtype)) for n, t in published_weights(self.policy.model))
         self._layout = layout
         self.sender = sender_factory(layout) if sender_factory is not None else None
         self.trainer = build.build_trainer(cfg, self.policy, self.ranks)
@@ -320,7 +339,7 @@ class TrainerWorker:
         self._eval_engine: EmbeddedEngine | None = None
         self._eval_prompts: list = []
         self._gathered_policy: Policy | None = None
-        self.trainer_reward = resolve_reward(cfg.task.reward)
+        self.trainer_reward = build.build_reward(cfg, timed=False)
 
     @property
     def version(self) -> int:
@@ -410,7 +429,7 @@ class TrainerWorker:
         """Every rank loads (rank 0 reads the files and broadcasts); rank 0 publishes the weights."""
         weights, state = checkpoint.load_trainer_state(Path(command.path)) if self.is_leader else ({}, {})
         version = self.trainer.load_checkpoint_state(weights, state)
-        named = list(self.trainer.named_weights())  # with FSDP2 a gather that every rank joins
+        named = self.trainer.synced_weights()  # with FSDP2 a gather that every rank joins
         if self.sender is not None:
             self.sender.publish(named, version)
         return [Restored(self.name, version, self._checksums(named))] if self.is_leader else []
@@ -436,13 +455,14 @@ class TrainerWorker:
         was_training = model.training
         model.eval()
         try:
-            accuracy = evaluate(
-                self._eval_engine,
-                policy.tokenizer,
-                self._eval_prompts,
-                self.trainer_reward,
-                build.sampling_params(self.cfg, policy, greedy=True),
-            )
+            with self.trainer.compute():
+                accuracy = evaluate(
+                    self._eval_engine,
+                    policy.tokenizer,
+                    self._eval_prompts,
+                    self.trainer_reward,
+                    build.sampling_params(self.cfg, policy, greedy=True),
+                )
         finally:
             model.train(was_training)
         return [Span(self.name, "eval", start, time.time()), EvalDone(self.name, command.step, accuracy)]
@@ -474,7 +494,7 @@ class TrainerWorker:
         publish_s, sync_bytes, checksums = 0.0, 0, None
         if command.publish:
             t0, start = time.perf_counter(), time.time()
-            weights = list(self.trainer.named_weights())  # with FSDP2 a gather that every rank joins
+            weights = self.trainer.synced_weights()  # with FSDP2 a gather that every rank joins
             if self.sender is not None:
                 sync_bytes = self.sender.publish(weights, self.trainer.version).nbytes
                 checksums = self._checksums(weights)

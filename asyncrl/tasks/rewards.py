@@ -1,12 +1,24 @@
 """Reward functions: plain Python callables, registered by name or given as ``module:function``.
 
-A reward function is called once per completion with keyword arguments::
+Two signatures are accepted, told apart by their parameters:
 
-    fn(completion: str, prompt: str, answer: str | None, **extra) -> float
+* **per completion** (asyncrl's own)::
 
-where ``extra`` holds the prompt's other dataset fields. Functions that do not need some
-arguments can take ``**kwargs``. :func:`score` turns whatever the function does (raise,
-return NaN, return a string) into a float reward or a recorded per-sample error.
+      fn(completion: str, prompt: str | list[dict], answer: str | None, **fields) -> float
+
+* **batched** (TRL's: the function has a ``completions`` parameter)::
+
+      fn(prompts: list, completions: list, **columns) -> list[float | None]
+
+``fields``/``columns`` are the prompt's other dataset fields (batched: one list per column)
+plus ``completion_ids`` (the token ids) and, for a conversational prompt, the assistant's
+message (``completion_message``; batched completions are then ``[{"role": "assistant",
+"content": ...}]`` lists, as in TRL). Functions that do not need some arguments can take
+``**kwargs``. A batched function may return None for a completion it does not apply to.
+
+:class:`RewardSet` scores the G completions of one prompt with one or more weighted
+functions; :func:`score` turns whatever a function does (raise, return NaN, return a
+string) into a float reward or a recorded per-sample error.
 """
 
 from __future__ import annotations
@@ -15,11 +27,16 @@ import functools
 import importlib
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from asyncrl.errors import ConfigError
+from asyncrl.tasks.chat import reward_prompt
+from asyncrl.tasks.reward_library import format_regex, math_verify, overlong_penalty
+from asyncrl.types import Prompt
 
-RewardFn = Callable[..., float]
+RewardFn = Callable[..., Any]
 _REGISTRY: dict[str, RewardFn] = {}
 
 
@@ -48,61 +65,72 @@ def numeric_match(completion: str, answer: str | None, **_: object) -> float:
         return 0.0
 
 
+for _name, _fn in (
+    ("math_verify", math_verify),
+    ("format_regex", format_regex),
+    ("overlong_penalty", overlong_penalty),
+):
+    register_reward(_name)(_fn)
+
+
 def registered_rewards() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def resolve_reward(spec: str) -> RewardFn:
+def is_batched(fn: RewardFn) -> bool:
+    """TRL's batched signature: the function takes ``completions`` (plural)."""
+    return "completions" in inspect.signature(fn).parameters
+
+
+def resolve_reward(spec: str, key: str = "task.reward") -> RewardFn:
     """A registered name, or ``package.module:function`` importable from the current environment."""
     if spec in _REGISTRY:
         return _REGISTRY[spec]
     if ":" not in spec:
         raise ConfigError(
-            "task.reward", spec, f"not a registered reward ({registered_rewards()}) nor 'module:function'"
+            key, spec, f"not a registered reward ({registered_rewards()}) nor 'module:function'"
         )
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError("task.reward", spec, f"cannot import module {module_name!r} ({exc})") from None
+        raise ConfigError(key, spec, f"cannot import module {module_name!r} ({exc})") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ConfigError("task.reward", spec, f"module {module_name!r} has no callable {attr!r}")
+        raise ConfigError(key, spec, f"module {module_name!r} has no callable {attr!r}")
     params = inspect.signature(fn).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return fn
-    missing = [name for name in ("completion", "prompt", "answer") if name not in params]
+    required = ("completions",) if "completions" in params else ("completion", "prompt", "answer")
+    missing = [name for name in required if name not in params]
     if missing:
         raise ConfigError(
-            "task.reward",
+            key,
             spec,
-            "a reward function is called with completion=, prompt=, answer= and the row's other fields; "
+            "a reward function is called with completion=, prompt=, answer= and the row's other fields "
+            "(or, batched, with prompts= and completions= lists); "
             f"it does not accept {missing} (add them, or **kwargs)",
         )
     accepted = set(params)
 
     @functools.wraps(fn)
-    def only_accepted_fields(**kwargs: object) -> float:
+    def only_accepted_fields(**kwargs: object) -> Any:
         # Dataset rows may carry fields the function does not ask for; those are not passed.
         return fn(**{k: v for k, v in kwargs.items() if k in accepted})
 
     return only_accepted_fields
 
 
-def score(
-    fn: RewardFn, completion: str, prompt: str, answer: str | None, extra: dict
-) -> tuple[float | None, str | None]:
-    """Call a reward function defensively: (reward, None) or (None, error message)."""
-    from asyncrl.tasks.timed_reward import RewardRaised, RewardTimeout
+class RewardCallError(Exception):
+    """A reward call that failed outside the caller's process (see :mod:`asyncrl.tasks.timed_reward`)."""
 
-    try:
-        value = fn(completion=completion, prompt=prompt, answer=answer, **extra)
-    except RewardTimeout as exc:
-        return None, str(exc)
-    except RewardRaised as exc:  # raised in the reward's own process; the message names the original type
-        return None, f"raised {exc}"
-    except Exception as exc:  # a user's reward function may raise anything; it is recorded, not fatal
-        return None, f"raised {type(exc).__name__}: {exc}"
+    @property
+    def recorded(self) -> str:
+        """The error as recorded for the sample."""
+        return str(self)
+
+
+def _as_reward(value: Any) -> tuple[float | None, str | None]:
     if isinstance(value, (str, bytes)):
         # float() would accept "1.0"; a string is a bug in the function (e.g. returning the completion).
         return None, f"returned a non-numeric {type(value).__name__}: {value!r}"
@@ -114,3 +142,149 @@ def score(
     if not math.isfinite(value):
         return None, f"returned a non-finite value {value!r}"
     return float(value), None
+
+
+def _clash(columns: dict[str, Any], own: dict[str, Any]) -> str | None:
+    same = sorted(set(columns) & set(own))
+    return f"the row's field(s) {same} clash with the reward function's own arguments" if same else None
+
+
+def _call(fn: RewardFn, kwargs: dict[str, Any]) -> tuple[Any, str | None]:
+    try:
+        return fn(**kwargs), None
+    except RewardCallError as exc:  # timed out, or raised in the reward's own process
+        return None, exc.recorded
+    except Exception as exc:  # a user's reward function may raise anything; it is recorded, not fatal
+        return None, f"raised {type(exc).__name__}: {exc}"
+
+
+def score(
+    fn: RewardFn, completion: str, prompt: Any, answer: str | None, extra: dict, **more: Any
+) -> tuple[float | None, str | None]:
+    """Call a per-completion reward function defensively: (reward, None) or (None, error message)."""
+    own = dict(completion=completion, prompt=prompt, answer=answer, **more)
+    clash = _clash(extra, own)
+    if clash is not None:
+        return None, clash
+    value, error = _call(fn, {**own, **extra})
+    return (None, error) if error is not None else _as_reward(value)
+
+
+@dataclass
+class RewardTerm:
+    """One reward function of a :class:`RewardSet`: its metric label, weight and fixed arguments."""
+
+    label: str
+    fn: RewardFn
+    weight: float = 1.0
+    batched: bool = False
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Scored:
+    reward: float | None
+    error: str | None
+    components: dict[str, float | None]
+
+
+class RewardSet:
+    """Scores the completions of one prompt with weighted reward functions.
+
+    The reward of a completion is ``sum(weight * value)`` over the functions that apply to it
+    (a batched function's None means "does not apply", as in TRL). It is an error — recorded
+    for the sample, then handled by ``task.reward_on_error`` — when any function fails on it
+    or when none applies. ``components`` keeps each function's unweighted value.
+    """
+
+    def __init__(self, terms: Sequence[RewardTerm]) -> None:
+        if not terms:
+            raise ValueError("a RewardSet needs at least one reward function")
+        self.terms = list(terms)
+
+    @classmethod
+    def of(cls, fn: RewardFn | RewardSet, label: str | None = None) -> RewardSet:
+        """A reward set from one plain function (or the set itself)."""
+        if isinstance(fn, RewardSet):
+            return fn
+        name = label or getattr(fn, "__name__", "reward")
+        return cls([RewardTerm(name, fn, batched=is_batched(fn))])
+
+    def close(self) -> None:
+        """Stop what the functions hold (a time-limited function's process)."""
+        for term in self.terms:
+            close = getattr(term.fn, "close", None)
+            if close is not None:
+                close()
+
+    @property
+    def labels(self) -> list[str]:
+        return [t.label for t in self.terms]
+
+    def score(self, prompt: Prompt, texts: list[str], completion_ids: list[list[int]]) -> list[Scored]:
+        n = len(texts)
+        values: list[list[float | None]] = []
+        errors: list[list[str | None]] = []
+        for term in self.terms:
+            v, e = self._term(term, prompt, texts, completion_ids)
+            values.append(v)
+            errors.append(e)
+        out = []
+        for i in range(n):
+            components = {t.label: values[j][i] for j, t in enumerate(self.terms)}
+            failed = [(t.label, errors[j][i]) for j, t in enumerate(self.terms) if errors[j][i] is not None]
+            if failed:
+                prefix = len(self.terms) > 1
+                error = "; ".join(f"{label}: {e}" if prefix else e for label, e in failed)
+                out.append(Scored(None, error, components))
+                continue
+            applied = [(t.weight, values[j][i]) for j, t in enumerate(self.terms) if values[j][i] is not None]
+            if not applied:
+                out.append(Scored(None, "no reward function applied (each returned None)", components))
+                continue
+            out.append(Scored(sum(w * v for w, v in applied), None, components))
+        return out
+
+    @staticmethod
+    def _term(
+        term: RewardTerm, prompt: Prompt, texts: list[str], completion_ids: list[list[int]]
+    ) -> tuple[list[float | None], list[str | None]]:
+        n = len(texts)
+        conversational = prompt.messages is not None
+        messages = [{"role": "assistant", "content": t} for t in texts]
+        if not term.batched:
+            values, errors = [], []
+            for i in range(n):
+                more = {"completion_ids": completion_ids[i], **term.args}
+                if conversational:
+                    more["completion_message"] = messages[i]
+                v, e = score(term.fn, texts[i], reward_prompt(prompt), prompt.answer, prompt.extra, **more)
+                values.append(v)
+                errors.append(e)
+            return values, errors
+        own: dict[str, Any] = {
+            "prompts": [reward_prompt(prompt)] * n,
+            "completions": [[m] for m in messages] if conversational else list(texts),
+            "completion_ids": [list(ids) for ids in completion_ids],
+            "answer": [prompt.answer] * n,
+            **term.args,
+        }
+        error = _clash(prompt.extra, own)
+        result = None
+        if error is None:
+            result, error = _call(term.fn, {**own, **{k: [v] * n for k, v in prompt.extra.items()}})
+        if error is None:
+            try:
+                result = list(result)
+            except TypeError:
+                error = f"returned {type(result).__name__}, not a list of {n} rewards"
+        if error is None and len(result) != n:
+            error = f"returned {len(result)} rewards for {n} completions"
+        if error is not None:
+            return [None] * n, [error] * n
+        values, errors = [], []
+        for value in result:
+            v, e = (None, None) if value is None else _as_reward(value)
+            values.append(v)
+            errors.append(e)
+        return values, errors

@@ -15,21 +15,25 @@ import os
 import time
 from typing import Any
 
+from asyncrl.tasks.rewards import RewardCallError, resolve_reward
+
 PARENT_CHECK_S = 1.0  # how often an idle child checks that its parent is still there
 START_TIMEOUT_S = 120.0  # importing the user's reward module may be slow
 
 
-class RewardTimeout(Exception):
+class RewardTimeout(RewardCallError):
     """The reward function did not return within task.reward_timeout_s."""
 
 
-class RewardRaised(Exception):
+class RewardRaised(RewardCallError):
     """The reward function raised in the child process (its type and message are kept)."""
+
+    @property
+    def recorded(self) -> str:
+        return f"raised {self}"
 
 
 def _child(spec: str, conn, parent: int) -> None:
-    from asyncrl.tasks.rewards import resolve_reward
-
     try:
         fn = resolve_reward(spec)
     except Exception as exc:

@@ -20,14 +20,41 @@ Which layout a micro-batch gets and how samples are cut into micro-batches:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from asyncrl.types import Sample
 
-if TYPE_CHECKING:  # packing builds on this module
-    from asyncrl.trainer.packing import TreeInputs
+
+@dataclass
+class TreeLevel:
+    """One forward pass: the segments of one level of the tree."""
+
+    input_ids: torch.Tensor  # (n, W) segments, left-padded
+    attention_mask: torch.Tensor  # (n, C) the ancestors' columns of all levels above, then its own W
+    position_ids: torch.Tensor  # (n, W)
+    parent: torch.Tensor  # (n,) row of each segment's parent on the level above (empty on level 0)
+    keep: int  # logits are computed for the last ``keep`` columns (0: none)
+
+
+@dataclass
+class TreeInputs:
+    levels: list[TreeLevel]
+    # (B, R) index into the kept logits of all levels, flattened level by level and row by
+    # row, of the position that predicts each completion token (0 past a sample's span).
+    logit_index: torch.Tensor
+
+    @property
+    def tokens(self) -> int:
+        return sum(level.input_ids.numel() for level in self.levels)
+
+    def to(self, device: torch.device) -> TreeInputs:
+        for level in self.levels:
+            for name, value in vars(level).items():
+                if isinstance(value, torch.Tensor):
+                    setattr(level, name, value.to(device))
+        self.logit_index = self.logit_index.to(device)
+        return self
 
 
 @dataclass

@@ -1,14 +1,37 @@
-"""Per-token log-probs (and entropies) of completions under a model, as the trainer sees them."""
+"""Per-token log-probs (and entropies) of completions under a model, as the trainer sees them.
+
+Two paths, chosen by ``chunk_tokens`` (``trainer.logprob_chunk_tokens``):
+
+* **chunked** (> 0, the default): the model's forward runs without its LM head (``logits_to_keep``
+  selects no position) and a forward hook on its decoder keeps the final hidden states; those of
+  the predicting positions go through :func:`asyncrl.trainer.chunked.chunked_logprobs`, which
+  never holds the logits of more than ``chunk_tokens`` positions, forward or backward.
+* **whole logits** (0, and models whose head is not a plain ``Linear`` read as-is — a peft
+  adapter or wrapper on the head, soft-capped or scaled logits): the model's own logits of
+  the predicting positions, one log-softmax over all of them.
+
+Both take the same positions in both layouts and give the same numbers (tests/test_chunked.py).
+Going through the model's own forward (rather than calling its decoder) keeps the hooks that
+wrappers put on it — peft's, FSDP2's — in place.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from asyncrl.algorithms.losses import entropy_from_logprobs
-from asyncrl.models.forward import with_cache
-from asyncrl.trainer.batching import MicroBatch
-from asyncrl.trainer.packing import TreeInputs
+from asyncrl.models.forward import base_model, with_cache
+from asyncrl.trainer.batching import MicroBatch, TreeInputs, TreeLevel
+from asyncrl.trainer.chunked import chunked_logprobs
+
+# Positions whose logits are computed at once: (1024 × 151,936) float32 logits are 0.6 GB.
+DEFAULT_CHUNK_TOKENS = 1024
+# Config attributes of models whose CausalLM forward changes the logits after the head.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
 def predicting_logits(model: PreTrainedModel, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,10 +56,11 @@ def predicting_logits(model: PreTrainedModel, batch: MicroBatch) -> tuple[torch.
     return tree_logits(model, batch.tree), batch.tree.logit_index
 
 
-def tree_logits(model: PreTrainedModel, tree: TreeInputs) -> torch.Tensor:
-    """Run the prefix tree level by level (see :mod:`asyncrl.trainer.packing`); the kept logits, flat."""
+def _tree_levels(
+    model: PreTrainedModel, tree: TreeInputs, logits_to_keep: Callable[[TreeLevel], int | torch.Tensor]
+) -> Iterator[tuple[TreeLevel, object]]:
+    """Forward the prefix tree level by level against the KV cache of the levels above; each level's output."""
     cache = DynamicCache(config=model.config)
-    kept = []
     for depth, level in enumerate(tree.levels):
         if depth:
             # Each row continues its parent's path: gathering the cache rows is differentiable,
@@ -49,11 +73,79 @@ def tree_logits(model: PreTrainedModel, tree: TreeInputs) -> torch.Tensor:
             attention_mask=level.attention_mask,
             position_ids=level.position_ids,
             use_cache=True,
-            # An int keeps the last columns (0 would keep all); an empty index keeps none.
-            logits_to_keep=level.keep or torch.zeros(0, dtype=torch.long, device=level.input_ids.device),
+            logits_to_keep=logits_to_keep(level),
         )
-        kept.append(out.logits.flatten(0, 1))
+        yield level, out
+
+
+def tree_logits(model: PreTrainedModel, tree: TreeInputs) -> torch.Tensor:
+    """Run the prefix tree level by level (see :mod:`asyncrl.trainer.packing`); the kept logits, flat."""
+    # An int keeps the last columns (0 would keep all); an empty index keeps none.
+    none = _NO_POSITION.to(tree.logit_index.device)
+    kept = [
+        out.logits.flatten(0, 1) for _, out in _tree_levels(model, tree, lambda level: level.keep or none)
+    ]
     return kept[0] if len(kept) == 1 else torch.cat(kept)
+
+
+def lm_head(model: PreTrainedModel) -> torch.nn.Linear | None:
+    """The model's output layer when the chunked path reproduces its logits, else None.
+
+    That is a plain ``Linear`` (tied to the input embedding or not) whose output the model
+    uses as is; not a peft layer or wrapper (adapters or ``modules_to_save`` on the head) and
+    not a model that soft-caps or scales its logits.
+    """
+    base = base_model(model)
+    head = base.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        return None
+    if any(getattr(base.config, name, None) not in (None, 1, 1.0) for name in _LOGIT_TRANSFORMS):
+        return None
+    return head
+
+
+@contextmanager
+def _final_hidden(model: PreTrainedModel) -> Iterator[Callable[[], torch.Tensor]]:
+    """Within the block, the last hidden states (B, L, H) the model's decoder returned."""
+    seen: list[torch.Tensor] = []
+
+    def keep(module: torch.nn.Module, args: object, output: object) -> None:
+        seen[:] = [output[0] if isinstance(output, tuple) else output.last_hidden_state]
+
+    handle = base_model(model).get_decoder().register_forward_hook(keep)
+    try:
+        yield lambda: seen.pop()
+    finally:
+        handle.remove()
+
+
+_NO_POSITION = torch.zeros(0, dtype=torch.long)
+
+
+def predicting_hidden(model: PreTrainedModel, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final hidden states of the positions that predict completion tokens, (N, H), and each token's row, (B, R).
+
+    The same positions and rows as :func:`predicting_logits`; the model's head runs on no position.
+    """
+    none = _NO_POSITION.to(batch.completion_ids.device)
+    with _final_hidden(model) as hidden:
+        if batch.tree is None:
+            model(
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                position_ids=batch.position_ids,
+                logits_to_keep=none,
+                use_cache=False,
+            )
+            b, r = batch.completion_ids.shape
+            index = torch.arange(b * r, device=batch.completion_ids.device).view(b, r)
+            return hidden()[:, -r:].flatten(0, 1), index
+        kept = []
+        for level, _ in _tree_levels(model, batch.tree, lambda level: none):
+            h = hidden()
+            if level.keep:
+                kept.append(h[:, -level.keep :].flatten(0, 1))
+        return (kept[0] if len(kept) == 1 else torch.cat(kept)), batch.tree.logit_index
 
 
 def completion_logits(model: PreTrainedModel, batch: MicroBatch) -> torch.Tensor:
@@ -68,12 +160,34 @@ def completion_logprobs(
     temperature: float,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / temperature) at each completion token, shape (B, R).
 
-    Only positions that predict completion tokens go through the LM head. The entropy
-    keeps its graph only when ``entropy_grad`` (an entropy bonus); as a metric it is detached.
+    Only positions that predict completion tokens go through the LM head, ``chunk_tokens``
+    of them at a time (0: all at once; see the module). The entropy keeps its graph only
+    when ``entropy_grad`` (an entropy bonus); as a metric it is detached.
     """
+    head = lm_head(model) if chunk_tokens > 0 else None
+    if head is not None:
+        hidden, index = predicting_hidden(model, batch)
+        support = has_support = None
+        if batch.support_ids is not None:
+            support, has_support = batch.support_ids.flatten(0, 1), batch.has_support.flatten()
+        logp, entropy = chunked_logprobs(
+            hidden,
+            head.weight,
+            head.bias,
+            index.flatten(),
+            batch.completion_ids.flatten(),
+            temperature,
+            chunk_tokens,
+            support=support,
+            has_support=has_support,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+        )
+        return logp.view(index.shape), None if entropy is None else entropy[index]
     flat, index = predicting_logits(model, batch)
     flat = flat.float()
     if temperature != 1.0:  # a division of every logit, and of every gradient, saved when it is 1
@@ -90,5 +204,7 @@ def completion_logprobs(
         logp = torch.where(batch.has_support, token - torch.logsumexp(kept, dim=-1), logp)
     entropy = None
     if with_entropy:
-        entropy = entropy_from_logprobs(full if entropy_grad else full.detach())[index]
+        # Autocast would run the entropy's dot product (an einsum) in its low dtype.
+        with torch.autocast(flat.device.type, enabled=False):
+            entropy = entropy_from_logprobs(full if entropy_grad else full.detach())[index]
     return logp, entropy

@@ -28,6 +28,8 @@ from transformers import PretrainedConfig
 from asyncrl.trainer.batching import (
     MICRO_BATCH_OVERHEAD_TOKENS,
     MicroBatch,
+    TreeInputs,
+    TreeLevel,
     collate,
     padded_cost,
     per_token_tensors,
@@ -38,37 +40,6 @@ from asyncrl.types import Sample
 
 Packing = Literal["tree", "prompts", "off"]
 PACKINGS: tuple[str, ...] = ("tree", "prompts", "off")
-
-
-@dataclass
-class TreeLevel:
-    """One forward pass: the segments of one level of the tree."""
-
-    input_ids: torch.Tensor  # (n, W) segments, left-padded
-    attention_mask: torch.Tensor  # (n, C) the ancestors' columns of all levels above, then its own W
-    position_ids: torch.Tensor  # (n, W)
-    parent: torch.Tensor  # (n,) row of each segment's parent on the level above (empty on level 0)
-    keep: int  # logits are computed for the last ``keep`` columns (0: none)
-
-
-@dataclass
-class TreeInputs:
-    levels: list[TreeLevel]
-    # (B, R) index into the kept logits of all levels, flattened level by level and row by
-    # row, of the position that predicts each completion token (0 past a sample's span).
-    logit_index: torch.Tensor
-
-    @property
-    def tokens(self) -> int:
-        return sum(level.input_ids.numel() for level in self.levels)
-
-    def to(self, device: torch.device) -> TreeInputs:
-        for level in self.levels:
-            for name, value in vars(level).items():
-                if isinstance(value, torch.Tensor):
-                    setattr(level, name, value.to(device))
-        self.logit_index = self.logit_index.to(device)
-        return self
 
 
 def packing_for(config: PretrainedConfig, packing: Packing) -> Packing:

@@ -30,6 +30,12 @@ local norm; FSDP2 gradients are shards (DTensor) and their norm is reduced acros
 Step metrics are summed (``*_max`` keys: maximised) over ranks, so every rank reports the
 whole batch.
 
+**Mixed precision.** The master weights, gradients and optimizer state are in the master
+dtype (float32 by default) on every layout. DDP runs the forward passes under autocast to
+the compute dtype, as the single-process trainer does; FSDP2 shards float32 parameters and
+gathers them in the compute dtype (``MixedPrecisionPolicy(param_dtype=compute,
+reduce_dtype=float32)``), so its gradients are reduced in float32.
+
 **Memory with FSDP2.** The optimizer state and the parameters between commands are
 sharded (1/M per rank). During a command the parameters are gathered, and gradients
 accumulate unsharded until the step's sync pass reduce-scatters them: per rank that is
@@ -100,13 +106,19 @@ class DistributedTrainer(Trainer):
             self._ddp.register_comm_hook(None, _sum_allreduce_hook)
             return
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(self.device.type, (self.ranks.world_size,))
+        # Mixed precision: the sharded parameters (and optimizer state) stay in the master dtype;
+        # gathers cast them to the compute dtype, and gradients are reduced in float32.
+        mp = MixedPrecisionPolicy(
+            param_dtype=self.compute_dtype if self.autocast else None,
+            reduce_dtype=torch.float32 if self.autocast else None,
+        )
         # Parameters stay gathered between forward and backward: a command gathers them once.
         for block in decoder_blocks(self.model):
-            fully_shard(block, mesh=mesh, reshard_after_forward=False)
-        fully_shard(self.model, mesh=mesh, reshard_after_forward=False)
+            fully_shard(block, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+        fully_shard(self.model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
         self._fsdp_modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
         for module in self._fsdp_modules:
             module.set_gradient_divide_factor(1.0)

@@ -21,6 +21,7 @@ With LoRA only the adapters are trained, and only they are published and checkpo
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -33,10 +34,12 @@ from transformers import PreTrainedModel
 
 from asyncrl.algorithms import corrections, losses
 from asyncrl.algorithms.advantages import group_advantages
-from asyncrl.config import AlgorithmConfig, TrainerConfig
+from asyncrl.config import AlgorithmConfig, TrainerConfig, old_logprob_mode
+from asyncrl.models.checkpointing import checkpoint_decoder_layers
 from asyncrl.models.lora import adapter_fqns, is_lora, published_weights
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.logprobs import completion_logprobs
+from asyncrl.trainer.memory import resolve_micro_batch_tokens
 from asyncrl.trainer.packing import packing_for
 from asyncrl.trainer.planning import collate_layout, plan_layouts
 from asyncrl.types import Group, Sample
@@ -51,6 +54,13 @@ def assign_advantages(groups: list[Group], scale: str) -> None:
     for group, adv in zip(groups, group_advantages(rewards, scale), strict=True):  # type: ignore[arg-type]
         for sample, a in zip(group.samples, adv.tolist(), strict=True):
             sample.advantage = a
+
+
+def sync_dtype(lora: bool, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype weights travel in to the engines: the engines' own (compute) dtype, half the
+    bytes of float32 master weights in bfloat16; LoRA adapters in float32 (they are small, and the
+    engine merges them into its base in float32, see :mod:`asyncrl.engine.lora`)."""
+    return torch.float32 if lora else compute_dtype
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
@@ -83,6 +93,7 @@ class Trainer:
         max_completion_length: int,
         total_steps: int,
         old_logprobs: str | None = None,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.pad_token_id = pad_token_id
@@ -90,24 +101,38 @@ class Trainer:
         self.algo = algo_cfg
         self.temperature = temperature
         self.max_completion_length = max_completion_length
-        if old_logprobs is None:  # resolve 'auto' without schedule knowledge (Config.old_logprob_mode has it)
-            old_logprobs = algo_cfg.old_logprobs
-            if old_logprobs == "auto":
-                needs_recompute = algo_cfg.num_iterations > 1 or algo_cfg.is_level != "none"
-                old_logprobs = "recompute" if needs_recompute else "current"
+        if old_logprobs is None:  # a trainer built without a run's schedule: on-policy
+            old_logprobs = old_logprob_mode(algo_cfg, max_staleness=0)
         if old_logprobs not in ("current", "behaviour", "recompute"):
             raise ValueError(f"old_logprobs must be current, behaviour or recompute, got {old_logprobs!r}")
         if old_logprobs == "current" and algo_cfg.num_iterations > 1:
             raise ValueError("old_logprobs='current' gives ratio 1 only for a single update per batch")
         self.old_logprob_mode = old_logprobs
         self.device = next(model.parameters()).device
+        trained = [p for p in model.parameters() if p.requires_grad]
+        self.master_dtype = trained[0].dtype if trained else next(model.parameters()).dtype
+        self.compute_dtype = compute_dtype or self.master_dtype
+        # Mixed precision: master weights stay in their dtype, forward passes run in the compute dtype.
+        self.autocast = any(p.dtype != self.compute_dtype for p in trained)
         self.packing = packing_for(model.config, trainer_cfg.packing)
         self.version = 0
         self.lora = is_lora(model)
         # The KL reference: with LoRA the base itself (see _reference_logprobs); otherwise a
-        # frozen copy of the initial policy, made only when it is used.
+        # frozen copy of the initial policy, made only when it is used. It stays in the master
+        # dtype and runs under the same autocast as the policy, so that the KL of the initial
+        # policy to itself is exactly 0.
         self.ref_model = (
             copy.deepcopy(model).eval().requires_grad_(False) if algo_cfg.beta > 0 and not self.lora else None
+        )
+        if trainer_cfg.gradient_checkpointing:  # the policy only: the reference computes no gradients
+            checkpoint_decoder_layers(model)
+        self.micro_batch_tokens = resolve_micro_batch_tokens(
+            trainer_cfg.micro_batch_tokens,
+            model,
+            self.device,
+            chunk_tokens=trainer_cfg.logprob_chunk_tokens,
+            checkpointing=trainer_cfg.gradient_checkpointing,
+            autocast_dtype=self.compute_dtype if self.autocast else None,
         )
         # After the reference copy (it stays whole) and before the optimizer sees the parameters.
         self._parallelize()
@@ -142,19 +167,31 @@ class Trainer:
         t0 = time.perf_counter()
         batches = [
             collate_layout(chunk, layout, self.pad_token_id).to(self.device)
-            for chunk, layout in plan_layouts(samples, self.cfg.micro_batch_tokens, self.packing)
+            for chunk, layout in plan_layouts(samples, self.micro_batch_tokens, self.packing)
         ]
         mode = self.old_logprob_mode
-        with torch.no_grad(), self._eval_mode():
+        with torch.no_grad(), self._eval_mode(), self.compute():
             for mb in batches:
                 if mode == "recompute":
-                    mb.old_logprobs = completion_logprobs(self.model, mb, self.temperature)[0]
+                    mb.old_logprobs = completion_logprobs(
+                        self.model, mb, self.temperature, chunk_tokens=self.cfg.logprob_chunk_tokens
+                    )[0]
                 elif mode == "behaviour":
                     mb.old_logprobs = mb.behaviour_logprobs
                 if self.algo.beta > 0:
                     mb.ref_logprobs = self._reference_logprobs(mb)
         self._busy_s += time.perf_counter() - t0
         return batches
+
+    def compute(self) -> contextlib.AbstractContextManager:
+        """Where the model's forward passes run: autocast to the compute dtype under mixed precision.
+
+        Only the forward pass: backward runs each op in the dtype its forward used, and the
+        gradients land in the master dtype of the parameters.
+        """
+        if not self.autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     @contextmanager
     def _eval_mode(self) -> Iterator[None]:
@@ -168,9 +205,13 @@ class Trainer:
 
     def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
         if self.ref_model is not None:
-            return completion_logprobs(self.ref_model, mb, self.temperature)[0]
+            return completion_logprobs(
+                self.ref_model, mb, self.temperature, chunk_tokens=self.cfg.logprob_chunk_tokens
+            )[0]
         with self.model.disable_adapter():  # LoRA: the base model is the initial policy
-            return completion_logprobs(self.model, mb, self.temperature)[0]
+            return completion_logprobs(
+                self.model, mb, self.temperature, chunk_tokens=self.cfg.logprob_chunk_tokens
+            )[0]
 
     def accumulate(self, batches: list[MicroBatch]) -> float:
         """Forward/backward on micro-batches, adding their undivided loss to the gradients.
@@ -283,9 +324,15 @@ class Trainer:
 
     def _micro_batch_loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
         algo = self.algo
-        logp, entropy = completion_logprobs(
-            self.model, mb, self.temperature, with_entropy=True, entropy_grad=bool(algo.entropy_coef)
-        )
+        with self.compute():
+            logp, entropy = completion_logprobs(
+                self.model,
+                mb,
+                self.temperature,
+                with_entropy=True,
+                entropy_grad=bool(algo.entropy_coef),
+                chunk_tokens=self.cfg.logprob_chunk_tokens,
+            )
         mask = mb.mask
         old = logp.detach() if mb.old_logprobs is None else mb.old_logprobs
         log_ratio = losses.log_importance_ratio(logp, old, mask, algo.ratio_level)
@@ -387,5 +434,14 @@ class Trainer:
         return self.version
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        """What a weight sync publishes: with LoRA the adapters (saved-format names), else every parameter."""
+        """The trained weights in the master dtype: with LoRA the adapters (saved-format names), else every parameter."""
         return published_weights(self.model)
+
+    @property
+    def sync_dtype(self) -> torch.dtype:
+        return sync_dtype(self.lora, self.compute_dtype)
+
+    def synced_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """What a weight sync publishes: :meth:`named_weights` in :func:`sync_dtype` (no copy where it matches)."""
+        dtype = self.sync_dtype
+        return [(name, t.to(dtype)) for name, t in self.named_weights()]

@@ -61,6 +61,7 @@ from asyncrl.weight_sync.base import (
     verify,
     word_sum,
 )
+from asyncrl.weight_sync.devices import HostStaging, backend_reason, choose_backend, device_identity
 from asyncrl.weight_sync.host_plane import HostPlane, bucket_offsets, host_identity, plane_refusal
 
 DEFAULT_BUCKET_BYTES = 64 << 20
@@ -137,21 +138,34 @@ def plan_messages(
     return messages
 
 
+def negotiate_backend(store, rank: int, world_size: int, device: torch.device, timeout_s: float) -> str:
+    """Every member reports where its weights live; rank 0 picks the backend (see :mod:`.devices`)."""
+    store.set(f"device/{rank}", device_identity(device))
+    if rank == 0:
+        keys = [f"device/{r}" for r in range(world_size)]
+        store.wait(keys, timedelta(seconds=timeout_s))
+        identities = [store.get(k).decode() for k in keys]
+        store.set("backend", f"{choose_backend(identities)}:{backend_reason(identities)}")
+    return store.get("backend").decode().split(":", 1)[0]
+
+
 def _make_group(
     host: str, port: int, rank: int, world_size: int, timeout_s: float, device: torch.device, streams: int
 ):
+    """The store, the backend :func:`negotiate_backend` chose, and the process group."""
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
-    if device.type == "cuda":
+    backend = negotiate_backend(store, rank, world_size, device, timeout_s)
+    if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timedelta(seconds=timeout_s)
-        return store, dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        return store, backend, dist.ProcessGroupNCCL(store, rank, world_size, opts)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timedelta(seconds=timeout_s)
     # One gloo device per stream: each has its own TCP connection to every peer, and gloo
     # assigns successive collectives to the devices in turn; one thread per device runs them.
     opts._devices = [dist.ProcessGroupGloo.create_default_device() for _ in range(streams)]
     opts._threads = streams
-    return store, dist.ProcessGroupGloo(store, rank, world_size, opts)
+    return store, backend, dist.ProcessGroupGloo(store, rank, world_size, opts)
 
 
 class _BroadcastEnd:
@@ -170,17 +184,22 @@ class _BroadcastEnd:
         if streams < 1:
             raise ValueError(f"streams must be at least 1, got {streams}")
         self.layout = layout
-        self.device = device
+        self.weights_device = device  # where this end's model keeps the weights
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.where = f"broadcast group {host}:{port} (rank {rank} of {world_size})"
         try:
-            self.store, self.group = _make_group(host, port, rank, world_size, timeout_s, device, streams)
+            self.store, self.backend, self.group = _make_group(
+                host, port, rank, world_size, timeout_s, device, streams
+            )
         except (RuntimeError, dist.DistStoreError) as exc:
             raise WeightSyncError(
                 f"{self.where}: could not form the group within {timeout_s:g}s: {exc}"
             ) from None
+        # Where the group's tensors live: this end's GPU under NCCL, host memory under gloo
+        # (weights on a GPU are then staged through it).
+        self.device = device if self.backend == "nccl" else torch.device("cpu")
         self.buckets = plan_buckets(layout, bucket_bytes)
         self.messages = plan_messages(layout, self.buckets, DIRECT_BYTES, PIECE_BYTES)
         fp = int(layout.fingerprint, 16) & ((1 << 62) - 1)
@@ -195,7 +214,7 @@ class _BroadcastEnd:
         waits for a peer that will never come is given up at once instead of at the timeout.
         """
         self._interrupted.set()
-        if self.device.type == "cuda" and self.group is not None:
+        if self.backend == "nccl" and self.group is not None:
             self.group.abort()  # NCCL fails its pending work; gloo's is watched in slices by _wait
 
     def _use_plane_messages(self) -> None:
@@ -230,6 +249,8 @@ class _BroadcastEnd:
                 self._wait_one(work)
                 if after is not None:
                     after(k)
+            if self.backend == "nccl":  # NCCL's wait orders the stream; the host waits here
+                torch.cuda.synchronize(self.device)
         except SyncInterrupted:
             raise SyncInterrupted(f"{self.where}: {what} interrupted: the group is being replaced") from None
         except RuntimeError as exc:
@@ -240,7 +261,7 @@ class _BroadcastEnd:
     def _wait_one(self, work) -> None:
         if self._interrupted.is_set():
             raise SyncInterrupted
-        if self.device.type == "cuda":
+        if self.backend == "nccl":
             try:
                 work.wait()
             except RuntimeError:
@@ -291,6 +312,8 @@ class BroadcastSender(_BroadcastEnd):
         )
         if self.plane is not None:
             self._use_plane_messages()
+        # Weights on a GPU sent over gloo are first copied to host memory (pinned when CUDA is present).
+        self.host_staging = HostStaging()
         # Staging only for the packed messages of the TCP path; direct ones are sent from the
         # caller's tensors. Zero-filled here so that the first publication does not pay the page faults.
         self.staging = {
@@ -332,6 +355,8 @@ class BroadcastSender(_BroadcastEnd):
         tensors = dict(named)
         check_publish(self.layout, tensors, version, self.where)
         values = [t.detach() for t in tensors.values()]
+        if self.backend == "gloo":
+            values = self.host_staging.stage(values)
         flats = [t.reshape(-1) for t in values]
         header = torch.tensor([version, self.fingerprint], dtype=torch.int64, device=self.device)
         if self.plane is not None:

@@ -77,7 +77,9 @@ def plane_refusal(
     if not same_host:
         return "same_host is off"
     if device.type != "cpu":
-        return "the weights are on a GPU (NCCL has its own intra-node transport)"
+        return (
+            "the group uses NCCL (every member has a GPU of its own; NCCL has its own intra-node transport)"
+        )
     elsewhere = [r for r, peer in enumerate(peers, start=1) if peer != here]
     if elsewhere:
         return f"receiver rank(s) {elsewhere} run on another machine"

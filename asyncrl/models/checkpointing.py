@@ -1,0 +1,80 @@
+"""Activation checkpointing of decoder layers that keeps the KV cache (``trainer.gradient_checkpointing``).
+
+Hugging Face's own gradient checkpointing drops the KV cache of a layer it checkpoints in
+training (its backward replay would append the layer's keys and values to the cache a second
+time), and the prefix-tree layout forwards each tree level against the cache of the level
+above. :func:`checkpoint_decoder_layers` wraps every decoder layer's ``forward`` in a
+non-reentrant :func:`torch.utils.checkpoint.checkpoint` instead, whose replay sees the cache
+as the original forward saw it: before the layer runs, the state of its cache layer (the keys
+and values gathered from the level above) is noted, and the replay runs with that state put
+back, so the layer appends its recomputed keys and values to exactly what it appended them
+to the first time (the checkpoint's own check, on by default, compares the shapes of what
+the replay saves with the original's). The cache is left as the forward left it. Gradients
+through the cache need nothing more: the original forward's graph already links every
+level to the levels above; the replay only rebuilds the tensors that graph saved.
+
+Only the layer's input is saved between forward and backward (and, in the tree layout, the
+cache rows gathered for each level, which the replay reads). The wrapper is on the instance's
+``forward``, so module hooks (FSDP2's) stay outside the checkpoint and parameter names are
+unchanged. Without gradients (old-policy and reference log-probs) or in eval mode the
+layer runs as is.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from asyncrl.models.forward import base_model
+
+_MARK = "_asyncrl_checkpointed"
+
+
+def checkpoint_decoder_layers(model: torch.nn.Module) -> int:
+    """Checkpoint every decoder layer of ``model`` (a transformers model, or a peft model around one).
+
+    Returns the number of layers wrapped; calling it again changes nothing.
+    """
+    layers = base_model(model).get_decoder().layers
+    for index, layer in enumerate(layers):
+        if not getattr(layer, _MARK, False):
+            layer.forward = functools.partial(_checkpointed_forward, layer, index)
+            setattr(layer, _MARK, True)
+    return len(layers)
+
+
+def _checkpointed_forward(layer: torch.nn.Module, index: int, *args: Any, **kwargs: Any) -> Any:
+    run = type(layer).forward
+    if not (layer.training and torch.is_grad_enabled()):
+        return run(layer, *args, **kwargs)
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    replay = nullcontext
+    if cache is not None:
+        attention = getattr(layer, "self_attn", None)
+        cache_layer = cache.layers[getattr(attention, "layer_idx", index)]
+        before = dict(vars(cache_layer))
+        replay = functools.partial(_state_as, cache_layer, before)
+    return checkpoint(
+        functools.partial(run, layer, **kwargs),
+        *args,
+        use_reentrant=False,
+        context_fn=lambda: (nullcontext(), replay()),
+    )
+
+
+@contextmanager
+def _state_as(obj: object, state: dict[str, Any]) -> Iterator[None]:
+    """``obj``'s attributes set to ``state`` within the block, and back to what they were after it."""
+    now = dict(vars(obj))
+    vars(obj).clear()
+    vars(obj).update(state)
+    try:
+        yield
+    finally:
+        vars(obj).clear()
+        vars(obj).update(now)

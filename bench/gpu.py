@@ -1,0 +1,431 @@
+"""asyncrl on the GPU that is present: the default example, the engine, the trainer, weight sync.
+
+    python bench/gpu.py [--parts default engine trainer weight_sync] [--steps 150]
+    python bench/gpu.py --device cpu --quick      # a few seconds per part, to check the script itself
+
+Prints one JSON object (its last line) with the device's name and, per part:
+
+* ``default``: the default example (``asyncrl train`` with ``model.device`` set) for the
+  ``sync``, ``periodic`` and ``async`` schedules, generator and trainer on one GPU: seconds
+  per step, mean reward of the first and last ten steps, the engine/trainer log-prob gap,
+  the trainer's and generators' busy fractions;
+* ``engine``: output tokens/s of asyncrl's engine against ``model.generate`` (eager, dynamic
+  cache) and ``model.generate(cache_implementation="static")`` on the same requests, for a
+  Qwen2-0.5B-shaped model (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864,
+  vocabulary 151,936, bfloat16, random weights built in memory — nothing is downloaded):
+  64 fixed-length requests (512-token prompts, 256 new tokens) and 256 long-tailed ones
+  (prompts of 64-256 tokens, 16-1024 new tokens, 64 in flight); ms per engine step; peak
+  GPU memory. ``generate`` runs batches of 64 until the longest budget of the batch and is
+  credited only with each row's own budget;
+* ``trainer``: one optimizer step of the trainer on that model (float32 master weights,
+  bfloat16 compute, 4 groups x 8 samples of 256 prompt + 512 completion tokens): tokens/s,
+  MFU (6 x parameters x tokens against the GPU's dense bfloat16 peak, when known) and peak
+  GPU memory;
+* ``weight_sync``: seconds from the start of a publication until a receiver in another
+  process holds the version in GPU memory (as the engine loads it), per transport, for that
+  model's weights in bfloat16: the median (and fastest) of several versions after an untimed
+  first one.
+
+``--quick`` swaps the 0.5B shape for a tiny one and shortens every part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+# Dense bfloat16 tensor-core peaks (FLOP/s) of the GPUs we report MFU on.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def peak_flops(name: str) -> float | None:
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+# Qwen2 shapes: a tiny one for --quick, and Qwen2-0.5B's (494M parameters, tied embeddings).
+SHAPES = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=512, max_position_embeddings=2048),
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, vocab_size=151936, max_position_embeddings=4096),
+}  # fmt: skip
+
+
+def qwen2_config(quick: bool):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**SHAPES["tiny" if quick else "0.5b"], tie_word_embeddings=True)
+
+
+def build_model(quick: bool, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(qwen2_config(quick))
+    return model.to(dtype)
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gb(device: torch.device) -> float | None:
+    return round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- the default example ------------------------------------------------------------------------
+
+
+def default_example(device: torch.device, steps: int) -> dict:
+    from asyncrl.config import load_config
+    from asyncrl.orchestration import train
+
+    out = {}
+    for schedule in ("sync", "periodic", "async"):
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = load_config(
+                overrides=[
+                    f"model.device={device}",
+                    f"schedule={schedule}",
+                    f"run.steps={steps}",
+                    "run.progress=false",
+                    "run.eval_every=0",
+                    "run.checkpoint_every=0",
+                ]
+            )
+            summary = train(cfg, Path(tmp) / "run")
+            rows = [json.loads(x) for x in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+        window = min(10, len(rows))
+        rewards = [r["reward_mean"] for r in rows]
+        out[schedule] = {
+            "steps": len(rows),
+            "s_per_step": round(summary["wall_s"] / len(rows), 4),
+            "reward_first10": round(statistics.fmean(rewards[:window]), 4),
+            "reward_last10": round(statistics.fmean(rewards[-window:]), 4),
+            "logprob_diff_max": round(max(r["logprob_diff_max"] for r in rows), 5),
+            "mismatch_kl_mean": statistics.fmean(r["mismatch_kl"] for r in rows),
+            "trainer_busy_frac": round(statistics.fmean(r["trainer_busy_frac"] for r in rows), 3),
+            "generator_busy_frac": round(statistics.fmean(r["generator_busy_frac"] for r in rows), 3),
+        }
+    return out
+
+
+# -- the engine ---------------------------------------------------------------------------------
+
+
+def engine_workloads(quick: bool, vocab: int) -> dict[str, tuple[list[list[int]], list[int], int]]:
+    """Per case: prompts (token ids), each request's new-token budget, requests in flight."""
+    rng = random.Random(0)
+    scale = 8 if quick else 1
+    fixed_n, fixed_prompt, fixed_new = 64 // scale, 512 // scale, 256 // scale
+    fixed = [[rng.randrange(3, vocab) for _ in range(fixed_prompt)] for _ in range(fixed_n)]
+    tail_n = 256 // scale
+    tail_prompts = [
+        [rng.randrange(3, vocab) for _ in range(rng.randint(64, 256) // scale)] for _ in range(tail_n)
+    ]
+    # Log-uniform budgets between 16 and 1024 new tokens: most short, a few very long.
+    tail_new = [int(math.exp(rng.uniform(math.log(16), math.log(1024)))) // scale or 1 for _ in range(tail_n)]
+    return {
+        "fixed": (fixed, [fixed_new] * fixed_n, 64 // scale),
+        "long_tailed": (tail_prompts, tail_new, 64 // scale),
+    }
+
+
+def run_engine(model, prompts, budgets, in_flight, device) -> dict:
+    from asyncrl.engine import EmbeddedEngine, GenerationRequest, SamplingParams
+
+    engine = EmbeddedEngine(model, pad_token_id=0, max_batch_size=in_flight, seed=0, owns_model=False)
+
+    def requests(n: int):
+        return [
+            GenerationRequest(
+                f"r{i}", prompts[i], SamplingParams(budgets[i], temperature=1.0, top_p=0.95), seed=i
+            )
+            for i in range(n)
+        ]
+
+    engine.generate(requests(min(4, len(prompts))))  # warm-up
+    reset_peak(device)
+    steps0, busy0 = engine.stats["steps"], engine.stats["busy_s"]
+    t0 = time.perf_counter()
+    results = engine.generate(requests(len(prompts)))
+    sync(device)
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(r.completion_ids) for r in results)
+    steps = engine.stats["steps"] - steps0
+    return {
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "ms_per_step": round(1000 * (engine.stats["busy_s"] - busy0) / max(steps, 1), 3),
+        "peak_gb": peak_gb(device),
+    }
+
+
+def run_generate(model, prompts, budgets, in_flight, device, static: bool) -> dict:
+    """HF generate in batches of ``in_flight``, each to its longest budget; credited with each row's budget."""
+    kwargs = {"cache_implementation": "static"} if static else {}
+
+    def batch_ids(batch):
+        width = max(len(p) for p in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, p in enumerate(batch):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        return ids.to(device), mask.to(device)
+
+    def generate(batch, new_tokens):
+        ids, mask = batch_ids(batch)
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_p=0.95,
+                top_k=0,
+                max_new_tokens=new_tokens,
+                eos_token_id=None,
+                pad_token_id=0,
+                **kwargs,
+            )
+
+    generate(prompts[: min(4, len(prompts))], max(budgets[:4]))  # warm-up (and compilation, static)
+    reset_peak(device)
+    t0 = time.perf_counter()
+    for start in range(0, len(prompts), in_flight):
+        generate(prompts[start : start + in_flight], max(budgets[start : start + in_flight]))
+    sync(device)
+    seconds = time.perf_counter() - t0
+    tokens = sum(budgets)
+    return {
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "peak_gb": peak_gb(device),
+    }
+
+
+def engine_part(device: torch.device, quick: bool) -> dict:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(quick, device, dtype).eval().requires_grad_(False)
+    vocab = model.config.vocab_size
+    out = {"model": "qwen2-tiny" if quick else "qwen2-0.5b-shape", "dtype": str(dtype).removeprefix("torch.")}
+    for case, (prompts, budgets, in_flight) in engine_workloads(quick, vocab).items():
+        row = {"engine": run_engine(model, prompts, budgets, in_flight, device)}
+        # The engine stops a request at its budget only: random weights rarely sample EOS (0).
+        row["generate_eager"] = run_generate(model, prompts, budgets, in_flight, device, static=False)
+        try:
+            row["generate_static"] = run_generate(model, prompts, budgets, in_flight, device, static=True)
+        except Exception as exc:  # a transformers version without static-cache generate for this model
+            row["generate_static"] = {"error": f"{type(exc).__name__}: {exc}"}
+        engine_tps = row["engine"]["tokens_per_s"]
+        for base in ("generate_eager", "generate_static"):
+            if "tokens_per_s" in row[base]:
+                row[f"speedup_vs_{base}"] = round(engine_tps / row[base]["tokens_per_s"], 3)
+        out[case] = row
+    return out
+
+
+# -- the trainer ----------------------------------------------------------------------------------
+
+
+def trainer_part(device: torch.device, quick: bool) -> dict:
+    from asyncrl.config import AlgorithmConfig, TrainerConfig
+    from asyncrl.trainer import Trainer
+    from asyncrl.types import Sample
+
+    compute = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(quick, device, torch.float32).train()
+    params = sum(p.numel() for p in model.parameters())
+    trainer = Trainer(
+        model,
+        pad_token_id=0,
+        trainer_cfg=TrainerConfig(lr=1e-6),
+        algo_cfg=AlgorithmConfig(),
+        temperature=1.0,
+        max_completion_length=512,
+        total_steps=10,
+        compute_dtype=compute,
+    )
+    groups, group_size = (2, 4) if quick else (4, 8)
+    prompt_len, completion_len = (32, 64) if quick else (256, 512)
+    rng = random.Random(0)
+    vocab = model.config.vocab_size
+    samples = []
+    for g in range(groups):
+        prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+        for k in range(group_size):
+            completion = [rng.randrange(3, vocab) for _ in range(completion_len)]
+            samples.append(
+                Sample(
+                    prompt_id=f"p{g}",
+                    group_id=g,
+                    prompt_ids=prompt,
+                    completion_ids=completion,
+                    logprobs=[-5.0] * completion_len,
+                    versions=[0] * completion_len,
+                    loss_mask=[1] * completion_len,
+                    finish_reason="length",
+                    advantage=1.0 if k % 2 else -1.0,
+                )
+            )
+
+    def step() -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        trainer.begin_step()
+        trainer.accumulate(trainer.prepare(samples))
+        trainer.finish_step(trainer.batch_divisor(samples))
+        sync(device)
+        return time.perf_counter() - t0
+
+    step()  # warm-up
+    reset_peak(device)
+    seconds = statistics.median(step() for _ in range(1 if quick else 3))
+    tokens = len(samples) * (prompt_len + completion_len)
+    name = device_name(device)
+    flops = peak_flops(name) if device.type == "cuda" else None
+    return {
+        "parameters": params,
+        "samples": len(samples),
+        "tokens": tokens,
+        "master_dtype": "float32",
+        "compute_dtype": str(compute).removeprefix("torch."),
+        "packing": trainer.cfg.packing,
+        "s_per_step": round(seconds, 4),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "mfu": round(6 * params * tokens / seconds / flops, 4) if flops else None,
+        "peak_gb": peak_gb(device),
+        "training_state_gb": round(16 * params / 2**30, 3),
+    }
+
+
+# -- weight sync --------------------------------------------------------------------------------
+
+
+def _receiver(spec, layout, device: str, versions: int, results) -> None:
+    """Another process: receive each version and copy it into GPU tensors, as an engine loads it."""
+    from asyncrl.orchestration.transport import make_receiver
+
+    dev = torch.device(device)
+    engine_weights = {s.name: torch.empty(s.shape, dtype=s.dtype, device=dev) for s in layout.specs}
+    receiver = make_receiver(spec, layout, 1, 120.0, dev)
+    try:
+        for v in range(versions + 1):
+            _, tensors = receiver.receive(v, 120.0)
+            for name, t in tensors.items():
+                engine_weights[name].copy_(t, non_blocking=True)
+            sync(dev)
+            results.put((v, time.time()))
+    except Exception as exc:
+        results.put((-1, f"{type(exc).__name__}: {exc}"))
+    finally:
+        receiver.close()
+
+
+def weight_sync_part(device: torch.device, quick: bool) -> dict:
+    from asyncrl.orchestration.transport import TransportSpec, free_port, make_sender
+    from asyncrl.weight_sync import WeightLayout
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(quick, device, dtype)
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    layout = WeightLayout.of(named)
+    versions = 3 if quick else 5
+    transports = ["shm", "files", "broadcast"] + (["cuda_ipc"] if device.type == "cuda" else [])
+    out = {"bytes": layout.nbytes, "dtype": str(dtype).removeprefix("torch."), "versions": versions}
+    ctx = mp.get_context("spawn")
+    for kind in transports:
+        with tempfile.TemporaryDirectory() as tmp:
+            spec = TransportSpec(kind, name=f"asyncrl-bench-{os.getpid()}-{kind}", dir=tmp)
+            if kind == "broadcast":
+                spec = spec.replace(port=free_port(), world=2, bucket_bytes=64 << 20)
+            results = ctx.Queue()
+            proc = ctx.Process(target=_receiver, args=(spec, layout, str(device), versions, results))
+            proc.start()
+            sender = None
+            try:
+                sender = make_sender(spec, layout, 120.0, device)
+                seconds = []
+                # Version 0 is not timed: it waits for the receiver's start and pays first-touch costs.
+                for v in range(versions + 1):
+                    t0 = time.time()
+                    sender.publish(named, v)
+                    got, when = results.get(timeout=300)
+                    if got != v:
+                        raise RuntimeError(f"{kind}: the receiver reported {when}")
+                    seconds.append(when - t0)
+                median = statistics.median(seconds[1:])
+                out[kind] = {
+                    "s_median": round(median, 4),
+                    "s_min": round(min(seconds[1:]), 4),
+                    "gb_per_s": round(layout.nbytes / median / 1e9, 2),
+                }
+            except Exception as exc:
+                out[kind] = {"error": f"{type(exc).__name__}: {exc}"}
+            finally:
+                if sender is not None:
+                    sender.close()
+                proc.join(timeout=60)
+                if proc.is_alive():
+                    proc.kill()
+    return out
+
+
+PARTS = {
+    "default": lambda a, d: default_example(d, a.steps),
+    "engine": lambda a, d: engine_part(d, a.quick),
+    "trainer": lambda a, d: trainer_part(d, a.quick),
+    "weight_sync": lambda a, d: weight_sync_part(d, a.quick),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--device", default="cuda", help="cuda (default) or cpu (with --quick: a check of the script)"
+    )
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
+    parser.add_argument("--steps", type=int, default=150, help="steps of the default example per schedule")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes and short runs")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench/gpu.py: no CUDA device is visible (use --device cpu --quick to check the script)")
+    if args.quick:
+        args.steps = min(args.steps, 4)
+    result = {"device": device_name(device), "torch": torch.__version__, "quick": args.quick}
+    for part in args.parts:
+        t0 = time.perf_counter()
+        result[part] = PARTS[part](args, device)
+        result[part]["part_s"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Helpers shared by the tests that run training: command lines, short-run overrides, processes, weights.
+
+Imported as ``from tests.helpers import ...``, like the other cross-file imports of the suite
+(``python -m pytest`` runs from the repository root, which is on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+from safetensors.torch import load_file
+
+
+def short_run(steps: int, prompts: int = 4, group_size: int = 4) -> list[str]:
+    """Overrides of a short, quiet run on the built-in example: no evaluation, no progress display."""
+    return [
+        f"rollout.prompts_per_step={prompts}",
+        f"rollout.group_size={group_size}",
+        f"run.steps={steps}",
+        "run.eval_every=0",
+        "run.progress=false",
+    ]
+
+
+ONE_THREAD_EACH = ["runtime.generator_threads=1", "runtime.trainer_threads=1"]
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a child Python that imports this checkout's asyncrl from any working
+    directory (an editable install, or a script's own directory first on ``sys.path``, would
+    otherwise pick whichever copy the install points at)."""
+    paths = [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), **extra}
+
+
+def cli(*args: str) -> list[str]:
+    """The command line of ``asyncrl`` run by this interpreter, as a subprocess."""
+    return [sys.executable, "-m", "asyncrl.cli", *args]
+
+
+def sets(overrides: list[str]) -> list[str]:
+    """``--set`` arguments for config overrides."""
+    return [a for o in overrides for a in ("--set", o)]
+
+
+def child_pids() -> set[int]:
+    """Every live descendant of this process."""
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def wait_gone(pids: set[int], timeout: float = 15) -> list[psutil.Process]:
+    """Wait for these processes to exit; those still alive after ``timeout``."""
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs.append(psutil.Process(pid))
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return alive
+
+
+def stop_after_steps(
+    run_dir: Path, overrides: list[str], steps: int, sig: signal.Signals, timeout: float = 120
+) -> tuple[int, str]:
+    """Start ``asyncrl train`` as a child, send it ``sig`` once metrics.jsonl has ``steps`` lines.
+
+    Returns (exit code, stderr); asserts that the run's worker processes are gone after it.
+    """
+    proc = subprocess.Popen(
+        cli("train", *sets(overrides), "--run-dir", str(run_dir)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+    )
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
+                break
+            time.sleep(0.01)
+        descendants = psutil.Process(proc.pid).children(recursive=True)  # the run's worker processes
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=timeout)
+        # Orphans would be re-parented away from this test, so look for the ones seen before the stop.
+        _, alive = psutil.wait_procs(descendants, timeout=15)
+        assert not alive, f"left behind after the stop: {[p.pid for p in alive]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    return proc.returncode, err
+
+
+def train_to_end(*args: str, timeout: float = 300) -> None:
+    """``asyncrl train ARGS`` as a child that must finish with exit code 0."""
+    done = subprocess.run(
+        cli("train", *args), capture_output=True, text=True, timeout=timeout, env=child_env()
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def straight_and_stopped(
+    straight_dir: Path, stopped_dir: Path, overrides: list[str], steps: int, timeout: float = 300
+) -> Path:
+    """An uninterrupted run in ``straight_dir``; the same run in ``stopped_dir`` stopped by SIGTERM once
+    ``steps`` steps are logged. Returns the checkpoint the stop wrote (resume with ``train_to_end``)."""
+    from asyncrl import checkpoint
+
+    train_to_end(*sets(overrides), "--run-dir", str(straight_dir), timeout=timeout)
+    code, _ = stop_after_steps(stopped_dir, overrides, steps, signal.SIGTERM, timeout=timeout)
+    assert code == 128 + signal.SIGTERM.value
+    return checkpoint.latest(stopped_dir)
+
+
+def final_weights(run_dir: Path, name: str = "model.safetensors") -> dict[str, torch.Tensor]:
+    """The tensors a run saved in ``final/`` (``adapter_model.safetensors`` for LoRA)."""
+    return load_file(str(run_dir / "final" / name))
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest absolute difference between two state dicts with the same keys."""
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)

@@ -1,0 +1,66 @@
+"""bench/gpu.py checked on the CPU in its quick mode: every part runs and reports its figures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import child_env
+
+pytestmark = pytest.mark.multiprocess
+
+SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "gpu.py"
+
+
+@pytest.mark.slow  # ~140 s; the engine, trainer and transports it times are tested in test_engine*, test_trainer, test_bench_weight_sync
+@pytest.mark.timeout(600)
+def test_gpu_bench_quick_mode_reports_every_part_on_the_cpu() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--device",
+            "cpu",
+            "--quick",
+            "--parts",
+            "engine",
+            "trainer",
+            "weight_sync",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        env=child_env(),
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["device"] == "cpu" and result["quick"] is True
+    for case in ("fixed", "long_tailed"):
+        row = result["engine"][case]
+        # Each side is credited with the same tokens: every request's own budget.
+        assert row["engine"]["tokens"] == row["generate_eager"]["tokens"] > 0
+        assert row["engine"]["tokens_per_s"] > 0 and row["engine"]["ms_per_step"] > 0
+    trainer = result["trainer"]
+    assert trainer["tokens"] == trainer["samples"] * (32 + 64) and trainer["tokens_per_s"] > 0
+    assert trainer["mfu"] is None  # no peak to compare with on the CPU
+    sync = result["weight_sync"]
+    assert set(sync) >= {"shm", "files", "broadcast"}
+    for kind in ("shm", "files", "broadcast"):
+        assert "error" not in sync[kind], sync[kind]
+        assert 0 < sync[kind]["s_min"] <= sync[kind]["s_median"]
+
+
+def test_gpu_bench_without_cuda_says_so() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120, env=child_env()
+    )
+    assert out.returncode == 1
+    assert "no CUDA device is visible" in out.stderr

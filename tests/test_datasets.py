@@ -1,0 +1,141 @@
+"""task.name=dataset: local datasets through Hugging Face `datasets` (saved directories, Parquet,
+JSON, CSV, JSONL), column mapping, eval splits and held-out fractions, and bad-row messages."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.errors import DatasetError
+from asyncrl.models.tokenizer import build_char_tokenizer
+from asyncrl.orchestration.build import prompt_source
+from asyncrl.tasks.hf_dataset import HFDataset, hold_out, load_rows
+
+ROWS = [{"question": f"{i}+1=", "solution": str(i + 1), "level": i % 3} for i in range(10)]
+CHAT = [{"question": [{"role": "user", "content": f"{i}+2="}], "solution": str(i + 2)} for i in range(4)]
+MAPPING = {"prompt_field": "question", "answer_field": "solution"}
+
+
+def write(tmp_path: Path, fmt: str, rows=ROWS) -> Path:
+    table = datasets.Dataset.from_list(rows)
+    path = tmp_path / f"data.{fmt}"
+    if fmt == "parquet":
+        table.to_parquet(str(path))
+    elif fmt == "csv":
+        table.to_csv(str(path), index=False)
+    elif fmt == "json":
+        path.write_text(json.dumps(rows), encoding="utf-8")
+    elif fmt == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    elif fmt == "disk":
+        path = tmp_path / "saved"
+        datasets.DatasetDict({"train": table, "test": table.select(range(3))}).save_to_disk(str(path))
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "csv", "json", "jsonl", "disk"])
+def test_every_format_loads_with_column_mapping(tmp_path: Path, fmt: str) -> None:
+    """Each format gives the same prompts: mapped prompt/answer columns, other columns kept as extra."""
+    ds = load_rows(write(tmp_path, fmt), "train", **MAPPING)
+    assert ds.size == 10
+    first = ds.get(0)
+    assert (first.text, first.answer, first.extra) == ("0+1=", "1", {"level": 0})
+    assert first.messages is None
+    assert len({p.prompt_id for p in ds.prompts}) == 10
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "json", "jsonl", "disk"])
+def test_conversational_rows_load_as_messages(tmp_path: Path, fmt: str) -> None:
+    ds = load_rows(write(tmp_path, fmt, CHAT), "train", **MAPPING)
+    assert ds.get(1).messages == [{"role": "user", "content": "1+2="}] and ds.get(1).answer == "3"
+
+
+def test_folder_of_split_files(tmp_path: Path) -> None:
+    """A folder with train/test files: split names come from the file names."""
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    datasets.Dataset.from_list(ROWS).to_parquet(str(folder / "train.parquet"))
+    datasets.Dataset.from_list(ROWS[:2]).to_parquet(str(folder / "test.parquet"))
+    assert load_rows(folder, "test", **MAPPING).size == 2
+
+
+def test_eval_split_and_held_out_fraction(tmp_path: Path) -> None:
+    """eval_split reads another split; eval_fraction holds out rows chosen by seed, disjoint from training."""
+    path = write(tmp_path, "disk")
+    tok = build_char_tokenizer()
+    base = [
+        "task.name=dataset",
+        f"task.path={path}",
+        "task.prompt_field=question",
+        "task.answer_field=solution",
+    ]
+    cfg = load_config(None, [*base, "task.eval_split=test"])
+    assert prompt_source(cfg, tok, 512).size == 10
+    assert [p.text for p in prompt_source(cfg, tok, 512, evaluation=True).prompts] == ["0+1=", "1+1=", "2+1="]
+    cfg = load_config(None, [*base, "task.eval_fraction=0.3", "task.seed=5"])
+    train, held = prompt_source(cfg, tok, 512), prompt_source(cfg, tok, 512, evaluation=True)
+    assert (train.size, held.size) == (7, 3)
+    assert not {p.prompt_id for p in train.prompts} & {p.prompt_id for p in held.prompts}
+    again = prompt_source(cfg, tok, 512, evaluation=True)
+    assert [p.prompt_id for p in again.prompts] == [p.prompt_id for p in held.prompts]
+    other = hold_out(load_rows(path, "train", **MAPPING), 0.3, seed=6)[1]
+    assert [p.prompt_id for p in other.prompts] != [p.prompt_id for p in held.prompts]
+
+
+BAD = [
+    {"question": "1+1=", "solution": "2"},
+    {"question": None, "solution": "2"},
+]
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "csv", "json"])
+def test_bad_rows_name_file_split_row_and_reason(tmp_path: Path, fmt: str) -> None:
+    path = write(tmp_path, fmt, BAD)
+    with pytest.raises(DatasetError) as info:
+        load_rows(path, "train", **MAPPING)
+    message = str(info.value)
+    assert f"{path}, split 'train', row 1: empty or non-string 'question'" in message
+    assert "task.skip_bad_rows=true" in message
+    skipped = load_rows(path, "train", skip_bad_rows=True, **MAPPING)
+    assert (skipped.size, skipped.skipped) == (1, 1)
+
+
+def test_jsonl_keeps_line_numbers_through_task_dataset(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"question": "1+1=", "solution": 2}\n{"question": 1+1=}\n', encoding="utf-8")
+    with pytest.raises(DatasetError, match=r"d\.jsonl, line 2: not a JSON object"):
+        load_rows(path, "train", **MAPPING)
+
+
+@pytest.mark.parametrize(
+    ("make", "split", "needle"),
+    [
+        (
+            lambda p: write(p, "parquet"),
+            "train",
+            "no column(s) ['prompt', 'answer']; it has ['question', 'solution', 'level']",
+        ),
+        (lambda p: write(p, "parquet"), "test", "is one file, the 'train' split; split 'test' needs"),
+        (lambda p: write(p, "disk"), "validation", "has no split 'validation'; it has ['test', 'train']"),
+        (lambda p: p / "missing.parquet", "train", "does not exist"),
+        (lambda p: (p / "x.txt").write_text("hi") and p / "x.txt", "train", "unknown format '.txt'"),
+        (
+            lambda p: (p / "x.parquet").write_text("not parquet") and p / "x.parquet",
+            "train",
+            "cannot be read",
+        ),
+    ],
+)
+def test_unreadable_datasets_say_why(tmp_path: Path, make, split: str, needle: str) -> None:
+    with pytest.raises(DatasetError) as info:
+        HFDataset(make(tmp_path), split) if split != "train" else load_rows(make(tmp_path), split)
+    assert needle in str(info.value)
+
+
+def test_held_out_fraction_must_leave_rows(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match="leaves none to train on"):
+        hold_out(load_rows(write(tmp_path, "parquet", BAD[:1]), "train", **MAPPING), 0.5, seed=0)

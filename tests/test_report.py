@@ -1,0 +1,169 @@
+"""asyncrl report: panels as PNGs, runs overlaid in distinct colours, one self-contained HTML page.
+
+No browser is available in CI, so the pictures themselves are checked: size, pixels that are
+not background, and each run's own colour present in the overlaid panels.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pytest
+from matplotlib.colors import to_rgb
+from matplotlib.image import imread
+
+from asyncrl.cli import main
+from asyncrl.report import PANELS, RUN_COLORS
+
+
+def fake_run(root: Path, name: str, slope: float, *, with_is: bool = False, steps: int = 40) -> Path:
+    run = root / name
+    run.mkdir(parents=True)
+    metrics = []
+    for step in range(1, steps + 1):
+        r = min(1.0, 0.2 + slope * step)
+        record = {
+            "step": step,
+            "time_s": step * 0.5,
+            "reward_mean": r,
+            "reward/correct": r,
+            "reward/format_regex": 0.5 + 0.01 * step * slope,
+            "loss": math.sin(step / 5) * slope,
+            "kl_ref": slope * step,
+            "mismatch_kl": slope / 2,
+            "entropy": 1.0 - slope * step,
+            "clip_frac": slope,
+            "staleness_mean": slope * 50,
+            "staleness_max": 1 + slope * 50,
+            "tokens_per_s": 300 + step * slope * 100,
+            "generator_busy_frac": 0.9 - slope,
+            "trainer_busy_frac": 0.6 - slope,
+            "old_logprobs_source": "current",
+        }
+        if with_is:
+            record |= {"is_weight_mean": 1.0, "is_weight_max": 1.5, "is_clipped_frac": 0.02}
+        metrics.append(record)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    evals = [{"step": s, "time_s": s * 0.5, "eval_accuracy": min(1.0, 0.5 + slope * s)} for s in (0, 20, 40)]
+    (run / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+    spans = []
+    for step in range(steps):
+        spans.append(
+            {"component": "generator-0", "name": "generate", "start": 100 + step, "end": 100.6 + step}
+        )
+        spans.append({"component": "trainer", "name": "train", "start": 100.6 + step, "end": 101 + step})
+    (run / "timeline.jsonl").write_text("".join(json.dumps(s) + "\n" for s in spans))
+    (run / "summary.json").write_text(json.dumps({"reward_first": 0.2, "reward_last": 0.9, "wall_s": 20.0}))
+    return run
+
+
+def colour_pixels(image: np.ndarray, colour: str, tol: float = 0.03) -> int:
+    """Pixels within ``tol`` of ``colour`` (solid lines are drawn in the run's exact colour)."""
+    return int((np.abs(image[..., :3] - np.array(to_rgb(colour))).max(axis=-1) < tol).sum())
+
+
+class Images(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sources: list[str] = []
+        self.links: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "img":
+            self.sources.append(attrs["src"])
+        if tag in ("link", "script") or (tag == "a" and "href" in attrs):
+            self.links.append(tag)
+
+
+def test_report_of_two_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = fake_run(tmp_path, "run-a", 0.02)
+    b = fake_run(tmp_path, "run-b", 0.005, with_is=True)
+    out = tmp_path / "out" / "report.html"
+    assert main(["report", str(a), str(b), "-o", str(out)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["panels"] == [p.slug for p in PANELS] and result["absent"] == []
+    assert result["timelines"] == ["run-a", "run-b"]
+    figures = out.parent / "report-figures"
+
+    for panel in PANELS:
+        image = imread(figures / f"{panel.slug}.png")
+        assert image.shape[:2] == (360, 640)
+        drawn = (image[..., :3] < 0.95).any(axis=-1).mean()
+        assert drawn > 0.03, f"{panel.slug}: only {drawn:.1%} of the pixels are not background"
+        if panel.slug != "is_weights":  # only run b logged IS weights
+            assert colour_pixels(image, RUN_COLORS[0]) > 200, panel.slug
+            assert colour_pixels(image, RUN_COLORS[1]) > 200, panel.slug
+    is_weights = imread(figures / "is_weights.png")
+    assert colour_pixels(is_weights, RUN_COLORS[0]) == 0 and colour_pixels(is_weights, RUN_COLORS[1]) > 200
+    overview = imread(figures / "overview.png")
+    assert overview.shape[0] > 800 and overview.shape[1] > 1200
+
+    page = Images()
+    page.feed(out.read_text())
+    assert len(page.sources) == len(PANELS) + 2  # the panels and two timelines
+    assert all(src.startswith("data:image/png;base64,") for src in page.sources)
+    assert page.links == []  # nothing to fetch: the page is self-contained
+    embedded = base64.b64decode(page.sources[0].split(",", 1)[1])
+    assert embedded == (figures / "reward.png").read_bytes()
+    text = out.read_text()
+    assert "run-a" in text and "run-b" in text and "0.900" in text
+
+
+def test_missing_panels_are_listed_not_drawn(tmp_path: Path) -> None:
+    run = tmp_path / "bare"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward_mean": 0.5, "loss": 0.1}) + "\n")
+    from asyncrl.report import write_report
+
+    result = write_report([run], tmp_path / "r.html")
+    assert result["panels"] == ["reward", "loss"] and result["timelines"] == []
+    assert (
+        "Not logged by these runs: Reward per reward function, Eval accuracy"
+        in (tmp_path / "r.html").read_text()
+    )
+
+
+def test_not_a_run_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", str(tmp_path), "-o", str(tmp_path / "r.html")]) == 2
+    assert "metrics.jsonl does not exist" in capsys.readouterr().err
+
+
+BROWSER = next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
+
+
+@pytest.mark.skipif(BROWSER is None, reason="no headless Chromium (Debian: apt-get install chromium)")
+def test_page_renders_in_a_headless_browser(tmp_path: Path) -> None:
+    """Chromium draws the page from the one HTML file: both runs' colours and the Gantt bars are on screen."""
+    a = fake_run(tmp_path, "run-a", 0.02)
+    b = fake_run(tmp_path, "run-b", 0.005)
+    out = tmp_path / "report.html"
+    assert main(["report", str(a), str(b), "-o", str(out)]) == 0
+    shutil.rmtree(tmp_path / "report-figures")  # the page must not need them
+    shot = tmp_path / "shot.png"
+    subprocess.run(
+        [
+            BROWSER,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--window-size=1400,6000",
+            f"--screenshot={shot}",
+            out.as_uri(),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    image = imread(shot)
+    assert image.shape[:2] == (6000, 1400)
+    assert colour_pixels(image, RUN_COLORS[0]) > 2000 and colour_pixels(image, RUN_COLORS[1]) > 2000
+    assert colour_pixels(image, "#4C72B0") > 2000  # the timelines' generate bars

@@ -1,0 +1,102 @@
+"""Resume never hangs: a finished run says so and exits 0, raising run.steps continues it, and a
+controller with nothing left to wait for fails within runtime.stall_timeout_s, naming the state."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.orchestration.controller import Controller
+from asyncrl.orchestration.events import WorkerError
+from asyncrl.orchestration.session import RunSession
+from asyncrl.tasks import ArithmeticTask
+from tests.helpers import child_env, cli, sets, short_run
+
+RUN = short_run(steps=2)
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.slow  # three subprocess runs; resume in-process: test_checkpoint's test_full_disk_at_a_checkpoint_...
+@pytest.mark.multiprocess
+def test_resume_of_a_finished_run_says_so_and_raising_steps_continues_it(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    first = subprocess.run(
+        cli("train", *sets(RUN), "--run-dir", str(run_dir)),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=child_env(),
+    )
+    assert first.returncode == 0, first.stderr
+    t0 = time.monotonic()
+    again = subprocess.run(
+        cli("train", "--resume", str(run_dir)), capture_output=True, text=True, timeout=120
+    )
+    assert again.returncode == 0, again.stderr
+    assert time.monotonic() - t0 < 60  # no training, no waiting
+    lines = again.stderr.strip().splitlines()
+    assert lines[-1] == (
+        f"asyncrl: run complete at step 2; to continue, raise run.steps "
+        f"(asyncrl train --resume {run_dir} --set run.steps=4)"
+    )
+    more = subprocess.run(
+        cli("train", "--resume", str(run_dir), "--set", "run.steps=4"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert more.returncode == 0, more.stderr
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    accounting = json.loads((run_dir / "summary.json").read_text())["accounting"]
+    assert accounting["trained"] == 4 * 4 and accounting["reconciles"]
+    assert accounting["prompts_trained_twice"] == 0 and accounting["prompts_missing"] == 0
+
+
+class SilentRuntime:
+    """A runtime whose workers never answer: the controller has nothing to wait for but them."""
+
+    restarts_generators = False
+
+    def __init__(self) -> None:
+        self.generator_names = ["generator-0"]
+        self.sent: list = []
+
+    def start(self) -> None:
+        pass
+
+    def send(self, worker: str, command) -> None:
+        self.sent.append((worker, type(command).__name__))
+
+    def poll(self, timeout: float) -> list:
+        time.sleep(min(timeout, 0.01))
+        return []
+
+    def stop(self) -> None:
+        pass
+
+
+def test_a_loop_with_no_progress_fails_within_the_stall_timeout_naming_what_it_waits_for(
+    tmp_path: Path,
+) -> None:
+    cfg = load_config(overrides=[*RUN, "runtime.stall_timeout_s=1"])
+    session = RunSession(cfg, tmp_path / "run")
+    runtime = SilentRuntime()
+    controller = Controller(cfg, runtime, session, ArithmeticTask(["+"], 1, 2, seed=0))
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(WorkerError) as err:
+            controller.run()
+    finally:
+        session.close()
+    assert time.monotonic() - t0 < 30
+    message = str(err.value)
+    assert message.startswith("no progress for ")
+    assert "waiting for step 1 of 2: 4 groups in flight on ['generator-0']" in message
+    assert "the final model, which was never requested" in message
+    assert ("generator-0", "Submit") in runtime.sent
