@@ -246,3 +246,111 @@ def test_accelerator_shapes_run_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> N
     decode_shapes = {s for s in shapes if s[2] == 1}
     assert decode_shapes <= {(rows, 1, 1, 64) for rows in (1, 2, 4, 8)}
     assert len(decode_shapes) > 1  # the batch dropped buckets as rows finished
+
+
+def _force_accelerator_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncrl.engine import embedded
+
+    init = embedded._Slots.__init__
+
+    def static_init(self, engine) -> None:
+        init(self, engine)
+        self.static = True
+
+    monkeypatch.setattr(embedded._Slots, "__init__", static_init)
+
+
+def test_accelerator_decode_steps_copy_to_the_host_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the accelerator layout a decode step reads the device once (tokens and log-probs in
+    one transfer) and never asks it a question (no ``item``/``bool``); its inputs go through
+    the static buffers a CUDA graph replays."""
+    _force_accelerator_layout(monkeypatch)
+    policy = policy_for()
+    engine = make_engine(policy, max_batch_size=8, max_seq_len=64)
+    for k in range(6):
+        engine.add_request(request(f"r{k}", prompt(5 + k, 200 + k), 30, seed=k, temperature=1.0, top_p=0.9))
+    engine.step()  # admits all six: prefill is not a decode step
+    assert engine.num_waiting == 0
+
+    counts = {"tolist": 0, "item": 0, "__bool__": 0, "cpu": 0}
+    for name in counts:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            counts[_name] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    steps = 0
+    while engine.num_running:
+        engine.step(admit=False)
+        steps += 1
+    monkeypatch.undo()
+    assert steps >= 10
+    assert counts == {"tolist": steps, "item": 0, "__bool__": 0, "cpu": 0}
+    runner = engine._slots.runner
+    assert runner.capture is False and runner.captured == 0  # no CUDA here: run eagerly
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device; the CPU cannot stand in"
+)
+def test_cuda_graphs_replay_equals_eager_decoding_across_a_weight_swap() -> None:
+    """On CUDA, decode steps replayed from CUDA graphs give the same completions and log-probs
+    as eager steps, also when new weights are copied in while sequences are in flight."""
+    policy = load_policy("tiny:1m", device="cuda", seed=0)
+    new_weights = {n: p.detach() * 1.01 for n, p in policy.model.named_parameters()}
+    reqs = [
+        request(f"r{k}", prompt(4 + 3 * k, 300 + k), 24 + 4 * k, seed=k, temperature=1.0, top_p=0.9)
+        for k in range(5)
+    ]
+
+    def run(graphs: bool):
+        engine = EmbeddedEngine(
+            copy.deepcopy(policy.model),
+            pad_token_id=policy.pad_token_id,
+            max_batch_size=8,
+            max_seq_len=128,
+            cuda_graphs=graphs,
+        )
+        for r in reqs:
+            engine.add_request(r)
+        done = []
+        for _ in range(10):
+            done += engine.step()
+        engine.load_weights(new_weights, version=1)  # in flight: the graphs keep the parameters' storage
+        while engine.has_work:
+            done += engine.step()
+        return engine, {r.request_id: r for r in done}
+
+    eager_engine, eager = run(False)
+    graph_engine, graphed = run(True)
+    assert graph_engine._slots.runner.captured >= 2 and graph_engine._slots.runner.replays > 20
+    assert eager_engine._slots.runner.captured == 0
+    for rid, a in eager.items():
+        b = graphed[rid]
+        assert a.completion_ids == b.completion_ids
+        assert a.versions == b.versions and 1 in a.versions
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
+
+
+def test_cache_sized_by_a_fraction_of_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kv_cache_fraction`` sizes the slots from the device's free memory; too little for one
+    slot, or both sizes given, is refused naming the setting."""
+    from asyncrl.config import load_config
+    from asyncrl.engine import embedded
+    from asyncrl.errors import ConfigError
+
+    policy = policy_for()
+    per_slot = 64 * kv_bytes_per_token(policy.model.config, torch.float32)
+    monkeypatch.setattr(embedded, "free_memory_bytes", lambda device: 40 * per_slot)
+    engine = make_engine(policy, max_batch_size=16, max_seq_len=64, kv_cache_fraction=0.25)
+    assert engine.num_slots == 10  # a quarter of 40 slots' worth
+    assert make_engine(policy, max_batch_size=4, max_seq_len=64, kv_cache_fraction=0.5).num_slots == 4
+    with pytest.raises(ValueError, match=r"kv_cache_fraction=0\.01 of"):
+        make_engine(policy, max_batch_size=4, max_seq_len=64, kv_cache_fraction=0.01)
+    with pytest.raises(ValueError, match="kv_cache_gb or as kv_cache_fraction"):
+        make_engine(policy, max_seq_len=64, kv_cache_gb=1.0, kv_cache_fraction=0.5)
+    with pytest.raises(ConfigError, match=r"rollout\.kv_cache_gb or rollout\.kv_cache_fraction"):
+        load_config(None, ["rollout.kv_cache_gb=1", "rollout.kv_cache_fraction=0.5"])

@@ -4,8 +4,8 @@ Requests are queued with :meth:`EmbeddedEngine.add_request` and advanced by
 :meth:`EmbeddedEngine.step`, which returns the sequences that finished at that step.
 
 **Continuous batching.** At every step, waiting requests are admitted while there is a
-free slot of the KV cache (at most ``max_batch_size``, fewer when ``kv_cache_gb`` holds
-fewer) and room in the token budget (``max_tokens_in_flight``: each running sequence
+free slot of the KV cache (at most ``max_batch_size``, fewer when ``kv_cache_gb``, or
+``kv_cache_fraction`` of the device's free memory, holds fewer) and room in the token budget (``max_tokens_in_flight``: each running sequence
 reserves its prompt plus its token budget). A request that could never fit — longer than a
 slot (``max_seq_len``) or than the token budget — is refused when it is added, naming
 itself and the limit; one that does not fit now waits. Newcomers are prefilled together
@@ -55,7 +55,8 @@ from dataclasses import replace
 import torch
 from transformers import PreTrainedModel
 
-from asyncrl.engine.kv_cache import SlotKVCache, kv_bytes_per_token, length_mask
+from asyncrl.engine.graphs import StepRunner
+from asyncrl.engine.kv_cache import SlotKVCache, free_memory_bytes, kv_bytes_per_token, length_mask
 from asyncrl.engine.sampling import SamplingParams, sample_tokens
 from asyncrl.engine.types import GenerationRequest, GenerationResult, Prefix
 from asyncrl.models.forward import with_cache
@@ -75,10 +76,12 @@ class EmbeddedEngine:
         max_tokens_in_flight: int | None = None,
         max_seq_len: int | None = None,
         kv_cache_gb: float | None = None,
+        kv_cache_fraction: float | None = None,
         seed: int = 0,
         version: int = 0,
         owns_model: bool = True,
         decode: Callable[[list[int]], str] | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         # An engine that owns its model keeps it in eval mode without gradients; one that
         # borrows a model (e.g. the trainer's, for evaluation) leaves its state alone.
@@ -91,16 +94,25 @@ class EmbeddedEngine:
         self.version = version
         self.decode = decode
         self.device = next(model.parameters()).device
+        # Decode steps replay as CUDA graphs (asyncrl.engine.graphs); only on CUDA devices.
+        self.cuda_graphs = cuda_graphs
         self._seeds = torch.Generator().manual_seed(seed)
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self.slot_len = min(max_seq_len or self.max_positions, self.max_positions)
         self.num_slots = max_batch_size
-        if kv_cache_gb is not None:
+        if kv_cache_gb is not None and kv_cache_fraction is not None:
+            raise ValueError("give the KV cache's size as kv_cache_gb or as kv_cache_fraction, not both")
+        budget, named = kv_cache_gb, f"kv_cache_gb={kv_cache_gb}"
+        if kv_cache_fraction is not None:
+            free = free_memory_bytes(self.device)
+            budget = kv_cache_fraction * free / 2**30
+            named = f"kv_cache_fraction={kv_cache_fraction} of {free / 2**30:.2f} GiB free"
+        if budget is not None:
             per_slot = self.slot_len * kv_bytes_per_token(model.config, next(model.parameters()).dtype)
-            self.num_slots = min(max_batch_size, int(kv_cache_gb * 2**30) // per_slot)
+            self.num_slots = min(max_batch_size, int(budget * 2**30) // per_slot)
             if self.num_slots < 1:
                 raise ValueError(
-                    f"kv_cache_gb={kv_cache_gb} holds no sequence of max_seq_len={self.slot_len} "
+                    f"{named} holds no sequence of max_seq_len={self.slot_len} "
                     f"({per_slot / 2**30:.3f} GiB each)"
                 )
         # Bumped by every weight load: a cache prefilled under an older epoch is not shared.
@@ -411,6 +423,11 @@ class _Slots:
         self.keep_support = torch.zeros(n, dtype=torch.bool, device=dev)
         self.seeds = torch.zeros(n, dtype=torch.long, device=dev)
         self.static = dev.type != "cpu"
+        # Inputs of the accelerator layout's decode steps, written in place before each one.
+        self.ids_in = torch.zeros(n, 1, dtype=torch.long, device=dev)
+        self.starts_in = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions_in = torch.zeros(n, dtype=torch.long, device=dev)
+        self.runner = StepRunner(dev, capture=engine.cuda_graphs)
 
     # -- bookkeeping --------------------------------------------------------------------
 
@@ -607,36 +624,80 @@ class _Slots:
 
     # -- decoding -----------------------------------------------------------------------
 
+    def _draw(
+        self, engine: EmbeddedEngine, active: list[int]
+    ) -> tuple[list[int], list[float], list[list[int] | None] | None]:
+        """Each active row's next token and its log-prob (and kept set, for keep_support rows),
+        copied to the host in one transfer."""
+        done = [self.rows[s].done for s in active]
+        if any(self.rows[s].supports is not None for s in active):
+            # Kept sets are variable-length lists: drawn eagerly, over the active rows only.
+            # (Checked on the host rows: asking the device would wait for it every step.)
+            index = self._index(active)
+            draw = sample_tokens(
+                self.logits[index],
+                self.temperature[index],
+                self.top_k[index],
+                self.top_p[index],
+                self.seeds[index],
+                torch.tensor(done, dtype=torch.long, device=engine.device),
+                self.min_p[index],
+                self.keep_support[index],
+            )
+            host = torch.stack([draw.tokens.double(), draw.logprobs.double()]).tolist()
+            return [int(t) for t in host[0]], host[1], draw.supports
+        if not self.static:
+            index = self._index(active)
+            packed = _draw_packed(
+                self.logits[index],
+                self.temperature[index],
+                self.top_k[index],
+                self.top_p[index],
+                self.seeds[index],
+                torch.tensor(done, dtype=torch.long, device=engine.device),
+                self.min_p[index],
+            )
+            host = packed.tolist()
+            return [int(t) for t in host[0]], host[1], None
+        # Accelerator layout: every row of the bucket is drawn (holes draw garbage, unread)
+        # from static buffers, so the step replays as a graph.
+        width = self._decode_rows(max(active))
+        positions = [0] * width
+        for slot, d in zip(active, done, strict=True):
+            positions[slot] = d
+        self.positions_in[:width].copy_(torch.tensor(positions, dtype=torch.long))
+        rows = slice(0, width)
+        packed = self.runner.run(
+            ("draw", width),
+            lambda: _draw_packed(
+                self.logits[rows],
+                self.temperature[rows],
+                self.top_k[rows],
+                self.top_p[rows],
+                self.seeds[rows],
+                self.positions_in[rows],
+                self.min_p[rows],
+            ),
+        )
+        host = packed.tolist()
+        return [int(host[0][s]) for s in active], [host[1][s] for s in active], None
+
     @torch.inference_mode()
     def step(self, engine: EmbeddedEngine, admit: bool) -> list[GenerationResult]:
         """Sample a token for every running row, free the finished rows' slots, and run the
         decode forward of the others (``admit``: whether the next step will admit newcomers
         into the lowest free slots)."""
         active = self.active()
-        index = self._index(active)
-        positions = torch.tensor([self.rows[s].done for s in active], dtype=torch.long, device=engine.device)
-        draw = sample_tokens(
-            self.logits[index],
-            self.temperature[index],
-            self.top_k[index],
-            self.top_p[index],
-            self.seeds[index],
-            positions,
-            self.min_p[index],
-            # Checked on the host rows: asking the device would wait for it every step.
-            self.keep_support[index] if any(self.rows[s].supports is not None for s in active) else None,
-        )
+        tokens, logprobs, supports = self._draw(engine, active)
         finished = []
         next_token: dict[int, int] = {}
-        for i, (slot, tok, lp) in enumerate(
-            zip(active, draw.tokens.tolist(), draw.logprobs.tolist(), strict=True)
-        ):
+        for i, (slot, tok, lp) in enumerate(zip(active, tokens, logprobs, strict=True)):
             row = self.rows[slot]
             row.tokens.append(tok)
             row.logprobs.append(lp)
             row.versions.append(row.logits_version)
             if row.supports is not None:
-                row.supports.append(draw.supports[i] if draw.supports else None)
+                row.supports.append(supports[i] if supports else None)
             params = row.request.sampling
             if tok in params.stop_token_ids or row.hit_stop_string(engine.decode):
                 finished.append(row.result("stop"))
@@ -699,19 +760,37 @@ class _Slots:
             ids[slot] = tok
         # Slots without a row (holes, and the padding of a bucket) decode a pad token at
         # column 0 of their own slot: written to a free slot, never read.
-        starts = torch.tensor(self.lengths[:width], dtype=torch.long, device=dev)
         length = self._attend_length(max(self.lengths[s] for s in next_token) + 1, decode=True)
         rows = slice(0, width)
-        logits = self._forward(
-            engine,
-            rows,
-            torch.tensor(ids, dtype=torch.long, device=dev).unsqueeze(-1),
-            starts,
-            torch.arange(width, device=dev),
-            None,
-            length,
-        )
-        self.logits[rows] = logits
+        if self.static:
+            # Static buffers in, the pending logits out: the step replays as a graph.
+            self.ids_in[rows, 0].copy_(torch.tensor(ids, dtype=torch.long))
+            self.starts_in[rows].copy_(torch.tensor(self.lengths[:width], dtype=torch.long))
+
+            def decode_step() -> torch.Tensor:
+                logits = self._forward(
+                    engine,
+                    rows,
+                    self.ids_in[rows],
+                    self.starts_in[rows],
+                    torch.arange(width, device=dev),
+                    None,
+                    length,
+                )
+                self.logits[rows] = logits
+                return self.logits[rows]
+
+            self.runner.run(("decode", width), decode_step)
+        else:
+            self.logits[rows] = self._forward(
+                engine,
+                rows,
+                torch.tensor(ids, dtype=torch.long, device=dev).unsqueeze(-1),
+                torch.tensor(self.lengths[:width], dtype=torch.long, device=dev),
+                torch.arange(width, device=dev),
+                None,
+                length,
+            )
         for slot in next_token:
             self.lengths[slot] += 1
             self.rows[slot].logits_version = engine.version
@@ -724,6 +803,13 @@ class _Slots:
                 out.append(row.result("abort"))
                 self._free(slot)
         return out
+
+
+def _draw_packed(logits, temperature, top_k, top_p, seeds, positions, min_p) -> torch.Tensor:
+    """(2, rows) float64: the drawn tokens (exact: ids < 2**53) over their log-probs, so that
+    the host reads both in one transfer."""
+    draw = sample_tokens(logits, temperature, top_k, top_p, seeds, positions, min_p)
+    return torch.stack([draw.tokens.double(), draw.logprobs.double()])
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

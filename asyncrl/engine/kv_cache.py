@@ -23,6 +23,7 @@ other row's slot.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,18 @@ def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
     """Bytes of keys plus values one token occupies over all layers."""
     layers, kv_heads, head_dim = kv_geometry(config)
     return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory free for a new allocation now: on CUDA the device's free memory, on the CPU the
+    host's available memory (``MemAvailable``: free plus reclaimable page cache)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass
@@ -131,7 +144,7 @@ class SlotKVCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         # Models ask only when no position ids are given; the engine always gives them.
-        raise NotImplementedError("SlotKVCache rows have their own lengths; pass position_ids")
+        raise RuntimeError("SlotKVCache rows have their own lengths: the forward must be given position_ids")
 
 
 def length_mask(
