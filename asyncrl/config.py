@@ -205,6 +205,39 @@ class RolloutConfig(Section):
         description="KV-cache budget of an engine in tokens: a sequence is admitted only while the running "
         "ones' prompts plus token budgets fit (null = only max_batch_size limits).",
     )
+    max_seq_len: int | None = Field(
+        None,
+        ge=1,
+        description="Longest prompt + completion a sequence may have: the length of one slot of the engine's "
+        "static KV cache (null = the model's max_position_embeddings). A request that needs more is refused.",
+    )
+    kv_cache_gb: float | None = Field(
+        None,
+        gt=0,
+        description="Memory of the engine's static KV cache in GiB, allocated once: it holds "
+        "min(max_batch_size, kv_cache_gb / slot size) sequences of max_seq_len tokens (null = "
+        "max_batch_size slots). On a GPU set it, or max_seq_len, well below the model's full context.",
+    )
+    kv_cache_fraction: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="Size the engine's static KV cache as this fraction of the device memory free when the "
+        "engine starts (on CUDA after the model is loaded; on the CPU of the host's available memory). "
+        "Exclusive with kv_cache_gb.",
+    )
+    cuda_graphs: bool = Field(
+        True,
+        description="On CUDA, record each decode step (forward, then the draw) as a CUDA graph per "
+        "batch-size bucket and replay it (asyncrl.engine.graphs). false runs every step eagerly; "
+        "ignored on other devices.",
+    )
+
+    @model_validator(mode="after")
+    def _one_cache_size(self) -> RolloutConfig:
+        if self.kv_cache_gb is not None and self.kv_cache_fraction is not None:
+            raise ValueError("give rollout.kv_cache_gb or rollout.kv_cache_fraction, not both")
+        return self
 
 
 class AlgorithmConfig(Section):

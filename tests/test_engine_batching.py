@@ -133,14 +133,20 @@ class Recorder:
             self._check_layout(partial)
 
     def _check_layout(self, partial: dict[str, tuple[list[int], list[float]]]) -> None:
-        # The decode forward fed each running row its newest token: rows are left-padded, each
-        # holds prompt + tokens so far, and no column is padding for every row (trimmed).
-        lengths = [len(self.prompts[rid]) + len(tokens) for rid, (tokens, _) in partial.items()]
-        mask = self._mask
-        assert mask.sum(-1).tolist() == lengths
-        assert mask.shape[1] == max(lengths)
-        assert bool((mask[:, 1:] >= mask[:, :-1]).all()), "padding must be on the left"
-        self.cached.append(int(mask.sum()))
+        # The decode forward fed each running row its newest token at its own position: in the
+        # row of its slot, the mask lets it see prompt + tokens so far and nothing else.
+        slots = self.engine.slots()
+        assert slots.keys() == partial.keys()
+        mask = self._mask[:, 0, -1] == 0  # (rows, columns) of the step's decode forward (additive)
+        for rid, (tokens, _) in partial.items():
+            length = len(self.prompts[rid]) + len(tokens)
+            assert mask[slots[rid]].tolist() == [True] * length + [False] * (mask.shape[1] - length)
+        # The CPU attends over exactly the longest row, and its decode batch has no holes but
+        # those the next admission fills.
+        longest = max(len(self.prompts[rid]) + len(t) for rid, (t, _) in partial.items())
+        assert mask.shape[1] == longest
+        assert len(slots) <= mask.shape[0] <= len(slots) + self.engine.num_waiting
+        self.cached.append(sum(len(self.prompts[rid]) + len(t) for rid, (t, _) in partial.items()))
         self.widths_checked += 1
 
 

@@ -4,17 +4,39 @@ Requests are queued with :meth:`EmbeddedEngine.add_request` and advanced by
 :meth:`EmbeddedEngine.step`, which returns the sequences that finished at that step.
 
 **Continuous batching.** At every step, waiting requests are admitted while there is a
-free slot (``max_batch_size`` sequences) and room in the token budget
-(``max_tokens_in_flight``: each running sequence reserves its prompt plus its token budget,
-so the real tokens in the KV cache can never outgrow it; the left padding of the dense cache
-comes on top, see ``stats["peak_cache_tokens"]``). Newcomers are prefilled together and
-merged into the running batch; a sequence leaves the batch and the cache the moment it
-finishes.
+free slot of the KV cache (at most ``max_batch_size``, fewer when ``kv_cache_gb``, or
+``kv_cache_fraction`` of the device's free memory, holds fewer) and room in the token budget (``max_tokens_in_flight``: each running sequence
+reserves its prompt plus its token budget). A request that could never fit — longer than a
+slot (``max_seq_len``) or than the token budget — is refused when it is added, naming
+itself and the limit; one that does not fit now waits. Newcomers are prefilled together
+into their slots; a sequence leaves its slot the moment it finishes.
 
-**Layout.** Rows are left-padded so that every row's newest token sits in the last column
-of the cache; position ids follow each row's own attention mask, so padding never shifts a
-sequence. When newcomers with shorter histories join, they are padded on the left; when
-the longest rows finish, columns that are padding for every row are cut away again.
+**Layout: a static KV cache of slots** (:mod:`asyncrl.engine.kv_cache`, which says why slots
+rather than pages). The cache is allocated once, at the first admission: ``num_slots``
+slots of ``slot_len = max_seq_len`` tokens (the model's positions by default). A sequence's
+token at position ``p`` lives in column ``p`` of its slot; each step writes every row's new
+keys and values in place at the row's own length, and the attention mask is built from the
+per-row lengths, so nothing is padded, shifted or concatenated, and rows join and leave
+without copying any other row's cache. A newcomer takes the lowest free slot. The decode
+batch spans slots ``0..highest``; when finished rows leave holes in it, the highest rows
+are moved down into them — the only copy of a running row's cache, one row at a time: on
+the CPU into every hole the next admission will not fill (the batch stays dense, since a
+hole costs a decode row at every step and a move one copy of that row's columns), on an
+accelerator only when the batch drops to a smaller power-of-two bucket.
+
+**CPU and accelerator shapes.** On an accelerator every decode step attends over the whole
+slot and its batch is a power of two (capped at the slot count): the step's tensor shapes
+come from a handful of buckets, as CUDA graphs need. On the CPU, attending over empty
+columns costs as much as over real ones and nothing needs fixed shapes, so every forward
+attends over exactly its longest row and its batch is exactly slots ``0..highest``.
+
+**One prefill per group, shared prefixes.** Newcomers with identical contexts (the G samples
+of a GRPO group) are prefilled once and the prefilled slot and logits are copied to the
+others. A newcomer whose context shares at least ``MIN_SHARED_PREFIX`` leading tokens with
+a running sequence or another newcomer copies those columns from that slot and prefills
+only the rest — but only from a cache the current weights computed (``weights_epoch``).
+``stats["prefill_tokens"]`` counts the tokens run through the model at prefill,
+``stats["prefix_reused_tokens"]`` those copied instead.
 
 **Between two steps** the engine holds no state that depends on the weights except the KV
 cache and each row's pending logits, so weights may be swapped there (the ``never``
@@ -31,11 +53,15 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
+from asyncrl.engine.graphs import StepRunner
+from asyncrl.engine.kv_cache import SlotKVCache, free_memory_bytes, kv_bytes_per_token, length_mask
 from asyncrl.engine.sampling import SamplingParams, sample_tokens
 from asyncrl.engine.types import GenerationRequest, GenerationResult, Prefix
 from asyncrl.models.forward import with_cache
+
+MIN_SHARED_PREFIX = 8  # shorter shared prefixes are prefilled again rather than copied
 
 
 class EmbeddedEngine:
@@ -48,10 +74,14 @@ class EmbeddedEngine:
         pad_token_id: int,
         max_batch_size: int = 256,
         max_tokens_in_flight: int | None = None,
+        max_seq_len: int | None = None,
+        kv_cache_gb: float | None = None,
+        kv_cache_fraction: float | None = None,
         seed: int = 0,
         version: int = 0,
         owns_model: bool = True,
         decode: Callable[[list[int]], str] | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         # An engine that owns its model keeps it in eval mode without gradients; one that
         # borrows a model (e.g. the trainer's, for evaluation) leaves its state alone.
@@ -64,11 +94,41 @@ class EmbeddedEngine:
         self.version = version
         self.decode = decode
         self.device = next(model.parameters()).device
+        # Decode steps replay as CUDA graphs (asyncrl.engine.graphs); only on CUDA devices.
+        self.cuda_graphs = cuda_graphs
         self._seeds = torch.Generator().manual_seed(seed)
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
-        self.stats = {"steps": 0, "tokens_generated": 0, "busy_s": 0.0, "peak_cache_tokens": 0, "prefills": 0}
+        self.slot_len = min(max_seq_len or self.max_positions, self.max_positions)
+        self.num_slots = max_batch_size
+        if kv_cache_gb is not None and kv_cache_fraction is not None:
+            raise ValueError("give the KV cache's size as kv_cache_gb or as kv_cache_fraction, not both")
+        budget, named = kv_cache_gb, f"kv_cache_gb={kv_cache_gb}"
+        if kv_cache_fraction is not None:
+            free = free_memory_bytes(self.device)
+            budget = kv_cache_fraction * free / 2**30
+            named = f"kv_cache_fraction={kv_cache_fraction} of {free / 2**30:.2f} GiB free"
+        if budget is not None:
+            per_slot = self.slot_len * kv_bytes_per_token(model.config, next(model.parameters()).dtype)
+            self.num_slots = min(max_batch_size, int(budget * 2**30) // per_slot)
+            if self.num_slots < 1:
+                raise ValueError(
+                    f"{named} holds no sequence of max_seq_len={self.slot_len} "
+                    f"({per_slot / 2**30:.3f} GiB each)"
+                )
+        # Bumped by every weight load: a cache prefilled under an older epoch is not shared.
+        self.weights_epoch = 0
+        self.stats = {
+            "steps": 0,
+            "tokens_generated": 0,
+            "busy_s": 0.0,
+            "peak_cache_tokens": 0,
+            "prefills": 0,
+            "prefill_tokens": 0,
+            "prefix_reused_tokens": 0,
+            "cache_capacity_tokens": self.num_slots * self.slot_len,
+        }
         self._waiting: list[GenerationRequest] = []
-        self._batch: _Batch | None = None
+        self._slots: _Slots | None = None  # allocated at the first admission, then kept
 
     # -- weights ------------------------------------------------------------------------
 
@@ -108,6 +168,7 @@ class EmbeddedEngine:
             for name, tensor in items.items():
                 params[name].copy_(tensor)
         self.version = version
+        self.weights_epoch += 1
 
     # -- requests -----------------------------------------------------------------------
 
@@ -130,6 +191,11 @@ class EmbeddedEngine:
                 f"request {request.request_id!r} needs {need} tokens of KV cache, more than "
                 f"max_tokens_in_flight={self.max_tokens_in_flight}"
             )
+        if need > self.slot_len:
+            raise ValueError(
+                f"request {request.request_id!r} needs {need} tokens of KV cache, more than a slot of the "
+                f"static cache holds (max_seq_len={self.slot_len}; {self.num_slots} slots)"
+            )
 
     def add_request(self, request: GenerationRequest) -> None:
         """Queue a request; it joins the running batch at the next step with room for it."""
@@ -143,7 +209,7 @@ class EmbeddedEngine:
 
     @property
     def num_running(self) -> int:
-        return 0 if self._batch is None else len(self._batch.rows)
+        return 0 if self._slots is None else len(self._slots.running())
 
     @property
     def num_waiting(self) -> int:
@@ -151,31 +217,33 @@ class EmbeddedEngine:
 
     @property
     def has_work(self) -> bool:
-        return self._batch is not None or bool(self._waiting)
+        return self.num_running > 0 or bool(self._waiting)
 
     def tokens_in_flight(self) -> int:
         """KV-cache tokens reserved by the running sequences (prompt + budget each)."""
-        return 0 if self._batch is None else sum(row.reserved for row in self._batch.rows)
+        return 0 if self._slots is None else sum(row.reserved for row in self._slots.running())
 
     # -- stepping -----------------------------------------------------------------------
 
     def partial(self) -> dict[str, tuple[list[int], list[float]]]:
         """Tokens and log-probs generated so far by each running request, a resumed prefix included."""
-        if self._batch is None:
-            return {}
         out = {}
-        for r in self._batch.rows:
+        for r in self._slots.running() if self._slots else []:
             prefix = r.request.prefix
             tokens = (prefix.completion_ids if prefix else []) + r.tokens
             out[r.request.request_id] = (tokens, (prefix.logprobs if prefix else []) + r.logprobs)
         return out
 
+    def slots(self) -> dict[str, int]:
+        """The KV-cache slot of each running request (for tests and diagnostics)."""
+        if self._slots is None:
+            return {}
+        return {row.request.request_id: s for s, row in enumerate(self._slots.rows) if row is not None}
+
     def oldest_versions(self) -> dict[str, int]:
         """For each running request with tokens, the oldest policy version among them (prefix included)."""
-        if self._batch is None:
-            return {}
         out = {}
-        for row in self._batch.rows:
+        for row in self._slots.running() if self._slots else []:
             versions = (row.request.prefix.versions if row.request.prefix else []) + row.versions
             if versions:
                 out[row.request.request_id] = min(versions)
@@ -187,32 +255,36 @@ class EmbeddedEngine:
         t0 = time.perf_counter()
         if admit:
             self._admit()
-        if self._batch is None:
+        if not self.num_running:
             return []
-        finished = self._batch.step(self)
-        if not self._batch.rows:
-            self._batch = None
+        finished = self._slots.step(self, admit)
         self.stats["steps"] += 1
         self.stats["busy_s"] += time.perf_counter() - t0
         return finished
 
-    def _admit(self) -> None:
-        running = self.num_running
+    def _admissible(self) -> int:
+        """How many waiting requests (from the front of the queue) fit now: a free slot and room
+        in the token budget for each."""
+        count = 0
+        free = self.num_slots - self.num_running
         reserved = self.tokens_in_flight()
-        admitted: list[GenerationRequest] = []
-        while self._waiting and running + len(admitted) < self.max_batch_size:
-            need = _reserve(self._waiting[0])
+        for request in self._waiting[:free]:
+            need = _reserve(request)
             if self.max_tokens_in_flight is not None and reserved + need > self.max_tokens_in_flight:
                 break
-            admitted.append(self._waiting.pop(0))
+            count += 1
             reserved += need
+        return count
+
+    def _admit(self) -> None:
+        admitted = self._waiting[: self._admissible()]
         if not admitted:
             return
-        newcomers = _Batch.prefill(self, admitted)
+        del self._waiting[: len(admitted)]
+        if self._slots is None:
+            self._slots = _Slots(self)
+        self._slots.admit(self, admitted)
         self.stats["prefills"] += 1
-        self._batch = newcomers if self._batch is None else self._batch.merge(newcomers)
-        cache_tokens = self._batch.attention.numel()
-        self.stats["peak_cache_tokens"] = max(self.stats["peak_cache_tokens"], cache_tokens)
 
     def abort(self, request_ids: Iterable[str] | None = None) -> list[GenerationResult]:
         """Stop requests now (all when ``request_ids`` is None): running ones return their prefix.
@@ -230,10 +302,8 @@ class EmbeddedEngine:
             else:
                 keep_waiting.append(req)
         self._waiting = keep_waiting
-        if self._batch is not None:
-            out += self._batch.abort(wanted)
-            if not self._batch.rows:
-                self._batch = None
+        if self._slots is not None:
+            out += self._slots.abort(wanted)
         return out
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
@@ -285,6 +355,8 @@ class _Row:
     """Python-side state of one running sequence."""
 
     __slots__ = (
+        "head",
+        "kv_epoch",
         "logits_version",
         "logprobs",
         "request",
@@ -300,6 +372,8 @@ class _Row:
         # The version of the weights that computed the logits this row samples from next: after
         # a swap between steps, the first token drawn still comes from the old weights' logits.
         self.logits_version = logits_version
+        self.kv_epoch = 0  # the engine's weights_epoch when this row's cache was prefilled
+        self.head: tuple[int, ...] = ()  # the first MIN_SHARED_PREFIX tokens of its context
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
@@ -326,186 +400,428 @@ class _Row:
         return _result(self.request, self.tokens, self.logprobs, self.versions, self.supports, finish)
 
 
-class _Batch:
-    """The running batch: KV cache, attention mask, per-row sampling state, pending logits."""
+class _Slots:
+    """The running sequences, one per slot of the static KV cache, with their pending logits.
 
-    def __init__(
+    Per-slot state lives in tensors of ``num_slots`` rows (allocated once, like the cache):
+    ``lengths`` (tokens cached = the position of the row's next token), the logits that
+    predict the row's next token, and the row's sampling parameters.
+    """
+
+    def __init__(self, engine: EmbeddedEngine) -> None:
+        model, dev, n = engine.model, engine.device, engine.num_slots
+        self.cache = SlotKVCache(
+            model.config, n, engine.slot_len, dtype=next(model.parameters()).dtype, device=dev
+        )
+        self.rows: list[_Row | None] = [None] * n
+        self.lengths = [0] * n
+        self.logits: torch.Tensor | None = None  # (slots, vocab), allocated at the first prefill
+        self.temperature = torch.ones(n, dtype=torch.float32, device=dev)
+        self.top_k = torch.zeros(n, dtype=torch.long, device=dev)
+        self.top_p = torch.ones(n, dtype=torch.float32, device=dev)
+        self.min_p = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.keep_support = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.seeds = torch.zeros(n, dtype=torch.long, device=dev)
+        self.static = dev.type != "cpu"
+        # Inputs of the accelerator layout's decode steps, written in place before each one.
+        self.ids_in = torch.zeros(n, 1, dtype=torch.long, device=dev)
+        self.starts_in = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions_in = torch.zeros(n, dtype=torch.long, device=dev)
+        self.runner = StepRunner(dev, capture=engine.cuda_graphs)
+
+    # -- bookkeeping --------------------------------------------------------------------
+
+    def active(self) -> list[int]:
+        return [s for s, row in enumerate(self.rows) if row is not None]
+
+    def running(self) -> list[_Row]:
+        return [row for row in self.rows if row is not None]
+
+    def _free(self, slot: int) -> None:
+        self.rows[slot] = None
+        self.lengths[slot] = 0
+
+    def _index(self, slots: list[int]) -> slice | torch.Tensor:
+        if slots == list(range(len(slots))):
+            return slice(0, len(slots))
+        return torch.tensor(slots, dtype=torch.long, device=self.seeds.device)
+
+    def _attend_length(self, longest: int, decode: bool) -> int:
+        """Columns a forward attends over: for a decode step on an accelerator the whole slot
+        (one shape per batch-size bucket, for CUDA graphs); otherwise exactly the longest row,
+        since attending over empty columns costs as much as over real ones and shapes may
+        change at every step."""
+        if self.static and decode:
+            return self.cache.slot_len
+        return min(self.cache.slot_len, longest)
+
+    def _decode_rows(self, highest: int) -> int:
+        """Batch rows of a decode step covering slots 0..highest: exact on the CPU, the next
+        power of two (capped at the slot count) on an accelerator."""
+        if not self.static:
+            return highest + 1
+        return min(self.cache.slots, 1 << highest.bit_length())
+
+    def _forward(
         self,
-        rows: list[_Row],
-        cache: DynamicCache,
-        attention: torch.Tensor,
-        logits: torch.Tensor,
-        next_pos: torch.Tensor,
-    ) -> None:
-        self.rows = rows
-        self.cache = cache
-        self.attention = attention  # (B, W) 1 where the cache column is a real token of that row
-        self.logits = logits  # (B, V) the logits that predict each row's next token
-        self.next_pos = next_pos  # (B,) position id of each row's next token
-        dev = logits.device
-        params = [r.request.sampling for r in rows]
-        self.temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-        self.top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev)
-        self.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-        self.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
-        self.keep_support = torch.tensor([p.keep_support for p in params], dtype=torch.bool, device=dev)
-        self.seeds = torch.tensor([r.request.seed for r in rows], dtype=torch.long, device=dev)
-
-    @classmethod
-    @torch.inference_mode()
-    def prefill(cls, engine: EmbeddedEngine, requests: list[GenerationRequest]) -> _Batch:
-        """Run the prompts (and resumed prefixes) of newcomers, left-padded among themselves."""
-        dev = engine.device
-        contexts = [r.prompt_ids + (r.prefix.completion_ids if r.prefix else []) for r in requests]
-        n, width = len(requests), max(len(c) for c in contexts)
-        input_ids = torch.full((n, width), engine.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((n, width), dtype=torch.long)
-        for i, ctx in enumerate(contexts):
-            input_ids[i, width - len(ctx) :] = torch.tensor(ctx)
-            attention[i, width - len(ctx) :] = 1
-        input_ids, attention = input_ids.to(dev), attention.to(dev)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=engine.model.config)
+        engine: EmbeddedEngine,
+        rows: slice | torch.Tensor,
+        input_ids: torch.Tensor,
+        starts: torch.Tensor,
+        write_slots: torch.Tensor,
+        source: torch.Tensor | None,
+        length: int,
+    ) -> torch.Tensor:
+        """One forward of ``input_ids`` (rows x width) whose row i's query j sits at position
+        ``starts[i] + j`` of slot ``rows[i]``; returns the logits after each row's last token."""
+        width = input_ids.shape[1]
+        positions = starts.unsqueeze(-1) + torch.arange(width, device=starts.device)
+        write_cols = positions.flatten() if source is None else positions.flatten()[source]
+        self.cache.plan(rows, write_slots, write_cols, length, source)
+        dtype = next(engine.model.parameters()).dtype
+        # Additive, built once per forward and shared by every layer (SDPA would turn a boolean
+        # mask into an additive one in each layer).
+        mask = length_mask(starts, width, length, dtype, boolean=False)
         out = with_cache(
             engine.model,
-            cache,
+            self.cache,
             input_ids=input_ids,
-            attention_mask=attention,
-            position_ids=positions,
+            attention_mask=mask,
+            position_ids=positions.clamp(min=0),
             use_cache=True,
             logits_to_keep=1,
         )
-        rows = [_Row(r, engine.version) for r in requests]
-        return cls(rows, cache, attention, out.logits[:, -1], positions[:, -1] + 1)
+        return out.logits[:, -1]
 
-    def merge(self, other: _Batch) -> _Batch:
-        """One batch of both: the narrower cache is padded on the left to the wider one's width."""
-        width = max(self.attention.shape[1], other.attention.shape[1])
-        a_cache, a_att = _left_pad(self.cache, self.attention, width)
-        b_cache, b_att = _left_pad(other.cache, other.attention, width)
-        cache = _concat_caches(a_cache, b_cache)
-        merged = _Batch(
-            self.rows + other.rows,
-            cache,
-            torch.cat([a_att, b_att]),
-            torch.cat([self.logits, other.logits]),
-            torch.cat([self.next_pos, other.next_pos]),
-        )
-        return merged
-
-    def _select(self, keep: torch.Tensor) -> None:
-        idx = keep.nonzero().squeeze(-1)
-        self.rows = [self.rows[i] for i in idx.tolist()]
-        self.cache.batch_select_indices(idx)
-        for name in (
-            "attention",
-            "logits",
-            "next_pos",
-            "temperature",
-            "top_k",
-            "top_p",
-            "min_p",
-            "keep_support",
-            "seeds",
-        ):
-            setattr(self, name, getattr(self, name)[idx])
-        # Columns that are padding for every remaining row (the departed were the longest) go.
-        first = int(self.attention.any(0).nonzero()[0]) if self.rows else 0
-        if first:
-            self.attention = self.attention[:, first:]
-            _crop_left(self.cache, first)
+    # -- admission ----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self, engine: EmbeddedEngine) -> list[GenerationResult]:
-        positions = torch.tensor([r.done for r in self.rows], dtype=torch.long, device=self.logits.device)
-        draw = sample_tokens(
-            self.logits,
-            self.temperature,
-            self.top_k,
-            self.top_p,
-            self.seeds,
-            positions,
-            self.min_p,
-            # Checked on the host params: asking the device would wait for it every step.
-            self.keep_support if any(r.supports is not None for r in self.rows) else None,
+    def admit(self, engine: EmbeddedEngine, requests: list[GenerationRequest]) -> None:
+        """Give each newcomer a free slot (the lowest), fill it with its context's KV, and set its logits.
+
+        A context identical to another newcomer's is prefilled once: the twin's slot and logits
+        are copied (the G samples of a GRPO group). Otherwise the longest prefix of at least
+        ``MIN_SHARED_PREFIX`` tokens shared with a running sequence (whose cache was computed by
+        the current weights) or with another newcomer is copied from that slot, and only the
+        rest is prefilled. Newcomers that copy from newcomers are prefilled in a later round of
+        the same admission, after their source.
+        """
+        dev = engine.device
+        slots = [s for s, row in enumerate(self.rows) if row is None][: len(requests)]
+        contexts = [r.prompt_ids + (r.prefix.completion_ids if r.prefix else []) for r in requests]
+        twin_of: dict[int, int] = {}
+        first: dict[tuple[int, ...], int] = {}
+        for i, ctx in enumerate(contexts):
+            twin_of[i] = first.setdefault(tuple(ctx), i)
+        leaders = [i for i in range(len(requests)) if twin_of[i] == i]
+        donors = self._donors(engine, [contexts[i] for i in leaders])
+        rounds: dict[int, list[tuple[int, int | None, int]]] = {}  # round -> (newcomer, source slot, shared)
+        round_of: dict[int, int] = {}
+        for k, i in enumerate(leaders):
+            source, shared = donors[k]
+            r = 0
+            if isinstance(source, str):  # another newcomer, by its index among leaders
+                j = leaders[int(source)]
+                r = round_of[j] + 1
+                source = slots[j]
+            round_of[i] = r
+            rounds.setdefault(r, []).append((i, source, shared))
+
+        for r in sorted(rounds):
+            batch = rounds[r]
+            for i, source, shared in batch:
+                if source is not None:
+                    self.cache.copy_prefix(source, slots[i], shared)
+            suffixes = [contexts[i][shared:] for i, _, shared in batch]
+            width = max(len(s) for s in suffixes)
+            input_ids = torch.full((len(batch), width), engine.pad_token_id, dtype=torch.long)
+            starts, write_slots, source_idx = [], [], []
+            for b, ((i, _, shared), suffix) in enumerate(zip(batch, suffixes, strict=True)):
+                pad = width - len(suffix)
+                input_ids[b, pad:] = torch.tensor(suffix)
+                starts.append(shared - pad)
+                write_slots += [slots[i]] * len(suffix)
+                source_idx += range(b * width + pad, (b + 1) * width)
+            batch_slots = [slots[i] for i, _, _ in batch]
+            logits = self._forward(
+                engine,
+                torch.tensor(batch_slots, dtype=torch.long, device=dev),
+                input_ids.to(dev),
+                torch.tensor(starts, dtype=torch.long, device=dev),
+                torch.tensor(write_slots, dtype=torch.long, device=dev),
+                torch.tensor(source_idx, dtype=torch.long, device=dev),
+                self._attend_length(max(len(contexts[i]) for i, _, _ in batch), decode=False),
+            )
+            if self.logits is None:
+                self.logits = logits.new_zeros((self.cache.slots, logits.shape[-1]))
+            self.logits[torch.tensor(batch_slots, device=dev)] = logits
+            engine.stats["prefill_tokens"] += sum(len(s) for s in suffixes)
+            engine.stats["prefix_reused_tokens"] += sum(shared for _, _, shared in batch)
+
+        for i, leader in twin_of.items():
+            if i != leader:
+                self.cache.copy_prefix(slots[leader], slots[i], len(contexts[i]))
+                self.logits[slots[i]] = self.logits[slots[leader]]
+                engine.stats["prefix_reused_tokens"] += len(contexts[i])
+
+        for req, slot, ctx in zip(requests, slots, contexts, strict=True):
+            row = _Row(req, engine.version)
+            row.kv_epoch = engine.weights_epoch
+            row.head = tuple(ctx[:MIN_SHARED_PREFIX])
+            self.rows[slot] = row
+            self.lengths[slot] = len(ctx)
+        index = torch.tensor(slots, dtype=torch.long, device=dev)
+        params = [r.sampling for r in requests]
+        self.temperature[index] = torch.tensor([p.temperature for p in params], device=dev)
+        self.top_k[index] = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev)
+        self.top_p[index] = torch.tensor([p.top_p for p in params], device=dev)
+        self.min_p[index] = torch.tensor([p.min_p for p in params], device=dev)
+        self.keep_support[index] = torch.tensor([p.keep_support for p in params], device=dev)
+        self.seeds[index] = torch.tensor([r.seed for r in requests], dtype=torch.long, device=dev)
+
+    def _donors(
+        self, engine: EmbeddedEngine, contexts: list[list[int]]
+    ) -> list[tuple[int | str | None, int]]:
+        """For each context: where to copy its longest shared prefix from and how long it is.
+
+        The source is a running row's slot (an int), an earlier context of the list (its index
+        as a str), or None. Sequences are bucketed by their first ``MIN_SHARED_PREFIX`` tokens and
+        sorted within a bucket, so that a context's longest common prefix is with a neighbour.
+        """
+        out: list[tuple[int | str | None, int]] = [(None, 0)] * len(contexts)
+        buckets: dict[tuple[int, ...], list[tuple[list[int], int | str]]] = {}
+        for k, ctx in enumerate(contexts):
+            if len(ctx) > MIN_SHARED_PREFIX:
+                buckets.setdefault(tuple(ctx[:MIN_SHARED_PREFIX]), []).append((ctx, str(k)))
+        if not buckets:
+            return out
+        for slot, row in enumerate(self.rows):
+            if row is None or row.kv_epoch != engine.weights_epoch:
+                continue  # a cache computed by older weights is not the current policy's
+            if row.head in buckets:
+                prefix = row.request.prefix.completion_ids if row.request.prefix else []
+                cached = row.request.prompt_ids + prefix + row.tokens
+                buckets[row.head].append((cached[: self.lengths[slot]], slot))
+        for members in buckets.values():
+            if len(members) < 2:
+                continue
+            members.sort(key=lambda m: m[0])
+            for pos, (ctx, who) in enumerate(members):
+                if not isinstance(who, str):
+                    continue
+                best: tuple[int | str | None, int] = (None, 0)
+                for near in (pos - 1, pos + 1):
+                    if not 0 <= near < len(members):
+                        continue
+                    other, source = members[near]
+                    if isinstance(source, str) and int(source) > int(who):
+                        continue  # a later newcomer copies from this one, not the reverse
+                    shared = min(_common_prefix(ctx, other), len(ctx) - 1)
+                    if shared >= MIN_SHARED_PREFIX and shared > best[1]:
+                        best = (source, shared)
+                out[int(who)] = best
+        return out
+
+    # -- decoding -----------------------------------------------------------------------
+
+    def _draw(
+        self, engine: EmbeddedEngine, active: list[int]
+    ) -> tuple[list[int], list[float], list[list[int] | None] | None]:
+        """Each active row's next token and its log-prob (and kept set, for keep_support rows),
+        copied to the host in one transfer."""
+        done = [self.rows[s].done for s in active]
+        if any(self.rows[s].supports is not None for s in active):
+            # Kept sets are variable-length lists: drawn eagerly, over the active rows only.
+            # (Checked on the host rows: asking the device would wait for it every step.)
+            index = self._index(active)
+            draw = sample_tokens(
+                self.logits[index],
+                self.temperature[index],
+                self.top_k[index],
+                self.top_p[index],
+                self.seeds[index],
+                torch.tensor(done, dtype=torch.long, device=engine.device),
+                self.min_p[index],
+                self.keep_support[index],
+            )
+            host = torch.stack([draw.tokens.double(), draw.logprobs.double()]).tolist()
+            return [int(t) for t in host[0]], host[1], draw.supports
+        if not self.static:
+            index = self._index(active)
+            packed = _draw_packed(
+                self.logits[index],
+                self.temperature[index],
+                self.top_k[index],
+                self.top_p[index],
+                self.seeds[index],
+                torch.tensor(done, dtype=torch.long, device=engine.device),
+                self.min_p[index],
+            )
+            host = packed.tolist()
+            return [int(t) for t in host[0]], host[1], None
+        # Accelerator layout: every row of the bucket is drawn (holes draw garbage, unread)
+        # from static buffers, so the step replays as a graph.
+        width = self._decode_rows(max(active))
+        positions = [0] * width
+        for slot, d in zip(active, done, strict=True):
+            positions[slot] = d
+        self.positions_in[:width].copy_(torch.tensor(positions, dtype=torch.long))
+        rows = slice(0, width)
+        packed = self.runner.run(
+            ("draw", width),
+            lambda: _draw_packed(
+                self.logits[rows],
+                self.temperature[rows],
+                self.top_k[rows],
+                self.top_p[rows],
+                self.seeds[rows],
+                self.positions_in[rows],
+                self.min_p[rows],
+            ),
         )
-        done = torch.zeros(len(self.rows), dtype=torch.bool)
+        host = packed.tolist()
+        return [int(host[0][s]) for s in active], [host[1][s] for s in active], None
+
+    @torch.inference_mode()
+    def step(self, engine: EmbeddedEngine, admit: bool) -> list[GenerationResult]:
+        """Sample a token for every running row, free the finished rows' slots, and run the
+        decode forward of the others (``admit``: whether the next step will admit newcomers
+        into the lowest free slots)."""
+        active = self.active()
+        tokens, logprobs, supports = self._draw(engine, active)
         finished = []
-        for i, (row, tok, lp) in enumerate(
-            zip(self.rows, draw.tokens.tolist(), draw.logprobs.tolist(), strict=True)
-        ):
+        next_token: dict[int, int] = {}
+        for i, (slot, tok, lp) in enumerate(zip(active, tokens, logprobs, strict=True)):
+            row = self.rows[slot]
             row.tokens.append(tok)
             row.logprobs.append(lp)
             row.versions.append(row.logits_version)
             if row.supports is not None:
-                row.supports.append(draw.supports[i] if draw.supports else None)
+                row.supports.append(supports[i] if supports else None)
             params = row.request.sampling
             if tok in params.stop_token_ids or row.hit_stop_string(engine.decode):
                 finished.append(row.result("stop"))
             elif row.done >= params.max_new_tokens:
                 finished.append(row.result("length"))
             else:
+                next_token[slot] = tok
                 continue
-            done[i] = True
-        engine.stats["tokens_generated"] += len(self.rows)
-        if finished:
-            self._select(~done)
-            draw_tokens = draw.tokens[~done.to(draw.tokens.device)]
-        else:
-            draw_tokens = draw.tokens
-        if not self.rows:
-            return finished
-        self.attention = torch.cat([self.attention, self.attention.new_ones((len(self.rows), 1))], dim=1)
-        out = with_cache(
-            engine.model,
-            self.cache,
-            input_ids=draw_tokens.unsqueeze(-1),
-            attention_mask=self.attention,
-            position_ids=self.next_pos.unsqueeze(-1),
-            use_cache=True,
-        )
-        self.logits = out.logits[:, -1]
-        self.next_pos = self.next_pos + 1
-        for row in self.rows:
-            row.logits_version = engine.version
-        engine.stats["peak_cache_tokens"] = max(engine.stats["peak_cache_tokens"], self.attention.numel())
+            self._free(slot)
+        engine.stats["tokens_generated"] += len(active)
+        if next_token:
+            self._decode(engine, self._compact(next_token, engine._admissible() if admit else 0))
         return finished
 
+    def _compact(self, next_token: dict[int, int], refill: int) -> dict[int, int]:
+        """Move the highest rows down into free slots so that the decode batch shrinks. On the
+        CPU the batch is kept dense: every hole below the highest row that the next admission
+        will not fill (it fills the ``refill`` lowest free slots) takes the highest row, since
+        a hole costs a decode row at every step and a move one copy of the row's columns. On
+        an accelerator rows move only when the batch drops to a smaller batch-size bucket.
+        Rows that stay are not touched. Returns the next tokens by (new) slot."""
+        if not self.static:
+            top = max(next_token)
+            holes = [s for s in range(top) if self.rows[s] is None][refill:]
+            moves = []
+            for target, slot in zip(holes, sorted(next_token, reverse=True), strict=False):
+                if target > slot:
+                    break
+                moves.append((slot, target))
+        else:
+            count = len(next_token)
+            current, packed = self._decode_rows(max(next_token)), self._decode_rows(count - 1)
+            if current == packed:
+                return next_token
+            holes = [s for s in range(packed) if self.rows[s] is None]
+            moves = list(zip(sorted(s for s in next_token if s >= packed), holes, strict=False))
+        for slot, target in moves:
+            self.cache.copy_prefix(slot, target, self.lengths[slot])
+            self.rows[target], self.lengths[target] = self.rows[slot], self.lengths[slot]
+            for buf in (
+                self.logits,
+                self.temperature,
+                self.top_k,
+                self.top_p,
+                self.min_p,
+                self.keep_support,
+                self.seeds,
+            ):
+                buf[target] = buf[slot]
+            next_token[target] = next_token.pop(slot)
+            self._free(slot)
+        return next_token
+
+    def _decode(self, engine: EmbeddedEngine, next_token: dict[int, int]) -> None:
+        """Feed every running row its newest token at its own position, written in place."""
+        dev = engine.device
+        width = self._decode_rows(max(next_token))
+        ids = [engine.pad_token_id] * width
+        for slot, tok in next_token.items():
+            ids[slot] = tok
+        # Slots without a row (holes, and the padding of a bucket) decode a pad token at
+        # column 0 of their own slot: written to a free slot, never read.
+        length = self._attend_length(max(self.lengths[s] for s in next_token) + 1, decode=True)
+        rows = slice(0, width)
+        if self.static:
+            # Static buffers in, the pending logits out: the step replays as a graph.
+            self.ids_in[rows, 0].copy_(torch.tensor(ids, dtype=torch.long))
+            self.starts_in[rows].copy_(torch.tensor(self.lengths[:width], dtype=torch.long))
+
+            def decode_step() -> torch.Tensor:
+                logits = self._forward(
+                    engine,
+                    rows,
+                    self.ids_in[rows],
+                    self.starts_in[rows],
+                    torch.arange(width, device=dev),
+                    None,
+                    length,
+                )
+                self.logits[rows] = logits
+                return self.logits[rows]
+
+            self.runner.run(("decode", width), decode_step)
+        else:
+            self.logits[rows] = self._forward(
+                engine,
+                rows,
+                torch.tensor(ids, dtype=torch.long, device=dev).unsqueeze(-1),
+                torch.tensor(self.lengths[:width], dtype=torch.long, device=dev),
+                torch.arange(width, device=dev),
+                None,
+                length,
+            )
+        for slot in next_token:
+            self.lengths[slot] += 1
+            self.rows[slot].logits_version = engine.version
+        engine.stats["peak_cache_tokens"] = max(engine.stats["peak_cache_tokens"], width * length)
+
     def abort(self, wanted: set[str] | None) -> list[GenerationResult]:
-        hit = torch.tensor(
-            [wanted is None or r.request.request_id in wanted for r in self.rows], dtype=torch.bool
-        )
-        out = [row.result("abort") for row, h in zip(self.rows, hit.tolist(), strict=True) if h]
-        if out:
-            self._select(~hit)
+        out = []
+        for slot, row in enumerate(self.rows):
+            if row is not None and (wanted is None or row.request.request_id in wanted):
+                out.append(row.result("abort"))
+                self._free(slot)
         return out
 
 
-def _layers(cache: DynamicCache):
-    return cache.layers
+def _draw_packed(logits, temperature, top_k, top_p, seeds, positions, min_p) -> torch.Tensor:
+    """(2, rows) float64: the drawn tokens (exact: ids < 2**53) over their log-probs, so that
+    the host reads both in one transfer."""
+    draw = sample_tokens(logits, temperature, top_k, top_p, seeds, positions, min_p)
+    return torch.stack([draw.tokens.double(), draw.logprobs.double()])
 
 
-def _left_pad(cache: DynamicCache, attention: torch.Tensor, width: int) -> tuple[DynamicCache, torch.Tensor]:
-    extra = width - attention.shape[1]
-    if extra == 0:
-        return cache, attention
-    for layer in _layers(cache):
-        pad_shape = (*layer.keys.shape[:2], extra, layer.keys.shape[-1])
-        layer.keys = torch.cat([layer.keys.new_zeros(pad_shape), layer.keys], dim=-2)
-        layer.values = torch.cat(
-            [layer.values.new_zeros(pad_shape[:-1] + (layer.values.shape[-1],)), layer.values], dim=-2
-        )
-    return cache, torch.cat([attention.new_zeros((attention.shape[0], extra)), attention], dim=1)
-
-
-def _concat_caches(a: DynamicCache, b: DynamicCache) -> DynamicCache:
-    for la, lb in zip(_layers(a), _layers(b), strict=True):
-        la.keys = torch.cat([la.keys, lb.keys])
-        la.values = torch.cat([la.values, lb.values])
-    return a
-
-
-def _crop_left(cache: DynamicCache, columns: int) -> None:
-    for layer in _layers(cache):
-        layer.keys = layer.keys[..., columns:, :]
-        layer.values = layer.values[..., columns:, :]
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix, by bisection on slice equality (compared in C)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -101,6 +101,10 @@ class GeneratorWorker:
             pad_token_id=policy.pad_token_id,
             max_batch_size=cfg.rollout.max_batch_size,
             max_tokens_in_flight=cfg.rollout.max_tokens_in_flight,
+            max_seq_len=cfg.rollout.max_seq_len,
+            kv_cache_gb=cfg.rollout.kv_cache_gb,
+            kv_cache_fraction=cfg.rollout.kv_cache_fraction,
+            cuda_graphs=cfg.rollout.cuda_graphs,
             seed=seed,
             decode=lambda ids: policy.tokenizer.decode(ids, skip_special_tokens=True),
         )
@@ -447,6 +451,9 @@ class TrainerWorker:
                 pad_token_id=policy.pad_token_id,
                 max_batch_size=self.cfg.rollout.max_batch_size,
                 owns_model=False,
+                # The borrowed model's parameters may be re-materialised between evaluations
+                # (compute-dtype copies, FSDP2 gathers): a graph would keep reading the old ones.
+                cuda_graphs=False,
             )
             self._eval_prompts = build.eval_prompts(self.cfg, policy)
         model = policy.model

@@ -1,0 +1,169 @@
+"""The engine's static KV cache: one fixed slot per running sequence, allocated once.
+
+**Slots, not pages.** Every layer holds two buffers of shape ``(slots, kv_heads, slot_len,
+head_dim)``; a running sequence owns one slot and its token at position ``p`` lives in
+column ``p`` of it. Slots were chosen over paged blocks because attention then reads a
+plain strided view of the buffers (``keys[:rows, :, :length]``) with the stock attention
+kernels of ``transformers`` — pages would need a gather per layer per step or a paged
+attention kernel, neither of which PyTorch offers on the CPU. The price is fragmentation:
+a slot is as long as the longest sequence the engine accepts, whatever its own request
+needs (the token budget ``max_tokens_in_flight`` still bounds what is reserved).
+Prefix sharing copies the shared columns into the newcomer's slot (one copy per layer, no
+recomputation) instead of sharing blocks.
+
+**In place, per row.** :class:`SlotKVCache` is a ``transformers`` :class:`~transformers.Cache`:
+the model calls :meth:`SlotKVCache.update` in every attention layer with the step's keys and
+values; it writes them into the buffers at each row's own positions (given beforehand by
+:meth:`SlotKVCache.plan`) and returns the keys and values to attend to. Which columns a row
+may attend to is a 4-D mask built from per-row lengths (:func:`length_mask`), which the
+model takes as it is; so the stock ``sdpa`` and ``eager`` attention functions work unchanged
+and no custom attention function is registered. Rows join and leave without touching any
+other row's slot.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import Cache, PretrainedConfig
+
+
+def kv_geometry(config: PretrainedConfig) -> tuple[int, int, int]:
+    """(layers, key/value heads, head dim) of a decoder-only model config."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
+def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
+    """Bytes of keys plus values one token occupies over all layers."""
+    layers, kv_heads, head_dim = kv_geometry(config)
+    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory free for a new allocation now: on CUDA the device's free memory, on the CPU the
+    host's available memory (``MemAvailable``: free plus reclaimable page cache)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass
+class _Plan:
+    """Where the next forward writes and what it attends to (see :meth:`SlotKVCache.plan`)."""
+
+    rows: slice | torch.Tensor  # the slots of the forward's batch rows: a range (a view) or indices
+    write_slots: torch.Tensor  # (N,) slot of every written token
+    write_cols: torch.Tensor  # (N,) its column (position) in the slot
+    flat: (
+        torch.Tensor
+    )  # (N * kv_heads,) rows of the buffers viewed as (slots * kv_heads * slot_len, head_dim)
+    source: torch.Tensor | None  # (N,) index into the forward's (rows x width) tokens; None = all, width 1
+    length: int  # columns returned to attention
+
+
+class SlotKVCache(Cache):
+    """Preallocated keys and values: ``slots`` sequences of up to ``slot_len`` tokens each."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        slots: int,
+        slot_len: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__(layers=[])
+        layers, kv_heads, head_dim = kv_geometry(config)
+        shape = (slots, kv_heads, slot_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.slots = slots
+        self.slot_len = slot_len
+        self._plan: _Plan | None = None
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.slots * self.slot_len
+
+    def plan(
+        self,
+        rows: slice | torch.Tensor,
+        write_slots: torch.Tensor,
+        write_cols: torch.Tensor,
+        length: int,
+        source: torch.Tensor | None = None,
+    ) -> None:
+        """Set up the next forward: batch row ``i`` is slot ``rows[i]``; its token number
+        ``source[n]`` (flattened over rows x width; all tokens of a width-1 batch when
+        ``source`` is None) goes to column ``write_cols[n]`` of slot ``write_slots[n]``; each
+        layer then attends over the first ``length`` columns of the batch's slots."""
+        if length > self.slot_len:
+            raise ValueError(f"attention over {length} columns, but slots hold {self.slot_len}")
+        # Computed once per forward, shared by every layer: one index_copy_ per buffer writes all.
+        heads = self.keys[0].shape[1]
+        flat = (
+            write_slots.unsqueeze(-1) * heads + torch.arange(heads, device=write_slots.device)
+        ) * self.slot_len
+        flat = (flat + write_cols.unsqueeze(-1)).flatten()
+        self._plan = _Plan(rows, write_slots, write_cols, flat, source, length)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("SlotKVCache.update without a plan: call plan() before the forward")
+        out = []
+        for buf, new in ((self.keys[layer_idx], key_states), (self.values[layer_idx], value_states)):
+            # (tokens, heads, dim): a decode step writes every row's single token.
+            tokens = new[:, :, 0] if plan.source is None else new.transpose(1, 2).flatten(0, 1)[plan.source]
+            buf.view(-1, buf.shape[-1]).index_copy_(
+                0, plan.flat, tokens.reshape(-1, buf.shape[-1]).to(buf.dtype)
+            )
+            # A range of slots is a view of the buffer; an index tensor gathers (prefill only).
+            out.append(buf[plan.rows, :, : plan.length])
+        return out[0], out[1]
+
+    def copy_prefix(self, source: int, target: int, length: int) -> None:
+        """Copy the first ``length`` columns of slot ``source`` into slot ``target`` (every layer)."""
+        for buf in (*self.keys, *self.values):
+            buf[target, :, :length] = buf[source, :, :length]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        # Models ask only when no position ids are given; the engine always gives them.
+        raise RuntimeError("SlotKVCache rows have their own lengths: the forward must be given position_ids")
+
+
+def length_mask(
+    starts: torch.Tensor, width: int, length: int, dtype: torch.dtype, boolean: bool
+) -> torch.Tensor:
+    """The (rows, 1, width, length) mask of a forward whose row ``i`` has its query ``j`` at
+    position ``starts[i] + j``: it sees the columns up to and including that position.
+
+    Boolean (True = attend) or additive (0 / dtype min); the engine passes the additive one to
+    every attention function (``sdpa`` would otherwise convert a boolean mask in each layer).
+    A query at a negative position (left padding) sees column 0 only, so its softmax stays
+    finite; its output is never used.
+    """
+    query_pos = starts.unsqueeze(-1) + torch.arange(width, device=starts.device)  # (rows, width)
+    cols = torch.arange(length, device=starts.device)
+    allowed = cols <= query_pos.clamp(min=0).unsqueeze(-1)  # (rows, width, length)
+    allowed = allowed.unsqueeze(1)
+    if boolean:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=starts.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min
+    )
