@@ -1,6 +1,6 @@
 """asyncrl on the GPU that is present: the default example, the engine, the trainer, weight sync.
 
-    python bench/gpu.py [--parts default engine trainer weight_sync] [--steps 150]
+    python bench/gpu.py [--parts default engine trainer weight_sync loop] [--steps 150] [--loop-steps 12]
     python bench/gpu.py --device cpu --quick      # a few seconds per part, to check the script itself
 
 Prints one JSON object (its last line) with the device's name and, per part:
@@ -9,7 +9,8 @@ Prints one JSON object (its last line) with the device's name and, per part:
   ``sync``, ``periodic`` and ``async`` schedules, generator and trainer on one GPU: seconds
   per step, mean reward of the first and last ten steps, the engine/trainer log-prob gap,
   the trainer's and generators' busy fractions;
-* ``engine``: output tokens/s of asyncrl's engine against ``model.generate`` (eager, dynamic
+* ``engine``: output tokens/s of asyncrl's engine (with CUDA graphs, and without them as
+  ``engine_eager``) against ``model.generate`` (eager, dynamic
   cache) and ``model.generate(cache_implementation="static")`` on the same requests, for a
   Qwen2-0.5B-shaped model (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864,
   vocabulary 151,936, bfloat16, random weights built in memory — nothing is downloaded):
@@ -21,6 +22,10 @@ Prints one JSON object (its last line) with the device's name and, per part:
   bfloat16 compute, 4 groups x 8 samples of 256 prompt + 512 completion tokens): tokens/s,
   MFU (6 x parameters x tokens against the GPU's dense bfloat16 peak, when known) and peak
   GPU memory;
+* ``loop``: ``asyncrl train`` on the 0.5B shape with a synthetic task (random prompts of
+  256 tokens, 4 groups x 8 completions of 512 tokens, a cheap regex reward), generator and
+  trainer sharing the GPU: sync vs periodic vs async seconds per step after the first, and
+  busy fractions;
 * ``weight_sync``: seconds from the start of a publication until a receiver in another
   process holds the version in GPU memory (as the engine loads it), per transport, for that
   model's weights in bfloat16: the median (and fastest) of several versions after an untimed
@@ -154,10 +159,19 @@ def engine_workloads(quick: bool, vocab: int) -> dict[str, tuple[list[list[int]]
     }
 
 
-def run_engine(model, prompts, budgets, in_flight, device) -> dict:
+def run_engine(model, prompts, budgets, in_flight, device, cuda_graphs: bool = True) -> dict:
     from asyncrl.engine import EmbeddedEngine, GenerationRequest, SamplingParams
 
-    engine = EmbeddedEngine(model, pad_token_id=0, max_batch_size=in_flight, seed=0, owns_model=False)
+    engine = EmbeddedEngine(
+        model,
+        pad_token_id=0,
+        max_batch_size=in_flight,
+        # Slots as long as the longest request, not the model's 4,096 positions.
+        max_seq_len=max(len(p) + b for p, b in zip(prompts, budgets, strict=True)),
+        seed=0,
+        owns_model=False,
+        cuda_graphs=cuda_graphs,
+    )
 
     def requests(n: int):
         return [
@@ -237,6 +251,8 @@ def engine_part(device: torch.device, quick: bool) -> dict:
     out = {"model": "qwen2-tiny" if quick else "qwen2-0.5b-shape", "dtype": str(dtype).removeprefix("torch.")}
     for case, (prompts, budgets, in_flight) in engine_workloads(quick, vocab).items():
         row = {"engine": run_engine(model, prompts, budgets, in_flight, device)}
+        if device.type == "cuda":  # the same without CUDA graphs (rollout.cuda_graphs=false)
+            row["engine_eager"] = run_engine(model, prompts, budgets, in_flight, device, cuda_graphs=False)
         # The engine stops a request at its budget only: random weights rarely sample EOS (0).
         row["generate_eager"] = run_generate(model, prompts, budgets, in_flight, device, static=False)
         try:
@@ -325,6 +341,79 @@ def trainer_part(device: torch.device, quick: bool) -> dict:
     }
 
 
+# -- the whole loop at the 0.5B shape ---------------------------------------------------------------
+
+# Characters of the synthetic prompts: the char tokenizer's printable ones.
+PROMPT_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789+-*= "
+
+
+def loop_part(device: torch.device, quick: bool, steps: int) -> dict:
+    """``asyncrl train`` on the 0.5B shape, generator and trainer sharing the device, per schedule.
+
+    The task is synthetic: random prompts (256 characters, one token each) and a reward from
+    a cheap rule (``format_regex``: the completion contains a digit), which a random model
+    meets in about a third of its completions, so groups have a spread and every step
+    trains. Random weights over a 151,936-token vocabulary almost never sample EOS, so every
+    completion runs its full 512 tokens: the load is fixed. The model and the char tokenizer
+    are written to a temporary directory and loaded from it as a local checkpoint would be.
+    """
+    import yaml
+
+    from asyncrl.config import load_config
+    from asyncrl.models.tokenizer import build_char_tokenizer
+    from asyncrl.orchestration import train
+
+    prompt_len, new_tokens = (32, 48) if quick else (256, 512)
+    groups, group_size = (2, 4) if quick else (4, 8)
+    out: dict = {"prompt_tokens": prompt_len, "completion_tokens": new_tokens}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        build_model(quick, torch.device("cpu"), torch.float32).save_pretrained(model_dir)
+        build_char_tokenizer().save_pretrained(model_dir)
+        rng = random.Random(0)
+        prompts = Path(tmp) / "prompts.jsonl"
+        rows = (
+            {"prompt": "".join(rng.choice(PROMPT_ALPHABET) for _ in range(prompt_len)), "answer": ""}
+            for _ in range(4 * groups * (steps + 4))
+        )
+        prompts.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        for schedule in ("sync", "periodic", "async"):
+            config = {
+                "model": {"path": str(model_dir), "device": str(device)},
+                "task": {
+                    "name": "jsonl",
+                    "path": str(prompts),
+                    "rewards": [{"name": "format_regex", "args": {"pattern": "[0-9]", "search": True}}],
+                },
+                "rollout": {
+                    "group_size": group_size,
+                    "prompts_per_step": groups,
+                    "max_new_tokens": new_tokens,
+                    "max_batch_size": groups * group_size * 2,
+                    "max_seq_len": prompt_len + new_tokens + 8,
+                },
+                "schedule": schedule,
+                "run": {"steps": steps, "progress": False, "eval_every": 0, "checkpoint_every": 0},
+            }
+            path = Path(tmp) / f"{schedule}.yaml"
+            path.write_text(yaml.safe_dump(config), encoding="utf-8")
+            run_dir = Path(tmp) / f"run-{schedule}"
+            train(load_config(path), run_dir)
+            metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            # The first step pays for start-up (allocations, kernels chosen): timed apart.
+            times = [r["time_s"] for r in metrics]
+            timed = metrics[1:] or metrics
+            out[schedule] = {
+                "steps": len(metrics),
+                "first_step_s": round(times[0], 3),
+                "s_per_step": round((times[-1] - times[0]) / max(1, len(times) - 1), 3),
+                "reward_mean": round(statistics.fmean(r["reward_mean"] for r in metrics), 4),
+                "trainer_busy_frac": round(statistics.fmean(r["trainer_busy_frac"] for r in timed), 3),
+                "generator_busy_frac": round(statistics.fmean(r["generator_busy_frac"] for r in timed), 3),
+            }
+    return out
+
+
 # -- weight sync --------------------------------------------------------------------------------
 
 
@@ -402,6 +491,7 @@ PARTS = {
     "engine": lambda a, d: engine_part(d, a.quick),
     "trainer": lambda a, d: trainer_part(d, a.quick),
     "weight_sync": lambda a, d: weight_sync_part(d, a.quick),
+    "loop": lambda a, d: loop_part(d, a.quick, a.loop_steps),
 }
 
 
@@ -412,6 +502,7 @@ def main() -> None:
     )
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
     parser.add_argument("--steps", type=int, default=150, help="steps of the default example per schedule")
+    parser.add_argument("--loop-steps", type=int, default=12, help="steps of the 0.5B loop per schedule")
     parser.add_argument("--quick", action="store_true", help="tiny shapes and short runs")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -419,6 +510,7 @@ def main() -> None:
         sys.exit("bench/gpu.py: no CUDA device is visible (use --device cpu --quick to check the script)")
     if args.quick:
         args.steps = min(args.steps, 4)
+        args.loop_steps = min(args.loop_steps, 3)
     result = {"device": device_name(device), "torch": torch.__version__, "quick": args.quick}
     for part in args.parts:
         t0 = time.perf_counter()

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.multiprocess
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "gpu.py"
 
 
-@pytest.mark.slow  # ~140 s; the engine, trainer and transports it times are tested in test_engine*, test_trainer, test_bench_weight_sync
+@pytest.mark.slow  # ~170 s; the engine, trainer, transports and loop it times are tested in test_engine*, test_trainer, test_bench_weight_sync, test_schedules
 @pytest.mark.timeout(600)
 def test_gpu_bench_quick_mode_reports_every_part_on_the_cpu() -> None:
     out = subprocess.run(
@@ -30,6 +30,7 @@ def test_gpu_bench_quick_mode_reports_every_part_on_the_cpu() -> None:
             "engine",
             "trainer",
             "weight_sync",
+            "loop",
         ],
         capture_output=True,
         text=True,
@@ -52,6 +53,12 @@ def test_gpu_bench_quick_mode_reports_every_part_on_the_cpu() -> None:
     for kind in ("shm", "files", "broadcast"):
         assert "error" not in sync[kind], sync[kind]
         assert 0 < sync[kind]["s_min"] <= sync[kind]["s_median"]
+    loop = result["loop"]
+    for schedule in ("sync", "periodic", "async"):
+        row = loop[schedule]
+        assert row["steps"] == 3 and row["s_per_step"] > 0
+        assert 0.0 < row["reward_mean"] < 1.0  # the regex reward has a spread
+        assert 0.0 <= row["trainer_busy_frac"] <= 1.0 and 0.0 <= row["generator_busy_frac"] <= 1.0
 
 
 def test_gpu_bench_without_cuda_says_so() -> None:
