@@ -218,7 +218,7 @@ def test_accelerator_shapes_run_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> N
     """The accelerator layout (decode over the whole slot, power-of-two batch buckets, rows moved
     only when the batch drops a bucket), forced on the CPU: same completions and log-probs as the
     CPU layout, and every decode forward has one of the bucketed shapes."""
-    from asyncrl.engine import embedded
+    from asyncrl.engine import slots
 
     policy = policy_for()
     reqs = [
@@ -227,13 +227,13 @@ def test_accelerator_shapes_run_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> N
     ]
     cpu = make_engine(policy, max_batch_size=8, max_seq_len=64).generate(reqs)
 
-    init = embedded._Slots.__init__
+    init = slots.Slots.__init__
 
     def static_init(self, engine) -> None:
         init(self, engine)
         self.static = True
 
-    monkeypatch.setattr(embedded._Slots, "__init__", static_init)
+    monkeypatch.setattr(slots.Slots, "__init__", static_init)
     engine = make_engine(policy, max_batch_size=8, max_seq_len=64)
     shapes = set()
     engine.model.register_forward_pre_hook(
@@ -249,15 +249,15 @@ def test_accelerator_shapes_run_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def _force_accelerator_layout(monkeypatch: pytest.MonkeyPatch) -> None:
-    from asyncrl.engine import embedded
+    from asyncrl.engine import slots
 
-    init = embedded._Slots.__init__
+    init = slots.Slots.__init__
 
     def static_init(self, engine) -> None:
         init(self, engine)
         self.static = True
 
-    monkeypatch.setattr(embedded._Slots, "__init__", static_init)
+    monkeypatch.setattr(slots.Slots, "__init__", static_init)
 
 
 def test_accelerator_decode_steps_copy_to_the_host_once(monkeypatch: pytest.MonkeyPatch) -> None:
