@@ -66,6 +66,10 @@ class Sample:
     advantage: float | None = None
     # Keep Sampling Mask: per token, the ids the sampler could choose (None = the whole vocabulary).
     supports: list[list[int] | None] | None = None
+    # Multi-turn episodes: [start, end) of each model turn in the completion, and the step
+    # reward each turn got (None: none given). None for single-turn completions.
+    turn_spans: list[tuple[int, int]] | None = None
+    turn_rewards: list[float | None] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)

@@ -1,0 +1,128 @@
+"""An episode as one token sequence, and the client agent code builds it through.
+
+**Token in, token out.** An episode is its task's prompt followed by one completion made of
+the model's turns and the environment's observations, appended as tokens in the order they
+happen. A model turn's tokens are exactly the tokens the engine sampled (loss mask 1, with
+their behaviour log-probs and the policy version of each token); an observation is encoded
+once when it arrives (loss mask 0) and never re-tokenised with the text around it. The next
+turn is generated from that token sequence, so what is trained is what was sampled.
+
+For a conversational task (a chat template), an observation is rendered as a user turn in
+the template's format — the text between an assistant turn and the next generation prompt —
+so the model sees what a chat would show it.
+
+Budgets: ``max_turns`` model turns and ``max_episode_tokens`` tokens after the prompt. A
+turn is given at most the tokens left; when a budget is spent the next ``generate`` raises
+:class:`EpisodeTruncated`, which ends the episode as truncated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from asyncrl.engine import GenerationResult
+
+
+class EpisodeTruncated(Exception):
+    """The episode's turn or token budget is spent; the episode ends truncated."""
+
+
+@dataclass
+class EpisodeRecord:
+    """What one episode produced after its prompt: the per-token fields of a Sample, plus turns."""
+
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    turn_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each model turn
+    turn_rewards: list[float | None] = field(default_factory=list)  # a step reward per turn, if given
+    truncated: bool = False
+
+    def append(self, ids: list[int], logprobs: list[float], versions: list[int], trained: bool) -> None:
+        self.completion_ids += ids
+        self.logprobs += logprobs
+        self.versions += versions
+        self.loss_mask += [int(trained)] * len(ids)
+
+
+# Sends one model turn to the engine: (client, context ids, token budget, turn index) -> the
+# future the worker resolves with the turn's GenerationResult.
+SubmitTurn = Callable[["EpisodeClient", list[int], int, int], "asyncio.Future[GenerationResult]"]
+
+
+class EpisodeClient:
+    """The policy, as agent code of one episode sees it."""
+
+    def __init__(
+        self,
+        name: str,
+        prompt_ids: list[int],
+        *,
+        seed: int,
+        version: int,
+        max_turns: int,
+        max_episode_tokens: int,
+        max_turn_tokens: int,
+        submit: SubmitTurn,
+        encode_observation: Callable[[str], list[int]],
+        decode: Callable[[list[int]], str],
+    ) -> None:
+        self.name = name  # "group/episode": its turns' request ids are "group/episode/turn"
+        self.prompt_ids = list(prompt_ids)
+        self.seed = seed  # for the episode's environment: episodes are reproducible
+        self.record = EpisodeRecord()
+        self.max_turns = max_turns
+        self.max_episode_tokens = max_episode_tokens
+        self.max_turn_tokens = max_turn_tokens
+        self._submit = submit
+        self._encode_observation = encode_observation
+        self._decode = decode
+        self._version = version  # of the newest model token (observations take it: no staleness of their own)
+
+    @property
+    def turns(self) -> int:
+        return len(self.record.turn_spans)
+
+    @property
+    def context_ids(self) -> list[int]:
+        """The episode so far: prompt, turns and observations."""
+        return self.prompt_ids + self.record.completion_ids
+
+    def tokens_left(self) -> int:
+        return self.max_episode_tokens - len(self.record.completion_ids)
+
+    async def generate(self) -> str:
+        """The model's next turn, appended to the episode; returns its text (stop tokens left out)."""
+        budget = min(self.max_turn_tokens, self.tokens_left())
+        if self.turns >= self.max_turns or budget < 1:
+            self.record.truncated = True
+            raise EpisodeTruncated(f"after {self.turns} turns and {len(self.record.completion_ids)} tokens")
+        result = await self._submit(self, self.context_ids, budget, self.turns)
+        start = len(self.record.completion_ids)
+        self.record.append(list(result.completion_ids), list(result.logprobs), list(result.versions), True)
+        self.record.turn_spans.append((start, len(self.record.completion_ids)))
+        self.record.turn_rewards.append(None)
+        if result.versions:
+            self._version = result.versions[-1]
+        if result.finish_reason == "length" and self.tokens_left() < 1:
+            self.record.truncated = True  # cut by the episode budget mid-turn
+        return self._decode(list(result.completion_ids))
+
+    def observe(self, text: str) -> None:
+        """Append what the environment answers (not trained); cut at the token budget."""
+        ids = self._encode_observation(text)
+        room = max(0, self.tokens_left())
+        if len(ids) > room:
+            ids = ids[:room]
+            self.record.truncated = True
+        self.record.append(ids, [0.0] * len(ids), [self._version] * len(ids), False)
+
+    def reward_turn(self, reward: float) -> None:
+        """A step reward for the latest model turn (process rewards)."""
+        if not self.record.turn_spans:
+            raise ValueError("a step reward before the first model turn has no turn to go to")
+        previous = self.record.turn_rewards[-1]
+        self.record.turn_rewards[-1] = reward if previous is None else previous + reward
