@@ -88,13 +88,15 @@ class RewardEntry(Section):
 class TaskConfig(Section):
     """Where prompts come from and how completions are scored."""
 
-    name: Literal["arithmetic", "jsonl", "dataset"] = Field(
+    name: Literal["arithmetic", "jsonl", "dataset", "guess"] = Field(
         "arithmetic",
-        description="'arithmetic' (built-in, generated), 'jsonl' (a JSONL file), or 'dataset' (Hugging Face "
+        description="'arithmetic' (built-in, generated), 'jsonl' (a JSONL file), 'dataset' (Hugging Face "
         "`datasets`: a directory saved with save_to_disk, a folder of data files, or a .parquet, .jsonl, "
-        ".json or .csv file). A row's prompt is a string or a list of chat messages.",
+        ".json or .csv file; a row's prompt is a string or a list of chat messages), or 'guess' (the "
+        "built-in guessing game's secrets, played with episode.environment=guess).",
     )
     arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
+    guess_max: int = Field(16, ge=2, description="task.name=guess: secrets are integers in 1..guess_max.")
     path: str | None = Field(None, description="The dataset file or directory (task.name=jsonl or dataset).")
     split: str = Field("train", description="Split trained on (task.name=dataset).")
     eval_split: str | None = Field(
@@ -692,12 +694,32 @@ class RuntimeConfig(Section):
     stop_timeout_s: float = Field(20.0, gt=0, description="Grace period for workers to exit on stop.")
 
 
+class EpisodeConfig(Section):
+    """Multi-turn episodes (asyncrl.episodes): the model acts in an environment over several turns."""
+
+    environment: str | None = Field(
+        None,
+        description="null = single-turn completions. A built-in ('calculator' on the arithmetic task, 'guess' "
+        "on task.name=guess) or 'module:name' of an environment class (built as cls(task, seed), with reset "
+        "and step) or of an `async def episode(client, task)` function. The episode's reward replaces "
+        "task.reward.",
+    )
+    max_turns: int = Field(4, ge=1, description="Most model turns per episode; more truncates it.")
+    max_episode_tokens: int = Field(
+        64,
+        ge=1,
+        description="Most tokens after the prompt (turns and observations); a turn gets at most "
+        "min(rollout.max_new_tokens, what is left). An episode that runs out is truncated.",
+    )
+
+
 class Config(Section):
     """A whole asyncrl run."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    episode: EpisodeConfig = Field(default_factory=EpisodeConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
@@ -707,6 +729,15 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _combinations(self) -> Config:
+        env = self.episode.environment
+        if self.task.name == "guess" and env != "guess":
+            raise ValueError("task.name=guess is played as episodes: set episode.environment=guess")
+        if env == "guess" and self.task.name != "guess":
+            raise ValueError(f"episode.environment=guess needs task.name=guess, not {self.task.name}")
+        if env == "calculator" and self.task.name != "arithmetic":
+            raise ValueError(
+                f"episode.environment=calculator needs task.name=arithmetic, not {self.task.name}"
+            )
         if self.algorithm.advantage_scale == "group" and self.rollout.group_size < 2:
             raise ValueError(
                 "algorithm.advantage_scale=group needs rollout.group_size >= 2 (a group of one has no spread)"

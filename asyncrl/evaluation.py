@@ -1,4 +1,5 @@
-"""Accuracy of a policy on held-out prompts: the mean reward of one completion per prompt."""
+"""Accuracy of a policy on held-out prompts: the mean reward of one completion (or one
+episode, for multi-turn tasks) per prompt."""
 
 from __future__ import annotations
 
@@ -27,3 +28,15 @@ def evaluate(
         (scored,) = rewards.score(prompt, [text], [list(res.completion_ids)])  # token ids as in training
         total += scored.reward or 0.0
     return total / max(len(prompts), 1)
+
+
+def evaluate_episodes(rollout, prompts: list[Prompt]) -> float:
+    """Mean reward of one episode per prompt, played by ``rollout`` (an
+    :class:`~asyncrl.episodes.EpisodeRolloutWorker` of group size 1, greedy); a failed
+    episode counts 0. The worker is closed afterwards."""
+    try:
+        groups = rollout.generate_groups(prompts)
+    finally:
+        rollout.close()
+    rewards = [s.reward or 0.0 for g in groups for s in g.samples]
+    return sum(rewards) / max(len(prompts), 1)

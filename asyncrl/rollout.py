@@ -83,6 +83,11 @@ class RolloutWorker:
     def groups_in_flight(self) -> int:
         return len(self._pending)
 
+    @property
+    def has_work(self) -> bool:
+        """Whether anything submitted is still being generated."""
+        return self.engine.has_work
+
     def submit(self, work: list[tuple[int, Prompt]]) -> None:
         """Queue G completions for each (group_id, prompt)."""
         for group_id, prompt in work:

@@ -255,3 +255,78 @@ def test_packing_forwards_a_groups_shared_history_once(policy) -> None:
     forwarded = sum(level.input_ids.numel() for level in levels)
     separately = sum(len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples)
     assert forwarded < separately - 2 * len(samples[0].prompt_ids)
+
+
+# -- configuration and the training loop ---------------------------------------------------------
+
+
+def test_episode_settings_are_checked_by_name() -> None:
+    from asyncrl.config import load_config
+    from asyncrl.episodes.resolve import resolve_episode
+    from asyncrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"set episode\.environment=guess"):
+        load_config(None, ["task.name=guess"])
+    with pytest.raises(ConfigError, match=r"calculator needs task\.name=arithmetic"):
+        load_config(None, ["task.name=jsonl", "task.path=x.jsonl", "episode.environment=calculator"])
+    with pytest.raises(ConfigError, match=r"episode\.environment=.nothing.: not a built-in"):
+        resolve_episode("nothing", 4)
+    with pytest.raises(ConfigError, match="cannot import module 'no_such_module'"):
+        resolve_episode("no_such_module:Env", 4)
+    with pytest.raises(ConfigError, match="neither an environment class"):
+        resolve_episode("asyncrl.episodes.games:TOOL_CALL", 4)
+    assert resolve_episode("tests.test_episodes:Echo", 4).__name__ == "environment_episode(Echo)"
+
+
+def test_calculator_and_guessing_game_rules() -> None:
+    from asyncrl.episodes.games import Calculator, GuessingGame, GuessTask
+
+    calc = Calculator(Prompt("p", "12*34=", answer="408"), seed=0)
+    assert calc.step("?12*34") == StepResult(observation="=408;")
+    assert calc.step("?12/34") == StepResult(observation="=error;")
+    assert calc.step("408") == StepResult(reward=1.0, done=True)
+    assert Calculator(Prompt("p", "1+1=", answer="2"), 0).step("3") == StepResult(reward=0.0, done=True)
+    task = GuessTask(16, seed=3).get(5)
+    assert task == GuessTask(16, seed=3).get(5) and 1 <= int(task.answer) <= 16
+    game = GuessingGame(Prompt("g", "1-16?", answer="9"), seed=0, max_turns=4)
+    assert [game.step(t) for t in ("4", "12", "x")] == [
+        StepResult(observation="higher;"),
+        StepResult(observation="lower;"),
+        StepResult(observation="?;"),
+    ]
+    assert game.step("9") == StepResult(reward=1.0 - 3 / 4, done=True)
+
+
+@pytest.mark.parametrize("schedule", ["sync", "async"])
+def test_train_on_the_guessing_game(tmp_path, schedule: str) -> None:
+    """``asyncrl train`` on episodes: every group trained once, books reconcile, evaluation
+    plays greedy episodes; the async schedule runs generators in their own processes."""
+    import json
+
+    from asyncrl.config import load_config
+    from asyncrl.orchestration import train
+
+    cfg = load_config(
+        None,
+        [
+            "task.name=guess",
+            "episode.environment=guess",
+            f"schedule={schedule}",
+            "run.steps=3",
+            "rollout.prompts_per_step=3",
+            "rollout.group_size=3",
+            "rollout.max_new_tokens=4",
+            "episode.max_turns=3",
+            "run.eval_every=3",
+            "run.eval_prompts=6",
+            "run.progress=false",
+            "run.checkpoint_every=0",
+        ],
+    )
+    summary = train(cfg, tmp_path / "run")
+    books = summary["accounting"]
+    assert books["reconciles"] and books["trained"] == 9 and books["prompts_trained_twice"] == 0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows)
+    assert 0.0 <= summary["eval"][-1]["eval_accuracy"] <= 1.0

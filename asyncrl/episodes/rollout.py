@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import queue
 import threading
 from dataclasses import dataclass, field, replace
@@ -34,6 +35,7 @@ from asyncrl.types import Group, Prompt, Sample
 
 # Longest a step waits for an episode to do something when the engine has nothing to decode.
 IDLE_WAIT_S = 0.05
+CLOSE_TIMEOUT_S = 10.0  # for cancelled episodes to unwind when the worker closes
 
 
 @dataclass
@@ -101,6 +103,11 @@ class EpisodeRolloutWorker:
     @property
     def groups_in_flight(self) -> int:
         return len(self._pending)
+
+    @property
+    def has_work(self) -> bool:
+        """Whether an episode is running: on the engine, or waiting on its environment."""
+        return bool(self._pending)
 
     @property
     def reward_fn(self) -> EpisodeRolloutWorker:
@@ -186,10 +193,16 @@ class EpisodeRolloutWorker:
         return [done[i] for i in ids if i in done]
 
     def close(self) -> None:
+        """Cancel the episodes still running and stop their event loop."""
+        if not self._thread.is_alive():
+            return
         for group_id in list(self._pending):
             self._cancel(group_id)
+        # An episode that ignores cancellation is left to the daemon thread.
+        with contextlib.suppress(concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+            asyncio.run_coroutine_threadsafe(_cancel_tasks(), self._loop).result(timeout=CLOSE_TIMEOUT_S)
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=CLOSE_TIMEOUT_S)
 
     # -- observations ---------------------------------------------------------------------------
 
@@ -316,3 +329,11 @@ class EpisodeRolloutWorker:
 def _resolve(future: asyncio.Future, result: GenerationResult) -> None:
     if not future.done():
         future.set_result(result)
+
+
+async def _cancel_tasks() -> None:
+    """Cancel every other task on the running loop and wait for them to unwind."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -47,6 +47,10 @@ def prompt_source(
 ) -> PromptSource:
     """The training prompts, or with ``evaluation`` the held-out ones (see :func:`eval_prompts`)."""
     t = cfg.task
+    if t.name == "guess":
+        from asyncrl.episodes.games import GuessTask
+
+        return GuessTask(t.guess_max, seed=t.seed + seed_offset + (EVAL_SEED_OFFSET if evaluation else 0))
     if t.name == "arithmetic":
         a = t.arithmetic
         offset = seed_offset + (EVAL_SEED_OFFSET if evaluation else 0)
@@ -82,7 +86,7 @@ def task_prompts(cfg: Config) -> PromptSource:
     """The training prompt source, validated against the model's tokenizer without loading weights."""
     tokenizer, max_positions = load_tokenizer(cfg.model.path, cfg.model.chat_template)
     source = prompt_source(cfg, tokenizer, max_positions)
-    if cfg.task.name != "arithmetic":
+    if cfg.task.name not in ("arithmetic", "guess"):
         prompt_source(cfg, tokenizer, max_positions, evaluation=True)  # a bad eval split fails here too
     return source
 
@@ -147,7 +151,32 @@ def build_reward(cfg: Config, *, timed: bool = True) -> RewardSet:
     return RewardSet(terms)
 
 
-def build_rollout(cfg: Config, policy: Policy, engine) -> RolloutWorker:
+def build_episode(cfg: Config):
+    """The episode function of episode.environment (None for single-turn completions)."""
+    if cfg.episode.environment is None:
+        return None
+    from asyncrl.episodes.resolve import resolve_episode
+
+    return resolve_episode(cfg.episode.environment, cfg.episode.max_turns)
+
+
+def build_rollout(cfg: Config, policy: Policy, engine, *, greedy: bool = False):
+    """The rollout worker: single-turn completions, or multi-turn episodes with episode.environment."""
+    episode = build_episode(cfg)
+    if episode is not None:
+        from asyncrl.episodes import EpisodeRolloutWorker
+
+        return EpisodeRolloutWorker(
+            engine,
+            policy.tokenizer,
+            episode,
+            sampling_params(cfg, policy, greedy=greedy),
+            1 if greedy else cfg.rollout.group_size,
+            max_turns=cfg.episode.max_turns,
+            max_episode_tokens=cfg.episode.max_episode_tokens,
+            reward_on_error=cfg.task.reward_on_error,
+            seed=cfg.run.seed,
+        )
     return RolloutWorker(
         engine,
         policy.tokenizer,
@@ -167,7 +196,9 @@ def build_trainer(cfg: Config, policy: Policy, ranks: RankGroup | None = None) -
         trainer_cfg=cfg.trainer,
         algo_cfg=cfg.algorithm,
         temperature=cfg.rollout.temperature,
-        max_completion_length=cfg.rollout.max_new_tokens,
+        max_completion_length=cfg.episode.max_episode_tokens
+        if cfg.episode.environment
+        else cfg.rollout.max_new_tokens,
         total_steps=cfg.run.steps,
         old_logprobs=cfg.old_logprob_mode,
         compute_dtype=compute_dtype(cfg, next(policy.model.parameters()).device),

@@ -8,7 +8,7 @@ from typing import Any
 from asyncrl import checkpoint
 from asyncrl.config import Config
 from asyncrl.errors import AsyncRLError
-from asyncrl.orchestration.build import seed_everything, task_prompts
+from asyncrl.orchestration.build import build_episode, seed_everything, task_prompts
 from asyncrl.orchestration.controller import run_controller
 from asyncrl.orchestration.runtime import InlineRuntime
 from asyncrl.orchestration.session import RunSession, default_run_dir
@@ -35,6 +35,7 @@ def train(cfg: Config, run_dir: Path | None = None, *, resume: bool = False) -> 
     """Run training; with ``resume``, continue ``run_dir`` from its newest checkpoint."""
     seed_everything(cfg.run.seed)
     prompts = task_prompts(cfg)  # a bad model path or dataset fails here, before a run directory is made
+    build_episode(cfg)  # as does a bad episode.environment
     run_dir = run_dir or default_run_dir()
     resume_from = checkpoint.latest(run_dir) if resume else None
     version = checkpoint.read_controller_state(resume_from)["version"] if resume_from else None

@@ -18,7 +18,7 @@ from asyncrl import checkpoint
 from asyncrl.config import Config
 from asyncrl.engine import EmbeddedEngine
 from asyncrl.engine.lora import MergedLora
-from asyncrl.evaluation import evaluate
+from asyncrl.evaluation import evaluate, evaluate_episodes
 from asyncrl.models import Policy, resolve_device, save_policy
 from asyncrl.models.lora import published_weights, synced_parameters
 from asyncrl.orchestration import build
@@ -126,7 +126,7 @@ class GeneratorWorker:
 
     @property
     def idle(self) -> bool:
-        return self.pending_version is None and not self.engine.has_work
+        return self.pending_version is None and not self.rollout.has_work
 
     def handle(self, command: Submit | LoadWeights) -> None:
         if isinstance(command, Submit):
@@ -142,7 +142,7 @@ class GeneratorWorker:
 
     def _may_apply_update(self) -> bool:
         if self.interrupt == "batch":
-            return not self.engine.has_work
+            return not self.rollout.has_work
         if self.interrupt == "drain":
             return self.engine.num_running == 0
         return True  # never, abort
@@ -184,7 +184,7 @@ class GeneratorWorker:
             self._switch_group()
         if self.pending_version is not None and self._may_apply_update():
             return self._apply_update()
-        if not self.engine.has_work:
+        if not self.rollout.has_work:
             return self._flush_span()
         if self._busy_since is None:
             self._busy_since = time.time()
@@ -193,7 +193,7 @@ class GeneratorWorker:
         ready, dropped = self.rollout.step(admit=not draining)
         events: list = [GroupReady(self.name, g) for g in ready]
         events += [GroupDropped(self.name, g, "reward_error") for g in dropped]
-        if not self.engine.has_work or time.time() - self._busy_since > SPAN_FLUSH_S:
+        if not self.rollout.has_work or time.time() - self._busy_since > SPAN_FLUSH_S:
             events += self._flush_span()
         return events
 
@@ -461,13 +461,17 @@ class TrainerWorker:
         model.eval()
         try:
             with self.trainer.compute():
-                accuracy = evaluate(
-                    self._eval_engine,
-                    policy.tokenizer,
-                    self._eval_prompts,
-                    self.trainer_reward,
-                    build.sampling_params(self.cfg, policy, greedy=True),
-                )
+                if self.cfg.episode.environment is not None:
+                    rollout = build.build_rollout(self.cfg, policy, self._eval_engine, greedy=True)
+                    accuracy = evaluate_episodes(rollout, self._eval_prompts)
+                else:
+                    accuracy = evaluate(
+                        self._eval_engine,
+                        policy.tokenizer,
+                        self._eval_prompts,
+                        self.trainer_reward,
+                        build.sampling_params(self.cfg, policy, greedy=True),
+                    )
         finally:
             model.train(was_training)
         return [Span(self.name, "eval", start, time.time()), EvalDone(self.name, command.step, accuracy)]

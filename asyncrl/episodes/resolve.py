@@ -1,0 +1,43 @@
+"""``episode.environment``: a built-in game, an environment class, or an episode function."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+
+from asyncrl.episodes.environment import EpisodeFunction, environment_episode
+from asyncrl.episodes.games import Calculator, GuessingGame
+from asyncrl.errors import ConfigError
+
+KEY = "episode.environment"
+
+
+def resolve_episode(spec: str, max_turns: int) -> EpisodeFunction:
+    """The episode function ``spec`` names (see :class:`asyncrl.config.EpisodeConfig`)."""
+    if spec == "calculator":
+        return environment_episode(Calculator)
+    if spec == "guess":
+        return environment_episode(functools.partial(GuessingGame, max_turns=max_turns))
+    if ":" not in spec:
+        raise ConfigError(KEY, spec, "not a built-in ('calculator', 'guess') nor 'module:name'")
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(KEY, spec, f"cannot import module {module_name!r} ({exc})") from None
+    target = getattr(module, attr, None)
+    if inspect.iscoroutinefunction(target):
+        return target
+    if (
+        inspect.isclass(target)
+        and callable(getattr(target, "step", None))
+        and callable(getattr(target, "reset", None))
+    ):
+        return environment_episode(target)
+    raise ConfigError(
+        KEY,
+        spec,
+        f"{attr!r} in {module_name!r} is neither an environment class (with reset and step) nor an "
+        "`async def episode(client, task)` function",
+    )
