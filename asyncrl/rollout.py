@@ -11,11 +11,11 @@ from dataclasses import dataclass, replace
 
 from transformers import PreTrainedTokenizerBase
 
-from asyncrl.engine import GenerationRequest, SamplingParams, resume_request
+from asyncrl.engine import GenerationRequest, Prefix, SamplingParams, resume_request
 from asyncrl.errors import DatasetError
 from asyncrl.tasks.chat import encode_prompt
 from asyncrl.tasks.rewards import RewardFn, RewardSet
-from asyncrl.types import Group, Prompt, Sample
+from asyncrl.types import Group, PartialGroup, Prompt, Sample
 
 
 @dataclass
@@ -83,22 +83,70 @@ class RolloutWorker:
     def groups_in_flight(self) -> int:
         return len(self._pending)
 
-    def submit(self, work: list[tuple[int, Prompt]]) -> None:
-        """Queue G completions for each (group_id, prompt)."""
+    def submit(self, work: list[tuple[int, Prompt]], partials: dict[int, PartialGroup] | None = None) -> None:
+        """Queue G completions for each (group_id, prompt).
+
+        A group in ``partials`` (stopped mid-generation by :meth:`preempt`, e.g. before a
+        resume) continues from there: its finished completions are kept and its prefixes
+        are resumed with their own seeds, as after an abort; only the rest start afresh.
+        """
+        partials = partials or {}
         for group_id, prompt in work:
             if group_id in self._pending:
                 raise ValueError(f"group {group_id} is already in flight")
             ids = self.encode(prompt)
             budgets = self._budgets(prompt)
-            self._pending[group_id] = _PendingGroup(prompt, ids, {})
+            partial = partials.get(group_id)
+            done = {k: s for k, s in partial.samples.items() if s.finish_reason != "abort"} if partial else {}
+            if len(done) >= self.group_size:
+                raise ValueError(f"group {group_id}: a partial group must have a completion left to generate")
+            prefixes = partial.prefixes if partial else {}
+            self._pending[group_id] = _PendingGroup(prompt, ids, done)
             for k in range(self.group_size):
+                if k in done:
+                    continue
                 sampling = self.sampling
                 if budgets[k] != sampling.max_new_tokens:
                     sampling = replace(sampling, max_new_tokens=budgets[k])
                 request_id = f"{group_id}/{k}"
                 self._sampling[request_id] = sampling
                 seed = (self.seed << 40) + group_id * self.group_size + k
-                self.engine.add_request(GenerationRequest(request_id, ids, sampling, seed=seed))
+                prefix = None
+                if k in prefixes:
+                    p = prefixes[k]
+                    prefix = Prefix(list(p.completion_ids), list(p.logprobs), list(p.versions), p.supports)
+                self.engine.add_request(
+                    GenerationRequest(request_id, ids, sampling, seed=seed, prefix=prefix)
+                )
+
+    def preempt(self) -> list[PartialGroup]:
+        """Stop every group in flight and return what each has: finished completions and prefixes.
+
+        The engine is left empty and the groups are forgotten; :meth:`submit` with the result
+        continues them (here or on another worker) where they stopped.
+        """
+        aborted = {res.request_id: res for res in self.engine.abort()}
+        partials = []
+        for group_id, pending in sorted(self._pending.items()):
+            samples = dict(pending.samples)
+            for k in range(self.group_size):
+                res = aborted.get(f"{group_id}/{k}")
+                if res is not None and res.completion_ids:
+                    samples[k] = Sample(
+                        prompt_id=pending.prompt.prompt_id,
+                        group_id=group_id,
+                        prompt_ids=list(pending.prompt_ids),
+                        completion_ids=list(res.completion_ids),
+                        logprobs=list(res.logprobs),
+                        versions=list(res.versions),
+                        loss_mask=[1] * len(res.completion_ids),
+                        finish_reason="abort",
+                        supports=res.supports,
+                    )
+            partials.append(PartialGroup(group_id, pending.prompt, samples))
+        self._pending.clear()
+        self._sampling.clear()
+        return partials
 
     def _budgets(self, prompt: Prompt) -> list[int]:
         """Token budget of each of the G completions, never above the configured one.
