@@ -1,14 +1,31 @@
-"""Preemption: a generator stops its groups in flight into prefixes, another continues them."""
+"""Lossless preemption: a stop keeps the generated groups and the rollouts in flight, a resume continues them.
+
+The generator-level tests preempt a worker mid-generation and continue its groups on a
+fresh one. The run-level tests stop a run from inside (SIGTERM raised by the runtime once
+a chosen event has come back) with a runtime that records every ``Submit`` and every
+finished group, then resume it and check, from those records, that nothing carried over
+was generated again.
+"""
 
 from __future__ import annotations
 
+import signal
+from pathlib import Path
+
 import pytest
 
+from asyncrl import checkpoint
 from asyncrl.config import load_config
-from asyncrl.orchestration.events import GroupReady, Preempt, Preempted, Submit
+from asyncrl.orchestration import run as run_module
+from asyncrl.orchestration import train
+from asyncrl.orchestration.controller import RunInterrupted
+from asyncrl.orchestration.events import GroupReady, Preempt, Preempted, StepDone, Submit
+from asyncrl.orchestration.runtime import InlineRuntime
 from asyncrl.orchestration.workers import GeneratorWorker
 from asyncrl.types import Group, PartialGroup, Prompt
 from asyncrl.weight_sync.inprocess import InProcessChannel
+from tests.helpers import final_weights, max_abs_diff, short_run
+from tests.test_interrupts import straggler_overrides
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -84,3 +101,164 @@ def test_a_preempted_group_continues_from_its_prefixes_on_another_generator() ->
         )
     for k in (0, 2):  # the finished completions are not generated again
         assert resumed.samples[k].logprobs == partial.samples[k].logprobs
+
+
+class RecordingRuntime(InlineRuntime):
+    """The inline runtime, recording Submits and finished groups; raises SIGTERM once ``stop_when`` holds."""
+
+    def __init__(self, cfg, stop_when=None) -> None:
+        super().__init__(cfg)
+        self.stop_when = stop_when
+        self.submits: list[Submit] = []
+        self.ready: list[Group] = []
+        self.steps = 0
+
+    def send(self, worker: str, command) -> None:
+        if isinstance(command, Submit):
+            self.submits.append(command)
+        super().send(worker, command)
+
+    def poll(self, timeout: float) -> list:
+        events = super().poll(timeout)
+        self.ready += [e.group for e in events if isinstance(e, GroupReady)]
+        self.steps += sum(isinstance(e, StepDone) for e in events)
+        if self.stop_when is not None and self.stop_when(self):
+            self.stop_when = None
+            signal.raise_signal(signal.SIGTERM)  # the run's own handler: a stop like any other
+        return events
+
+
+def run_with(monkeypatch: pytest.MonkeyPatch, cfg, run_dir: Path, runtime: RecordingRuntime, **kwargs):
+    monkeypatch.setattr(run_module, "make_runtime", lambda cfg, session: runtime)
+    return train(cfg, run_dir, **kwargs)
+
+
+STEPS, PROMPTS = 6, 4
+ASYNC = [
+    *short_run(STEPS, PROMPTS, GROUP),
+    "run.checkpoint_every=0",
+    "schedule=async",
+    "runtime.kind=inline",
+]
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_stopped_async_run_resumes_without_generating_anything_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep: bool
+) -> None:
+    """async, 96-token stragglers, stopped after step 1: the checkpoint holds the generated groups and
+    the prefixes in flight; the resume trains those groups and continues those prefixes, and only
+    rollouts older than the staleness bound are generated again. Without run.checkpoint_rollouts
+    (the behaviour before), every one of those tokens is generated again."""
+    cfg = load_config(
+        None, [*ASYNC, f"run.checkpoint_rollouts={str(keep).lower()}", *straggler_overrides(tmp_path, 96)]
+    )
+    first = RecordingRuntime(cfg, stop_when=lambda rt: rt.steps >= 1)
+    with pytest.raises(RunInterrupted):
+        run_with(monkeypatch, cfg, tmp_path / "run", first)
+    ckpt = checkpoint.latest(tmp_path / "run")
+    books = checkpoint.read_controller_state(ckpt)
+    rollouts = checkpoint.read_rollouts(ckpt)
+    groups = [Group.from_dict(g) for g in rollouts["groups"]]
+    partials = [PartialGroup.from_dict(p) for p in rollouts["partial"]]
+    generated_before = {g.group_id: g for g in first.ready}
+    pending = {p["group_id"]: p["partial"] for p in books["pending"]}
+    if keep:
+        # Every group generated and not trained is in the checkpoint, sample for sample.
+        assert groups and [g.group_id for g in groups] == [c["group_id"] for c in books["carried"]]
+        for g in groups:
+            assert g.samples == generated_before[g.group_id].samples
+        # Every group in flight was preempted into the checkpoint: a straggler always is.
+        assert any(p.prefixes for p in partials)
+        assert {p.group_id for p in partials} == {gid for gid, partial in pending.items() if partial}
+        assert all(s.finish_reason == "abort" for p in partials for s in p.prefixes.values())
+        carried_tokens = sum(g.num_completion_tokens for g in groups)
+        partial_tokens = sum(p.num_completion_tokens for p in partials)
+        assert "discarded_at_stop_tokens" not in books["counts"]
+    else:
+        assert groups == [] and partials == [] and not any(pending.values())
+        assert books["counts"]["discarded_at_stop_tokens"] > 0
+    # The checkpoint's books count the pending groups as not issued: they are issued again.
+    assert books["counts"]["issued"] == sum(len(s.work) for s in first.submits) - len(pending)
+
+    second = RecordingRuntime(cfg)
+    summary = run_with(monkeypatch, cfg, tmp_path / "run", second, resume=True)
+    acc = summary["accounting"]
+    assert acc["trained"] == STEPS * PROMPTS and acc["reconciles"]
+    assert acc["prompts_trained_twice"] == 0 and acc["prompts_missing"] == 0
+    resubmitted = {gid for s in second.submits for gid, _ in s.work if gid < books["next_group_id"]}
+    regenerated = acc.get("discarded_at_stop_tokens", 0) + acc.get("discarded_stale_tokens", 0)
+    if not keep:
+        assert resubmitted == set(pending) and regenerated == books["counts"]["discarded_at_stop_tokens"]
+        return
+    # Only the groups in flight at the stop are submitted again, with their prefixes.
+    assert resubmitted == set(pending)
+    sent = {p.group_id: p for s in second.submits for p in s.partials}
+    assert acc["carried_groups"] == len(groups) and acc["carried_group_tokens"] == carried_tokens
+    assert acc.get("carried_partial_tokens", 0) + acc.get("discarded_stale_tokens", 0) >= partial_tokens
+    finished = {g.group_id: g for g in second.ready}
+    for p in partials:
+        if p.group_id not in sent:  # older than the staleness bound: generated afresh, and counted
+            assert p.oldest_version < books["version"] - cfg.schedule.max_staleness
+            continue
+        for k, before in p.samples.items():
+            after = finished[p.group_id].samples[k]
+            n = before.num_completion_tokens
+            assert after.completion_ids[:n] == before.completion_ids
+            assert after.logprobs[:n] == before.logprobs and after.versions[:n] == before.versions
+    # Regenerated tokens: only the rollouts counted as older than the staleness bound.
+    assert regenerated == acc.get("discarded_stale_tokens", 0)
+    assert "discarded_at_stop_tokens" not in acc
+
+
+def test_a_stopped_sync_run_carries_its_groups_and_resumes_bit_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sync, inline: stopped once a group of step 4 is generated; the step's generated groups are carried
+    and trained after the resume, the others regenerated under their ids, and the final weights equal
+    an uninterrupted run's exactly."""
+    cfg = load_config(None, [*short_run(6, PROMPTS, GROUP), "run.checkpoint_every=0", "schedule=sync"])
+    run_with(monkeypatch, cfg, tmp_path / "straight", RecordingRuntime(cfg))
+    first = RecordingRuntime(cfg, stop_when=lambda rt: len(rt.ready) > 3 * PROMPTS)
+    with pytest.raises(RunInterrupted):
+        run_with(monkeypatch, cfg, tmp_path / "stopped", first)
+    ckpt = checkpoint.latest(tmp_path / "stopped")
+    books = checkpoint.read_controller_state(ckpt)
+    carried = sorted(g["group_id"] for g in checkpoint.read_rollouts(ckpt)["groups"])
+    step4 = set(range(3 * PROMPTS, 4 * PROMPTS))
+    assert books["version"] == 3 and carried == sorted(g.group_id for g in first.ready[3 * PROMPTS :])
+    assert carried and {p["group_id"] for p in books["pending"]} == step4 - set(carried)
+    second = RecordingRuntime(cfg)
+    summary = run_with(monkeypatch, cfg, tmp_path / "stopped", second, resume=True)
+    assert {gid for s in second.submits for gid, _ in s.work if gid in step4} == step4 - set(carried)
+    assert summary["accounting"]["carried_groups"] == len(carried) and summary["accounting"]["reconciles"]
+    assert max_abs_diff(final_weights(tmp_path / "straight"), final_weights(tmp_path / "stopped")) == 0.0
+
+
+def test_rollouts_older_than_the_staleness_bound_at_the_resume_are_generated_afresh_and_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The async run stopped after step 1 (its rollouts all of version 0), resumed with max_staleness 0:
+    every carried group is dropped at the buffer and every partial group starts afresh; each is counted."""
+    overrides = [*ASYNC, *straggler_overrides(tmp_path, 96)]
+    cfg = load_config(None, overrides)
+    with pytest.raises(RunInterrupted):
+        run_with(
+            monkeypatch, cfg, tmp_path / "run", RecordingRuntime(cfg, stop_when=lambda rt: rt.steps >= 1)
+        )
+    ckpt = checkpoint.latest(tmp_path / "run")
+    assert checkpoint.read_controller_state(ckpt)["version"] == 1
+    rollouts = checkpoint.read_rollouts(ckpt)
+    groups = [Group.from_dict(g) for g in rollouts["groups"]]
+    partials = [PartialGroup.from_dict(p) for p in rollouts["partial"]]
+    assert groups and partials and {g.oldest_version for g in [*groups, *partials]} == {0}
+
+    strict = load_config(None, [*overrides, "schedule.max_staleness=0"])
+    second = RecordingRuntime(strict)
+    acc = run_with(monkeypatch, strict, tmp_path / "run", second, resume=True)["accounting"]
+    assert acc["discarded_stale_rollouts"] == GROUP * len(groups) + sum(len(p.samples) for p in partials)
+    assert acc["discarded_stale_tokens"] == sum(x.num_completion_tokens for x in [*groups, *partials])
+    assert "carried_partial_tokens" not in acc and acc["carried_groups"] == len(groups)
+    assert not [p for s in second.submits for p in s.partials]  # every partial group started afresh
+    assert acc["dropped_stale"] >= len(groups)
+    assert acc["trained"] == STEPS * PROMPTS and acc["reconciles"] and acc["prompts_trained_twice"] == 0
