@@ -9,6 +9,7 @@ was generated again.
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 
@@ -24,7 +25,16 @@ from asyncrl.orchestration.runtime import InlineRuntime
 from asyncrl.orchestration.workers import GeneratorWorker
 from asyncrl.types import Group, PartialGroup, Prompt
 from asyncrl.weight_sync.inprocess import InProcessChannel
-from tests.helpers import final_weights, max_abs_diff, short_run
+from tests.helpers import (
+    ONE_THREAD_EACH,
+    child_pids,
+    final_weights,
+    max_abs_diff,
+    short_run,
+    stop_after_steps,
+    train_to_end,
+    wait_gone,
+)
 from tests.test_interrupts import straggler_overrides
 
 pytestmark = pytest.mark.timeout(300)
@@ -262,3 +272,46 @@ def test_rollouts_older_than_the_staleness_bound_at_the_resume_are_generated_afr
     assert not [p for s in second.submits for p in s.partials]  # every partial group started afresh
     assert acc["dropped_stale"] >= len(groups)
     assert acc["trained"] == STEPS * PROMPTS and acc["reconciles"] and acc["prompts_trained_twice"] == 0
+
+
+@pytest.mark.slow  # the same in one process: test_a_stopped_async_run_resumes_without_generating_anything_again
+@pytest.mark.multiprocess
+def test_a_sigterm_stopped_async_run_on_worker_processes_carries_its_groups_and_prefixes(
+    tmp_path: Path,
+) -> None:
+    """`asyncrl train` (local runtime, 160-token stragglers) SIGTERM'd after step 3, then resumed: the
+    checkpoint holds generated groups and prefixes, the resume carries every token of them over,
+    generates none again, and the books reconcile with every prompt trained once."""
+    steps = 8
+    overrides = [
+        *short_run(steps, PROMPTS, GROUP),
+        "run.checkpoint_every=0",
+        "schedule=async",
+        "runtime.kind=local",
+        *ONE_THREAD_EACH,
+        *straggler_overrides(tmp_path),
+    ]
+    before = child_pids()
+    code, err = stop_after_steps(tmp_path / "run", overrides, 3, signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM.value, err
+    ckpt = checkpoint.latest(tmp_path / "run")
+    books = checkpoint.read_controller_state(ckpt)
+    rollouts = checkpoint.read_rollouts(ckpt)
+    groups = [Group.from_dict(g) for g in rollouts["groups"]]
+    partials = [PartialGroup.from_dict(p) for p in rollouts["partial"]]
+    assert groups and any(p.prefixes for p in partials)  # async runs ahead; a straggler is in flight
+    assert sorted(g.group_id for g in groups) == [c["group_id"] for c in books["carried"]]
+    assert {p.group_id for p in partials} == {p["group_id"] for p in books["pending"] if p["partial"]}
+
+    train_to_end("--resume", str(tmp_path / "run"))
+    acc = json.loads((tmp_path / "run" / "summary.json").read_text())["accounting"]
+    assert acc["carried_groups"] == len(groups)
+    assert acc["carried_group_tokens"] == sum(g.num_completion_tokens for g in groups)
+    stale = acc.get("discarded_stale_tokens", 0)
+    assert acc.get("carried_partial_tokens", 0) + stale >= sum(p.num_completion_tokens for p in partials)
+    assert "discarded_at_stop_tokens" not in acc  # nothing thrown away at the stop
+    assert acc["trained"] == steps * PROMPTS and acc["reconciles"]
+    assert acc["prompts_trained_twice"] == 0 and acc["prompts_missing"] == 0
+    # Only staleness drops and cancellations (the schedule's own rules) issue a prompt again.
+    assert acc["issued"] == acc["trained"] + acc.get("dropped_stale", 0) + acc["cancelled_stale"]
+    assert not wait_gone(child_pids() - before, timeout=10)
