@@ -19,10 +19,12 @@ from asyncrl import checkpoint
 from asyncrl.config import load_config
 from asyncrl.orchestration import run as run_module
 from asyncrl.orchestration import train
+from asyncrl.orchestration.books import Books
 from asyncrl.orchestration.controller import RunInterrupted
-from asyncrl.orchestration.events import GroupReady, Preempt, Preempted, StepDone, Submit
+from asyncrl.orchestration.events import GroupReady, Preempt, Preempted, SaveCheckpoint, StepDone, Submit
 from asyncrl.orchestration.runtime import InlineRuntime
 from asyncrl.orchestration.workers import GeneratorWorker
+from asyncrl.tasks import ArithmeticTask, PromptStream
 from asyncrl.types import Group, PartialGroup, Prompt
 from asyncrl.weight_sync.inprocess import InProcessChannel
 from tests.helpers import (
@@ -113,6 +115,46 @@ def test_a_preempted_group_continues_from_its_prefixes_on_another_generator() ->
         assert resumed.samples[k].logprobs == partial.samples[k].logprobs
 
 
+def books_with_four_groups() -> Books:
+    books = Books(PromptStream(ArithmeticTask(["+"], 1, 2, seed=0), seed=0))
+    for _ in range(4):
+        books.issue()
+    books.generated()
+    books.generated()
+    return books
+
+
+def test_the_books_keep_carried_groups_as_issued_and_generated_and_issue_pending_ones_again() -> None:
+    """Groups 0, 1 generated (carried), 2 running, 3 running and preempted (partial): after a load,
+    0 and 1 keep their tickets and counts, 2 and 3 are issued first under their ids, and it reconciles."""
+    before = books_with_four_groups()
+    pending = [(2, Prompt("a", "1+1=")), (3, Prompt("b", "1+2="))]
+    state = before.state_dict(0, 0, pending, 0, [], carried=[0, 1], partial=[3])
+    assert state["format"] == 2 and state["carried"] == [
+        {"group_id": 0, "ticket": 0},
+        {"group_id": 1, "ticket": 1},
+    ]
+    assert [(p["group_id"], p["partial"]) for p in state["pending"]] == [(2, False), (3, True)]
+    assert state["counts"] == {"issued": 2, "generated": 2, "trained": 0} and state["accepted"] == 2
+
+    after = Books(PromptStream(ArithmeticTask(["+"], 1, 2, seed=0), seed=0))
+    assert after.load_state_dict(json.loads(json.dumps(state))) == (0, 0)
+    assert after.ticket_of == {0: 0, 1: 1}
+    assert [after.issue()[0] for _ in range(3)] == [2, 3, 4]
+    acc = after.accounting(in_flight=3, buffered=2)
+    assert acc["issued"] == 5 and acc["generated"] == 2 and acc["reconciles"] and acc["prompts_missing"] == 0
+
+
+def test_a_checkpoint_of_the_first_format_still_loads() -> None:
+    state = books_with_four_groups().state_dict(0, 0, [(i, Prompt(str(i), "1+1=")) for i in range(4)], 2, [])
+    state = {k: v for k, v in state.items() if k != "carried"} | {"format": 1}
+    for item in state["pending"]:
+        del item["partial"]
+    after = Books(PromptStream(ArithmeticTask(["+"], 1, 2, seed=0), seed=0))
+    after.load_state_dict(state)
+    assert after.ticket_of == {} and [after.issue()[0] for _ in range(4)] == [0, 1, 2, 3]
+
+
 class RecordingRuntime(InlineRuntime):
     """The inline runtime, recording Submits and finished groups; raises SIGTERM once ``stop_when`` holds."""
 
@@ -120,12 +162,15 @@ class RecordingRuntime(InlineRuntime):
         super().__init__(cfg)
         self.stop_when = stop_when
         self.submits: list[Submit] = []
+        self.saves: list[int] = []  # versions of the checkpoints asked of the trainer
         self.ready: list[Group] = []
         self.steps = 0
 
     def send(self, worker: str, command) -> None:
         if isinstance(command, Submit):
             self.submits.append(command)
+        if isinstance(command, SaveCheckpoint):
+            self.saves.append(command.version)
         super().send(worker, command)
 
     def poll(self, timeout: float) -> list:
@@ -272,6 +317,24 @@ def test_rollouts_older_than_the_staleness_bound_at_the_resume_are_generated_afr
     assert not [p for s in second.submits for p in s.partials]  # every partial group started afresh
     assert acc["dropped_stale"] >= len(groups)
     assert acc["trained"] == STEPS * PROMPTS and acc["reconciles"] and acc["prompts_trained_twice"] == 0
+
+
+def test_a_stop_during_an_interval_checkpoint_is_followed_by_its_own_with_the_prefixes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """run.checkpoint_every=1 and SIGTERM as step 1 ends: the interval checkpoint of step 1 is written
+    first (it keeps no work in flight); the stop then preempts and writes step 1 again, with the prefixes."""
+    cfg = load_config(None, [*ASYNC, "run.checkpoint_every=1", *straggler_overrides(tmp_path, 96)])
+    runtime = RecordingRuntime(cfg, stop_when=lambda rt: rt.steps >= 1)
+    with pytest.raises(RunInterrupted, match="at step 1"):
+        run_with(monkeypatch, cfg, tmp_path / "run", runtime)
+    assert runtime.saves == [1, 1]
+    ckpt = checkpoint.latest(tmp_path / "run")
+    assert ckpt.name == "step-000001"
+    books, rollouts = checkpoint.read_controller_state(ckpt), checkpoint.read_rollouts(ckpt)
+    partials = [PartialGroup.from_dict(p) for p in rollouts["partial"]]
+    assert any(p.prefixes for p in partials)
+    assert {p.group_id for p in partials} == {p["group_id"] for p in books["pending"] if p["partial"]}
 
 
 @pytest.mark.slow  # the same in one process: test_a_stopped_async_run_resumes_without_generating_anything_again
