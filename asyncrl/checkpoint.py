@@ -8,8 +8,12 @@ A checkpoint is a directory ``RUN_DIR/checkpoints/step-NNNNNN`` holding
   base model);
 * ``trainer_state.pt`` — optimizer and LR-scheduler state, policy version, RNG states;
 * ``controller.json`` — the controller's books: prompt-stream position, next group id and
-  ticket, every group issued but not yet trained (to be issued again, under the same group
-  id, so that a deterministic schedule regenerates it exactly), counts, trained tickets.
+  ticket, every group issued but not yet trained — carried in ``rollouts.pt``, or to be
+  issued again under the same group id (so that a deterministic schedule regenerates it
+  exactly) — counts, trained tickets;
+* ``rollouts.pt`` — the generated groups not yet trained (every sample with its tokens,
+  log-probs, versions, reward and finish reason), and after a stop the groups that were in
+  flight, as finished completions and prefixes to continue from (``run.checkpoint_rollouts``).
 
 Writes are atomic: the trainer and the controller fill ``.tmp-step-NNNNNN``, which is then
 renamed; a crash mid-write leaves the previous checkpoint intact and only a temporary
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -31,6 +36,7 @@ from asyncrl.errors import AsyncRLError
 
 CHECKPOINTS = "checkpoints"
 CONTROLLER_FILE = "controller.json"
+ROLLOUTS_FILE = "rollouts.pt"
 TRAINER_FILE = "trainer_state.pt"
 MODEL_DIR = "model"
 WEIGHT_FILES = ("adapter_model.safetensors", "model.safetensors")  # a LoRA checkpoint holds the first
@@ -122,6 +128,22 @@ def write_controller_state(directory: Path, state: dict[str, Any]) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, directory / CONTROLLER_FILE)
+
+
+def write_rollouts(directory: Path, rollouts: dict[str, Any]) -> None:
+    """The controller's carried rollouts: plain containers only, so that reading them loads no code."""
+    _atomic_torch_save(rollouts, directory / ROLLOUTS_FILE)
+
+
+def read_rollouts(directory: Path) -> dict[str, Any] | None:
+    """What :func:`write_rollouts` wrote, or None for a checkpoint without carried rollouts."""
+    path = directory / ROLLOUTS_FILE
+    if not path.is_file():
+        return None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, pickle.UnpicklingError) as exc:
+        raise CheckpointError(f"cannot read {ROLLOUTS_FILE} in {str(directory)!r}: {exc}") from None
 
 
 def commit(run_dir: Path, version: int, keep: int) -> Path:

@@ -506,6 +506,13 @@ class RunConfig(Section):
     checkpoint_timeout_s: float = Field(
         600.0, gt=0, description="Longest wait for the trainer to write a checkpoint."
     )
+    checkpoint_rollouts: bool = Field(
+        True,
+        description="Checkpoints keep the generated groups not yet trained (rollouts.pt), and a stop "
+        "(SIGINT/SIGTERM) of an off-policy schedule (max_staleness > 0) also keeps the rollouts in flight "
+        "as prefixes; a resume trains the groups and continues the prefixes. false: they are issued again "
+        "and generated anew.",
+    )
     report_to: list[Literal["tensorboard", "wandb"]] = Field(
         default_factory=list,
         description="Experiment trackers that receive every metrics.jsonl record under the same names: "

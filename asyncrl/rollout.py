@@ -11,11 +11,11 @@ from dataclasses import dataclass, replace
 
 from transformers import PreTrainedTokenizerBase
 
-from asyncrl.engine import GenerationRequest, SamplingParams, resume_request
+from asyncrl.engine import GenerationRequest, GenerationResult, Prefix, SamplingParams, resume_request
 from asyncrl.errors import DatasetError
 from asyncrl.tasks.chat import encode_prompt
 from asyncrl.tasks.rewards import RewardFn, RewardSet
-from asyncrl.types import Group, Prompt, Sample
+from asyncrl.types import Group, PartialGroup, Prompt, Sample
 
 
 @dataclass
@@ -70,6 +70,7 @@ class RolloutWorker:
         self.stats = RolloutStats()
         self._next_group_id = 0
         self._pending: dict[int, _PendingGroup] = {}
+        self._complete_now: list[int] = []  # groups a submit completed (see submit), returned by step
         self._sampling: dict[str, SamplingParams] = {}  # of requests in flight, to resume them
 
     @property
@@ -85,25 +86,88 @@ class RolloutWorker:
 
     @property
     def has_work(self) -> bool:
-        """Whether anything submitted is still being generated."""
-        return self.engine.has_work
+        """Whether anything submitted is still being generated (or completed, not yet returned)."""
+        return self.engine.has_work or bool(self._complete_now)
 
-    def submit(self, work: list[tuple[int, Prompt]]) -> None:
-        """Queue G completions for each (group_id, prompt)."""
+    def submit(self, work: list[tuple[int, Prompt]], partials: dict[int, PartialGroup] | None = None) -> None:
+        """Queue G completions for each (group_id, prompt).
+
+        A group in ``partials`` (stopped mid-generation by :meth:`preempt`, e.g. before a
+        resume) continues from there: its finished completions are kept and its prefixes
+        are resumed with their own seeds, as after an abort; only the rest start afresh.
+        """
+        partials = partials or {}
         for group_id, prompt in work:
             if group_id in self._pending:
                 raise ValueError(f"group {group_id} is already in flight")
             ids = self.encode(prompt)
             budgets = self._budgets(prompt)
-            self._pending[group_id] = _PendingGroup(prompt, ids, {})
+            partial = partials.get(group_id)
+            done = {k: s for k, s in partial.samples.items() if s.finish_reason != "abort"} if partial else {}
+            prefixes = partial.prefixes if partial else {}
+            for k, p in prefixes.items():
+                if len(p.completion_ids) >= budgets[k]:
+                    # Resumed under a smaller token budget than it was sampled with: the
+                    # prefix already reaches it, so the completion ends there.
+                    n = budgets[k]
+                    cut = GenerationResult(
+                        f"{group_id}/{k}",
+                        list(p.completion_ids[:n]),
+                        list(p.logprobs[:n]),
+                        list(p.versions[:n]),
+                        "length",
+                        supports=p.supports[:n] if p.supports is not None else None,
+                    )
+                    done[k] = self._sample(prompt, group_id, ids, cut)
+            self._pending[group_id] = _PendingGroup(prompt, ids, done)
+            if len(done) == self.group_size:
+                self._complete_now.append(group_id)
             for k in range(self.group_size):
+                if k in done:
+                    continue
                 sampling = self.sampling
                 if budgets[k] != sampling.max_new_tokens:
                     sampling = replace(sampling, max_new_tokens=budgets[k])
                 request_id = f"{group_id}/{k}"
                 self._sampling[request_id] = sampling
                 seed = (self.seed << 40) + group_id * self.group_size + k
-                self.engine.add_request(GenerationRequest(request_id, ids, sampling, seed=seed))
+                prefix = None
+                if k in prefixes:
+                    p = prefixes[k]
+                    prefix = Prefix(list(p.completion_ids), list(p.logprobs), list(p.versions), p.supports)
+                self.engine.add_request(
+                    GenerationRequest(request_id, ids, sampling, seed=seed, prefix=prefix)
+                )
+
+    def preempt(self) -> list[PartialGroup]:
+        """Stop every group in flight and return what each has: finished completions and prefixes.
+
+        The engine is left empty and the groups are forgotten; :meth:`submit` with the result
+        continues them (here or on another worker) where they stopped.
+        """
+        aborted = {res.request_id: res for res in self.engine.abort()}
+        partials = []
+        for group_id, pending in sorted(self._pending.items()):
+            samples = dict(pending.samples)
+            for k in range(self.group_size):
+                res = aborted.get(f"{group_id}/{k}")
+                if res is not None and res.completion_ids:
+                    samples[k] = Sample(
+                        prompt_id=pending.prompt.prompt_id,
+                        group_id=group_id,
+                        prompt_ids=list(pending.prompt_ids),
+                        completion_ids=list(res.completion_ids),
+                        logprobs=list(res.logprobs),
+                        versions=list(res.versions),
+                        loss_mask=[1] * len(res.completion_ids),
+                        finish_reason="abort",
+                        supports=res.supports,
+                    )
+            partials.append(PartialGroup(group_id, pending.prompt, samples))
+        self._pending.clear()
+        self._sampling.clear()
+        self._complete_now.clear()
+        return partials
 
     def _budgets(self, prompt: Prompt) -> list[int]:
         """Token budget of each of the G completions, never above the configured one.
@@ -131,14 +195,18 @@ class RolloutWorker:
         ``admit=False`` lets only the running sequences advance (draining before an update).
         """
         ready, dropped = [], []
+        complete, self._complete_now = self._complete_now, []
         for res in self.engine.step(admit=admit):
             self._sampling.pop(res.request_id, None)
             group_id, k = (int(x) for x in res.request_id.split("/", 1))
             pending = self._pending[group_id]
             pending.samples[k] = self._sample(pending.prompt, group_id, pending.prompt_ids, res)
-            if len(pending.samples) < self.group_size:
+            if len(pending.samples) == self.group_size:
+                complete.append(group_id)
+        for group_id in complete:
+            pending = self._pending.pop(group_id, None)
+            if pending is None:  # cancelled as stale meanwhile
                 continue
-            del self._pending[group_id]
             group = Group(group_id, pending.prompt, [pending.samples[i] for i in range(self.group_size)])
             self._score(group)
             self.stats.samples += group.size

@@ -134,3 +134,55 @@ class Group:
     @property
     def num_completion_tokens(self) -> int:
         return sum(s.num_completion_tokens for s in self.samples)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Group:
+        return cls(
+            int(data["group_id"]), Prompt(**data["prompt"]), [Sample.from_dict(s) for s in data["samples"]]
+        )
+
+
+@dataclass
+class PartialGroup:
+    """A group stopped mid-generation (a run preempted by a stop), to be continued after a resume.
+
+    ``samples`` maps completion index k to what completion k had when it stopped: a finished
+    sample, or a prefix (``finish_reason="abort"``) whose tokens keep the log-probs and
+    versions they were sampled with. Completions with no tokens yet are absent and start
+    afresh. A rollout worker continues the group from here (``RolloutWorker.submit``).
+    """
+
+    group_id: int
+    prompt: Prompt
+    samples: dict[int, Sample]
+
+    def __post_init__(self) -> None:
+        Group(self.group_id, self.prompt, list(self.samples.values()))  # completions stay with their prompt
+
+    @property
+    def prefixes(self) -> dict[int, Sample]:
+        return {k: s for k, s in self.samples.items() if s.finish_reason == "abort"}
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(s.num_completion_tokens for s in self.samples.values())
+
+    @property
+    def oldest_version(self) -> int | None:
+        versions = [s.oldest_version for s in self.samples.values() if s.oldest_version is not None]
+        return min(versions) if versions else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "group_id": self.group_id,
+            "prompt": dataclasses.asdict(self.prompt),
+            "samples": [[k, s.to_dict()] for k, s in sorted(self.samples.items())],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PartialGroup:
+        samples = {int(k): Sample.from_dict(s) for k, s in data["samples"]}
+        return cls(int(data["group_id"]), Prompt(**data["prompt"]), samples)

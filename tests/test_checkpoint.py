@@ -108,9 +108,19 @@ def test_checkpoints_are_periodic_complete_and_pruned(tmp_path: Path) -> None:
     assert names == ["step-000004", "step-000006"]
     newest = checkpoint.latest(tmp_path)
     assert newest.name == "step-000006"
-    assert {p.name for p in newest.iterdir()} == {"controller.json", "model", "trainer_state.pt"}
+    assert {p.name for p in newest.iterdir()} == {
+        "controller.json",
+        "model",
+        "rollouts.pt",
+        "trainer_state.pt",
+    }
     books = checkpoint.read_controller_state(newest)
     assert books["version"] == 6 and books["pending"] == [] and books["counts"]["trained"] == 24
+    assert books["carried"] == [] and checkpoint.read_rollouts(newest) == {
+        "format": 1,
+        "groups": [],
+        "partial": [],
+    }
 
 
 def test_full_disk_at_a_checkpoint_fails_clearly_and_keeps_the_previous_one(

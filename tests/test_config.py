@@ -91,7 +91,7 @@ def test_overrides_win_over_file(tmp_path: Path) -> None:
             [
                 "bogus",
                 "unknown key",
-                "allowed keys here: algorithm, lora, model, rollout, run, runtime, schedule, task, trainer",
+                "allowed keys here: algorithm, episode, lora, model, rollout, run, runtime, schedule, task, trainer",
             ],
         ),
         (["trainer.bogus=1"], ["trainer.bogus", "unknown key", "lr", "warmup_steps"]),
@@ -108,7 +108,7 @@ def test_overrides_win_over_file(tmp_path: Path) -> None:
         (["rollout.top_p=1.5"], ["rollout.top_p=1.5", "less than or equal to 1"]),
         (["task.arithmetic.max_digits=10"], ["task.arithmetic.max_digits=10", "less than or equal to 9"]),
         (["algorithm.loss_type=ppo"], ["algorithm.loss_type='ppo'", "'grpo', 'bnpo', 'dapo' or 'dr_grpo'"]),
-        (["task.name=csv"], ["task.name='csv'", "'arithmetic', 'jsonl' or 'dataset'"]),
+        (["task.name=csv"], ["task.name='csv'", "'arithmetic', 'jsonl', 'dataset' or 'guess'"]),
         (["trainer.packing=dense"], ["trainer.packing='dense'", "'tree', 'prompts' or 'off'"]),
         (["trainer.share_prompts=maybe"], ["trainer.share_prompts='maybe'", "true or false", "'prompts'"]),
         (

@@ -31,7 +31,7 @@ from asyncrl.episodes.client import EpisodeClient, EpisodeTruncated
 from asyncrl.episodes.environment import EpisodeFunction
 from asyncrl.rollout import RolloutStats
 from asyncrl.tasks.chat import encode_prompt
-from asyncrl.types import Group, Prompt, Sample
+from asyncrl.types import Group, PartialGroup, Prompt, Sample
 
 # Longest a step waits for an episode to do something when the engine has nothing to decode.
 IDLE_WAIT_S = 0.05
@@ -116,14 +116,23 @@ class EpisodeRolloutWorker:
     def encode(self, prompt: Prompt) -> list[int]:
         return encode_prompt(self.tokenizer, prompt)
 
-    def submit(self, work: list[tuple[int, Prompt]]) -> None:
-        """Start G episodes for each (group_id, task)."""
+    def submit(self, work: list[tuple[int, Prompt]], partials: dict[int, PartialGroup] | None = None) -> None:
+        """Start G episodes for each (group_id, task); a group in ``partials`` (see
+        :meth:`preempt`) keeps its finished episodes and starts only the others."""
+        partials = partials or {}
         for group_id, prompt in work:
             if group_id in self._pending:
                 raise ValueError(f"group {group_id} is already in flight")
             pending = _PendingGroup(prompt, self.encode(prompt))
+            partial = partials.get(group_id)
+            if partial is not None:
+                pending.samples = {k: s for k, s in partial.samples.items() if s.finish_reason != "abort"}
             self._pending[group_id] = pending
+            if len(pending.samples) == self.group_size:
+                self._finished.put((group_id, -1))  # complete already: returned by the next step
             for k in range(self.group_size):
+                if k in pending.samples:
+                    continue
                 client = EpisodeClient(
                     f"{group_id}/{k}",
                     pending.prompt_ids,
@@ -166,6 +175,17 @@ class EpisodeRolloutWorker:
             for res in aborted:
                 self.engine.add_request(resume_request(res, self._turns[res.request_id].sampling))
         return len(aborted)
+
+    def preempt(self) -> list[PartialGroup]:
+        """Stop every group in flight; returns each group's finished episodes. An episode still
+        running is not kept: its environment's state cannot be saved, so after a resume it is
+        played again from the start."""
+        self._take_requests()
+        partials = []
+        for group_id, pending in sorted(self._pending.items()):
+            partials.append(PartialGroup(group_id, pending.prompt, dict(pending.samples)))
+            self._cancel(group_id)
+        return partials
 
     def cancel_stale(self, version: int, max_staleness: int) -> list[tuple[int, Prompt]]:
         """Cancel groups holding a token more than ``max_staleness`` versions behind ``version``."""
@@ -279,7 +299,8 @@ class EpisodeRolloutWorker:
             pending = self._pending.get(group_id)
             if pending is None:  # cancelled
                 continue
-            pending.samples[k] = self._sample(group_id, pending, k)
+            if k >= 0:
+                pending.samples[k] = self._sample(group_id, pending, k)
             if len(pending.samples) < self.group_size:
                 continue
             del self._pending[group_id]

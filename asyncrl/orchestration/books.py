@@ -9,13 +9,22 @@ reason, or still pending, none is trained twice and none goes missing.
 
 **Checkpoints.** :meth:`Books.state_dict` describes the books at a trainer version V (every
 step sent to the trainer so far included): the batches the trainer will have stepped on are
-trained; every other group issued so far — running on a generator, buffered, staged, or
-sent for a step not yet finished — is *pending*, and after a resume it is issued again
-under its original group id. Sampling is seeded per (group id, completion), so a schedule
-that generates pending groups with the same weights (sync, periodic) regenerates them
-exactly, and the resumed run reaches the same parameters as an uninterrupted one. For the
-asynchronous schedules the regenerated groups may differ, but every prompt is still
-trained exactly once (the tickets carry across the restart).
+trained. Every other group issued so far is either *carried* or *pending*:
+
+* carried — generated and not yet trained (buffered, staged, or sent for a step not yet
+  finished); with ``run.checkpoint_rollouts`` the checkpoint holds its samples
+  (``rollouts.pt``), and after a resume it goes back into the buffer, still counted as
+  issued and generated, and is trained under the same staleness rules as before the stop;
+* pending — running on a generator (or generated, without ``run.checkpoint_rollouts``):
+  after a resume it is issued again under its original group id. A pending group marked
+  *partial* was stopped mid-generation by a stop; the checkpoint holds its finished
+  completions and prefixes, and the generator continues it from there.
+
+Sampling is seeded per (group id, completion), so a schedule that generates pending groups
+with the same weights (sync, periodic) regenerates them exactly, and the resumed run
+reaches the same parameters as an uninterrupted one. For the asynchronous schedules what
+is generated after the resume may differ, but every prompt is still trained exactly once
+(the tickets carry across the restart).
 """
 
 from __future__ import annotations
@@ -28,7 +37,8 @@ from typing import Any
 from asyncrl.tasks import PromptStream
 from asyncrl.types import Prompt
 
-FORMAT = 1
+FORMAT = 2  # 2: carried groups and partial pending groups (1 is read too)
+FORMATS = (1, 2)
 
 
 @dataclass
@@ -121,6 +131,8 @@ class Books:
             for k in ("generators_lost", "generators_joined", "generators_removed", "ignored_late")
             if counts.get(k)
         }
+        # Preemption: what resumes carried over, and what was thrown away and generated again.
+        carried = {k: v for k, v in counts.items() if k.startswith(("carried_", "discarded_"))}
         issued, trained = counts.get("issued", 0), counts.get("trained", 0)
         return {
             "issued": issued,
@@ -135,6 +147,7 @@ class Books:
             "prompts_trained_twice": trained_twice,
             "prompts_missing": missing,
             **membership,
+            **carried,
             "reconciles": issued == trained + self.dropped_total + cancelled + lost + in_flight + buffered
             and trained_twice == 0
             and missing == 0,
@@ -149,14 +162,18 @@ class Books:
         pending: list[tuple[int, Prompt]],
         generated_pending: int,
         in_steps: list[int],
+        carried: Iterable[int] = (),
+        partial: Iterable[int] = (),
     ) -> dict[str, Any]:
         """The books as of trainer version ``version`` (see the module docstring).
 
-        ``pending``: (group id, prompt) of every group issued and neither trained nor in
-        ``in_steps``; ``generated_pending``: how many of them were already generated;
-        ``in_steps``: group ids of the steps sent to the trainer but not yet confirmed (the
-        checkpoint's trainer state includes them).
+        ``pending``: (group id, prompt) of every group issued again after a resume;
+        ``generated_pending``: how many of them were already generated; ``in_steps``: group
+        ids of the steps sent to the trainer but not yet confirmed (the checkpoint's trainer
+        state includes them); ``carried``: group ids of the generated groups the checkpoint
+        holds; ``partial``: the pending groups that continue from a prefix.
         """
+        partial = set(partial)
         trained = Counter(self.trained_tickets)
         for group_id in in_steps:
             trained[self.ticket_of[group_id]] += 1
@@ -173,8 +190,15 @@ class Books:
             "next_group_id": self.next_group_id,
             "next_ticket": self.next_ticket,
             "pending": [
-                {"group_id": gid, "ticket": self.ticket_of[gid], "prompt": asdict(p)} for gid, p in pending
+                {
+                    "group_id": gid,
+                    "ticket": self.ticket_of[gid],
+                    "prompt": asdict(p),
+                    "partial": gid in partial,
+                }
+                for gid, p in pending
             ],
+            "carried": [{"group_id": gid, "ticket": self.ticket_of[gid]} for gid in sorted(carried)],
             "requeued": [{"ticket": t, "prompt": asdict(p)} for t, p in self.requeued],
             "trained_tickets": sorted(trained.items()),
             "dropped_tickets": sorted(self.dropped_tickets),
@@ -185,7 +209,7 @@ class Books:
 
     def load_state_dict(self, state: dict[str, Any]) -> tuple[int, int]:
         """Restore :meth:`state_dict`'s books; returns (trainer version, batches handed to the trainer)."""
-        if state.get("format") != FORMAT:
+        if state.get("format") not in FORMATS:
             raise ValueError(f"unsupported controller checkpoint format {state.get('format')!r}")
         self.stream.load_state_dict(state["stream"])
         self.next_group_id = int(state["next_group_id"])
@@ -195,6 +219,7 @@ class Books:
             for item in state["pending"]
         )
         self.requeued = deque((int(item["ticket"]), Prompt(**item["prompt"])) for item in state["requeued"])
+        self.ticket_of = {int(item["group_id"]): int(item["ticket"]) for item in state.get("carried", [])}
         self.trained_tickets = Counter({int(t): int(n) for t, n in state["trained_tickets"]})
         self.dropped_tickets = {int(t) for t in state["dropped_tickets"]}
         self.counts = Counter(state["counts"])

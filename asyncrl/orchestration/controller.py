@@ -17,6 +17,19 @@ to trainer, the ``streaming`` knob). The other schedule knobs act here:
 Accounting invariant (checked at the end of every run, see :meth:`Books.accounting`): every
 prompt issued is trained, dropped with a reason, or still in flight / buffered when the run
 stopped; none is trained twice and none goes missing.
+
+Lossless preemption (``run.checkpoint_rollouts``): every checkpoint holds the generated
+groups not yet trained, and a stop of an off-policy schedule first asks every generator to
+``Preempt`` its groups in flight, which come back as finished completions and prefixes and
+are written beside them (``rollouts.pt``). After a resume the groups go back into the buffer
+with their versions (the buffer's staleness check applies against the resumed trainer
+version) and the partial groups, issued first under their own ids, continue from their
+prefixes; a partial group whose oldest token is already more than η versions behind the
+resumed trainer is generated afresh instead, counted in ``discarded_stale_*``. On-policy
+schedules (η = 0) do not preempt: their groups in flight are regenerated exactly under their
+group ids, which a re-prefilled prefix would not guarantee (its later log-probs differ in
+the last bits). Interval checkpoints carry the generated groups too (a copy; the run goes
+on), but not the work in flight, which keeps running.
 """
 
 from __future__ import annotations
@@ -39,6 +52,8 @@ from asyncrl.orchestration.events import (
     GroupCancelled,
     GroupDropped,
     GroupReady,
+    Preempt,
+    Preempted,
     Ready,
     Restore,
     Restored,
@@ -60,7 +75,7 @@ from asyncrl.orchestration.session import RunSession
 from asyncrl.orchestration.steps import StepAssembly
 from asyncrl.tasks import PromptSource, PromptStream
 from asyncrl.timeline import busy_fractions
-from asyncrl.types import Group
+from asyncrl.types import Group, PartialGroup
 
 
 class RunInterrupted(AsyncRLError):
@@ -89,13 +104,15 @@ class Controller:
         self.generators = Generators(runtime, self.books, session.log)
         self.steps = StepAssembly(cfg, lambda command: self._send(TRAINER, command))
         self.admission = AdmissionControl(self.B, sched.max_staleness, versions_per_step=self.steps.iters)
+        rollouts = (checkpoint.read_rollouts(resume_from) if resume_from is not None else None) or {}
+        carried = [Group.from_dict(g) for g in rollouts.get("groups", [])]
         # Admission bounds what is generated, so the buffer never fills in normal operation;
-        # its capacity is the depth bound plus one step of slack.
+        # its capacity is the depth bound plus one step of slack (plus what a resume carries).
         self.buffer = RolloutBuffer(
-            capacity=(sched.max_staleness + 2) * self.B,
+            capacity=(sched.max_staleness + 2) * self.B + len(carried),
             max_staleness=sched.max_staleness,
             reject=sched.reject,
-            on_drop=lambda group, reason: self.books.dropped_stale(group.group_id, group.prompt, reason),
+            on_drop=self._on_drop,
         )
         self.published_version = 0
         self.published_checksums: dict[str, float] | None = None
@@ -115,11 +132,58 @@ class Controller:
         self.last_checkpoint: Path | None = None
         self.stop_signal: str | None = None
         self.stop_exit_code = 1
+        # Preemption at a stop (off-policy schedules): the generators asked and not yet answered,
+        # until when to wait for them, and the groups they stopped, by group id.
+        self.preempts = sched.max_staleness > 0
+        self.preempt_waiting: set[str] | None = None
+        self.preempt_deadline = 0.0
+        self.preempted: dict[int, PartialGroup] = {}
+        # After a resume: the groups carried in the buffer, and the partial groups to continue.
+        self.carried_ids: set[int] = set()
+        self.partials: dict[int, PartialGroup] = {}
         self.resume_from = resume_from
         if resume_from is not None:
             version, handed = self.books.load_state_dict(checkpoint.read_controller_state(resume_from))
             self.trainer_version = self.steps.planned_version = self.steps_done = version
             self.steps.handed = handed
+            partials = [PartialGroup.from_dict(p) for p in rollouts.get("partial", [])]
+            self._carry_over(carried, partials, version)
+
+    def _carry_over(self, groups: list[Group], partials: list[PartialGroup], version: int) -> None:
+        """Put a checkpoint's groups back into the buffer and keep its partial groups for their Submit.
+
+        The groups keep their versions: the buffer checks them against the version that will
+        train them, as before the stop. A partial group whose oldest token is more than η
+        versions behind ``version`` (the resumed generators' weights) would be cancelled at
+        once (``reject=group``): it starts afresh, counted as discarded.
+        """
+        counts, eta = self.books.counts, self.cfg.schedule.max_staleness
+        for group in groups:
+            self.buffer.put(group, timeout=0.0)
+            self.carried_ids.add(group.group_id)
+            counts["carried_groups"] += 1
+            counts["carried_group_tokens"] += group.num_completion_tokens
+        for partial in partials:
+            oldest = partial.oldest_version
+            if self.cfg.schedule.reject == "group" and oldest is not None and version - oldest > eta:
+                counts["discarded_stale_rollouts"] += len(partial.samples)
+                counts["discarded_stale_tokens"] += partial.num_completion_tokens
+            else:
+                self.partials[partial.group_id] = partial
+                counts["carried_partial_rollouts"] += len(partial.samples)
+                counts["carried_partial_tokens"] += partial.num_completion_tokens
+        if groups or partials:
+            self.session.log(
+                f"resumed with {len(groups)} generated groups ({counts['carried_group_tokens']} tokens) and "
+                f"{len(self.partials)} partial groups ({counts['carried_partial_tokens']} tokens) carried over; "
+                f"{counts['discarded_stale_rollouts']} rollouts older than the staleness bound generated afresh"
+            )
+
+    def _on_drop(self, group: Group, reason: str) -> None:
+        if group.group_id in self.carried_ids:  # carried over a stop, and now too old to train
+            self.books.counts["discarded_stale_rollouts"] += group.size
+            self.books.counts["discarded_stale_tokens"] += group.num_completion_tokens
+        self.books.dropped_stale(group.group_id, group.prompt, reason)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -185,7 +249,8 @@ class Controller:
             work = [books.issue() for _ in range(n)]
             for group_id, prompt in work:
                 gens.in_flight[gen][group_id] = prompt
-            self._send(gen, Submit(work))
+            partials = [self.partials.pop(gid) for gid, _ in work if gid in self.partials]
+            self._send(gen, Submit(work, partials))
             total_running += n
             budget -= n
         if blocked:
@@ -228,8 +293,16 @@ class Controller:
             gens.send_weights(event.version, event.checksums)
         elif isinstance(event, Ready):
             gens.on_ready(event.worker, self.published_version, self.published_checksums)
+        elif isinstance(event, Preempted):
+            for partial in event.partials:
+                if gens.finished(event.worker, partial.group_id):
+                    self.preempted[partial.group_id] = partial
+            if self.preempt_waiting is not None:
+                self.preempt_waiting.discard(event.worker)
         elif isinstance(event, WorkerLost):
             gens.on_lost(event)
+            if self.preempt_waiting is not None:
+                self.preempt_waiting.discard(event.worker)
         elif isinstance(event, WorkerFailed):
             raise WorkerError(f"{event.worker} failed: {event.message}\n{event.details}".rstrip())
         else:
@@ -276,6 +349,8 @@ class Controller:
             "gen_version_min": min(
                 self.generators.version.values(), default=-1
             ),  # -1: no generator right now
+            # After a resume: what it carried over, and what was generated again instead.
+            **{k: v for k, v in self.books.counts.items() if k.startswith(("carried_", "discarded_"))},
         }
         self._tokens_since_step = 0
         self._last_step_end = now
@@ -283,33 +358,58 @@ class Controller:
 
     # -- checkpoints and stops -------------------------------------------------------------------
 
-    def _request_checkpoint(self) -> None:
+    def _request_checkpoint(self, stop: bool = False) -> None:
         """Ask the trainer to save at the version every FinishStep sent so far leads to.
 
         No FinishStep is sent until it is written, so the trainer's state and the books
-        taken now describe the same moment.
+        taken now describe the same moment; so do the rollouts, copied now (the run may go
+        on using them). ``stop``: the checkpoint of a stop, after the preemption.
         """
         if self.checkpoint_pending is not None:
             return
-        steps = self.steps
+        steps, counts = self.steps, self.books.counts
         version = steps.planned_version
-        held = [*self.buffer.peek_all(), *steps.held]
+        held = [*steps.step_groups, *steps.staged, *self.buffer.peek_all()]  # oldest first
         pending = [
             (gid, prompt) for groups in self.generators.in_flight.values() for gid, prompt in groups.items()
         ]
-        pending += [(g.group_id, g.prompt) for g in held]
+        preempted = [self.preempted[gid] for gid in sorted(self.preempted)]
+        pending += [(p.group_id, p.prompt) for p in preempted]
+        keep = self.cfg.run.checkpoint_rollouts
+        carried = held if keep else []
+        partial = [p for p in preempted if p.samples] if keep else []
+        if not keep:
+            pending += [(g.group_id, g.prompt) for g in held]
+            if stop:
+                counts["discarded_at_stop_tokens"] += sum(
+                    g.num_completion_tokens for g in [*held, *preempted]
+                )
         in_steps = [g.group_id for batch in steps.unconfirmed for g in batch]
-        books = self.books.state_dict(version, steps.handed, pending, len(held), in_steps)
+        books = self.books.state_dict(
+            version,
+            steps.handed,
+            pending,
+            len(held) - len(carried),
+            in_steps,
+            carried=[g.group_id for g in carried],
+            partial=[p.group_id for p in partial],
+        )
+        rollouts = {
+            "format": 1,
+            "groups": [g.to_dict() for g in carried],
+            "partial": [p.to_dict() for p in partial],
+        }
         deadline = time.monotonic() + self.cfg.run.checkpoint_timeout_s
-        self.checkpoint_pending = (books, version, deadline)
+        self.checkpoint_pending = (books, version, deadline, rollouts, stop)
         tmp = checkpoint.temporary_dir(self.session.run_dir, version)
         self._send(TRAINER, SaveCheckpoint(str(tmp), version))
 
     def _on_checkpoint_saved(self, event: CheckpointSaved) -> None:
-        books, version, _ = self.checkpoint_pending
+        books, version, _, rollouts, stop = self.checkpoint_pending
         if event.version != version:
             raise WorkerError(f"trainer saved version {event.version}, expected {version}")
         try:
+            checkpoint.write_rollouts(Path(event.path), rollouts)
             checkpoint.write_controller_state(Path(event.path), books)
             path = checkpoint.commit(self.session.run_dir, version, self.cfg.run.keep_checkpoints)
         except OSError as exc:
@@ -319,6 +419,8 @@ class Controller:
             ) from None
         self.checkpoint_pending = None
         self.last_checkpoint = path
+        if self.stop_signal is not None and not stop and self.preempts and self.generators.running:
+            return  # requested before the stop: the stop's own checkpoint follows, with the work in flight
         if self.stop_signal is not None:
             raise RunInterrupted(
                 f"stopped by {self.stop_signal} at step {version}; checkpoint {path}; "
@@ -333,9 +435,25 @@ class Controller:
         self.stop_signal, self.stop_exit_code = signal_name, exit_code
 
     def _stop_with_checkpoint(self) -> None:
-        """No new work; the current step is abandoned (its groups stay pending) once saved."""
-        if self.checkpoint_pending is None:
-            self._request_checkpoint()
+        """No new work; the work in flight is preempted (off-policy schedules); then the checkpoint.
+
+        The current step is abandoned: its groups are carried (or pending) in the checkpoint.
+        A generator that does not answer the preemption within run.checkpoint_timeout_s
+        keeps its groups pending: they are issued again after the resume.
+        """
+        if self.checkpoint_pending is not None:
+            return
+        if self.preempt_waiting is None:
+            self.preempt_waiting = set()
+            if self.preempts:
+                for gen in self.generators.names:
+                    if self.generators.in_flight[gen]:
+                        self._send(gen, Preempt())
+                        self.preempt_waiting.add(gen)
+            self.preempt_deadline = time.monotonic() + self.cfg.run.checkpoint_timeout_s
+        if self.preempt_waiting and time.monotonic() < self.preempt_deadline:
+            return
+        self._request_checkpoint(stop=True)
 
     # -- liveness ---------------------------------------------------------------------------
 
@@ -362,6 +480,8 @@ class Controller:
             )
         if self.evals_pending:
             parts.append(f"{self.evals_pending} evaluation(s)")
+        if self.preempt_waiting and self.checkpoint_pending is None:
+            parts.append(f"the preemption of {sorted(self.preempt_waiting)}")
         if self.checkpoint_pending is not None:
             parts.append(f"the checkpoint of step {self.checkpoint_pending[1]}")
         if not self.saved:
@@ -372,7 +492,8 @@ class Controller:
     def accounting(self) -> dict[str, int]:
         """Where every issued group went (see :meth:`Books.accounting`)."""
         return self.books.accounting(
-            in_flight=self.generators.running, buffered=len(self.buffer) + len(self.steps.held)
+            in_flight=self.generators.running + len(self.preempted),  # preempted: stopped in flight
+            buffered=len(self.buffer) + len(self.steps.held),
         )
 
 

@@ -11,16 +11,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.errors import AsyncRLError
-from asyncrl.types import Group, Prompt
+from asyncrl.types import Group, PartialGroup, Prompt
 
 # -- commands ---------------------------------------------------------------------------
 
 
 @dataclass
 class Submit:
-    """Generate one group per (group_id, prompt)."""
+    """Generate one group per (group_id, prompt); a group in ``partials`` continues from where it stopped."""
 
     work: list[tuple[int, Prompt]]
+    partials: list[PartialGroup] = field(default_factory=list)
+
+
+@dataclass
+class Preempt:
+    """The run is stopping: abort every group in flight and report what each has (``Preempted``)."""
 
 
 @dataclass
@@ -119,6 +125,14 @@ class GroupCancelled:
     worker: str
     group_id: int
     prompt: Prompt
+
+
+@dataclass
+class Preempted:
+    """A generator's groups in flight, stopped by ``Preempt``: finished completions and prefixes."""
+
+    worker: str
+    partials: list[PartialGroup]
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from asyncrl.config import Config
-from asyncrl.orchestration.events import LoadWeights, Ready, Submit
+from asyncrl.orchestration.events import LoadWeights, Preempt, Ready, Submit
 from asyncrl.orchestration.workers import GeneratorWorker, TrainerWorker
 from asyncrl.weight_sync.inprocess import InProcessChannel
 
@@ -92,7 +92,7 @@ class InlineRuntime:
         if worker == "trainer":
             self._threads(self.cfg.threads("trainer"))
             self._events += self.trainer.handle(command)
-        elif isinstance(command, Submit | LoadWeights):
+        elif isinstance(command, Submit | LoadWeights | Preempt):
             self.generators[worker].handle(command)
         else:
             raise TypeError(f"{worker} cannot handle {type(command).__name__}")

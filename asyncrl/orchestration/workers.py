@@ -32,6 +32,8 @@ from asyncrl.orchestration.events import (
     GroupDropped,
     GroupReady,
     LoadWeights,
+    Preempt,
+    Preempted,
     Restore,
     Restored,
     SaveCheckpoint,
@@ -69,6 +71,10 @@ class GeneratorWorker:
     ``schedule.max_staleness`` versions old are cancelled and reported — they would be
     dropped when trained — so their prompts are issued again early; with ``reject=token``
     they run on and only their too-old tokens are masked out of the loss.
+
+    ``Preempt`` (a stop) aborts every group in flight and answers ``Preempted`` with each
+    group's finished completions and prefixes, which a later ``Submit`` (after a resume,
+    here or on another generator) continues from.
 
     With LoRA (``lora.rank`` > 0) an update carries only the adapters, which
     :class:`~asyncrl.engine.lora.MergedLora` merges into the engine's base weights. An
@@ -111,6 +117,7 @@ class GeneratorWorker:
         self.rollout = build.build_rollout(cfg, policy, self.engine)
         self.interrupt = cfg.schedule.interrupt
         self.pending_version: int | None = None
+        self._preempt = False
         self._busy_since: float | None = None
         self._layout = layout
         # A new broadcast group to move to (set by join_group from the host's thread), and the
@@ -126,11 +133,13 @@ class GeneratorWorker:
 
     @property
     def idle(self) -> bool:
-        return self.pending_version is None and not self.rollout.has_work
+        return self.pending_version is None and not self.rollout.has_work and not self._preempt
 
-    def handle(self, command: Submit | LoadWeights) -> None:
+    def handle(self, command: Submit | LoadWeights | Preempt) -> None:
         if isinstance(command, Submit):
-            self.rollout.submit(command.work)
+            self.rollout.submit(command.work, {p.group_id: p for p in command.partials})
+        elif isinstance(command, Preempt):
+            self._preempt = True  # answered by the next work(), before any update or engine step
         elif isinstance(command, LoadWeights):
             if command.checksums is not None:
                 self._checksums[command.version] = command.checksums
@@ -179,7 +188,10 @@ class GeneratorWorker:
             self._rejoin_version = None
 
     def work(self) -> list:
-        """One unit of work: apply a pending update if allowed, else one engine step."""
+        """One unit of work: report a preemption, or apply a pending update if allowed, or one engine step."""
+        if self._preempt:
+            self._preempt = False
+            return [*self._flush_span(), Preempted(self.name, self.rollout.preempt())]
         if self._next_receiver is not None:
             self._switch_group()
         if self.pending_version is not None and self._may_apply_update():
