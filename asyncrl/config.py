@@ -251,6 +251,12 @@ class AlgorithmConfig(Section):
     advantage_scale: Literal["group", "batch", "none"] = Field(
         "group", description="Divide centred rewards by the group std, the batch std, or nothing."
     )
+    step_rewards: Literal["ignore", "return_to_go"] = Field(
+        "ignore",
+        description="Step (process) rewards of multi-turn episodes: 'return_to_go' adds to each turn's tokens "
+        "the sum of the group-normalised step rewards from that turn on (asyncrl.algorithms.advantages); "
+        "'ignore' trains on the episode's outcome reward only.",
+    )
     epsilon_low: float = Field(
         0.2, ge=0, lt=1, description="Lower clip: ratios below 1-epsilon_low are clipped."
     )

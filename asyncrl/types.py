@@ -70,6 +70,9 @@ class Sample:
     # reward each turn got (None: none given). None for single-turn completions.
     turn_spans: list[tuple[int, int]] | None = None
     turn_rewards: list[float | None] | None = None
+    # Per completion token, when step rewards make advantages differ along the completion
+    # (algorithm.step_rewards); None: every token takes ``advantage``.
+    token_advantages: list[float] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)

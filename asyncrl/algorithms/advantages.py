@@ -9,6 +9,15 @@ always the group mean and ``scale`` picks the denominator:
 A reward of NaN marks a completion no reward function could score: it is left out of the
 group's mean and std and its advantage is 0, so it neither biases the baseline nor moves
 the policy.
+
+**Step (process) rewards.** A multi-turn episode may earn a reward per turn. With
+``algorithm.step_rewards=return_to_go`` (:func:`step_advantages`) the step rewards of a
+group are normalised together — every step reward of every sample of the group, centred on
+their mean and divided by their standard deviation — and each turn's advantage is the sum
+of the normalised step rewards from that turn to the end of its episode (reward to go, as
+PRIME does with its implicit process rewards). A token's advantage is then its sample's
+outcome advantage plus the step advantage of the turn it belongs to: a turn is credited
+for what it and the turns after it earned, relative to the group.
 """
 
 from __future__ import annotations
@@ -54,4 +63,28 @@ def group_advantages(
         elif scale == "batch":
             centred = centred / (batch_std + eps) if not torch.isnan(batch_std) else torch.zeros_like(centred)
         out.append(torch.nan_to_num(centred, nan=0.0))
+    return out
+
+
+def step_advantages(
+    step_rewards: Sequence[Sequence[float | None]], eps: float = ADVANTAGE_EPS
+) -> list[list[float]]:
+    """Per sample of one group, the advantage of each of its steps (see the module doc).
+
+    ``step_rewards[i][t]`` is sample i's reward for step t (None: none given, counted 0 and
+    left out of the normalisation). With fewer than two given step rewards in the group
+    there is no spread to normalise by and every step advantage is 0.
+    """
+    given = torch.tensor([r for steps in step_rewards for r in steps if r is not None], dtype=torch.float64)
+    if given.numel() < 2:
+        return [[0.0] * len(steps) for steps in step_rewards]
+    mean, std = given.mean(), nan_std(given)
+    out = []
+    for steps in step_rewards:
+        normalised = [0.0 if r is None else float((r - mean) / (std + eps)) for r in steps]
+        to_go, acc = [], 0.0
+        for value in reversed(normalised):
+            acc += value
+            to_go.append(acc)
+        out.append(to_go[::-1])
     return out

@@ -388,7 +388,9 @@ class TrainerWorker:
             raise TypeError(f"trainer cannot handle {type(command).__name__}")
         if self.is_leader and isinstance(command, Accumulate):
             # From whole groups, before the samples are split across ranks.
-            assign_advantages(command.groups, self.cfg.algorithm.advantage_scale)
+            assign_advantages(
+                command.groups, self.cfg.algorithm.advantage_scale, self.cfg.algorithm.step_rewards
+            )
         if self.ranks is not None and self.ranks.is_leader:
             self.ranks.post(command)
         if isinstance(command, Accumulate):

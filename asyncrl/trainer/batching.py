@@ -64,7 +64,7 @@ class MicroBatch:
     mask: torch.Tensor  # (B, R) float, 1 where the token is trained
     behaviour_logprobs: torch.Tensor  # (B, R)
     versions: torch.Tensor  # (B, R) long
-    advantages: torch.Tensor  # (B,)
+    advantages: torch.Tensor  # (B,), or (B, R) per token with step rewards
     # The padded layout (None in the prefix-tree layout).
     input_ids: torch.Tensor | None = None  # (B, P + R - 1)
     attention_mask: torch.Tensor | None = None
@@ -145,7 +145,15 @@ def per_token_tensors(samples: list[Sample], pad_token_id: int) -> dict[str, tor
         out["mask"][i, :n] = torch.tensor(s.loss_mask[:n], dtype=torch.float32)
         out["behaviour_logprobs"][i, :n] = torch.tensor(s.logprobs[:n], dtype=torch.float32)
         out["versions"][i, :n] = torch.tensor(s.versions[:n])
-    out["advantages"] = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    if any(s.token_advantages is not None for s in samples):
+        # Step rewards: advantages per token, (B, R); the other rows repeat their own.
+        out["advantages"] = torch.zeros((b, r), dtype=torch.float32)
+        for i, s in enumerate(samples):
+            n = trained_span(s)
+            values = s.token_advantages[:n] if s.token_advantages is not None else [s.advantage] * n
+            out["advantages"][i, :n] = torch.tensor(values, dtype=torch.float32)
+    else:
+        out["advantages"] = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     if any(s.supports is not None for s in samples):
         out["support_ids"], out["has_support"] = _support_tensors(samples, r)
     return out

@@ -33,7 +33,7 @@ import torch
 from transformers import PreTrainedModel
 
 from asyncrl.algorithms import corrections, losses
-from asyncrl.algorithms.advantages import group_advantages
+from asyncrl.algorithms.advantages import group_advantages, step_advantages
 from asyncrl.config import AlgorithmConfig, TrainerConfig, old_logprob_mode
 from asyncrl.models.checkpointing import checkpoint_decoder_layers
 from asyncrl.models.lora import adapter_fqns, is_lora, published_weights
@@ -45,8 +45,14 @@ from asyncrl.trainer.planning import collate_layout, plan_layouts
 from asyncrl.types import Group, Sample
 
 
-def assign_advantages(groups: list[Group], scale: str) -> None:
-    """Set ``sample.advantage`` for every sample, from its group's rewards (None counts as NaN)."""
+def assign_advantages(groups: list[Group], scale: str, step_rewards: str = "ignore") -> None:
+    """Set ``sample.advantage`` for every sample, from its group's rewards (None counts as NaN).
+
+    With ``step_rewards="return_to_go"``, samples of groups that hold step rewards (multi-turn
+    episodes, ``Sample.turn_rewards``) also get ``token_advantages``: the outcome advantage
+    plus, on each turn's tokens, that turn's step advantage (see
+    :func:`asyncrl.algorithms.advantages.step_advantages`).
+    """
     rewards = [
         torch.tensor([float("nan") if s.reward is None else s.reward for s in g.samples], dtype=torch.float64)
         for g in groups
@@ -54,6 +60,16 @@ def assign_advantages(groups: list[Group], scale: str) -> None:
     for group, adv in zip(groups, group_advantages(rewards, scale), strict=True):  # type: ignore[arg-type]
         for sample, a in zip(group.samples, adv.tolist(), strict=True):
             sample.advantage = a
+            sample.token_advantages = None
+        if step_rewards == "return_to_go" and any(
+            r is not None for s in group.samples for r in (s.turn_rewards or ())
+        ):
+            per_step = step_advantages([s.turn_rewards or [] for s in group.samples])
+            for sample, steps in zip(group.samples, per_step, strict=True):
+                tokens = [sample.advantage] * len(sample.completion_ids)
+                for (start, end), a in zip(sample.turn_spans or [], steps, strict=True):
+                    tokens[start:end] = [sample.advantage + a] * (end - start)
+                sample.token_advantages = tokens
 
 
 def sync_dtype(lora: bool, compute_dtype: torch.dtype) -> torch.dtype:
@@ -294,7 +310,7 @@ class Trainer:
 
     def train_on_groups(self, groups: list[Group]) -> list[dict[str, float]]:
         """Advantages, then ``num_iterations`` optimizer steps on the batch; one metrics dict per step."""
-        assign_advantages(groups, self.algo.advantage_scale)
+        assign_advantages(groups, self.algo.advantage_scale, self.algo.step_rewards)
         samples = [s for g in groups for s in g.samples]
         batches = self.prepare(samples)
         divisor = self.batch_divisor(samples)
