@@ -718,6 +718,11 @@ class EpisodeConfig(Section):
         "task.reward.",
     )
     max_turns: int = Field(4, ge=1, description="Most model turns per episode; more truncates it.")
+    tool_threads: int = Field(
+        64,
+        ge=1,
+        description="Threads a generator gives blocking environment calls (tools), shared by its episodes.",
+    )
     max_episode_tokens: int = Field(
         64,
         ge=1,

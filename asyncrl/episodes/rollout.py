@@ -77,7 +77,9 @@ class EpisodeRolloutWorker:
         max_episode_tokens: int,
         reward_on_error: str = "zero",
         seed: int = 0,
+        tool_threads: int = 64,
     ) -> None:
+        """``tool_threads``: threads for blocking environment calls (tools), shared by all episodes."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.episode = episode
@@ -95,6 +97,10 @@ class EpisodeRolloutWorker:
         self._finished: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._loop = asyncio.new_event_loop()
+        # Blocking tools wait in these threads; the default pool (a few per core) would queue
+        # the episodes of a batch behind each other.
+        self._tools = concurrent.futures.ThreadPoolExecutor(tool_threads, thread_name_prefix="asyncrl-tool")
+        self._loop.set_default_executor(self._tools)
         self._thread = threading.Thread(target=self._loop.run_forever, name="asyncrl-episodes", daemon=True)
         self._thread.start()
 
@@ -223,6 +229,7 @@ class EpisodeRolloutWorker:
             asyncio.run_coroutine_threadsafe(_cancel_tasks(), self._loop).result(timeout=CLOSE_TIMEOUT_S)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=CLOSE_TIMEOUT_S)
+        self._tools.shutdown(wait=False, cancel_futures=True)
 
     # -- observations ---------------------------------------------------------------------------
 

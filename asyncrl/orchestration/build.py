@@ -176,6 +176,7 @@ def build_rollout(cfg: Config, policy: Policy, engine, *, greedy: bool = False):
             max_episode_tokens=cfg.episode.max_episode_tokens,
             reward_on_error=cfg.task.reward_on_error,
             seed=cfg.run.seed,
+            tool_threads=cfg.episode.tool_threads,
         )
     return RolloutWorker(
         engine,
