@@ -34,6 +34,17 @@ class Runtime(Protocol):
 
 
 @runtime_checkable
+class InterruptibleRuntime(Protocol):
+    """A runtime whose workers can be told that the run is stopping while they are busy."""
+
+    def interrupt(self) -> None:
+        """Make the workers abandon reward scoring (a step's or an evaluation's) at once, so the
+        stop's checkpoint is not held back by it. Called from the controller's signal handler:
+        it only sets flags."""
+        ...
+
+
+@runtime_checkable
 class ElasticRuntime(Protocol):
     """A runtime whose generators can be added and removed while the run goes (``asyncrl scale``)."""
 
@@ -75,6 +86,7 @@ class InlineRuntime:
         self._events: list = []
         self.trainer: TrainerWorker | None = None
         self.generators: dict[str, GeneratorWorker] = {}
+        self._interrupted = False
 
     def _threads(self, n: int) -> None:
         torch.set_num_threads(n or self._default_threads)
@@ -97,12 +109,19 @@ class InlineRuntime:
         else:
             raise TypeError(f"{worker} cannot handle {type(command).__name__}")
 
+    def interrupt(self) -> None:
+        """The run is stopping: scoring in progress is abandoned and the generators run no more."""
+        self._interrupted = True
+        for worker in [self.trainer, *self.generators.values()]:
+            if worker is not None:
+                worker.stop_scoring()
+
     def poll(self, timeout: float) -> list:
         """Pending events, or else run generators until they produce some (or have nothing to do)."""
         if not self._events:
             self._threads(self.cfg.threads("generator"))
             busy = [g for g in self.generators.values() if not g.idle]
-            while busy and not self._events:
+            while busy and not self._events and not self._interrupted:
                 for g in busy:
                     self._events += g.work()
                 busy = [g for g in busy if not g.idle]
@@ -115,5 +134,7 @@ class InlineRuntime:
         for generator in self.generators.values():
             generator.close()
         self.generators.clear()
+        if self.trainer is not None:
+            self.trainer.close()
         self.trainer = None
         torch.set_num_threads(self._default_threads)
