@@ -350,3 +350,39 @@ def test_killed_parent_leaves_no_reward_process_alive(tmp_path: Path, reward_spe
             parent.wait(timeout=10)
         for pid in wait_dead({int(p.name) for p in (tmp_path / "calls").iterdir()}, timeout=0):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("runtime", ["inline", "local"])
+def test_a_killed_run_leaves_no_process_behind(tmp_path: Path, reward_spec: str, runtime: str) -> None:
+    """SIGKILL of ``asyncrl train`` while a generator waits on hanging reward calls: its workers
+    (mid-command: after their grace period) and every reward process end by themselves."""
+    from asyncrl.orchestration.local import LIFELINE_GRACE_S
+
+    overrides = [
+        "task.reward=asyncrl_test_timed:hangs",
+        "task.reward_timeout_s=600",
+        f"runtime.kind={runtime}",
+        *short_run(3),
+    ]
+    env = child_env(PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(
+        cli("train", *sets(overrides), "--run-dir", str(tmp_path / "run")),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    descendants: set[int] = set()
+    try:
+        hanging = started_calls(tmp_path / "calls", 4, proc)
+        descendants = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        assert hanging <= descendants
+        proc.kill()
+        proc.wait(timeout=10)
+        assert wait_dead(descendants, timeout=LIFELINE_GRACE_S + 15) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        for pid in wait_dead(descendants, timeout=0):
+            os.kill(pid, signal.SIGKILL)
