@@ -137,9 +137,9 @@ class TaskConfig(Section):
     reward_timeout_s: float | None = Field(
         None,
         gt=0,
-        description="Time limit per reward call. When set, the reward function runs in its own process, "
-        "which is killed and replaced when a call runs late; the call counts as a reward error "
-        "(see reward_on_error). null = call it directly, no limit.",
+        description="Time limit per reward call. When set, the reward function runs in its own processes "
+        "(see reward_processes); one whose call runs late is killed and replaced, and the call counts as a "
+        "reward error (see reward_on_error). null = call it directly, in order, no limit.",
     )
     reward_processes: int = Field(
         8,

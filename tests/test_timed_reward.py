@@ -170,6 +170,7 @@ def test_a_batch_of_hanging_calls_costs_about_one_timeout(reward_spec: str) -> N
         t0 = time.monotonic()
         scored = rewards.score(PROMPT, texts, [[0]] * n)
         elapsed = time.monotonic() - t0
+        print(f"{n - 2} hanging calls with a {timeout:g}s limit and 2 quick ones: {elapsed:.2f}s")
         # One after another the hanging calls would take (n - 2) * timeout = 14 s.
         assert timeout <= elapsed < 4 * timeout, elapsed
         assert [s.reward for s in scored] == [None] * (n - 2) + [1.0, 0.0]
