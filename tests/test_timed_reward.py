@@ -283,18 +283,29 @@ def test_a_run_whose_reward_always_fails_stops_with_one_line(
     assert not metrics.is_file() or metrics.read_text() == ""  # no step trained on nothing
 
 
-@pytest.mark.parametrize("runtime", ["inline", "local"])
+@pytest.mark.parametrize(
+    ("runtime", "during", "timeout_s"),
+    [
+        ("inline", "step", 30),
+        ("local", "step", 30),
+        ("inline", "eval", 30),
+        ("local", "eval", 30),
+        ("inline", "step", None),  # called in this process: the signal handler interrupts the call
+    ],
+)
 def test_sigterm_during_hanging_reward_scoring_stops_the_run_with_a_checkpoint(
-    tmp_path: Path, reward_spec: str, runtime: str
+    tmp_path: Path, reward_spec: str, runtime: str, during: str, timeout_s: float | None
 ) -> None:
-    """The stop cuts the scoring short (in this process, or in a generator's) instead of waiting out the calls."""
+    """The stop cuts the scoring short (of a step's groups or of the first evaluation, in this
+    process or a worker's) instead of waiting out the calls."""
     run_dir = tmp_path / "run"
     overrides = [
         "task.reward=asyncrl_test_timed:hangs",
-        "task.reward_timeout_s=30",
+        f"task.reward_timeout_s={'null' if timeout_s is None else timeout_s}",
         "task.reward_max_consecutive_failures=0",
         f"runtime.kind={runtime}",
         *short_run(3),
+        *(["run.eval_every=1", "run.eval_prompts=8"] if during == "eval" else []),
     ]
     env = child_env(PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen(
@@ -305,7 +316,8 @@ def test_sigterm_during_hanging_reward_scoring_stops_the_run_with_a_checkpoint(
         env=env,
     )
     try:
-        hanging = started_calls(tmp_path / "calls", 4, proc)  # the first group's calls are running
+        # The first group's calls, or the evaluation's, are running.
+        hanging = started_calls(tmp_path / "calls", 1 if timeout_s is None else 4, proc)
         descendants = psutil.Process(proc.pid).children(recursive=True)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
@@ -316,7 +328,7 @@ def test_sigterm_during_hanging_reward_scoring_stops_the_run_with_a_checkpoint(
             proc.kill()
             proc.wait(timeout=10)
     # 30 s is the bound under a loaded machine; the stop itself waits one 0.1 s slice, then checkpoints.
-    print(f"{runtime}: stopped {stopped_in:.2f}s after SIGTERM")
+    print(f"{runtime}, {during}, timeout {timeout_s}: stopped {stopped_in:.2f}s after SIGTERM")
     assert stopped_in < 30, stopped_in
     assert proc.returncode == 128 + signal.SIGTERM.value, err
     last = err.strip().splitlines()[-1]

@@ -16,6 +16,7 @@ import torch
 from asyncrl.config import Config
 from asyncrl.orchestration.events import LoadWeights, Ready, Submit
 from asyncrl.orchestration.workers import GeneratorWorker, TrainerWorker
+from asyncrl.tasks.rewards import ScoringStopped
 from asyncrl.weight_sync.inprocess import InProcessChannel
 
 
@@ -110,11 +111,22 @@ class InlineRuntime:
             raise TypeError(f"{worker} cannot handle {type(command).__name__}")
 
     def interrupt(self) -> None:
-        """The run is stopping: scoring in progress is abandoned and the generators run no more."""
+        """The run is stopping: scoring in progress is abandoned and the generators run no more.
+
+        Called from the signal handler, which may have interrupted an in-process reward call:
+        that call is then abandoned by :class:`ScoringStopped` raised from here, once every
+        worker has been told.
+        """
         self._interrupted = True
+        in_call = None
         for worker in [self.trainer, *self.generators.values()]:
             if worker is not None:
-                worker.stop_scoring()
+                try:
+                    worker.stop_scoring()
+                except ScoringStopped as exc:
+                    in_call = exc
+        if in_call is not None:
+            raise in_call
 
     def poll(self, timeout: float) -> list:
         """Pending events, or else run generators until they produce some (or have nothing to do)."""

@@ -27,6 +27,7 @@ import functools
 import importlib
 import inspect
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -211,8 +212,10 @@ class RewardSet:
     in-process one runs them one after another. A function whose calls fail (raise, return a
     bad value, time out) ``max_consecutive_failures`` times in a row stops the run with
     :class:`~asyncrl.errors.RewardFailing` (0: never); any successful call resets its count.
-    After :meth:`stop` scoring raises :class:`ScoringStopped` (within one wait slice of a
-    time-limited function, or before the next call of an in-process one).
+    After :meth:`stop` scoring raises :class:`ScoringStopped`: within one wait slice of a
+    time-limited function; for an in-process function, before its next call, or at once when
+    :meth:`stop` runs in a signal handler of the thread that is in the call (the signal
+    handler interrupts the function with the exception).
     """
 
     def __init__(self, terms: Sequence[RewardTerm], max_consecutive_failures: int = 0) -> None:
@@ -222,6 +225,7 @@ class RewardSet:
         self.max_consecutive_failures = max_consecutive_failures
         self.failures = {t.label: 0 for t in self.terms}  # consecutive failed calls, per function
         self._stopped = False
+        self._calling: int | None = None  # the thread in an in-process call, if any
 
     @classmethod
     def of(cls, fn: RewardFn | RewardSet, label: str | None = None) -> RewardSet:
@@ -232,12 +236,18 @@ class RewardSet:
         return cls([RewardTerm(name, fn, batched=is_batched(fn))])
 
     def stop(self) -> None:
-        """Abandon scoring in progress and to come (any thread, or a signal handler): the run is stopping."""
+        """Abandon scoring in progress and to come (any thread, or a signal handler): the run is stopping.
+
+        Raises :class:`ScoringStopped` when called by the thread that is in an in-process call,
+        i.e. from a signal handler that interrupted the reward function.
+        """
         self._stopped = True
         for term in self.terms:
             stop = getattr(term.fn, "stop", None)
             if stop is not None:
                 stop()
+        if self._calling == threading.get_ident():
+            raise ScoringStopped("reward scoring abandoned in the middle of a call: the run is stopping")
 
     def close(self) -> None:
         """Stop what the functions hold (a time-limited function's processes)."""
@@ -287,7 +297,11 @@ class RewardSet:
         for kwargs in calls:
             if self._stopped:
                 raise ScoringStopped("reward scoring abandoned: the run is stopping")
-            out.append(_call(fn, kwargs))
+            self._calling = threading.get_ident()
+            try:
+                out.append(_call(fn, kwargs))
+            finally:
+                self._calling = None
         return out
 
     def _counted(self, term: RewardTerm, error: str | None) -> None:
