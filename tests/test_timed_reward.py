@@ -291,6 +291,7 @@ def test_a_run_whose_reward_always_fails_stops_with_one_line(
         ("inline", "eval", 30),
         ("local", "eval", 30),
         ("inline", "step", None),  # called in this process: the signal handler interrupts the call
+        pytest.param("ray", "step", 30, marks=pytest.mark.ray),
     ],
 )
 def test_sigterm_during_hanging_reward_scoring_stops_the_run_with_a_checkpoint(
@@ -306,7 +307,10 @@ def test_sigterm_during_hanging_reward_scoring_stops_the_run_with_a_checkpoint(
         f"runtime.kind={runtime}",
         *short_run(3),
         *(["run.eval_every=1", "run.eval_prompts=8"] if during == "eval" else []),
+        *(["runtime.ray.num_cpus=4"] if runtime == "ray" else []),
     ]
+    if runtime == "ray":
+        pytest.importorskip("ray")
     env = child_env(PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen(
         cli("train", *sets(overrides), "--run-dir", str(run_dir)),
