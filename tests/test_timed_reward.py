@@ -44,7 +44,16 @@ def gather(n):  # returns once n calls run at the same time, each in its own pro
         time.sleep(0.01)
     return 1.0
 
+def refuse():
+    raise RuntimeError("cannot be rebuilt")
+
+class Unreadable:  # pickles in the reward's process, fails to unpickle in the caller's
+    def __reduce__(self):
+        return refuse, ()
+
 def reward(completion, prompt, answer, **_):
+    if completion == "unreadable":
+        return Unreadable()
     if completion.startswith("gather"):
         return gather(int(completion.split()[1]))
     if completion == "hang":
@@ -128,6 +137,12 @@ def test_errors_in_the_child_keep_their_type_and_bad_values_are_recorded(reward_
     try:
         assert call(fn, "raise") == (None, "raised ZeroDivisionError: bad row")
         assert call(fn, "nan") == (None, "returned a non-finite value nan")
+        pid = call(fn, "pid")[0]
+        assert call(fn, "unreadable") == (
+            None,
+            "raised its result could not be received here: RuntimeError: cannot be rebuilt",
+        )
+        assert call(fn, "pid")[0] == pid  # the same process takes the next call
         assert fn.restarts == 0
     finally:
         fn.close()

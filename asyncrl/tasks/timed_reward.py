@@ -76,7 +76,7 @@ class _Child:
         )
         self.proc.start()
         child_conn.close()
-        self.since = time.monotonic()
+        self.since = time.monotonic()  # when it started, then when its current call started
 
     def kill(self) -> None:
         self.proc.kill()
@@ -135,7 +135,8 @@ class TimedReward:
                         child.kill()
                         waiting.appendleft(i)
                         continue
-                    busy[child] = (i, time.monotonic() + self.timeout_s)
+                    child.since = time.monotonic()
+                    busy[child] = (i, child.since + self.timeout_s)
                 for _ in range(min(len(waiting) - len(starting), self.processes - len(busy) - len(starting))):
                     starting[_Child(self._ctx, self.spec)] = time.monotonic() + START_TIMEOUT_S
                 ready = wait([c.conn for c in (*busy, *starting)], timeout=STOP_CHECK_S)
@@ -178,6 +179,8 @@ class TimedReward:
             child.kill()
             results[i] = RewardRaised(f"its process died after {time.monotonic() - child.since:.1f}s")
             return
+        except Exception as exc:  # the whole message was read, so the process can take the next call
+            kind, payload = "raised", f"its result could not be received here: {type(exc).__name__}: {exc}"
         results[i] = RewardRaised(payload) if kind == "raised" else payload
         self._idle.append(child)
 
