@@ -139,9 +139,24 @@ class TaskConfig(Section):
     reward_timeout_s: float | None = Field(
         None,
         gt=0,
-        description="Time limit per reward call. When set, the reward function runs in its own process, "
-        "which is killed and replaced when a call runs late; the call counts as a reward error "
-        "(see reward_on_error). null = call it directly, no limit.",
+        description="Time limit per reward call. When set, the reward function runs in its own processes "
+        "(see reward_processes); one whose call runs late is killed and replaced, and the call counts as a "
+        "reward error (see reward_on_error). null = call it directly, in order, no limit.",
+    )
+    reward_processes: int = Field(
+        8,
+        ge=1,
+        description="With reward_timeout_s: the most reward processes per reward function and worker. The "
+        "calls of the groups being scored together run concurrently, each with its own time limit, so "
+        "a batch costs about one timeout per `reward_processes` calls that hang, not one per call.",
+    )
+    reward_max_consecutive_failures: int = Field(
+        64,
+        ge=0,
+        description="Stop the run, naming the function and its last error, when one reward function fails "
+        "(raises, returns a non-finite or non-numeric value, or times out) on this many calls in a row "
+        "(a per-completion function: one call per completion; a batched one: one per group). "
+        "0 = never stop for reward errors.",
     )
     seed: int = Field(
         0,

@@ -23,3 +23,7 @@ class DatasetError(AsyncRLError):
 
 class RewardError(AsyncRLError):
     """A reward function that cannot be found or that misbehaves."""
+
+
+class RewardFailing(RewardError):
+    """A reward function that failed on ``task.reward_max_consecutive_failures`` calls in a row."""

@@ -21,13 +21,14 @@ def evaluate(
     requests = [
         GenerationRequest(f"eval/{i}", encode_prompt(tokenizer, p), sampling) for i, p in enumerate(prompts)
     ]
-    total = 0.0
-    for prompt, res in zip(prompts, engine.generate(requests), strict=True):
-        ids = [t for t in res.completion_ids if t not in sampling.stop_token_ids]
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        (scored,) = rewards.score(prompt, [text], [list(res.completion_ids)])  # token ids as in training
-        total += scored.reward or 0.0
-    return total / max(len(prompts), 1)
+    texts, ids = [], []
+    for res in engine.generate(requests):
+        kept = [t for t in res.completion_ids if t not in sampling.stop_token_ids]
+        texts.append(tokenizer.decode(kept, skip_special_tokens=True))
+        ids.append(list(res.completion_ids))  # token ids as in training
+    # One batch: a time-limited reward function scores the prompts concurrently.
+    scored = rewards.score_groups([(p, [t], [i]) for p, t, i in zip(prompts, texts, ids, strict=True)])
+    return sum(s.reward or 0.0 for (s,) in scored) / max(len(prompts), 1)
 
 
 def evaluate_episodes(rollout, prompts: list[Prompt]) -> float:

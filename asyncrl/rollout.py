@@ -37,7 +37,9 @@ class RolloutWorker:
     """Turns prompts into scored groups on top of an engine's ``add_request``/``step`` API.
 
     A group is complete when all G of its completions are; it is then scored as a whole (a
-    batched reward function sees the G completions of its prompt together), and its samples
+    batched reward function sees the G completions of its prompt together; the groups that
+    complete in one engine step are scored as one batch, so a time-limited reward function
+    runs their calls concurrently), and its samples
     are ordered by completion index, so a group's content does not depend on the order in
     which its completions finished.
     """
@@ -203,12 +205,16 @@ class RolloutWorker:
             pending.samples[k] = self._sample(pending.prompt, group_id, pending.prompt_ids, res)
             if len(pending.samples) == self.group_size:
                 complete.append(group_id)
+        groups = []
         for group_id in complete:
             pending = self._pending.pop(group_id, None)
             if pending is None:  # cancelled as stale meanwhile
                 continue
-            group = Group(group_id, pending.prompt, [pending.samples[i] for i in range(self.group_size)])
-            self._score(group)
+            groups.append(
+                Group(group_id, pending.prompt, [pending.samples[i] for i in range(self.group_size)])
+            )
+        self._score(groups)
+        for group in groups:
             self.stats.samples += group.size
             if self.reward_on_error == "drop_group" and any(s.reward_error for s in group.samples):
                 self.stats.dropped_groups += 1
@@ -292,17 +298,29 @@ class RolloutWorker:
             supports=res.supports,
         )
 
-    def _score(self, group: Group) -> None:
-        """Rewards of a whole group; a failed reward is recorded per sample (see ``reward_on_error``)."""
-        scored = self.rewards.score(
-            group.prompt,
-            [s.completion_text for s in group.samples],
-            [[t for t, m in zip(s.completion_ids, s.loss_mask, strict=True) if m] for s in group.samples],
+    def _score(self, groups: list[Group]) -> None:
+        """Rewards of whole groups, scored as one batch; a failed reward is recorded per sample
+        (see ``reward_on_error``)."""
+        if not groups:
+            return
+        scored = self.rewards.score_groups(
+            [
+                (
+                    group.prompt,
+                    [s.completion_text for s in group.samples],
+                    [
+                        [t for t, m in zip(s.completion_ids, s.loss_mask, strict=True) if m]
+                        for s in group.samples
+                    ],
+                )
+                for group in groups
+            ]
         )
-        for sample, result in zip(group.samples, scored, strict=True):
-            reward, error = result.reward, result.error
-            if error is not None:
-                self.stats.reward_errors += 1
-                reward = 0.0 if self.reward_on_error == "zero" else None
-            sample.reward, sample.reward_error = reward, error
-            sample.reward_components = result.components
+        for group, results in zip(groups, scored, strict=True):
+            for sample, result in zip(group.samples, results, strict=True):
+                reward, error = result.reward, result.error
+                if error is not None:
+                    self.stats.reward_errors += 1
+                    reward = 0.0 if self.reward_on_error == "zero" else None
+                sample.reward, sample.reward_error = reward, error
+                sample.reward_components = result.components

@@ -69,6 +69,23 @@ def wait_gone(pids: set[int], timeout: float = 15) -> list[psutil.Process]:
     return alive
 
 
+def wait_dead(pids: set[int] | list[int], timeout: float = 15) -> list[int]:
+    """Wait for processes that need not be this one's children to end; the pids still running after
+    ``timeout``. An orphan that ended counts even before it is reaped (a zombie)."""
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while True:
+        still = []
+        for pid in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    still.append(pid)
+        alive = still
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
 def stop_after_steps(
     run_dir: Path, overrides: list[str], steps: int, sig: signal.Signals, timeout: float = 120
 ) -> tuple[int, str]:

@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
+from asyncrl import checkpoint
 from asyncrl.config import load_config
+from asyncrl.errors import RewardFailing
 from asyncrl.orchestration import train
-from asyncrl.tasks.rewards import score
-from asyncrl.tasks.timed_reward import RewardRaised, TimedReward
-from tests.helpers import child_pids, short_run
+from asyncrl.tasks.rewards import RewardSet, RewardTerm, ScoringStopped, score
+from asyncrl.tasks.timed_reward import RewardRaised, RewardTimeout, TimedReward
+from asyncrl.types import Prompt
+from tests.helpers import REPO, child_env, child_pids, cli, sets, short_run, wait_dead
 
 pytestmark = pytest.mark.multiprocess  # every reward call here runs in the reward's own process
 
@@ -22,8 +30,34 @@ MODULE = """
 import math, os, time
 from pathlib import Path
 
+def started():
+    Path(os.environ["ASYNCRL_TEST_CALLS"], str(os.getpid())).touch()
+
+def gather(n):  # returns once n calls run at the same time, each in its own process
+    here = Path(os.environ["ASYNCRL_TEST_CALLS"]).parent / "gather"
+    here.mkdir(exist_ok=True)
+    (here / str(os.getpid())).touch()
+    deadline = time.monotonic() + 60
+    while len(list(here.iterdir())) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(list(here.iterdir()))} of {n} calls ran at once")
+        time.sleep(0.01)
+    return 1.0
+
+def refuse():
+    raise RuntimeError("cannot be rebuilt")
+
+class Unreadable:  # pickles in the reward's process, fails to unpickle in the caller's
+    def __reduce__(self):
+        return refuse, ()
+
 def reward(completion, prompt, answer, **_):
+    if completion == "unreadable":
+        return Unreadable()
+    if completion.startswith("gather"):
+        return gather(int(completion.split()[1]))
     if completion == "hang":
+        started()
         time.sleep(60)
     if completion == "raise":
         raise ZeroDivisionError("bad row")
@@ -39,7 +73,18 @@ def hangs_once(completion, prompt, answer, **_):
         marker.write_text("hung")
         time.sleep(60)
     return float(completion.strip() == (answer or "").strip())
+
+def hangs(completion, prompt, answer, **_):
+    started()
+    time.sleep(3600)
+
+def always_raises(completion, prompt, answer, **_):
+    raise ValueError(f"cannot parse {completion!r}")
+
+def batched_raises(prompts, completions, **_):
+    raise RuntimeError("verifier offline")
 """
+PROMPT = Prompt("p:0", "1+1=", "2")
 
 
 @pytest.fixture
@@ -47,7 +92,22 @@ def reward_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     (tmp_path / "asyncrl_test_timed.py").write_text(textwrap.dedent(MODULE), encoding="utf-8")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("ASYNCRL_TEST_MARKER", str(tmp_path / "marker"))
+    (tmp_path / "calls").mkdir()
+    monkeypatch.setenv("ASYNCRL_TEST_CALLS", str(tmp_path / "calls"))
     return "asyncrl_test_timed:reward"
+
+
+def started_calls(calls: Path, n: int, run: subprocess.Popen | None = None, timeout: float = 120) -> set[int]:
+    """Pids of the reward processes in which the hanging calls have started, once there are ``n``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = {int(p.name) for p in calls.iterdir()}
+        if len(pids) >= n:
+            return pids
+        assert time.monotonic() < deadline, f"{len(pids)} of {n} reward calls started within {timeout}s"
+        if run is not None and run.poll() is not None:
+            raise AssertionError(f"exited with {run.returncode} first:\n{run.communicate()[1]}")
+        time.sleep(0.02)
 
 
 def call(fn, completion: str) -> tuple[float | None, str | None]:
@@ -77,6 +137,12 @@ def test_errors_in_the_child_keep_their_type_and_bad_values_are_recorded(reward_
     try:
         assert call(fn, "raise") == (None, "raised ZeroDivisionError: bad row")
         assert call(fn, "nan") == (None, "returned a non-finite value nan")
+        pid = call(fn, "pid")[0]
+        assert call(fn, "unreadable") == (
+            None,
+            "raised its result could not be received here: RuntimeError: cannot be rebuilt",
+        )
+        assert call(fn, "pid")[0] == pid  # the same process takes the next call
         assert fn.restarts == 0
     finally:
         fn.close()
@@ -105,3 +171,250 @@ def test_run_with_a_reward_that_hangs_once_finishes_and_records_one_error(
     assert summary["steps"] == 3
     assert sum(r["reward_errors"] for r in rows) == 1
     assert summary["accounting"]["reconciles"]
+
+
+def test_a_batch_of_hanging_calls_costs_about_one_timeout(reward_spec: str) -> None:
+    n, timeout = 16, 1.0
+    fn = TimedReward(reward_spec, timeout_s=timeout, processes=n)
+    rewards = RewardSet([RewardTerm("reward", fn, spec=reward_spec)])
+    try:
+        # Each call returns only once all n run at the same time, so this also starts the n processes.
+        warm = rewards.score(PROMPT, [f"gather {n}"] * n, [[0]] * n)
+        assert [s.reward for s in warm] == [1.0] * n and len(fn.pids) == n
+        texts = ["hang"] * (n - 2) + ["2", "3"]
+        t0 = time.monotonic()
+        scored = rewards.score(PROMPT, texts, [[0]] * n)
+        elapsed = time.monotonic() - t0
+        print(f"{n - 2} hanging calls with a {timeout:g}s limit and 2 quick ones: {elapsed:.2f}s")
+        # One after another the hanging calls would take (n - 2) * timeout = 14 s.
+        assert timeout <= elapsed < 4 * timeout, elapsed
+        assert [s.reward for s in scored] == [None] * (n - 2) + [1.0, 0.0]
+        assert all(s.error.startswith("did not return within 1s") for s in scored[: n - 2])
+        assert fn.restarts == n - 2 and len(fn.pids) == 2  # the late processes were killed
+        again = rewards.score(PROMPT, ["2"] * 4, [[0]] * 4)  # replacements answer the next batch
+        assert [s.reward for s in again] == [1.0] * 4
+    finally:
+        rewards.close()
+
+
+def test_calls_beyond_the_process_limit_wait_for_a_free_process(reward_spec: str) -> None:
+    fn = TimedReward(reward_spec, timeout_s=0.5, processes=2)
+    try:
+        results = fn.call_many(
+            [dict(completion=c, prompt="", answer="2") for c in ["hang", "hang", "2", "pid"]]
+        )
+        assert all(isinstance(r, RewardTimeout) for r in results[:2]) and fn.restarts == 2
+        # The two later calls went to the replacements, as each became ready (one may have taken both).
+        assert results[2] == 1.0 and results[3] in fn.pids and 1 <= len(fn.pids) <= 2
+    finally:
+        fn.close()
+
+
+def test_stop_abandons_the_batch_in_progress_and_kills_its_processes(
+    reward_spec: str, tmp_path: Path
+) -> None:
+    fn = TimedReward(reward_spec, timeout_s=60, processes=4)
+    rewards = RewardSet([RewardTerm("reward", fn)])
+    stopped_at: list[float] = []
+
+    def stop_once_hanging() -> None:
+        started_calls(tmp_path / "calls", 4)
+        stopped_at.append(time.monotonic())
+        rewards.stop()
+
+    stopper = threading.Thread(target=stop_once_hanging)
+    stopper.start()
+    try:
+        with pytest.raises(ScoringStopped, match="the run is stopping"):
+            rewards.score(PROMPT, ["hang"] * 4, [[0]] * 4)
+        raised_after = time.monotonic() - stopped_at[0]
+        assert raised_after < 1.0, raised_after
+        assert wait_dead({int(p.name) for p in (tmp_path / "calls").iterdir()}, timeout=10) == []
+        with pytest.raises(ScoringStopped):  # and any later batch
+            rewards.score(PROMPT, ["2"], [[0]])
+    finally:
+        stopper.join(timeout=130)
+        rewards.close()
+
+
+def test_consecutive_failures_of_one_function_stop_scoring_naming_it(reward_spec: str) -> None:
+    module = reward_spec.partition(":")[0]
+    from asyncrl.tasks.rewards import resolve_reward
+
+    good = RewardTerm("exact", resolve_reward(f"{module}:reward"), spec=f"{module}:reward")
+    bad = RewardTerm("parse", resolve_reward(f"{module}:always_raises"), spec=f"{module}:always_raises")
+    rewards = RewardSet([good, bad], max_consecutive_failures=6)
+    rewards.score(PROMPT, ["2"] * 4, [[0]] * 4)
+    assert rewards.failures == {"exact": 0, "parse": 4}
+    with pytest.raises(RewardFailing) as info:
+        rewards.score(PROMPT, ["2"] * 4, [[0]] * 4)
+    assert str(info.value) == (
+        f"reward function '{module}:always_raises' failed on 6 consecutive calls "
+        "(task.reward_max_consecutive_failures=6); the last: raised ValueError: cannot parse '2'"
+    )
+    # A success resets the count; a batched function fails once per call (one call per group).
+    flaky = RewardSet([RewardTerm("r", resolve_reward(f"{module}:reward"))], max_consecutive_failures=3)
+    for texts in (["x", "x"], ["2"], ["x", "x"]):
+        flaky.score(PROMPT, ["raise" if t == "x" else t for t in texts], [[0]] * len(texts))
+    assert flaky.failures == {"r": 2}
+    batched = RewardSet(
+        [RewardTerm("b", resolve_reward(f"{module}:batched_raises"), batched=True)],
+        max_consecutive_failures=3,
+    )
+    batched.score_groups([(PROMPT, ["1"] * 4, [[0]] * 4)] * 2)
+    assert batched.failures == {"b": 2}
+    with pytest.raises(RewardFailing, match=r"failed on 3 consecutive calls.*RuntimeError: verifier offline"):
+        batched.score(PROMPT, ["1"] * 4, [[0]] * 4)
+
+
+@pytest.mark.parametrize("runtime", ["inline", "local"])
+def test_a_run_whose_reward_always_fails_stops_with_one_line(
+    tmp_path: Path, reward_spec: str, runtime: str
+) -> None:
+    spec = reward_spec.replace(":reward", ":always_raises")
+    overrides = [
+        f"task.reward={spec}",
+        "task.reward_max_consecutive_failures=10",
+        f"runtime.kind={runtime}",
+        *short_run(3),
+    ]
+    env = child_env(PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        cli("train", *sets(overrides), "--run-dir", str(tmp_path / "run")),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    where = "generator-0 failed: RewardFailing: " if runtime == "local" else ""
+    assert lines[-1].startswith(
+        f"asyncrl: error: {where}reward function '{spec}' failed on 10 consecutive calls "
+        "(task.reward_max_consecutive_failures=10); the last: raised ValueError: cannot parse "
+    ), done.stderr
+    assert not any(line.startswith("Traceback") for line in lines), done.stderr
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert not metrics.is_file() or metrics.read_text() == ""  # no step trained on nothing
+
+
+@pytest.mark.parametrize(
+    ("runtime", "during", "timeout_s"),
+    [
+        ("inline", "step", 30),
+        ("local", "step", 30),
+        ("inline", "eval", 30),
+        ("local", "eval", 30),
+        ("inline", "step", None),  # called in this process: the signal handler interrupts the call
+        pytest.param("ray", "step", 30, marks=pytest.mark.ray),
+    ],
+)
+def test_sigterm_during_hanging_reward_scoring_stops_the_run_with_a_checkpoint(
+    tmp_path: Path, reward_spec: str, runtime: str, during: str, timeout_s: float | None
+) -> None:
+    """The stop cuts the scoring short (of a step's groups or of the first evaluation, in this
+    process or a worker's) instead of waiting out the calls."""
+    run_dir = tmp_path / "run"
+    overrides = [
+        "task.reward=asyncrl_test_timed:hangs",
+        f"task.reward_timeout_s={'null' if timeout_s is None else timeout_s}",
+        "task.reward_max_consecutive_failures=0",
+        f"runtime.kind={runtime}",
+        *short_run(3),
+        *(["run.eval_every=1", "run.eval_prompts=8"] if during == "eval" else []),
+        *(["runtime.ray.num_cpus=4"] if runtime == "ray" else []),
+    ]
+    if runtime == "ray":
+        pytest.importorskip("ray")
+    env = child_env(PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(
+        cli("train", *sets(overrides), "--run-dir", str(run_dir)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        # The first group's calls, or the evaluation's, are running.
+        hanging = started_calls(tmp_path / "calls", 1 if timeout_s is None else 4, proc)
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        stopped_in = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    # 30 s is the bound under a loaded machine; the stop itself waits one 0.1 s slice, then checkpoints.
+    print(f"{runtime}, {during}, timeout {timeout_s}: stopped {stopped_in:.2f}s after SIGTERM")
+    assert stopped_in < 30, stopped_in
+    assert proc.returncode == 128 + signal.SIGTERM.value, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("asyncrl: stopped by SIGTERM at step 0; checkpoint "), err
+    assert checkpoint.latest(run_dir) is not None
+    assert wait_dead({p.pid for p in descendants} | hanging, timeout=15) == []
+
+
+def test_killed_parent_leaves_no_reward_process_alive(tmp_path: Path, reward_spec: str) -> None:
+    script = tmp_path / "parent.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            from asyncrl.tasks.timed_reward import TimedReward
+            if __name__ == "__main__":  # the reward processes are spawned: they import this file
+                fn = TimedReward({reward_spec!r}, timeout_s=600, processes=3)
+                fn.call_many([dict(completion="hang", prompt="", answer="2")] * 3)
+            """
+        ),
+        encoding="utf-8",
+    )
+    env = child_env(PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    parent = subprocess.Popen([sys.executable, str(script)], env=env)
+    try:
+        hanging = started_calls(tmp_path / "calls", 3, parent)  # every child is in the middle of a call
+        parent.kill()
+        parent.wait(timeout=10)
+        assert wait_dead(hanging, timeout=10) == []
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(timeout=10)
+        for pid in wait_dead({int(p.name) for p in (tmp_path / "calls").iterdir()}, timeout=0):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("runtime", ["inline", "local"])
+def test_a_killed_run_leaves_no_process_behind(tmp_path: Path, reward_spec: str, runtime: str) -> None:
+    """SIGKILL of ``asyncrl train`` while a generator waits on hanging reward calls: its workers
+    (mid-command: after their grace period) and every reward process end by themselves."""
+    from asyncrl.orchestration.local import LIFELINE_GRACE_S
+
+    overrides = [
+        "task.reward=asyncrl_test_timed:hangs",
+        "task.reward_timeout_s=600",
+        f"runtime.kind={runtime}",
+        *short_run(3),
+    ]
+    env = child_env(PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(
+        cli("train", *sets(overrides), "--run-dir", str(tmp_path / "run")),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    descendants: set[int] = set()
+    try:
+        hanging = started_calls(tmp_path / "calls", 4, proc)
+        descendants = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        assert hanging <= descendants
+        proc.kill()
+        proc.wait(timeout=10)
+        assert wait_dead(descendants, timeout=LIFELINE_GRACE_S + 15) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        for pid in wait_dead(descendants, timeout=0):
+            os.kill(pid, signal.SIGKILL)

@@ -136,19 +136,19 @@ def reward_terms(cfg: Config) -> list[tuple[str, str, float, dict]]:
     return terms
 
 
-def build_reward(cfg: Config, *, timed: bool = True) -> RewardSet:
-    """The task's reward functions; with task.reward_timeout_s (and ``timed``), time-limited proxies to them."""
+def build_reward(cfg: Config) -> RewardSet:
+    """The task's reward functions; with task.reward_timeout_s, time-limited proxies to them."""
     key = "task.rewards" if cfg.task.rewards else "task.reward"
     terms = []
     for label, spec, weight, args in reward_terms(cfg):
         fn = resolve_reward(spec, key)  # a bad spec fails here, in this process, with its config key
         batched = is_batched(fn)
-        if timed and cfg.task.reward_timeout_s is not None:
+        if cfg.task.reward_timeout_s is not None:
             from asyncrl.tasks.timed_reward import TimedReward
 
-            fn = TimedReward(spec, cfg.task.reward_timeout_s)
-        terms.append(RewardTerm(label, fn, weight, batched, args))
-    return RewardSet(terms)
+            fn = TimedReward(spec, cfg.task.reward_timeout_s, processes=cfg.task.reward_processes)
+        terms.append(RewardTerm(label, fn, weight, batched, args, spec=spec))
+    return RewardSet(terms, max_consecutive_failures=cfg.task.reward_max_consecutive_failures)
 
 
 def build_episode(cfg: Config):

@@ -70,7 +70,7 @@ from asyncrl.orchestration.events import (
 )
 from asyncrl.orchestration.membership import TRAINER, Generators
 from asyncrl.orchestration.records import batch_metrics
-from asyncrl.orchestration.runtime import Runtime
+from asyncrl.orchestration.runtime import InterruptibleRuntime, Runtime
 from asyncrl.orchestration.session import RunSession
 from asyncrl.orchestration.steps import StepAssembly
 from asyncrl.tasks import PromptSource, PromptStream
@@ -433,6 +433,10 @@ class Controller:
         if self.stop_signal is not None:
             raise RunInterrupted(f"stopped at once by a second {signal_name}", exit_code)
         self.stop_signal, self.stop_exit_code = signal_name, exit_code
+        if isinstance(self.runtime, InterruptibleRuntime):
+            # Reward scoring in progress (possibly this thread's, under this handler) would hold
+            # the checkpoint back for as long as its timeouts add up to.
+            self.runtime.interrupt()
 
     def _stop_with_checkpoint(self) -> None:
         """No new work; the work in flight is preempted (off-policy schedules); then the checkpoint.

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from asyncrl.config import Config
+from asyncrl.errors import AsyncRLError
 from asyncrl.orchestration.events import Ready, WorkerFailed
 from asyncrl.orchestration.loop import serve_generator, serve_trainer
 from asyncrl.orchestration.transport import TransportSpec, make_receiver, make_sender, weights_device
@@ -54,7 +55,9 @@ def ready(name: str) -> Ready:
 
 
 def failed(name: str, exc: BaseException) -> WorkerFailed:
-    return WorkerFailed(name, f"{type(exc).__name__}: {exc}", traceback.format_exc())
+    # A user-facing error says what to fix in its message; its traceback would bury that line.
+    details = "" if isinstance(exc, AsyncRLError) else traceback.format_exc()
+    return WorkerFailed(name, f"{type(exc).__name__}: {exc}", details)
 
 
 def serve_worker(

@@ -8,8 +8,13 @@ worker sends events through one shared queue. Weights move by the configured tra
 Liveness: every wait has a deadline. A worker that raises reports the error before it
 exits; one that dies without a word is noticed by its exit code at the next poll, and the
 error names it. Children ignore SIGINT (the controller decides how to stop), exit by
-themselves if the controller process disappears, and are terminated, then killed, if they
-do not exit within ``runtime.stop_timeout_s`` of a stop.
+themselves if the controller process disappears (between commands at once, in the middle of
+one after ``LIFELINE_GRACE_S``; see :mod:`asyncrl.lifeline`), and are terminated, then
+killed, if they do not exit within ``runtime.stop_timeout_s`` of a stop. A stop first sets
+a shared flag that makes every worker abandon the reward scoring it is in (within
+``INTERRUPT_CHECK_S``), so a reward that hangs does not hold the stop's checkpoint or the
+workers' exit back. The flag is plain shared memory: the controller sets it from its signal
+handler, where nothing may block.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -32,6 +38,8 @@ from asyncrl.orchestration.transport import TransportSpec, free_port, transport_
 from asyncrl.trainer.distributed import trainer_rank_name
 
 RANK_FAILURE_GRACE_S = 1.0  # how long a trainer rank's failure waits for a sibling rank's exit to show
+INTERRUPT_CHECK_S = 0.1  # how often a worker looks at the shared stop flag
+LIFELINE_GRACE_S = 5.0  # a worker whose controller died mid-command gets this long to exit by itself
 
 
 def _worker_main(
@@ -46,19 +54,26 @@ def _worker_main(
     slot: int,
     cmd_q,
     evt_q,
+    interrupt,
 ) -> None:
     """Body of a worker process: build the worker, then execute commands until Stop.
 
     ``index`` is the generator's index, or the trainer rank; ``group`` says where trainer
     ranks meet (``master_addr``, ``master_port``, ``world_size``); ``slot`` is the
     worker's entry in the shared busy flags. Trainer ranks 1.. have no command queue: they
-    run rank 0's commands (:func:`run_follower`).
+    run rank 0's commands (:func:`run_follower`). ``interrupt``: set when the run stops.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Python refuses children to a daemonic process, which it would leave orphaned when it ends
+    # the process; a reward function's processes (task.reward_timeout_s) end with it by themselves.
+    mp.current_process().daemon = False
     from transformers.utils import logging as hf_logging
+
+    from asyncrl.lifeline import exit_with_parent
 
     hf_logging.disable_progress_bar()
     parent = os.getppid()
+    exit_with_parent(parent, grace_s=LIFELINE_GRACE_S)
     worker = None
     cores = None
     try:
@@ -68,6 +83,9 @@ def _worker_main(
             cores = CoreShare(busy_flags, slot=slot, cores=available_cores())
         cfg = Config.model_validate_json(cfg_json)
         worker, _ = build_worker(role, name, index, cfg, spec, group, elastic=False)
+        threading.Thread(
+            target=_stop_scoring_on, args=(interrupt, worker), name="asyncrl-interrupt", daemon=True
+        ).start()
         if cores is not None and role == TRAINER:
             worker.trainer.before_micro_batch = cores.fit
         evt_q.put(ready(name))
@@ -82,6 +100,12 @@ def _worker_main(
     finally:
         if worker is not None:
             worker.close()
+
+
+def _stop_scoring_on(interrupt, worker) -> None:
+    while not interrupt.value:
+        time.sleep(INTERRUPT_CHECK_S)
+    worker.stop_scoring()
 
 
 def _set_busy(cores: CoreShare, busy: bool) -> None:
@@ -115,6 +139,7 @@ class LocalRuntime:
         # orchestration/cores.py).
         self._busy = self._ctx.Array("b", cfg.runtime.generators + cfg.trainer.ranks, lock=False)
         self._stopping = False
+        self._interrupt = self._ctx.RawValue("b", 0)
         self._spec: TransportSpec | None = None
 
     def start(self) -> None:
@@ -151,6 +176,7 @@ class LocalRuntime:
                     slot,
                     self._commands.get(name),
                     self._events,
+                    self._interrupt,
                 ),
             )
             proc.start()
@@ -182,6 +208,10 @@ class LocalRuntime:
 
     def send(self, worker: str, command) -> None:
         self._commands[worker].put(command)
+
+    def interrupt(self) -> None:
+        """The run is stopping: every worker abandons the reward scoring it is in (see the module doc)."""
+        self._interrupt.value = 1
 
     def poll(self, timeout: float) -> list:
         events = self._drain(timeout)
@@ -233,6 +263,7 @@ class LocalRuntime:
     def stop(self) -> None:
         """Ask every worker to stop, wait the grace period, then terminate and kill what is left."""
         self._stopping = True
+        self._interrupt.value = 1
         for name, proc in self._procs.items():
             if proc.is_alive() and name in self._commands:  # trainer ranks 1.. stop when rank 0 does
                 self._commands[name].put(Stop())

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -149,6 +150,13 @@ class WorkerHost:
             pass
         return out
 
+    def stop_scoring(self) -> None:
+        """The run is stopping: the worker abandons the reward scoring it is in (on this actor thread)."""
+        with self._lock:
+            worker = self._worker
+        if worker is not None:
+            worker.stop_scoring()
+
     def stop(self, timeout_s: float) -> bool:
         with self._lock:
             worker = self._worker
@@ -217,6 +225,7 @@ class RayRuntime:
         self._members: list[str] = []  # filled at start when the transport is broadcast
         self._joining: set[str] = set()
         self._published = 0
+        self._interrupt = "no"  # "requested" by the signal handler, then "sent" by the next poll
         self.regroups = 0
 
     # -- start --------------------------------------------------------------------------------
@@ -232,7 +241,13 @@ class RayRuntime:
                 kwargs["runtime_env"] = {"env_vars": {"PYTHONPATH": _import_path()}}
             else:
                 kwargs["address"] = self.rcfg.address
+            main = threading.current_thread() is threading.main_thread()
+            previous = signal.getsignal(signal.SIGTERM) if main else None
             ray.init(**kwargs)
+            if previous is not None:
+                # ray.init installs a SIGTERM handler that exits at once: the run's own stops
+                # cleanly, with a checkpoint (see controller.stop_on_signals).
+                signal.signal(signal.SIGTERM, previous)
             self._started_ray = True
         self._spec = transport_spec(self.cfg, self.run_dir)
         if self._spec.kind == "broadcast":
@@ -350,7 +365,16 @@ class RayRuntime:
         self._seq[worker] = seq + 1
         actor.send.remote(seq, command)
 
+    def interrupt(self) -> None:
+        """The run is stopping: the actors abandon reward scoring. The signal handler only sets a
+        flag; the next :meth:`poll` (the driver's loop is never held by scoring) tells the actors."""
+        self._interrupt = "requested"
+
     def poll(self, timeout: float) -> list:
+        if self._interrupt == "requested":
+            self._interrupt = "sent"
+            for actor in self._actors.values():
+                actor.stop_scoring.remote()
         events = self._collect(timeout)
         for event in events:
             if isinstance(event, Ready):

@@ -16,6 +16,7 @@ import torch
 from asyncrl.config import Config
 from asyncrl.orchestration.events import LoadWeights, Preempt, Ready, Submit
 from asyncrl.orchestration.workers import GeneratorWorker, TrainerWorker
+from asyncrl.tasks.rewards import ScoringStopped
 from asyncrl.weight_sync.inprocess import InProcessChannel
 
 
@@ -31,6 +32,17 @@ class Runtime(Protocol):
     def poll(self, timeout: float) -> list: ...
 
     def stop(self) -> None: ...
+
+
+@runtime_checkable
+class InterruptibleRuntime(Protocol):
+    """A runtime whose workers can be told that the run is stopping while they are busy."""
+
+    def interrupt(self) -> None:
+        """Make the workers abandon reward scoring (a step's or an evaluation's) at once, so the
+        stop's checkpoint is not held back by it. Called from the controller's signal handler:
+        it only sets flags."""
+        ...
 
 
 @runtime_checkable
@@ -75,6 +87,7 @@ class InlineRuntime:
         self._events: list = []
         self.trainer: TrainerWorker | None = None
         self.generators: dict[str, GeneratorWorker] = {}
+        self._interrupted = False
 
     def _threads(self, n: int) -> None:
         torch.set_num_threads(n or self._default_threads)
@@ -97,23 +110,47 @@ class InlineRuntime:
         else:
             raise TypeError(f"{worker} cannot handle {type(command).__name__}")
 
+    def interrupt(self) -> None:
+        """The run is stopping: scoring in progress is abandoned and the generators run no more.
+
+        Called from the signal handler, which may have interrupted an in-process reward call:
+        that call is then abandoned by :class:`ScoringStopped` raised from here, once every
+        worker has been told.
+        """
+        self._interrupted = True
+        in_call = None
+        for worker in [self.trainer, *self.generators.values()]:
+            if worker is not None:
+                try:
+                    worker.stop_scoring()
+                except ScoringStopped as exc:
+                    in_call = exc
+        if in_call is not None:
+            raise in_call
+
     def poll(self, timeout: float) -> list:
         """Pending events, or else run generators until they produce some (or have nothing to do)."""
         if not self._events:
             self._threads(self.cfg.threads("generator"))
-            busy = [g for g in self.generators.values() if not g.idle]
+            # Once the run is stopping, generators only answer a Preempt (which steps no engine).
+            busy = [g for g in self.generators.values() if self._may_run(g)]
             while busy and not self._events:
                 for g in busy:
                     self._events += g.work()
-                busy = [g for g in busy if not g.idle]
+                busy = [g for g in busy if self._may_run(g)]
             if not self._events:
                 time.sleep(min(timeout, 0.01))  # nothing anywhere: let the controller's watchdog see it
         events, self._events = self._events, []
         return events
 
+    def _may_run(self, generator: GeneratorWorker) -> bool:
+        return not generator.idle and (not self._interrupted or generator.owes_preempt)
+
     def stop(self) -> None:
         for generator in self.generators.values():
             generator.close()
         self.generators.clear()
+        if self.trainer is not None:
+            self.trainer.close()
         self.trainer = None
         torch.set_num_threads(self._default_threads)

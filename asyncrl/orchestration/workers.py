@@ -45,6 +45,7 @@ from asyncrl.orchestration.events import (
     Submit,
     WeightsLoaded,
 )
+from asyncrl.tasks.rewards import ScoringStopped
 from asyncrl.trainer import assign_advantages
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.distributed import RankGroup, RankSpec, rank_device
@@ -132,6 +133,11 @@ class GeneratorWorker:
         return self.engine.version
 
     @property
+    def owes_preempt(self) -> bool:
+        """A Preempt was received and its answer (the next work()) is still owed."""
+        return self._preempt
+
+    @property
     def idle(self) -> bool:
         return self.pending_version is None and not self.rollout.has_work and not self._preempt
 
@@ -170,8 +176,16 @@ class GeneratorWorker:
         _interrupt(current)
 
     def stop_waiting(self) -> None:
-        """Give up a wait for weights (any thread): the run is stopping."""
+        """Give up a wait for weights and the reward scoring in progress (any thread): the run is stopping."""
+        self.stop_scoring()
         _interrupt(self.receiver)
+
+    def stop_scoring(self) -> None:
+        """Abandon reward scoring, now and from now on (any thread, or a signal handler): the run is stopping.
+
+        The groups being scored are given up; the controller's checkpoint has them as pending.
+        """
+        self.rollout.rewards.stop()
 
     def _switch_group(self) -> None:
         with self._group_lock:
@@ -202,7 +216,10 @@ class GeneratorWorker:
             self._busy_since = time.time()
         # While an update waits for the running sequences (drain), nothing new is admitted.
         draining = self.pending_version is not None and self.interrupt == "drain"
-        ready, dropped = self.rollout.step(admit=not draining)
+        try:
+            ready, dropped = self.rollout.step(admit=not draining)
+        except ScoringStopped:
+            return self._flush_span()
         events: list = [GroupReady(self.name, g) for g in ready]
         events += [GroupDropped(self.name, g, "reward_error") for g in dropped]
         if not self.rollout.has_work or time.time() - self._busy_since > SPAN_FLUSH_S:
@@ -353,7 +370,7 @@ class TrainerWorker:
         self._eval_engine: EmbeddedEngine | None = None
         self._eval_prompts: list = []
         self._gathered_policy: Policy | None = None
-        self.trainer_reward = build.build_reward(cfg, timed=False)
+        self.trainer_reward = build.build_reward(cfg)  # for evaluations, on rank 0
 
     @property
     def version(self) -> int:
@@ -376,10 +393,16 @@ class TrainerWorker:
         regroup(lambda: make_sender(layout))
 
     def stop_waiting(self) -> None:
-        """Give up a publication that waits for receivers or for a regroup (any thread): the run is stopping."""
+        """Give up a publication that waits for receivers or for a regroup, and an evaluation's reward
+        scoring (any thread): the run is stopping."""
+        self.stop_scoring()
         stop = getattr(self.sender, "stop_waiting", None)
         if stop is not None:
             stop()
+
+    def stop_scoring(self) -> None:
+        """Abandon an evaluation's reward scoring, now and from now on (any thread, or a signal handler)."""
+        self.trainer_reward.stop()
 
     def handle(
         self, command: Accumulate | FinishStep | Evaluate | SaveModel | SaveCheckpoint | Restore
@@ -486,6 +509,8 @@ class TrainerWorker:
                         self.trainer_reward,
                         build.sampling_params(self.cfg, policy, greedy=True),
                     )
+        except ScoringStopped:
+            return []  # the run is stopping: the evaluation is given up
         finally:
             model.train(was_training)
         return [Span(self.name, "eval", start, time.time()), EvalDone(self.name, command.step, accuracy)]
@@ -543,6 +568,7 @@ class TrainerWorker:
 
     def close(self) -> None:
         """Rank 0: release the other ranks from :func:`run_follower` first. Every rank: leave the group."""
+        self.trainer_reward.close()
         try:
             if self.ranks is not None and self.ranks.is_leader:
                 self.ranks.post(Stop())

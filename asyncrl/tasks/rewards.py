@@ -16,9 +16,9 @@ message (``completion_message``; batched completions are then ``[{"role": "assis
 "content": ...}]`` lists, as in TRL). Functions that do not need some arguments can take
 ``**kwargs``. A batched function may return None for a completion it does not apply to.
 
-:class:`RewardSet` scores the G completions of one prompt with one or more weighted
-functions; :func:`score` turns whatever a function does (raise, return NaN, return a
-string) into a float reward or a recorded per-sample error.
+:class:`RewardSet` scores the G completions of one prompt (or of several prompts at once)
+with one or more weighted functions; :func:`score` turns whatever a function does (raise,
+return NaN, return a string) into a float reward or a recorded per-sample error.
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ import functools
 import importlib
 import inspect
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrl.errors import ConfigError
+from asyncrl.errors import ConfigError, RewardFailing
 from asyncrl.tasks.chat import reward_prompt
 from asyncrl.tasks.reward_library import format_regex, math_verify, overlong_penalty
 from asyncrl.types import Prompt
@@ -130,6 +131,10 @@ class RewardCallError(Exception):
         return str(self)
 
 
+class ScoringStopped(Exception):
+    """Scoring was abandoned because the run is stopping: no reward, and no reward error, is recorded."""
+
+
 def _as_reward(value: Any) -> tuple[float | None, str | None]:
     if isinstance(value, (str, bytes)):
         # float() would accept "1.0"; a string is a bug in the function (e.g. returning the completion).
@@ -152,6 +157,8 @@ def _clash(columns: dict[str, Any], own: dict[str, Any]) -> str | None:
 def _call(fn: RewardFn, kwargs: dict[str, Any]) -> tuple[Any, str | None]:
     try:
         return fn(**kwargs), None
+    except ScoringStopped:
+        raise
     except RewardCallError as exc:  # timed out, or raised in the reward's own process
         return None, exc.recorded
     except Exception as exc:  # a user's reward function may raise anything; it is recorded, not fatal
@@ -179,6 +186,7 @@ class RewardTerm:
     weight: float = 1.0
     batched: bool = False
     args: dict[str, Any] = field(default_factory=dict)
+    spec: str | None = None  # as configured (a name or 'module:function'), for messages
 
 
 @dataclass
@@ -188,6 +196,9 @@ class Scored:
     components: dict[str, float | None]
 
 
+GroupToScore = tuple[Prompt, list[str], list[list[int]]]  # prompt, completion texts, completion ids
+
+
 class RewardSet:
     """Scores the completions of one prompt with weighted reward functions.
 
@@ -195,12 +206,26 @@ class RewardSet:
     (a batched function's None means "does not apply", as in TRL). It is an error — recorded
     for the sample, then handled by ``task.reward_on_error`` — when any function fails on it
     or when none applies. ``components`` keeps each function's unweighted value.
+
+    The calls of a batch (:meth:`score_groups`) go to a function together: a time-limited
+    function (:class:`~asyncrl.tasks.timed_reward.TimedReward`) runs them concurrently, an
+    in-process one runs them one after another. A function whose calls fail (raise, return a
+    bad value, time out) ``max_consecutive_failures`` times in a row stops the run with
+    :class:`~asyncrl.errors.RewardFailing` (0: never); any successful call resets its count.
+    After :meth:`stop` scoring raises :class:`ScoringStopped`: within one wait slice of a
+    time-limited function; for an in-process function, before its next call, or at once when
+    :meth:`stop` runs in a signal handler of the thread that is in the call (the signal
+    handler interrupts the function with the exception).
     """
 
-    def __init__(self, terms: Sequence[RewardTerm]) -> None:
+    def __init__(self, terms: Sequence[RewardTerm], max_consecutive_failures: int = 0) -> None:
         if not terms:
             raise ValueError("a RewardSet needs at least one reward function")
         self.terms = list(terms)
+        self.max_consecutive_failures = max_consecutive_failures
+        self.failures = {t.label: 0 for t in self.terms}  # consecutive failed calls, per function
+        self._stopped = False
+        self._calling: int | None = None  # the thread in an in-process call, if any
 
     @classmethod
     def of(cls, fn: RewardFn | RewardSet, label: str | None = None) -> RewardSet:
@@ -210,8 +235,22 @@ class RewardSet:
         name = label or getattr(fn, "__name__", "reward")
         return cls([RewardTerm(name, fn, batched=is_batched(fn))])
 
+    def stop(self) -> None:
+        """Abandon scoring in progress and to come (any thread, or a signal handler): the run is stopping.
+
+        Raises :class:`ScoringStopped` when called by the thread that is in an in-process call,
+        i.e. from a signal handler that interrupted the reward function.
+        """
+        self._stopped = True
+        for term in self.terms:
+            stop = getattr(term.fn, "stop", None)
+            if stop is not None:
+                stop()
+        if self._calling == threading.get_ident():
+            raise ScoringStopped("reward scoring abandoned in the middle of a call: the run is stopping")
+
     def close(self) -> None:
-        """Stop what the functions hold (a time-limited function's process)."""
+        """Stop what the functions hold (a time-limited function's processes)."""
         for term in self.terms:
             close = getattr(term.fn, "close", None)
             if close is not None:
@@ -222,69 +261,136 @@ class RewardSet:
         return [t.label for t in self.terms]
 
     def score(self, prompt: Prompt, texts: list[str], completion_ids: list[list[int]]) -> list[Scored]:
-        n = len(texts)
-        values: list[list[float | None]] = []
-        errors: list[list[str | None]] = []
-        for term in self.terms:
-            v, e = self._term(term, prompt, texts, completion_ids)
-            values.append(v)
-            errors.append(e)
+        return self.score_groups([(prompt, texts, completion_ids)])[0]
+
+    def score_groups(self, groups: Sequence[GroupToScore]) -> list[list[Scored]]:
+        """Score the completions of several prompts as one batch; one list of results per prompt."""
+        per_term = [self._term(term, groups) for term in self.terms]
+        return [self._combine([values[g] for values in per_term]) for g in range(len(groups))]
+
+    def _combine(self, per_term: list[tuple[list[float | None], list[str | None]]]) -> list[Scored]:
+        """One group's results from each function's (values, errors)."""
         out = []
-        for i in range(n):
-            components = {t.label: values[j][i] for j, t in enumerate(self.terms)}
-            failed = [(t.label, errors[j][i]) for j, t in enumerate(self.terms) if errors[j][i] is not None]
+        for i in range(len(per_term[0][0])):
+            values = [(t, v[i]) for t, (v, _) in zip(self.terms, per_term, strict=True)]
+            errors = [(t, e[i]) for t, (_, e) in zip(self.terms, per_term, strict=True)]
+            components = {t.label: v for t, v in values}
+            failed = [(t.label, e) for t, e in errors if e is not None]
             if failed:
                 prefix = len(self.terms) > 1
                 error = "; ".join(f"{label}: {e}" if prefix else e for label, e in failed)
                 out.append(Scored(None, error, components))
                 continue
-            applied = [(t.weight, values[j][i]) for j, t in enumerate(self.terms) if values[j][i] is not None]
+            applied = [(t.weight, v) for t, v in values if v is not None]
             if not applied:
                 out.append(Scored(None, "no reward function applied (each returned None)", components))
                 continue
             out.append(Scored(sum(w * v for w, v in applied), None, components))
         return out
 
-    @staticmethod
+    def _calls(self, fn: RewardFn, calls: list[dict[str, Any]]) -> list[tuple[Any, str | None]]:
+        """(value, error) of each call: concurrently where the function can, else in order."""
+        many = getattr(fn, "call_many", None)
+        if many is not None:
+            return [(None, r.recorded) if isinstance(r, RewardCallError) else (r, None) for r in many(calls)]
+        out = []
+        for kwargs in calls:
+            if self._stopped:
+                raise ScoringStopped("reward scoring abandoned: the run is stopping")
+            self._calling = threading.get_ident()
+            try:
+                out.append(_call(fn, kwargs))
+            finally:
+                self._calling = None
+        return out
+
+    def _counted(self, term: RewardTerm, error: str | None) -> None:
+        """Count a call of ``term``'s function; too many failures in a row stop the run."""
+        if error is None:
+            self.failures[term.label] = 0
+            return
+        n = self.failures[term.label] = self.failures[term.label] + 1
+        limit = self.max_consecutive_failures
+        if limit and n >= limit:
+            last = " ".join(error.split())
+            raise RewardFailing(
+                f"reward function {term.spec or term.label!r} failed on {n} consecutive calls "
+                f"(task.reward_max_consecutive_failures={limit}); the last: {last}"
+            )
+
     def _term(
-        term: RewardTerm, prompt: Prompt, texts: list[str], completion_ids: list[list[int]]
-    ) -> tuple[list[float | None], list[str | None]]:
-        n = len(texts)
-        conversational = prompt.messages is not None
-        messages = [{"role": "assistant", "content": t} for t in texts]
-        if not term.batched:
+        self, term: RewardTerm, groups: Sequence[GroupToScore]
+    ) -> list[tuple[list[float | None], list[str | None]]]:
+        """Each group's (values, errors) from one function."""
+        if term.batched:
+            return self._batched_term(term, groups)
+        # Per completion: one call each, all the groups' calls as one batch.
+        slots: list[tuple[int, int]] = []  # (group, completion) of each call
+        calls: list[dict[str, Any]] = []
+        out = [([None] * len(texts), [None] * len(texts)) for _, texts, _ in groups]
+        for g, (prompt, texts, completion_ids) in enumerate(groups):
+            for i, text in enumerate(texts):
+                own = dict(
+                    completion=text,
+                    prompt=reward_prompt(prompt),
+                    answer=prompt.answer,
+                    completion_ids=completion_ids[i],
+                    **term.args,
+                )
+                if prompt.messages is not None:
+                    own["completion_message"] = {"role": "assistant", "content": text}
+                clash = _clash(prompt.extra, own)
+                if clash is not None:
+                    out[g][1][i] = clash
+                    continue
+                slots.append((g, i))
+                calls.append({**own, **prompt.extra})
+        for (g, i), (value, error) in zip(slots, self._calls(term.fn, calls), strict=True):
+            v, e = (None, error) if error is not None else _as_reward(value)
+            self._counted(term, e)
+            out[g][0][i], out[g][1][i] = v, e
+        return out
+
+    def _batched_term(
+        self, term: RewardTerm, groups: Sequence[GroupToScore]
+    ) -> list[tuple[list[float | None], list[str | None]]]:
+        """A batched (TRL-style) function: one call per group, the groups' calls as one batch."""
+        out: list[tuple[list[float | None], list[str | None]]] = []
+        slots: list[int] = []
+        calls: list[dict[str, Any]] = []
+        for g, (prompt, texts, completion_ids) in enumerate(groups):
+            n = len(texts)
+            messages = [{"role": "assistant", "content": t} for t in texts]
+            own: dict[str, Any] = {
+                "prompts": [reward_prompt(prompt)] * n,
+                "completions": [[m] for m in messages] if prompt.messages is not None else list(texts),
+                "completion_ids": [list(ids) for ids in completion_ids],
+                "answer": [prompt.answer] * n,
+                **term.args,
+            }
+            clash = _clash(prompt.extra, own)
+            out.append(([None] * n, [clash] * n))
+            if clash is None:
+                slots.append(g)
+                calls.append({**own, **{k: [v] * n for k, v in prompt.extra.items()}})
+        for g, (result, error) in zip(slots, self._calls(term.fn, calls), strict=True):
+            n = len(groups[g][1])
+            if error is None:
+                try:
+                    result = list(result)
+                except TypeError:
+                    error = f"returned {type(result).__name__}, not a list of {n} rewards"
+            if error is None and len(result) != n:
+                error = f"returned {len(result)} rewards for {n} completions"
+            if error is not None:
+                self._counted(term, error)
+                out[g] = ([None] * n, [error] * n)
+                continue
             values, errors = [], []
-            for i in range(n):
-                more = {"completion_ids": completion_ids[i], **term.args}
-                if conversational:
-                    more["completion_message"] = messages[i]
-                v, e = score(term.fn, texts[i], reward_prompt(prompt), prompt.answer, prompt.extra, **more)
+            for value in result:
+                v, e = (None, None) if value is None else _as_reward(value)
                 values.append(v)
                 errors.append(e)
-            return values, errors
-        own: dict[str, Any] = {
-            "prompts": [reward_prompt(prompt)] * n,
-            "completions": [[m] for m in messages] if conversational else list(texts),
-            "completion_ids": [list(ids) for ids in completion_ids],
-            "answer": [prompt.answer] * n,
-            **term.args,
-        }
-        error = _clash(prompt.extra, own)
-        result = None
-        if error is None:
-            result, error = _call(term.fn, {**own, **{k: [v] * n for k, v in prompt.extra.items()}})
-        if error is None:
-            try:
-                result = list(result)
-            except TypeError:
-                error = f"returned {type(result).__name__}, not a list of {n} rewards"
-        if error is None and len(result) != n:
-            error = f"returned {len(result)} rewards for {n} completions"
-        if error is not None:
-            return [None] * n, [error] * n
-        values, errors = [], []
-        for value in result:
-            v, e = (None, None) if value is None else _as_reward(value)
-            values.append(v)
-            errors.append(e)
-        return values, errors
+            self._counted(term, next((e for e in errors if e is not None), None))
+            out[g] = (values, errors)
+        return out

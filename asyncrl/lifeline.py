@@ -1,0 +1,61 @@
+"""Child processes that end when their parent does, even in the middle of a call.
+
+A process the run started (a worker of the local runtime, a reward function's process) must
+not outlive the run: if the parent is killed (SIGKILL, a crash, the OOM killer), nothing is
+left to stop the child, and a child busy in a call never looks at its parent. Two guards:
+
+* on Linux the kernel signals the child when its parent dies (``prctl(PR_SET_PDEATHSIG)``);
+* everywhere, a daemon thread in the child compares ``os.getppid()`` with the parent's pid
+  every ``WATCH_S`` seconds (a dead parent's children are re-parented) and ends the process.
+
+A worker that owns resources (shared memory, a process group) gets ``grace_s`` to notice by
+itself and exit through its own cleanup before the thread ends it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import sys
+import threading
+import time
+
+WATCH_S = 0.2  # how often the watcher thread looks at the parent pid
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _set_parent_death_signal(signum: int) -> bool:
+    """Ask the kernel to send ``signum`` to this process when its parent dies (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch(parent: int, grace_s: float) -> None:
+    while os.getppid() == parent:
+        time.sleep(WATCH_S)
+    time.sleep(grace_s)
+    os._exit(1)
+
+
+def exit_with_parent(parent: int, grace_s: float = 0.0) -> None:
+    """End this process once the process ``parent`` (its parent's pid) is gone.
+
+    With ``grace_s`` = 0 the kernel kills the process at once (Linux) and the watcher thread
+    exits it on any platform; with ``grace_s`` > 0 only the thread acts, ``grace_s`` after it
+    sees the parent gone, so the process's own parent check can exit cleanly first. On Linux
+    the kernel's signal follows the parent *thread* that started the child; asyncrl starts
+    its children from threads that live as long as the children's owner (the main thread,
+    or a Ray actor's worker thread).
+    """
+    if grace_s == 0:
+        _set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != parent:  # died before the guards were in place
+        os._exit(1)
+    threading.Thread(target=_watch, args=(parent, grace_s), name="asyncrl-lifeline", daemon=True).start()
