@@ -39,6 +39,9 @@ def test_run_killed_again_and_again_resumes_from_intact_checkpoints(tmp_path: Pa
     assert result["kills_aimed_at_checkpoint_writes"] == 2 and result["kills_during_checkpoint_writes"] >= 1
     assert result["leftover_processes"] == 0
     assert (
+        result["shm_segments_left"] == 0
+    )  # each resume removed the weight segment of the run killed before it
+    assert (
         result["processes_killed"] >= kills * 3
     )  # controller, trainer, generator (and the resource tracker)
     assert result["steps"] == 8 * kills + 10 and result["steps_logged_by_resumed_runs"] > 0
