@@ -450,6 +450,9 @@ def run_kill_soak(
                 done = committed_versions(run_dir)
                 record["tmp_left"] = [v for v in tmp_versions(run_dir) if v > max(done, default=0)]
                 record["in_write"] = bool(record["tmp_left"])
+                if record["in_write"]:  # how far the write had got
+                    newest = run_dir / "checkpoints" / f".tmp-step-{record['tmp_left'][-1]:06d}"
+                    record["tmp_held"] = sorted(os.listdir(newest))
                 record["steps_logged"] = max((r["step"] for r in metrics_rows(run_dir)), default=0)
             if cycle:
                 record["new_steps"] = check_continued(
