@@ -28,8 +28,8 @@ def test_faults_everywhere_and_the_books_still_balance(tmp_path: Path) -> None:
     assert acc["prompts_trained_twice"] == 0 and acc["prompts_missing"] == 0 and acc["reconciles"]
 
 
-@pytest.mark.slow  # about 90 s on 2 cores; the kill-free resume paths: test_checkpoint.py, test_preemption.py
 def test_run_killed_again_and_again_resumes_from_intact_checkpoints(tmp_path: Path) -> None:
+    """5 SIGKILLs of the whole run (2 aimed inside a checkpoint write), 5 resumes; ~50 s on 2 cores."""
     kills = 5
     result = run_kill_soak(tmp_path, kills=kills, seed=0, write_fraction=0.4)
     acc = result["accounting"]
