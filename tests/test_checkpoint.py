@@ -147,6 +147,34 @@ def test_full_disk_at_a_checkpoint_fails_clearly_and_keeps_the_previous_one(
     assert summary["steps"] == 6 and summary["accounting"]["reconciles"]
 
 
+def test_a_resume_discards_the_temporary_directory_a_kill_left_mid_write(tmp_path: Path) -> None:
+    """A run killed while writing the checkpoint of step 3 leaves ``.tmp-step-000003`` half written;
+    the resumed run writes that checkpoint again, and it must hold nothing of the killed write."""
+    cfg = load_config(None, [*BASE, "run.steps=2", "run.checkpoint_every=1"])
+    train(cfg, tmp_path)
+    left = tmp_path / "checkpoints" / ".tmp-step-000003"
+    (left / "model").mkdir(parents=True)
+    (left / "model" / "model.safetensors").write_bytes(b"half a tensor")
+    (left / "trainer_state.pt.tmp").write_bytes(b"half a pickle")
+    (left / "controller.json.tmp").write_text('{"format": 2, "vers')
+    summary = train(
+        load_config(None, [*BASE, "run.steps=4", "run.checkpoint_every=1"]), tmp_path, resume=True
+    )
+    assert summary["steps"] == 4 and summary["accounting"]["reconciles"]
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step-000003", "step-000004"]
+    for done in (tmp_path / "checkpoints").iterdir():
+        assert {p.name for p in done.iterdir()} == {
+            "controller.json",
+            "model",
+            "rollouts.pt",
+            "trainer_state.pt",
+        }
+        assert not [p for p in done.rglob("*") if p.name.endswith(".tmp")]
+    weights, state = checkpoint.load_trainer_state(tmp_path / "checkpoints" / "step-000003")
+    assert state["version"] == 3 and weights
+
+
 def test_unwritable_checkpoint_directory_fails_at_start(tmp_path: Path) -> None:
     (tmp_path / "checkpoints").write_text("not a directory")
     cfg = load_config(None, BASE)

@@ -10,7 +10,10 @@ from __future__ import annotations
 import math
 import os
 import re
+import secrets
 import signal
+import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -164,6 +167,44 @@ def test_no_process_or_shared_memory_outlives_a_run(transport_run, transport: st
     assert run.error is None, run.error
     assert run.leftover_children == []
     assert run.leftover_shm == []
+
+
+LEFT_SEGMENT = """
+import os, secrets
+from multiprocessing import resource_tracker, shared_memory
+# A trainer killed at once: its segment stays, and no tracker of its own unlinks it at exit.
+seg = shared_memory.SharedMemory(name=f"asyncrl-{os.getpid()}-{secrets.token_hex(4)}", create=True, size=4096)
+resource_tracker.unregister(seg._name, "shared_memory")
+print(seg.name)
+"""
+
+
+def test_a_run_removes_the_weight_segment_a_killed_run_of_its_directory_left(tmp_path: Path) -> None:
+    from asyncrl.orchestration.transport import SEGMENT_RECORD, TransportSpec, claim_segment, unlink_segment
+
+    shm = Path("/dev/shm")
+    left = subprocess.run(
+        [sys.executable, "-c", LEFT_SEGMENT], capture_output=True, text=True, timeout=60, check=True
+    ).stdout.strip()
+    (tmp_path / SEGMENT_RECORD).write_text(left)
+    other = subprocess.run(
+        [sys.executable, "-c", LEFT_SEGMENT], capture_output=True, text=True, timeout=60, check=True
+    ).stdout.strip()  # left by a run of another directory
+    try:
+        assert (shm / left).exists() and (shm / other).exists()
+        mine = f"asyncrl-{os.getpid()}-{secrets.token_hex(4)}"
+        claim_segment(tmp_path, TransportSpec("shm", name=mine))
+        assert not (shm / left).exists()  # its creator is gone: removed
+        assert (shm / other).exists()  # not recorded in this directory: not ours to remove
+        assert (tmp_path / SEGMENT_RECORD).read_text() == mine
+        # A segment whose creator still runs (this process) is kept; a run without one records none.
+        (shm / mine).touch()  # stands for the segment of a run of this directory still running
+        claim_segment(tmp_path, TransportSpec("files", dir=str(tmp_path)))
+        assert (shm / mine).exists() and not (tmp_path / SEGMENT_RECORD).exists()
+        (shm / mine).unlink()
+    finally:
+        unlink_segment(left)
+        unlink_segment(other)
 
 
 PID_REWARD = """

@@ -14,7 +14,9 @@ killed, if they do not exit within ``runtime.stop_timeout_s`` of a stop. A stop 
 a shared flag that makes every worker abandon the reward scoring it is in (within
 ``INTERRUPT_CHECK_S``), so a reward that hangs does not hold the stop's checkpoint or the
 workers' exit back. The flag is plain shared memory: the controller sets it from its signal
-handler, where nothing may block.
+handler, where nothing may block. A run killed at once (SIGKILL of the whole process
+group) leaves its shared-memory weight segment; the next run in the same run directory, a
+resume, removes it (``transport.claim_segment``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,14 @@ from asyncrl.orchestration.cores import CoreShare, available_cores
 from asyncrl.orchestration.events import Ready, Stop, WorkerError, WorkerFailed
 from asyncrl.orchestration.host import TRAINER, TRAINER_RANK, build_worker, failed, ready, serve_worker
 from asyncrl.orchestration.runtime import generator_name
-from asyncrl.orchestration.transport import TransportSpec, free_port, transport_spec, unlink_segment
+from asyncrl.orchestration.transport import (
+    SEGMENT_RECORD,
+    TransportSpec,
+    claim_segment,
+    free_port,
+    transport_spec,
+    unlink_segment,
+)
 from asyncrl.trainer.distributed import trainer_rank_name
 
 RANK_FAILURE_GRACE_S = 1.0  # how long a trainer rank's failure waits for a sibling rank's exit to show
@@ -144,6 +153,7 @@ class LocalRuntime:
 
     def start(self) -> None:
         self._spec = transport_spec(self.cfg, self.run_dir)
+        claim_segment(self.run_dir, self._spec)  # and remove one a killed run of this directory left
         cfg_json = self.cfg.model_dump_json()
         ranks, gens = self.cfg.trainer.ranks, self.cfg.runtime.generators
         group = {
@@ -283,3 +293,4 @@ class LocalRuntime:
             unlink_segment(
                 self._spec.segment
             )  # the trainer unlinks on a clean exit; this covers a killed one
+            (self.run_dir / SEGMENT_RECORD).unlink(missing_ok=True)

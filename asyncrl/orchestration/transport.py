@@ -7,6 +7,7 @@ and hands it to every worker it hosts; each worker opens its own end with
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import secrets
@@ -148,6 +149,43 @@ def make_receiver(
     return BroadcastReceiver(
         layout, spec.host, spec.port, rank, spec.world, spec.bucket_bytes, timeout_s, device
     )
+
+
+SEGMENT_RECORD = ".weights-segment"  # in the run directory: the segment its newest run created
+
+
+def claim_segment(run_dir: Path, spec: TransportSpec) -> None:
+    """Before a run's workers start: remove the segment an earlier run of ``run_dir`` left, record this one's.
+
+    A run killed with its trainer (SIGKILL, OOM, power) unlinks nothing, and its segment (the
+    size of the weights) stays in ``/dev/shm`` until the machine restarts; a resumed run,
+    and any later run in the same directory, removes it. Only the segment recorded in this
+    run directory is touched, and only once the process that named it is gone.
+    """
+    record = run_dir / SEGMENT_RECORD
+    with contextlib.suppress(OSError, ValueError):
+        old = record.read_text(encoding="utf-8").strip()
+        if old and old != spec.segment and not _running(int(old.split("-")[1])):
+            unlink_segment(old)
+    if spec.segment:
+        tmp = record.with_name(record.name + ".tmp")
+        tmp.write_text(spec.segment, encoding="utf-8")
+        os.replace(tmp, record)
+    else:
+        record.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (an exited one not yet reaped by its parent does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(OSError, IndexError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    return True
 
 
 def unlink_segment(name: str) -> None:
