@@ -733,6 +733,13 @@ class EpisodeConfig(Section):
         "task.reward.",
     )
     max_turns: int = Field(4, ge=1, description="Most model turns per episode; more truncates it.")
+    step_timeout_s: float | None = Field(
+        60.0,
+        gt=0,
+        description="Time limit of one environment call (reset or step). One that runs late ends its episode "
+        "with an error, handled like a reward error (task.reward_on_error). null = no limit. An async "
+        "episode function bounds its own tool calls.",
+    )
     tool_threads: int = Field(
         64,
         ge=1,

@@ -330,3 +330,28 @@ def test_train_on_the_guessing_game(tmp_path, schedule: str) -> None:
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows)
     assert 0.0 <= summary["eval"][-1]["eval_accuracy"] <= 1.0
+
+
+def test_an_environment_call_that_runs_late_ends_its_episode_with_an_error(policy) -> None:
+    """episode.step_timeout_s: a tool that does not answer ends the episode (recorded like a
+    reward error) instead of holding its group forever."""
+    release = threading.Event()
+
+    class Stuck(Echo):
+        def step(self, turn: str) -> StepResult:
+            if self.seed % 3 == 1:  # one episode of each group
+                release.wait(timeout=60)
+            return super().step(turn)
+
+    worker = make_worker(policy, environment_episode(Stuck, step_timeout_s=0.5))
+    try:
+        groups = run(worker)
+    finally:
+        release.set()
+    samples = [s for g in groups for s in g.samples]
+    stuck = [s for s in samples if s.reward_error]
+    assert len(samples) == 6 and len(stuck) == 2
+    assert all(
+        "Stuck.step did not return within 0.5s (episode.step_timeout_s)" in s.reward_error for s in stuck
+    )
+    assert all(s.reward == pytest.approx(0.75) for s in samples if not s.reward_error)

@@ -61,22 +61,43 @@ async def call(fn: Callable[..., Any], *args: Any) -> Any:
     return await result if inspect.isawaitable(result) else result
 
 
-def environment_episode(factory: EnvironmentFactory) -> EpisodeFunction:
+class EnvironmentTimeout(Exception):
+    """An environment call did not return within episode.step_timeout_s."""
+
+
+async def bounded(what: str, timeout_s: float | None, fn: Callable[..., Any], *args: Any) -> Any:
+    """:func:`call`, given up after ``timeout_s`` (a blocking call's thread runs on, unread)."""
+    if timeout_s is None:
+        return await call(fn, *args)
+    try:
+        return await asyncio.wait_for(call(fn, *args), timeout_s)
+    except asyncio.TimeoutError:  # the builtin TimeoutError from Python 3.11
+        raise EnvironmentTimeout(
+            f"{what} did not return within {timeout_s:g}s (episode.step_timeout_s)"
+        ) from None
+
+
+def environment_episode(factory: EnvironmentFactory, step_timeout_s: float | None = None) -> EpisodeFunction:
     """The episode function that plays one episode of ``factory``'s environment.
 
     The episode's reward is the sum of the step rewards (0 if the environment gives none);
-    each step reward is also recorded against the turn it rewards (process rewards).
+    each step reward is also recorded against the turn it rewards (process rewards). A
+    ``reset`` or ``step`` that takes longer than ``step_timeout_s`` ends the episode with an
+    error (recorded like a reward error).
     """
+    name = getattr(factory, "__name__", None) or getattr(
+        getattr(factory, "func", None), "__name__", "environment"
+    )
 
     async def episode(client: EpisodeClient, task: Prompt) -> float:
         env = factory(task, client.seed)
-        first = await call(env.reset, task)
+        first = await bounded(f"{name}.reset", step_timeout_s, env.reset, task)
         if first is not None:
             client.observe(first)
         total = 0.0
         while True:
             turn = await client.generate()
-            result = await call(env.step, turn)
+            result = await bounded(f"{name}.step", step_timeout_s, env.step, turn)
             if not isinstance(result, StepResult):
                 raise TypeError(
                     f"{type(env).__name__}.step returned {type(result).__name__}, expected a StepResult"
@@ -89,5 +110,5 @@ def environment_episode(factory: EnvironmentFactory) -> EpisodeFunction:
             if result.observation:
                 client.observe(result.observation)
 
-    episode.__name__ = f"environment_episode({getattr(factory, '__name__', type(factory).__name__)})"
+    episode.__name__ = f"environment_episode({name})"
     return episode

@@ -13,12 +13,12 @@ from asyncrl.errors import ConfigError
 KEY = "episode.environment"
 
 
-def resolve_episode(spec: str, max_turns: int) -> EpisodeFunction:
+def resolve_episode(spec: str, max_turns: int, step_timeout_s: float | None = None) -> EpisodeFunction:
     """The episode function ``spec`` names (see :class:`asyncrl.config.EpisodeConfig`)."""
     if spec == "calculator":
-        return environment_episode(Calculator)
+        return environment_episode(Calculator, step_timeout_s)
     if spec == "guess":
-        return environment_episode(functools.partial(GuessingGame, max_turns=max_turns))
+        return environment_episode(functools.partial(GuessingGame, max_turns=max_turns), step_timeout_s)
     if ":" not in spec:
         raise ConfigError(KEY, spec, "not a built-in ('calculator', 'guess') nor 'module:name'")
     module_name, _, attr = spec.partition(":")
@@ -34,7 +34,7 @@ def resolve_episode(spec: str, max_turns: int) -> EpisodeFunction:
         and callable(getattr(target, "step", None))
         and callable(getattr(target, "reset", None))
     ):
-        return environment_episode(target)
+        return environment_episode(target, step_timeout_s)
     raise ConfigError(
         KEY,
         spec,

@@ -157,7 +157,7 @@ def build_episode(cfg: Config):
         return None
     from asyncrl.episodes.resolve import resolve_episode
 
-    return resolve_episode(cfg.episode.environment, cfg.episode.max_turns)
+    return resolve_episode(cfg.episode.environment, cfg.episode.max_turns, cfg.episode.step_timeout_s)
 
 
 def build_rollout(cfg: Config, policy: Policy, engine, *, greedy: bool = False):
