@@ -28,6 +28,7 @@ def test_faults_everywhere_and_the_books_still_balance(tmp_path: Path) -> None:
     assert acc["prompts_trained_twice"] == 0 and acc["prompts_missing"] == 0 and acc["reconciles"]
 
 
+@pytest.mark.slow  # ~50 s: out of the quick tier, which stays under 3 minutes
 def test_run_killed_again_and_again_resumes_from_intact_checkpoints(tmp_path: Path) -> None:
     """5 SIGKILLs of the whole run (2 aimed inside a checkpoint write), 5 resumes; ~50 s on 2 cores."""
     kills = 5
