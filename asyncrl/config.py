@@ -150,6 +150,13 @@ class TaskConfig(Section):
         "calls of the groups being scored together run concurrently, each with its own time limit, so "
         "a batch costs about one timeout per `reward_processes` calls that hang, not one per call.",
     )
+    reward_workers: int = Field(
+        0,
+        ge=0,
+        description="Scoring threads per generator: with N > 0 a generator hands finished groups over and "
+        "goes on decoding while they are scored (with reward_timeout_s the calls run in reward "
+        "processes). 0 = score in the generator's own thread, between engine steps.",
+    )
     reward_max_consecutive_failures: int = Field(
         64,
         ge=0,

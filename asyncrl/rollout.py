@@ -7,6 +7,7 @@ through the request id, which carries the group id and prompt id — never by po
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass, replace
 
 from transformers import PreTrainedTokenizerBase
@@ -16,6 +17,8 @@ from asyncrl.errors import DatasetError
 from asyncrl.tasks.chat import encode_prompt
 from asyncrl.tasks.rewards import RewardFn, RewardSet
 from asyncrl.types import Group, PartialGroup, Prompt, Sample
+
+SCORING_WAIT_S = 0.05  # longest a step waits for scoring when the engine has nothing to decode
 
 
 @dataclass
@@ -54,11 +57,16 @@ class RolloutWorker:
         reward_on_error: str = "zero",
         eos_after: int | None = None,
         seed: int = 0,
+        reward_workers: int = 0,
     ) -> None:
         """``eos_after``: with decode_past_eos, the EOS id at which an answer ends although generation went on.
 
         ``seed``: completion k of group g samples with seed (seed, g, k), so a group's
         completions do not depend on which engine generates them or what runs beside them.
+
+        ``reward_workers``: with N > 0, finished groups are handed to N scoring threads and
+        the engine goes on decoding; a scored group is returned by a later :meth:`step`.
+        (With ``task.reward_timeout_s`` the calls themselves run in reward processes.)
         """
         self.engine = engine
         self.seed = seed
@@ -73,6 +81,12 @@ class RolloutWorker:
         self._next_group_id = 0
         self._pending: dict[int, _PendingGroup] = {}
         self._complete_now: list[int] = []  # groups a submit completed (see submit), returned by step
+        self._scorers = (
+            concurrent.futures.ThreadPoolExecutor(reward_workers, thread_name_prefix="asyncrl-reward")
+            if reward_workers > 0
+            else None
+        )
+        self._scoring: list[tuple[concurrent.futures.Future, list[Group]]] = []  # batches being scored
         self._sampling: dict[str, SamplingParams] = {}  # of requests in flight, to resume them
 
     @property
@@ -88,8 +102,8 @@ class RolloutWorker:
 
     @property
     def has_work(self) -> bool:
-        """Whether anything submitted is still being generated (or completed, not yet returned)."""
-        return self.engine.has_work or bool(self._complete_now)
+        """Whether anything submitted is still being generated or scored (or done, not yet returned)."""
+        return self.engine.has_work or bool(self._complete_now) or bool(self._scoring)
 
     def submit(self, work: list[tuple[int, Prompt]], partials: dict[int, PartialGroup] | None = None) -> None:
         """Queue G completions for each (group_id, prompt).
@@ -141,6 +155,34 @@ class RolloutWorker:
                     GenerationRequest(request_id, ids, sampling, seed=seed, prefix=prefix)
                 )
 
+    def _hand_over(self, finished: list[Group]) -> list[Group]:
+        """Give ``finished`` to the scoring threads; returns the groups whose scoring is done.
+
+        When the engine has nothing to decode, waits (briefly) for a batch to be scored
+        rather than spin. A scoring failure that stops the run is raised here."""
+        if finished:
+            self._scoring.append((self._scorers.submit(self._score, finished), finished))
+        if not self.engine.has_work and self._scoring:
+            concurrent.futures.wait(
+                [f for f, _ in self._scoring],
+                timeout=SCORING_WAIT_S,
+                return_when=concurrent.futures.FIRST_COMPLETED,
+            )
+        done = [(f, gs) for f, gs in self._scoring if f.done()]
+        self._scoring = [(f, gs) for f, gs in self._scoring if not f.done()]
+        scored = []
+        for future, groups in done:
+            future.result()  # RewardFailing, ScoringStopped: as when scoring in this thread
+            scored += groups
+        return scored
+
+    def close(self) -> None:
+        """Stop scoring threads and what the reward functions hold (their processes)."""
+        if self._scorers is not None:
+            self.rewards.stop()
+            self._scorers.shutdown(wait=False, cancel_futures=True)
+        self.rewards.close()
+
     def preempt(self) -> list[PartialGroup]:
         """Stop every group in flight and return what each has: finished completions and prefixes.
 
@@ -166,6 +208,15 @@ class RolloutWorker:
                         supports=res.supports,
                     )
             partials.append(PartialGroup(group_id, pending.prompt, samples))
+        # Groups being scored are complete: they are scored again after the resume.
+        for _, groups in self._scoring:
+            for group in groups:
+                unscored = {
+                    k: replace(s, reward=None, reward_error=None, reward_components=None)
+                    for k, s in enumerate(group.samples)
+                }
+                partials.append(PartialGroup(group.group_id, group.prompt, unscored))
+        self._scoring = []
         self._pending.clear()
         self._sampling.clear()
         self._complete_now.clear()
@@ -213,7 +264,10 @@ class RolloutWorker:
             groups.append(
                 Group(group_id, pending.prompt, [pending.samples[i] for i in range(self.group_size)])
             )
-        self._score(groups)
+        if self._scorers is None:
+            self._score(groups)
+        else:
+            groups = self._hand_over(groups)
         for group in groups:
             self.stats.samples += group.size
             if self.reward_on_error == "drop_group" and any(s.reward_error for s in group.samples):

@@ -202,3 +202,136 @@ def test_a_column_named_like_an_argument_is_an_error_per_sample() -> None:
             out.error
             == "the row's field(s) ['completion_ids'] clash with the reward function's own arguments"
         )
+
+
+# -- async reward functions and scoring threads -----------------------------------------------
+
+
+async def _slow_exact(completion, prompt, answer, **_):
+    import asyncio
+
+    await asyncio.sleep(0.5)
+    return float(completion == answer)
+
+
+def test_an_async_reward_functions_calls_of_a_batch_run_concurrently() -> None:
+    """16 calls of 0.5 s each finish together, on one event loop (one after another: 8 s)."""
+    import time
+
+    from asyncrl.tasks.rewards import RewardSet, RewardTerm, is_async
+
+    assert is_async(_slow_exact)
+    rewards = RewardSet([RewardTerm("slow", _slow_exact)])
+    prompt = Prompt("p", "1+1=", "2")
+    start = time.monotonic()
+    scored = rewards.score(prompt, ["2", "3"] * 8, [[1]] * 16)
+    assert time.monotonic() - start < 4.0
+    assert [s.reward for s in scored] == [1.0, 0.0] * 8
+
+
+def test_scoring_threads_let_the_engine_go_on_and_return_every_group_scored() -> None:
+    """task.reward_workers: finished groups are scored beside the engine; every group comes back
+    once, scored, with the rewards the generator's own thread would give."""
+    import threading
+
+    from asyncrl.engine import EmbeddedEngine, SamplingParams
+    from asyncrl.models import load_policy
+    from asyncrl.rollout import RolloutWorker
+    from asyncrl.tasks import ArithmeticTask
+
+    policy = load_policy("tiny:1m", device="cpu", dtype="float32", seed=0)
+    scoring_threads = set()
+
+    def reward(completion, prompt, answer, **_):
+        scoring_threads.add(threading.current_thread().name)
+        return float(len(completion) % 2)
+
+    prompts = [ArithmeticTask(["+"], 1, 2, seed=0).get(i) for i in range(6)]
+
+    def groups(workers: int):
+        engine = EmbeddedEngine(policy.model, pad_token_id=policy.pad_token_id, max_batch_size=8)
+        params = SamplingParams(12, stop_token_ids=(policy.eos_token_id,))
+        rollout = RolloutWorker(engine, policy.tokenizer, reward, params, 4, seed=3, reward_workers=workers)
+        try:
+            return rollout.generate_groups(prompts)
+        finally:
+            rollout.close()
+
+    inline = groups(0)
+    assert not any(name.startswith("asyncrl-reward") for name in scoring_threads)
+    pooled = groups(2)
+    assert any(name.startswith("asyncrl-reward") for name in scoring_threads)
+    assert [g.group_id for g in pooled] == [g.group_id for g in inline]
+    for a, b in zip(inline, pooled, strict=True):
+        assert [s.completion_ids for s in a.samples] == [s.completion_ids for s in b.samples]
+        assert [s.reward for s in a.samples] == [s.reward for s in b.samples]
+
+
+@pytest.mark.parametrize("schedule", ["sync", "async"])
+def test_a_run_with_scoring_threads_trains_every_group_once(tmp_path: Path, schedule: str) -> None:
+    from asyncrl.orchestration import train
+
+    cfg = load_config(
+        None,
+        [
+            "task.reward_workers=2",
+            f"schedule={schedule}",
+            "run.steps=3",
+            "rollout.prompts_per_step=4",
+            "rollout.group_size=4",
+            "run.eval_every=0",
+            "run.progress=false",
+            "run.checkpoint_every=0",
+        ],
+    )
+    books = train(cfg, tmp_path / "run")["accounting"]
+    assert books["reconciles"] and books["trained"] == 12 and books["prompts_trained_twice"] == 0
+
+
+def test_groups_being_scored_at_a_preemption_are_kept_and_scored_after() -> None:
+    """A stop while a group is with the scoring threads: preempt() returns it complete and
+    unscored; submitted again, it is scored without generating anything."""
+    import threading
+
+    from asyncrl.engine import EmbeddedEngine, SamplingParams
+    from asyncrl.models import load_policy
+    from asyncrl.rollout import RolloutWorker
+
+    policy = load_policy("tiny:1m", device="cpu", dtype="float32", seed=0)
+    release = threading.Event()
+
+    def held(completion, prompt, answer, **_):
+        assert release.wait(timeout=60)
+        return 1.0
+
+    def worker():
+        engine = EmbeddedEngine(policy.model, pad_token_id=policy.pad_token_id, max_batch_size=8)
+        params = SamplingParams(6, stop_token_ids=(policy.eos_token_id,))
+        return RolloutWorker(engine, policy.tokenizer, held, params, 2, reward_workers=1)
+
+    task = Prompt("p", "1+2=", "3")
+    first = worker()
+    first.submit([(4, task)])
+    for _ in range(1000):
+        assert first.step() == ([], [])
+        if not first.engine.has_work:
+            break
+    assert first.has_work  # generated, being scored
+    (partial,) = first.preempt()
+    release.set()
+    first.close()
+    assert sorted(partial.samples) == [0, 1] and all(s.reward is None for s in partial.samples.values())
+    assert not partial.prefixes
+
+    second = worker()
+    second.submit([(4, task)], {4: partial})
+    assert not second.engine.has_work  # nothing to generate
+    groups = []
+    for _ in range(1000):
+        if not second.has_work:
+            break
+        groups += second.step()[0]
+    second.close()
+    (group,) = groups
+    assert [s.reward for s in group.samples] == [1.0, 1.0]
+    assert [s.completion_ids for s in group.samples] == [partial.samples[k].completion_ids for k in (0, 1)]

@@ -71,7 +71,7 @@ async def bounded(what: str, timeout_s: float | None, fn: Callable[..., Any], *a
         return await call(fn, *args)
     try:
         return await asyncio.wait_for(call(fn, *args), timeout_s)
-    except asyncio.TimeoutError:  # the builtin TimeoutError from Python 3.11
+    except TimeoutError:  # asyncio.wait_for raises the builtin one
         raise EnvironmentTimeout(
             f"{what} did not return within {timeout_s:g}s (episode.step_timeout_s)"
         ) from None

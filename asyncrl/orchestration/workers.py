@@ -293,10 +293,8 @@ class GeneratorWorker:
             check_checksums(dict(self.engine.model.named_parameters()), expected, version, where)
 
     def close(self) -> None:
-        """Release what outlives a step: the reward's own process, if it has one."""
-        close = getattr(self.rollout.reward_fn, "close", None)
-        if close is not None:
-            close()
+        """Release what outlives a step: scoring threads and reward processes, episode loops."""
+        self.rollout.close()
 
     def _flush_span(self) -> list:
         if self._busy_since is None:

@@ -23,6 +23,7 @@ return NaN, return a string) into a float reward or a recorded per-sample error.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
 import inspect
@@ -154,9 +155,30 @@ def _clash(columns: dict[str, Any], own: dict[str, Any]) -> str | None:
     return f"the row's field(s) {same} clash with the reward function's own arguments" if same else None
 
 
+def is_async(fn: RewardFn) -> bool:
+    """An ``async def`` reward function (also behind the wrapper that filters its arguments)."""
+    return inspect.iscoroutinefunction(inspect.unwrap(fn))
+
+
+def resolved(value: Any) -> Any:
+    """A reward function's result: an ``async`` function's coroutine is run to its value."""
+    return asyncio.run(value) if inspect.isawaitable(value) else value
+
+
+async def _call_async(fn: RewardFn, kwargs: dict[str, Any]) -> tuple[Any, str | None]:
+    try:
+        return await fn(**kwargs), None
+    except Exception as exc:  # as in _call: recorded for the sample
+        return None, f"raised {type(exc).__name__}: {exc}"
+
+
+async def _gather(fn: RewardFn, calls: list[dict[str, Any]]) -> list[tuple[Any, str | None]]:
+    return list(await asyncio.gather(*(_call_async(fn, kwargs) for kwargs in calls)))
+
+
 def _call(fn: RewardFn, kwargs: dict[str, Any]) -> tuple[Any, str | None]:
     try:
-        return fn(**kwargs), None
+        return resolved(fn(**kwargs)), None
     except ScoringStopped:
         raise
     except RewardCallError as exc:  # timed out, or raised in the reward's own process
@@ -293,6 +315,10 @@ class RewardSet:
         many = getattr(fn, "call_many", None)
         if many is not None:
             return [(None, r.recorded) if isinstance(r, RewardCallError) else (r, None) for r in many(calls)]
+        if is_async(fn):  # an async function's calls of a batch run concurrently, on one event loop
+            if self._stopped:
+                raise ScoringStopped("reward scoring abandoned: the run is stopping")
+            return asyncio.run(_gather(fn, calls))
         out = []
         for kwargs in calls:
             if self._stopped:

@@ -25,7 +25,7 @@ import time
 from multiprocessing.connection import wait
 from typing import Any
 
-from asyncrl.tasks.rewards import RewardCallError, ScoringStopped, resolve_reward
+from asyncrl.tasks.rewards import RewardCallError, ScoringStopped, resolve_reward, resolved
 
 START_TIMEOUT_S = 120.0  # importing the user's reward module may be slow
 STOP_CHECK_S = 0.1  # how often a wait looks at the stop flag
@@ -61,7 +61,7 @@ def _child(spec: str, conn, parent: int) -> None:
         except EOFError:
             return
         try:
-            conn.send(("ok", fn(**kwargs)))
+            conn.send(("ok", resolved(fn(**kwargs))))
         except Exception as exc:  # reported to the caller, who records it for the sample
             conn.send(("raised", f"{type(exc).__name__}: {exc}"))
 
