@@ -297,7 +297,7 @@ def test_calculator_and_guessing_game_rules() -> None:
     assert game.step("9") == StepResult(reward=1.0 - 3 / 4, done=True)
 
 
-@pytest.mark.parametrize("schedule", ["sync", "async"])
+@pytest.mark.parametrize("schedule", ["sync", pytest.param("async", marks=pytest.mark.slow)])
 def test_train_on_the_guessing_game(tmp_path, schedule: str) -> None:
     """``asyncrl train`` on episodes: every group trained once, books reconcile, evaluation
     plays greedy episodes; the async schedule runs generators in their own processes."""

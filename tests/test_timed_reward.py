@@ -267,7 +267,8 @@ def test_consecutive_failures_of_one_function_stop_scoring_naming_it(reward_spec
         batched.score(PROMPT, ["1"] * 4, [[0]] * 4)
 
 
-@pytest.mark.parametrize("runtime", ["inline", "local"])
+# The local runtime's forms are slow (each ~10 s); the quick tier keeps the inline ones.
+@pytest.mark.parametrize("runtime", ["inline", pytest.param("local", marks=pytest.mark.slow)])
 def test_a_run_whose_reward_always_fails_stops_with_one_line(
     tmp_path: Path, reward_spec: str, runtime: str
 ) -> None:
@@ -302,9 +303,9 @@ def test_a_run_whose_reward_always_fails_stops_with_one_line(
     ("runtime", "during", "timeout_s"),
     [
         ("inline", "step", 30),
-        ("local", "step", 30),
-        ("inline", "eval", 30),
-        ("local", "eval", 30),
+        pytest.param("local", "step", 30, marks=pytest.mark.slow),
+        pytest.param("inline", "eval", 30, marks=pytest.mark.slow),
+        pytest.param("local", "eval", 30, marks=pytest.mark.slow),
         ("inline", "step", None),  # called in this process: the signal handler interrupts the call
         pytest.param("ray", "step", 30, marks=pytest.mark.ray),
     ],
@@ -384,7 +385,7 @@ def test_killed_parent_leaves_no_reward_process_alive(tmp_path: Path, reward_spe
             os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("runtime", ["inline", "local"])
+@pytest.mark.parametrize("runtime", ["inline", pytest.param("local", marks=pytest.mark.slow)])
 def test_a_killed_run_leaves_no_process_behind(tmp_path: Path, reward_spec: str, runtime: str) -> None:
     """SIGKILL of ``asyncrl train`` while a generator waits on hanging reward calls: its workers
     (mid-command: after their grace period) and every reward process end by themselves."""

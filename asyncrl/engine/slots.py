@@ -329,6 +329,18 @@ class Slots:
 
     # -- decoding -----------------------------------------------------------------------
 
+    def _sampling_inputs(self, rows: slice | torch.Tensor, positions: torch.Tensor) -> tuple:
+        """The sampler's inputs for ``rows``: logits, temperature, top-k, top-p, seeds, positions, min-p."""
+        return (
+            self.logits[rows],
+            self.temperature[rows],
+            self.top_k[rows],
+            self.top_p[rows],
+            self.seeds[rows],
+            positions,
+            self.min_p[rows],
+        )
+
     def _draw(
         self, engine: EmbeddedEngine, active: list[int]
     ) -> tuple[list[int], list[float], list[list[int] | None] | None]:
@@ -339,30 +351,13 @@ class Slots:
             # Kept sets are variable-length lists: drawn eagerly, over the active rows only.
             # (Checked on the host rows: asking the device would wait for it every step.)
             index = self._index(active)
-            draw = sample_tokens(
-                self.logits[index],
-                self.temperature[index],
-                self.top_k[index],
-                self.top_p[index],
-                self.seeds[index],
-                torch.tensor(done, dtype=torch.long, device=engine.device),
-                self.min_p[index],
-                self.keep_support[index],
-            )
+            positions = torch.tensor(done, dtype=torch.long, device=engine.device)
+            draw = sample_tokens(*self._sampling_inputs(index, positions), self.keep_support[index])
             host = torch.stack([draw.tokens.double(), draw.logprobs.double()]).tolist()
             return [int(t) for t in host[0]], host[1], draw.supports
         if not self.static:
-            index = self._index(active)
-            packed = _draw_packed(
-                self.logits[index],
-                self.temperature[index],
-                self.top_k[index],
-                self.top_p[index],
-                self.seeds[index],
-                torch.tensor(done, dtype=torch.long, device=engine.device),
-                self.min_p[index],
-            )
-            host = packed.tolist()
+            positions = torch.tensor(done, dtype=torch.long, device=engine.device)
+            host = _draw_packed(*self._sampling_inputs(self._index(active), positions)).tolist()
             return [int(t) for t in host[0]], host[1], None
         # Accelerator layout: every row of the bucket is drawn (holes draw garbage, unread)
         # from static buffers, so the step replays as a graph.
@@ -373,16 +368,7 @@ class Slots:
         self.positions_in[:width].copy_(torch.tensor(positions, dtype=torch.long))
         rows = slice(0, width)
         packed = self.runner.run(
-            ("draw", width),
-            lambda: _draw_packed(
-                self.logits[rows],
-                self.temperature[rows],
-                self.top_k[rows],
-                self.top_p[rows],
-                self.seeds[rows],
-                self.positions_in[rows],
-                self.min_p[rows],
-            ),
+            ("draw", width), lambda: _draw_packed(*self._sampling_inputs(rows, self.positions_in[rows]))
         )
         host = packed.tolist()
         return [int(host[0][s]) for s in active], [host[1][s] for s in active], None

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 
 from asyncrl.episodes.environment import EpisodeFunction, environment_episode
 from asyncrl.episodes.games import Calculator, GuessingGame
 from asyncrl.errors import ConfigError
+from asyncrl.imports import import_named
 
 KEY = "episode.environment"
 
@@ -21,12 +21,8 @@ def resolve_episode(spec: str, max_turns: int, step_timeout_s: float | None = No
         return environment_episode(functools.partial(GuessingGame, max_turns=max_turns), step_timeout_s)
     if ":" not in spec:
         raise ConfigError(KEY, spec, "not a built-in ('calculator', 'guess') nor 'module:name'")
+    target = import_named(spec, KEY)
     module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(KEY, spec, f"cannot import module {module_name!r} ({exc})") from None
-    target = getattr(module, attr, None)
     if inspect.iscoroutinefunction(target):
         return target
     if (

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import inspect
 import math
 import threading
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.errors import ConfigError, RewardFailing
+from asyncrl.imports import import_named
 from asyncrl.tasks.chat import reward_prompt
 from asyncrl.tasks.reward_library import format_regex, math_verify, overlong_penalty
 from asyncrl.types import Prompt
@@ -92,13 +92,9 @@ def resolve_reward(spec: str, key: str = "task.reward") -> RewardFn:
         raise ConfigError(
             key, spec, f"not a registered reward ({registered_rewards()}) nor 'module:function'"
         )
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(key, spec, f"cannot import module {module_name!r} ({exc})") from None
-    fn = getattr(module, attr, None)
+    fn = import_named(spec, key, "callable")
     if not callable(fn):
+        module_name, _, attr = spec.partition(":")
         raise ConfigError(key, spec, f"module {module_name!r} has no callable {attr!r}")
     params = inspect.signature(fn).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):

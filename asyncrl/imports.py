@@ -1,0 +1,22 @@
+"""User code named in a config: ``package.module:name``, imported with errors that name the key."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from asyncrl.errors import ConfigError
+
+
+def import_named(spec: str, key: str, kind: str = "") -> Any:
+    """The object ``spec`` (``module:name``) names; a spec that cannot be followed is a
+    :class:`ConfigError` naming ``key``, the spec and what went wrong (``kind``, e.g.
+    ``"callable"``, says what was looked for)."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(key, spec, f"cannot import module {module_name!r} ({exc})") from None
+    if not hasattr(module, attr):
+        raise ConfigError(key, spec, f"module {module_name!r} has no {kind + ' ' if kind else ''}{attr!r}")
+    return getattr(module, attr)
