@@ -89,10 +89,6 @@ class RolloutWorker:
         self._scoring: list[tuple[concurrent.futures.Future, list[Group]]] = []  # batches being scored
         self._sampling: dict[str, SamplingParams] = {}  # of requests in flight, to resume them
 
-    @property
-    def reward_fn(self) -> RewardSet:
-        return self.rewards
-
     def encode(self, prompt: Prompt) -> list[int]:
         return encode_prompt(self.tokenizer, prompt)
 

@@ -115,10 +115,6 @@ class EpisodeRolloutWorker:
         """Whether an episode is running: on the engine, or waiting on its environment."""
         return bool(self._pending)
 
-    @property
-    def reward_fn(self) -> EpisodeRolloutWorker:
-        return self  # what a generator closes at the end: see close()
-
     def encode(self, prompt: Prompt) -> list[int]:
         return encode_prompt(self.tokenizer, prompt)
 
