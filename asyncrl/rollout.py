@@ -28,6 +28,20 @@ class RolloutStats:
     reward_errors: int = 0
     dropped_groups: int = 0
 
+    def admit(self, groups: list[Group], reward_on_error: str) -> tuple[list[Group], list[Group]]:
+        """Count scored groups and split them into (ready, dropped): with ``drop_group`` a group
+        holding a reward error is dropped."""
+        ready, dropped = [], []
+        for group in groups:
+            self.samples += group.size
+            if reward_on_error == "drop_group" and any(s.reward_error for s in group.samples):
+                self.dropped_groups += 1
+                dropped.append(group)
+            else:
+                self.groups += 1
+                ready.append(group)
+        return ready, dropped
+
 
 @dataclass
 class _PendingGroup:
@@ -243,7 +257,6 @@ class RolloutWorker:
 
         ``admit=False`` lets only the running sequences advance (draining before an update).
         """
-        ready, dropped = [], []
         complete, self._complete_now = self._complete_now, []
         for res in self.engine.step(admit=admit):
             self._sampling.pop(res.request_id, None)
@@ -264,15 +277,7 @@ class RolloutWorker:
             self._score(groups)
         else:
             groups = self._hand_over(groups)
-        for group in groups:
-            self.stats.samples += group.size
-            if self.reward_on_error == "drop_group" and any(s.reward_error for s in group.samples):
-                self.stats.dropped_groups += 1
-                dropped.append(group)
-            else:
-                self.stats.groups += 1
-                ready.append(group)
-        return ready, dropped
+        return self.stats.admit(groups, self.reward_on_error)
 
     def abort_and_resume(self, before_resume=None) -> int:
         """Stop every request in flight, call ``before_resume`` (e.g. load new weights), then

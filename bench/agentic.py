@@ -30,10 +30,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from overlap import steady_window as overlap_window  # bench/ is this script's directory
+
 from asyncrl.config import load_config
 from asyncrl.metrics import read_jsonl
 from asyncrl.orchestration import train
-from asyncrl.timeline import busy_fractions
 
 SIGMA = math.log(10) / 2.326  # p99 of a log-normal = median * exp(2.326 sigma) = 10x the median
 
@@ -73,16 +74,14 @@ class SlowTool:
 
 
 def steady_window(run_dir: Path, warmup: int) -> dict:
+    """bench/overlap.py's steady-state window (after ``warmup`` steps), rounded, with the reward."""
+    window = overlap_window(run_dir, warmup)
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    spans = read_jsonl(run_dir / "timeline.jsonl")
-    start, end = rows[warmup - 1]["wall_time"], rows[-1]["wall_time"]
-    busy = busy_fractions(spans, start, end)
-    gens = [v for k, v in busy.items() if k.startswith("generator")]
     return {
         "steps": len(rows),
-        "s_per_step": round((end - start) / (len(rows) - warmup), 4),
-        "trainer_busy_frac": round(busy.get("trainer", 0.0), 3),
-        "generator_busy_frac": round(statistics.fmean(gens), 3) if gens else 0.0,
+        "s_per_step": round(window["s_per_step"], 4),
+        "trainer_busy_frac": round(window["trainer_busy_frac"], 3),
+        "generator_busy_frac": round(window["generator_busy_frac"], 3),
         "reward_mean": round(statistics.fmean(r["reward_mean"] for r in rows), 4),
     }
 

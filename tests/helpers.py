@@ -150,3 +150,20 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     """Largest absolute difference between two state dicts with the same keys."""
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def tiny_lora_model(seed: int = 3):
+    """tiny:1m with rank-8 LoRA adapters whose B matrices are moved off zero (seeded), so the
+    adapters change the forward and get gradients; returns (policy, peft model)."""
+    from asyncrl.config import LoraConfig
+    from asyncrl.models import load_policy
+    from asyncrl.models.lora import apply_lora
+
+    policy = load_policy("tiny:1m", device="cpu", dtype="float32", seed=0)
+    model = apply_lora(policy.model, LoraConfig(rank=8), seed=0)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return policy, model

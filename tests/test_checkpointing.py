@@ -13,12 +13,11 @@ import copy
 import pytest
 import torch
 
-from asyncrl.config import LoraConfig
 from asyncrl.models import load_policy
 from asyncrl.models.checkpointing import checkpoint_decoder_layers
-from asyncrl.models.lora import apply_lora
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.logprobs import completion_logprobs
+from tests.helpers import tiny_lora_model
 from tests.test_chunked import TEMPERATURE, layouts, mixed_samples
 
 
@@ -78,13 +77,7 @@ def test_checkpointing_without_gradients_runs_layers_once(tiny_policy, make_samp
 
 def test_checkpointing_with_lora(make_sample) -> None:
     """A peft model (B moved off zero), checkpointed after wrapping: the same adapter gradients, in both layouts."""
-    policy = load_policy("tiny:1m", device="cpu", dtype="float32", seed=0)
-    model = apply_lora(policy.model, LoraConfig(rank=8), seed=0)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(3)
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    policy, model = tiny_lora_model()
     checkpointed = copy.deepcopy(model)
     checkpoint_decoder_layers(checkpointed)
     for name, mb in layouts(mixed_samples(make_sample), policy.pad_token_id).items():

@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from asyncrl.algorithms import losses
-from asyncrl.config import AlgorithmConfig, LoraConfig, TrainerConfig
+from asyncrl.config import AlgorithmConfig, TrainerConfig
 from asyncrl.models import Policy, load_policy
-from asyncrl.models.lora import apply_lora
 from asyncrl.models.tiny import tiny_config
 from asyncrl.trainer import Trainer
 from asyncrl.trainer.batching import (
@@ -28,6 +27,7 @@ from asyncrl.trainer.logprobs import completion_logits, completion_logprobs
 from asyncrl.trainer.packing import build_tree, choose_layout, collate_best, collate_tree, packing_for
 from asyncrl.trainer.planning import collate_layout, plan_layouts, plan_micro_batches
 from asyncrl.types import Sample
+from tests.helpers import tiny_lora_model
 
 TEMPERATURE = 0.8
 MAX_COMPLETION = 8
@@ -238,13 +238,7 @@ def test_eager_attention_matches_too(make_sample) -> None:
 
 def test_lora_adapters_get_the_same_gradients_with_tree_packing(make_sample) -> None:
     """A peft model (adapters moved off B = 0): tree-packed log-probs and adapter gradients equal the padded ones."""
-    policy = load_policy("tiny:1m", device="cpu", dtype="float32", seed=0)
-    model = apply_lora(policy.model, LoraConfig(rank=8), seed=0)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(3)
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    policy, model = tiny_lora_model()
     samples = MIXES["system_prompt_across_groups"](make_sample) + MIXES["multi_turn_histories"](make_sample)
     weights = torch.randn(len(samples), 32, generator=torch.Generator().manual_seed(7))
     logp_padded, grad_padded = logprobs_and_grad(model, collate(samples, policy.pad_token_id), weights)

@@ -293,7 +293,7 @@ class EpisodeRolloutWorker:
             future.cancel()
 
     def _collect(self) -> tuple[list[Group], list[Group]]:
-        ready, dropped = [], []
+        complete = []
         while True:
             try:
                 group_id, k = self._finished.get_nowait()
@@ -307,15 +307,10 @@ class EpisodeRolloutWorker:
             if len(pending.samples) < self.group_size:
                 continue
             del self._pending[group_id]
-            group = Group(group_id, pending.prompt, [pending.samples[i] for i in range(self.group_size)])
-            self.stats.samples += group.size
-            if self.reward_on_error == "drop_group" and any(s.reward_error for s in group.samples):
-                self.stats.dropped_groups += 1
-                dropped.append(group)
-            else:
-                self.stats.groups += 1
-                ready.append(group)
-        return ready, dropped
+            complete.append(
+                Group(group_id, pending.prompt, [pending.samples[i] for i in range(self.group_size)])
+            )
+        return self.stats.admit(complete, self.reward_on_error)
 
     def _sample(self, group_id: int, pending: _PendingGroup, k: int) -> Sample:
         future, record = pending.futures[k], pending.clients[k].record
