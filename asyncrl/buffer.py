@@ -26,8 +26,20 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from asyncrl.types import Group
+
+class Buffered(Protocol):
+    """What the buffer needs of what it holds: a whole ``Group``, or the controller's ``GroupHeader``."""
+
+    group_id: int
+
+    @property
+    def num_trained_tokens(self) -> int: ...
+
+    def stale_trained_tokens(self, oldest: int) -> int: ...
+
+    def mask_older_than(self, oldest: int) -> int: ...
 
 
 class AdmissionControl:
@@ -68,14 +80,18 @@ class BufferStats:
 
 
 class RolloutBuffer:
-    """A bounded, thread-safe FIFO of complete groups with staleness rejection on the way out."""
+    """A bounded, thread-safe FIFO of complete groups with staleness rejection on the way out.
+
+    The controller's buffer holds group headers (the groups themselves wait in the
+    trainer's inbox); a buffer of whole groups works the same way.
+    """
 
     def __init__(
         self,
         capacity: int,
         max_staleness: int,
         reject: str = "group",
-        on_drop: Callable[[Group, str], None] | None = None,
+        on_drop: Callable[[Buffered, str], None] | None = None,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"buffer capacity must be >= 1 group, got {capacity}")
@@ -86,19 +102,19 @@ class RolloutBuffer:
         self.reject = reject
         self.on_drop = on_drop
         self.stats = BufferStats()
-        self._groups: deque[Group] = deque()
+        self._groups: deque[Buffered] = deque()
         self._cond = threading.Condition()
 
     def __len__(self) -> int:
         with self._cond:
             return len(self._groups)
 
-    def peek_all(self) -> list[Group]:
+    def peek_all(self) -> list[Buffered]:
         """The groups held right now, oldest first, without taking them (for checkpoints)."""
         with self._cond:
             return list(self._groups)
 
-    def put(self, group: Group, timeout: float) -> None:
+    def put(self, group: Buffered, timeout: float) -> None:
         """Append a finished group, waiting while the buffer is full (back-pressure)."""
         t0 = time.perf_counter()
         with self._cond:
@@ -112,13 +128,13 @@ class RolloutBuffer:
             self.stats.put_blocked_s += time.perf_counter() - t0
             self._cond.notify_all()
 
-    def take(self, n: int, trainer_version: int, timeout: float | None = 0.0) -> list[Group]:
+    def take(self, n: int, trainer_version: int, timeout: float | None = 0.0) -> list[Buffered]:
         """Up to ``n`` fresh-enough groups in arrival order; waits up to ``timeout`` for the first one.
 
         ``timeout=0`` never waits; ``None`` waits for at least one group indefinitely.
         """
         t0 = time.perf_counter()
-        out: list[Group] = []
+        out: list[Buffered] = []
         with self._cond:
             if timeout != 0.0:
                 self._cond.wait_for(lambda: len(self._groups) > 0, timeout=timeout)
@@ -131,18 +147,13 @@ class RolloutBuffer:
             self._cond.notify_all()
         return out
 
-    def _admit(self, group: Group, trainer_version: int) -> bool:
+    def _admit(self, group: Buffered, trainer_version: int) -> bool:
         oldest = trainer_version - self.max_staleness
         if self.reject == "token":
-            for s in group.samples:
-                keep = [int(m and v >= oldest) for m, v in zip(s.loss_mask, s.versions, strict=True)]
-                self.stats.masked_tokens += sum(s.loss_mask) - sum(keep)
-                s.loss_mask = keep
-            if any(sum(s.loss_mask) for s in group.samples):
+            self.stats.masked_tokens += group.mask_older_than(oldest)
+            if group.num_trained_tokens:
                 return True
-        elif all(
-            v >= oldest for s in group.samples for v, m in zip(s.versions, s.loss_mask, strict=True) if m
-        ):
+        elif not group.stale_trained_tokens(oldest):
             return True
         self.stats.dropped["stale"] += 1
         if self.on_drop is not None:

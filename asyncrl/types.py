@@ -8,7 +8,10 @@ the unit of admission into a training batch, and each carries its prompt id end 
 completions are never paired with prompts by order.
 
 The records hold plain Python lists so that they pickle cheaply across processes and
-serialise to JSON for recording and replay.
+serialise to JSON for recording and replay. A :class:`GroupHeader` is what the controller
+knows of a generated group — ids, token counts per policy version, rewards, finish reasons —
+while the group itself goes from its generator straight to the trainer (the payload plane,
+``orchestration/payload.py``); its size does not grow with the completions' length.
 """
 
 from __future__ import annotations
@@ -138,6 +141,38 @@ class Group:
     def num_completion_tokens(self) -> int:
         return sum(s.num_completion_tokens for s in self.samples)
 
+    @property
+    def num_trained_tokens(self) -> int:
+        return sum(s.num_trained_tokens for s in self.samples)
+
+    def stale_trained_tokens(self, oldest: int) -> int:
+        """Trained tokens (loss mask 1) sampled by a version older than ``oldest``."""
+        return sum(
+            int(m and v < oldest) for s in self.samples for m, v in zip(s.loss_mask, s.versions, strict=True)
+        )
+
+    def mask_older_than(self, oldest: int) -> int:
+        """Take tokens sampled by versions older than ``oldest`` out of the loss; returns how many."""
+        masked = 0
+        for s in self.samples:
+            keep = [int(m and v >= oldest) for m, v in zip(s.loss_mask, s.versions, strict=True)]
+            masked += sum(s.loss_mask) - sum(keep)
+            s.loss_mask = keep
+        return masked
+
+    def header(self) -> GroupHeader:
+        """What the controller needs to know of this group (see :class:`GroupHeader`)."""
+        return GroupHeader(
+            group_id=self.group_id,
+            prompt_id=self.prompt.prompt_id,
+            rewards=[s.reward for s in self.samples],
+            reward_errors=sum(s.reward_error is not None for s in self.samples),
+            reward_components=_components_by_label(self.samples),
+            finish_reasons=[s.finish_reason for s in self.samples],
+            lengths=[s.num_completion_tokens for s in self.samples],
+            trained_versions=[_trained_versions(s) for s in self.samples],
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -146,6 +181,76 @@ class Group:
         return cls(
             int(data["group_id"]), Prompt(**data["prompt"]), [Sample.from_dict(s) for s in data["samples"]]
         )
+
+
+def _trained_versions(sample: Sample) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for m, v in zip(sample.loss_mask, sample.versions, strict=True):
+        if m:
+            counts[v] = counts.get(v, 0) + 1
+    return counts
+
+
+def _components_by_label(samples: list[Sample]) -> dict[str, list[float | None]]:
+    """Each reward function's value per sample, by label (None where it did not apply or failed)."""
+    labels = sorted({label for s in samples for label in (s.reward_components or {})})
+    return {label: [(s.reward_components or {}).get(label) for s in samples] for label in labels}
+
+
+@dataclass
+class GroupHeader:
+    """What the controller reads of a generated group: enough for admission, staleness, accounting,
+    the batch divisor, the step's metrics and checkpoints — never the tokens.
+
+    Per sample: reward, finish reason, completion length, and ``trained_versions``, the number
+    of trained tokens (loss mask 1) sampled by each policy version. Staleness decisions need no
+    more: a group is too old when a trained token's version is, and masking too-old tokens
+    (``schedule.reject=token``) removes whole version counts. The trainer applies the same
+    decisions to the group itself (``Group.mask_older_than``).
+    """
+
+    group_id: int
+    prompt_id: str
+    rewards: list[float | None]
+    reward_errors: int
+    reward_components: dict[str, list[float | None]]
+    finish_reasons: list[str]
+    lengths: list[int]
+    trained_versions: list[dict[int, int]]
+
+    @property
+    def size(self) -> int:
+        return len(self.rewards)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def num_trained_tokens(self) -> int:
+        return sum(n for counts in self.trained_versions for n in counts.values())
+
+    @property
+    def oldest_version(self) -> int | None:
+        return min((v for counts in self.trained_versions for v in counts), default=None)
+
+    def stale_trained_tokens(self, oldest: int) -> int:
+        return sum(n for counts in self.trained_versions for v, n in counts.items() if v < oldest)
+
+    def mask_older_than(self, oldest: int) -> int:
+        masked = self.stale_trained_tokens(oldest)
+        self.trained_versions = [{v: n for v, n in c.items() if v >= oldest} for c in self.trained_versions]
+        return masked
+
+
+@dataclass
+class PartialHeader:
+    """What the controller reads of a :class:`PartialGroup` (the group itself goes to the trainer)."""
+
+    group_id: int
+    completions: int  # completions with tokens (finished or prefixes)
+    num_completion_tokens: int
+    oldest_version: int | None
 
 
 @dataclass
@@ -177,6 +282,11 @@ class PartialGroup:
     def oldest_version(self) -> int | None:
         versions = [s.oldest_version for s in self.samples.values() if s.oldest_version is not None]
         return min(versions) if versions else None
+
+    def header(self) -> PartialHeader:
+        return PartialHeader(
+            self.group_id, len(self.samples), self.num_completion_tokens, self.oldest_version
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -21,13 +21,13 @@ def queued(*commands: object) -> queue.Queue:
 
 
 def group_ids(command: Accumulate) -> list[int]:
-    return [g.group_id for g in command.groups]
+    return command.group_ids
 
 
 def test_consecutive_accumulates_merge_in_order() -> None:
     """Three queued Accumulates become one with their groups concatenated in arrival order; the queue is drained."""
-    q = queued(Accumulate([group(2)]), Accumulate([group(3), group(4)]))
-    commands = _coalesced(Accumulate([group(0), group(1)]), q)
+    q = queued(Accumulate([2]), Accumulate([3, 4]))
+    commands = _coalesced(Accumulate([0, 1]), q)
     assert len(commands) == 1 and isinstance(commands[0], Accumulate)
     assert group_ids(commands[0]) == [0, 1, 2, 3, 4]
     assert q.empty()
@@ -36,8 +36,8 @@ def test_consecutive_accumulates_merge_in_order() -> None:
 def test_finish_step_stays_between_the_accumulates_it_separates() -> None:
     """A FinishStep splits the merge: groups before it stay in its step, groups after it in the next."""
     finish_a, finish_b = FinishStep(divisor=5.0, publish=True), FinishStep(divisor=2.0, publish=False)
-    q = queued(Accumulate([group(1)]), finish_a, Accumulate([group(2)]), Accumulate([group(3)]), finish_b)
-    commands = _coalesced(Accumulate([group(0)]), q)
+    q = queued(Accumulate([1]), finish_a, Accumulate([2]), Accumulate([3]), finish_b)
+    commands = _coalesced(Accumulate([0]), q)
     assert [type(c) for c in commands] == [Accumulate, FinishStep, Accumulate, FinishStep]
     assert group_ids(commands[0]) == [0, 1]
     assert commands[1] is finish_a
@@ -48,28 +48,28 @@ def test_finish_step_stays_between_the_accumulates_it_separates() -> None:
 def test_stop_and_other_commands_are_kept_in_place() -> None:
     """Stop, LoadWeights and Evaluate keep their positions and break merges; a lone command passes through."""
     stop, load, evaluate = Stop(), LoadWeights(version=3), Evaluate(step=4)
-    q = queued(Accumulate([group(1)]), load, Accumulate([group(2)]), evaluate, Accumulate([group(3)]), stop)
-    commands = _coalesced(Accumulate([group(0)]), q)
+    q = queued(Accumulate([1]), load, Accumulate([2]), evaluate, Accumulate([3]), stop)
+    commands = _coalesced(Accumulate([0]), q)
     assert [type(c) for c in commands] == [Accumulate, LoadWeights, Accumulate, Evaluate, Accumulate, Stop]
     assert [group_ids(c) for c in commands if isinstance(c, Accumulate)] == [[0, 1], [2], [3]]
     assert commands[1] is load and commands[3] is evaluate and commands[5] is stop
 
     assert _coalesced(stop, queued()) == [stop]
     finish = FinishStep(divisor=1.0, publish=True)
-    assert _coalesced(finish, queued(Accumulate([group(7)]), stop)) == [finish, Accumulate([group(7)]), stop]
+    assert _coalesced(finish, queued(Accumulate([7]), stop)) == [finish, Accumulate([7]), stop]
 
 
 def test_commands_after_stop_are_not_merged_across_it() -> None:
     """Accumulates on either side of a Stop are not merged, so nothing queued after Stop joins work before it."""
     stop = Stop()
-    commands = _coalesced(Accumulate([group(0)]), queued(stop, Accumulate([group(1)])))
+    commands = _coalesced(Accumulate([0]), queued(stop, Accumulate([1])))
     assert [type(c) for c in commands] == [Accumulate, Stop, Accumulate]
     assert group_ids(commands[0]) == [0] and group_ids(commands[2]) == [1]
 
 
 def test_merging_leaves_the_original_commands_untouched() -> None:
     """Merging builds a new Accumulate; the queued commands' group lists are not mutated."""
-    first, second = Accumulate([group(0)]), Accumulate([group(1)])
+    first, second = Accumulate([0]), Accumulate([1])
     [merged] = _coalesced(first, queued(second))
     assert group_ids(merged) == [0, 1]
     assert group_ids(first) == [0] and group_ids(second) == [1]
@@ -77,5 +77,22 @@ def test_merging_leaves_the_original_commands_untouched() -> None:
 
 def test_accumulates_marked_unmergeable_stay_apart() -> None:
     """Periodic's fixed chunks must reach the trainer as sent, whatever queued up meanwhile."""
-    first, second = Accumulate([group(0)], mergeable=False), Accumulate([group(1)], mergeable=False)
+    first, second = Accumulate([0], mergeable=False), Accumulate([1], mergeable=False)
     assert _coalesced(first, queued(second)) == [first, second]
+
+
+def test_accumulates_of_different_staleness_floors_stay_apart() -> None:
+    """Groups masked at different min_version (reject=token) are not merged into one command."""
+    first, second = Accumulate([0], min_version=2), Accumulate([1], min_version=3)
+    assert _coalesced(first, queued(second)) == [first, second]
+    third = Accumulate([2], min_version=2)
+    [merged] = _coalesced(first, queued(third))
+    assert merged.group_ids == [0, 2] and merged.min_version == 2
+
+
+def test_accumulates_carrying_their_groups_merge_with_them() -> None:
+    """A trainer driven directly (Accumulate.of) merges the groups along with their ids."""
+    [merged] = _coalesced(Accumulate.of([group(0)]), queued(Accumulate.of([group(1), group(2)])))
+    assert merged.group_ids == [0, 1, 2] and [g.group_id for g in merged.groups] == [0, 1, 2]
+    # An id-only command and a carrying one are not mixed: the trainer resolves them differently.
+    assert len(_coalesced(Accumulate([3]), queued(Accumulate.of([group(4)])))) == 2

@@ -94,7 +94,7 @@ def command_sequence() -> list:
         groups = make_groups(seed=10 + step, sizes=sizes)
         samples = [s for g in groups for s in g.samples]
         divisor = float(sum(s.num_trained_tokens for s in samples))  # dapo: trained tokens of the batch
-        commands += [Accumulate(groups[:2]), Accumulate(groups[2:3]), Accumulate(groups[3:])]
+        commands += [Accumulate.of(groups[:2]), Accumulate.of(groups[2:3]), Accumulate.of(groups[3:])]
         commands.append(FinishStep(divisor, publish=True))
     return commands
 

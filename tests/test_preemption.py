@@ -254,6 +254,17 @@ class RecordingRuntime(InlineRuntime):
         self.ready: list[Group] = []
         self.steps = 0
 
+    def start(self) -> None:
+        super().start()
+        # The groups go from the generators to the trainer's inbox, not through poll(): record them there.
+        put = self.trainer.inbox.put
+
+        def recording_put(delivery) -> None:
+            self.ready += delivery.groups
+            put(delivery)
+
+        self.trainer.inbox.put = recording_put
+
     def send(self, worker: str, command) -> None:
         if isinstance(command, Submit):
             self.submits.append(command)
@@ -263,7 +274,6 @@ class RecordingRuntime(InlineRuntime):
 
     def poll(self, timeout: float) -> list:
         events = super().poll(timeout)
-        self.ready += [e.group for e in events if isinstance(e, GroupReady)]
         self.steps += sum(isinstance(e, StepDone) for e in events)
         if self.stop_when is not None and self.stop_when(self):
             self.stop_when = None

@@ -128,7 +128,7 @@ def is_group_end(event, worker: str) -> bool:
 
 
 def ended_group(event: GroupReady | GroupDropped | GroupCancelled) -> int:
-    return event.group_id if isinstance(event, GroupCancelled) else event.group.group_id
+    return event.header.group_id if isinstance(event, GroupReady) else event.group_id
 
 
 def run_with_hook(cfg, run_dir: Path, hook) -> tuple[dict, RayRuntime, Controller]:

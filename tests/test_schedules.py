@@ -32,6 +32,7 @@ from asyncrl.orchestration.controller import Controller
 from asyncrl.orchestration.events import (
     Accumulate,
     CheckpointSaved,
+    Discard,
     FinishStep,
     GroupReady,
     LoadWeights,
@@ -362,6 +363,8 @@ class ShufflingRuntime:
         self.submitted: dict[int, Prompt] = {}
         self.submits: list[tuple[str, int]] = []
         self.pending: list[GroupReady] = []
+        self.made: dict[int, Group] = {}
+        self.discarded: list[int] = []
         self.events: list = []
         self.batches: list[list[Group]] = [[]]
         self.version = 0
@@ -395,12 +398,15 @@ class ShufflingRuntime:
                 assert group_id not in self.submitted, "group id issued twice"
                 self.submitted[group_id] = prompt
                 group = self._group(group_id, prompt, self.gen_version[worker])
-                self.pending.append(GroupReady(worker, group))
+                self.made[group_id] = group  # the payload stays here; the controller gets the header
+                self.pending.append(GroupReady(worker, group.header()))
         elif isinstance(command, LoadWeights):
             self.gen_version[worker] = command.version
             self.events.append(WeightsLoaded(worker, command.version, 0.0))
         elif isinstance(command, Accumulate):
-            self.batches[-1] += command.groups
+            self.batches[-1] += [self.made.pop(i) for i in command.group_ids]
+        elif isinstance(command, Discard):
+            self.discarded += command.group_ids
         elif isinstance(command, FinishStep):
             self.version += 1
             self.batches.append([])

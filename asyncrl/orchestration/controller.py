@@ -14,6 +14,12 @@ to trainer, the ``streaming`` knob). The other schedule knobs act here:
   and every generator is told to load them;
 * ``interrupt`` — applied by the generator workers (see ``workers.GeneratorWorker``).
 
+Payload and control are separate (:mod:`.payload`): the generators deliver their groups
+straight to the trainer, and the controller works with their headers — ids, token counts per
+version, rewards, finish reasons — in the buffer, the books, the divisor and the metrics. It
+sends the trainer group ids (``Accumulate``), the ids it gives up (``Discard``) and the ids a
+checkpoint carries (``SaveCheckpoint``); the prompts it issued it keeps itself.
+
 Accounting invariant (checked at the end of every run, see :meth:`Books.accounting`): every
 prompt issued is trained, dropped with a reason, or still in flight / buffered when the run
 stopped; none is trained twice and none goes missing.
@@ -47,6 +53,7 @@ from asyncrl.errors import AsyncRLError
 from asyncrl.orchestration.books import Books
 from asyncrl.orchestration.events import (
     CheckpointSaved,
+    Discard,
     EvalDone,
     Evaluate,
     GroupCancelled,
@@ -75,7 +82,7 @@ from asyncrl.orchestration.session import RunSession
 from asyncrl.orchestration.steps import StepAssembly
 from asyncrl.tasks import PromptSource, PromptStream
 from asyncrl.timeline import busy_fractions
-from asyncrl.types import Group, PartialGroup
+from asyncrl.types import Group, GroupHeader, PartialGroup, PartialHeader, Prompt
 
 
 class RunInterrupted(AsyncRLError):
@@ -105,6 +112,7 @@ class Controller:
         self.steps = StepAssembly(cfg, lambda command: self._send(TRAINER, command))
         self.admission = AdmissionControl(self.B, sched.max_staleness, versions_per_step=self.steps.iters)
         rollouts = (checkpoint.read_rollouts(resume_from) if resume_from is not None else None) or {}
+        # A resume reads the carried groups' headers here; the trainer loads the groups (Restore).
         carried = [Group.from_dict(g) for g in rollouts.get("groups", [])]
         # Admission bounds what is generated, so the buffer never fills in normal operation;
         # its capacity is the depth bound plus one step of slack (plus what a resume carries).
@@ -128,7 +136,7 @@ class Controller:
         self._loop_t = time.monotonic()
         self._tokens_since_step = 0
         # Checkpoints and stops.
-        self.checkpoint_pending: tuple[dict, int, float] | None = None  # (books, version, deadline)
+        self.checkpoint_pending: tuple[dict, int, float, bool] | None = None  # (books, version, deadline, stop)
         self.last_checkpoint: Path | None = None
         self.stop_signal: str | None = None
         self.stop_exit_code = 1
@@ -137,10 +145,12 @@ class Controller:
         self.preempts = sched.max_staleness > 0
         self.preempt_waiting: set[str] | None = None
         self.preempt_deadline = 0.0
-        self.preempted: dict[int, PartialGroup] = {}
+        self.preempted: dict[int, tuple[PartialHeader, Prompt]] = {}
         # After a resume: the groups carried in the buffer, and the partial groups to continue.
         self.carried_ids: set[int] = set()
         self.partials: dict[int, PartialGroup] = {}
+        # The prompt of every generated group not yet trained (headers carry no prompt).
+        self.prompts: dict[int, Prompt] = {}
         self.resume_from = resume_from
         if resume_from is not None:
             version, handed = self.books.load_state_dict(checkpoint.read_controller_state(resume_from))
@@ -159,7 +169,8 @@ class Controller:
         """
         counts, eta = self.books.counts, self.cfg.schedule.max_staleness
         for group in groups:
-            self.buffer.put(group, timeout=0.0)
+            self.buffer.put(group.header(), timeout=0.0)
+            self.prompts[group.group_id] = group.prompt
             self.carried_ids.add(group.group_id)
             counts["carried_groups"] += 1
             counts["carried_group_tokens"] += group.num_completion_tokens
@@ -179,11 +190,12 @@ class Controller:
                 f"{counts['discarded_stale_rollouts']} rollouts older than the staleness bound generated afresh"
             )
 
-    def _on_drop(self, group: Group, reason: str) -> None:
+    def _on_drop(self, group: GroupHeader, reason: str) -> None:
         if group.group_id in self.carried_ids:  # carried over a stop, and now too old to train
             self.books.counts["discarded_stale_rollouts"] += group.size
             self.books.counts["discarded_stale_tokens"] += group.num_completion_tokens
-        self.books.dropped_stale(group.group_id, group.prompt, reason)
+        self.books.dropped_stale(group.group_id, self.prompts.pop(group.group_id), reason)
+        self._send(TRAINER, Discard([group.group_id]))
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -265,17 +277,22 @@ class Controller:
             self._spans.append(event)
             self.session.record_span(event)
         elif isinstance(event, GroupReady):
-            if gens.finished(event.worker, event.group.group_id):
+            header = event.header
+            prompt = gens.finished(event.worker, header.group_id)
+            if prompt is None:
+                self._send(TRAINER, Discard([header.group_id]))  # its prompt was issued again
+            else:
                 books.generated()
-                self._tokens_since_step += event.group.num_completion_tokens
-                self.buffer.put(event.group, timeout=0.0)
+                self.prompts[header.group_id] = prompt
+                self._tokens_since_step += header.num_completion_tokens
+                self.buffer.put(header, timeout=0.0)
         elif isinstance(event, GroupCancelled):
-            if gens.finished(event.worker, event.group_id):
+            if gens.finished(event.worker, event.group_id) is not None:
                 books.counts["cancelled_stale"] += 1
                 books.reissue(event.group_id, event.prompt)
         elif isinstance(event, GroupDropped):
-            if gens.finished(event.worker, event.group.group_id):
-                books.dropped(event.group.group_id, event.reason)
+            if gens.finished(event.worker, event.group_id) is not None:
+                books.dropped(event.group_id, event.reason)
         elif isinstance(event, WeightsLoaded):
             if gens.loaded(event.worker, event.version):
                 self.sync_load_s.setdefault(event.version, []).append(event.seconds)
@@ -294,13 +311,15 @@ class Controller:
         elif isinstance(event, Ready):
             gens.on_ready(event.worker, self.published_version, self.published_checksums)
         elif isinstance(event, Preempted):
-            for partial in event.partials:
-                if gens.finished(event.worker, partial.group_id):
-                    self.preempted[partial.group_id] = partial
+            for header in event.headers:
+                prompt = gens.finished(event.worker, header.group_id)
+                if prompt is not None:
+                    self.preempted[header.group_id] = (header, prompt)
             if self.preempt_waiting is not None:
                 self.preempt_waiting.discard(event.worker)
         elif isinstance(event, WorkerLost):
-            gens.on_lost(event)
+            # Groups it delivered but did not report are issued again: the trainer frees them.
+            self._send(TRAINER, Discard(gens.on_lost(event)))
             if self.preempt_waiting is not None:
                 self.preempt_waiting.discard(event.worker)
         elif isinstance(event, WorkerFailed):
@@ -312,6 +331,8 @@ class Controller:
         self.trainer_version = event.version
         groups = self.steps.confirmed(event.version)
         self.books.trained(g.group_id for g in groups)
+        for group in groups:
+            del self.prompts[group.group_id]
         step = self.steps_done = self.session.record_step(self._step_record(event, groups))
         if event.published:
             self.published_version, self.published_checksums = event.version, event.checksums
@@ -326,7 +347,7 @@ class Controller:
             self._send(TRAINER, SaveModel(str(self.session.run_dir / "final")))
             self.final_save_requested = True
 
-    def _step_record(self, event: StepDone, groups: list[Group]) -> dict:
+    def _step_record(self, event: StepDone, groups: list[GroupHeader]) -> dict:
         """The step's metrics.jsonl row: the trainer's metrics, the batch's, and the loop's own."""
         now = time.time()
         busy = (
@@ -374,15 +395,15 @@ class Controller:
             (gid, prompt) for groups in self.generators.in_flight.values() for gid, prompt in groups.items()
         ]
         preempted = [self.preempted[gid] for gid in sorted(self.preempted)]
-        pending += [(p.group_id, p.prompt) for p in preempted]
+        pending += [(p.group_id, prompt) for p, prompt in preempted]
         keep = self.cfg.run.checkpoint_rollouts
         carried = held if keep else []
-        partial = [p for p in preempted if p.samples] if keep else []
+        partial = [p for p, _ in preempted if p.completions] if keep else []
         if not keep:
-            pending += [(g.group_id, g.prompt) for g in held]
+            pending += [(g.group_id, self.prompts[g.group_id]) for g in held]
             if stop:
                 counts["discarded_at_stop_tokens"] += sum(
-                    g.num_completion_tokens for g in [*held, *preempted]
+                    g.num_completion_tokens for g in [*held, *(p for p, _ in preempted)]
                 )
         in_steps = [g.group_id for batch in steps.unconfirmed for g in batch]
         books = self.books.state_dict(
@@ -394,22 +415,18 @@ class Controller:
             carried=[g.group_id for g in carried],
             partial=[p.group_id for p in partial],
         )
-        rollouts = {
-            "format": 1,
-            "groups": [g.to_dict() for g in carried],
-            "partial": [p.to_dict() for p in partial],
-        }
         deadline = time.monotonic() + self.cfg.run.checkpoint_timeout_s
-        self.checkpoint_pending = (books, version, deadline, rollouts, stop)
+        self.checkpoint_pending = (books, version, deadline, stop)
         tmp = checkpoint.temporary_dir(self.session.run_dir, version)
-        self._send(TRAINER, SaveCheckpoint(str(tmp), version))
+        # The trainer holds the carried and partial groups and writes them beside its state.
+        carried_ids, partial_ids = [g.group_id for g in carried], [p.group_id for p in partial]
+        self._send(TRAINER, SaveCheckpoint(str(tmp), version, carried_ids, partial_ids))
 
     def _on_checkpoint_saved(self, event: CheckpointSaved) -> None:
-        books, version, _, rollouts, stop = self.checkpoint_pending
+        books, version, _, stop = self.checkpoint_pending
         if event.version != version:
             raise WorkerError(f"trainer saved version {event.version}, expected {version}")
         try:
-            checkpoint.write_rollouts(Path(event.path), rollouts)
             checkpoint.write_controller_state(Path(event.path), books)
             path = checkpoint.commit(self.session.run_dir, version, self.cfg.run.keep_checkpoints)
         except OSError as exc:

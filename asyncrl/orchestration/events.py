@@ -3,6 +3,12 @@
 Commands flow from the controller to one worker; events flow from every worker back to
 the controller. They are plain dataclasses so they pickle across processes (local
 runtime) or are passed by reference (inline runtime).
+
+Payload and control are separate: the controller reads and sends only headers and group
+ids. A generator's ``GroupReady`` and ``Preempted`` leave the worker with their groups
+attached; the worker's host delivers the groups to the trainer's inbox and strips them
+before the event goes on (:func:`asyncrl.orchestration.payload.detach_payloads`), and the
+trainer resolves an ``Accumulate``'s group ids from its inbox.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.errors import AsyncRLError
-from asyncrl.types import Group, PartialGroup, Prompt
+from asyncrl.types import Group, GroupHeader, PartialGroup, PartialHeader, Prompt
 
 # -- commands ---------------------------------------------------------------------------
 
@@ -43,15 +49,32 @@ class LoadWeights:
 
 @dataclass
 class Accumulate:
-    """Forward/backward on these groups as part of the current optimizer step.
+    """Forward/backward on the groups ``group_ids`` as part of the current optimizer step.
 
+    ``min_version``: tokens sampled by an older policy version are taken out of the loss
+    (``schedule.reject=token``; with ``reject=group`` no admitted group has any).
     ``mergeable``: a host may merge it with the next queued Accumulate into one (larger
     micro-batches, same gradient up to rounding); False when the step's arithmetic must not
-    depend on timing.
+    depend on timing. ``groups``: the groups themselves, filled in from the trainer's inbox by
+    rank 0 (which forwards them so to the other ranks); None on the controller's side.
     """
 
-    groups: list[Group]
+    group_ids: list[int]
+    min_version: int | None = None
     mergeable: bool = True
+    groups: list[Group] | None = None
+
+    @classmethod
+    def of(cls, groups: list[Group], mergeable: bool = True) -> Accumulate:
+        """An Accumulate that carries its groups (a trainer driven directly, without an inbox)."""
+        return cls([g.group_id for g in groups], mergeable=mergeable, groups=list(groups))
+
+
+@dataclass
+class Discard:
+    """These group ids will not be trained (dropped as stale, lost, late): the trainer frees their payloads."""
+
+    group_ids: list[int]
 
 
 @dataclass
@@ -76,15 +99,25 @@ class SaveModel:
 
 @dataclass
 class SaveCheckpoint:
-    """Write the trainer's state (which must be of ``version``) into ``path``."""
+    """Write the trainer's state (which must be of ``version``) into ``path``.
+
+    ``carried``: ids of the generated groups not yet trained, and ``partial``: ids of the
+    partial groups a preemption stopped; the trainer holds both and writes them beside its
+    state (``rollouts.pt``) for a resume to continue.
+    """
 
     path: str
     version: int
+    carried: list[int] = field(default_factory=list)
+    partial: list[int] = field(default_factory=list)
 
 
 @dataclass
 class Restore:
-    """Load the trainer's state from the checkpoint in ``path``, then publish its weights."""
+    """Load the trainer's state from the checkpoint in ``path``, then publish its weights.
+
+    The generated groups the checkpoint carries go into the trainer's inbox.
+    """
 
     path: str
 
@@ -105,8 +138,16 @@ class Ready:
 
 @dataclass
 class GroupReady:
+    """A group is generated and scored. The controller reads ``header``; ``group`` is the payload,
+    delivered to the trainer by the worker's host and None once the event leaves it."""
+
     worker: str
-    group: Group
+    header: GroupHeader
+    group: Group | None = None
+
+    @classmethod
+    def of(cls, worker: str, group: Group) -> GroupReady:
+        return cls(worker, group.header(), group)
 
 
 @dataclass
@@ -114,7 +155,7 @@ class GroupDropped:
     """A finished group that cannot be trained (e.g. its reward function failed under drop_group)."""
 
     worker: str
-    group: Group
+    group_id: int
     reason: str
 
 
@@ -129,10 +170,19 @@ class GroupCancelled:
 
 @dataclass
 class Preempted:
-    """A generator's groups in flight, stopped by ``Preempt``: finished completions and prefixes."""
+    """A generator's groups in flight, stopped by ``Preempt``: finished completions and prefixes.
+
+    As with ``GroupReady``, the controller reads ``headers`` and the host delivers ``partials``
+    to the trainer, which writes them into the stop's checkpoint.
+    """
 
     worker: str
-    partials: list[PartialGroup]
+    headers: list[PartialHeader]
+    partials: list[PartialGroup] | None = None
+
+    @classmethod
+    def of(cls, worker: str, partials: list[PartialGroup]) -> Preempted:
+        return cls(worker, [p.header() for p in partials], partials)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from asyncrl.config import Config
 from asyncrl.errors import AsyncRLError
 from asyncrl.orchestration.events import Ready, WorkerFailed
 from asyncrl.orchestration.loop import serve_generator, serve_trainer
+from asyncrl.orchestration.payload import Delivery, Inbox
 from asyncrl.orchestration.transport import TransportSpec, make_receiver, make_sender, weights_device
 from asyncrl.orchestration.workers import GeneratorWorker, TrainerWorker, run_follower
 
@@ -33,19 +34,30 @@ def is_trainer(role: str) -> bool:
 
 
 def build_worker(
-    role: str, name: str, index: int, cfg: Config, spec: TransportSpec, group: dict, *, elastic: bool
+    role: str,
+    name: str,
+    index: int,
+    cfg: Config,
+    spec: TransportSpec,
+    group: dict,
+    *,
+    elastic: bool,
+    inbox: Inbox | None = None,
 ) -> tuple[TrainerWorker | GeneratorWorker, torch.device]:
     """The worker of ``role`` and the device its weights live on.
 
     ``index`` is the trainer rank or the generator's index (its rank in a broadcast group is
     index + 1); ``group`` says where trainer ranks meet (``world_size``, ``master_addr``,
-    ``master_port``); ``elastic``: the trainer's broadcast group may be re-formed (Ray).
+    ``master_port``); ``elastic``: the trainer's broadcast group may be re-formed (Ray);
+    ``inbox``: where rank 0 finds the groups the generators deliver.
     """
     timeout = cfg.runtime.stall_timeout_s
     device = weights_device(cfg, trainer=is_trainer(role))
     if is_trainer(role):
         sender = (lambda layout: make_sender(spec, layout, timeout, device, elastic)) if index == 0 else None
-        return TrainerWorker(name, cfg, sender, rank=index, **group), device
+        return TrainerWorker(
+            name, cfg, sender, rank=index, inbox=inbox if index == 0 else None, **group
+        ), device
     receiver = lambda layout: make_receiver(spec, layout, index + 1, timeout, device)  # noqa: E731
     return GeneratorWorker(name, cfg, receiver, seed=cfg.run.seed + index, regroups=elastic), device
 
@@ -67,11 +79,17 @@ def serve_worker(
     emit: Callable[[object], None],
     should_exit: Callable[[], bool],
     on_busy: Callable[[bool], None] | None = None,
+    deliver: Callable[[Delivery], None] | None = None,
 ) -> None:
-    """Run the worker's command loop until Stop; trainer ranks 1.. execute what rank 0 forwards."""
+    """Run the worker's command loop until Stop; trainer ranks 1.. execute what rank 0 forwards.
+
+    ``deliver``: a generator's way to the trainer's inbox (see :mod:`.payload`).
+    """
     if role == TRAINER_RANK:
         run_follower(worker, busy=on_busy)
     elif role == TRAINER:
         serve_trainer(worker, commands, emit, should_exit=should_exit, on_busy=on_busy)
     else:
-        serve_generator(worker, commands, emit, should_exit=should_exit, on_busy=on_busy)
+        if deliver is None:
+            raise ValueError(f"{worker.name}: a generator needs a way to deliver its groups to the trainer")
+        serve_generator(worker, commands, emit, deliver, should_exit=should_exit, on_busy=on_busy)

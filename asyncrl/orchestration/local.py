@@ -2,7 +2,8 @@
 
 Each worker process sets its own torch thread count, so on a small machine generation and
 training really run side by side. Commands go to a worker through its own queue; every
-worker sends events through one shared queue. Weights move by the configured transport
+worker sends events through one shared queue; the generators' groups go to the trainer
+through one more (the payload plane, :mod:`.payload`). Weights move by the configured transport
 (shared memory by default, or a torch.distributed broadcast group, or files).
 
 Liveness: every wait has a deadline. A worker that raises reports the error before it
@@ -35,6 +36,7 @@ from asyncrl.config import Config
 from asyncrl.orchestration.cores import CoreShare, available_cores
 from asyncrl.orchestration.events import Ready, Stop, WorkerError, WorkerFailed
 from asyncrl.orchestration.host import TRAINER, TRAINER_RANK, build_worker, failed, ready, serve_worker
+from asyncrl.orchestration.payload import Inbox
 from asyncrl.orchestration.runtime import generator_name
 from asyncrl.orchestration.transport import (
     SEGMENT_RECORD,
@@ -63,6 +65,7 @@ def _worker_main(
     slot: int,
     cmd_q,
     evt_q,
+    payload_q,
     interrupt,
 ) -> None:
     """Body of a worker process: build the worker, then execute commands until Stop.
@@ -70,7 +73,8 @@ def _worker_main(
     ``index`` is the generator's index, or the trainer rank; ``group`` says where trainer
     ranks meet (``master_addr``, ``master_port``, ``world_size``); ``slot`` is the
     worker's entry in the shared busy flags. Trainer ranks 1.. have no command queue: they
-    run rank 0's commands (:func:`run_follower`). ``interrupt``: set when the run stops.
+    run rank 0's commands (:func:`run_follower`). ``payload_q`` carries the generators' groups
+    to the trainer (see :mod:`.payload`). ``interrupt``: set when the run stops.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Python refuses children to a daemonic process, which it would leave orphaned when it ends
@@ -91,7 +95,8 @@ def _worker_main(
         else:
             cores = CoreShare(busy_flags, slot=slot, cores=available_cores())
         cfg = Config.model_validate_json(cfg_json)
-        worker, _ = build_worker(role, name, index, cfg, spec, group, elastic=False)
+        inbox = Inbox(feed=payload_q) if role == TRAINER else None
+        worker, _ = build_worker(role, name, index, cfg, spec, group, elastic=False, inbox=inbox)
         threading.Thread(
             target=_stop_scoring_on, args=(interrupt, worker), name="asyncrl-interrupt", daemon=True
         ).start()
@@ -99,9 +104,20 @@ def _worker_main(
             worker.trainer.before_micro_batch = cores.fit
         evt_q.put(ready(name))
         busy = None if cores is None else lambda b: _set_busy(cores, b)
-        serve_worker(role, worker, cmd_q, evt_q.put, should_exit=lambda: os.getppid() != parent, on_busy=busy)
+        serve_worker(
+            role,
+            worker,
+            cmd_q,
+            evt_q.put,
+            should_exit=lambda: os.getppid() != parent,
+            on_busy=busy,
+            deliver=payload_q.put,
+        )
         if os.getppid() != parent:
             evt_q.cancel_join_thread()  # nobody will read what is still queued; do not wait for it
+        # Groups still on their way when the run stops are not needed (the checkpoint was
+        # written): exiting must not wait for a trainer that no longer reads them.
+        payload_q.cancel_join_thread()
     except BaseException as exc:
         # Exiting joins the queue's feeder thread, so the report is written before the process ends.
         evt_q.put(failed(name, exc))
@@ -142,6 +158,7 @@ class LocalRuntime:
         self.trainer_names = [trainer_rank_name(r) for r in range(cfg.trainer.ranks)]
         self._ctx = mp.get_context("spawn")
         self._events = self._ctx.Queue()
+        self._payloads = self._ctx.Queue()  # generators -> trainer: the groups themselves
         self._commands: dict[str, object] = {}
         self._procs: dict[str, mp.Process] = {}
         # Slot 0 is the trainer's, slot i+1 generator i's, slot N+r trainer rank r's (see
@@ -186,6 +203,7 @@ class LocalRuntime:
                     slot,
                     self._commands.get(name),
                     self._events,
+                    self._payloads,
                     self._interrupt,
                 ),
             )
@@ -286,7 +304,7 @@ class LocalRuntime:
                     getattr(proc, sig_method)()
             for proc in self._procs.values():
                 proc.join(timeout=5)
-        for q in [*self._commands.values(), self._events]:
+        for q in [*self._commands.values(), self._events, self._payloads]:
             q.cancel_join_thread()
             q.close()
         if self._spec is not None and self._spec.segment:

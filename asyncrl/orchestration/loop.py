@@ -13,6 +13,7 @@ import queue
 from collections.abc import Callable
 
 from asyncrl.orchestration.events import Accumulate, Stop
+from asyncrl.orchestration.payload import Delivery, detach_payloads
 
 IDLE_WAIT_S = 0.02  # how long an idle generator waits for a command before looking again
 TRAINER_WAIT_S = 0.5  # how often a waiting trainer checks should_exit
@@ -32,14 +33,17 @@ def coalesced(first, cmd_q) -> list:
         pass
     merged: list = []
     for command in commands:
+        last = merged[-1] if merged else None
         if (
             isinstance(command, Accumulate)
-            and merged
-            and isinstance(merged[-1], Accumulate)
+            and isinstance(last, Accumulate)
             and command.mergeable
-            and merged[-1].mergeable
+            and last.mergeable
+            and command.min_version == last.min_version
+            and (command.groups is None) == (last.groups is None)
         ):
-            merged[-1] = Accumulate(merged[-1].groups + command.groups)
+            groups = None if command.groups is None else last.groups + command.groups
+            merged[-1] = Accumulate(last.group_ids + command.group_ids, command.min_version, groups=groups)
         else:
             merged.append(command)
     return merged
@@ -73,10 +77,15 @@ def serve_generator(
     worker,
     cmd_q,
     emit: Callable[[object], None],
+    deliver: Callable[[Delivery], None],
     should_exit: Callable[[], bool] = lambda: False,
     on_busy: Callable[[bool], None] | None = None,
 ) -> None:
-    """Alternate between queued commands and engine steps until Stop (or ``should_exit``)."""
+    """Alternate between queued commands and engine steps until Stop (or ``should_exit``).
+
+    The groups the worker produces are handed to ``deliver`` (to the trainer); ``emit`` gets
+    their headers.
+    """
     while not should_exit():
         try:
             command = cmd_q.get(timeout=IDLE_WAIT_S) if worker.idle else cmd_q.get_nowait()
@@ -89,7 +98,7 @@ def serve_generator(
             pass
         if on_busy is not None:
             on_busy(not worker.idle)
-        for event in worker.work():
+        for event in detach_payloads(worker.work(), deliver):
             emit(event)
         if on_busy is not None and worker.idle:
             on_busy(False)  # at once: the trainer may be starting on what was just sent

@@ -73,12 +73,12 @@ class Generators:
         order = sorted(active, key=lambda g: (-self.version[g], len(self.in_flight[g])))
         return [g for g in order if not self.pending_update[g]] if wait_for_updates else order
 
-    def finished(self, worker: str, group_id: int) -> bool:
-        """Take a group off its generator's books; False if it was not there (a late duplicate)."""
-        if self.in_flight.get(worker, {}).pop(group_id, None) is None:
+    def finished(self, worker: str, group_id: int) -> Prompt | None:
+        """Take a group off its generator's books: its prompt, or None if it was not there (a late duplicate)."""
+        prompt = self.in_flight.get(worker, {}).pop(group_id, None)
+        if prompt is None:
             self.books.counts["ignored_late"] += 1
-            return False
-        return True
+        return prompt
 
     def send_weights(self, version: int, checksums: dict | None) -> None:
         for gen in self.names:
@@ -107,8 +107,11 @@ class Generators:
         if published_version > 0:
             self.runtime.send(worker, LoadWeights(published_version, checksums))
 
-    def on_lost(self, event: WorkerLost) -> None:
-        """A generator is gone: its groups in flight are issued again; nothing it made is lost."""
+    def on_lost(self, event: WorkerLost) -> list[int]:
+        """A generator is gone: its groups in flight are issued again; nothing it made is lost.
+
+        Returns their group ids (the trainer may hold some of them, delivered before the loss).
+        """
         if event.worker == TRAINER or event.worker not in self.in_flight:
             raise WorkerError(f"{event.worker} was lost: {event.reason}")
         lost = self.in_flight.pop(event.worker)
@@ -120,6 +123,7 @@ class Generators:
         self.log(f"{event.worker} lost ({event.reason}); {len(lost)} groups re-issued")
         if not self.names and not self.runtime.restarts_generators:
             raise WorkerError(f"every generator is lost (last: {event.worker}: {event.reason})")
+        return list(lost)
 
     def _forget(self, name: str) -> None:
         self.names.remove(name)

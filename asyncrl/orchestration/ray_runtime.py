@@ -61,6 +61,7 @@ from asyncrl.orchestration.host import (
     ready,
     serve_worker,
 )
+from asyncrl.orchestration.payload import Delivery
 from asyncrl.orchestration.runtime import generator_name
 from asyncrl.orchestration.transport import (
     TransportSpec,
@@ -96,16 +97,34 @@ class WorkerHost:
         self._exit = threading.Event()
         self._worker = None  # once built
         self._device = None  # where the worker's weights live, once built
+        self._trainer = None  # a generator's handle on the trainer's actor
+        self._stall_s = 60.0  # runtime.stall_timeout_s, once the config is read
         self._thread = threading.Thread(target=self._run, name=f"asyncrl-{name}", daemon=True)
 
-    def start(self, spec: TransportSpec, group: dict) -> None:
+    def start(self, spec: TransportSpec, group: dict, trainer=None) -> None:
         """Build the worker and serve commands, on a thread; ``Ready`` or ``WorkerFailed`` follows.
 
         ``group`` says where the trainer ranks meet (``world_size``, ``master_addr``,
         ``master_port``); ranks 1.. take their commands from rank 0, not from ``send``.
+        ``trainer``: a generator's handle on the trainer's actor, where it delivers its groups.
         """
-        self._spec, self._group = spec, group
+        self._spec, self._group, self._trainer = spec, group, trainer
         self._thread.start()
+
+    def deliver(self, delivery: Delivery) -> None:
+        """A generator's groups, into the trainer's inbox (this is the trainer's actor)."""
+        with self._lock:
+            worker = self._worker
+        if worker is None or self.role != TRAINER:
+            raise RuntimeError(f"{self.name} takes no deliveries: it is not a started trainer")
+        worker.inbox.put(delivery)
+
+    def _deliver_to_trainer(self, delivery: Delivery) -> None:
+        """Hand groups to the trainer and wait until they are there, so the headers reported after
+        them never name a group the trainer cannot get (even if this actor dies right after)."""
+        import ray
+
+        ray.get(self._trainer.deliver.remote(delivery), timeout=self._stall_s)
 
     def where(self) -> dict:
         import ray
@@ -177,6 +196,7 @@ class WorkerHost:
         try:
             torch.set_num_threads(max(1, self._threads))
             cfg = Config.model_validate_json(self._cfg_json)
+            self._stall_s = cfg.runtime.stall_timeout_s
             worker, device = build_worker(
                 self.role, self.name, self.index, cfg, self._spec, self._group, elastic=True
             )
@@ -184,7 +204,14 @@ class WorkerHost:
                 self._worker = worker
                 self._device = device  # the weight-sync ends of later groups use it too
             self._events.put(ready(self.name))
-            serve_worker(self.role, worker, self._commands, self._events.put, should_exit=self._exit.is_set)
+            serve_worker(
+                self.role,
+                worker,
+                self._commands,
+                self._events.put,
+                should_exit=self._exit.is_set,
+                deliver=self._deliver_to_trainer if self._trainer is not None else None,
+            )
         except BaseException as exc:
             self._events.put(failed(self.name, exc))
         finally:
@@ -270,7 +297,7 @@ class RayRuntime:
         for rank in ranks:
             rank.start.remote(self._spec, group)
         for i, name in enumerate(self.generator_names):
-            self._create("generator", name, i).start.remote(self._spec, {})
+            self._create("generator", name, i).start.remote(self._spec, {}, ranks[0])
         self._wait_ready(set(self._actors))
         if self._spec.kind == "shm":
             self._check_same_node(self.generator_names)
@@ -284,7 +311,7 @@ class RayRuntime:
             "num_cpus": res.num_cpus,
             "num_gpus": res.num_gpus,
             "max_restarts": 0,  # restarts are the runtime's: it re-issues the lost work first
-            "max_concurrency": 4,  # send, events and stop may overlap
+            "max_concurrency": 8,  # send, events, stop and the generators' deliveries may overlap
         }
         if res.memory_gb:
             options["memory"] = int(res.memory_gb * (1 << 30))
@@ -432,7 +459,7 @@ class RayRuntime:
         if spec.kind == "broadcast":
             spec = spec.replace(port=None)
             self._joining.add(name)
-        self._create("generator", name, self._index_of(name)).start.remote(spec, {})
+        self._create("generator", name, self._index_of(name)).start.remote(spec, {}, self._actors[TRAINER])
 
     def _regroup(self) -> None:
         """Form a new broadcast group of the trainer and ``_members`` (their ranks in order).

@@ -15,6 +15,7 @@ import torch
 
 from asyncrl.config import Config
 from asyncrl.orchestration.events import LoadWeights, Preempt, Ready, Submit
+from asyncrl.orchestration.payload import detach_payloads
 from asyncrl.orchestration.workers import GeneratorWorker, TrainerWorker
 from asyncrl.tasks.rewards import ScoringStopped
 from asyncrl.weight_sync.inprocess import InProcessChannel
@@ -136,7 +137,8 @@ class InlineRuntime:
             busy = [g for g in self.generators.values() if self._may_run(g)]
             while busy and not self._events:
                 for g in busy:
-                    self._events += g.work()
+                    # The groups go to the trainer's inbox by reference; the controller gets headers.
+                    self._events += detach_payloads(g.work(), self.trainer.inbox.put)
                 busy = [g for g in busy if self._may_run(g)]
             if not self._events:
                 time.sleep(min(timeout, 0.01))  # nothing anywhere: let the controller's watchdog see it

@@ -7,6 +7,9 @@ order they arrived in. With ``schedule.reproducible`` a streaming step is sent i
 chunks of the lowest group ids (see :attr:`StepAssembly.canonical`). Once a step's B groups
 are with the trainer, ``FinishStep`` carries the batch divisor and whether the step
 publishes weights (``sync_every``).
+
+Everything here works on group headers: the trainer takes the groups themselves from its
+inbox by the ids an ``Accumulate`` names.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from asyncrl.algorithms.losses import batch_divisor
 from asyncrl.buffer import RolloutBuffer
 from asyncrl.config import Config
 from asyncrl.orchestration.events import Accumulate, FinishStep
-from asyncrl.types import Group
+from asyncrl.types import GroupHeader
 
 CANONICAL_CHUNKS = 4  # a reproducible streaming step is sent in this many fixed chunks
 
@@ -37,9 +40,9 @@ class StepAssembly:
         self.B = cfg.rollout.prompts_per_step
         self.iters = cfg.algorithm.num_iterations
         self.rounds = -(-cfg.run.steps // self.iters)  # batches in the run
-        self.staged: list[Group] = []  # held until they can be sent (whole step, or a canonical chunk)
-        self.step_groups: list[Group] = []  # sent for the step being assembled
-        self.unconfirmed: deque[list[Group]] = deque()  # steps sent whole, awaiting StepDone
+        self.staged: list[GroupHeader] = []  # held until they can be sent (whole step, or a canonical chunk)
+        self.step_groups: list[GroupHeader] = []  # sent for the step being assembled
+        self.unconfirmed: deque[list[GroupHeader]] = deque()  # steps sent whole, awaiting StepDone
         self.planned_version = 0
         self.handed = 0
 
@@ -56,7 +59,7 @@ class StepAssembly:
         return self.cfg.schedule.streaming and self.cfg.schedule.reproducible
 
     @property
-    def held(self) -> list[Group]:
+    def held(self) -> list[GroupHeader]:
         """Generated groups not yet trained: staged, or part of the step being assembled."""
         return [*self.staged, *self.step_groups]
 
@@ -74,23 +77,31 @@ class StepAssembly:
             self._send_canonical_chunks(running_ids)
         elif self.cfg.schedule.streaming:
             if fresh:
-                self.send(Accumulate(fresh))
-                self.step_groups += fresh
+                self._send(fresh, mergeable=True)
         else:
             self.staged += fresh
             if len(self.staged) == self.B:
                 self.staged.sort(key=lambda g: g.group_id)
-                self.send(Accumulate(self.staged, mergeable=False))
-                self.step_groups, self.staged = self.staged, []
+                self._send(self.staged, mergeable=False)
+                self.staged = []
         if len(self.step_groups) == self.B and may_finish:
             self._finish()
 
+    def _send(self, groups: list[GroupHeader], mergeable: bool) -> None:
+        """Send the groups to the trainer for the step being assembled, by id.
+
+        The buffer admitted them for ``planned_version`` (masking, with ``reject=token``, what
+        is older than ``planned_version - max_staleness``); the trainer masks the groups the same way.
+        """
+        min_version = self.planned_version - self.cfg.schedule.max_staleness
+        self.send(Accumulate([g.group_id for g in groups], min_version, mergeable=mergeable))
+        self.step_groups += groups
+
     def _finish(self) -> None:
-        samples = [s for g in self.step_groups for s in g.samples]
         divisor = batch_divisor(
             self.cfg.algorithm.loss_type,
-            len(samples),
-            sum(s.num_trained_tokens for s in samples),
+            sum(g.size for g in self.step_groups),
+            sum(g.num_trained_tokens for g in self.step_groups),
             self.cfg.rollout.max_new_tokens,
         )
         self.planned_version += self.iters
@@ -112,9 +123,8 @@ class StepAssembly:
                 return  # a lower group id is still generating
             batch = [here[i] for i in candidates]
             self.staged = [g for g in self.staged if g.group_id not in set(candidates)]
-            self.send(Accumulate(batch, mergeable=False))
-            self.step_groups += batch
+            self._send(batch, mergeable=False)
 
-    def confirmed(self, version: int) -> list[Group]:
+    def confirmed(self, version: int) -> list[GroupHeader]:
         """The groups a ``StepDone`` of ``version`` trained (a batch's later PPO epochs train none anew)."""
         return self.unconfirmed.popleft() if (version - 1) % self.iters == 0 else []

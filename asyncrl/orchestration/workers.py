@@ -7,6 +7,7 @@ commands and forwards their events to the controller.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from asyncrl.orchestration import build
 from asyncrl.orchestration.events import (
     Accumulate,
     CheckpointSaved,
+    Discard,
     EvalDone,
     Evaluate,
     FinishStep,
@@ -45,11 +47,13 @@ from asyncrl.orchestration.events import (
     Submit,
     WeightsLoaded,
 )
+from asyncrl.orchestration.payload import Delivery, Inbox
 from asyncrl.tasks.rewards import ScoringStopped
 from asyncrl.trainer import assign_advantages
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.distributed import RankGroup, RankSpec, rank_device
 from asyncrl.trainer.trainer import sync_dtype
+from asyncrl.types import Group, PartialGroup
 from asyncrl.weight_sync import WeightLayout, WeightReceiver, WeightSender, WeightSyncError
 from asyncrl.weight_sync.base import SyncInterrupted, check_checksums, tensor_checksums
 
@@ -205,7 +209,7 @@ class GeneratorWorker:
         """One unit of work: report a preemption, or apply a pending update if allowed, or one engine step."""
         if self._preempt:
             self._preempt = False
-            return [*self._flush_span(), Preempted(self.name, self.rollout.preempt())]
+            return [*self._flush_span(), Preempted.of(self.name, self.rollout.preempt())]
         if self._next_receiver is not None:
             self._switch_group()
         if self.pending_version is not None and self._may_apply_update():
@@ -220,8 +224,8 @@ class GeneratorWorker:
             ready, dropped = self.rollout.step(admit=not draining)
         except ScoringStopped:
             return self._flush_span()
-        events: list = [GroupReady(self.name, g) for g in ready]
-        events += [GroupDropped(self.name, g, "reward_error") for g in dropped]
+        events: list = [GroupReady.of(self.name, g) for g in ready]
+        events += [GroupDropped(self.name, g.group_id, "reward_error") for g in dropped]
         if not self.rollout.has_work or time.time() - self._busy_since > SPAN_FLUSH_S:
             events += self._flush_span()
         return events
@@ -324,6 +328,10 @@ class TrainerWorker:
     returns events. Ranks 1..M-1 (``sender_factory`` None) run :func:`run_follower`, which
     executes the same commands until rank 0 closes. The host decides only where the
     processes live: a child process (local runtime) or a Ray actor is the same to this class.
+
+    Rank 0 holds the :class:`~asyncrl.orchestration.payload.Inbox` the generators deliver
+    their groups to: an ``Accumulate`` names group ids, which rank 0 takes from there (and
+    keeps until the step is finished, for a checkpoint that carries them).
     """
 
     def __init__(
@@ -336,6 +344,7 @@ class TrainerWorker:
         world_size: int = 1,
         master_addr: str = "127.0.0.1",
         master_port: int = 0,
+        inbox: Inbox | None = None,
     ) -> None:
         if world_size != cfg.trainer.ranks:
             raise ValueError(f"world_size={world_size} but the config has trainer.ranks={cfg.trainer.ranks}")
@@ -363,6 +372,8 @@ class TrainerWorker:
         self._layout = layout
         self.sender = sender_factory(layout) if sender_factory is not None else None
         self.trainer = build.build_trainer(cfg, self.policy, self.ranks)
+        self.inbox = inbox if inbox is not None else Inbox()
+        self._step_groups: dict[int, Group] = {}  # taken from the inbox for the open step
         self._step_batches: list[MicroBatch] = []
         self._step_open = False
         self._eval_engine: EmbeddedEngine | None = None
@@ -403,15 +414,17 @@ class TrainerWorker:
         self.trainer_reward.stop()
 
     def handle(
-        self, command: Accumulate | FinishStep | Evaluate | SaveModel | SaveCheckpoint | Restore
+        self, command: Accumulate | FinishStep | Evaluate | SaveModel | SaveCheckpoint | Restore | Discard
     ) -> list:
-        if not isinstance(command, Accumulate | FinishStep | Evaluate | SaveModel | SaveCheckpoint | Restore):
+        if not isinstance(
+            command, Accumulate | FinishStep | Evaluate | SaveModel | SaveCheckpoint | Restore | Discard
+        ):
             raise TypeError(f"trainer cannot handle {type(command).__name__}")
+        if isinstance(command, Discard):
+            self.inbox.discard(command.group_ids)
+            return []
         if self.is_leader and isinstance(command, Accumulate):
-            # From whole groups, before the samples are split across ranks.
-            assign_advantages(
-                command.groups, self.cfg.algorithm.advantage_scale, self.cfg.algorithm.step_rewards
-            )
+            command = self._resolve(command)
         if self.ranks is not None and self.ranks.is_leader:
             self.ranks.post(command)
         if isinstance(command, Accumulate):
@@ -429,6 +442,21 @@ class TrainerWorker:
             return []
         save_policy(policy, Path(command.path))
         return [Saved(self.name, command.path)]
+
+    def _resolve(self, command: Accumulate) -> Accumulate:
+        """The command with its groups: from the inbox, stale tokens masked, advantages assigned.
+
+        Advantages come from whole groups, before the samples are split across ranks.
+        """
+        groups = command.groups
+        if groups is None:
+            groups = self.inbox.take(command.group_ids, timeout=self.cfg.runtime.stall_timeout_s)
+        if command.min_version is not None:
+            for group in groups:
+                group.mask_older_than(command.min_version)
+        assign_advantages(groups, self.cfg.algorithm.advantage_scale, self.cfg.algorithm.step_rewards)
+        self._step_groups.update((g.group_id, g) for g in groups)
+        return dataclasses.replace(command, groups=groups)
 
     def _full_policy(self) -> Policy | None:
         """The policy with whole weights on rank 0 (None elsewhere); with FSDP2 every rank joins a gather."""
@@ -457,13 +485,37 @@ class TrainerWorker:
         if not self.is_leader:
             return []
         checkpoint.save_trainer_state(Path(command.path), policy, state)
+        checkpoint.write_rollouts(Path(command.path), self._carried_rollouts(command))
         return [
             Span(self.name, "checkpoint", start, time.time()),
             CheckpointSaved(self.name, command.path, command.version),
         ]
 
+    def _carried_rollouts(self, command: SaveCheckpoint) -> dict:
+        """The checkpoint's generated groups not yet trained, and the partial groups of a stop.
+
+        A carried group is in the inbox, or was taken for the open step (which a stop abandons).
+        """
+        wait = self.cfg.runtime.stall_timeout_s
+        waiting = [i for i in command.carried if i not in self._step_groups]
+        found = dict(zip(waiting, self.inbox.peek(waiting, timeout=wait), strict=True))
+        groups = [self._step_groups.get(i) or found[i] for i in command.carried]
+        partials: list[PartialGroup] = self.inbox.partials(command.partial, timeout=wait)
+        return {
+            "format": 1,
+            "groups": [g.to_dict() for g in groups],
+            "partial": [p.to_dict() for p in partials],
+        }
+
     def _restore(self, command: Restore) -> list:
-        """Every rank loads (rank 0 reads the files and broadcasts); rank 0 publishes the weights."""
+        """Every rank loads (rank 0 reads the files and broadcasts); rank 0 publishes the weights.
+
+        Rank 0 also puts the generated groups the checkpoint carries into its inbox: the
+        controller, which read their headers from the same file, will ask for them.
+        """
+        if self.is_leader:
+            carried = checkpoint.read_rollouts(Path(command.path)) or {}
+            self.inbox.put(Delivery([Group.from_dict(g) for g in carried.get("groups", [])]))
         weights, state = checkpoint.load_trainer_state(Path(command.path)) if self.is_leader else ({}, {})
         version = self.trainer.load_checkpoint_state(weights, state)
         named = self.trainer.synced_weights()  # with FSDP2 a gather that every rank joins
@@ -519,7 +571,7 @@ class TrainerWorker:
             self.trainer.begin_step()
             self._step_batches = []
             self._step_open = True
-        batches = self.trainer.prepare([s for g in command.groups for s in g.samples])
+        batches = self.trainer.prepare([s for g in command.groups for s in g.samples])  # resolved by rank 0
         self._step_batches += batches
         self.trainer.accumulate(batches)
         return [Span(self.name, "train", start, time.time(), {"groups": len(command.groups)})]
@@ -536,6 +588,7 @@ class TrainerWorker:
             steps.append(self.trainer.finish_step(command.divisor))
         self._step_open = False
         self._step_batches = []
+        self._step_groups = {}
         events.append(Span(self.name, "train", start, time.time(), {"optimizer_steps": len(steps)}))
         publish_s, sync_bytes, checksums = 0.0, 0, None
         if command.publish:
@@ -567,6 +620,7 @@ class TrainerWorker:
     def close(self) -> None:
         """Rank 0: release the other ranks from :func:`run_follower` first. Every rank: leave the group."""
         self.trainer_reward.close()
+        self.inbox.close()
         try:
             if self.ranks is not None and self.ranks.is_leader:
                 self.ranks.post(Stop())
