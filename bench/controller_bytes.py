@@ -46,7 +46,9 @@ class ByteCounter:
             return on_event(controller, event)
 
         def counted_send(controller, worker, command):
-            counter.sent[type(command).__name__] += len(pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL))
+            counter.sent[type(command).__name__] += len(
+                pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+            )
             return send(controller, worker, command)
 
         Controller._on_event, Controller._send = counted_on_event, counted_send

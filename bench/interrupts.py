@@ -21,7 +21,7 @@ import torch
 
 from asyncrl.config import load_config
 from asyncrl.orchestration.events import GroupReady, LoadWeights, Submit, WeightsLoaded
-from asyncrl.orchestration.workers import GeneratorWorker
+from asyncrl.orchestration.generator_worker import GeneratorWorker
 from asyncrl.types import Prompt
 from asyncrl.weight_sync.inprocess import InProcessChannel
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import queue
 
-from asyncrl.orchestration.events import Accumulate, Evaluate, FinishStep, LoadWeights, Stop
+from asyncrl.orchestration.events import Accumulate, Discard, Evaluate, FinishStep, LoadWeights, Stop
 from asyncrl.orchestration.loop import coalesced as _coalesced
 from asyncrl.types import Group, Prompt
 
@@ -96,3 +96,12 @@ def test_accumulates_carrying_their_groups_merge_with_them() -> None:
     assert merged.group_ids == [0, 1, 2] and [g.group_id for g in merged.groups] == [0, 1, 2]
     # An id-only command and a carrying one are not mixed: the trainer resolves them differently.
     assert len(_coalesced(Accumulate([3]), queued(Accumulate.of([group(4)])))) == 2
+
+
+def test_discards_go_first_as_one_and_do_not_split_a_merge() -> None:
+    """A Discard names groups no Accumulate names, so the trainer applies them first and keeps merging."""
+    finish = FinishStep(divisor=1.0, publish=False)
+    q = queued(Discard([9]), Accumulate([1]), Discard([8, 7]), Accumulate([2]), finish)
+    commands = _coalesced(Accumulate([0]), q)
+    assert [type(c) for c in commands] == [Discard, Accumulate, FinishStep]
+    assert commands[0].group_ids == [9, 8, 7] and commands[1].group_ids == [0, 1, 2]

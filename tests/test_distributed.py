@@ -21,8 +21,8 @@ import torch.multiprocessing as mp
 
 from asyncrl.config import Config, load_config
 from asyncrl.orchestration.events import Accumulate, FinishStep, Restore, SaveCheckpoint, StepDone
+from asyncrl.orchestration.trainer_worker import TrainerWorker, run_follower
 from asyncrl.orchestration.transport import free_port
-from asyncrl.orchestration.workers import TrainerWorker, run_follower
 from asyncrl.trainer.batching import trained_span
 from asyncrl.trainer.distributed import reduce_step_stats, split_samples
 from asyncrl.types import Group, Prompt, Sample

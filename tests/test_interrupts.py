@@ -31,7 +31,7 @@ from asyncrl.orchestration.events import (
     Submit,
     WeightsLoaded,
 )
-from asyncrl.orchestration.workers import GeneratorWorker
+from asyncrl.orchestration.generator_worker import GeneratorWorker
 from asyncrl.types import Group, Prompt
 from asyncrl.weight_sync.base import WeightSyncError
 from asyncrl.weight_sync.broadcast import UnjoinedReceiver

@@ -25,7 +25,7 @@ from asyncrl.models import Policy, load_policy, save_policy
 from asyncrl.models.lora import apply_lora, is_lora, lora_targets, published_weights
 from asyncrl.orchestration import build
 from asyncrl.orchestration.events import LoadWeights, WeightsLoaded
-from asyncrl.orchestration.workers import GeneratorWorker
+from asyncrl.orchestration.generator_worker import GeneratorWorker
 from asyncrl.trainer import Trainer, collate, completion_logprobs
 from asyncrl.types import Group, Prompt, Sample
 from asyncrl.weight_sync import WeightLayout, WeightSyncError

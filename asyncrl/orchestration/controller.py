@@ -12,7 +12,7 @@ to trainer, the ``streaming`` knob). The other schedule knobs act here:
   what is too old;
 * ``sync_every`` — a step whose resulting version is a multiple of it publishes weights,
   and every generator is told to load them;
-* ``interrupt`` — applied by the generator workers (see ``workers.GeneratorWorker``).
+* ``interrupt`` — applied by the generator workers (see ``generator_worker.GeneratorWorker``).
 
 Payload and control are separate (:mod:`.payload`): the generators deliver their groups
 straight to the trainer, and the controller works with their headers — ids, token counts per
@@ -136,7 +136,9 @@ class Controller:
         self._loop_t = time.monotonic()
         self._tokens_since_step = 0
         # Checkpoints and stops.
-        self.checkpoint_pending: tuple[dict, int, float, bool] | None = None  # (books, version, deadline, stop)
+        self.checkpoint_pending: tuple[dict, int, float, bool] | None = (
+            None  # (books, version, deadline, stop)
+        )
         self.last_checkpoint: Path | None = None
         self.stop_signal: str | None = None
         self.stop_exit_code = 1

@@ -19,10 +19,11 @@ import torch
 from asyncrl.config import Config
 from asyncrl.errors import AsyncRLError
 from asyncrl.orchestration.events import Ready, WorkerFailed
+from asyncrl.orchestration.generator_worker import GeneratorWorker
 from asyncrl.orchestration.loop import serve_generator, serve_trainer
 from asyncrl.orchestration.payload import Delivery, Inbox
+from asyncrl.orchestration.trainer_worker import TrainerWorker, run_follower
 from asyncrl.orchestration.transport import TransportSpec, make_receiver, make_sender, weights_device
-from asyncrl.orchestration.workers import GeneratorWorker, TrainerWorker, run_follower
 
 TRAINER = "trainer"
 TRAINER_RANK = "trainer-rank"  # role of trainer ranks 1..M-1

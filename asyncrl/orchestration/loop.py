@@ -12,7 +12,7 @@ from __future__ import annotations
 import queue
 from collections.abc import Callable
 
-from asyncrl.orchestration.events import Accumulate, Stop
+from asyncrl.orchestration.events import Accumulate, Discard, Stop
 from asyncrl.orchestration.payload import Delivery, detach_payloads
 
 IDLE_WAIT_S = 0.02  # how long an idle generator waits for a command before looking again
@@ -23,7 +23,9 @@ def coalesced(first, cmd_q) -> list:
     """``first`` plus whatever is already queued, with consecutive Accumulates merged into one.
 
     When groups arrive faster than the trainer takes them, one forward/backward over all of
-    them costs less than one per group; the step's gradient is the same either way.
+    them costs less than one per group; the step's gradient is the same either way. The
+    Discards come first, as one: they name groups no Accumulate names (dropped, late or lost
+    ones), so they commute with everything and must not split a merge.
     """
     commands = [first]
     try:
@@ -31,8 +33,11 @@ def coalesced(first, cmd_q) -> list:
             commands.append(cmd_q.get_nowait())
     except queue.Empty:
         pass
-    merged: list = []
+    discarded = [i for c in commands if isinstance(c, Discard) for i in c.group_ids]
+    merged: list = [Discard(discarded)] if discarded else []
     for command in commands:
+        if isinstance(command, Discard):
+            continue
         last = merged[-1] if merged else None
         if (
             isinstance(command, Accumulate)

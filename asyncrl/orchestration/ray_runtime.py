@@ -1,6 +1,6 @@
 """The Ray runtime: the trainer and each generator as a Ray actor, on one machine or a cluster.
 
-The workers are the same classes the local runtime runs in processes (``workers.py``); an
+The workers are the same classes the local runtime runs in processes (``host.py``); an
 actor only hosts one of them (:class:`WorkerHost`): a thread runs the worker's command
 loop (``loop.py``), :meth:`WorkerHost.send` queues a command and :meth:`WorkerHost.events`
 returns what the worker produced, waiting briefly when there is nothing yet. The runtime

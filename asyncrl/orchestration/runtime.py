@@ -15,8 +15,9 @@ import torch
 
 from asyncrl.config import Config
 from asyncrl.orchestration.events import LoadWeights, Preempt, Ready, Submit
+from asyncrl.orchestration.generator_worker import GeneratorWorker
 from asyncrl.orchestration.payload import detach_payloads
-from asyncrl.orchestration.workers import GeneratorWorker, TrainerWorker
+from asyncrl.orchestration.trainer_worker import TrainerWorker
 from asyncrl.tasks.rewards import ScoringStopped
 from asyncrl.weight_sync.inprocess import InProcessChannel
 
