@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from transformers import PreTrainedTokenizerBase
 
-from asyncrl.engine import GenerationRequest, GenerationResult, Prefix, SamplingParams, resume_request
+from asyncrl.engine import GenerationRequest, GenerationResult, SamplingParams, resume_request
 from asyncrl.errors import DatasetError
 from asyncrl.tasks.chat import encode_prompt
 from asyncrl.tasks.rewards import RewardFn, RewardSet
@@ -135,14 +135,8 @@ class RolloutWorker:
                 if len(p.completion_ids) >= budgets[k]:
                     # Resumed under a smaller token budget than it was sampled with: the
                     # prefix already reaches it, so the completion ends there.
-                    n = budgets[k]
                     cut = GenerationResult(
-                        f"{group_id}/{k}",
-                        list(p.completion_ids[:n]),
-                        list(p.logprobs[:n]),
-                        list(p.versions[:n]),
-                        "length",
-                        supports=p.supports[:n] if p.supports is not None else None,
+                        **vars(p.cut(budgets[k])), request_id=f"{group_id}/{k}", finish_reason="length"
                     )
                     done[k] = self._sample(prompt, group_id, ids, cut)
             self._pending[group_id] = _PendingGroup(prompt, ids, done)
@@ -157,10 +151,7 @@ class RolloutWorker:
                 request_id = f"{group_id}/{k}"
                 self._sampling[request_id] = sampling
                 seed = (self.seed << 40) + group_id * self.group_size + k
-                prefix = None
-                if k in prefixes:
-                    p = prefixes[k]
-                    prefix = Prefix(list(p.completion_ids), list(p.logprobs), list(p.versions), p.supports)
+                prefix = prefixes[k].tokens() if k in prefixes else None
                 self.engine.add_request(
                     GenerationRequest(request_id, ids, sampling, seed=seed, prefix=prefix)
                 )
@@ -207,15 +198,12 @@ class RolloutWorker:
                 res = aborted.get(f"{group_id}/{k}")
                 if res is not None and res.completion_ids:
                     samples[k] = Sample(
+                        **vars(res.tokens()),
                         prompt_id=pending.prompt.prompt_id,
                         group_id=group_id,
                         prompt_ids=list(pending.prompt_ids),
-                        completion_ids=list(res.completion_ids),
-                        logprobs=list(res.logprobs),
-                        versions=list(res.versions),
-                        loss_mask=[1] * len(res.completion_ids),
+                        loss_mask=[1] * res.num_completion_tokens,
                         finish_reason="abort",
-                        supports=res.supports,
                     )
             partials.append(PartialGroup(group_id, pending.prompt, samples))
         # Groups being scored are complete: they are scored again after the resume.
@@ -330,8 +318,8 @@ class RolloutWorker:
                 done[group.group_id] = group
         return [done[i] for i in ids if i in done]
 
-    def _sample(self, prompt: Prompt, group_id: int, prompt_ids: list[int], res) -> Sample:
-        ids = list(res.completion_ids)
+    def _sample(self, prompt: Prompt, group_id: int, prompt_ids: list[int], res: GenerationResult) -> Sample:
+        ids = res.completion_ids
         answer_len, finish = len(ids), res.finish_reason
         if self.eos_after is not None and self.eos_after in ids:
             # Generation went on past EOS only to load the engine (decode_past_eos): the answer ends
@@ -341,16 +329,13 @@ class RolloutWorker:
             [t for t in ids[:answer_len] if t not in self.stop_ids], skip_special_tokens=True
         )
         return Sample(
+            **vars(res.tokens()),
             prompt_id=prompt.prompt_id,
             group_id=group_id,
             prompt_ids=list(prompt_ids),
-            completion_ids=ids,
-            logprobs=list(res.logprobs),
-            versions=list(res.versions),
             loss_mask=[1] * answer_len + [0] * (len(ids) - answer_len),
             finish_reason=finish,
             completion_text=text,
-            supports=res.supports,
         )
 
     def _score(self, groups: list[Group]) -> None:

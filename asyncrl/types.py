@@ -42,23 +42,105 @@ class Prompt:
     messages: list[dict[str, str]] | None = None
 
 
-@dataclass
-class Sample:
-    """One completion of a prompt, with per-token provenance.
+@dataclass(kw_only=True)
+class Tokens:
+    """The per-token record of a completion, declared once for the whole system.
 
-    Per-token lists (``completion_ids``, ``logprobs``, ``versions``, ``loss_mask``, and
-    ``supports`` when recorded) all have the same length. ``logprobs[t]`` is the behaviour
-    log-prob of ``completion_ids[t]`` under the temperature-scaled distribution of the
-    policy whose version is ``versions[t]`` — renormalised over ``supports[t]`` when that is
-    recorded.
+    ``completion_ids``, ``logprobs``, ``versions`` and ``supports`` (when recorded) all have
+    the same length. ``logprobs[t]`` is the behaviour log-prob of ``completion_ids[t]`` under
+    the temperature-scaled distribution of the policy whose version is ``versions[t]`` —
+    renormalised over ``supports[t]`` (the ids the sampler could choose; None = the whole
+    vocabulary) when that is recorded. The engine grows one while a request runs, an aborted
+    request's prefix is one, and :class:`Sample` and the engine's ``GenerationResult`` are
+    ones with more fields: moving tokens between them is :meth:`tokens`, :meth:`cut` and
+    :meth:`followed_by`, never a field-by-field copy.
+    """
+
+    completion_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    supports: list[list[int] | None] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.completion_ids)
+        for name in ("logprobs", "versions") + (("supports",) if self.supports is not None else ()):
+            if len(getattr(self, name)) != n:
+                raise ValueError(
+                    f"{self._label()}: {name} has {len(getattr(self, name))} entries but completion_ids has {n}"
+                )
+
+    def _label(self) -> str:
+        return type(self).__name__
+
+    @classmethod
+    def empty(cls, supports: bool = False) -> Tokens:
+        return Tokens(completion_ids=[], logprobs=[], versions=[], supports=[] if supports else None)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.completion_ids)
+
+    @property
+    def oldest_version(self) -> int | None:
+        return min(self.versions) if self.versions else None
+
+    def tokens(self) -> Tokens:
+        """A copy of just the per-token record (its own lists)."""
+        return self.cut(len(self.completion_ids))
+
+    def cut(self, n: int) -> Tokens:
+        """The first ``n`` tokens, as a record of their own."""
+        return Tokens(
+            completion_ids=self.completion_ids[:n],
+            logprobs=self.logprobs[:n],
+            versions=self.versions[:n],
+            supports=None if self.supports is None else self.supports[:n],
+        )
+
+    def followed_by(self, other: Tokens) -> Tokens:
+        """These tokens, then ``other``'s (a resumed request's prefix, then what it generated)."""
+        supports = None
+        if self.supports is not None or other.supports is not None:
+            supports = (self.supports or [None] * len(self.completion_ids)) + (
+                other.supports or [None] * len(other.completion_ids)
+            )
+        return Tokens(
+            completion_ids=self.completion_ids + other.completion_ids,
+            logprobs=self.logprobs + other.logprobs,
+            versions=self.versions + other.versions,
+            supports=supports,
+        )
+
+    def extend(self, other: Tokens) -> None:
+        """``other``'s tokens appended to these, in place (an episode growing turn by turn)."""
+        if self.supports is not None or other.supports is not None:
+            self.supports = (self.supports or [None] * len(self.completion_ids)) + (
+                other.supports or [None] * len(other.completion_ids)
+            )
+        self.completion_ids += other.completion_ids
+        self.logprobs += other.logprobs
+        self.versions += other.versions
+
+    def append(self, token: int, logprob: float, version: int, support: list[int] | None = None) -> None:
+        """One more sampled token (the engine's running record)."""
+        self.completion_ids.append(token)
+        self.logprobs.append(logprob)
+        self.versions.append(version)
+        if self.supports is not None:
+            self.supports.append(support)
+
+
+@dataclass
+class Sample(Tokens):
+    """One completion of a prompt: its :class:`Tokens` with their loss mask, and what it was for.
+
+    ``loss_mask`` has one entry per completion token (1: trained). Construct with keywords
+    (the per-token fields are keyword-only).
     """
 
     prompt_id: str
     group_id: int
     prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
     loss_mask: list[int]
     finish_reason: FinishReason
     completion_text: str = ""
@@ -67,8 +149,6 @@ class Sample:
     # Each reward function's unweighted value, by label (None: it did not apply or failed).
     reward_components: dict[str, float | None] | None = None
     advantage: float | None = None
-    # Keep Sampling Mask: per token, the ids the sampler could choose (None = the whole vocabulary).
-    supports: list[list[int] | None] | None = None
     # Multi-turn episodes: [start, end) of each model turn in the completion, and the step
     # reward each turn got (None: none given). None for single-turn completions.
     turn_spans: list[tuple[int, int]] | None = None
@@ -78,27 +158,19 @@ class Sample:
     token_advantages: list[float] | None = None
 
     def __post_init__(self) -> None:
-        n = len(self.completion_ids)
-        for name in ("logprobs", "versions", "loss_mask") + (
-            ("supports",) if self.supports is not None else ()
-        ):
-            if len(getattr(self, name)) != n:
-                raise ValueError(
-                    f"Sample {self.prompt_id!r}: {name} has {len(getattr(self, name))} entries "
-                    f"but completion_ids has {n}"
-                )
+        super().__post_init__()
+        if len(self.loss_mask) != len(self.completion_ids):
+            raise ValueError(
+                f"{self._label()}: loss_mask has {len(self.loss_mask)} entries "
+                f"but completion_ids has {len(self.completion_ids)}"
+            )
 
-    @property
-    def num_completion_tokens(self) -> int:
-        return len(self.completion_ids)
+    def _label(self) -> str:
+        return f"Sample {self.prompt_id!r}"
 
     @property
     def num_trained_tokens(self) -> int:
         return sum(self.loss_mask)
-
-    @property
-    def oldest_version(self) -> int | None:
-        return min(self.versions) if self.versions else None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

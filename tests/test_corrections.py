@@ -141,17 +141,6 @@ def test_off_policy_sequence_mask() -> None:
     assert torch.equal(keep2d, expected)
 
 
-def test_version_mask() -> None:
-    """Tokens more than max_staleness versions behind the trainer are masked; masked tokens stay masked."""
-    versions = torch.tensor([[5, 4, 3, 2], [5, 5, 1, 6]])
-    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
-    got = corrections.version_mask(versions, trainer_version=5, max_staleness=2, mask=mask)
-    assert torch.equal(got, torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 0.0, 1.0]]))
-    got = corrections.version_mask(versions, trainer_version=5, max_staleness=0, mask=mask)
-    assert torch.equal(got, torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 1.0]]))
-    assert got.dtype == mask.dtype
-
-
 # -- through the trainer ----------------------------------------------------------------------
 
 # (completion ids, log(pi_prox / mu) per token, loss mask, advantage)
@@ -168,7 +157,17 @@ def samples_with_shifted_behaviour(policy: Policy) -> list[Sample]:
     out = []
     for i, (ids, log_ratio, mask, adv) in enumerate(TRAINER_CASES):
         n = len(ids)
-        s = Sample(f"p{i}", i, [3, 4, 6], ids, [0.0] * n, [0] * n, mask, "length", advantage=adv)
+        s = Sample(
+            prompt_id=f"p{i}",
+            group_id=i,
+            prompt_ids=[3, 4, 6],
+            completion_ids=ids,
+            logprobs=[0.0] * n,
+            versions=[0] * n,
+            loss_mask=mask,
+            finish_reason="length",
+            advantage=adv,
+        )
         with torch.no_grad():
             logp, _ = completion_logprobs(policy.model, collate([s], policy.pad_token_id), TEMPERATURE)
         span = logp.shape[1]  # untrained trailing tokens are not run; their behaviour log-prob is unused

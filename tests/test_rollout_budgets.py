@@ -40,10 +40,10 @@ class RecordingEngine:
         return [
             GenerationResult(
                 r.request_id,
-                [5] * r.sampling.max_new_tokens,
-                [-1.0] * r.sampling.max_new_tokens,
-                [0] * r.sampling.max_new_tokens,
                 "length",
+                completion_ids=[5] * r.sampling.max_new_tokens,
+                logprobs=[-1.0] * r.sampling.max_new_tokens,
+                versions=[0] * r.sampling.max_new_tokens,
             )
             for r in done
         ]

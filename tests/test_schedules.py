@@ -314,7 +314,13 @@ class ScrambledEngine:
             ids = self.tokenizer(str(int(a) + int(b)), add_special_tokens=False).input_ids
             k = int(req.request_id.split("/")[1])
             results.append(
-                GenerationResult(req.request_id, ids, [-float(k)] * len(ids), [0] * len(ids), "stop")
+                GenerationResult(
+                    req.request_id,
+                    "stop",
+                    completion_ids=ids,
+                    logprobs=[-float(k)] * len(ids),
+                    versions=[0] * len(ids),
+                )
             )
         return results
 

@@ -392,7 +392,11 @@ class FakeEngine:
             ids = self.tokenizer(str(int(a) + int(b) + k), add_special_tokens=False).input_ids
             ids.append(self.tokenizer.eos_token_id)
             n = len(ids)
-            results.append(GenerationResult(r.request_id, ids, [-0.5] * n, [k] * n, "stop"))
+            results.append(
+                GenerationResult(
+                    r.request_id, "stop", completion_ids=ids, logprobs=[-0.5] * n, versions=[k] * n
+                )
+            )
         return results[::-1] if self.reverse else results
 
 

@@ -76,9 +76,3 @@ def off_policy_sequence_mask(
         adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
         return ((adv >= 0) | (seq_kl <= delta)).to(logp.dtype)
 
-
-def version_mask(
-    versions: torch.Tensor, trainer_version: int, max_staleness: int, mask: torch.Tensor
-) -> torch.Tensor:
-    """Per-token version rejection: keep tokens no more than ``max_staleness`` versions old."""
-    return mask * ((trainer_version - versions) <= max_staleness).to(mask.dtype)

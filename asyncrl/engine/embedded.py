@@ -58,7 +58,8 @@ from transformers import PreTrainedModel
 from asyncrl.engine.kv_cache import free_memory_bytes, kv_bytes_per_token
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.slots import Slots, reserve, result_of
-from asyncrl.engine.types import GenerationRequest, GenerationResult, Prefix
+from asyncrl.engine.types import GenerationRequest, GenerationResult
+from asyncrl.types import Tokens
 
 
 class EmbeddedEngine:
@@ -226,9 +227,7 @@ class EmbeddedEngine:
         """Tokens and log-probs generated so far by each running request, a resumed prefix included."""
         out = {}
         for r in self._slots.running() if self._slots else []:
-            prefix = r.request.prefix
-            tokens = (prefix.completion_ids if prefix else []) + r.tokens
-            out[r.request.request_id] = (tokens, (prefix.logprobs if prefix else []) + r.logprobs)
+            out[r.request.request_id] = (list(r.generated.completion_ids), list(r.generated.logprobs))
         return out
 
     def slots(self) -> dict[str, int]:
@@ -241,9 +240,9 @@ class EmbeddedEngine:
         """For each running request with tokens, the oldest policy version among them (prefix included)."""
         out = {}
         for row in self._slots.running() if self._slots else []:
-            versions = (row.request.prefix.versions if row.request.prefix else []) + row.versions
-            if versions:
-                out[row.request.request_id] = min(versions)
+            oldest = row.generated.oldest_version
+            if oldest is not None:
+                out[row.request.request_id] = oldest
         return out
 
     def step(self, admit: bool = True) -> list[GenerationResult]:
@@ -295,7 +294,7 @@ class EmbeddedEngine:
         keep_waiting = []
         for req in self._waiting:
             if wanted is None or req.request_id in wanted:
-                out.append(result_of(req, [], [], [], None, "abort"))
+                out.append(result_of(req, req.prefix.tokens() if req.prefix else Tokens.empty(), "abort"))
             else:
                 keep_waiting.append(req)
         self._waiting = keep_waiting
@@ -320,5 +319,4 @@ class EmbeddedEngine:
 
 def resume_request(result: GenerationResult, sampling: SamplingParams) -> GenerationRequest:
     """The request that continues an aborted one after its prefix, with the same seed."""
-    prefix = Prefix(result.completion_ids, result.logprobs, result.versions, result.supports)
-    return GenerationRequest(result.request_id, result.prompt_ids, sampling, result.seed, prefix)
+    return GenerationRequest(result.request_id, result.prompt_ids, sampling, result.seed, result.tokens())

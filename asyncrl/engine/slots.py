@@ -23,6 +23,7 @@ from asyncrl.engine.kv_cache import SlotKVCache, length_mask
 from asyncrl.engine.sampling import sample_tokens
 from asyncrl.engine.types import GenerationRequest, GenerationResult
 from asyncrl.models.forward import with_cache
+from asyncrl.types import Tokens
 
 if TYPE_CHECKING:
     from asyncrl.engine.embedded import EmbeddedEngine
@@ -35,22 +36,12 @@ def reserve(request: GenerationRequest) -> int:
     return len(request.prompt_ids) + request.sampling.max_new_tokens
 
 
-def result_of(req, tokens, logprobs, versions, supports, finish) -> GenerationResult:
-    """A request's result: what it generated now after the prefix it resumed from."""
-    prefix = req.prefix
-    if prefix is not None:
-        tokens = prefix.completion_ids + tokens
-        logprobs = prefix.logprobs + logprobs
-        versions = prefix.versions + versions
-        if supports is not None or prefix.supports is not None:
-            supports = (prefix.supports or [None] * len(prefix.completion_ids)) + (supports or [])
+def result_of(req: GenerationRequest, generated: Tokens, finish: str) -> GenerationResult:
+    """A request's result: everything it generated (a resumed prefix included) and how it ended."""
     return GenerationResult(
+        **vars(generated),
         request_id=req.request_id,
-        completion_ids=tokens,
-        logprobs=logprobs,
-        versions=versions,
         finish_reason=finish,
-        supports=supports,
         seed=req.seed,
         prompt_ids=list(req.prompt_ids),
     )
@@ -59,18 +50,7 @@ def result_of(req, tokens, logprobs, versions, supports, finish) -> GenerationRe
 class Row:
     """Python-side state of one running sequence."""
 
-    __slots__ = (
-        "head",
-        "kv_epoch",
-        "logits_version",
-        "logprobs",
-        "request",
-        "reserved",
-        "stop_chars",
-        "supports",
-        "tokens",
-        "versions",
-    )
+    __slots__ = ("generated", "head", "kv_epoch", "logits_version", "request", "reserved", "stop_chars")
 
     def __init__(self, request: GenerationRequest, logits_version: int) -> None:
         self.request = request
@@ -79,30 +59,29 @@ class Row:
         self.logits_version = logits_version
         self.kv_epoch = 0  # the engine's weights_epoch when this row's cache was prefilled
         self.head: tuple[int, ...] = ()  # the first MIN_SHARED_PREFIX tokens of its context
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []
-        self.supports: list[list[int] | None] | None = [] if request.sampling.keep_support else None
+        # Everything generated for the request: the prefix it resumed from, then this run's tokens.
+        keep_support = request.sampling.keep_support
+        self.generated = request.prefix.tokens() if request.prefix else Tokens.empty(keep_support)
+        if keep_support and self.generated.supports is None:
+            self.generated.supports = [None] * self.generated.num_completion_tokens
         self.reserved = reserve(request)
         self.stop_chars = max((len(s) for s in request.sampling.stop), default=0)
 
     @property
     def done(self) -> int:
         """Tokens generated so far, including a resumed prefix."""
-        prefix = self.request.prefix
-        return len(self.tokens) + (len(prefix.completion_ids) if prefix else 0)
+        return self.generated.num_completion_tokens
 
     def hit_stop_string(self, decode: Callable[[list[int]], str] | None) -> bool:
         if not self.stop_chars or decode is None:
             return False
-        prefix = self.request.prefix.completion_ids if self.request.prefix else []
         # The stop string may span tokens; a window of stop_chars tokens covers it (every token is
         # at least one character), plus one token so a match ending in the new token is seen.
-        tail = decode((prefix + self.tokens)[-(self.stop_chars + 1) :])
+        tail = decode(self.generated.completion_ids[-(self.stop_chars + 1) :])
         return any(s in tail for s in self.request.sampling.stop)
 
     def result(self, finish: str) -> GenerationResult:
-        return result_of(self.request, self.tokens, self.logprobs, self.versions, self.supports, finish)
+        return result_of(self.request, self.generated, finish)
 
 
 class Slots:
@@ -304,8 +283,7 @@ class Slots:
             if row is None or row.kv_epoch != engine.weights_epoch:
                 continue  # a cache computed by older weights is not the current policy's
             if row.head in buckets:
-                prefix = row.request.prefix.completion_ids if row.request.prefix else []
-                cached = row.request.prompt_ids + prefix + row.tokens
+                cached = row.request.prompt_ids + row.generated.completion_ids
                 buckets[row.head].append((cached[: self.lengths[slot]], slot))
         for members in buckets.values():
             if len(members) < 2:
@@ -347,7 +325,7 @@ class Slots:
         """Each active row's next token and its log-prob (and kept set, for keep_support rows),
         copied to the host in one transfer."""
         done = [self.rows[s].done for s in active]
-        if any(self.rows[s].supports is not None for s in active):
+        if any(self.rows[s].generated.supports is not None for s in active):
             # Kept sets are variable-length lists: drawn eagerly, over the active rows only.
             # (Checked on the host rows: asking the device would wait for it every step.)
             index = self._index(active)
@@ -384,11 +362,7 @@ class Slots:
         next_token: dict[int, int] = {}
         for i, (slot, tok, lp) in enumerate(zip(active, tokens, logprobs, strict=True)):
             row = self.rows[slot]
-            row.tokens.append(tok)
-            row.logprobs.append(lp)
-            row.versions.append(row.logits_version)
-            if row.supports is not None:
-                row.supports.append(supports[i] if supports else None)
+            row.generated.append(tok, lp, row.logits_version, supports[i] if supports else None)
             params = row.request.sampling
             if tok in params.stop_token_ids or row.hit_stop_string(engine.decode):
                 finished.append(row.result("stop"))

@@ -5,21 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from asyncrl.engine.sampling import SamplingParams
-from asyncrl.types import FinishReason
+from asyncrl.types import FinishReason, Tokens
 
+Prefix = Tokens
+"""What an aborted request had generated; a resumed request continues after it.
 
-@dataclass(frozen=True)
-class Prefix:
-    """What an aborted request had generated; a resumed request continues after it.
-
-    The prefix is re-prefilled together with the prompt under the engine's current
-    weights; its tokens keep the log-probs and versions they were sampled with.
-    """
-
-    completion_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    supports: list[list[int] | None] | None = None
+The prefix is re-prefilled together with the prompt under the engine's current weights; its
+tokens keep the log-probs and versions they were sampled with.
+"""
 
 
 @dataclass(frozen=True)
@@ -32,13 +25,14 @@ class GenerationRequest:
 
 
 @dataclass
-class GenerationResult:
+class GenerationResult(Tokens):
+    """A finished (or aborted) request: its :class:`~asyncrl.types.Tokens` and how it ended."""
+
     request_id: str
-    completion_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
     finish_reason: FinishReason
-    supports: list[list[int] | None] | None = None
     seed: int | None = None
     # When the request was aborted: what it needs to be resumed.
     prompt_ids: list[int] = field(default_factory=list)
+
+    def _label(self) -> str:
+        return f"result of request {self.request_id!r}"

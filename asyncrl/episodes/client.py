@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from asyncrl.engine import GenerationResult
+from asyncrl.types import Tokens
 
 
 class EpisodeTruncated(Exception):
@@ -31,21 +32,22 @@ class EpisodeTruncated(Exception):
 
 @dataclass
 class EpisodeRecord:
-    """What one episode produced after its prompt: the per-token fields of a Sample, plus turns."""
+    """What one episode produced after its prompt: its tokens (model turns and observations, one
+    :class:`~asyncrl.types.Tokens`), which of them are trained, and its turns."""
 
-    completion_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+    tokens: Tokens = field(default_factory=Tokens.empty)
     loss_mask: list[int] = field(default_factory=list)
     turn_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each model turn
     turn_rewards: list[float | None] = field(default_factory=list)  # a step reward per turn, if given
     truncated: bool = False
 
-    def append(self, ids: list[int], logprobs: list[float], versions: list[int], trained: bool) -> None:
-        self.completion_ids += ids
-        self.logprobs += logprobs
-        self.versions += versions
-        self.loss_mask += [int(trained)] * len(ids)
+    @property
+    def length(self) -> int:
+        return self.tokens.num_completion_tokens
+
+    def append(self, tokens: Tokens, trained: bool) -> None:
+        self.tokens.extend(tokens)
+        self.loss_mask += [int(trained)] * tokens.num_completion_tokens
 
 
 # Sends one model turn to the engine: (client, context ids, token budget, turn index) -> the
@@ -89,21 +91,21 @@ class EpisodeClient:
     @property
     def context_ids(self) -> list[int]:
         """The episode so far: prompt, turns and observations."""
-        return self.prompt_ids + self.record.completion_ids
+        return self.prompt_ids + self.record.tokens.completion_ids
 
     def tokens_left(self) -> int:
-        return self.max_episode_tokens - len(self.record.completion_ids)
+        return self.max_episode_tokens - self.record.length
 
     async def generate(self) -> str:
         """The model's next turn, appended to the episode; returns its text (stop tokens left out)."""
         budget = min(self.max_turn_tokens, self.tokens_left())
         if self.turns >= self.max_turns or budget < 1:
             self.record.truncated = True
-            raise EpisodeTruncated(f"after {self.turns} turns and {len(self.record.completion_ids)} tokens")
+            raise EpisodeTruncated(f"after {self.turns} turns and {self.record.length} tokens")
         result = await self._submit(self, self.context_ids, budget, self.turns)
-        start = len(self.record.completion_ids)
-        self.record.append(list(result.completion_ids), list(result.logprobs), list(result.versions), True)
-        self.record.turn_spans.append((start, len(self.record.completion_ids)))
+        start = self.record.length
+        self.record.append(result.tokens(), trained=True)
+        self.record.turn_spans.append((start, self.record.length))
         self.record.turn_rewards.append(None)
         if result.versions:
             self._version = result.versions[-1]
@@ -118,7 +120,10 @@ class EpisodeClient:
         if len(ids) > room:
             ids = ids[:room]
             self.record.truncated = True
-        self.record.append(ids, [0.0] * len(ids), [self._version] * len(ids), False)
+        observation = Tokens(
+            completion_ids=ids, logprobs=[0.0] * len(ids), versions=[self._version] * len(ids)
+        )
+        self.record.append(observation, trained=False)
 
     def reward_turn(self, reward: float) -> None:
         """A step reward for the latest model turn (process rewards)."""

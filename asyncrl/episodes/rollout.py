@@ -197,7 +197,7 @@ class EpisodeRolloutWorker:
         for group_id, pending in list(self._pending.items()):
             versions = [v for r, v in running.items() if r.startswith(f"{group_id}/")]
             for client in pending.clients.values():
-                versions += client.record.versions[:1]
+                versions += client.record.tokens.versions[:1]
             versions += [min(s.versions) for s in pending.samples.values() if s.versions]
             if versions and version - min(versions) > max_staleness:
                 self._cancel(group_id)
@@ -329,15 +329,13 @@ class EpisodeRolloutWorker:
         self.stats.episodes += 1
         self.stats.truncated += record.truncated
         return Sample(
+            **vars(record.tokens),
             prompt_id=pending.prompt.prompt_id,
             group_id=group_id,
             prompt_ids=list(pending.prompt_ids),
-            completion_ids=record.completion_ids,
-            logprobs=record.logprobs,
-            versions=record.versions,
             loss_mask=record.loss_mask,
             finish_reason="length" if record.truncated else "stop",
-            completion_text=self.tokenizer.decode(record.completion_ids, skip_special_tokens=True),
+            completion_text=self.tokenizer.decode(record.tokens.completion_ids, skip_special_tokens=True),
             reward=reward,
             reward_error=error,
             turn_spans=record.turn_spans,
