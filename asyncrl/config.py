@@ -5,6 +5,9 @@ the resolved configuration is saved in the run directory. Unknown keys, wrong ty
 out-of-range values and impossible combinations are rejected with a message that names
 the key and what is allowed. ``asyncrl config --docs`` renders this module into
 ``docs/config.md``.
+
+(Over 400 lines on purpose: every option with its description lives in one module, which
+``asyncrl config --docs`` renders as the one reference; the sections are small classes.)
 """
 
 from __future__ import annotations

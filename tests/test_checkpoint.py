@@ -20,7 +20,7 @@ from asyncrl import checkpoint
 from asyncrl.config import load_config
 from asyncrl.orchestration import train
 from asyncrl.orchestration.controller import Controller, RunInterrupted
-from asyncrl.orchestration.runtime import InlineRuntime
+from asyncrl.orchestration.inline import InlineRuntime
 from asyncrl.orchestration.session import RunSession
 from tests.helpers import (
     child_env,
@@ -217,9 +217,9 @@ def test_several_optimizer_steps_per_batch_checkpoint_and_summarise(tmp_path: Pa
 @pytest.mark.multiprocess
 def test_dead_trainer_ends_the_run_pointing_at_the_checkpoint_to_resume_from(tmp_path: Path) -> None:
     from asyncrl.orchestration.build import seed_everything, task_prompts
-    from asyncrl.orchestration.controller import run_controller
     from asyncrl.orchestration.events import CheckpointSaved, WorkerError
     from asyncrl.orchestration.local import LocalRuntime
+    from asyncrl.orchestration.run import run_controller
 
     cfg = load_config(None, [*BASE, "schedule=async", "run.steps=40", "run.checkpoint_every=2"])
     seed_everything(cfg.run.seed)

@@ -19,9 +19,9 @@ from asyncrl.config import load_config
 from asyncrl.orchestration import run as run_module
 from asyncrl.orchestration import train
 from asyncrl.orchestration.events import Accumulate, GroupReady, Preempted, Span, WorkerError
+from asyncrl.orchestration.inline import InlineRuntime
 from asyncrl.orchestration.payload import Delivery, Inbox, detach_payloads
 from asyncrl.orchestration.records import batch_metrics
-from asyncrl.orchestration.runtime import InlineRuntime
 from asyncrl.types import Group, PartialGroup, Prompt, Sample
 from tests.helpers import short_run
 

@@ -23,7 +23,7 @@ from asyncrl.orchestration.books import Books
 from asyncrl.orchestration.controller import RunInterrupted
 from asyncrl.orchestration.events import GroupReady, Preempt, Preempted, SaveCheckpoint, StepDone, Submit
 from asyncrl.orchestration.generator_worker import GeneratorWorker
-from asyncrl.orchestration.runtime import InlineRuntime
+from asyncrl.orchestration.inline import InlineRuntime
 from asyncrl.tasks import ArithmeticTask, PromptStream
 from asyncrl.types import Group, PartialGroup, Prompt
 from asyncrl.weight_sync.inprocess import InProcessChannel

@@ -75,4 +75,3 @@ def off_policy_sequence_mask(
         seq_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
         adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
         return ((adv >= 0) | (seq_kl <= delta)).to(logp.dtype)
-

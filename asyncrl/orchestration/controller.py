@@ -3,8 +3,13 @@
 It owns the prompt stream, the admission control, the rollout buffer and the metrics;
 workers only execute commands. Its parts: the books (:mod:`.books`: tickets, counts, the
 accounting invariant and the checkpoint form), the generators (:mod:`.membership`: work in
-flight, versions held, joins, losses and scaling) and step assembly (:mod:`.steps`: buffer
-to trainer, the ``streaming`` knob). The other schedule knobs act here:
+flight, versions held, joins, losses and scaling), step assembly (:mod:`.steps`: buffer
+to trainer, the ``streaming`` knob), the step records (:mod:`.records`) and a stop's
+preemption and a resume's carry-over (:mod:`.preemption`); :mod:`.run` runs it, with its
+signal handling. What stays here (about 450 lines) is the loop and what must see all of
+its state at one moment: dispatch, events, and the checkpoint and stop protocol, whose
+snapshot of the books, the buffer and the generators must be taken together. The other
+schedule knobs act here:
 
 * ``max_staleness`` η — a group may start on a generator whose weights are version w only
   while accepted + running < (η + w + 1)·B (B = groups per step); the buffer re-checks
@@ -24,27 +29,14 @@ Accounting invariant (checked at the end of every run, see :meth:`Books.accounti
 prompt issued is trained, dropped with a reason, or still in flight / buffered when the run
 stopped; none is trained twice and none goes missing.
 
-Lossless preemption (``run.checkpoint_rollouts``): every checkpoint holds the generated
-groups not yet trained, and a stop of an off-policy schedule first asks every generator to
-``Preempt`` its groups in flight, which come back as finished completions and prefixes and
-are written beside them (``rollouts.pt``). After a resume the groups go back into the buffer
-with their versions (the buffer's staleness check applies against the resumed trainer
-version) and the partial groups, issued first under their own ids, continue from their
-prefixes; a partial group whose oldest token is already more than η versions behind the
-resumed trainer is generated afresh instead, counted in ``discarded_stale_*``. On-policy
-schedules (η = 0) do not preempt: their groups in flight are regenerated exactly under their
-group ids, which a re-prefilled prefix would not guarantee (its later log-probs differ in
-the last bits). Interval checkpoints carry the generated groups too (a copy; the run goes
-on), but not the work in flight, which keeps running.
+Lossless preemption, what a stop keeps and what a resume carries over: :mod:`.preemption`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from asyncrl import checkpoint
 from asyncrl.buffer import AdmissionControl, RolloutBuffer
@@ -59,7 +51,6 @@ from asyncrl.orchestration.events import (
     GroupCancelled,
     GroupDropped,
     GroupReady,
-    Preempt,
     Preempted,
     Ready,
     Restore,
@@ -76,13 +67,13 @@ from asyncrl.orchestration.events import (
     WorkerLost,
 )
 from asyncrl.orchestration.membership import TRAINER, Generators
-from asyncrl.orchestration.records import batch_metrics
+from asyncrl.orchestration.preemption import Preemption, carry_over
+from asyncrl.orchestration.records import StepRecorder
 from asyncrl.orchestration.runtime import InterruptibleRuntime, Runtime
 from asyncrl.orchestration.session import RunSession
 from asyncrl.orchestration.steps import StepAssembly
 from asyncrl.tasks import PromptSource, PromptStream
-from asyncrl.timeline import busy_fractions
-from asyncrl.types import Group, GroupHeader, PartialGroup, PartialHeader, Prompt
+from asyncrl.types import Group, GroupHeader, PartialGroup, Prompt
 
 
 class RunInterrupted(AsyncRLError):
@@ -91,6 +82,15 @@ class RunInterrupted(AsyncRLError):
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class PendingCheckpoint(NamedTuple):
+    """A checkpoint asked of the trainer: the books of that moment, its version, until when, whether a stop's."""
+
+    books: dict
+    version: int
+    deadline: float
+    stop: bool
 
 
 class Controller:
@@ -129,25 +129,15 @@ class Controller:
         self.evals_pending = 0
         self.saved = False
         self.final_save_requested = False
-        self.sync_load_s: dict[int, list[float]] = {}
-        self._spans: list[Span] = []
-        self._last_step_end = time.time()
+        self.recorder = StepRecorder()
         self._last_progress = time.monotonic()
         self._loop_t = time.monotonic()
-        self._tokens_since_step = 0
         # Checkpoints and stops.
-        self.checkpoint_pending: tuple[dict, int, float, bool] | None = (
-            None  # (books, version, deadline, stop)
-        )
+        self.checkpoint_pending: PendingCheckpoint | None = None
         self.last_checkpoint: Path | None = None
         self.stop_signal: str | None = None
         self.stop_exit_code = 1
-        # Preemption at a stop (off-policy schedules): the generators asked and not yet answered,
-        # until when to wait for them, and the groups they stopped, by group id.
-        self.preempts = sched.max_staleness > 0
-        self.preempt_waiting: set[str] | None = None
-        self.preempt_deadline = 0.0
-        self.preempted: dict[int, tuple[PartialHeader, Prompt]] = {}
+        self.preemption = Preemption(sched.max_staleness > 0, cfg.run.checkpoint_timeout_s)
         # After a resume: the groups carried in the buffer, and the partial groups to continue.
         self.carried_ids: set[int] = set()
         self.partials: dict[int, PartialGroup] = {}
@@ -159,38 +149,10 @@ class Controller:
             self.trainer_version = self.steps.planned_version = self.steps_done = version
             self.steps.handed = handed
             partials = [PartialGroup.from_dict(p) for p in rollouts.get("partial", [])]
-            self._carry_over(carried, partials, version)
-
-    def _carry_over(self, groups: list[Group], partials: list[PartialGroup], version: int) -> None:
-        """Put a checkpoint's groups back into the buffer and keep its partial groups for their Submit.
-
-        The groups keep their versions: the buffer checks them against the version that will
-        train them, as before the stop. A partial group whose oldest token is more than η
-        versions behind ``version`` (the resumed generators' weights) would be cancelled at
-        once (``reject=group``): it starts afresh, counted as discarded.
-        """
-        counts, eta = self.books.counts, self.cfg.schedule.max_staleness
-        for group in groups:
-            self.buffer.put(group.header(), timeout=0.0)
-            self.prompts[group.group_id] = group.prompt
-            self.carried_ids.add(group.group_id)
-            counts["carried_groups"] += 1
-            counts["carried_group_tokens"] += group.num_completion_tokens
-        for partial in partials:
-            oldest = partial.oldest_version
-            if self.cfg.schedule.reject == "group" and oldest is not None and version - oldest > eta:
-                counts["discarded_stale_rollouts"] += len(partial.samples)
-                counts["discarded_stale_tokens"] += partial.num_completion_tokens
-            else:
-                self.partials[partial.group_id] = partial
-                counts["carried_partial_rollouts"] += len(partial.samples)
-                counts["carried_partial_tokens"] += partial.num_completion_tokens
-        if groups or partials:
-            self.session.log(
-                f"resumed with {len(groups)} generated groups ({counts['carried_group_tokens']} tokens) and "
-                f"{len(self.partials)} partial groups ({counts['carried_partial_tokens']} tokens) carried over; "
-                f"{counts['discarded_stale_rollouts']} rollouts older than the staleness bound generated afresh"
+            self.partials = carry_over(
+                cfg, carried, partials, version, self.buffer, self.prompts, self.books.counts, session.log
             )
+            self.carried_ids = {g.group_id for g in carried}
 
     def _on_drop(self, group: GroupHeader, reason: str) -> None:
         if group.group_id in self.carried_ids:  # carried over a stop, and now too old to train
@@ -206,7 +168,7 @@ class Controller:
         # Start-up is bounded by runtime.start_timeout_s; the stall clock and the first step's
         # window start once the workers are ready.
         self._last_progress = self._loop_t = time.monotonic()
-        self._last_step_end = time.time()
+        self.recorder.last_step_end = time.time()
         if self.resume_from is not None:
             self._send(TRAINER, Restore(str(self.resume_from)))
         elif self.cfg.run.eval_every:
@@ -276,7 +238,7 @@ class Controller:
         self._last_progress = time.monotonic()
         gens, books = self.generators, self.books
         if isinstance(event, Span):
-            self._spans.append(event)
+            self.recorder.on_span(event)
             self.session.record_span(event)
         elif isinstance(event, GroupReady):
             header = event.header
@@ -286,7 +248,7 @@ class Controller:
             else:
                 books.generated()
                 self.prompts[header.group_id] = prompt
-                self._tokens_since_step += header.num_completion_tokens
+                self.recorder.on_generated(header.num_completion_tokens)
                 self.buffer.put(header, timeout=0.0)
         elif isinstance(event, GroupCancelled):
             if gens.finished(event.worker, event.group_id) is not None:
@@ -297,7 +259,7 @@ class Controller:
                 books.dropped(event.group_id, event.reason)
         elif isinstance(event, WeightsLoaded):
             if gens.loaded(event.worker, event.version):
-                self.sync_load_s.setdefault(event.version, []).append(event.seconds)
+                self.recorder.on_loaded(event)
         elif isinstance(event, StepDone):
             self._on_step(event)
         elif isinstance(event, EvalDone):
@@ -313,17 +275,11 @@ class Controller:
         elif isinstance(event, Ready):
             gens.on_ready(event.worker, self.published_version, self.published_checksums)
         elif isinstance(event, Preempted):
-            for header in event.headers:
-                prompt = gens.finished(event.worker, header.group_id)
-                if prompt is not None:
-                    self.preempted[header.group_id] = (header, prompt)
-            if self.preempt_waiting is not None:
-                self.preempt_waiting.discard(event.worker)
+            self.preemption.on_preempted(event, gens)
         elif isinstance(event, WorkerLost):
             # Groups it delivered but did not report are issued again: the trainer frees them.
             self._send(TRAINER, Discard(gens.on_lost(event)))
-            if self.preempt_waiting is not None:
-                self.preempt_waiting.discard(event.worker)
+            self.preemption.gone(event.worker)
         elif isinstance(event, WorkerFailed):
             raise WorkerError(f"{event.worker} failed: {event.message}\n{event.details}".rstrip())
         else:
@@ -351,33 +307,20 @@ class Controller:
 
     def _step_record(self, event: StepDone, groups: list[GroupHeader]) -> dict:
         """The step's metrics.jsonl row: the trainer's metrics, the batch's, and the loop's own."""
-        now = time.time()
-        busy = (
-            busy_fractions([s.__dict__ for s in self._spans], self._last_step_end, now) if self._spans else {}
+        counts = self.books.counts
+        return self.recorder.record(
+            event,
+            groups,
+            self.generators.names,
+            {
+                "dropped": self.books.dropped_total,
+                "buffer_depth": len(self.buffer),
+                "admission_blocked_s": self.books.admission_blocked_s,
+                "gen_version_min": min(self.generators.version.values(), default=-1),  # -1: none right now
+                # After a resume: what it carried over, and what was generated again instead.
+                **{k: v for k, v in counts.items() if k.startswith(("carried_", "discarded_"))},
+            },
         )
-        gen_busy = [busy.get(g, 0.0) for g in self.generators.names]
-        self._spans = [s for s in self._spans if s.end > now - 60]
-        elapsed = max(now - self._last_step_end, 1e-9)
-        record = {
-            **(batch_metrics(groups, event.version - 1) if groups else {}),
-            **event.metrics,
-            "policy_version": event.version,
-            "dropped": self.books.dropped_total,
-            "trainer_busy_frac": busy.get(TRAINER, 0.0),
-            "generator_busy_frac": sum(gen_busy) / max(len(gen_busy), 1),
-            "weight_sync_s": event.publish_s + max(self.sync_load_s.get(event.version - 1, [0.0])),
-            "tokens_per_s": self._tokens_since_step / elapsed,
-            "buffer_depth": len(self.buffer),
-            "admission_blocked_s": self.books.admission_blocked_s,
-            "gen_version_min": min(
-                self.generators.version.values(), default=-1
-            ),  # -1: no generator right now
-            # After a resume: what it carried over, and what was generated again instead.
-            **{k: v for k, v in self.books.counts.items() if k.startswith(("carried_", "discarded_"))},
-        }
-        self._tokens_since_step = 0
-        self._last_step_end = now
-        return record
 
     # -- checkpoints and stops -------------------------------------------------------------------
 
@@ -396,7 +339,7 @@ class Controller:
         pending = [
             (gid, prompt) for groups in self.generators.in_flight.values() for gid, prompt in groups.items()
         ]
-        preempted = [self.preempted[gid] for gid in sorted(self.preempted)]
+        preempted = self.preemption.stopped()
         pending += [(p.group_id, prompt) for p, prompt in preempted]
         keep = self.cfg.run.checkpoint_rollouts
         carried = held if keep else []
@@ -418,7 +361,7 @@ class Controller:
             partial=[p.group_id for p in partial],
         )
         deadline = time.monotonic() + self.cfg.run.checkpoint_timeout_s
-        self.checkpoint_pending = (books, version, deadline, stop)
+        self.checkpoint_pending = PendingCheckpoint(books, version, deadline, stop)
         tmp = checkpoint.temporary_dir(self.session.run_dir, version)
         # The trainer holds the carried and partial groups and writes them beside its state.
         carried_ids, partial_ids = [g.group_id for g in carried], [p.group_id for p in partial]
@@ -438,7 +381,7 @@ class Controller:
             ) from None
         self.checkpoint_pending = None
         self.last_checkpoint = path
-        if self.stop_signal is not None and not stop and self.preempts and self.generators.running:
+        if self.stop_signal is not None and not stop and self.preemption.enabled and self.generators.running:
             return  # requested before the stop: the stop's own checkpoint follows, with the work in flight
         if self.stop_signal is not None:
             raise RunInterrupted(
@@ -466,24 +409,17 @@ class Controller:
         """
         if self.checkpoint_pending is not None:
             return
-        if self.preempt_waiting is None:
-            self.preempt_waiting = set()
-            if self.preempts:
-                for gen in self.generators.names:
-                    if self.generators.in_flight[gen]:
-                        self._send(gen, Preempt())
-                        self.preempt_waiting.add(gen)
-            self.preempt_deadline = time.monotonic() + self.cfg.run.checkpoint_timeout_s
-        if self.preempt_waiting and time.monotonic() < self.preempt_deadline:
+        self.preemption.start(self.generators, self._send)
+        if not self.preemption.answered:
             return
         self._request_checkpoint(stop=True)
 
     # -- liveness ---------------------------------------------------------------------------
 
     def _watchdog(self) -> None:
-        if self.checkpoint_pending is not None and time.monotonic() > self.checkpoint_pending[2]:
+        if self.checkpoint_pending is not None and time.monotonic() > self.checkpoint_pending.deadline:
             raise WorkerError(
-                f"the trainer did not write the checkpoint of step {self.checkpoint_pending[1]} within "
+                f"the trainer did not write the checkpoint of step {self.checkpoint_pending.version} within "
                 f"{self.cfg.run.checkpoint_timeout_s:.0f}s (run.checkpoint_timeout_s)"
             )
         stalled = time.monotonic() - self._last_progress
@@ -503,10 +439,10 @@ class Controller:
             )
         if self.evals_pending:
             parts.append(f"{self.evals_pending} evaluation(s)")
-        if self.preempt_waiting and self.checkpoint_pending is None:
-            parts.append(f"the preemption of {sorted(self.preempt_waiting)}")
+        if self.preemption.waiting and self.checkpoint_pending is None:
+            parts.append(f"the preemption of {sorted(self.preemption.waiting)}")
         if self.checkpoint_pending is not None:
-            parts.append(f"the checkpoint of step {self.checkpoint_pending[1]}")
+            parts.append(f"the checkpoint of step {self.checkpoint_pending.version}")
         if not self.saved:
             never = "" if self.final_save_requested else ", which was never requested"
             parts.append(f"the final model{never}")
@@ -515,51 +451,6 @@ class Controller:
     def accounting(self) -> dict[str, int]:
         """Where every issued group went (see :meth:`Books.accounting`)."""
         return self.books.accounting(
-            in_flight=self.generators.running + len(self.preempted),  # preempted: stopped in flight
+            in_flight=self.generators.running + len(self.preemption.groups),  # preempted: stopped in flight
             buffered=len(self.buffer) + len(self.steps.held),
         )
-
-
-def run_controller(
-    cfg: Config,
-    session: RunSession,
-    runtime: Runtime,
-    prompts: PromptSource,
-    resume_from: Path | None = None,
-) -> dict:
-    controller = Controller(cfg, runtime, session, prompts, resume_from=resume_from)
-    try:
-        with stop_on_signals(controller):
-            return controller.run()
-    except WorkerError as exc:
-        if controller.last_checkpoint is None:
-            raise
-        raise WorkerError(
-            f"{exc}\nthe newest checkpoint is {controller.last_checkpoint}; "
-            f"continue with: asyncrl train --resume {session.run_dir}"
-        ) from None
-    finally:
-        runtime.stop()
-        session.accounting = controller.accounting()
-
-
-@contextlib.contextmanager
-def stop_on_signals(controller: Controller):
-    """SIGINT and SIGTERM ask the controller to stop (with a checkpoint); a second one stops at once.
-
-    Only the main thread may install handlers; elsewhere (a run inside a library's thread)
-    signals keep their previous behaviour.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame) -> None:
-        controller.request_stop(signal.Signals(signum).name, 128 + signum)
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)

@@ -28,7 +28,7 @@ from asyncrl.orchestration.events import (
 )
 from asyncrl.tasks.rewards import ScoringStopped
 from asyncrl.weight_sync import WeightLayout, WeightReceiver, WeightSyncError
-from asyncrl.weight_sync.base import SyncInterrupted, check_checksums
+from asyncrl.weight_sync.base import InterruptibleReceiver, SyncInterrupted, check_checksums
 
 SPAN_FLUSH_S = 0.25  # long generation periods are reported in slices so the timeline stays live
 
@@ -283,6 +283,5 @@ class GeneratorWorker:
 
 def _interrupt(receiver: WeightReceiver) -> None:
     """End a wait of ``receiver`` at once, if its transport can (a broadcast group's can)."""
-    interrupt = getattr(receiver, "interrupt", None)
-    if interrupt is not None:
-        interrupt()
+    if isinstance(receiver, InterruptibleReceiver):
+        receiver.interrupt()

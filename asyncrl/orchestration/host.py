@@ -11,6 +11,7 @@ the machine's cores.
 from __future__ import annotations
 
 import os
+import queue
 import traceback
 from collections.abc import Callable
 
@@ -94,3 +95,15 @@ def serve_worker(
         if deliver is None:
             raise ValueError(f"{worker.name}: a generator needs a way to deliver its groups to the trainer")
         serve_generator(worker, commands, emit, deliver, should_exit=should_exit, on_busy=on_busy)
+
+
+def drain(q, timeout: float) -> list:
+    """Everything in ``q``: waits up to ``timeout`` for the first item, then takes what is there."""
+    items = []
+    try:
+        items.append(q.get(timeout=timeout))
+        while True:
+            items.append(q.get_nowait())
+    except queue.Empty:
+        pass
+    return items

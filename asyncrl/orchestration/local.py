@@ -23,7 +23,6 @@ resume, removes it (``transport.claim_segment``).
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import threading
 import time
@@ -35,7 +34,7 @@ import torch.multiprocessing as mp
 from asyncrl.config import Config
 from asyncrl.orchestration.cores import CoreShare, available_cores
 from asyncrl.orchestration.events import Ready, Stop, WorkerError, WorkerFailed
-from asyncrl.orchestration.host import TRAINER, TRAINER_RANK, build_worker, failed, ready, serve_worker
+from asyncrl.orchestration.host import TRAINER, TRAINER_RANK, build_worker, drain, failed, ready, serve_worker
 from asyncrl.orchestration.payload import Inbox
 from asyncrl.orchestration.runtime import generator_name
 from asyncrl.orchestration.transport import (
@@ -272,14 +271,7 @@ class LocalRuntime:
                 return
 
     def _drain(self, timeout: float) -> list:
-        events = []
-        try:
-            events.append(self._events.get(timeout=timeout))
-            while True:
-                events.append(self._events.get_nowait())
-        except queue.Empty:
-            pass
-        return events
+        return drain(self._events, timeout)
 
     def _check_alive(self) -> None:
         if self._stopping:

@@ -27,6 +27,10 @@ change makes a new group (:meth:`_regroup`): when a member is lost the survivors
 once (waits on the old group are given up), a newcomer joins when it is ready, and the
 trainer publishes its newest weights to each new group first. A dead trainer always ends
 the run.
+
+(Over 400 lines on purpose: placement, the actor host, fault handling and elastic
+broadcast groups all act on the same actor table; the worker logic itself is shared with
+the local runtime through :mod:`.host`.)
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from asyncrl.orchestration.host import (
     TRAINER,
     TRAINER_RANK,
     build_worker,
+    drain,
     failed,
     is_trainer,
     ready,
@@ -160,14 +165,7 @@ class WorkerHost:
             worker.join_group(lambda layout: make_receiver(spec, layout, rank, timeout, device), version)
 
     def events(self, wait_s: float) -> list:
-        out = []
-        try:
-            out.append(self._events.get(timeout=wait_s))
-            while True:
-                out.append(self._events.get_nowait())
-        except queue.Empty:
-            pass
-        return out
+        return drain(self._events, wait_s)
 
     def stop_scoring(self) -> None:
         """The run is stopping: the worker abandons the reward scoring it is in (on this actor thread)."""
@@ -273,7 +271,7 @@ class RayRuntime:
             ray.init(**kwargs)
             if previous is not None:
                 # ray.init installs a SIGTERM handler that exits at once: the run's own stops
-                # cleanly, with a checkpoint (see controller.stop_on_signals).
+                # cleanly, with a checkpoint (see run.stop_on_signals).
                 signal.signal(signal.SIGTERM, previous)
             self._started_ray = True
         self._spec = transport_spec(self.cfg, self.run_dir)

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import statistics
+import time
 
+from asyncrl.orchestration.events import Span, StepDone, WeightsLoaded
+from asyncrl.timeline import busy_fractions
 from asyncrl.types import GroupHeader
+
+SPAN_MEMORY_S = 60.0  # spans older than this are forgotten (a step's window is shorter)
 
 
 def batch_metrics(groups: list[GroupHeader], trainer_version: int) -> dict[str, float]:
@@ -44,3 +49,43 @@ def reward_components(groups: list[GroupHeader]) -> dict[str, float]:
         for label, per_sample in g.reward_components.items():
             values.setdefault(label, []).extend(v for v in per_sample if v is not None)
     return {f"reward/{label}": statistics.fmean(v) if v else float("nan") for label, v in values.items()}
+
+
+class StepRecorder:
+    """The loop's own measurements between two steps: busy fractions, tokens/s, weight-sync time."""
+
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+        self.last_step_end = time.time()
+        self.tokens_since_step = 0
+        self.sync_load_s: dict[int, list[float]] = {}  # generators' load times, by version
+
+    def on_span(self, span: Span) -> None:
+        self.spans.append(span)
+
+    def on_generated(self, tokens: int) -> None:
+        self.tokens_since_step += tokens
+
+    def on_loaded(self, event: WeightsLoaded) -> None:
+        self.sync_load_s.setdefault(event.version, []).append(event.seconds)
+
+    def record(self, event: StepDone, groups: list[GroupHeader], generators: list[str], extra: dict) -> dict:
+        """The step's metrics.jsonl row: the batch's metrics, the trainer's, the loop's own, then ``extra``."""
+        now = time.time()
+        busy = busy_fractions([s.__dict__ for s in self.spans], self.last_step_end, now) if self.spans else {}
+        gen_busy = [busy.get(g, 0.0) for g in generators]
+        self.spans = [s for s in self.spans if s.end > now - SPAN_MEMORY_S]
+        elapsed = max(now - self.last_step_end, 1e-9)
+        record = {
+            **(batch_metrics(groups, event.version - 1) if groups else {}),
+            **event.metrics,
+            "policy_version": event.version,
+            "trainer_busy_frac": busy.get("trainer", 0.0),
+            "generator_busy_frac": sum(gen_busy) / max(len(gen_busy), 1),
+            "weight_sync_s": event.publish_s + max(self.sync_load_s.get(event.version - 1, [0.0])),
+            "tokens_per_s": self.tokens_since_step / elapsed,
+            **extra,
+        }
+        self.tokens_since_step = 0
+        self.last_step_end = now
+        return record

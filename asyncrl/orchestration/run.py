@@ -1,7 +1,11 @@
-"""Entry point of a training run: pick the runtime, run the controller, write the summary."""
+"""Entry point of a training run: pick the runtime, run the controller (its stops on signals, its
+errors), write the summary."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -9,9 +13,12 @@ from asyncrl import checkpoint
 from asyncrl.config import Config
 from asyncrl.errors import AsyncRLError
 from asyncrl.orchestration.build import build_episode, seed_everything, task_prompts
-from asyncrl.orchestration.controller import run_controller
-from asyncrl.orchestration.runtime import InlineRuntime
+from asyncrl.orchestration.controller import Controller
+from asyncrl.orchestration.events import WorkerError
+from asyncrl.orchestration.inline import InlineRuntime
+from asyncrl.orchestration.runtime import Runtime
 from asyncrl.orchestration.session import RunSession, default_run_dir
+from asyncrl.tasks import PromptSource
 
 
 class RunComplete(AsyncRLError):
@@ -51,3 +58,48 @@ def train(cfg: Config, run_dir: Path | None = None, *, resume: bool = False) -> 
     finally:
         summary = session.close()
     return summary
+
+
+def run_controller(
+    cfg: Config,
+    session: RunSession,
+    runtime: Runtime,
+    prompts: PromptSource,
+    resume_from: Path | None = None,
+) -> dict:
+    controller = Controller(cfg, runtime, session, prompts, resume_from=resume_from)
+    try:
+        with stop_on_signals(controller):
+            return controller.run()
+    except WorkerError as exc:
+        if controller.last_checkpoint is None:
+            raise
+        raise WorkerError(
+            f"{exc}\nthe newest checkpoint is {controller.last_checkpoint}; "
+            f"continue with: asyncrl train --resume {session.run_dir}"
+        ) from None
+    finally:
+        runtime.stop()
+        session.accounting = controller.accounting()
+
+
+@contextlib.contextmanager
+def stop_on_signals(controller: Controller):
+    """SIGINT and SIGTERM ask the controller to stop (with a checkpoint); a second one stops at once.
+
+    Only the main thread may install handlers; elsewhere (a run inside a library's thread)
+    signals keep their previous behaviour.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame) -> None:
+        controller.request_stop(signal.Signals(signum).name, 128 + signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

@@ -1,25 +1,16 @@
 """The runtime seam: where workers live and how commands and events travel.
 
 A runtime hosts one trainer worker (named ``trainer``) and N generator workers (named
-``generator-<i>``). The controller only calls :meth:`Runtime.send` and :meth:`Runtime.poll`;
-it never learns whether a worker is an object in this process, a child process, or a Ray
-actor.
+``generator-<i>``): in this process (:mod:`.inline`), in child processes (:mod:`.local`) or
+as Ray actors (:mod:`.ray_runtime`). The controller only calls :meth:`Runtime.send` and
+:meth:`Runtime.poll`; it never learns whether a worker is an object in this process, a child
+process, or a Ray actor. What a runtime can do beyond that it declares by implementing the
+protocols below, which the controller checks with ``isinstance``.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Protocol, runtime_checkable
-
-import torch
-
-from asyncrl.config import Config
-from asyncrl.orchestration.events import LoadWeights, Preempt, Ready, Submit
-from asyncrl.orchestration.generator_worker import GeneratorWorker
-from asyncrl.orchestration.payload import detach_payloads
-from asyncrl.orchestration.trainer_worker import TrainerWorker
-from asyncrl.tasks.rewards import ScoringStopped
-from asyncrl.weight_sync.inprocess import InProcessChannel
 
 
 class Runtime(Protocol):
@@ -70,90 +61,3 @@ def generator_name(i: int) -> str:
 
 def is_generator(name: str) -> bool:
     return name.startswith("generator-")
-
-
-class InlineRuntime:
-    """Everything in this process, taking turns: the colocated baseline (TRL's loop).
-
-    Trainer commands run when they are sent; generators run during :meth:`poll`. Each phase
-    runs with its own torch thread count (``runtime.generator_threads`` /
-    ``runtime.trainer_threads``), so the baseline can use the fastest setting per phase.
-    """
-
-    restarts_generators = False
-
-    def __init__(self, cfg: Config) -> None:
-        self.cfg = cfg
-        self.generator_names = [generator_name(i) for i in range(cfg.runtime.generators)]
-        self._default_threads = torch.get_num_threads()
-        self._events: list = []
-        self.trainer: TrainerWorker | None = None
-        self.generators: dict[str, GeneratorWorker] = {}
-        self._interrupted = False
-
-    def _threads(self, n: int) -> None:
-        torch.set_num_threads(n or self._default_threads)
-
-    def start(self) -> None:
-        channel = InProcessChannel()
-        self.trainer = TrainerWorker("trainer", self.cfg, lambda layout: channel)
-        self.generators = {
-            name: GeneratorWorker(name, self.cfg, lambda layout: channel, seed=self.cfg.run.seed + i)
-            for i, name in enumerate(self.generator_names)
-        }
-        self._events += [Ready(n) for n in ["trainer", *self.generator_names]]
-
-    def send(self, worker: str, command) -> None:
-        if worker == "trainer":
-            self._threads(self.cfg.threads("trainer"))
-            self._events += self.trainer.handle(command)
-        elif isinstance(command, Submit | LoadWeights | Preempt):
-            self.generators[worker].handle(command)
-        else:
-            raise TypeError(f"{worker} cannot handle {type(command).__name__}")
-
-    def interrupt(self) -> None:
-        """The run is stopping: scoring in progress is abandoned and the generators run no more.
-
-        Called from the signal handler, which may have interrupted an in-process reward call:
-        that call is then abandoned by :class:`ScoringStopped` raised from here, once every
-        worker has been told.
-        """
-        self._interrupted = True
-        in_call = None
-        for worker in [self.trainer, *self.generators.values()]:
-            if worker is not None:
-                try:
-                    worker.stop_scoring()
-                except ScoringStopped as exc:
-                    in_call = exc
-        if in_call is not None:
-            raise in_call
-
-    def poll(self, timeout: float) -> list:
-        """Pending events, or else run generators until they produce some (or have nothing to do)."""
-        if not self._events:
-            self._threads(self.cfg.threads("generator"))
-            # Once the run is stopping, generators only answer a Preempt (which steps no engine).
-            busy = [g for g in self.generators.values() if self._may_run(g)]
-            while busy and not self._events:
-                for g in busy:
-                    # The groups go to the trainer's inbox by reference; the controller gets headers.
-                    self._events += detach_payloads(g.work(), self.trainer.inbox.put)
-                busy = [g for g in busy if self._may_run(g)]
-            if not self._events:
-                time.sleep(min(timeout, 0.01))  # nothing anywhere: let the controller's watchdog see it
-        events, self._events = self._events, []
-        return events
-
-    def _may_run(self, generator: GeneratorWorker) -> bool:
-        return not generator.idle and (not self._interrupted or generator.owes_preempt)
-
-    def stop(self) -> None:
-        for generator in self.generators.values():
-            generator.close()
-        self.generators.clear()
-        if self.trainer is not None:
-            self.trainer.close()
-        self.trainer = None
-        torch.set_num_threads(self._default_threads)

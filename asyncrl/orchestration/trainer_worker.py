@@ -46,7 +46,7 @@ from asyncrl.trainer.distributed import RankGroup, RankSpec, rank_device
 from asyncrl.trainer.trainer import sync_dtype
 from asyncrl.types import Group, PartialGroup
 from asyncrl.weight_sync import WeightLayout, WeightSender, WeightSyncError
-from asyncrl.weight_sync.base import tensor_checksums
+from asyncrl.weight_sync.base import RegroupingSender, tensor_checksums
 
 
 class TrainerWorker:
@@ -129,19 +129,17 @@ class TrainerWorker:
         The publication in flight is given up and the newest weights go to the new group
         first (see :class:`~asyncrl.weight_sync.broadcast.BackgroundPublisher`).
         """
-        regroup = getattr(self.sender, "regroup", None)
-        if regroup is None:
+        if not isinstance(self.sender, RegroupingSender):
             raise WeightSyncError(f"{self.name}: its weight transport has no group to move ({self.sender!r})")
         layout = self._layout
-        regroup(lambda: make_sender(layout))
+        self.sender.regroup(lambda: make_sender(layout))
 
     def stop_waiting(self) -> None:
         """Give up a publication that waits for receivers or for a regroup, and an evaluation's reward
         scoring (any thread): the run is stopping."""
         self.stop_scoring()
-        stop = getattr(self.sender, "stop_waiting", None)
-        if stop is not None:
-            stop()
+        if isinstance(self.sender, RegroupingSender):
+            self.sender.stop_waiting()
 
     def stop_scoring(self) -> None:
         """Abandon an evaluation's reward scoring, now and from now on (any thread, or a signal handler)."""

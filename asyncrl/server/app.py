@@ -14,6 +14,9 @@ Endpoints:
   (checked for layout, version and checksum) between two decode steps.
 
 Requests from all connections share one continuously batched engine (see engine_loop.py).
+
+(Over 400 lines on purpose: the OpenAI wire formats of completions and chat, streamed and
+not, are one protocol best read together.)
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ choice is logged as ``old_logprobs_source``). The KL reference (``algorithm.beta
 the initial policy: with LoRA (``model`` a ``peft.PeftModel``) that is ``model`` with its
 adapters switched off, so no second model is held; otherwise a frozen copy made at start.
 With LoRA only the adapters are trained, and only they are published and checkpointed.
+
+(Over 400 lines on purpose: the three-call step, its metrics and the checkpoint state share
+the optimizer's bookkeeping; batching, packing, log-probs and ranks live in their own modules.)
 """
 
 from __future__ import annotations

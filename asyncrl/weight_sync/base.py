@@ -14,9 +14,9 @@ things before an engine may use what it received:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -205,3 +205,21 @@ class WeightReceiver(Protocol):
     def receive(self, version: int, timeout: float) -> tuple[int, dict[str, torch.Tensor]]: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class InterruptibleReceiver(Protocol):
+    """A receiver whose wait another thread can end at once (a broadcast group's, which a
+    regroup or a stop replaces); other receivers' waits end by their timeout."""
+
+    def interrupt(self) -> None: ...
+
+
+@runtime_checkable
+class RegroupingSender(Protocol):
+    """A sender whose group of receivers can change while the run goes (the broadcast
+    transport's background publisher, on an elastic runtime)."""
+
+    def regroup(self, make_sender: Callable[[], WeightSender | None]) -> None: ...
+
+    def stop_waiting(self) -> None: ...

@@ -34,6 +34,10 @@ call :meth:`BroadcastReceiver.receive` while the sender publishes; the group's t
 turns a missing peer into an error instead of a hang. A group whose members change is
 replaced, not repaired: ``interrupt`` gives up the waits of the old one, and
 :meth:`BackgroundPublisher.regroup` moves the trainer to the new one.
+
+(Over 400 lines on purpose: the wire protocol, both ends, the shared-memory fast path's
+hand-off and the background publisher that regroups share one set of message and timeout
+rules, which are easier to check side by side.)
 """
 
 from __future__ import annotations
