@@ -146,9 +146,12 @@ def read_rollouts(directory: Path) -> dict[str, Any] | None:
         raise CheckpointError(f"cannot read {ROLLOUTS_FILE} in {str(directory)!r}: {exc}") from None
 
 
-def commit(run_dir: Path, version: int, keep: int) -> Path:
-    """Rename the filled temporary directory into place, then prune old and abandoned ones."""
-    tmp, final = temporary_dir(run_dir, version), final_dir(run_dir, version)
+def commit(run_dir: Path, version: int, keep: int, saved: int | None = None) -> Path:
+    """Rename the filled temporary directory of ``version`` into place, then prune old and abandoned ones.
+
+    ``saved``: the version the trainer actually saved there, when it is older (a stop gave steps up).
+    """
+    tmp, final = temporary_dir(run_dir, version), final_dir(run_dir, version if saved is None else saved)
     if final.exists():  # the same version saved twice (e.g. a stop right after a periodic save)
         shutil.rmtree(final)
     os.replace(tmp, final)

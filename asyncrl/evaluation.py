@@ -3,6 +3,8 @@ episode, for multi-turn tasks) per prompt."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from asyncrl.engine import GenerationRequest, SamplingParams
 from asyncrl.tasks.chat import encode_prompt
 from asyncrl.tasks.rewards import RewardFn, RewardSet
@@ -10,19 +12,25 @@ from asyncrl.types import Prompt
 
 
 def evaluate(
-    engine, tokenizer, prompts: list[Prompt], reward_fn: RewardFn | RewardSet, sampling: SamplingParams
+    engine,
+    tokenizer,
+    prompts: list[Prompt],
+    reward_fn: RewardFn | RewardSet,
+    sampling: SamplingParams,
+    stop: Callable[[], bool] | None = None,
 ) -> float:
     """Mean reward of one completion per prompt (greedy when ``sampling.temperature`` is 0).
 
     With several reward functions this is their weighted sum, as in training; a completion
-    whose reward fails counts 0.
+    whose reward fails counts 0. ``stop``: asked between engine steps; True gives the
+    evaluation up (:class:`~asyncrl.engine.GenerationStopped`).
     """
     rewards = RewardSet.of(reward_fn)
     requests = [
         GenerationRequest(f"eval/{i}", encode_prompt(tokenizer, p), sampling) for i, p in enumerate(prompts)
     ]
     texts, ids = [], []
-    for res in engine.generate(requests):
+    for res in engine.generate(requests, stop=stop):
         kept = [t for t in res.completion_ids if t not in sampling.stop_token_ids]
         texts.append(tokenizer.decode(kept, skip_special_tokens=True))
         ids.append(list(res.completion_ids))  # token ids as in training
@@ -31,12 +39,12 @@ def evaluate(
     return sum(s.reward or 0.0 for (s,) in scored) / max(len(prompts), 1)
 
 
-def evaluate_episodes(rollout, prompts: list[Prompt]) -> float:
+def evaluate_episodes(rollout, prompts: list[Prompt], stop: Callable[[], bool] | None = None) -> float:
     """Mean reward of one episode per prompt, played by ``rollout`` (an
     :class:`~asyncrl.episodes.EpisodeRolloutWorker` of group size 1, greedy); a failed
-    episode counts 0. The worker is closed afterwards."""
+    episode counts 0. The worker is closed afterwards. ``stop`` as for :func:`evaluate`."""
     try:
-        groups = rollout.generate_groups(prompts)
+        groups = rollout.generate_groups(prompts, stop=stop)
     finally:
         rollout.close()
     rewards = [s.reward or 0.0 for g in groups for s in g.samples]

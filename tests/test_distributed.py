@@ -108,9 +108,17 @@ def drive(worker: TrainerWorker, channel: InProcessChannel) -> dict:
 
 
 def drive_checkpoint(worker: TrainerWorker, channel: InProcessChannel, script: str, directory: Path) -> dict:
-    """'save': step 1, checkpoint, step 2. 'restore': restore the checkpoint, step 2. Step 2's weights."""
+    """'save': step 1, checkpoint, step 2. 'restore': restore the checkpoint, step 2. Step 2's weights.
+    'stop': step 1, then the run stops during step 2: the checkpoint asked for at 2 is taken at 1."""
     commands = command_sequence()
     step1, step2 = commands[:4], commands[4:]
+    if script == "stop":
+        for command in [*step1, step2[0]]:
+            worker.handle(command)
+        worker.abandon_work()
+        skipped = [e for command in step2[1:] for e in worker.handle(command)]
+        saved = [e for e in worker.handle(SaveCheckpoint(str(directory), 2)) if hasattr(e, "version")]
+        return {"skipped": skipped, "saved": [e.version for e in saved], "version": worker.version}
     if script == "save":
         for command in step1:
             worker.handle(command)

@@ -421,7 +421,7 @@ class ShufflingRuntime:
             self.events.append(Saved("trainer", command.path))
         elif isinstance(command, SaveCheckpoint):  # the controller's books are still written for real
             Path(command.path).mkdir(parents=True)
-            self.events.append(CheckpointSaved("trainer", command.path, command.version))
+            self.events.append(CheckpointSaved("trainer", command.path, command.version, command.carried))
         else:
             raise TypeError(command)
 

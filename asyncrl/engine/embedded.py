@@ -58,7 +58,7 @@ from transformers import PreTrainedModel
 from asyncrl.engine.kv_cache import free_memory_bytes, kv_bytes_per_token
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.slots import Slots, reserve, result_of
-from asyncrl.engine.types import GenerationRequest, GenerationResult
+from asyncrl.engine.types import GenerationRequest, GenerationResult, GenerationStopped
 from asyncrl.types import Tokens
 
 
@@ -302,8 +302,14 @@ class EmbeddedEngine:
             out += self._slots.abort(wanted)
         return out
 
-    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        """Run requests to completion; results in request order."""
+    def generate(
+        self, requests: list[GenerationRequest], stop: Callable[[], bool] | None = None
+    ) -> list[GenerationResult]:
+        """Run requests to completion; results in request order.
+
+        ``stop`` is asked before every engine step; True aborts the requests and raises
+        :class:`GenerationStopped`.
+        """
         if self.has_work:
             raise RuntimeError("generate() needs an idle engine; use add_request/step to mix with other work")
         for r in requests:  # all or nothing: a bad request leaves nothing queued
@@ -312,6 +318,11 @@ class EmbeddedEngine:
             self.add_request(r)
         results: dict[str, GenerationResult] = {}
         while self.has_work:
+            if stop is not None and stop():
+                self.abort()
+                raise GenerationStopped(
+                    f"generation of {len(requests)} requests given up: the run is stopping"
+                )
             for res in self.step():
                 results[res.request_id] = res
         return [results[r.request_id] for r in requests]

@@ -36,3 +36,7 @@ class GenerationResult(Tokens):
 
     def _label(self) -> str:
         return f"result of request {self.request_id!r}"
+
+
+class GenerationStopped(Exception):
+    """Generation was given up on request (the run is stopping); the engine is left idle."""

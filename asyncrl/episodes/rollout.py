@@ -22,11 +22,18 @@ import concurrent.futures
 import contextlib
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from transformers import PreTrainedTokenizerBase
 
-from asyncrl.engine import GenerationRequest, GenerationResult, SamplingParams, resume_request
+from asyncrl.engine import (
+    GenerationRequest,
+    GenerationResult,
+    GenerationStopped,
+    SamplingParams,
+    resume_request,
+)
 from asyncrl.episodes.client import EpisodeClient, EpisodeTruncated
 from asyncrl.episodes.environment import EpisodeFunction
 from asyncrl.rollout import RolloutStats
@@ -204,12 +211,20 @@ class EpisodeRolloutWorker:
                 cancelled.append((group_id, pending.prompt))
         return cancelled
 
-    def generate_groups(self, prompts: list[Prompt], first_group_id: int = 0) -> list[Group]:
-        """Run the episodes of a batch of tasks to the end; groups in task order (dropped ones left out)."""
+    def generate_groups(
+        self, prompts: list[Prompt], first_group_id: int = 0, stop: Callable[[], bool] | None = None
+    ) -> list[Group]:
+        """Run the episodes of a batch of tasks to the end; groups in task order (dropped ones left out).
+
+        ``stop`` is asked between engine steps; True gives the batch up
+        (:class:`~asyncrl.engine.GenerationStopped`; :meth:`close` cancels the episodes).
+        """
         ids = list(range(first_group_id, first_group_id + len(prompts)))
         self.submit(list(zip(ids, prompts, strict=True)))
         done: dict[int, Group] = {}
         while any(i in self._pending for i in ids):
+            if stop is not None and stop():
+                raise GenerationStopped(f"episodes of {len(prompts)} tasks given up: the run is stopping")
             for group in self.step()[0]:
                 done[group.group_id] = group
         return [done[i] for i in ids if i in done]

@@ -85,9 +85,10 @@ class RunInterrupted(AsyncRLError):
 
 
 class PendingCheckpoint(NamedTuple):
-    """A checkpoint asked of the trainer: the books of that moment, its version, until when, whether a stop's."""
+    """A checkpoint asked of the trainer: the books of that moment (for each version the trainer
+    may save at), the version asked, until when, whether a stop's."""
 
-    books: dict
+    books_at: dict[int, dict]
     version: int
     deadline: float
     stop: bool
@@ -330,6 +331,11 @@ class Controller:
         No FinishStep is sent until it is written, so the trainer's state and the books
         taken now describe the same moment; so do the rollouts, copied now (the run may go
         on using them). ``stop``: the checkpoint of a stop, after the preemption.
+
+        A trainer that is stopping gives up the step in progress and those after it, and saves
+        at an older version (by whole batches); the books for each version it may save at are
+        taken now, the given-up batches' groups carried (or pending, without
+        ``run.checkpoint_rollouts``) instead of trained.
         """
         if self.checkpoint_pending is not None:
             return
@@ -342,38 +348,47 @@ class Controller:
         preempted = self.preemption.stopped()
         pending += [(p.group_id, prompt) for p, prompt in preempted]
         keep = self.cfg.run.checkpoint_rollouts
-        carried = held if keep else []
-        partial = [p for p, _ in preempted if p.completions] if keep else []
+        carried = [g.group_id for g in held] if keep else []
+        partial = [p.group_id for p, _ in preempted if p.completions] if keep else []
         if not keep:
             pending += [(g.group_id, self.prompts[g.group_id]) for g in held]
             if stop:
                 counts["discarded_at_stop_tokens"] += sum(
                     g.num_completion_tokens for g in [*held, *(p for p, _ in preempted)]
                 )
-        in_steps = [g.group_id for batch in steps.unconfirmed for g in batch]
-        books = self.books.state_dict(
-            version,
-            steps.handed,
-            pending,
-            len(held) - len(carried),
-            in_steps,
-            carried=[g.group_id for g in carried],
-            partial=[p.group_id for p in partial],
-        )
+        batches = [[g.group_id for g in batch] for batch in steps.unconfirmed]
+        books_at: dict[int, dict] = {}
+        for given_up in range(len(batches) + 1):  # the newest batches are given up first
+            trained, dropped = batches[: len(batches) - given_up], batches[len(batches) - given_up :]
+            redo = [gid for batch in dropped for gid in batch]
+            books_at[version - given_up * steps.iters] = self.books.state_dict(
+                version - given_up * steps.iters,
+                steps.handed - given_up,
+                pending if keep else pending + [(gid, self.prompts[gid]) for gid in redo],
+                len(held) - len(carried) + (0 if keep else len(redo)),
+                [gid for batch in trained for gid in batch],
+                carried=carried + redo if keep else carried,
+                partial=partial,
+            )
         deadline = time.monotonic() + self.cfg.run.checkpoint_timeout_s
-        self.checkpoint_pending = PendingCheckpoint(books, version, deadline, stop)
+        self.checkpoint_pending = PendingCheckpoint(books_at, version, deadline, stop)
         tmp = checkpoint.temporary_dir(self.session.run_dir, version)
         # The trainer holds the carried and partial groups and writes them beside its state.
-        carried_ids, partial_ids = [g.group_id for g in carried], [p.group_id for p in partial]
-        self._send(TRAINER, SaveCheckpoint(str(tmp), version, carried_ids, partial_ids))
+        self._send(TRAINER, SaveCheckpoint(str(tmp), version, carried, partial, carry_given_up=keep))
 
     def _on_checkpoint_saved(self, event: CheckpointSaved) -> None:
-        books, version, _, stop = self.checkpoint_pending
-        if event.version != version:
-            raise WorkerError(f"trainer saved version {event.version}, expected {version}")
+        books_at, asked, _, stop = self.checkpoint_pending
+        books, version = books_at.get(event.version), event.version
+        if books is None or ({c["group_id"] for c in books["carried"]} != set(event.carried)):
+            raise WorkerError(
+                f"the trainer saved version {event.version} carrying groups {sorted(event.carried)}; expected "
+                f"version {asked} (or an older one, if it gave steps up at a stop) and the groups the books carry"
+            )
         try:
             checkpoint.write_controller_state(Path(event.path), books)
-            path = checkpoint.commit(self.session.run_dir, version, self.cfg.run.keep_checkpoints)
+            path = checkpoint.commit(
+                self.session.run_dir, asked, self.cfg.run.keep_checkpoints, saved=version
+            )
         except OSError as exc:
             raise checkpoint.CheckpointError(
                 f"cannot write the checkpoint of step {version} in {event.path!r}: {exc.strerror or exc}; "

@@ -110,6 +110,9 @@ class SaveCheckpoint:
     version: int
     carried: list[int] = field(default_factory=list)
     partial: list[int] = field(default_factory=list)
+    # A trainer that is stopping saves at its own version; the groups of the steps it gave up
+    # are carried too (False: run.checkpoint_rollouts is off, they are generated again).
+    carry_given_up: bool = True
 
 
 @dataclass
@@ -219,9 +222,16 @@ class Saved:
 
 @dataclass
 class CheckpointSaved:
+    """The trainer wrote its state of ``version`` and the groups ``carried`` into ``path``.
+
+    A trainer that was stopping saves at the version it is at, which may be older than the one
+    asked for (it gave up the steps after it); ``carried`` then includes those steps' groups.
+    """
+
     worker: str
     path: str
     version: int
+    carried: list[int] = field(default_factory=list)
 
 
 @dataclass

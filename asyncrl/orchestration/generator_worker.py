@@ -154,10 +154,10 @@ class GeneratorWorker:
 
     def stop_waiting(self) -> None:
         """Give up a wait for weights and the reward scoring in progress (any thread): the run is stopping."""
-        self.stop_scoring()
+        self.abandon_work()
         _interrupt(self.receiver)
 
-    def stop_scoring(self) -> None:
+    def abandon_work(self) -> None:
         """Abandon reward scoring, now and from now on (any thread, or a signal handler): the run is stopping.
 
         The groups being scored are given up; the controller's checkpoint has them as pending.

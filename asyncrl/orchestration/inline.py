@@ -68,7 +68,7 @@ class InlineRuntime:
         for worker in [self.trainer, *self.generators.values()]:
             if worker is not None:
                 try:
-                    worker.stop_scoring()
+                    worker.abandon_work()
                 except ScoringStopped as exc:
                     in_call = exc
         if in_call is not None:

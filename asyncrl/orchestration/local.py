@@ -97,7 +97,7 @@ def _worker_main(
         inbox = Inbox(feed=payload_q) if role == TRAINER else None
         worker, _ = build_worker(role, name, index, cfg, spec, group, elastic=False, inbox=inbox)
         threading.Thread(
-            target=_stop_scoring_on, args=(interrupt, worker), name="asyncrl-interrupt", daemon=True
+            target=_abandon_work_on, args=(interrupt, worker), name="asyncrl-interrupt", daemon=True
         ).start()
         if cores is not None and role == TRAINER:
             worker.trainer.before_micro_batch = cores.fit
@@ -126,10 +126,10 @@ def _worker_main(
             worker.close()
 
 
-def _stop_scoring_on(interrupt, worker) -> None:
+def _abandon_work_on(interrupt, worker) -> None:
     while not interrupt.value:
         time.sleep(INTERRUPT_CHECK_S)
-    worker.stop_scoring()
+    worker.abandon_work()
 
 
 def _set_busy(cores: CoreShare, busy: bool) -> None:

@@ -167,12 +167,12 @@ class WorkerHost:
     def events(self, wait_s: float) -> list:
         return drain(self._events, wait_s)
 
-    def stop_scoring(self) -> None:
+    def abandon_work(self) -> None:
         """The run is stopping: the worker abandons the reward scoring it is in (on this actor thread)."""
         with self._lock:
             worker = self._worker
         if worker is not None:
-            worker.stop_scoring()
+            worker.abandon_work()
 
     def stop(self, timeout_s: float) -> bool:
         with self._lock:
@@ -399,7 +399,7 @@ class RayRuntime:
         if self._interrupt == "requested":
             self._interrupt = "sent"
             for actor in self._actors.values():
-                actor.stop_scoring.remote()
+                actor.abandon_work.remote()
         events = self._collect(timeout)
         for event in events:
             if isinstance(event, Ready):

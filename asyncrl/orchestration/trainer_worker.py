@@ -9,6 +9,7 @@ Rank 0 holds the inbox the generators deliver their groups to (:mod:`.payload`);
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 
 from asyncrl import checkpoint
 from asyncrl.config import Config
-from asyncrl.engine import EmbeddedEngine
+from asyncrl.engine import EmbeddedEngine, GenerationStopped
 from asyncrl.evaluation import evaluate, evaluate_episodes
 from asyncrl.models import Policy, resolve_device, save_policy
 from asyncrl.models.lora import published_weights, synced_parameters
@@ -107,7 +108,10 @@ class TrainerWorker:
         self.sender = sender_factory(layout) if sender_factory is not None else None
         self.trainer = build.build_trainer(cfg, self.policy, self.ranks)
         self.inbox = inbox if inbox is not None else Inbox()
-        self._step_groups: dict[int, Group] = {}  # taken from the inbox for the open step
+        # Taken from the inbox for the open step (and, once the run is stopping, for every step
+        # given up since the last one finished).
+        self._step_groups: dict[int, Group] = {}
+        self._stopping = threading.Event()  # set by abandon_work
         self._step_batches: list[MicroBatch] = []
         self._step_open = False
         self._eval_engine: EmbeddedEngine | None = None
@@ -137,13 +141,21 @@ class TrainerWorker:
     def stop_waiting(self) -> None:
         """Give up a publication that waits for receivers or for a regroup, and an evaluation's reward
         scoring (any thread): the run is stopping."""
-        self.stop_scoring()
+        self.abandon_work()
         if isinstance(self.sender, RegroupingSender):
             self.sender.stop_waiting()
 
-    def stop_scoring(self) -> None:
-        """Abandon an evaluation's reward scoring, now and from now on (any thread, or a signal handler)."""
+    def abandon_work(self) -> None:
+        """The run is stopping (any thread, or a signal handler): an evaluation in progress is given
+        up, and so is training — the step in progress and every one after it. Their groups are
+        kept for the stop's checkpoint, which is written at the version the trainer is at
+        (:meth:`_save_checkpoint`)."""
+        self._stopping.set()
         self.trainer_reward.stop()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
 
     def handle(
         self, command: Accumulate | FinishStep | Evaluate | SaveModel | SaveCheckpoint | Restore | Discard
@@ -157,6 +169,14 @@ class TrainerWorker:
             return []
         if self.is_leader and isinstance(command, Accumulate):
             command = self._resolve(command)
+        if self.is_leader and self.stopping:
+            if isinstance(command, Accumulate | FinishStep):
+                return []  # given up, on every rank: the groups stay in _step_groups for the checkpoint
+            if isinstance(command, SaveCheckpoint):
+                # Saved where the trainer is; the controller's books follow (CheckpointSaved.version).
+                command = dataclasses.replace(command, version=self.trainer.version)
+            if isinstance(command, Evaluate):
+                return []
         if self.ranks is not None and self.ranks.is_leader:
             self.ranks.post(command)
         if isinstance(command, Accumulate):
@@ -211,6 +231,10 @@ class TrainerWorker:
             raise RuntimeError(
                 f"checkpoint of version {command.version} requested, but the trainer is at {self.trainer.version}"
             )
+        # Steps given up at a stop: their groups go into the checkpoint with the carried ones.
+        given_up = list(self._step_groups) if command.carry_given_up else []
+        carried = list(dict.fromkeys([*command.carried, *given_up]))
+        command = dataclasses.replace(command, carried=carried)
         start = time.time()
         policy = self._full_policy()  # every rank joins the gathers; rank 0 writes
         state = self.trainer.checkpoint_state()
@@ -220,7 +244,7 @@ class TrainerWorker:
         checkpoint.write_rollouts(Path(command.path), self._carried_rollouts(command))
         return [
             Span(self.name, "checkpoint", start, time.time()),
-            CheckpointSaved(self.name, command.path, command.version),
+            CheckpointSaved(self.name, command.path, command.version, carried=carried),
         ]
 
     def _carried_rollouts(self, command: SaveCheckpoint) -> dict:
@@ -282,7 +306,7 @@ class TrainerWorker:
             with self.trainer.compute():
                 if self.cfg.episode.environment is not None:
                     rollout = build.build_rollout(self.cfg, policy, self._eval_engine, greedy=True)
-                    accuracy = evaluate_episodes(rollout, self._eval_prompts)
+                    accuracy = evaluate_episodes(rollout, self._eval_prompts, stop=self._stopping.is_set)
                 else:
                     accuracy = evaluate(
                         self._eval_engine,
@@ -290,8 +314,9 @@ class TrainerWorker:
                         self._eval_prompts,
                         self.trainer_reward,
                         build.sampling_params(self.cfg, policy, greedy=True),
+                        stop=self._stopping.is_set,
                     )
-        except ScoringStopped:
+        except (ScoringStopped, GenerationStopped):
             return []  # the run is stopping: the evaluation is given up
         finally:
             model.train(was_training)
@@ -305,7 +330,12 @@ class TrainerWorker:
             self._step_open = True
         batches = self.trainer.prepare([s for g in command.groups for s in g.samples])  # resolved by rank 0
         self._step_batches += batches
-        self.trainer.accumulate(batches)
+        # One process gives a step up between micro-batches when the run stops; ranks do so between
+        # commands only (rank 0 decides), as every rank must run the same collectives.
+        if self.ranks is None:
+            self.trainer.accumulate(batches, stop=self._stopping.is_set)
+        else:
+            self.trainer.accumulate(batches)
         return [Span(self.name, "train", start, time.time(), {"groups": len(command.groups)})]
 
     def _finish(self, command: FinishStep) -> list:

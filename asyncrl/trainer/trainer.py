@@ -232,16 +232,19 @@ class Trainer:
                 self.model, mb, self.temperature, chunk_tokens=self.cfg.logprob_chunk_tokens
             )[0]
 
-    def accumulate(self, batches: list[MicroBatch]) -> float:
+    def accumulate(self, batches: list[MicroBatch], stop: Callable[[], bool] | None = None) -> float:
         """Forward/backward on micro-batches, adding their undivided loss to the gradients.
 
         Returns the undivided loss of these micro-batches; the step's loss is the sum over
-        all ``accumulate`` calls divided by the batch divisor.
+        all ``accumulate`` calls divided by the batch divisor. ``stop``: asked before each
+        micro-batch; True gives up the rest (the step must not be finished then).
         """
         t0 = time.perf_counter()
         self.model.train()
         total = 0.0
         for mb in batches:
+            if stop is not None and stop():
+                break
             if self.before_micro_batch is not None:
                 self.before_micro_batch()
             loss_sum, stats = self._micro_batch_loss(mb)

@@ -1,0 +1,185 @@
+"""A stop acts during a training step and during an evaluation, not after them.
+
+When the run is stopping the trainer gives up the step in progress (between micro-batches)
+and every step after it, and saves at the version it is at; the given-up steps' groups go
+into the checkpoint as carried, and the controller's books follow the version saved. An
+evaluation in progress is given up between engine steps. A resumed run then reaches the
+same parameters as one never stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncrl import checkpoint
+from asyncrl.config import load_config
+from asyncrl.engine import EmbeddedEngine, GenerationRequest, GenerationStopped, SamplingParams
+from asyncrl.evaluation import evaluate
+from asyncrl.orchestration import run as run_module
+from asyncrl.orchestration import train
+from asyncrl.orchestration.controller import RunInterrupted
+from asyncrl.orchestration.events import (
+    Accumulate,
+    CheckpointSaved,
+    Evaluate,
+    FinishStep,
+    SaveCheckpoint,
+    StepDone,
+)
+from asyncrl.orchestration.inline import InlineRuntime
+from asyncrl.orchestration.trainer_worker import TrainerWorker
+from asyncrl.trainer import assign_advantages
+from asyncrl.types import Group, Prompt
+from asyncrl.weight_sync.inprocess import InProcessChannel
+from tests.helpers import final_weights, max_abs_diff, short_run
+from tests.test_distributed import make_groups, rank_config, run_ranks
+
+
+def renumbered(groups: list[Group], first: int) -> list[Group]:
+    """The groups under new group ids ``first``, ``first + 1``, ... (ids are unique within a run)."""
+    out = []
+    for k, g in enumerate(groups):
+        samples = [dataclasses.replace(s, group_id=first + k) for s in g.samples]
+        out.append(Group(first + k, g.prompt, samples))
+    return out
+
+
+def test_a_stopping_trainer_gives_the_step_up_and_saves_where_it_is(tmp_path: Path) -> None:
+    channel = InProcessChannel()
+    worker = TrainerWorker("trainer", rank_config(1, "ddp"), lambda layout: channel)
+    try:
+        first = make_groups(seed=1, sizes=[4, 4])
+        second = renumbered(make_groups(seed=2, sizes=[4, 3]), first=10)
+        worker.handle(Accumulate.of(first))
+        assert [
+            e.version for e in worker.handle(FinishStep(10.0, publish=False)) if isinstance(e, StepDone)
+        ] == [1]
+        before = {n: p.detach().clone() for n, p in worker.policy.model.named_parameters()}
+        worker.handle(Accumulate.of(second[:1]))
+        worker.abandon_work()  # the stop arrives during the second step
+        assert worker.handle(Accumulate.of(second[1:])) == []
+        assert worker.handle(FinishStep(10.0, publish=True)) == []  # no optimizer step, no publication
+        assert worker.handle(Evaluate(2)) == []
+        saved = worker.handle(SaveCheckpoint(str(tmp_path), version=2, carried=[]))
+        (done,) = [e for e in saved if isinstance(e, CheckpointSaved)]
+        assert done.version == 1 and done.carried == [10, 11]
+        after = dict(worker.policy.model.named_parameters())
+        assert all(torch.equal(before[n], after[n]) for n in before)
+        rollouts = checkpoint.read_rollouts(tmp_path)
+        written = [Group.from_dict(g) for g in rollouts["groups"]]
+        assert [g.group_id for g in written] == [10, 11]
+        assert written[1].samples[0].completion_ids == second[1].samples[0].completion_ids
+    finally:
+        worker.close()
+
+
+def test_a_stop_between_micro_batches_skips_the_rest() -> None:
+    """Trainer.accumulate asks ``stop`` before every micro-batch: once True, no more backward passes."""
+    worker = TrainerWorker("trainer", rank_config(1, "ddp"), lambda layout: InProcessChannel())
+    try:
+        trainer = worker.trainer
+        groups = make_groups(seed=3, sizes=[4, 4, 4])
+        assign_advantages(groups, "group")
+        batches = trainer.prepare([s for g in groups for s in g.samples])
+        assert len(batches) >= 2  # trainer.micro_batch_tokens=64
+        asked = []
+
+        def stop() -> bool:
+            asked.append(1)
+            return len(asked) > 1  # the first micro-batch runs, then the stop is seen
+
+        calls = []
+        trainer.before_micro_batch = lambda: calls.append(1)
+        trainer.begin_step()
+        trainer.accumulate(batches, stop=stop)
+        assert len(calls) == 1 and len(asked) == 2
+    finally:
+        worker.close()
+
+
+def test_an_evaluation_is_given_up_between_engine_steps(tiny_policy) -> None:
+    engine = EmbeddedEngine(tiny_policy.model, pad_token_id=tiny_policy.pad_token_id, max_batch_size=4)
+    prompts = [Prompt(f"e:{i}", f"{i}+{i}=", answer=str(2 * i)) for i in range(16)]
+    steps = []
+
+    def stop() -> bool:
+        steps.append(1)
+        return len(steps) > 3
+
+    sampling = SamplingParams(max_new_tokens=32, temperature=0.0)  # no stop ids: 32 tokens each
+    with pytest.raises(GenerationStopped):
+        evaluate(engine, tiny_policy.tokenizer, prompts, lambda completion, **_: 1.0, sampling, stop=stop)
+    assert len(steps) == 4 and not engine.has_work  # 16 prompts x 32 tokens would take 128+ steps
+    request = GenerationRequest("after", [5, 6, 7], SamplingParams(max_new_tokens=3, temperature=0.0))
+    assert len(engine.generate([request])[0].completion_ids) == 3  # the engine is usable again
+
+
+class StopDuringStep(InlineRuntime):
+    """SIGTERM raised by the trainer itself, before a micro-batch of optimizer step ``at_step``."""
+
+    def __init__(self, cfg, at_step: int) -> None:
+        super().__init__(cfg)
+        self.at_step, self.micro_batches = at_step, 0
+
+    def start(self) -> None:
+        super().start()
+        trainer = self.trainer.trainer
+
+        def maybe_stop() -> None:
+            if trainer.version == self.at_step - 1:
+                self.micro_batches += 1
+                if self.micro_batches == 2:
+                    signal.raise_signal(signal.SIGTERM)
+
+        trainer.before_micro_batch = maybe_stop
+
+
+SYNC = [
+    *short_run(5, prompts=4, group_size=4),
+    "schedule=sync",
+    "runtime.kind=inline",
+    "trainer.micro_batch_tokens=16",  # a micro-batch per group or so: the stop lands inside a step
+    "run.checkpoint_every=0",
+]
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_stop_inside_a_training_step_resumes_to_the_uninterrupted_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep: bool
+) -> None:
+    """sync, stopped in the middle of step 3: checkpoint at step 2 carrying step 3's groups (or
+    issuing them again, without run.checkpoint_rollouts); the resumed run equals a straight one."""
+    cfg = load_config(None, [*SYNC, f"run.checkpoint_rollouts={str(keep).lower()}"])
+    train(cfg, tmp_path / "straight")
+    runtime = StopDuringStep(cfg, at_step=3)
+    monkeypatch.setattr(run_module, "make_runtime", lambda cfg, session: runtime)
+    with pytest.raises(RunInterrupted, match="at step 2"):
+        train(cfg, tmp_path / "stopped")
+    assert runtime.micro_batches == 2  # the rest of step 3 was given up
+    ckpt = checkpoint.latest(tmp_path / "stopped")
+    books = checkpoint.read_controller_state(ckpt)
+    carried = sorted(c["group_id"] for c in books["carried"])
+    rollouts = checkpoint.read_rollouts(ckpt)
+    assert books["version"] == 2 and books["batches_handed"] == 2 and ckpt.name.endswith("2")
+    if keep:
+        assert carried == list(range(8, 12)) and sorted(g["group_id"] for g in rollouts["groups"]) == carried
+    else:
+        assert carried == [] and rollouts["groups"] == []
+        assert {p["group_id"] for p in books["pending"]} >= set(range(8, 12))
+    monkeypatch.undo()
+    summary = train(cfg, tmp_path / "stopped", resume=True)
+    assert summary["accounting"]["reconciles"] and summary["accounting"]["prompts_trained_twice"] == 0
+    assert max_abs_diff(final_weights(tmp_path / "straight"), final_weights(tmp_path / "stopped")) == 0.0
+
+
+@pytest.mark.multiprocess
+def test_trainer_ranks_give_a_step_up_together(tmp_path: Path) -> None:
+    """2 FSDP2 ranks: rank 0 gives the stopped step up for both (it forwards no more training)
+    and both save at step 1; nothing hangs in a collective."""
+    result = run_ranks(2, "fsdp2", "tiny:1m", tmp_path / "out.pt", script="stop")
+    assert result == {"skipped": [], "saved": [1], "version": 1}
