@@ -6,7 +6,7 @@ accounting invariant and the checkpoint form), the generators (:mod:`.membership
 flight, versions held, joins, losses and scaling), step assembly (:mod:`.steps`: buffer
 to trainer, the ``streaming`` knob), the step records (:mod:`.records`) and a stop's
 preemption and a resume's carry-over (:mod:`.preemption`); :mod:`.run` runs it, with its
-signal handling. What stays here (about 450 lines) is the loop and what must see all of
+signal handling. What stays here (under 500 lines) is the loop and what must see all of
 its state at one moment: dispatch, events, and the checkpoint and stop protocol, whose
 snapshot of the books, the buffer and the generators must be taken together. The other
 schedule knobs act here:

@@ -3,7 +3,8 @@
 It executes commands and returns events and knows nothing about processes, queues or Ray.
 Rank 0 holds the inbox the generators deliver their groups to (:mod:`.payload`); with
 ``trainer.ranks`` > 1 it forwards every command, groups resolved, to the other ranks
-(:func:`run_follower`).
+(:func:`run_follower`). (Just over 400 lines: the step, evaluation, checkpoint and restore
+commands share the open step's state and the stop rule, which read best together.)
 """
 
 from __future__ import annotations
