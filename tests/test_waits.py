@@ -138,3 +138,29 @@ def test_an_engine_loop_call_that_is_never_run_ends_at_its_timeout() -> None:
     with pytest.raises(queue.Empty):
         loop.call(lambda engine: None, timeout=0.5)
     assert 0.5 <= time.monotonic() - t0 < 30
+
+
+def test_a_server_connection_that_sends_nothing_is_closed_after_the_idle_timeout(tiny_policy) -> None:
+    """OpenAIServer's idle_timeout_s is every connection's socket timeout: a client that connects
+    and says nothing is dropped (its thread freed); the server keeps answering others."""
+    import json
+    import socket
+
+    from asyncrl.server.app import OpenAIServer
+
+    server = OpenAIServer(tiny_policy, model_name="tiny", max_batch_size=2, idle_timeout_s=0.5)
+    host, port = server.start("127.0.0.1", 0)
+    try:
+        with socket.create_connection((host, port), timeout=30) as silent:
+            # Closed by the server: recv returns no bytes (a TimeoutError after 30 s would mean never).
+            assert silent.recv(1) == b""
+        with socket.create_connection((host, port), timeout=30) as client:
+            client.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            reply = b""
+            while chunk := client.recv(4096):
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 200") and json.loads(reply.split(b"\r\n\r\n", 1)[1]) == {
+            "status": "ok"
+        }
+    finally:
+        server.stop()

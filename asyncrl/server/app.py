@@ -37,6 +37,9 @@ from asyncrl.server.engine_loop import EngineLoop, Ticket
 from asyncrl.weight_sync import WeightLayout
 
 REQUEST_TIMEOUT_S = 600.0
+# Each socket read or write of a connection waits at most this long: a client that connects
+# and sends nothing, goes quiet mid-request, or stops reading a stream frees its thread.
+CONNECTION_IDLE_S = 60.0
 
 
 class BadRequest(ValueError):
@@ -58,8 +61,17 @@ def chat_prompt(tokenizer, messages: list[dict]) -> str:
 
 
 class OpenAIServer:
-    def __init__(self, policy: Policy, *, model_name: str, max_batch_size: int = 64, seed: int = 0) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        *,
+        model_name: str,
+        max_batch_size: int = 64,
+        seed: int = 0,
+        idle_timeout_s: float = CONNECTION_IDLE_S,
+    ) -> None:
         self.policy = policy
+        self.idle_timeout_s = idle_timeout_s
         self.model_name = model_name
         tok = policy.tokenizer
         self.engine = EmbeddedEngine(
@@ -81,6 +93,7 @@ class OpenAIServer:
 
         class Handler(_Handler):
             app = server
+            timeout = server.idle_timeout_s  # the socket timeout of every connection
 
         self.httpd = ThreadingHTTPServer((host, port), Handler)
         self.httpd.daemon_threads = True
