@@ -23,6 +23,7 @@ def bench():
         sys.path.remove(str(BENCH))
 
 
+@pytest.mark.slow  # the header-only invariant in a whole run: test_payload.py's inline runs
 @pytest.mark.multiprocess
 def test_the_controller_receives_headers_only_across_processes(bench, tmp_path: Path) -> None:
     base = [
