@@ -72,8 +72,8 @@ class Tokens:
     def _label(self) -> str:
         return type(self).__name__
 
-    @classmethod
-    def empty(cls, supports: bool = False) -> Tokens:
+    @staticmethod
+    def empty(supports: bool = False) -> Tokens:
         return Tokens(completion_ids=[], logprobs=[], versions=[], supports=[] if supports else None)
 
     @property

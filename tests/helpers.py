@@ -7,6 +7,7 @@ Imported as ``from tests.helpers import ...``, like the other cross-file imports
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import signal
 import subprocess
@@ -167,3 +168,15 @@ def tiny_lora_model(seed: int = 3):
             if "lora_B" in name:
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
     return policy, model
+
+
+@contextlib.contextmanager
+def bench_script(name: str):
+    """The benchmark ``bench/<name>.py`` imported as the top-level module ``name`` (spawned
+    processes unpickle its functions by that name, from the directory put on ``sys.path``)."""
+    path = str(REPO / "bench")
+    sys.path.insert(0, path)
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.path.remove(path)

@@ -4,23 +4,17 @@ length — and sends the trainer group ids, not tokens."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from tests.helpers import bench_script
 
 
 @pytest.fixture
 def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import controller_bytes
-
-        yield controller_bytes
-    finally:
-        sys.path.remove(str(BENCH))
+    with bench_script("controller_bytes") as module:
+        yield module
 
 
 @pytest.mark.slow  # the header-only invariant in a whole run: test_payload.py's inline runs

@@ -4,23 +4,16 @@ fewer tokens wherever prompts are shared, and the padded layout is kept where th
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from tests.helpers import bench_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import packing
-
-        yield packing
-    finally:
-        sys.path.remove(str(BENCH))
+    with bench_script("packing") as module:
+        yield module
 
 
 def test_quick_mode_reports_consistent_numbers(bench) -> None:

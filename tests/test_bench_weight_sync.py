@@ -4,28 +4,19 @@ numbers it reports are consistent (positive times, finite bandwidth, ratios that
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
 from asyncrl.models import load_policy
 from asyncrl.weight_sync import WeightLayout
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from tests.helpers import bench_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    # Spawned receivers unpickle their entry point by module name, so the script is imported
-    # as the top-level module ``weight_sync`` from a directory on sys.path (which spawn passes on).
-    sys.path.insert(0, str(BENCH))
-    try:
-        import weight_sync
-
-        yield weight_sync
-    finally:
-        sys.path.remove(str(BENCH))
+    with bench_script("weight_sync") as module:
+        yield module
 
 
 def test_layout_of_1m_is_the_tiny_qwen2_model(bench) -> None:

@@ -6,6 +6,7 @@ import statistics
 import time
 
 from asyncrl.orchestration.events import Span, StepDone, WeightsLoaded
+from asyncrl.orchestration.membership import TRAINER
 from asyncrl.timeline import busy_fractions
 from asyncrl.types import GroupHeader
 
@@ -80,7 +81,7 @@ class StepRecorder:
             **(batch_metrics(groups, event.version - 1) if groups else {}),
             **event.metrics,
             "policy_version": event.version,
-            "trainer_busy_frac": busy.get("trainer", 0.0),
+            "trainer_busy_frac": busy.get(TRAINER, 0.0),
             "generator_busy_frac": sum(gen_busy) / max(len(gen_busy), 1),
             "weight_sync_s": event.publish_s + max(self.sync_load_s.get(event.version - 1, [0.0])),
             "tokens_per_s": self.tokens_since_step / elapsed,
