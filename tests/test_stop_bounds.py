@@ -10,6 +10,7 @@ same parameters as one never stopped.
 from __future__ import annotations
 
 import dataclasses
+import json
 import signal
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from asyncrl.orchestration.controller import RunInterrupted
 from asyncrl.orchestration.events import (
     Accumulate,
     CheckpointSaved,
+    ContinueBatch,
     Evaluate,
     FinishStep,
     SaveCheckpoint,
@@ -175,6 +177,49 @@ def test_a_stop_inside_a_training_step_resumes_to_the_uninterrupted_run(
     summary = train(cfg, tmp_path / "stopped", resume=True)
     assert summary["accounting"]["reconciles"] and summary["accounting"]["prompts_trained_twice"] == 0
     assert max_abs_diff(final_weights(tmp_path / "straight"), final_weights(tmp_path / "stopped")) == 0.0
+
+
+def test_a_stop_between_a_batchs_optimizer_steps_resumes_to_the_uninterrupted_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """num_iterations=3, stopped inside the second optimizer step of batch 2 (versions 3 -> 6):
+    the checkpoint is at version 4, holding the batch as prepared (old log-probs of version 3);
+    the resumed run takes its 2 remaining steps first and equals a straight run."""
+    cfg = load_config(None, [*SYNC, "run.steps=9", "algorithm.num_iterations=3"])
+    assert cfg.algorithm.old_logprobs in ("auto", "recompute")  # recomputed once per batch, at its start
+    train(cfg, tmp_path / "straight")
+    runtime = StopDuringStep(cfg, at_step=5)
+    monkeypatch.setattr(run_module, "make_runtime", lambda cfg, session: runtime)
+    with pytest.raises(RunInterrupted, match="at step 4"):
+        train(cfg, tmp_path / "stopped")
+    assert runtime.micro_batches == 2
+    ckpt = checkpoint.latest(tmp_path / "stopped")
+    books = checkpoint.read_controller_state(ckpt)
+    assert books["version"] == 4 and books["batches_handed"] == 2 and ckpt.name.endswith("4")
+    assert books["carried"] == [] and books["counts"]["trained"] == 8  # batch 2 counts from its first step
+    state = torch.load(ckpt / checkpoint.TRAINER_FILE, weights_only=False)
+    in_progress = state["batch_in_progress"]
+    assert in_progress["iterations"] == 2 and in_progress["publish"] is True
+    assert sum(mb.completion_ids.shape[0] for mb in in_progress["micro_batches"]) == 16
+    metrics = [json.loads(line) for line in (tmp_path / "stopped" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    monkeypatch.undo()
+    summary = train(cfg, tmp_path / "stopped", resume=True)
+    accounting = summary["accounting"]
+    assert accounting["reconciles"] and accounting["trained"] == 12 and accounting["prompts_trained_twice"] == 0
+    metrics = [json.loads(line) for line in (tmp_path / "stopped" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 10))
+    assert max_abs_diff(final_weights(tmp_path / "straight"), final_weights(tmp_path / "stopped")) == 0.0
+
+
+def test_a_batch_in_progress_is_continued_only_as_it_was_left(tmp_path: Path) -> None:
+    """The trainer refuses to continue a batch it does not hold, or with another number of steps left."""
+    worker = TrainerWorker("trainer", rank_config(1, "ddp"), lambda layout: InProcessChannel())
+    try:
+        with pytest.raises(RuntimeError, match="no batch in progress"):
+            worker.handle(ContinueBatch(2))
+    finally:
+        worker.close()
 
 
 @pytest.mark.multiprocess

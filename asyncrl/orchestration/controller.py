@@ -172,6 +172,7 @@ class Controller:
         self.recorder.last_step_end = time.time()
         if self.resume_from is not None:
             self._send(TRAINER, Restore(str(self.resume_from)))
+            self.steps.continue_batch()
         elif self.cfg.run.eval_every:
             self._send(TRAINER, Evaluate(0))
         while (
@@ -333,9 +334,11 @@ class Controller:
         on using them). ``stop``: the checkpoint of a stop, after the preemption.
 
         A trainer that is stopping gives up the step in progress and those after it, and saves
-        at an older version (by whole batches); the books for each version it may save at are
-        taken now, the given-up batches' groups carried (or pending, without
-        ``run.checkpoint_rollouts``) instead of trained.
+        at an older version: that of a whole batch, or one between a batch's optimizer steps
+        (``algorithm.num_iterations``; the batch's groups count as trained at its first step,
+        and the trainer keeps the batch to take the rest after a resume). The books for each
+        version it may save at are taken now, the given-up batches' groups carried (or
+        pending, without ``run.checkpoint_rollouts``) instead of trained.
         """
         if self.checkpoint_pending is not None:
             return
@@ -357,12 +360,15 @@ class Controller:
                     g.num_completion_tokens for g in [*held, *(p for p, _ in preempted)]
                 )
         batches = [[g.group_id for g in batch] for batch in steps.unconfirmed]
+        starts = steps.batch_starts()
         books_at: dict[int, dict] = {}
-        for given_up in range(len(batches) + 1):  # the newest batches are given up first
-            trained, dropped = batches[: len(batches) - given_up], batches[len(batches) - given_up :]
+        for at in range(self.trainer_version, version + 1):  # every version the trainer may be at
+            kept = sum(start < at for start in starts)  # batches with an optimizer step taken at `at`
+            given_up = len(batches) - kept
+            trained, dropped = batches[:kept], batches[kept:]
             redo = [gid for batch in dropped for gid in batch]
-            books_at[version - given_up * steps.iters] = self.books.state_dict(
-                version - given_up * steps.iters,
+            books_at[at] = self.books.state_dict(
+                at,
                 steps.handed - given_up,
                 pending if keep else pending + [(gid, self.prompts[gid]) for gid in redo],
                 len(held) - len(carried) + (0 if keep else len(redo)),

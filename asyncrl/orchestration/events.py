@@ -86,6 +86,18 @@ class FinishStep:
 
 
 @dataclass
+class ContinueBatch:
+    """After a resume inside a batch: its remaining ``iterations`` optimizer steps.
+
+    A stop may interrupt a batch between its ``algorithm.num_iterations`` optimizer steps
+    (after the first); the checkpoint then holds the batch as the trainer prepared it, and a
+    resumed run takes the steps it had left before any new batch.
+    """
+
+    iterations: int
+
+
+@dataclass
 class Evaluate:
     """Greedy accuracy of the trainer's current weights on the held-out prompts, labelled ``step``."""
 

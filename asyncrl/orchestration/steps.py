@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from asyncrl.algorithms.losses import batch_divisor
 from asyncrl.buffer import RolloutBuffer
 from asyncrl.config import Config
-from asyncrl.orchestration.events import Accumulate, FinishStep
+from asyncrl.orchestration.events import Accumulate, ContinueBatch, FinishStep
 from asyncrl.types import GroupHeader
 
 CANONICAL_CHUNKS = 4  # a reproducible streaming step is sent in this many fixed chunks
@@ -124,6 +124,20 @@ class StepAssembly:
             batch = [here[i] for i in candidates]
             self.staged = [g for g in self.staged if g.group_id not in set(candidates)]
             self._send(batch, mergeable=False)
+
+    def continue_batch(self) -> None:
+        """After a resume at a version inside a batch (a stop came between its optimizer steps):
+        its remaining steps, before any new batch. The trainer holds the batch; its groups
+        were counted as trained at its first step."""
+        left = -self.planned_version % self.iters
+        if left:
+            self.send(ContinueBatch(left))
+            self.planned_version += left
+
+    def batch_starts(self) -> list[int]:
+        """The version each unconfirmed batch starts from (its first optimizer step makes the next)."""
+        n = len(self.unconfirmed)
+        return [self.planned_version - (n - b) * self.iters for b in range(n)]
 
     def confirmed(self, version: int) -> list[GroupHeader]:
         """The groups a ``StepDone`` of ``version`` trained (a batch's later PPO epochs train none anew)."""

@@ -3,7 +3,7 @@
 It executes commands and returns events and knows nothing about processes, queues or Ray.
 Rank 0 holds the inbox the generators deliver their groups to (:mod:`.payload`); with
 ``trainer.ranks`` > 1 it forwards every command, groups resolved, to the other ranks
-(:func:`run_follower`). (Just over 400 lines: the step, evaluation, checkpoint and restore
+(:func:`run_follower`). (Over 400 lines: the step, evaluation, checkpoint and restore
 commands share the open step's state and the stop rule, which read best together.)
 """
 
@@ -27,6 +27,7 @@ from asyncrl.orchestration import build
 from asyncrl.orchestration.events import (
     Accumulate,
     CheckpointSaved,
+    ContinueBatch,
     Discard,
     EvalDone,
     Evaluate,
@@ -49,6 +50,31 @@ from asyncrl.trainer.trainer import sync_dtype
 from asyncrl.types import Group, PartialGroup
 from asyncrl.weight_sync import WeightLayout, WeightSender, WeightSyncError
 from asyncrl.weight_sync.base import RegroupingSender, tensor_checksums
+
+Command = Accumulate | FinishStep | ContinueBatch | Evaluate | SaveModel | SaveCheckpoint | Restore | Discard
+
+
+@dataclasses.dataclass
+class BatchInProgress:
+    """A batch whose optimizer steps a stop interrupted after the first of them.
+
+    Its micro-batches are kept as the trainer prepared them — advantages, and the old and
+    reference log-probs of the weights the batch started from — so that the steps still to
+    take after a resume are the ones an uninterrupted run takes.
+    """
+
+    micro_batches: list[MicroBatch]
+    iterations: int  # optimizer steps still to take
+    divisor: float
+    publish: bool  # publish the weights after the last of them
+
+    def state_dict(self) -> dict:
+        """For ``trainer_state.pt`` (read back onto the CPU, whatever device wrote it)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict, device: torch.device) -> BatchInProgress:
+        return cls(**(state | {"micro_batches": [mb.to(device) for mb in state["micro_batches"]]}))
 
 
 class TrainerWorker:
@@ -115,6 +141,7 @@ class TrainerWorker:
         self._stopping = threading.Event()  # set by abandon_work
         self._step_batches: list[MicroBatch] = []
         self._step_open = False
+        self._in_progress: BatchInProgress | None = None  # a batch a stop interrupted between its steps
         self._eval_engine: EmbeddedEngine | None = None
         self._eval_prompts: list = []
         self._gathered_policy: Policy | None = None
@@ -158,12 +185,8 @@ class TrainerWorker:
     def stopping(self) -> bool:
         return self._stopping.is_set()
 
-    def handle(
-        self, command: Accumulate | FinishStep | Evaluate | SaveModel | SaveCheckpoint | Restore | Discard
-    ) -> list:
-        if not isinstance(
-            command, Accumulate | FinishStep | Evaluate | SaveModel | SaveCheckpoint | Restore | Discard
-        ):
+    def handle(self, command: Command) -> list:
+        if not isinstance(command, Command):
             raise TypeError(f"trainer cannot handle {type(command).__name__}")
         if isinstance(command, Discard):
             self.inbox.discard(command.group_ids)
@@ -171,8 +194,10 @@ class TrainerWorker:
         if self.is_leader and isinstance(command, Accumulate):
             command = self._resolve(command)
         if self.is_leader and self.stopping:
-            if isinstance(command, Accumulate | FinishStep):
-                return []  # given up, on every rank: the groups stay in _step_groups for the checkpoint
+            if isinstance(command, Accumulate | FinishStep | ContinueBatch):
+                # Given up, on every rank: the groups stay in _step_groups, a batch in progress in
+                # _in_progress, for the checkpoint.
+                return []
             if isinstance(command, SaveCheckpoint):
                 # Saved where the trainer is; the controller's books follow (CheckpointSaved.version).
                 command = dataclasses.replace(command, version=self.trainer.version)
@@ -184,6 +209,8 @@ class TrainerWorker:
             return self._accumulate(command)
         if isinstance(command, FinishStep):
             return self._finish(command)
+        if isinstance(command, ContinueBatch):
+            return self._continue(command)
         if isinstance(command, Evaluate):
             return self._evaluate(command)
         if isinstance(command, SaveCheckpoint):
@@ -241,6 +268,8 @@ class TrainerWorker:
         state = self.trainer.checkpoint_state()
         if not self.is_leader:
             return []
+        if self._in_progress is not None:
+            state["batch_in_progress"] = self._in_progress.state_dict()
         checkpoint.save_trainer_state(Path(command.path), policy, state)
         checkpoint.write_rollouts(Path(command.path), self._carried_rollouts(command))
         return [
@@ -274,6 +303,14 @@ class TrainerWorker:
             carried = checkpoint.read_rollouts(Path(command.path)) or {}
             self.inbox.put(Delivery([Group.from_dict(g) for g in carried.get("groups", [])]))
         weights, state = checkpoint.load_trainer_state(Path(command.path)) if self.is_leader else ({}, {})
+        in_progress = state.pop("batch_in_progress", None)
+        if in_progress is not None:
+            if self.ranks is not None:
+                raise checkpoint.CheckpointError(
+                    f"{command.path} was taken by one trainer process in the middle of a batch's "
+                    f"optimizer steps; resume it with trainer.ranks=1 (this run has {self.ranks.world_size})"
+                )
+            self._in_progress = BatchInProgress.from_state_dict(in_progress, self.trainer.device)
         version = self.trainer.load_checkpoint_state(weights, state)
         named = self.trainer.synced_weights()  # with FSDP2 a gather that every rank joins
         if self.sender is not None:
@@ -342,19 +379,51 @@ class TrainerWorker:
     def _finish(self, command: FinishStep) -> list:
         if not self._step_open:
             raise RuntimeError("FinishStep without any accumulated group")
-        events: list = []
         start = time.time()
         steps = [self.trainer.finish_step(command.divisor)]
-        for _ in range(self.cfg.algorithm.num_iterations - 1):
-            self.trainer.begin_step()
-            self.trainer.accumulate(self._step_batches)
-            steps.append(self.trainer.finish_step(command.divisor))
+        iterations = self.cfg.algorithm.num_iterations - 1
+        steps += self._iterate(self._step_batches, iterations, command.divisor, command.publish)
         self._step_open = False
         self._step_batches = []
         self._step_groups = {}
-        events.append(Span(self.name, "train", start, time.time(), {"optimizer_steps": len(steps)}))
+        return self._step_events(steps, start, command.publish and self._in_progress is None)
+
+    def _continue(self, command: ContinueBatch) -> list:
+        batch, self._in_progress = self._in_progress, None
+        if batch is None or batch.iterations != command.iterations:
+            raise RuntimeError(
+                f"asked to continue a batch with {command.iterations} optimizer steps left, but the trainer "
+                f"holds {'no batch in progress' if batch is None else f'one with {batch.iterations} left'}"
+            )
+        start = time.time()
+        self.trainer.begin_step()  # gradients of the interrupted pass are not in the checkpoint
+        steps = self._iterate(batch.micro_batches, batch.iterations, batch.divisor, batch.publish)
+        return self._step_events(steps, start, batch.publish and self._in_progress is None)
+
+    def _iterate(self, batches: list[MicroBatch], iterations: int, divisor: float, publish: bool) -> list[dict]:
+        """Up to ``iterations`` more optimizer steps on a batch's micro-batches (PPO epochs).
+
+        One trainer process gives the rest up between micro-batches when the run stops; the
+        batch is then kept in ``_in_progress`` for the stop's checkpoint, and the steps already
+        taken stand (the checkpoint is taken at the version they reached). Ranks take every
+        step, as they must run the same collectives.
+        """
+        stop = self._stopping.is_set if self.ranks is None else None
+        steps = []
+        for done in range(iterations):
+            self.trainer.begin_step()
+            self.trainer.accumulate(batches, stop=stop)
+            if stop is not None and stop():
+                self._in_progress = BatchInProgress(batches, iterations - done, divisor, publish)
+                break
+            steps.append(self.trainer.finish_step(divisor))
+        return steps
+
+    def _step_events(self, steps: list[dict], start: float, publish: bool) -> list:
+        """A Span of the optimizer steps, the publication (``publish``), and a StepDone per step."""
+        events: list = [Span(self.name, "train", start, time.time(), {"optimizer_steps": len(steps)})]
         publish_s, sync_bytes, checksums = 0.0, 0, None
-        if command.publish:
+        if publish:
             t0, start = time.perf_counter(), time.time()
             weights = self.trainer.synced_weights()  # with FSDP2 a gather that every rank joins
             if self.sender is not None:
@@ -373,7 +442,7 @@ class TrainerWorker:
                     self.name,
                     first_version + i,
                     metrics,
-                    published=last and command.publish,
+                    published=last and publish,
                     publish_s=publish_s if last else 0.0,
                     checksums=checksums if last else None,
                 )

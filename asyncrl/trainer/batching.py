@@ -101,10 +101,13 @@ class MicroBatch:
             "position_ids",
             "support_ids",
             "has_support",
+            "old_logprobs",
+            "ref_logprobs",
         ):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.to(device))
+        self.extras = {k: v.to(device) for k, v in self.extras.items()}
         if self.tree is not None:
             self.tree.to(device)
         return self
