@@ -168,6 +168,14 @@ class TaskConfig(Section):
         "(a per-completion function: one call per completion; a batched one: one per group). "
         "0 = never stop for reward errors.",
     )
+    step_delimiter: str | None = Field(
+        None,
+        min_length=1,
+        description="Process rewards of single completions: cut each completion into steps after every token "
+        "whose text contains this string (e.g. a newline); reward functions also get the steps' texts "
+        "(completion_steps) and may return asyncrl.tasks.step_rewards.StepRewards, one reward per step, "
+        "trained with algorithm.step_rewards=return_to_go. null = no steps.",
+    )
     seed: int = Field(
         0,
         description="Seed of the prompt stream (arithmetic generation, dataset shuffling and held-out rows).",
@@ -787,6 +795,16 @@ class Config(Section):
         if env == "calculator" and self.task.name != "arithmetic":
             raise ValueError(
                 f"episode.environment=calculator needs task.name=arithmetic, not {self.task.name}"
+            )
+        if self.task.step_delimiter is not None and env is not None:
+            raise ValueError(
+                "task.step_delimiter cuts single completions into steps; episodes reward their turns "
+                "(episode.environment) instead: set one of them"
+            )
+        if self.task.step_delimiter is not None and self.algorithm.step_rewards == "ignore":
+            raise ValueError(
+                "task.step_delimiter gives step rewards that algorithm.step_rewards=ignore would not train on: "
+                "set algorithm.step_rewards=return_to_go"
             )
         if self.algorithm.advantage_scale == "group" and self.rollout.group_size < 2:
             raise ValueError(

@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 from asyncrl.engine import GenerationRequest, SamplingParams
 from asyncrl.tasks.chat import encode_prompt
-from asyncrl.tasks.rewards import RewardFn, RewardSet
+from asyncrl.tasks.rewards import GroupToScore, RewardFn, RewardSet
+from asyncrl.tasks.step_rewards import cut_steps
 from asyncrl.types import Prompt
 
 
@@ -18,12 +19,14 @@ def evaluate(
     reward_fn: RewardFn | RewardSet,
     sampling: SamplingParams,
     stop: Callable[[], bool] | None = None,
+    step_delimiter: str | None = None,
 ) -> float:
     """Mean reward of one completion per prompt (greedy when ``sampling.temperature`` is 0).
 
     With several reward functions this is their weighted sum, as in training; a completion
     whose reward fails counts 0. ``stop``: asked between engine steps; True gives the
-    evaluation up (:class:`~asyncrl.engine.GenerationStopped`).
+    evaluation up (:class:`~asyncrl.engine.GenerationStopped`). ``step_delimiter``: the
+    functions get each completion's steps, as in training (``task.step_delimiter``).
     """
     rewards = RewardSet.of(reward_fn)
     requests = [
@@ -35,7 +38,13 @@ def evaluate(
         texts.append(tokenizer.decode(kept, skip_special_tokens=True))
         ids.append(list(res.completion_ids))  # token ids as in training
     # One batch: a time-limited reward function scores the prompts concurrently.
-    scored = rewards.score_groups([(p, [t], [i]) for p, t, i in zip(prompts, texts, ids, strict=True)])
+    batch: list[GroupToScore] = [(p, [t], [i]) for p, t, i in zip(prompts, texts, ids, strict=True)]
+    if step_delimiter is not None:
+        drop = set(sampling.stop_token_ids)
+        batch = [
+            (*b, [cut_steps(i, tokenizer, step_delimiter, drop)[1]]) for b, i in zip(batch, ids, strict=True)
+        ]
+    scored = rewards.score_groups(batch)
     return sum(s.reward or 0.0 for (s,) in scored) / max(len(prompts), 1)
 
 

@@ -15,10 +15,25 @@ from transformers import PreTrainedTokenizerBase
 from asyncrl.engine import GenerationRequest, GenerationResult, SamplingParams, resume_request
 from asyncrl.errors import DatasetError
 from asyncrl.tasks.chat import encode_prompt
-from asyncrl.tasks.rewards import RewardFn, RewardSet
+from asyncrl.tasks.rewards import GroupToScore, RewardFn, RewardSet
+from asyncrl.tasks.step_rewards import cut_steps
 from asyncrl.types import Group, PartialGroup, Prompt, Sample
 
 SCORING_WAIT_S = 0.05  # longest a step waits for scoring when the engine has nothing to decode
+
+
+def _step_rewards(
+    steps: list[float | None] | None, spans: list[tuple[int, int]], delimiter: str
+) -> tuple[list[float | None], str | None]:
+    """A sample's step rewards (None for each step when no function gave any), or an error when a
+    function did not reward each step it was given (the steps then get none)."""
+    if steps is None:
+        return [None] * len(spans), None
+    if len(steps) != len(spans):
+        return [None] * len(spans), (
+            f"returned {len(steps)} step rewards for {len(spans)} steps (task.step_delimiter={delimiter!r})"
+        )
+    return steps, None
 
 
 @dataclass
@@ -72,6 +87,7 @@ class RolloutWorker:
         eos_after: int | None = None,
         seed: int = 0,
         reward_workers: int = 0,
+        step_delimiter: str | None = None,
     ) -> None:
         """``eos_after``: with decode_past_eos, the EOS id at which an answer ends although generation went on.
 
@@ -81,6 +97,8 @@ class RolloutWorker:
         ``reward_workers``: with N > 0, finished groups are handed to N scoring threads and
         the engine goes on decoding; a scored group is returned by a later :meth:`step`.
         (With ``task.reward_timeout_s`` the calls themselves run in reward processes.)
+
+        ``step_delimiter``: cut completions into steps for step rewards (:mod:`asyncrl.tasks.step_rewards`).
         """
         self.engine = engine
         self.seed = seed
@@ -91,6 +109,7 @@ class RolloutWorker:
         self.sampling = sampling
         self.group_size = group_size
         self.reward_on_error = reward_on_error
+        self.step_delimiter = step_delimiter
         self.stats = RolloutStats()
         self._next_group_id = 0
         self._pending: dict[int, _PendingGroup] = {}
@@ -343,22 +362,32 @@ class RolloutWorker:
         (see ``reward_on_error``)."""
         if not groups:
             return
-        scored = self.rewards.score_groups(
-            [
-                (
-                    group.prompt,
-                    [s.completion_text for s in group.samples],
-                    [
-                        [t for t, m in zip(s.completion_ids, s.loss_mask, strict=True) if m]
-                        for s in group.samples
-                    ],
-                )
-                for group in groups
+        batch: list[GroupToScore] = []
+        for group in groups:
+            ids = [
+                [t for t, m in zip(s.completion_ids, s.loss_mask, strict=True) if m] for s in group.samples
             ]
-        )
+            texts = [s.completion_text for s in group.samples]
+            if self.step_delimiter is None:
+                batch.append((group.prompt, texts, ids))
+                continue
+            steps = []
+            for sample, answer in zip(group.samples, ids, strict=True):
+                sample.turn_spans, step_texts = cut_steps(
+                    answer, self.tokenizer, self.step_delimiter, self.stop_ids
+                )
+                steps.append(step_texts)
+            batch.append((group.prompt, texts, ids, steps))  # the functions get completion_steps
+        scored = self.rewards.score_groups(batch)
         for group, results in zip(groups, scored, strict=True):
             for sample, result in zip(group.samples, results, strict=True):
                 reward, error = result.reward, result.error
+                if self.step_delimiter is not None:
+                    steps = result.steps if error is None else None
+                    sample.turn_rewards, step_error = _step_rewards(
+                        steps, sample.turn_spans, self.step_delimiter
+                    )
+                    error = error or step_error
                 if error is not None:
                     self.stats.reward_errors += 1
                     reward = 0.0 if self.reward_on_error == "zero" else None

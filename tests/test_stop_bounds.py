@@ -206,7 +206,9 @@ def test_a_stop_between_a_batchs_optimizer_steps_resumes_to_the_uninterrupted_ru
     monkeypatch.undo()
     summary = train(cfg, tmp_path / "stopped", resume=True)
     accounting = summary["accounting"]
-    assert accounting["reconciles"] and accounting["trained"] == 12 and accounting["prompts_trained_twice"] == 0
+    assert (
+        accounting["reconciles"] and accounting["trained"] == 12 and accounting["prompts_trained_twice"] == 0
+    )
     metrics = [json.loads(line) for line in (tmp_path / "stopped" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, 10))
     assert max_abs_diff(final_weights(tmp_path / "straight"), final_weights(tmp_path / "stopped")) == 0.0

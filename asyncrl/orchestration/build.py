@@ -188,6 +188,7 @@ def build_rollout(cfg: Config, policy: Policy, engine, *, greedy: bool = False):
         eos_after=policy.eos_token_id if cfg.rollout.decode_past_eos else None,
         seed=cfg.run.seed,
         reward_workers=cfg.task.reward_workers,
+        step_delimiter=cfg.task.step_delimiter,
     )
 
 

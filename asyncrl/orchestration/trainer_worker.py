@@ -353,6 +353,7 @@ class TrainerWorker:
                         self.trainer_reward,
                         build.sampling_params(self.cfg, policy, greedy=True),
                         stop=self._stopping.is_set,
+                        step_delimiter=self.cfg.task.step_delimiter,
                     )
         except (ScoringStopped, GenerationStopped):
             return []  # the run is stopping: the evaluation is given up
@@ -400,7 +401,9 @@ class TrainerWorker:
         steps = self._iterate(batch.micro_batches, batch.iterations, batch.divisor, batch.publish)
         return self._step_events(steps, start, batch.publish and self._in_progress is None)
 
-    def _iterate(self, batches: list[MicroBatch], iterations: int, divisor: float, publish: bool) -> list[dict]:
+    def _iterate(
+        self, batches: list[MicroBatch], iterations: int, divisor: float, publish: bool
+    ) -> list[dict]:
         """Up to ``iterations`` more optimizer steps on a batch's micro-batches (PPO epochs).
 
         One trainer process gives the rest up between micro-batches when the run stops; the

@@ -15,6 +15,9 @@ plus ``completion_ids`` (the token ids) and, for a conversational prompt, the as
 message (``completion_message``; batched completions are then ``[{"role": "assistant",
 "content": ...}]`` lists, as in TRL). Functions that do not need some arguments can take
 ``**kwargs``. A batched function may return None for a completion it does not apply to.
+With ``task.step_delimiter`` a function also gets ``completion_steps`` (the completion's
+steps' texts) and may return :class:`~asyncrl.tasks.step_rewards.StepRewards` (process
+rewards, :mod:`asyncrl.tasks.step_rewards`).
 
 :class:`RewardSet` scores the G completions of one prompt (or of several prompts at once)
 with one or more weighted functions; :func:`score` turns whatever a function does (raise,
@@ -36,6 +39,7 @@ from asyncrl.errors import ConfigError, RewardFailing
 from asyncrl.imports import import_named
 from asyncrl.tasks.chat import reward_prompt
 from asyncrl.tasks.reward_library import format_regex, math_verify, overlong_penalty
+from asyncrl.tasks.step_rewards import StepRewards, parse_step_rewards, weighted_steps
 from asyncrl.types import Prompt
 
 RewardFn = Callable[..., Any]
@@ -146,6 +150,14 @@ def _as_reward(value: Any) -> tuple[float | None, str | None]:
     return float(value), None
 
 
+def _as_value(value: Any) -> tuple[float | None, list[float | None] | None, str | None]:
+    """(reward, step rewards or None, None), or (None, None, error): a number, or :class:`StepRewards`."""
+    if isinstance(value, StepRewards):
+        return parse_step_rewards(value)
+    reward, error = _as_reward(value)
+    return reward, None, error
+
+
 def _clash(columns: dict[str, Any], own: dict[str, Any]) -> str | None:
     same = sorted(set(columns) & set(own))
     return f"the row's field(s) {same} clash with the reward function's own arguments" if same else None
@@ -212,9 +224,16 @@ class Scored:
     reward: float | None
     error: str | None
     components: dict[str, float | None]
+    steps: list[float | None] | None = None  # step rewards, when a function returned StepRewards
 
 
-GroupToScore = tuple[Prompt, list[str], list[list[int]]]  # prompt, completion texts, completion ids
+# prompt, completion texts, completion ids[, each completion's steps' texts (task.step_delimiter)]
+GroupToScore = (
+    tuple[Prompt, list[str], list[list[int]]] | tuple[Prompt, list[str], list[list[int]], list[list[str]]]
+)
+TermResults = tuple[
+    list[float | None], list[str | None], list[list[float | None] | None]
+]  # values, errors, steps
 
 
 class RewardSet:
@@ -286,12 +305,12 @@ class RewardSet:
         per_term = [self._term(term, groups) for term in self.terms]
         return [self._combine([values[g] for values in per_term]) for g in range(len(groups))]
 
-    def _combine(self, per_term: list[tuple[list[float | None], list[str | None]]]) -> list[Scored]:
-        """One group's results from each function's (values, errors)."""
+    def _combine(self, per_term: list[TermResults]) -> list[Scored]:
+        """One group's results from each function's (values, errors, steps)."""
         out = []
         for i in range(len(per_term[0][0])):
-            values = [(t, v[i]) for t, (v, _) in zip(self.terms, per_term, strict=True)]
-            errors = [(t, e[i]) for t, (_, e) in zip(self.terms, per_term, strict=True)]
+            values = [(t, v[i]) for t, (v, _, _) in zip(self.terms, per_term, strict=True)]
+            errors = [(t, e[i]) for t, (_, e, _) in zip(self.terms, per_term, strict=True)]
             components = {t.label: v for t, v in values}
             failed = [(t.label, e) for t, e in errors if e is not None]
             if failed:
@@ -303,7 +322,14 @@ class RewardSet:
             if not applied:
                 out.append(Scored(None, "no reward function applied (each returned None)", components))
                 continue
-            out.append(Scored(sum(w * v for w, v in applied), None, components))
+            given = [
+                (t.weight, s[i])
+                for t, (_, _, s) in zip(self.terms, per_term, strict=True)
+                if s[i] is not None
+            ]
+            steps, error = weighted_steps(given)
+            reward = sum(w * v for w, v in applied)
+            out.append(Scored(None if error else reward, error, components, steps))
         return out
 
     def _calls(self, fn: RewardFn, calls: list[dict[str, Any]]) -> list[tuple[Any, str | None]]:
@@ -340,23 +366,24 @@ class RewardSet:
                 f"(task.reward_max_consecutive_failures={limit}); the last: {last}"
             )
 
-    def _term(
-        self, term: RewardTerm, groups: Sequence[GroupToScore]
-    ) -> list[tuple[list[float | None], list[str | None]]]:
-        """Each group's (values, errors) from one function."""
+    def _term(self, term: RewardTerm, groups: Sequence[GroupToScore]) -> list[TermResults]:
+        """Each group's (values, errors, steps) from one function."""
         if term.batched:
             return self._batched_term(term, groups)
         # Per completion: one call each, all the groups' calls as one batch.
         slots: list[tuple[int, int]] = []  # (group, completion) of each call
         calls: list[dict[str, Any]] = []
-        out = [([None] * len(texts), [None] * len(texts)) for _, texts, _ in groups]
-        for g, (prompt, texts, completion_ids) in enumerate(groups):
+        out: list[TermResults] = [
+            ([None] * len(g[1]), [None] * len(g[1]), [None] * len(g[1])) for g in groups
+        ]
+        for g, (prompt, texts, completion_ids, *steps) in enumerate(groups):
             for i, text in enumerate(texts):
                 own = dict(
                     completion=text,
                     prompt=reward_prompt(prompt),
                     answer=prompt.answer,
                     completion_ids=completion_ids[i],
+                    **({"completion_steps": steps[0][i]} if steps else {}),
                     **term.args,
                 )
                 if prompt.messages is not None:
@@ -368,19 +395,17 @@ class RewardSet:
                 slots.append((g, i))
                 calls.append({**own, **prompt.extra})
         for (g, i), (value, error) in zip(slots, self._calls(term.fn, calls), strict=True):
-            v, e = (None, error) if error is not None else _as_reward(value)
+            v, s, e = (None, None, error) if error is not None else _as_value(value)
             self._counted(term, e)
-            out[g][0][i], out[g][1][i] = v, e
+            out[g][0][i], out[g][1][i], out[g][2][i] = v, e, s
         return out
 
-    def _batched_term(
-        self, term: RewardTerm, groups: Sequence[GroupToScore]
-    ) -> list[tuple[list[float | None], list[str | None]]]:
+    def _batched_term(self, term: RewardTerm, groups: Sequence[GroupToScore]) -> list[TermResults]:
         """A batched (TRL-style) function: one call per group, the groups' calls as one batch."""
-        out: list[tuple[list[float | None], list[str | None]]] = []
+        out: list[TermResults] = []
         slots: list[int] = []
         calls: list[dict[str, Any]] = []
-        for g, (prompt, texts, completion_ids) in enumerate(groups):
+        for g, (prompt, texts, completion_ids, *steps) in enumerate(groups):
             n = len(texts)
             messages = [{"role": "assistant", "content": t} for t in texts]
             own: dict[str, Any] = {
@@ -388,10 +413,11 @@ class RewardSet:
                 "completions": [[m] for m in messages] if prompt.messages is not None else list(texts),
                 "completion_ids": [list(ids) for ids in completion_ids],
                 "answer": [prompt.answer] * n,
+                **({"completion_steps": [list(s) for s in steps[0]]} if steps else {}),
                 **term.args,
             }
             clash = _clash(prompt.extra, own)
-            out.append(([None] * n, [clash] * n))
+            out.append(([None] * n, [clash] * n, [None] * n))
             if clash is None:
                 slots.append(g)
                 calls.append({**own, **{k: [v] * n for k, v in prompt.extra.items()}})
@@ -406,13 +432,14 @@ class RewardSet:
                 error = f"returned {len(result)} rewards for {n} completions"
             if error is not None:
                 self._counted(term, error)
-                out[g] = ([None] * n, [error] * n)
+                out[g] = ([None] * n, [error] * n, [None] * n)
                 continue
-            values, errors = [], []
+            values, errors, step_lists = [], [], []
             for value in result:
-                v, e = (None, None) if value is None else _as_reward(value)
+                v, s, e = (None, None, None) if value is None else _as_value(value)
                 values.append(v)
                 errors.append(e)
+                step_lists.append(s)
             self._counted(term, next((e for e in errors if e is not None), None))
-            out[g] = (values, errors)
+            out[g] = (values, errors, step_lists)
         return out
