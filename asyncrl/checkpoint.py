@@ -27,6 +27,7 @@ import os
 import pickle
 import random
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +164,46 @@ def commit(run_dir: Path, version: int, keep: int, saved: int | None = None) -> 
         if leftover != tmp:
             shutil.rmtree(leftover, ignore_errors=True)
     return final
+
+
+def commit_within(
+    timeout_s: float,
+    directory: Path,
+    state: dict[str, Any],
+    run_dir: Path,
+    version: int,
+    keep: int,
+    saved: int,
+) -> Path:
+    """The controller's part of a checkpoint: :func:`write_controller_state` into ``directory`` (the
+    trainer's), then :func:`commit` — within ``timeout_s`` (``run.checkpoint_timeout_s``).
+
+    The writes run in a helper thread, so a filesystem that stops answering (a hung network
+    mount) fails the checkpoint with ``TimeoutError`` instead of hanging the run. A write
+    blocked in the operating system cannot be stopped: the thread is left to it (a daemon, which
+    keeps no process alive). Whatever it does later, the newest complete checkpoint stays in
+    place: ``controller.json`` is complete before the rename that commits. An ``OSError`` of
+    the writes is raised here.
+    """
+    outcome: list[Path | BaseException] = []
+
+    def write() -> None:
+        try:
+            write_controller_state(directory, state)
+            outcome.append(commit(run_dir, version, keep, saved=saved))
+        except BaseException as exc:  # handed to the waiting thread, which raises it
+            outcome.append(exc)
+
+    writer = threading.Thread(target=write, name=f"checkpoint-{checkpoint_name(version)}", daemon=True)
+    writer.start()
+    writer.join(timeout_s)
+    if not outcome:
+        raise TimeoutError(
+            f"the filesystem did not finish the writes within {timeout_s:g}s (run.checkpoint_timeout_s)"
+        )
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
 
 
 def _fsync_dir(path: Path) -> None:

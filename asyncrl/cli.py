@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -102,6 +103,10 @@ def _serve(args: argparse.Namespace) -> int:
     server = OpenAIServer(
         policy, model_name=args.name or args.model, max_batch_size=args.max_batch_size, seed=args.seed
     )
+    if args.exit_with_parent:  # a run's judge: it ends with the run, however the run ends
+        from asyncrl.lifeline import exit_with_parent
+
+        exit_with_parent(os.getppid())
     host, port = server.start(args.host, args.port)
     print(json.dumps({"listening": f"http://{host}:{port}", "model": server.model_name}), flush=True)
     stop = threading.Event()
@@ -203,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     except AsyncRLError as exc:
         print(f"asyncrl: error: {exc}", file=sys.stderr)
         return 2
+    serve.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
     except KeyboardInterrupt:
         print("asyncrl: interrupted", file=sys.stderr)
         return 130

@@ -76,7 +76,7 @@ class RewardEntry(Section):
 
     name: str = Field(
         description="A registered reward (exact_match, numeric_match, math_verify, format_regex, "
-        "overlong_penalty) or 'module:function'."
+        "overlong_penalty, judge) or 'module:function'."
     )
     weight: float = Field(1.0, description="Weight of this function in the summed reward.")
     args: dict[str, Any] = Field(
@@ -122,7 +122,7 @@ class TaskConfig(Section):
     reward: str = Field(
         "exact_match",
         description="Reward function: a registered name (exact_match, numeric_match, math_verify, "
-        "format_regex, overlong_penalty) or 'module:function'. Per-completion "
+        "format_regex, overlong_penalty, judge: the LLM judge of the judge section) or 'module:function'. Per-completion "
         "(`completion, prompt, answer, **fields`) and TRL's batched signature (`prompts, completions, "
         "**columns` -> list) are both accepted.",
     )
@@ -156,9 +156,11 @@ class TaskConfig(Section):
     reward_workers: int = Field(
         0,
         ge=0,
-        description="Scoring threads per generator: with N > 0 a generator hands finished groups over and "
-        "goes on decoding while they are scored (with reward_timeout_s the calls run in reward "
-        "processes). 0 = score in the generator's own thread, between engine steps.",
+        description="Reward workers separate from the generators, shared by all of them: N processes (Ray: N "
+        "actors, runtime.ray.reward) that hold the reward functions. A generator hands finished groups "
+        "over (up to N batches at once) and goes on decoding while the least busy worker scores them "
+        "(with reward_timeout_s the calls run time-limited in the worker's reward processes). 0 = score "
+        "in the generator's own thread, between engine steps.",
     )
     reward_max_consecutive_failures: int = Field(
         64,
@@ -543,7 +545,10 @@ class RunConfig(Section):
     )
     keep_checkpoints: int = Field(2, ge=1, description="How many of the newest checkpoints to keep.")
     checkpoint_timeout_s: float = Field(
-        600.0, gt=0, description="Longest wait for the trainer to write a checkpoint."
+        600.0,
+        gt=0,
+        description="Longest wait for the trainer to write a checkpoint, and then for the controller's own "
+        "writes of it.",
     )
     checkpoint_rollouts: bool = Field(
         True,
@@ -669,6 +674,10 @@ class RayConfig(Section):
     trainer: RayResources = Field(
         default_factory=RayResources, description="Resources of each trainer actor."
     )
+    reward: RayResources = Field(
+        default_factory=RayResources,
+        description="Resources of each reward worker actor (task.reward_workers), e.g. on CPU-only nodes.",
+    )
     trainer_placement: Literal["pack", "strict_pack", "spread"] = Field(
         "pack",
         description="Placement group strategy of the trainer actors: they start all together or not at all; "
@@ -733,7 +742,12 @@ class RuntimeConfig(Section):
         "naming the version and tensor on a difference; with LoRA, the adapters the engine merged and its "
         "merged weights are checked. Costs a pass over the synced tensors on both sides.",
     )
-    start_timeout_s: float = Field(300.0, gt=0, description="Longest wait for a worker process to start.")
+    start_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Longest wait for a worker process to start, and for Ray to start or to answer at "
+        "runtime.ray.address.",
+    )
     stall_timeout_s: float = Field(
         600.0, gt=0, description="Longest time without any progress from the workers before the run fails."
     )
@@ -771,6 +785,79 @@ class EpisodeConfig(Section):
     )
 
 
+JUDGE_FIELDS = ("prompt", "completion", "answer")
+
+
+class JudgeConfig(Section):
+    """A frozen LLM judge for model-based rewards (asyncrl.judges; the registered reward 'judge')."""
+
+    model: str | None = Field(
+        None,
+        description="The judge model (a local Hugging Face directory, 'builtin:arith' or 'tiny:<size>'). The "
+        "run serves it with its own engine in a process of its own (`asyncrl serve`, on a free port of "
+        "127.0.0.1) for the run's lifetime. null = no judge, or see url.",
+    )
+    url: str | None = Field(
+        None,
+        description="Instead of model: the base URL of a judge already served with `asyncrl serve` "
+        "(e.g. http://127.0.0.1:8000; with Ray on several machines, one every worker can reach).",
+    )
+    mode: Literal["verdict", "parse"] = Field(
+        "verdict",
+        description="'verdict': the reward is P(yes) / (P(yes) + P(no)) of the judge's next token after the "
+        "rendered template (one forward pass, no sampling). 'parse': the judge answers greedily (up to "
+        "max_new_tokens) and the first match of `pattern` is the score, mapped from [score_min, score_max] "
+        "to [0, 1].",
+    )
+    template: str = Field(
+        "Question: {prompt}\nAnswer: {completion}\nIs the answer correct? Answer Yes or No.\nVerdict:",
+        description="The judge's prompt; {prompt}, {completion} and {answer} (the reference answer, '' if "
+        "none) are filled in. Must contain {completion}.",
+    )
+    chat: bool = Field(
+        False, description="Send the rendered template as a user message through the judge's chat template."
+    )
+    yes: str = Field(" Yes", description="mode=verdict: the verdict token that means correct (one token).")
+    no: str = Field(" No", description="mode=verdict: the verdict token that means wrong (one token).")
+    pattern: str = Field(
+        r"-?\d+(?:\.\d+)?", description="mode=parse: regular expression whose first match is the score."
+    )
+    score_min: float = Field(0.0, description="mode=parse: the score that maps to reward 0.")
+    score_max: float = Field(10.0, description="mode=parse: the score that maps to reward 1 (clipped).")
+    max_new_tokens: int = Field(16, ge=1, description="mode=parse: most tokens of the judge's answer.")
+    timeout_s: float = Field(
+        120.0, gt=0, description="Time limit of one request to the judge (a batch of completions)."
+    )
+    device: str = Field("auto", description="Where the judge model runs ('auto', 'cpu', 'cuda', 'cuda:1').")
+    max_batch_size: int = Field(64, ge=1, description="The judge engine's running batch.")
+
+    @model_validator(mode="after")
+    def _check(self) -> JudgeConfig:
+        import re
+        import string
+
+        if self.model is not None and self.url is not None:
+            raise ValueError(
+                "judge.model and judge.url are alternatives: serve the model, or use a served one"
+            )
+        names = {f for _, f, _, _ in string.Formatter().parse(self.template) if f is not None}
+        unknown = sorted(names - set(JUDGE_FIELDS))
+        if unknown or "completion" not in names:
+            raise ValueError(
+                f"judge.template may use {{prompt}}, {{completion}} and {{answer}}, and must use {{completion}}; "
+                f"it has {sorted(names)}"
+            )
+        try:
+            re.compile(self.pattern)
+        except re.error as exc:
+            raise ValueError(f"judge.pattern {self.pattern!r} is not a regular expression: {exc}") from None
+        if self.score_max <= self.score_min:
+            raise ValueError(
+                f"judge.score_max ({self.score_max}) must be above judge.score_min ({self.score_min})"
+            )
+        return self
+
+
 class Config(Section):
     """A whole asyncrl run."""
 
@@ -778,6 +865,7 @@ class Config(Section):
     task: TaskConfig = Field(default_factory=TaskConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     episode: EpisodeConfig = Field(default_factory=EpisodeConfig)
+    judge: JudgeConfig = Field(default_factory=JudgeConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
@@ -796,6 +884,9 @@ class Config(Section):
             raise ValueError(
                 f"episode.environment=calculator needs task.name=arithmetic, not {self.task.name}"
             )
+        judged = "judge" in [self.task.reward, *(r.name for r in self.task.rewards)]
+        if judged and self.judge.model is None and self.judge.url is None:
+            raise ValueError("the reward 'judge' needs a judge: set judge.model (or judge.url)")
         if self.task.step_delimiter is not None and env is not None:
             raise ValueError(
                 "task.step_delimiter cuts single completions into steps; episodes reward their turns "

@@ -180,3 +180,26 @@ def bench_script(name: str):
         yield importlib.import_module(name)
     finally:
         sys.path.remove(path)
+
+
+def survivors_of_a_killed_parent(script: str, timeout: float = 120) -> tuple[list[int], list[int]]:
+    """Run ``script`` in a child Python; once it prints the pids of its own children (one line)
+    SIGKILL it: (those pids, the ones still running 15 s later). The script then waits on stdin."""
+    run = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=child_env(),
+        text=True,
+    )
+    try:
+        line = run.stdout.readline()  # the script prints once its children are up (bounded by their start-up)
+        children = [int(p) for p in line.split()]
+        run.send_signal(signal.SIGKILL)
+        run.wait(timeout)
+        return children, wait_dead(children)
+    finally:
+        run.kill()
+        run.wait(timeout)
+        run.stdin.close()
+        run.stdout.close()

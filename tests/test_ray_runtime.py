@@ -9,6 +9,9 @@ every prompt is trained exactly once or reported, and the run still completes.
 from __future__ import annotations
 
 import json
+import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -32,7 +35,17 @@ from asyncrl.orchestration.events import (
 from asyncrl.orchestration.membership import write_control
 from asyncrl.orchestration.ray_runtime import RayRuntime
 from asyncrl.orchestration.session import RunSession
-from tests.helpers import child_pids, final_weights, max_abs_diff, sets, short_run, wait_gone
+from asyncrl.orchestration.transport import free_port
+from tests.helpers import (
+    child_env,
+    child_pids,
+    cli,
+    final_weights,
+    max_abs_diff,
+    sets,
+    short_run,
+    wait_gone,
+)
 
 STEPS = 6
 PROMPTS = 4
@@ -309,6 +322,73 @@ def test_lost_generator_beyond_the_restart_budget_ends_the_run_with_a_clear_erro
 
     with pytest.raises(WorkerError, match=r"generator-0 actor died .* after 0 restarts"):
         run_with_hook(cfg, tmp_path, kill)
+
+
+@pytest.mark.ray
+@pytest.mark.multiprocess
+def test_an_address_where_no_ray_answers_fails_the_start_within_start_timeout(tmp_path: Path) -> None:
+    """Ray retries an address that does not answer for many minutes; runtime.start_timeout_s bounds
+    ray.init, and the run ends with one line naming both keys. (A child run: the abandoned attempt
+    goes on in its thread until that process exits.)"""
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    overrides = [
+        *short_run(1),
+        "runtime.kind=ray",
+        f"runtime.ray.address={address}",
+        "runtime.start_timeout_s=3",
+    ]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        cli("train", *sets(overrides), "--run-dir", str(tmp_path / "run")),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+    )
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 2, err
+    ours = [line for line in err.splitlines() if line.startswith("asyncrl: ")]
+    assert ours == [
+        f"asyncrl: error: could not connect to Ray at {address!r} (runtime.ray.address) "
+        "within 3s (runtime.start_timeout_s)"
+    ], err
+    assert "Traceback" not in err and "SIGTERM handler is not set" not in err  # Ray's notice, dropped
+    assert 3.0 <= elapsed < 90  # the bound, plus this child's imports and start
+
+
+def test_a_local_ray_start_that_does_not_finish_fails_within_start_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """runtime.start_timeout_s bounds starting the run's own Ray instance too (ray.init stands in
+    here, blocked until the test releases it: no Ray process starts)."""
+    release = threading.Event()
+    calls: list[tuple[threading.Thread, float]] = []
+
+    def blocked_init(**kwargs) -> None:
+        calls.append((threading.current_thread(), time.monotonic()))
+        release.wait(timeout=120)
+        raise RuntimeError("released by the test")
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "init", blocked_init)
+    runtime = RayRuntime(load_config(None, ["runtime.kind=ray", "runtime.start_timeout_s=1"]), tmp_path)
+    try:
+        with pytest.raises(WorkerError) as err:
+            runtime.start()
+        failed_after = time.monotonic() - calls[0][1]
+    finally:
+        release.set()
+        for thread, _ in calls:
+            thread.join(timeout=30)
+    assert [thread.is_alive() for thread, _ in calls] == [False]
+    assert str(err.value) == "the local Ray instance did not start within 1s (runtime.start_timeout_s)"
+    assert 1.0 <= failed_after < 30
 
 
 def test_scale_command_rejects_bad_input(tmp_path: Path, capsys) -> None:

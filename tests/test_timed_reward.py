@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -95,6 +96,18 @@ def reward_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     (tmp_path / "calls").mkdir()
     monkeypatch.setenv("ASYNCRL_TEST_CALLS", str(tmp_path / "calls"))
     return "asyncrl_test_timed:reward"
+
+
+def start_train(tmp_path: Path, overrides: list[str], run_dir: Path) -> subprocess.Popen:
+    """``asyncrl train`` as a subprocess that imports the reward modules written to ``tmp_path``."""
+    env = child_env(PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen(
+        cli("train", *sets(overrides), "--run-dir", str(run_dir)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def started_calls(calls: Path, n: int, run: subprocess.Popen | None = None, timeout: float = 120) -> set[int]:
@@ -327,14 +340,7 @@ def test_sigterm_during_hanging_reward_scoring_stops_the_run_with_a_checkpoint(
     ]
     if runtime == "ray":
         pytest.importorskip("ray")
-    env = child_env(PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen(
-        cli("train", *sets(overrides), "--run-dir", str(run_dir)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    proc = start_train(tmp_path, overrides, run_dir)
     try:
         # The first group's calls, or the evaluation's, are running.
         hanging = started_calls(tmp_path / "calls", 1 if timeout_s is None else 4, proc)
@@ -355,6 +361,46 @@ def test_sigterm_during_hanging_reward_scoring_stops_the_run_with_a_checkpoint(
     assert last.startswith("asyncrl: stopped by SIGTERM at step 0; checkpoint "), err
     assert checkpoint.latest(run_dir) is not None
     assert wait_dead({p.pid for p in descendants} | hanging, timeout=15) == []
+
+
+def test_an_in_process_reward_call_that_hangs_fails_an_inline_run_within_the_stall_timeout(
+    tmp_path: Path, reward_spec: str
+) -> None:
+    """The inline runtime scores in the controller's own thread, where its watchdog cannot look:
+    the stall alarm (run.stall_alarm) cuts the call short past runtime.stall_timeout_s, and the
+    run ends with the stall error on one line, having written nothing half done."""
+    run_dir = tmp_path / "run"
+    overrides = [
+        "task.reward=asyncrl_test_timed:hangs",
+        "task.reward_timeout_s=null",  # called in this process: no reward process to kill
+        "task.reward_max_consecutive_failures=0",
+        "runtime.kind=inline",
+        "runtime.stall_timeout_s=5",
+        *short_run(3),
+    ]
+    proc = start_train(tmp_path, overrides, run_dir)
+    try:
+        assert started_calls(tmp_path / "calls", 1, proc) == {proc.pid}
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        ended_in = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode == 2, err
+    lines = err.strip().splitlines()
+    stall = re.fullmatch(
+        r"asyncrl: error: no progress for (\d+)s \(runtime.stall_timeout_s\): waiting for step 1 of 3: "
+        r"4 groups in flight on \['generator-0'\], .*",
+        lines[-1],
+    )
+    assert stall is not None and int(stall[1]) >= 5, err
+    assert not any(line.startswith("Traceback") for line in lines), err
+    assert ended_in < 60  # 5 s less the scoring so far, plus one STALL_CHECK_S
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 0 and summary["accounting"]["reconciles"]
+    assert list((run_dir / "checkpoints").iterdir()) == []
 
 
 def test_killed_parent_leaves_no_reward_process_alive(tmp_path: Path, reward_spec: str) -> None:

@@ -240,6 +240,8 @@ class EpisodeRolloutWorker:
             asyncio.run_coroutine_threadsafe(_cancel_tasks(), self._loop).result(timeout=CLOSE_TIMEOUT_S)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=CLOSE_TIMEOUT_S)
+        if not self._thread.is_alive():
+            self._loop.close()  # else the loop still runs in the blocked thread: left to it
         self._tools.shutdown(wait=False, cancel_futures=True)
 
     # -- observations ---------------------------------------------------------------------------

@@ -137,7 +137,12 @@ def reward_terms(cfg: Config) -> list[tuple[str, str, float, dict]]:
 
 
 def build_reward(cfg: Config) -> RewardSet:
-    """The task's reward functions; with task.reward_timeout_s, time-limited proxies to them."""
+    """The task's reward functions; with task.reward_timeout_s, time-limited proxies to them.
+
+    With task.reward_workers, and the run's reward pool started (:mod:`asyncrl.tasks.reward_pool`),
+    a client that scores in the pool instead; the functions are still resolved here, so a bad
+    one fails at start in this process.
+    """
     key = "task.rewards" if cfg.task.rewards else "task.reward"
     terms = []
     for label, spec, weight, args in reward_terms(cfg):
@@ -148,6 +153,14 @@ def build_reward(cfg: Config) -> RewardSet:
 
             fn = TimedReward(spec, cfg.task.reward_timeout_s, processes=cfg.task.reward_processes)
         terms.append(RewardTerm(label, fn, weight, batched, args, spec=spec))
+    if cfg.task.reward_workers:
+        from asyncrl.tasks.reward_pool import pool_from_env
+
+        pooled = pool_from_env(
+            [t.label for t in terms]
+        )  # (time-limited proxies start no process until called)
+        if pooled is not None:
+            return pooled
     return RewardSet(terms, max_consecutive_failures=cfg.task.reward_max_consecutive_failures)
 
 

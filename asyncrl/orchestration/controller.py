@@ -6,7 +6,7 @@ accounting invariant and the checkpoint form), the generators (:mod:`.membership
 flight, versions held, joins, losses and scaling), step assembly (:mod:`.steps`: buffer
 to trainer, the ``streaming`` knob), the step records (:mod:`.records`) and a stop's
 preemption and a resume's carry-over (:mod:`.preemption`); :mod:`.run` runs it, with its
-signal handling. What stays here (under 500 lines) is the loop and what must see all of
+signal handling. What stays here (about 500 lines) is the loop and what must see all of
 its state at one moment: dispatch, events, and the checkpoint and stop protocol, whose
 snapshot of the books, the buffer and the generators must be taken together. The other
 schedule knobs act here:
@@ -133,6 +133,7 @@ class Controller:
         self.recorder = StepRecorder()
         self._last_progress = time.monotonic()
         self._loop_t = time.monotonic()
+        self.stalled: str | None = None  # the stall error, once there is one
         # Checkpoints and stops.
         self.checkpoint_pending: PendingCheckpoint | None = None
         self.last_checkpoint: Path | None = None
@@ -199,9 +200,9 @@ class Controller:
         return self.accounting()
 
     def _send(self, worker: str, command) -> None:
-        self.runtime.send(worker, command)
-        if isinstance(command, Evaluate):
+        if isinstance(command, Evaluate):  # counted first: the inline runtime evaluates within send
             self.evals_pending += 1
+        self.runtime.send(worker, command)
 
     # -- dispatch: admission control ------------------------------------------------------
 
@@ -391,11 +392,16 @@ class Controller:
                 f"version {asked} (or an older one, if it gave steps up at a stop) and the groups the books carry"
             )
         try:
-            checkpoint.write_controller_state(Path(event.path), books)
-            path = checkpoint.commit(
-                self.session.run_dir, asked, self.cfg.run.keep_checkpoints, saved=version
+            path = checkpoint.commit_within(
+                self.cfg.run.checkpoint_timeout_s,
+                Path(event.path),
+                books,
+                self.session.run_dir,
+                asked,
+                self.cfg.run.keep_checkpoints,
+                saved=version,
             )
-        except OSError as exc:
+        except OSError as exc:  # TimeoutError too: the filesystem did not answer
             raise checkpoint.CheckpointError(
                 f"cannot write the checkpoint of step {version} in {event.path!r}: {exc.strerror or exc}; "
                 f"the previous one ({self.last_checkpoint}) is intact"
@@ -443,11 +449,29 @@ class Controller:
                 f"the trainer did not write the checkpoint of step {self.checkpoint_pending.version} within "
                 f"{self.cfg.run.checkpoint_timeout_s:.0f}s (run.checkpoint_timeout_s)"
             )
-        stalled = time.monotonic() - self._last_progress
-        if stalled > self.cfg.runtime.stall_timeout_s:
-            raise WorkerError(
-                f"no progress for {stalled:.0f}s (runtime.stall_timeout_s): waiting for {self._waiting_for()}"
-            )
+        if self._stall() is not None:
+            raise WorkerError(self.stalled)
+
+    def idle_s(self) -> float:
+        """Seconds since the last progress (any thread)."""
+        return time.monotonic() - self._last_progress
+
+    def _stall(self) -> str | None:
+        """The stall error, once there has been no progress for runtime.stall_timeout_s (and from then on)."""
+        idle = self.idle_s()
+        if self.stalled is None and idle > self.cfg.runtime.stall_timeout_s:
+            waiting = self._waiting_for()
+            self.stalled = f"no progress for {idle:.0f}s (runtime.stall_timeout_s): waiting for {waiting}"
+        return self.stalled
+
+    def stall_alarm(self) -> None:
+        """From the handler of ``run.stall_alarm``'s signal, in a runtime call of this thread: the call ends
+        as at a stop (an in-process reward call by ScoringStopped, then the loop's watchdog), or by the error."""
+        if self._stall() is None:
+            return
+        if isinstance(self.runtime, InterruptibleRuntime):
+            self.runtime.interrupt()
+        raise WorkerError(self.stalled)
 
     def _waiting_for(self) -> str:
         """What keeps the loop going, for an error that names the state it is stuck in."""

@@ -22,6 +22,10 @@ class InlineRuntime:
     Trainer commands run when they are sent; generators run during :meth:`poll`. Each phase
     runs with its own torch thread count (``runtime.generator_threads`` /
     ``runtime.trainer_threads``), so the baseline can use the fastest setting per phase.
+
+    The work runs in the caller's thread, where the controller's stall watchdog cannot look
+    while a call blocks (a reward function that hangs): ``busy`` tells the signal that cuts such
+    a call short (``run.stall_alarm``) that this thread is inside one.
     """
 
     restarts_generators = False
@@ -34,6 +38,7 @@ class InlineRuntime:
         self.trainer: TrainerWorker | None = None
         self.generators: dict[str, GeneratorWorker] = {}
         self._interrupted = False
+        self.busy = False  # in send or poll
 
     def _threads(self, n: int) -> None:
         torch.set_num_threads(n or self._default_threads)
@@ -48,13 +53,17 @@ class InlineRuntime:
         self._events += [Ready(n) for n in ["trainer", *self.generator_names]]
 
     def send(self, worker: str, command) -> None:
-        if worker == "trainer":
-            self._threads(self.cfg.threads("trainer"))
-            self._events += self.trainer.handle(command)
-        elif isinstance(command, Submit | LoadWeights | Preempt):
-            self.generators[worker].handle(command)
-        else:
-            raise TypeError(f"{worker} cannot handle {type(command).__name__}")
+        self.busy = True
+        try:
+            if worker == "trainer":
+                self._threads(self.cfg.threads("trainer"))
+                self._events += self.trainer.handle(command)
+            elif isinstance(command, Submit | LoadWeights | Preempt):
+                self.generators[worker].handle(command)
+            else:
+                raise TypeError(f"{worker} cannot handle {type(command).__name__}")
+        finally:
+            self.busy = False
 
     def interrupt(self) -> None:
         """The run is stopping: scoring in progress is abandoned and the generators run no more.
@@ -76,17 +85,21 @@ class InlineRuntime:
 
     def poll(self, timeout: float) -> list:
         """Pending events, or else run generators until they produce some (or have nothing to do)."""
-        if not self._events:
-            self._threads(self.cfg.threads("generator"))
-            # Once the run is stopping, generators only answer a Preempt (which steps no engine).
-            busy = [g for g in self.generators.values() if self._may_run(g)]
-            while busy and not self._events:
-                for g in busy:
-                    # The groups go to the trainer's inbox by reference; the controller gets headers.
-                    self._events += detach_payloads(g.work(), self.trainer.inbox.put)
-                busy = [g for g in busy if self._may_run(g)]
+        self.busy = True
+        try:
             if not self._events:
-                time.sleep(min(timeout, 0.01))  # nothing anywhere: let the controller's watchdog see it
+                self._threads(self.cfg.threads("generator"))
+                # Once the run is stopping, generators only answer a Preempt (which steps no engine).
+                running = [g for g in self.generators.values() if self._may_run(g)]
+                while running and not self._events:
+                    for g in running:
+                        # The groups go to the trainer's inbox by reference; the controller gets headers.
+                        self._events += detach_payloads(g.work(), self.trainer.inbox.put)
+                    running = [g for g in running if self._may_run(g)]
+                if not self._events:
+                    time.sleep(min(timeout, 0.01))  # nothing anywhere: let the controller's watchdog see it
+        finally:
+            self.busy = False
         events, self._events = self._events, []
         return events
 

@@ -36,16 +36,20 @@ the local runtime through :mod:`.host`.)
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import os
 import queue
 import signal
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 from asyncrl.config import Config
 from asyncrl.errors import AsyncRLError
+from asyncrl.judges.client import ENV as JUDGE_ENV
 from asyncrl.orchestration.cores import available_cores
 from asyncrl.orchestration.events import (
     Ready,
@@ -76,6 +80,8 @@ from asyncrl.orchestration.transport import (
     transport_spec,
     unlink_segment,
 )
+from asyncrl.tasks.reward_pool import ENV as POOL_ENV
+from asyncrl.tasks.reward_pool import RewardHost
 from asyncrl.trainer.distributed import trainer_rank_name
 
 POLL_WAIT_S = 0.5  # how long an actor's events() call waits for something to report
@@ -85,6 +91,12 @@ def _import_path() -> str:
     entries = [p for p in sys.path if p and os.path.isdir(p)]
     entries += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in entries]
     return os.pathsep.join(entries)
+
+
+def _not_the_sigterm_notice(record: logging.LogRecord) -> bool:
+    """Drops Ray's warning that ``ray.init`` from a thread sets no SIGTERM handler (one that exits
+    at once): the run has its own (see run.stop_on_signals)."""
+    return not record.getMessage().startswith("SIGTERM handler is not set")
 
 
 class WorkerHost:
@@ -242,6 +254,7 @@ class RayRuntime:
         self._restarts = 0
         self._next_index = cfg.runtime.generators
         self._started_ray = False
+        self._ray_released = threading.Event()  # ends the thread that started Ray (_init_ray)
         self._placement = None
         self._spec: TransportSpec | None = None
         self._lost: list = []
@@ -252,6 +265,7 @@ class RayRuntime:
         self._published = 0
         self._interrupt = "no"  # "requested" by the signal handler, then "sent" by the next poll
         self.regroups = 0
+        self._reward_actors: list = []  # the reward pool (task.reward_workers)
 
     # -- start --------------------------------------------------------------------------------
 
@@ -268,12 +282,13 @@ class RayRuntime:
                 kwargs["address"] = self.rcfg.address
             main = threading.current_thread() is threading.main_thread()
             previous = signal.getsignal(signal.SIGTERM) if main else None
-            ray.init(**kwargs)
+            self._init_ray(kwargs)
             if previous is not None:
-                # ray.init installs a SIGTERM handler that exits at once: the run's own stops
-                # cleanly, with a checkpoint (see run.stop_on_signals).
+                # Ray's core worker puts its own crash reporter in place of the process's SIGTERM
+                # handler: the run's own stops cleanly, with a checkpoint (see run.stop_on_signals).
                 signal.signal(signal.SIGTERM, previous)
             self._started_ray = True
+        self._start_reward_pool()  # before the generators, which look its actors up
         self._spec = transport_spec(self.cfg, self.run_dir)
         if self._spec.kind == "broadcast":
             self._members = list(self.generator_names)
@@ -304,6 +319,40 @@ class RayRuntime:
     def _start_s(self) -> float:
         return self.cfg.runtime.start_timeout_s
 
+    def _init_ray(self, kwargs: dict) -> None:
+        """``ray.init`` within runtime.start_timeout_s: Ray itself retries an address that does not
+        answer for many minutes.
+
+        It runs in a helper thread that lives until :meth:`stop`: Ray binds the processes of a
+        local instance to the thread that starts them (they are killed when it ends). A call
+        still running when the time is out is left to end with the process.
+        """
+        logging.getLogger("ray._private.worker").addFilter(_not_the_sigterm_notice)
+        failure: list[BaseException] = []
+        started = threading.Event()
+
+        def own() -> None:
+            try:
+                self.ray.init(**kwargs)
+            except BaseException as exc:  # handed to the waiting thread, which raises it
+                failure.append(exc)
+            started.set()
+            if not failure:
+                self._ray_released.wait()
+
+        threading.Thread(target=own, name="ray-owner", daemon=True).start()
+        if not started.wait(self._start_s):
+            address = self.rcfg.address or os.environ.get("RAY_ADDRESS")  # Ray's own default
+            what = (
+                f"could not connect to Ray at {address!r} "
+                f"({'runtime.ray.address' if self.rcfg.address else 'the RAY_ADDRESS environment variable'})"
+                if address
+                else "the local Ray instance did not start"
+            )
+            raise WorkerError(f"{what} within {self._start_s:g}s (runtime.start_timeout_s)")
+        if failure:
+            raise failure[0]
+
     def _actor_options(self, res) -> dict:
         options = {
             "num_cpus": res.num_cpus,
@@ -313,7 +362,31 @@ class RayRuntime:
         }
         if res.memory_gb:
             options["memory"] = int(res.memory_gb * (1 << 30))
+        # The run's judge (asyncrl.judges) and reward pool, for reward functions in the actor.
+        found = {key: os.environ[key] for key in (JUDGE_ENV, POOL_ENV) if key in os.environ}
+        if found:
+            options["runtime_env"] = {"env_vars": found}
         return options
+
+    def _start_reward_pool(self) -> None:
+        """task.reward_workers actors (runtime.ray.reward), named so that generators find them."""
+        n = self.cfg.task.reward_workers
+        if not n:
+            return
+        run = uuid.uuid4().hex[:8]
+        names = [f"asyncrl-reward-{run}-{i}" for i in range(n)]
+        cls = self.ray.remote(RewardHost)
+        for name in names:
+            options = self._actor_options(self.rcfg.reward)
+            self._reward_actors.append(cls.options(name=name, **options).remote(self.cfg.model_dump_json()))
+        try:
+            self.ray.get([a.ready.remote() for a in self._reward_actors], timeout=self._start_s)
+        except self.ray.exceptions.GetTimeoutError:
+            raise WorkerError(
+                f"the {n} reward workers (task.reward_workers) did not start within {self._start_s:g}s "
+                "(runtime.start_timeout_s); are the resources of runtime.ray.reward available?"
+            ) from None
+        os.environ[POOL_ENV] = json.dumps({"kind": "ray", "actors": names})
 
     def _trainer_placement(self):
         """One bundle per trainer rank: the ranks start together or not at all (gang scheduling)."""
@@ -517,10 +590,12 @@ class RayRuntime:
         stops = {name: actor.stop.remote(grace) for name, actor in self._actors.items()}
         with contextlib.suppress(Exception):
             ray.wait(list(stops.values()), num_returns=len(stops), timeout=grace + 5)
-        for actor in self._actors.values():
+        for actor in [*self._actors.values(), *self._reward_actors]:
             with contextlib.suppress(Exception):
                 ray.kill(actor)
         self._actors.clear()
+        self._reward_actors.clear()
+        os.environ.pop(POOL_ENV, None)
         self._pending.clear()
         if self._placement is not None:
             from ray.util.placement_group import remove_placement_group
@@ -531,4 +606,5 @@ class RayRuntime:
             unlink_segment(self._spec.segment)
         if self._started_ray:
             ray.shutdown()
+            self._ray_released.set()
             self._started_ray = False

@@ -12,6 +12,7 @@ from typing import Any
 from asyncrl import checkpoint
 from asyncrl.config import Config
 from asyncrl.errors import AsyncRLError
+from asyncrl.judges.service import served_judge
 from asyncrl.orchestration.build import build_episode, seed_everything, task_prompts
 from asyncrl.orchestration.controller import Controller
 from asyncrl.orchestration.events import WorkerError
@@ -19,6 +20,7 @@ from asyncrl.orchestration.inline import InlineRuntime
 from asyncrl.orchestration.runtime import Runtime
 from asyncrl.orchestration.session import RunSession, default_run_dir
 from asyncrl.tasks import PromptSource
+from asyncrl.tasks.reward_pool import local_reward_pool
 
 
 class RunComplete(AsyncRLError):
@@ -54,7 +56,15 @@ def train(cfg: Config, run_dir: Path | None = None, *, resume: bool = False) -> 
     session = RunSession(cfg, run_dir, resume_step=version)
     try:
         checkpoint.check_writable(run_dir)
-        run_controller(cfg, session, make_runtime(cfg, session), prompts, resume_from=resume_from)
+        # The judge and the reward pool (on Ray: actors the runtime starts) serve before any worker
+        # starts: the workers find them in their environment.
+        with (
+            served_judge(cfg.judge, run_dir / "judge.log", cfg.runtime.start_timeout_s),
+            local_reward_pool(cfg, cfg.runtime.start_timeout_s)
+            if cfg.runtime.kind != "ray"
+            else contextlib.nullcontext(),
+        ):
+            run_controller(cfg, session, make_runtime(cfg, session), prompts, resume_from=resume_from)
     finally:
         summary = session.close()
     return summary
@@ -69,7 +79,7 @@ def run_controller(
 ) -> dict:
     controller = Controller(cfg, runtime, session, prompts, resume_from=resume_from)
     try:
-        with stop_on_signals(controller):
+        with stop_on_signals(controller), stall_alarm(controller, runtime):
             return controller.run()
     except WorkerError as exc:
         if controller.last_checkpoint is None:
@@ -103,3 +113,46 @@ def stop_on_signals(controller: Controller):
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+# Otherwise unused (it reports out-of-band socket data only to a process that asks for it), and
+# ignored by default: one sent as the run ends, when the handler is gone, does nothing.
+STALL_SIGNAL = signal.SIGURG
+STALL_CHECK_S = 0.5  # how often the watcher looks at the time since the last progress
+
+
+@contextlib.contextmanager
+def stall_alarm(controller: Controller, runtime: Runtime):
+    """The stall watchdog for work that runs in the controller's own thread (the inline runtime).
+
+    While a generator's step, a reward call or a trainer command runs there, the controller's
+    loop, and with it its watchdog, waits. A watcher thread looks at the time since the last
+    progress; past runtime.stall_timeout_s, while the main thread is in a runtime call, it sends
+    it ``STALL_SIGNAL`` (again every ``STALL_CHECK_S`` while that lasts), whose handler ends the
+    call with the stall error (:meth:`Controller.stall_alarm`). A call blocked in C code that
+    does not return to Python on a signal is not cut short. Only in the main thread, as for
+    :func:`stop_on_signals`; elsewhere a call that does not return holds the run.
+    """
+    if not isinstance(runtime, InlineRuntime) or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    main, done = threading.main_thread().ident, threading.Event()
+
+    def watch() -> None:
+        while not done.wait(STALL_CHECK_S):
+            if runtime.busy and controller.idle_s() > controller.cfg.runtime.stall_timeout_s:
+                signal.pthread_kill(main, STALL_SIGNAL)
+
+    def handler(signum, frame) -> None:
+        if runtime.busy:
+            controller.stall_alarm()
+
+    previous = signal.signal(STALL_SIGNAL, handler)
+    watcher = threading.Thread(target=watch, name="stall-watchdog", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join(timeout=10)
+        signal.signal(STALL_SIGNAL, signal.SIG_DFL if previous is None else previous)

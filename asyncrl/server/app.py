@@ -8,6 +8,9 @@ Endpoints:
   extensions ``top_k`` and ``min_p``. Every choice also reports the policy versions that
   produced its tokens (``asyncrl_versions``), which multi-turn agent code needs to build
   training samples.
+* ``POST /v1/verdicts`` — ``{"prompt": str | [str], "tokens": ["Yes", "No"]}`` (or
+  ``"messages"``, one chat per verdict): each prompt's next-token probability of each
+  candidate token, for judges (:mod:`asyncrl.server.verdicts`, :mod:`asyncrl.judges`).
 * ``GET /v1/models``; ``GET /health``.
 * ``GET /v1/policy`` — the policy version being served; ``POST /v1/policy`` with
   ``{"weights_dir": DIR}`` loads the newest weights published there by the files transport
@@ -34,6 +37,7 @@ from typing import Any
 from asyncrl.engine import EmbeddedEngine, GenerationRequest, SamplingParams
 from asyncrl.models import Policy
 from asyncrl.server.engine_loop import EngineLoop, Ticket
+from asyncrl.server.verdicts import candidate_ids, next_token_probs
 from asyncrl.weight_sync import WeightLayout
 
 REQUEST_TIMEOUT_S = 600.0
@@ -254,6 +258,7 @@ class _Handler(BaseHTTPRequestHandler):
             "/v1/completions": self._completions,
             "/v1/chat/completions": self._chat,
             "/v1/policy": self._policy,
+            "/v1/verdicts": self._verdicts,
         }
         route = routes.get(self.path)
         if route is None:
@@ -426,6 +431,39 @@ class _Handler(BaseHTTPRequestHandler):
                 choice.update({"delta": {"content": delta}} if chat else {"text": delta})
                 self._sse({**head, "choices": [choice]})
         self._end_stream()
+
+    def _verdicts(self, body: dict) -> None:
+        app, tok = self.app, self.app.policy.tokenizer
+        if "messages" in body:
+            chats = body["messages"]
+            if not isinstance(chats, list) or not chats or not all(isinstance(c, list) for c in chats):
+                raise BadRequest(
+                    "'messages' must be a non-empty list of chats (lists of messages)", "messages"
+                )
+            prompts = [chat_prompt(tok, c) for c in chats]
+        else:
+            prompts = body.get("prompt")
+            prompts = [prompts] if isinstance(prompts, str) else prompts
+        if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) and p for p in prompts):
+            raise BadRequest("'prompt' must be a non-empty string or a list of them", "prompt")
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not tokens:
+            raise BadRequest(
+                '\'tokens\' must be a non-empty list of candidate tokens, e.g. ["Yes", "No"]', "tokens"
+            )
+        try:
+            candidates = candidate_ids(tok, tokens)
+        except ValueError as exc:
+            raise BadRequest(str(exc), "tokens") from None
+        ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
+        limit = app.engine.max_positions
+        if max(len(i) for i in ids) > limit:
+            raise BadRequest(f"a prompt is longer than the judge's {limit} positions", "prompt")
+        probs = app.loop.call(
+            lambda engine: next_token_probs(engine.model, app.policy.pad_token_id, ids, candidates),
+            timeout=REQUEST_TIMEOUT_S,
+        )
+        self._json(200, {"object": "verdicts", "model": app.model_name, "tokens": tokens, "probs": probs})
 
     def _policy(self, body: dict) -> None:
         from asyncrl.weight_sync.files import FileReceiver

@@ -37,6 +37,7 @@ from typing import Any
 
 from asyncrl.errors import ConfigError, RewardFailing
 from asyncrl.imports import import_named
+from asyncrl.judges.reward import judge_reward
 from asyncrl.tasks.chat import reward_prompt
 from asyncrl.tasks.reward_library import format_regex, math_verify, overlong_penalty
 from asyncrl.tasks.step_rewards import StepRewards, parse_step_rewards, weighted_steps
@@ -72,6 +73,7 @@ def numeric_match(completion: str, answer: str | None, **_: object) -> float:
 
 
 for _name, _fn in (
+    ("judge", judge_reward),
     ("math_verify", math_verify),
     ("format_regex", format_regex),
     ("overlong_penalty", overlong_penalty),
@@ -266,8 +268,9 @@ class RewardSet:
 
     @classmethod
     def of(cls, fn: RewardFn | RewardSet, label: str | None = None) -> RewardSet:
-        """A reward set from one plain function (or the set itself)."""
-        if isinstance(fn, RewardSet):
+        """A reward set from one plain function (or the set itself, or another scorer with the set's
+        interface: the run's reward pool, :class:`~asyncrl.tasks.reward_pool.PooledRewards`)."""
+        if isinstance(fn, RewardSet) or hasattr(fn, "score_groups"):
             return fn
         name = label or getattr(fn, "__name__", "reward")
         return cls([RewardTerm(name, fn, batched=is_batched(fn))])

@@ -1,0 +1,196 @@
+"""The reward pool (task.reward_workers): reward workers in their own processes (Ray actors on
+Ray), shared by the generators, give the rewards the generator's own thread gives; failures,
+stops and start-up are bounded and reported as in the generator; no process outlives a run."""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.errors import RewardFailing
+from asyncrl.orchestration import train
+from asyncrl.orchestration.build import build_reward
+from asyncrl.tasks.reward_pool import ENV, PooledRewards, RewardPoolError, local_reward_pool
+from asyncrl.tasks.rewards import ScoringStopped
+from asyncrl.types import Prompt
+from tests.helpers import child_pids, short_run, survivors_of_a_killed_parent, wait_dead
+
+PIDS_DIR = "ASYNCRL_TEST_REWARD_PIDS"
+
+
+def pid_reward(completion: str, answer: str | None, **_) -> float:
+    """Rewards like exact_match, and leaves the scoring process's pid in $ASYNCRL_TEST_REWARD_PIDS."""
+    (Path(os.environ[PIDS_DIR]) / str(os.getpid())).touch()
+    return float(answer is not None and completion.strip() == answer.strip())
+
+
+def failing_reward(completion: str, **_) -> float:
+    raise ValueError(f"cannot parse {completion[:3]!r}")
+
+
+def pool_config(tmp_path: Path, *more: str):
+    return load_config(
+        None,
+        [*short_run(2), "task.reward=tests.test_reward_pool:pid_reward", "task.reward_workers=2", *more],
+    )
+
+
+GROUPS = [
+    (Prompt("a", "1+1=", "2"), ["2", "3", " 2 "], [[1], [2], [3]]),
+    (Prompt("b", "2+2=", "4"), ["5", "4"], [[4], [5]]),
+]
+
+
+def test_pooled_scoring_runs_in_the_workers_and_equals_scoring_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(PIDS_DIR, str(tmp_path))
+    cfg = pool_config(tmp_path)
+    here = build_reward(cfg).score_groups(GROUPS)
+    (tmp_path / str(os.getpid())).unlink()
+    with local_reward_pool(cfg, 120):
+        pooled = build_reward(cfg)
+        assert isinstance(pooled, PooledRewards) and pooled.labels == ["pid_reward"]
+        results = [pooled.score_groups(GROUPS) for _ in range(4)]
+        pooled.close()
+    assert ENV not in os.environ
+    assert all(r == here for r in results)  # rewards, errors, components, steps
+    assert [s.reward for s in here[0]] == [1.0, 0.0, 1.0]
+    workers = {int(p.name) for p in tmp_path.iterdir()}
+    assert 1 <= len(workers) <= 2 and os.getpid() not in workers
+
+
+def test_a_failing_function_stops_scoring_from_the_pool_naming_it(tmp_path: Path) -> None:
+    cfg = load_config(
+        None,
+        [
+            "task.reward=tests.test_reward_pool:failing_reward",
+            "task.reward_workers=1",
+            "task.reward_max_consecutive_failures=3",
+        ],
+    )
+    with local_reward_pool(cfg, 120):
+        pooled = build_reward(cfg)
+        (scored,) = pooled.score_groups(GROUPS[1:])
+        assert scored[0].error == "raised ValueError: cannot parse '5'"  # 2 failures so far
+        with pytest.raises(
+            RewardFailing, match=r"'tests\.test_reward_pool:failing_reward' failed on 3 consecutive"
+        ):
+            pooled.score_groups(GROUPS[:1])
+        pooled.close()
+
+
+def test_a_stop_abandons_the_wait_for_the_pool_and_the_pool_stays_usable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(PIDS_DIR, str(tmp_path))
+    cfg = pool_config(tmp_path, "task.reward=tests.test_reward_pool:held_reward", "task.reward_workers=1")
+    release = tmp_path / "release"
+    monkeypatch.setenv("ASYNCRL_TEST_RELEASE", str(release))
+    with local_reward_pool(cfg, 120):
+        pooled = build_reward(cfg)
+        outcome: list = []
+        thread = threading.Thread(target=lambda: outcome.append(_capture(pooled.score_groups, GROUPS)))
+        thread.start()
+        assert _wait_for(lambda: any(p.name.isdigit() for p in tmp_path.iterdir()), 120)  # the call started
+        pooled.stop()
+        thread.join(30)
+        assert not thread.is_alive() and isinstance(outcome[0], ScoringStopped)
+        release.touch()  # the abandoned batch ends in the worker
+        again = build_reward(cfg)
+        assert [s.reward for s in again.score_groups(GROUPS)[1]] == [0.0, 1.0]
+        again.close()
+        pooled.close()
+
+
+def held_reward(completion: str, answer: str | None, **kw) -> float:
+    """pid_reward, which first waits (bounded) until the test creates $ASYNCRL_TEST_RELEASE."""
+    pid_reward(completion, answer)
+    release = Path(os.environ["ASYNCRL_TEST_RELEASE"])
+    assert _wait_for(release.exists, 120)
+    return pid_reward(completion, answer)
+
+
+def _wait_for(condition, timeout: float) -> bool:
+    done = threading.Event()
+    for _ in range(int(timeout / 0.02)):
+        if condition():
+            return True
+        done.wait(0.02)
+    return condition()
+
+
+def _capture(fn, *args):
+    try:
+        return fn(*args)
+    except BaseException as exc:
+        return exc
+
+
+def test_a_pool_that_does_not_start_in_time_is_an_error_and_leaves_no_process(tmp_path: Path) -> None:
+    before = child_pids()
+    with (
+        pytest.raises(RewardPoolError, match=r"did not start within 0\.01s \(runtime\.start_timeout_s\)"),
+        local_reward_pool(pool_config(tmp_path), 0.01),
+    ):
+        pass
+    assert wait_dead(child_pids() - before) == []
+
+
+def test_a_run_scored_by_the_pool_trains_and_stops_its_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(PIDS_DIR, str(tmp_path))
+    before = child_pids()
+    summary = train(pool_config(tmp_path, "runtime.kind=inline"), tmp_path / "run")
+    assert summary["accounting"]["reconciles"] and summary["accounting"]["trained"] == 8
+    assert os.getpid() not in {int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()}
+    assert ENV not in os.environ and wait_dead(child_pids() - before) == []
+
+
+@pytest.mark.multiprocess
+def test_generator_processes_share_the_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PIDS_DIR, str(tmp_path))
+    cfg = pool_config(tmp_path, "runtime.kind=local", "runtime.generators=2", "schedule=async")
+    summary = train(cfg, tmp_path / "run")
+    assert summary["accounting"]["reconciles"] and summary["accounting"]["trained"] == 8
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["reward_errors"] == 0 for r in rows)
+    assert 1 <= len([p for p in tmp_path.iterdir() if p.name.isdigit()]) <= 2  # the pool's two workers
+
+
+@pytest.mark.multiprocess
+def test_a_killed_run_leaves_no_reward_worker_behind(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        """
+        import sys, psutil
+        from asyncrl.config import load_config
+        from asyncrl.tasks.reward_pool import local_reward_pool
+        cfg = load_config(None, ["task.reward_workers=2"])
+        with local_reward_pool(cfg, 120):
+            print(" ".join(str(p.pid) for p in psutil.Process().children(recursive=True)), flush=True)
+            sys.stdin.read()  # until the test kills this process
+        """
+    )
+    pool, alive = survivors_of_a_killed_parent(script)
+    assert len(pool) >= 3  # the pool process and its two workers (and a resource tracker)
+    assert alive == []
+
+
+@pytest.mark.ray
+def test_ray_reward_actors_score_for_the_generators(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("ray", reason="Ray is not installed")
+    monkeypatch.setenv(PIDS_DIR, str(tmp_path))
+    cfg = pool_config(
+        tmp_path, "runtime.kind=ray", "runtime.ray.num_cpus=4", "runtime.ray.reward.num_cpus=0.5"
+    )
+    summary = train(cfg, tmp_path / "run")
+    assert summary["accounting"]["reconciles"] and summary["accounting"]["trained"] == 8
+    assert 1 <= len([p for p in tmp_path.iterdir() if p.name.isdigit()]) <= 2
+    assert ENV not in os.environ
