@@ -397,3 +397,25 @@ def test_scale_command_rejects_bad_input(tmp_path: Path, capsys) -> None:
     (tmp_path / "config.yaml").write_text("{}")
     assert cli_main(["scale", str(tmp_path), "--generators", "0"]) == 2
     assert "--generators must be >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.ray
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("resources", "who"),
+    [
+        ("runtime.ray.generator.num_gpus=1", r"\['generator-0'\]"),
+        ("runtime.ray.reward.num_cpus=64", "reward workers"),
+    ],
+)
+def test_actors_the_cluster_cannot_place_fail_the_start_within_start_timeout(
+    tmp_path: Path, resources: str, who: str
+) -> None:
+    """Resources no node has (a GPU on this CPU instance, more CPUs than it has): the actor is
+    never placed, and the start ends after runtime.start_timeout_s naming it and the resources."""
+    overrides = [*short_run(1), "runtime.kind=ray", "runtime.ray.num_cpus=4", "runtime.start_timeout_s=15"]
+    cfg = load_config(None, [*overrides, "task.reward_workers=1", resources])
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=rf"{who}.*did not start within 15s \(runtime\.start_timeout_s\)"):
+        train(cfg, tmp_path / "run")  # (the fixture checks that no process is left)
+    assert 15.0 <= time.monotonic() - t0 < 120

@@ -325,23 +325,34 @@ class RayRuntime:
 
         It runs in a helper thread that lives until :meth:`stop`: Ray binds the processes of a
         local instance to the thread that starts them (they are killed when it ends). A call
-        still running when the time is out is left to end with the process.
+        still running when the time is out is left to end with the process, or, if it succeeds
+        after all, shut down by its thread.
         """
         logging.getLogger("ray._private.worker").addFilter(_not_the_sigterm_notice)
         failure: list[BaseException] = []
-        started = threading.Event()
+        started, abandoned, handoff = threading.Event(), threading.Event(), threading.Lock()
 
         def own() -> None:
             try:
                 self.ray.init(**kwargs)
             except BaseException as exc:  # handed to the waiting thread, which raises it
                 failure.append(exc)
-            started.set()
-            if not failure:
-                self._ray_released.wait()
+            with handoff:
+                started.set()
+                late = abandoned.is_set()
+            if failure:
+                return
+            if late:  # the start was given up meanwhile: nobody will use or stop this instance
+                self.ray.shutdown()
+                return
+            self._ray_released.wait()
 
         threading.Thread(target=own, name="ray-owner", daemon=True).start()
-        if not started.wait(self._start_s):
+        started.wait(self._start_s)
+        with handoff:
+            if not started.is_set():
+                abandoned.set()
+        if abandoned.is_set():
             address = self.rcfg.address or os.environ.get("RAY_ADDRESS")  # Ray's own default
             what = (
                 f"could not connect to Ray at {address!r} "
