@@ -884,6 +884,11 @@ class Config(Section):
             raise ValueError(
                 f"episode.environment=calculator needs task.name=arithmetic, not {self.task.name}"
             )
+        if self.task.reward_workers and env is not None:
+            raise ValueError(
+                "task.reward_workers scores task rewards; episodes are rewarded by their environment "
+                "(episode.environment): set task.reward_workers=0"
+            )
         judged = "judge" in [self.task.reward, *(r.name for r in self.task.rewards)]
         if judged and self.judge.model is None and self.judge.url is None:
             raise ValueError("the reward 'judge' needs a judge: set judge.model (or judge.url)")

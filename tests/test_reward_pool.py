@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.errors import RewardFailing
+from asyncrl.errors import ConfigError, RewardFailing
 from asyncrl.orchestration import train
 from asyncrl.orchestration.build import build_reward
 from asyncrl.tasks.reward_pool import ENV, PooledRewards, RewardPoolError, local_reward_pool
@@ -194,3 +194,8 @@ def test_ray_reward_actors_score_for_the_generators(tmp_path: Path, monkeypatch:
     assert summary["accounting"]["reconciles"] and summary["accounting"]["trained"] == 8
     assert 1 <= len([p for p in tmp_path.iterdir() if p.name.isdigit()]) <= 2
     assert ENV not in os.environ
+
+
+def test_episodes_are_not_scored_by_a_pool() -> None:
+    with pytest.raises(ConfigError, match=r"set task\.reward_workers=0"):
+        load_config(None, ["task.reward_workers=2", "episode.environment=calculator"])
