@@ -43,10 +43,14 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _sft(args: argparse.Namespace) -> int:
-    from asyncrl.sft import SFTConfig, run_sft
+    from asyncrl.sft import run_sft, sft_config
 
-    cfg = SFTConfig(
-        model=args.model, blur_steps=args.blur_steps, answer_noise=args.answer_noise, seed=args.seed
+    given = {"blur_steps": args.blur_steps, "answer_noise": args.answer_noise}
+    cfg = sft_config(
+        args.task,
+        model=args.model,
+        seed=args.seed,
+        **{k: v for k, v in given.items() if v is not None},  # else the task's default
     )
     summary = run_sft(cfg, Path(args.out))
     print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
@@ -99,14 +103,14 @@ def _serve(args: argparse.Namespace) -> int:
     from asyncrl.models import load_policy
     from asyncrl.server.app import OpenAIServer
 
-    policy = load_policy(args.model, device=args.device, seed=args.seed)
-    server = OpenAIServer(
-        policy, model_name=args.name or args.model, max_batch_size=args.max_batch_size, seed=args.seed
-    )
     if args.exit_with_parent:  # a run's judge: it ends with the run, however the run ends
         from asyncrl.lifeline import exit_with_parent
 
         exit_with_parent(os.getppid())
+    policy = load_policy(args.model, device=args.device, seed=args.seed)
+    server = OpenAIServer(
+        policy, model_name=args.name or args.model, max_batch_size=args.max_batch_size, seed=args.seed
+    )
     host, port = server.start(args.host, args.port)
     print(json.dumps({"listening": f"http://{host}:{port}", "model": server.model_name}), flush=True)
     stop = threading.Event()
@@ -118,7 +122,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from asyncrl.sft import SFTConfig
+    from asyncrl.sft import TASK_DEFAULTS, TASKS, SFTConfig
 
     parser = argparse.ArgumentParser(
         prog="asyncrl", description="Asynchronous RL post-training of language models."
@@ -142,17 +146,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.set_defaults(func=_train)
 
-    sft = sub.add_parser("sft", help="supervised warm start of a tiny model on the arithmetic task")
+    sft = sub.add_parser(
+        "sft",
+        help="supervised warm start of a tiny model on a built-in task (single-turn or scripted episodes)",
+    )
     sft.add_argument("--out", required=True, help="directory for the resulting model")
+    sft.add_argument(
+        "--task",
+        choices=TASKS,
+        default="arithmetic",
+        help="arithmetic (answers; builtin:arith), calculator or guess (scripted episodes of that "
+        "environment; builtin:calculator, builtin:guess)",
+    )
     sft.add_argument("--model", default="tiny:1m", help="model to start from (default tiny:1m)")
     sft.add_argument(
-        "--blur-steps", type=int, default=SFTConfig.blur_steps, help="steps on the noisy teacher"
+        "--blur-steps",
+        type=int,
+        help="steps on the noisy teacher (default: the task's, "
+        + ", ".join(f"{t} {TASK_DEFAULTS[t].get('blur_steps', SFTConfig.blur_steps)}" for t in TASKS)
+        + ")",
     )
     sft.add_argument(
         "--answer-noise",
         type=float,
-        default=SFTConfig.answer_noise,
-        help="share of near-miss answers while blurring",
+        help="share of the noisy teacher's answers (arithmetic) or episodes (calculator) or turns "
+        "(guess) that go wrong (default: the task's, "
+        + ", ".join(f"{t} {TASK_DEFAULTS[t].get('answer_noise', SFTConfig.answer_noise)}" for t in TASKS)
+        + ")",
     )
     sft.add_argument("--seed", type=int, default=0)
     sft.set_defaults(func=_sft)
@@ -188,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="auto")
     serve.add_argument("--max-batch-size", type=int, default=64)
     serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
     serve.set_defaults(func=_serve)
 
     config = sub.add_parser("config", help="print the resolved config, or the reference of every option")
@@ -208,7 +229,6 @@ def main(argv: list[str] | None = None) -> int:
     except AsyncRLError as exc:
         print(f"asyncrl: error: {exc}", file=sys.stderr)
         return 2
-    serve.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
     except KeyboardInterrupt:
         print("asyncrl: interrupted", file=sys.stderr)
         return 130

@@ -39,8 +39,9 @@ class ModelConfig(Section):
 
     path: str = Field(
         "builtin:arith",
-        description="A local Hugging Face model directory, 'builtin:arith' (the shipped warm-started tiny "
-        "model), or 'tiny:<size>[:<arch>]' for a random tiny model (sizes 1m, 6m; arch qwen2, llama).",
+        description="A local Hugging Face model directory, a shipped warm-started tiny model ('builtin:arith'; "
+        "'builtin:calculator' and 'builtin:guess' for those episode.environment values), or "
+        "'tiny:<size>[:<arch>]' for a random tiny model (sizes 1m, 6m; arch qwen2, llama).",
     )
     device: str = Field("auto", description="'auto' (CUDA when available, else CPU), 'cpu', or 'cuda[:N]'.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(

@@ -3,21 +3,32 @@
 RL with a verifiable reward learns nothing from a policy that never earns a reward, and
 shows nothing from one that is already perfect. The warm start runs in two phases:
 
-1. *learn*: train a randomly initialised tiny model on ``prompt + answer + EOS`` (loss on
-   the answer and EOS only) until its greedy accuracy on held-out prompts reaches
-   ``learn_accuracy``;
-2. *blur*: continue for ``blur_steps`` on a noisy teacher whose answers are replaced, with
-   probability ``answer_noise``, by a near miss (off by a little, or one digit changed).
+1. *learn*: train a randomly initialised tiny model on a clean teacher until its greedy
+   accuracy on held-out prompts reaches ``learn_accuracy``;
+2. *blur*: continue for ``blur_steps`` on a noisy teacher, wrong with probability
+   ``answer_noise``.
 
-The result behaves like a pretrained model that knows the answer but is unsure of it: the
-right answer is the mode of a broad distribution, so sampled accuracy (temperature 1) is
-low while pass@G is high — the regime in which GRPO sharpens the policy. Everything is
-seeded; the shipped ``builtin:arith`` checkpoint is ``asyncrl sft`` with its defaults.
+Three tasks (``task``):
+
+* ``arithmetic``: ``prompt + answer + EOS`` (loss on the answer and EOS only); the noisy
+  teacher's answer is a near miss (off by a little, or one digit changed). The result
+  behaves like a pretrained model that knows the answer but is unsure of it: the right
+  answer is the mode of a broad distribution, so sampled accuracy (temperature 1) is low
+  while pass@G is high — the regime in which GRPO sharpens the policy.
+* ``calculator`` and ``guess``: episodes a scripted teacher plays against the built-in
+  environment of that name, rendered token for token as RL renders them, the loss on the
+  teacher's turns only (:mod:`asyncrl.episodes.scripted`: the teachers and their noise).
+  Accuracy is then the mean episode reward, as in RL's evaluation.
+
+Everything is seeded. The shipped checkpoints are ``asyncrl sft`` with a task's defaults
+(:data:`TASK_DEFAULTS`): ``builtin:arith`` (``--task arithmetic``, the default),
+``builtin:calculator`` and ``builtin:guess``.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import random
 import time
@@ -27,10 +38,16 @@ from pathlib import Path
 import torch
 
 from asyncrl.engine import EmbeddedEngine, SamplingParams
-from asyncrl.evaluation import evaluate
-from asyncrl.models import load_policy, save_policy
+from asyncrl.errors import ConfigError
+from asyncrl.evaluation import evaluate, evaluate_episodes
+from asyncrl.models import Policy, load_policy, save_policy
 from asyncrl.tasks import ArithmeticTask, PromptStream
+from asyncrl.tasks.arithmetic import near_miss
 from asyncrl.tasks.rewards import exact_match
+
+TASKS = ("arithmetic", "calculator", "guess")
+
+Row = tuple[list[int], list[int]]  # (input ids, labels: -100 where no loss)
 
 
 @dataclass
@@ -51,32 +68,165 @@ class SFTConfig:
     seed: int = 0
     data_seed: int = 1000
     eval_seed: int = 999
+    # Scripted episodes (task calculator or guess); these match the RL config's episode.* keys.
+    task: str = "arithmetic"
+    guess_max: int = 16  # task.guess_max
+    max_turns: int = 4  # episode.max_turns (the guessing game's reward counts turns out of it)
+    max_episode_tokens: int = 64  # episode.max_episode_tokens
+    max_turn_tokens: int = 8  # rollout.max_new_tokens
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ConfigError("task", self.task, f"not an SFT task; allowed: {list(TASKS)}")
 
 
-def near_miss(answer: str, rng: random.Random) -> str:
-    """A plausible wrong answer: the right one off by 1..10, or with one digit changed."""
-    value = int(answer)
-    if rng.random() < 0.5:
-        return str(value + rng.choice([-1, 1]) * rng.randint(1, 10))
-    digits = list(answer)
-    i = rng.randrange(len(digits) - (digits[0] == "-")) + (digits[0] == "-")
-    digits[i] = rng.choice([d for d in "0123456789" if d != digits[i]])
-    return "".join(digits)
+# What `asyncrl sft --task NAME` changes from the SFTConfig defaults: the shipped
+# builtin:calculator and builtin:guess are these, with seed 0 (arithmetic: the defaults).
+TASK_DEFAULTS: dict[str, dict] = {
+    "arithmetic": {},
+    "calculator": dict(
+        ops=["+", "-", "*"],
+        max_turns=3,
+        max_episode_tokens=32,
+        max_turn_tokens=8,
+        learn_accuracy=0.95,
+        blur_steps=300,
+        answer_noise=0.6,
+        eval_every=100,
+        eval_prompts=200,
+    ),
+    "guess": dict(
+        guess_max=16,
+        max_turns=6,
+        max_episode_tokens=80,
+        max_turn_tokens=4,
+        learn_accuracy=0.55,
+        blur_steps=300,
+        answer_noise=0.5,
+        eval_every=100,
+        eval_prompts=200,
+    ),
+}
 
 
-def _batch(prompts, tokenizer, eos_id: int, pad_id: int, noise: float, rng: random.Random):
-    rows, targets = [], []
-    for p in prompts:
-        answer = near_miss(p.answer, rng) if rng.random() < noise else p.answer
-        prompt_ids = tokenizer(p.text, add_special_tokens=False).input_ids
-        answer_ids = tokenizer(answer, add_special_tokens=False).input_ids + [eos_id]
-        rows.append(prompt_ids + answer_ids)
-        targets.append([-100] * len(prompt_ids) + answer_ids)
-    width = max(len(r) for r in rows)
+def sft_config(task: str = "arithmetic", **overrides) -> SFTConfig:
+    """The SFT config of ``task`` (its :data:`TASK_DEFAULTS`), with ``overrides``."""
+    if task not in TASK_DEFAULTS:
+        raise ConfigError("task", task, f"not an SFT task; allowed: {list(TASKS)}")
+    return SFTConfig(task=task, **{**TASK_DEFAULTS[task], **overrides})
+
+
+class _Answers:
+    """The arithmetic task: ``prompt + answer + EOS``, scored by exact match."""
+
+    def __init__(self, cfg: SFTConfig, policy: Policy) -> None:
+        self.cfg, self.policy = cfg, policy
+        self.train = PromptStream(ArithmeticTask(cfg.ops, cfg.min_digits, cfg.max_digits, seed=cfg.data_seed))
+        self.held_out = PromptStream(
+            ArithmeticTask(cfg.ops, cfg.min_digits, cfg.max_digits, seed=cfg.eval_seed)
+        ).take(cfg.eval_prompts)
+
+    def rows(self, n: int, noise: float, rng: random.Random) -> list[Row]:
+        tokenizer, eos = self.policy.tokenizer, self.policy.eos_token_id
+        rows = []
+        for p in self.train.take(n):
+            answer = near_miss(p.answer, rng) if rng.random() < noise else p.answer
+            prompt_ids = tokenizer(p.text, add_special_tokens=False).input_ids
+            answer_ids = tokenizer(answer, add_special_tokens=False).input_ids + [eos]
+            rows.append((prompt_ids + answer_ids, [-100] * len(prompt_ids) + answer_ids))
+        return rows
+
+    def accuracy(self, model: torch.nn.Module) -> tuple[float, float]:
+        """(sampled at temperature 1, greedy) exact-match accuracy on the held-out prompts."""
+        cfg, policy = self.cfg, self.policy
+        engine = EmbeddedEngine(copy.deepcopy(model), pad_token_id=policy.pad_token_id, seed=cfg.seed)
+        return tuple(
+            evaluate(
+                engine,
+                policy.tokenizer,
+                self.held_out,
+                exact_match,
+                SamplingParams(
+                    max_new_tokens=cfg.max_digits + 3,
+                    temperature=temperature,
+                    stop_token_ids=(policy.eos_token_id,),
+                ),
+            )
+            for temperature in (1.0, 0.0)
+        )
+
+
+class _Episodes:
+    """A built-in multi-turn task: episodes of a scripted teacher (asyncrl.episodes.scripted)."""
+
+    def __init__(self, cfg: SFTConfig, policy: Policy) -> None:
+        from asyncrl.episodes.games import GuessTask
+        from asyncrl.episodes.resolve import builtin_environment
+        from asyncrl.episodes.scripted import CalculatorTeacher, GuessTeacher
+
+        self.cfg, self.policy = cfg, policy
+        if cfg.task == "calculator":
+            self.teacher = CalculatorTeacher
+            source = functools.partial(ArithmeticTask, cfg.ops, cfg.min_digits, cfg.max_digits)
+        else:
+            self.teacher = functools.partial(GuessTeacher, guess_max=cfg.guess_max)
+            source = functools.partial(GuessTask, cfg.guess_max)
+        self.environment = builtin_environment(cfg.task, cfg.max_turns)
+        self.train = PromptStream(source(seed=cfg.data_seed))
+        self.held_out = PromptStream(source(seed=cfg.eval_seed)).take(cfg.eval_prompts)
+
+    def rows(self, n: int, noise: float, rng: random.Random) -> list[Row]:
+        from asyncrl.episodes.scripted import render_episode
+
+        cfg = self.cfg
+        start = self.train.position
+        return [
+            render_episode(
+                self.environment,
+                self.teacher(task, rng, noise),
+                task,
+                self.policy.tokenizer,
+                seed=start + i,
+                max_turns=cfg.max_turns,
+                max_episode_tokens=cfg.max_episode_tokens,
+                max_turn_tokens=cfg.max_turn_tokens,
+            ).sft_row()
+            for i, task in enumerate(self.train.take(n))
+        ]
+
+    def accuracy(self, model: torch.nn.Module) -> tuple[float, float]:
+        """(sampled at temperature 1, greedy) mean reward of one episode per held-out task."""
+        from asyncrl.episodes import EpisodeRolloutWorker, environment_episode
+
+        cfg, policy = self.cfg, self.policy
+        engine = EmbeddedEngine(copy.deepcopy(model), pad_token_id=policy.pad_token_id, seed=cfg.seed)
+        rewards = []
+        for temperature in (1.0, 0.0):
+            sampling = SamplingParams(
+                max_new_tokens=cfg.max_turn_tokens,
+                temperature=temperature,
+                stop_token_ids=(policy.eos_token_id,),
+            )
+            rollout = EpisodeRolloutWorker(
+                engine,
+                policy.tokenizer,
+                environment_episode(self.environment),
+                sampling,
+                1,
+                max_turns=cfg.max_turns,
+                max_episode_tokens=cfg.max_episode_tokens,
+                seed=cfg.seed,
+            )
+            rewards.append(evaluate_episodes(rollout, self.held_out))
+        return rewards[0], rewards[1]
+
+
+def _batch(rows: list[Row], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r, _ in rows)
     ids = torch.full((len(rows), width), pad_id)
     labels = torch.full((len(rows), width), -100)
     attn = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (r, t) in enumerate(zip(rows, targets, strict=True)):
+    for i, (r, t) in enumerate(rows):
         ids[i, : len(r)] = torch.tensor(r)
         labels[i, : len(t)] = torch.tensor(t)
         attn[i, : len(r)] = 1
@@ -86,32 +236,16 @@ def _batch(prompts, tokenizer, eos_id: int, pad_id: int, noise: float, rng: rand
 def run_sft(cfg: SFTConfig, out_dir: Path, log=print) -> dict:
     torch.manual_seed(cfg.seed)
     policy = load_policy(cfg.model, device="cpu", seed=cfg.seed)
-    tok, model = policy.tokenizer, policy.model
-    train = PromptStream(ArithmeticTask(cfg.ops, cfg.min_digits, cfg.max_digits, seed=cfg.data_seed))
-    held_out = PromptStream(ArithmeticTask(cfg.ops, cfg.min_digits, cfg.max_digits, seed=cfg.eval_seed)).take(
-        cfg.eval_prompts
-    )
+    model = policy.model
+    data = _Answers(cfg, policy) if cfg.task == "arithmetic" else _Episodes(cfg, policy)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    stop_ids = (policy.eos_token_id,)
-    sampled = SamplingParams(max_new_tokens=cfg.max_digits + 3, temperature=1.0, stop_token_ids=stop_ids)
-    greedy = SamplingParams(max_new_tokens=cfg.max_digits + 3, temperature=0.0, stop_token_ids=stop_ids)
-
-    def accuracy() -> tuple[float, float]:
-        engine = EmbeddedEngine(copy.deepcopy(model), pad_token_id=policy.pad_token_id, seed=cfg.seed)
-        return (
-            evaluate(engine, tok, held_out, exact_match, sampled),
-            evaluate(engine, tok, held_out, exact_match, greedy),
-        )
-
     noise_rng = random.Random(cfg.data_seed)
     history: list[dict] = []
     t0 = time.perf_counter()
 
     def train_step(noise: float) -> float:
         model.train()
-        ids, attn, labels = _batch(
-            train.take(cfg.batch_size), tok, policy.eos_token_id, policy.pad_token_id, noise, noise_rng
-        )
+        ids, attn, labels = _batch(data.rows(cfg.batch_size, noise, noise_rng), policy.pad_token_id)
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         optim.zero_grad()
         loss.backward()
@@ -119,7 +253,7 @@ def run_sft(cfg: SFTConfig, out_dir: Path, log=print) -> dict:
         return float(loss.detach())
 
     def log_eval(phase: str, step: int, loss: float) -> tuple[float, float]:
-        acc = accuracy()
+        acc = data.accuracy(model)
         record = {
             "phase": phase,
             "step": step,
@@ -145,7 +279,7 @@ def run_sft(cfg: SFTConfig, out_dir: Path, log=print) -> dict:
         if blur_step % cfg.eval_every == 0 or blur_step == cfg.blur_steps:
             acc_sampled, acc_greedy = log_eval("blur", step + blur_step, loss)
     if cfg.blur_steps < 1:  # no blur phase: report the model as the learn phase left it
-        acc_sampled, acc_greedy = accuracy()
+        acc_sampled, acc_greedy = data.accuracy(model)
     model.eval()
     save_policy(policy, out_dir)
     summary = {

@@ -312,3 +312,25 @@ def test_sft_without_blur_reports_final_accuracy(tmp_path: Path) -> None:
         summary["accuracy_sampled"], cfg.eval_prompts
     )
     assert (tmp_path / "noblur" / "model.safetensors").is_file()
+
+
+def test_sft_command_line_picks_the_tasks_defaults(tmp_path: Path, monkeypatch, capsys) -> None:
+    """``asyncrl sft`` without --task is exactly the config builtin:arith was made with;
+    ``--task guess`` takes that task's defaults, and given flags replace them; an unknown task
+    is refused naming the argument."""
+    import asyncrl.sft as sft
+
+    made = []
+    monkeypatch.setattr(sft, "run_sft", lambda cfg, out: made.append(cfg) or {"history": []})
+    assert main(["sft", "--out", str(tmp_path)]) == 0
+    assert main(["sft", "--task", "guess", "--out", str(tmp_path)]) == 0
+    assert main(["sft", "--task", "calculator", "--answer-noise", "0.3", "--out", str(tmp_path)]) == 0
+    assert made == [
+        SFTConfig(),
+        sft.sft_config("guess"),
+        sft.sft_config("calculator", answer_noise=0.3),
+    ]
+    assert (made[1].max_turns, made[1].answer_noise) == (6, 0.5) and made[2].blur_steps == 300
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sft", "--task", "chess", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2 and "--task: invalid choice: 'chess'" in capsys.readouterr().err

@@ -198,7 +198,10 @@ def test_load_policy_tokenizer_without_pad_uses_eos(saved_tiny, tmp_path: Path) 
         ("tiny:1m:gpt2", "architecture in ['qwen2', 'llama']"),
         ("tiny:1m:llama:x", "expected tiny:<size>[:<architecture>]"),
         ("tiny:", "expected tiny:<size>[:<architecture>]"),
-        ("builtin:chess", "unknown built-in model; allowed: ['builtin:arith']"),
+        (
+            "builtin:chess",
+            "unknown built-in model; allowed: ['builtin:arith', 'builtin:calculator', 'builtin:guess']",
+        ),
     ],
 )
 def test_load_policy_unknown_specs(source: str, needle: str) -> None:

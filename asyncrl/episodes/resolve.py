@@ -5,20 +5,28 @@ from __future__ import annotations
 import functools
 import inspect
 
-from asyncrl.episodes.environment import EpisodeFunction, environment_episode
+from asyncrl.episodes.environment import EnvironmentFactory, EpisodeFunction, environment_episode
 from asyncrl.episodes.games import Calculator, GuessingGame
 from asyncrl.errors import ConfigError
 from asyncrl.imports import import_named
 
 KEY = "episode.environment"
+BUILTINS = ("calculator", "guess")
+
+
+def builtin_environment(name: str, max_turns: int) -> EnvironmentFactory:
+    """The environment class of a built-in game, bound to the episode's turn budget."""
+    if name == "calculator":
+        return Calculator
+    if name == "guess":
+        return functools.partial(GuessingGame, max_turns=max_turns)
+    raise ConfigError(KEY, name, f"not a built-in environment; allowed: {list(BUILTINS)}")
 
 
 def resolve_episode(spec: str, max_turns: int, step_timeout_s: float | None = None) -> EpisodeFunction:
     """The episode function ``spec`` names (see :class:`asyncrl.config.EpisodeConfig`)."""
-    if spec == "calculator":
-        return environment_episode(Calculator, step_timeout_s)
-    if spec == "guess":
-        return environment_episode(functools.partial(GuessingGame, max_turns=max_turns), step_timeout_s)
+    if spec in BUILTINS:
+        return environment_episode(builtin_environment(spec, max_turns), step_timeout_s)
     if ":" not in spec:
         raise ConfigError(KEY, spec, "not a built-in ('calculator', 'guess') nor 'module:name'")
     target = import_named(spec, KEY)

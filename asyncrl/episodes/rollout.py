@@ -247,24 +247,8 @@ class EpisodeRolloutWorker:
     # -- observations ---------------------------------------------------------------------------
 
     def observation_ids(self, prompt: Prompt, text: str) -> list[int]:
-        """An observation's tokens: for a conversational task, a user turn in the chat
-        template's format (what the template puts between an assistant turn and the next
-        generation prompt); otherwise the text itself."""
-        if prompt.messages is None:
-            return self.tokenizer(text, add_special_tokens=False).input_ids
-        before = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
-        head = self.tokenizer.apply_chat_template(before, tokenize=False)
-        full = self.tokenizer.apply_chat_template(
-            [*before, {"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-        )
-        if not full.startswith(head):
-            raise ValueError("the chat template renders a conversation differently once it goes on")
-        turn = full[len(head) :]
-        # The model's own turn already ended with its end-of-turn token (sampled, trained).
-        eos = self.tokenizer.eos_token
-        if eos and head.rstrip().endswith(eos) and turn.startswith("\n"):
-            turn = turn[1:]
-        return self.tokenizer(turn, add_special_tokens=False).input_ids
+        """An observation's tokens (see :func:`observation_ids`)."""
+        return observation_ids(self.tokenizer, prompt, text)
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -358,6 +342,27 @@ class EpisodeRolloutWorker:
             turn_spans=record.turn_spans,
             turn_rewards=record.turn_rewards,
         )
+
+
+def observation_ids(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, text: str) -> list[int]:
+    """An observation's tokens: for a conversational task, a user turn in the chat
+    template's format (what the template puts between an assistant turn and the next
+    generation prompt); otherwise the text itself."""
+    if prompt.messages is None:
+        return tokenizer(text, add_special_tokens=False).input_ids
+    before = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
+    head = tokenizer.apply_chat_template(before, tokenize=False)
+    full = tokenizer.apply_chat_template(
+        [*before, {"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+    if not full.startswith(head):
+        raise ValueError("the chat template renders a conversation differently once it goes on")
+    turn = full[len(head) :]
+    # The model's own turn already ended with its end-of-turn token (sampled, trained).
+    eos = tokenizer.eos_token
+    if eos and head.rstrip().endswith(eos) and turn.startswith("\n"):
+        turn = turn[1:]
+    return tokenizer(turn, add_special_tokens=False).input_ids
 
 
 def _resolve(future: asyncio.Future, result: GenerationResult) -> None:

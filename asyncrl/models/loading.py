@@ -2,7 +2,9 @@
 
 Sources:
 - a local directory holding a Hugging Face causal LM and its tokenizer;
-- ``builtin:arith`` — the warm-started tiny model shipped with asyncrl (see ``asyncrl sft``);
+- ``builtin:arith``, ``builtin:calculator``, ``builtin:guess`` — the warm-started tiny models
+  shipped with asyncrl, for the arithmetic task and the two built-in multi-turn tasks (see
+  ``asyncrl sft``);
 - ``tiny:<size>[:<architecture>]`` — a randomly initialised tiny model with the character
   tokenizer, e.g. ``tiny:1m`` or ``tiny:6m:llama``.
 
@@ -30,7 +32,11 @@ from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.tasks.chat import apply_chat_template_override
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
-BUILTIN_MODELS = {"arith": ASSETS_DIR / "tiny-arith"}
+BUILTIN_MODELS = {
+    "arith": ASSETS_DIR / "tiny-arith",
+    "calculator": ASSETS_DIR / "tiny-calculator",
+    "guess": ASSETS_DIR / "tiny-guess",
+}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 

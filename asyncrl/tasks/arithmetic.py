@@ -37,3 +37,14 @@ class ArithmeticTask:
         op = rng.choice(self.ops)
         a, b = self._operand(rng), self._operand(rng)
         return Prompt(prompt_id=f"{self.name}:{index}", text=f"{a}{op}{b}=", answer=str(_APPLY[op](a, b)))
+
+
+def near_miss(answer: str, rng: random.Random) -> str:
+    """A plausible wrong answer: the right one off by 1..10, or with one digit changed."""
+    value = int(answer)
+    if rng.random() < 0.5:
+        return str(value + rng.choice([-1, 1]) * rng.randint(1, 10))
+    digits = list(answer)
+    i = rng.randrange(len(digits) - (digits[0] == "-")) + (digits[0] == "-")
+    digits[i] = rng.choice([d for d in "0123456789" if d != digits[i]])
+    return "".join(digits)
