@@ -401,21 +401,23 @@ def test_scale_command_rejects_bad_input(tmp_path: Path, capsys) -> None:
 
 @pytest.mark.ray
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(
-    ("resources", "who"),
-    [
-        ("runtime.ray.generator.num_gpus=1", r"\['generator-0'\]"),
-        ("runtime.ray.reward.num_cpus=64", "reward workers"),
-    ],
-)
-def test_actors_the_cluster_cannot_place_fail_the_start_within_start_timeout(
-    tmp_path: Path, resources: str, who: str
-) -> None:
-    """Resources no node has (a GPU on this CPU instance, more CPUs than it has): the actor is
-    never placed, and the start ends after runtime.start_timeout_s naming it and the resources."""
-    overrides = [*short_run(1), "runtime.kind=ray", "runtime.ray.num_cpus=4", "runtime.start_timeout_s=15"]
-    cfg = load_config(None, [*overrides, "task.reward_workers=1", resources])
+def test_actors_the_cluster_cannot_place_fail_the_start_within_start_timeout(tmp_path: Path) -> None:
+    """A generator asking for a GPU on this CPU instance is never placed: the start ends after
+    runtime.start_timeout_s naming it and the resources. (The reward workers start beside the
+    generators the same way, under the same bound.)"""
+    cfg = load_config(
+        None,
+        [
+            *short_run(1),
+            "runtime.kind=ray",
+            "runtime.ray.num_cpus=4",
+            "runtime.start_timeout_s=15",
+            "runtime.ray.generator.num_gpus=1",
+        ],
+    )
     t0 = time.monotonic()
-    with pytest.raises(WorkerError, match=rf"{who}.*did not start within 15s \(runtime\.start_timeout_s\)"):
+    with pytest.raises(
+        WorkerError, match=r"\['generator-0'\] did not start within 15s \(runtime\.start_timeout_s\)"
+    ):
         train(cfg, tmp_path / "run")  # (the fixture checks that no process is left)
     assert 15.0 <= time.monotonic() - t0 < 120
