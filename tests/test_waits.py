@@ -640,13 +640,24 @@ def test_broadcast_plane_lookups_end_at_the_group_timeout() -> None:
 # -- episodes --------------------------------------------------------------------------------------
 
 
+def one_episode_worker(policy, episode):
+    """An episode worker that plays ``episode`` one at a time, on a small engine."""
+    from asyncrl.engine import EmbeddedEngine
+    from asyncrl.episodes import EpisodeRolloutWorker
+
+    engine = EmbeddedEngine(policy.model, pad_token_id=policy.pad_token_id, max_batch_size=2)
+    sampling = SamplingParams(4, stop_token_ids=(policy.eos_token_id,))
+    return EpisodeRolloutWorker(
+        engine, policy.tokenizer, episode, sampling, group_size=1, max_turns=1, max_episode_tokens=16
+    )
+
+
 def test_closing_an_episode_worker_gives_up_an_episode_that_ignores_cancellation(
     tiny_policy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """rollout.CLOSE_TIMEOUT_S bounds close()'s wait for cancelled episodes to unwind: an episode
     that swallows its cancellation is left behind, and the event loop's thread still ends."""
-    from asyncrl.engine import EmbeddedEngine
-    from asyncrl.episodes import EpisodeRolloutWorker, rollout
+    from asyncrl.episodes import rollout
 
     monkeypatch.setattr(rollout, "CLOSE_TIMEOUT_S", 0.5)
     started, refusals = threading.Event(), []
@@ -661,16 +672,7 @@ def test_closing_an_episode_worker_gives_up_an_episode_that_ignores_cancellation
                 refusals.append(prompt.prompt_id)
 
     threads_before = set(threading.enumerate())
-    engine = EmbeddedEngine(tiny_policy.model, pad_token_id=tiny_policy.pad_token_id, max_batch_size=2)
-    worker = EpisodeRolloutWorker(
-        engine,
-        tiny_policy.tokenizer,
-        stubborn,
-        SamplingParams(4, stop_token_ids=(tiny_policy.eos_token_id,)),
-        group_size=1,
-        max_turns=1,
-        max_episode_tokens=16,
-    )
+    worker = one_episode_worker(tiny_policy, stubborn)
     try:
         worker.submit([(0, Prompt("p", "1+1="))])
         assert started.wait(30)
@@ -688,8 +690,7 @@ def test_closing_an_episode_worker_whose_loop_is_blocked_leaves_the_thread_after
 ) -> None:
     """An episode that blocks the event loop's thread itself: close() waits CLOSE_TIMEOUT_S for the
     cancellation and CLOSE_TIMEOUT_S for the thread, then returns and leaves the thread (a daemon)."""
-    from asyncrl.engine import EmbeddedEngine
-    from asyncrl.episodes import EpisodeRolloutWorker, rollout
+    from asyncrl.episodes import rollout
 
     monkeypatch.setattr(rollout, "CLOSE_TIMEOUT_S", 0.5)
     started, release = threading.Event(), threading.Event()
@@ -700,16 +701,7 @@ def test_closing_an_episode_worker_whose_loop_is_blocked_leaves_the_thread_after
         return 0.0
 
     threads_before = set(threading.enumerate())
-    engine = EmbeddedEngine(tiny_policy.model, pad_token_id=tiny_policy.pad_token_id, max_batch_size=2)
-    worker = EpisodeRolloutWorker(
-        engine,
-        tiny_policy.tokenizer,
-        blocking,
-        SamplingParams(4, stop_token_ids=(tiny_policy.eos_token_id,)),
-        group_size=1,
-        max_turns=1,
-        max_episode_tokens=16,
-    )
+    worker = one_episode_worker(tiny_policy, blocking)
     (loop_thread,) = [t for t in set(threading.enumerate()) - threads_before if t.name == "asyncrl-episodes"]
     try:
         worker.submit([(0, Prompt("p", "1+1="))])
@@ -728,5 +720,5 @@ def test_closing_an_episode_worker_whose_loop_is_blocked_leaves_the_thread_after
     # dropped here, so that its warning does not surface in whichever test collects it.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "coroutine '_cancel_tasks' was never awaited", RuntimeWarning)
-        del worker, engine
+        del worker
         gc.collect()

@@ -51,12 +51,16 @@ def step_spans(
 def cut_steps(
     ids: Sequence[int], tokenizer, delimiter: str, drop: Collection[int] = ()
 ) -> tuple[list[tuple[int, int]], list[str]]:
-    """One completion's steps: their token spans, and their texts (without the ids in ``drop``, e.g. EOS)."""
-    spans = step_spans(ids, lambda token: tokenizer.decode([token]), delimiter)
-    texts = [
-        tokenizer.decode([t for t in ids[i:j] if t not in drop], skip_special_tokens=True) for i, j in spans
-    ]
-    return spans, texts
+    """One completion's steps: their token spans, and their texts (without the ids in ``drop``, e.g. EOS).
+
+    Scoring calls this for every completion: each distinct token is decoded once, and the
+    steps' texts in one batch.
+    """
+    distinct = sorted(set(ids))
+    text_of = dict(zip(distinct, tokenizer.batch_decode([[t] for t in distinct]), strict=True))
+    spans = step_spans(ids, text_of.__getitem__, delimiter)
+    kept = [[t for t in ids[i:j] if t not in drop] for i, j in spans]
+    return spans, tokenizer.batch_decode(kept, skip_special_tokens=True) if kept else []
 
 
 def _number(value: object) -> float | None:
