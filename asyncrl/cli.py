@@ -13,9 +13,8 @@ from asyncrl.errors import AsyncRLError
 
 def _train(args: argparse.Namespace) -> int:
     from asyncrl.config import load_config
-    from asyncrl.orchestration import train
-    from asyncrl.orchestration.controller import RunInterrupted
-    from asyncrl.orchestration.run import RunComplete
+    from asyncrl.control.controller import RunInterrupted
+    from asyncrl.control.run import RunComplete, train
 
     if args.resume:
         if args.config or args.run_dir:
@@ -43,7 +42,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _sft(args: argparse.Namespace) -> int:
-    from asyncrl.sft import run_sft, sft_config
+    from asyncrl.builtin.warm_start import run_sft, sft_config
 
     given = {"blur_steps": args.blur_steps, "answer_noise": args.answer_noise}
     cfg = sft_config(
@@ -59,7 +58,7 @@ def _sft(args: argparse.Namespace) -> int:
 
 def _config(args: argparse.Namespace) -> int:
     from asyncrl.config import dump_config, load_config
-    from asyncrl.docs import config_reference
+    from asyncrl.config.reference import config_reference
 
     if args.docs:
         print(config_reference(), end="")
@@ -69,7 +68,7 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _timeline(args: argparse.Namespace) -> int:
-    from asyncrl.timeline import plot_timeline
+    from asyncrl.reports.timeline import plot_timeline
 
     busy = plot_timeline(Path(args.run_dir), Path(args.output), title=args.title, last_s=args.last)
     print(json.dumps({"output": args.output, "busy_frac": {k: round(v, 4) for k, v in busy.items()}}))
@@ -77,14 +76,14 @@ def _timeline(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from asyncrl.report import write_report
+    from asyncrl.reports.html import write_report
 
     print(json.dumps(write_report([Path(p) for p in args.run_dirs], Path(args.output))))
     return 0
 
 
 def _scale(args: argparse.Namespace) -> int:
-    from asyncrl.orchestration.membership import write_control
+    from asyncrl.control.membership import write_control
 
     run_dir = Path(args.run_dir)
     if not (run_dir / "config.yaml").is_file():
@@ -100,11 +99,11 @@ def _serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from asyncrl.models import load_policy
+    from asyncrl.models.loading import load_policy
     from asyncrl.server.app import OpenAIServer
 
     if args.exit_with_parent:  # a run's judge: it ends with the run, however the run ends
-        from asyncrl.lifeline import exit_with_parent
+        from asyncrl.runtimes.lifeline import exit_with_parent
 
         exit_with_parent(os.getppid())
     policy = load_policy(args.model, device=args.device, seed=args.seed)
@@ -122,7 +121,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from asyncrl.sft import TASK_DEFAULTS, TASKS, SFTConfig
+    from asyncrl.builtin.warm_start import TASK_DEFAULTS, TASKS, SFTConfig
 
     parser = argparse.ArgumentParser(
         prog="asyncrl", description="Asynchronous RL post-training of language models."

@@ -11,7 +11,7 @@ The records hold plain Python lists so that they pickle cheaply across processes
 serialise to JSON for recording and replay. A :class:`GroupHeader` is what the controller
 knows of a generated group — ids, token counts per policy version, rewards, finish reasons —
 while the group itself goes from its generator straight to the trainer (the payload plane,
-``orchestration/payload.py``); its size does not grow with the completions' length.
+``transports/groups/base.py``); its size does not grow with the completions' length.
 """
 
 from __future__ import annotations

@@ -33,15 +33,15 @@ from pathlib import Path
 from overlap import steady_window as overlap_window  # bench/ is this script's directory
 
 from asyncrl.config import load_config
-from asyncrl.metrics import read_jsonl
-from asyncrl.orchestration import train
+from asyncrl.control.run import train
+from asyncrl.reports.jsonl import read_jsonl
 
 SIGMA = math.log(10) / 2.326  # p99 of a log-normal = median * exp(2.326 sigma) = 10x the median
 
 TOOL_MODULE = '''
 import math, random, threading, time
 
-from asyncrl.episodes import StepResult
+from asyncrl.episodes.environment import StepResult
 
 MEDIAN_S = {median_s!r}
 SIGMA = {sigma!r}

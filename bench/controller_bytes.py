@@ -23,8 +23,8 @@ from collections import Counter
 from pathlib import Path
 
 from asyncrl.config import load_config
-from asyncrl.orchestration import train
-from asyncrl.orchestration.controller import Controller
+from asyncrl.control.controller import Controller
+from asyncrl.control.run import train
 
 
 class ByteCounter:

@@ -35,13 +35,15 @@ def _load(model: str, threads: int):
     import torch
 
     torch.set_num_threads(threads)
-    from asyncrl.models import load_policy
+    from asyncrl.models.loading import load_policy
 
     return load_policy(model, device="cpu", seed=0)
 
 
 def run_engine(args, queue) -> None:
-    from asyncrl.engine import EmbeddedEngine, GenerationRequest, SamplingParams
+    from asyncrl.engine.embedded import EmbeddedEngine
+    from asyncrl.engine.sampling import SamplingParams
+    from asyncrl.engine.types import GenerationRequest
 
     policy = _load(args.model, args.threads)
     tok = policy.tokenizer

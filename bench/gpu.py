@@ -106,7 +106,7 @@ def sync(device: torch.device) -> None:
 
 def default_example(device: torch.device, steps: int) -> dict:
     from asyncrl.config import load_config
-    from asyncrl.orchestration import train
+    from asyncrl.control.run import train
 
     out = {}
     for schedule in ("sync", "periodic", "async"):
@@ -160,7 +160,9 @@ def engine_workloads(quick: bool, vocab: int) -> dict[str, tuple[list[list[int]]
 
 
 def run_engine(model, prompts, budgets, in_flight, device, cuda_graphs: bool = True) -> dict:
-    from asyncrl.engine import EmbeddedEngine, GenerationRequest, SamplingParams
+    from asyncrl.engine.embedded import EmbeddedEngine
+    from asyncrl.engine.sampling import SamplingParams
+    from asyncrl.engine.types import GenerationRequest
 
     engine = EmbeddedEngine(
         model,
@@ -272,7 +274,7 @@ def engine_part(device: torch.device, quick: bool) -> dict:
 
 def trainer_part(device: torch.device, quick: bool) -> dict:
     from asyncrl.config import AlgorithmConfig, TrainerConfig
-    from asyncrl.trainer import Trainer
+    from asyncrl.trainer.trainer import Trainer
     from asyncrl.types import Sample
 
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -359,9 +361,9 @@ def loop_part(device: torch.device, quick: bool, steps: int) -> dict:
     """
     import yaml
 
+    from asyncrl.builtin.tokenizer import build_char_tokenizer
     from asyncrl.config import load_config
-    from asyncrl.models.tokenizer import build_char_tokenizer
-    from asyncrl.orchestration import train
+    from asyncrl.control.run import train
 
     prompt_len, new_tokens = (32, 48) if quick else (256, 512)
     groups, group_size = (2, 4) if quick else (4, 8)
@@ -419,7 +421,7 @@ def loop_part(device: torch.device, quick: bool, steps: int) -> dict:
 
 def _receiver(spec, layout, device: str, versions: int, results) -> None:
     """Another process: receive each version and copy it into GPU tensors, as an engine loads it."""
-    from asyncrl.orchestration.transport import make_receiver
+    from asyncrl.transports.weights.factory import make_receiver
 
     dev = torch.device(device)
     engine_weights = {s.name: torch.empty(s.shape, dtype=s.dtype, device=dev) for s in layout.specs}
@@ -438,8 +440,8 @@ def _receiver(spec, layout, device: str, versions: int, results) -> None:
 
 
 def weight_sync_part(device: torch.device, quick: bool) -> dict:
-    from asyncrl.orchestration.transport import TransportSpec, free_port, make_sender
-    from asyncrl.weight_sync import WeightLayout
+    from asyncrl.transports.weights.base import WeightLayout
+    from asyncrl.transports.weights.factory import TransportSpec, free_port, make_sender
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(quick, device, dtype)

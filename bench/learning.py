@@ -25,10 +25,10 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from asyncrl.builtin.arithmetic import ArithmeticTask
 from asyncrl.config import load_config
-from asyncrl.metrics import read_jsonl
-from asyncrl.orchestration import train
-from asyncrl.tasks import ArithmeticTask
+from asyncrl.control.run import train
+from asyncrl.reports.jsonl import read_jsonl
 
 WINDOW = 10
 

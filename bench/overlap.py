@@ -37,9 +37,9 @@ import tempfile
 from pathlib import Path
 
 from asyncrl.config import load_config
-from asyncrl.metrics import read_jsonl
-from asyncrl.orchestration import train
-from asyncrl.timeline import busy_fractions
+from asyncrl.control.run import train
+from asyncrl.reports.jsonl import read_jsonl
+from asyncrl.reports.timeline import busy_fractions
 
 REWARD_MODULE = '''
 def score(completion, **_):

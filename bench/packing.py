@@ -46,7 +46,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from asyncrl.config import AlgorithmConfig, TrainerConfig
-from asyncrl.trainer import Trainer
+from asyncrl.trainer.trainer import Trainer
 from asyncrl.types import Sample
 
 TARGET_FRACTION = 0.7  # of the theoretical saving, where the theoretical speedup exceeds...

@@ -77,11 +77,11 @@ def run_soak(work: Path, steps: int, kill_every: int, hang_every: int, generator
     import ray
 
     from asyncrl.config import load_config
-    from asyncrl.orchestration.build import seed_everything, task_prompts
-    from asyncrl.orchestration.controller import Controller
-    from asyncrl.orchestration.events import StepDone
-    from asyncrl.orchestration.ray_runtime import RayRuntime
-    from asyncrl.orchestration.session import RunSession
+    from asyncrl.control.controller import Controller
+    from asyncrl.control.session import RunSession
+    from asyncrl.runtimes.ray_runtime import RayRuntime
+    from asyncrl.workers.build import seed_everything, task_prompts
+    from asyncrl.workers.messages import StepDone
 
     work.mkdir(parents=True, exist_ok=True)
     module = work / "asyncrl_soak_reward.py"
@@ -377,7 +377,7 @@ def run_kill_soak(
     Raises :class:`SoakFailure` when an invariant does not hold. Every process started is
     killed and waited for, whatever happens.
     """
-    from asyncrl import checkpoint
+    from asyncrl.control import checkpoints as checkpoint
 
     steps = steps or 8 * kills + 10  # each cycle advances a few steps at most
     rng = random.Random(seed)

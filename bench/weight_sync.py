@@ -71,15 +71,15 @@ from dataclasses import dataclass
 import torch
 import torch.multiprocessing as mp
 
-from asyncrl.weight_sync.base import SyncStats, TensorSpec, WeightLayout
-from asyncrl.weight_sync.broadcast import (
+from asyncrl.transports.weights.base import SyncStats, TensorSpec, WeightLayout
+from asyncrl.transports.weights.broadcast import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_STREAMS,
     BroadcastReceiver,
     BroadcastSender,
 )
-from asyncrl.weight_sync.files import FileReceiver, FileSender
-from asyncrl.weight_sync.shm import SharedMemoryReceiver, SharedMemorySender
+from asyncrl.transports.weights.files import FileReceiver, FileSender
+from asyncrl.transports.weights.shm import SharedMemoryReceiver, SharedMemorySender
 
 HOST = "127.0.0.1"
 TRANSPORT_TIMEOUT_S = 120.0  # the transports' own deadline for one publication

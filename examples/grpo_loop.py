@@ -19,11 +19,15 @@ import time
 
 import torch
 
+from asyncrl.builtin.arithmetic import ArithmeticTask
 from asyncrl.config import AlgorithmConfig, TrainerConfig
-from asyncrl.engine import EmbeddedEngine, GenerationRequest, SamplingParams
-from asyncrl.models import load_policy
-from asyncrl.tasks import ArithmeticTask, PromptStream, resolve_reward
-from asyncrl.trainer import Trainer, assign_advantages
+from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.sampling import SamplingParams
+from asyncrl.engine.types import GenerationRequest
+from asyncrl.models.loading import load_policy
+from asyncrl.prompts.base import PromptStream
+from asyncrl.rewards.scoring import resolve_reward
+from asyncrl.trainer.trainer import Trainer, assign_advantages
 from asyncrl.types import Group, Prompt, Sample
 
 

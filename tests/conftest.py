@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from asyncrl.models import Policy, load_policy
+from asyncrl.models.loading import Policy, load_policy
 from asyncrl.types import Sample
 
 

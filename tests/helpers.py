@@ -134,7 +134,7 @@ def straight_and_stopped(
 ) -> Path:
     """An uninterrupted run in ``straight_dir``; the same run in ``stopped_dir`` stopped by SIGTERM once
     ``steps`` steps are logged. Returns the checkpoint the stop wrote (resume with ``train_to_end``)."""
-    from asyncrl import checkpoint
+    from asyncrl.control import checkpoints as checkpoint
 
     train_to_end(*sets(overrides), "--run-dir", str(straight_dir), timeout=timeout)
     code, _ = stop_after_steps(stopped_dir, overrides, steps, signal.SIGTERM, timeout=timeout)
@@ -157,7 +157,7 @@ def tiny_lora_model(seed: int = 3):
     """tiny:1m with rank-8 LoRA adapters whose B matrices are moved off zero (seeded), so the
     adapters change the forward and get gradients; returns (policy, peft model)."""
     from asyncrl.config import LoraConfig
-    from asyncrl.models import load_policy
+    from asyncrl.models.loading import load_policy
     from asyncrl.models.lora import apply_lora
 
     policy = load_policy("tiny:1m", device="cpu", dtype="float32", seed=0)

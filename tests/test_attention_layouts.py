@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncrl.models import load_policy
-from asyncrl.trainer import collate
+from asyncrl.models.loading import load_policy
+from asyncrl.trainer.batching import collate
 from asyncrl.trainer.logprobs import predicting_logits
 from asyncrl.trainer.packing import collate_tree
 from asyncrl.types import Sample

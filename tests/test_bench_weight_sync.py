@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.models import load_policy
-from asyncrl.weight_sync import WeightLayout
+from asyncrl.models.loading import load_policy
+from asyncrl.transports.weights.base import WeightLayout
 from tests.helpers import bench_script
 
 

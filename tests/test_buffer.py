@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncrl.buffer import AdmissionControl, RolloutBuffer
+from asyncrl.control.buffer import AdmissionControl, RolloutBuffer
 from asyncrl.types import Group, Prompt, Sample
 
 JOIN_S = 10.0

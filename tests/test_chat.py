@@ -11,11 +11,11 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from asyncrl.builtin.tokenizer import CHAT_TEMPLATE, build_char_tokenizer
 from asyncrl.config import load_config
 from asyncrl.errors import ConfigError
 from asyncrl.models.loading import load_tokenizer
-from asyncrl.models.tokenizer import CHAT_TEMPLATE, build_char_tokenizer
-from asyncrl.tasks.chat import encode_prompt, make_prompt, render_prompt
+from asyncrl.prompts.chat import encode_prompt, make_prompt, render_prompt
 from asyncrl.types import Prompt
 
 CONVERSATION = [
@@ -145,7 +145,7 @@ def test_run_on_conversational_rows_with_two_rewards(tmp_path: Path, monkeypatch
     monkeypatch.syspath_prepend(str(tmp_path))
     import asyncrl_test_chat_rewards as user
 
-    from asyncrl.orchestration import train
+    from asyncrl.control.run import train
 
     rows = [
         {"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}
@@ -183,7 +183,7 @@ def test_run_on_conversational_rows_with_two_rewards(tmp_path: Path, monkeypatch
 
 def test_shipped_chat_example_loads_its_data_and_rewards(monkeypatch: pytest.MonkeyPatch) -> None:
     """examples/chat_rewards.yaml: conversational rows, the template file, two labelled rewards."""
-    from asyncrl.orchestration.build import build_reward, prompt_source
+    from asyncrl.workers.build import build_reward, prompt_source
 
     repo = Path(__file__).resolve().parent.parent
     monkeypatch.chdir(repo)

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import checkpoint
 from asyncrl.config import load_config
-from asyncrl.orchestration import train
-from asyncrl.orchestration.controller import Controller, RunInterrupted
-from asyncrl.orchestration.inline import InlineRuntime
-from asyncrl.orchestration.session import RunSession
+from asyncrl.control import checkpoints as checkpoint
+from asyncrl.control.controller import Controller, RunInterrupted
+from asyncrl.control.run import train
+from asyncrl.control.session import RunSession
+from asyncrl.runtimes.inline import InlineRuntime
 from tests.helpers import (
     child_env,
     child_pids,
@@ -216,10 +216,10 @@ def test_several_optimizer_steps_per_batch_checkpoint_and_summarise(tmp_path: Pa
 @pytest.mark.slow  # a dead worker failing the run: test_local_runtime's test_killed_generator_fails_the_run_naming_it
 @pytest.mark.multiprocess
 def test_dead_trainer_ends_the_run_pointing_at_the_checkpoint_to_resume_from(tmp_path: Path) -> None:
-    from asyncrl.orchestration.build import seed_everything, task_prompts
-    from asyncrl.orchestration.events import CheckpointSaved, WorkerError
-    from asyncrl.orchestration.local import LocalRuntime
-    from asyncrl.orchestration.run import run_controller
+    from asyncrl.control.run import run_controller
+    from asyncrl.runtimes.local import LocalRuntime
+    from asyncrl.workers.build import seed_everything, task_prompts
+    from asyncrl.workers.messages import CheckpointSaved, WorkerError
 
     cfg = load_config(None, [*BASE, "schedule=async", "run.steps=40", "run.checkpoint_every=2"])
     seed_everything(cfg.run.seed)

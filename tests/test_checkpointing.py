@@ -1,4 +1,4 @@
-"""Activation checkpointing (asyncrl/models/checkpointing.py): the same log-probs and gradients, less saved.
+"""Activation checkpointing (asyncrl/models/activation_checkpointing.py): the same log-probs and gradients, less saved.
 
 Measured on CPU, float32: with and without checkpointing, log-probs and parameter gradients
 are bitwise equal in both layouts (padded, and the prefix tree run level by level against
@@ -13,8 +13,8 @@ import copy
 import pytest
 import torch
 
-from asyncrl.models import load_policy
-from asyncrl.models.checkpointing import checkpoint_decoder_layers
+from asyncrl.models.activation_checkpointing import checkpoint_decoder_layers
+from asyncrl.models.loading import load_policy
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.logprobs import completion_logprobs
 from tests.helpers import tiny_lora_model

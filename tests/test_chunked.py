@@ -20,7 +20,7 @@ import copy
 import pytest
 import torch
 
-from asyncrl.models import Policy, load_policy
+from asyncrl.models.loading import Policy, load_policy
 from asyncrl.trainer.batching import MicroBatch, collate
 from asyncrl.trainer.chunked import chunked_logprobs
 from asyncrl.trainer.logprobs import completion_logprobs, lm_head

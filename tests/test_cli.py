@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncrl.builtin.warm_start import SFTConfig, run_sft
 from asyncrl.cli import main
 from asyncrl.config import RolloutConfig, RunConfig, load_config
-from asyncrl.metrics import read_jsonl
-from asyncrl.models import load_policy
-from asyncrl.sft import SFTConfig, run_sft
+from asyncrl.models.loading import load_policy
+from asyncrl.reports.jsonl import read_jsonl
 from tests.helpers import child_env, cli
 
 SHORT = [
@@ -318,7 +318,7 @@ def test_sft_command_line_picks_the_tasks_defaults(tmp_path: Path, monkeypatch, 
     """``asyncrl sft`` without --task is exactly the config builtin:arith was made with;
     ``--task guess`` takes that task's defaults, and given flags replace them; an unknown task
     is refused naming the argument."""
-    import asyncrl.sft as sft
+    import asyncrl.builtin.warm_start as sft
 
     made = []
     monkeypatch.setattr(sft, "run_sft", lambda cfg, out: made.append(cfg) or {"history": []})

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from asyncrl.config import Config, dump_config, load_config, parse_override, validate_config
-from asyncrl.docs import config_reference
+from asyncrl.config.reference import config_reference
 from asyncrl.errors import AsyncRLError, ConfigError
 
 REPO = Path(__file__).resolve().parent.parent

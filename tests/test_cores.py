@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from asyncrl.config import AlgorithmConfig, TrainerConfig
-from asyncrl.models import Policy
-from asyncrl.orchestration.cores import CoreShare
-from asyncrl.trainer import Trainer
+from asyncrl.models.loading import Policy
+from asyncrl.runtimes.cores import CoreShare
+from asyncrl.trainer.trainer import Trainer
 
 
 @pytest.fixture

@@ -11,8 +11,10 @@ from torch.testing import assert_close
 
 from asyncrl.algorithms import corrections
 from asyncrl.config import AlgorithmConfig, TrainerConfig
-from asyncrl.models import Policy
-from asyncrl.trainer import Trainer, collate, completion_logprobs
+from asyncrl.models.loading import Policy
+from asyncrl.trainer.batching import collate
+from asyncrl.trainer.logprobs import completion_logprobs
+from asyncrl.trainer.trainer import Trainer
 from asyncrl.types import Sample
 
 LN1_5, LN2, LN3, LN4, LN10 = math.log(1.5), math.log(2.0), math.log(3.0), math.log(4.0), math.log(10.0)

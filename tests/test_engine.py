@@ -9,10 +9,13 @@ import itertools
 import pytest
 import torch
 
-from asyncrl.engine import EmbeddedEngine, GenerationRequest, GenerationResult, SamplingParams
-from asyncrl.engine.sampling import restrict_support
-from asyncrl.models import Policy, load_policy
-from asyncrl.trainer import collate, completion_logprobs, plan_micro_batches
+from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.sampling import SamplingParams, restrict_support
+from asyncrl.engine.types import GenerationRequest, GenerationResult
+from asyncrl.models.loading import Policy, load_policy
+from asyncrl.trainer.batching import collate
+from asyncrl.trainer.logprobs import completion_logprobs
+from asyncrl.trainer.planning import plan_micro_batches
 from asyncrl.types import Sample
 
 FIRST_CHAR_ID = 3  # ids 0..2 are <pad>, <eos>, <unk> in the character tokenizer

@@ -10,9 +10,12 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from asyncrl.engine import EmbeddedEngine, GenerationRequest, GenerationResult, SamplingParams, resume_request
-from asyncrl.models import Policy, load_policy
-from asyncrl.trainer import collate, completion_logprobs
+from asyncrl.engine.embedded import EmbeddedEngine, resume_request
+from asyncrl.engine.sampling import SamplingParams
+from asyncrl.engine.types import GenerationRequest, GenerationResult
+from asyncrl.models.loading import Policy, load_policy
+from asyncrl.trainer.batching import collate
+from asyncrl.trainer.logprobs import completion_logprobs
 from asyncrl.types import Sample
 
 FIRST_CHAR_ID = 3  # ids 0..2 are <pad>, <eos>, <unk> in the character tokenizer

@@ -10,9 +10,11 @@ import threading
 import pytest
 import torch
 
-from asyncrl.engine import EmbeddedEngine, SamplingParams
-from asyncrl.episodes import EpisodeRolloutWorker, StepResult, environment_episode
-from asyncrl.models import load_policy
+from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.sampling import SamplingParams
+from asyncrl.episodes.environment import StepResult, environment_episode
+from asyncrl.episodes.rollout import EpisodeRolloutWorker
+from asyncrl.models.loading import load_policy
 from asyncrl.trainer.packing import collate_tree
 from asyncrl.types import Prompt
 
@@ -217,7 +219,7 @@ def test_a_failing_episode_is_recorded_as_a_reward_error(policy) -> None:
 
 
 def test_chat_observations_are_user_turns_of_the_template(policy) -> None:
-    from asyncrl.tasks.chat import apply_chat_template_override
+    from asyncrl.prompts.chat import apply_chat_template_override
 
     tokenizer = copy.deepcopy(policy.tokenizer)
     apply_chat_template_override(tokenizer, "examples/data/char_chat.jinja")
@@ -274,12 +276,12 @@ def test_episode_settings_are_checked_by_name() -> None:
     with pytest.raises(ConfigError, match="cannot import module 'no_such_module'"):
         resolve_episode("no_such_module:Env", 4)
     with pytest.raises(ConfigError, match="neither an environment class"):
-        resolve_episode("asyncrl.episodes.games:TOOL_CALL", 4)
+        resolve_episode("asyncrl.builtin.games:TOOL_CALL", 4)
     assert resolve_episode("tests.test_episodes:Echo", 4).__name__ == "environment_episode(Echo)"
 
 
 def test_calculator_and_guessing_game_rules() -> None:
-    from asyncrl.episodes.games import Calculator, GuessingGame, GuessTask
+    from asyncrl.builtin.games import Calculator, GuessingGame, GuessTask
 
     calc = Calculator(Prompt("p", "12*34=", answer="408"), seed=0)
     assert calc.step("?12*34") == StepResult(observation="=408;")
@@ -304,7 +306,7 @@ def test_train_on_the_guessing_game(tmp_path, schedule: str) -> None:
     import json
 
     from asyncrl.config import load_config
-    from asyncrl.orchestration import train
+    from asyncrl.control.run import train
 
     cfg = load_config(
         None,

@@ -23,10 +23,14 @@ import torch
 from safetensors.torch import load_file
 
 from asyncrl.config import load_config
-from asyncrl.engine import EmbeddedEngine, GenerationRequest, SamplingParams
-from asyncrl.orchestration import build, train
-from asyncrl.trainer import collate, completion_logprobs
+from asyncrl.control.run import train
+from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.sampling import SamplingParams
+from asyncrl.engine.types import GenerationRequest
+from asyncrl.trainer.batching import collate
+from asyncrl.trainer.logprobs import completion_logprobs
 from asyncrl.types import Sample
+from asyncrl.workers import build
 from tests.helpers import final_weights, max_abs_diff, straight_and_stopped, train_to_end
 
 ON_CPU = os.environ.get("ASYNCRL_GPU_TESTS_ON_CPU") == "1"
@@ -164,10 +168,10 @@ def test_lora_trains_on_the_gpu(tmp_path: Path) -> None:
 def _one_rank_step(parallel: str, port: int, device: str) -> float:
     """In a fresh process: one step of a one-rank DistributedTrainer vs the plain Trainer; max |diff|."""
     from asyncrl.config import AlgorithmConfig, TrainerConfig
-    from asyncrl.models import load_policy
-    from asyncrl.trainer import Trainer
+    from asyncrl.models.loading import load_policy
     from asyncrl.trainer.distributed import RankGroup, RankSpec
     from asyncrl.trainer.parallel import DistributedTrainer
+    from asyncrl.trainer.trainer import Trainer
     from tests.conftest import build_sample
     from tests.test_trainer import random_samples
 

@@ -20,9 +20,14 @@ import pytest
 import torch
 
 from asyncrl.config import load_config
-from asyncrl.metrics import read_jsonl
-from asyncrl.orchestration import train
-from asyncrl.orchestration.events import (
+from asyncrl.control.run import train
+from asyncrl.reports.jsonl import read_jsonl
+from asyncrl.transports.weights.base import WeightSyncError
+from asyncrl.transports.weights.broadcast import UnjoinedReceiver
+from asyncrl.transports.weights.inprocess import InProcessChannel
+from asyncrl.types import Group, Prompt
+from asyncrl.workers.generator import GeneratorWorker
+from asyncrl.workers.messages import (
     GroupCancelled,
     GroupDropped,
     GroupReady,
@@ -31,11 +36,6 @@ from asyncrl.orchestration.events import (
     Submit,
     WeightsLoaded,
 )
-from asyncrl.orchestration.generator_worker import GeneratorWorker
-from asyncrl.types import Group, Prompt
-from asyncrl.weight_sync.base import WeightSyncError
-from asyncrl.weight_sync.broadcast import UnjoinedReceiver
-from asyncrl.weight_sync.inprocess import InProcessChannel
 from tests.helpers import ONE_THREAD_EACH, short_run
 
 GROUP = 2

@@ -15,14 +15,15 @@ import pytest
 import torch
 
 from asyncrl.config import load_config
-from asyncrl.engine import EmbeddedEngine, GenerationRequest, SamplingParams
+from asyncrl.control.run import train
+from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.sampling import SamplingParams
+from asyncrl.engine.types import GenerationRequest
 from asyncrl.errors import ConfigError
-from asyncrl.judges import JudgeClient, JudgeError, judge_client
-from asyncrl.judges.client import ENV
-from asyncrl.judges.service import served_judge
-from asyncrl.models import load_policy
-from asyncrl.orchestration import train
-from asyncrl.server.verdicts import candidate_ids, next_token_probs
+from asyncrl.models.loading import load_policy
+from asyncrl.rewards.judges.client import ENV, JudgeClient, JudgeError, judge_client
+from asyncrl.rewards.judges.service import served_judge
+from asyncrl.rewards.judges.verdicts import candidate_ids, next_token_probs
 from tests.helpers import child_pids, short_run, survivors_of_a_killed_parent, wait_dead
 
 TINY_JUDGE = [
@@ -174,7 +175,7 @@ def test_a_killed_run_leaves_no_judge_behind(tmp_path: Path) -> None:
         import os, sys, psutil
         from pathlib import Path
         from asyncrl.config import load_config
-        from asyncrl.judges.service import served_judge
+        from asyncrl.rewards.judges.service import served_judge
         cfg = load_config(None, {TINY_JUDGE!r})
         with served_judge(cfg.judge, Path({str(tmp_path / "judge.log")!r}), 120):
             print(" ".join(str(p.pid) for p in psutil.Process().children()), flush=True)
@@ -190,7 +191,7 @@ def test_ray_actors_get_the_judge_in_their_environment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("ray", reason="Ray is not installed")
-    from asyncrl.orchestration.ray_runtime import RayRuntime
+    from asyncrl.runtimes.ray_runtime import RayRuntime
 
     cfg = load_config(None, ["runtime.kind=ray"])
     runtime = RayRuntime(cfg, tmp_path)  # nothing starts before start()

@@ -9,9 +9,11 @@ import copy
 import pytest
 import torch
 
-from asyncrl.engine import EmbeddedEngine, GenerationRequest, SamplingParams
+from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.kv_cache import SlotKVCache, kv_bytes_per_token, length_mask
-from asyncrl.models import Policy, load_policy
+from asyncrl.engine.sampling import SamplingParams
+from asyncrl.engine.types import GenerationRequest
+from asyncrl.models.loading import Policy, load_policy
 
 FIRST_CHAR_ID = 3
 

@@ -1,4 +1,4 @@
-"""asyncrl.lifeline: a child ends when its parent dies, even while it is busy and never looks."""
+"""asyncrl.runtimes.lifeline: a child ends when its parent dies, even while it is busy and never looks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from asyncrl.lifeline import WATCH_S
+from asyncrl.runtimes.lifeline import WATCH_S
 from tests.helpers import child_env, wait_dead
 
 pytestmark = pytest.mark.multiprocess
@@ -31,7 +31,7 @@ PARENT = textwrap.dedent(
 CHILD = textwrap.dedent(
     """
     import os, time
-    from asyncrl.lifeline import exit_with_parent
+    from asyncrl.runtimes.lifeline import exit_with_parent
     exit_with_parent(os.getppid(), grace_s={grace})
     print("armed", flush=True)
     time.sleep(600)

@@ -26,9 +26,9 @@ import psutil
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.metrics import read_jsonl
-from asyncrl.orchestration import train
-from asyncrl.orchestration.events import WorkerError
+from asyncrl.control.run import train
+from asyncrl.reports.jsonl import read_jsonl
+from asyncrl.workers.messages import WorkerError
 from tests.helpers import ONE_THREAD_EACH, child_pids, short_run
 
 STEPS = 5
@@ -180,7 +180,12 @@ print(seg.name)
 
 
 def test_a_run_removes_the_weight_segment_a_killed_run_of_its_directory_left(tmp_path: Path) -> None:
-    from asyncrl.orchestration.transport import SEGMENT_RECORD, TransportSpec, claim_segment, unlink_segment
+    from asyncrl.transports.weights.factory import (
+        SEGMENT_RECORD,
+        TransportSpec,
+        claim_segment,
+        unlink_segment,
+    )
 
     shm = Path("/dev/shm")
     left = subprocess.run(
@@ -381,7 +386,7 @@ def test_two_trainer_ranks_end_to_end(tmp_path: Path, parallel: str) -> None:
 @pytest.mark.multiprocess
 def test_killed_trainer_rank_fails_the_run_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGKILL of trainer-rank-1 mid-run: WorkerError names it and exit code -9, quickly; nothing is left."""
-    from asyncrl.orchestration import run as run_module
+    from asyncrl.control import run as run_module
 
     runtimes: list = []
     make_runtime = run_module.make_runtime
@@ -425,7 +430,7 @@ def test_weight_sync_auto_picks_cuda_ipc_only_for_one_gpu_and_refusals_name_the_
     import torch
 
     from asyncrl.errors import ConfigError
-    from asyncrl.orchestration import transport
+    from asyncrl.transports.weights import factory as transport
 
     async_local = ["schedule=async", "runtime.kind=local"]
     assert transport.weight_sync_kind(load_config(overrides=async_local)) == "shm"  # no GPU here

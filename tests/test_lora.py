@@ -18,22 +18,25 @@ from peft import PeftModel
 from safetensors.torch import load_file
 
 from asyncrl.config import AlgorithmConfig, LoraConfig, TrainerConfig, load_config
-from asyncrl.engine import EmbeddedEngine, GenerationRequest, SamplingParams
+from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.lora import MergedLora
+from asyncrl.engine.sampling import SamplingParams
+from asyncrl.engine.types import GenerationRequest
 from asyncrl.errors import ConfigError
-from asyncrl.models import Policy, load_policy, save_policy
+from asyncrl.models.loading import Policy, load_policy, save_policy
 from asyncrl.models.lora import apply_lora, is_lora, lora_targets, published_weights
-from asyncrl.orchestration import build
-from asyncrl.orchestration.events import LoadWeights, WeightsLoaded
-from asyncrl.orchestration.generator_worker import GeneratorWorker
-from asyncrl.trainer import Trainer, collate, completion_logprobs
+from asyncrl.trainer.batching import collate
+from asyncrl.trainer.logprobs import completion_logprobs
+from asyncrl.trainer.trainer import Trainer
+from asyncrl.transports.weights.base import WeightLayout, WeightSyncError, tensor_checksums
+from asyncrl.transports.weights.broadcast import BroadcastReceiver, BroadcastSender
+from asyncrl.transports.weights.files import FileReceiver, FileSender
+from asyncrl.transports.weights.inprocess import InProcessChannel
+from asyncrl.transports.weights.shm import SharedMemoryReceiver, SharedMemorySender
 from asyncrl.types import Group, Prompt, Sample
-from asyncrl.weight_sync import WeightLayout, WeightSyncError
-from asyncrl.weight_sync.base import tensor_checksums
-from asyncrl.weight_sync.broadcast import BroadcastReceiver, BroadcastSender
-from asyncrl.weight_sync.files import FileReceiver, FileSender
-from asyncrl.weight_sync.inprocess import InProcessChannel
-from asyncrl.weight_sync.shm import SharedMemoryReceiver, SharedMemorySender
+from asyncrl.workers import build
+from asyncrl.workers.generator import GeneratorWorker
+from asyncrl.workers.messages import LoadWeights, WeightsLoaded
 
 LORA = LoraConfig(rank=8)  # alpha 16: the delta is 2 * B @ A
 MAX_COMPLETION = 8

@@ -17,12 +17,12 @@ import pytest
 import torch
 from peft import PeftModel
 
-from asyncrl import checkpoint
 from asyncrl.config import load_config
-from asyncrl.metrics import read_jsonl
-from asyncrl.models import load_policy
-from asyncrl.orchestration import train
-from asyncrl.weight_sync import WeightLayout
+from asyncrl.control import checkpoints as checkpoint
+from asyncrl.control.run import train
+from asyncrl.models.loading import load_policy
+from asyncrl.reports.jsonl import read_jsonl
+from asyncrl.transports.weights.base import WeightLayout
 from tests.helpers import ONE_THREAD_EACH, final_weights, max_abs_diff, short_run
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "lora.yaml"

@@ -13,13 +13,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from asyncrl import checkpoint
 from asyncrl.config import AlgorithmConfig, TrainerConfig, load_config
+from asyncrl.control import checkpoints as checkpoint
 from asyncrl.errors import ConfigError
-from asyncrl.models import load_policy
-from asyncrl.orchestration import build
-from asyncrl.trainer import Trainer
-from asyncrl.trainer.trainer import sync_dtype
+from asyncrl.models.loading import load_policy
+from asyncrl.trainer.trainer import Trainer, sync_dtype
+from asyncrl.workers import build
 from tests.helpers import final_weights, max_abs_diff, short_run, straight_and_stopped, train_to_end
 from tests.test_trainer import random_samples
 
@@ -141,7 +140,7 @@ def test_lora_adapters_train_in_float32_on_a_compute_dtype_base(make_sample) -> 
     assert all(p.dtype == torch.float32 for p in trained.values())
     # The generator's merge expects float32 adapters: same layout as what the trainer publishes.
     from asyncrl.engine.lora import MergedLora
-    from asyncrl.weight_sync import WeightLayout
+    from asyncrl.transports.weights.base import WeightLayout
 
     merged = MergedLora(build.build_policy(cfg).model, cfg.lora)
     assert merged.layout == WeightLayout.of(trainer.synced_weights())

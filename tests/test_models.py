@@ -11,17 +11,21 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from asyncrl.engine import EmbeddedEngine, SamplingParams
+from asyncrl.builtin.arithmetic import ArithmeticTask
+from asyncrl.builtin.tiny import build_tiny_model, tiny_config
+from asyncrl.builtin.tokenizer import CHARACTERS, build_char_tokenizer
+from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.sampling import SamplingParams
 from asyncrl.errors import ConfigError
-from asyncrl.evaluation import evaluate
-from asyncrl.models import Policy, load_policy, save_policy
-from asyncrl.models.tiny import build_tiny_model, tiny_config
-from asyncrl.models.tokenizer import CHARACTERS, build_char_tokenizer
-from asyncrl.tasks import ArithmeticTask, PromptStream
-from asyncrl.tasks.rewards import exact_match
+from asyncrl.models.loading import Policy, load_policy, save_policy
+from asyncrl.prompts.base import PromptStream
+from asyncrl.rewards.scoring import exact_match
+from asyncrl.rollout.evaluation import evaluate
 
 SAMPLE_TEXT = CHARACTERS + "\nWhat is 12 + 7?\n\n  Answer: 19.\n" + "x\ny z"
-SHIPPED_SUMMARY = Path(__file__).resolve().parent.parent / "asyncrl/assets/tiny-arith/sft_summary.json"
+SHIPPED_SUMMARY = (
+    Path(__file__).resolve().parent.parent / "asyncrl/builtin/models/tiny-arith/sft_summary.json"
+)
 
 
 def ids(tokenizer, text: str = SAMPLE_TEXT) -> list[int]:

@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from asyncrl.algorithms import losses
+from asyncrl.builtin.tiny import tiny_config
 from asyncrl.config import AlgorithmConfig, TrainerConfig
-from asyncrl.models import Policy, load_policy
-from asyncrl.models.tiny import tiny_config
-from asyncrl.trainer import Trainer
+from asyncrl.models.loading import Policy, load_policy
 from asyncrl.trainer.batching import (
     MICRO_BATCH_OVERHEAD_TOKENS,
     MicroBatch,
@@ -26,6 +25,7 @@ from asyncrl.trainer.batching import (
 from asyncrl.trainer.logprobs import completion_logits, completion_logprobs
 from asyncrl.trainer.packing import build_tree, choose_layout, collate_best, collate_tree, packing_for
 from asyncrl.trainer.planning import collate_layout, plan_layouts, plan_micro_batches
+from asyncrl.trainer.trainer import Trainer
 from asyncrl.types import Sample
 from tests.helpers import tiny_lora_model
 

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.orchestration import run as run_module
-from asyncrl.orchestration import train
-from asyncrl.orchestration.events import Accumulate, GroupReady, Preempted, Span, WorkerError
-from asyncrl.orchestration.inline import InlineRuntime
-from asyncrl.orchestration.payload import Delivery, Inbox, detach_payloads
-from asyncrl.orchestration.records import batch_metrics
+from asyncrl.control import run as run_module
+from asyncrl.control.records import batch_metrics
+from asyncrl.control.run import train
+from asyncrl.runtimes.inline import InlineRuntime
+from asyncrl.transports.groups.base import Delivery, Inbox, detach_payloads
 from asyncrl.types import Group, PartialGroup, Prompt, Sample
+from asyncrl.workers.messages import Accumulate, GroupReady, Preempted, Span, WorkerError
 from tests.helpers import short_run
 
 HEADER_BYTES = 1024  # the bound on what the controller receives per group

@@ -15,18 +15,19 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import checkpoint
+from asyncrl.builtin.arithmetic import ArithmeticTask
 from asyncrl.config import load_config
-from asyncrl.orchestration import run as run_module
-from asyncrl.orchestration import train
-from asyncrl.orchestration.books import Books
-from asyncrl.orchestration.controller import RunInterrupted
-from asyncrl.orchestration.events import GroupReady, Preempt, Preempted, SaveCheckpoint, StepDone, Submit
-from asyncrl.orchestration.generator_worker import GeneratorWorker
-from asyncrl.orchestration.inline import InlineRuntime
-from asyncrl.tasks import ArithmeticTask, PromptStream
+from asyncrl.control import checkpoints as checkpoint
+from asyncrl.control import run as run_module
+from asyncrl.control.books import Books
+from asyncrl.control.controller import RunInterrupted
+from asyncrl.control.run import train
+from asyncrl.prompts.base import PromptStream
+from asyncrl.runtimes.inline import InlineRuntime
+from asyncrl.transports.weights.inprocess import InProcessChannel
 from asyncrl.types import Group, PartialGroup, Prompt
-from asyncrl.weight_sync.inprocess import InProcessChannel
+from asyncrl.workers.generator import GeneratorWorker
+from asyncrl.workers.messages import GroupReady, Preempt, Preempted, SaveCheckpoint, StepDone, Submit
 from tests.helpers import (
     ONE_THREAD_EACH,
     child_pids,
@@ -139,9 +140,11 @@ def test_prefixes_at_or_over_a_smaller_budget_after_the_resume_end_there() -> No
 def test_a_preempted_episode_group_keeps_its_finished_episodes() -> None:
     """Episodes: the finished ones of a preempted group are kept; those still running are
     played again from the start (an environment's state cannot be saved)."""
-    from asyncrl.engine import EmbeddedEngine, SamplingParams
-    from asyncrl.episodes import EpisodeRolloutWorker, environment_episode
-    from asyncrl.models import load_policy
+    from asyncrl.engine.embedded import EmbeddedEngine
+    from asyncrl.engine.sampling import SamplingParams
+    from asyncrl.episodes.environment import environment_episode
+    from asyncrl.episodes.rollout import EpisodeRolloutWorker
+    from asyncrl.models.loading import load_policy
     from tests.test_episodes import Echo
 
     policy = load_policy("tiny:1m", device="cpu", dtype="float32", seed=0)

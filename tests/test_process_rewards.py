@@ -12,14 +12,15 @@ import torch
 
 from asyncrl.algorithms.advantages import step_advantages
 from asyncrl.config import load_config
-from asyncrl.engine import EmbeddedEngine, SamplingParams
+from asyncrl.control.run import train
+from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.sampling import SamplingParams
 from asyncrl.errors import ConfigError
-from asyncrl.models import Policy
-from asyncrl.orchestration import train
-from asyncrl.rollout import RolloutWorker
-from asyncrl.tasks.rewards import RewardSet, RewardTerm
-from asyncrl.tasks.step_rewards import StepRewards, cut_steps, step_spans
-from asyncrl.trainer import assign_advantages
+from asyncrl.models.loading import Policy
+from asyncrl.rewards.scoring import RewardSet, RewardTerm
+from asyncrl.rewards.step_rewards import StepRewards, cut_steps, step_spans
+from asyncrl.rollout.completions import RolloutWorker
+from asyncrl.trainer.trainer import assign_advantages
 from asyncrl.types import Group, Prompt
 from tests.helpers import short_run
 from tests.test_trainer import flat_grad, make_trainer

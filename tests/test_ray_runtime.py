@@ -21,10 +21,14 @@ import ray
 
 from asyncrl.cli import main as cli_main
 from asyncrl.config import load_config
-from asyncrl.orchestration import train
-from asyncrl.orchestration.build import seed_everything, task_prompts
-from asyncrl.orchestration.controller import Controller
-from asyncrl.orchestration.events import (
+from asyncrl.control.controller import Controller
+from asyncrl.control.membership import write_control
+from asyncrl.control.run import train
+from asyncrl.control.session import RunSession
+from asyncrl.runtimes.ray_runtime import RayRuntime
+from asyncrl.transports.weights.factory import free_port
+from asyncrl.workers.build import seed_everything, task_prompts
+from asyncrl.workers.messages import (
     GroupCancelled,
     GroupDropped,
     GroupReady,
@@ -32,10 +36,6 @@ from asyncrl.orchestration.events import (
     WorkerError,
     WorkerLost,
 )
-from asyncrl.orchestration.membership import write_control
-from asyncrl.orchestration.ray_runtime import RayRuntime
-from asyncrl.orchestration.session import RunSession
-from asyncrl.orchestration.transport import free_port
 from tests.helpers import (
     child_env,
     child_pids,

@@ -20,7 +20,7 @@ from matplotlib.colors import to_rgb
 from matplotlib.image import imread
 
 from asyncrl.cli import main
-from asyncrl.report import PANELS, RUN_COLORS
+from asyncrl.reports.html import PANELS, RUN_COLORS
 
 
 def fake_run(root: Path, name: str, slope: float, *, with_is: bool = False, steps: int = 40) -> Path:
@@ -121,7 +121,7 @@ def test_missing_panels_are_listed_not_drawn(tmp_path: Path) -> None:
     run = tmp_path / "bare"
     run.mkdir()
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward_mean": 0.5, "loss": 0.1}) + "\n")
-    from asyncrl.report import write_report
+    from asyncrl.reports.html import write_report
 
     result = write_report([run], tmp_path / "r.html")
     assert result["panels"] == ["reward", "loss"] and result["timelines"] == []

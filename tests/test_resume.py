@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.builtin.arithmetic import ArithmeticTask
 from asyncrl.config import load_config
-from asyncrl.orchestration.controller import Controller
-from asyncrl.orchestration.events import WorkerError
-from asyncrl.orchestration.session import RunSession
-from asyncrl.tasks import ArithmeticTask
+from asyncrl.control.controller import Controller
+from asyncrl.control.session import RunSession
+from asyncrl.workers.messages import WorkerError
 from tests.helpers import child_env, cli, sets, short_run
 
 RUN = short_run(steps=2)

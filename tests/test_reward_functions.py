@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.orchestration.build import build_reward
-from asyncrl.orchestration.records import batch_metrics
-from asyncrl.tasks.chat import make_prompt
-from asyncrl.tasks.reward_library import format_regex, math_verify, overlong_penalty
-from asyncrl.tasks.rewards import RewardSet, RewardTerm, exact_match, is_batched, resolve_reward
+from asyncrl.control.records import batch_metrics
+from asyncrl.prompts.chat import make_prompt
+from asyncrl.rewards.library import format_regex, math_verify, overlong_penalty
+from asyncrl.rewards.scoring import RewardSet, RewardTerm, exact_match, is_batched, resolve_reward
 from asyncrl.types import Group, Prompt
+from asyncrl.workers.build import build_reward
 
 PROMPT = Prompt("p:0", "2+2=", "4", {"level": 3})
 TEXTS = ["4", "5", " 4 ", "x"]
@@ -218,7 +218,7 @@ def test_an_async_reward_functions_calls_of_a_batch_run_concurrently() -> None:
     """16 calls of 0.5 s each finish together, on one event loop (one after another: 8 s)."""
     import time
 
-    from asyncrl.tasks.rewards import RewardSet, RewardTerm, is_async
+    from asyncrl.rewards.scoring import RewardSet, RewardTerm, is_async
 
     assert is_async(_slow_exact)
     rewards = RewardSet([RewardTerm("slow", _slow_exact)])
@@ -234,10 +234,11 @@ def test_scoring_threads_let_the_engine_go_on_and_return_every_group_scored() ->
     once, scored, with the rewards the generator's own thread would give."""
     import threading
 
-    from asyncrl.engine import EmbeddedEngine, SamplingParams
-    from asyncrl.models import load_policy
-    from asyncrl.rollout import RolloutWorker
-    from asyncrl.tasks import ArithmeticTask
+    from asyncrl.builtin.arithmetic import ArithmeticTask
+    from asyncrl.engine.embedded import EmbeddedEngine
+    from asyncrl.engine.sampling import SamplingParams
+    from asyncrl.models.loading import load_policy
+    from asyncrl.rollout.completions import RolloutWorker
 
     policy = load_policy("tiny:1m", device="cpu", dtype="float32", seed=0)
     scoring_threads = set()
@@ -269,7 +270,7 @@ def test_scoring_threads_let_the_engine_go_on_and_return_every_group_scored() ->
 
 @pytest.mark.parametrize("schedule", ["sync", "async"])
 def test_a_run_with_scoring_threads_trains_every_group_once(tmp_path: Path, schedule: str) -> None:
-    from asyncrl.orchestration import train
+    from asyncrl.control.run import train
 
     cfg = load_config(
         None,
@@ -293,9 +294,10 @@ def test_groups_being_scored_at_a_preemption_are_kept_and_scored_after() -> None
     unscored; submitted again, it is scored without generating anything."""
     import threading
 
-    from asyncrl.engine import EmbeddedEngine, SamplingParams
-    from asyncrl.models import load_policy
-    from asyncrl.rollout import RolloutWorker
+    from asyncrl.engine.embedded import EmbeddedEngine
+    from asyncrl.engine.sampling import SamplingParams
+    from asyncrl.models.loading import load_policy
+    from asyncrl.rollout.completions import RolloutWorker
 
     policy = load_policy("tiny:1m", device="cpu", dtype="float32", seed=0)
     release = threading.Event()

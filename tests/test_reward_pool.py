@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config
+from asyncrl.control.run import train
 from asyncrl.errors import ConfigError, RewardFailing
-from asyncrl.orchestration import train
-from asyncrl.orchestration.build import build_reward
-from asyncrl.tasks.reward_pool import ENV, PooledRewards, RewardPoolError, local_reward_pool
-from asyncrl.tasks.rewards import ScoringStopped
+from asyncrl.rewards.pool import ENV, PooledRewards, RewardPoolError, local_reward_pool
+from asyncrl.rewards.scoring import ScoringStopped
 from asyncrl.types import Prompt
+from asyncrl.workers.build import build_reward
 from tests.helpers import child_pids, short_run, survivors_of_a_killed_parent, wait_dead
 
 PIDS_DIR = "ASYNCRL_TEST_REWARD_PIDS"
@@ -171,7 +171,7 @@ def test_a_killed_run_leaves_no_reward_worker_behind(tmp_path: Path) -> None:
         """
         import sys, psutil
         from asyncrl.config import load_config
-        from asyncrl.tasks.reward_pool import local_reward_pool
+        from asyncrl.rewards.pool import local_reward_pool
         cfg = load_config(None, ["task.reward_workers=2"])
         with local_reward_pool(cfg, 120):
             print(" ".join(str(p.pid) for p in psutil.Process().children(recursive=True)), flush=True)

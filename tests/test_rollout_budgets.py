@@ -7,18 +7,20 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.builtin.arithmetic import ArithmeticTask
+from asyncrl.builtin.tokenizer import build_char_tokenizer
 from asyncrl.config import Config, load_config
-from asyncrl.engine import GenerationRequest, GenerationResult, SamplingParams
 from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.sampling import SamplingParams
+from asyncrl.engine.types import GenerationRequest, GenerationResult
 from asyncrl.errors import DatasetError
-from asyncrl.evaluation import evaluate
-from asyncrl.models import Policy, load_policy
-from asyncrl.models.tokenizer import build_char_tokenizer
-from asyncrl.orchestration.build import build_rollout, sampling_params
-from asyncrl.rollout import RolloutWorker
-from asyncrl.tasks import ArithmeticTask, JsonlDataset
-from asyncrl.tasks.rewards import exact_match
+from asyncrl.models.loading import Policy, load_policy
+from asyncrl.prompts.jsonl import JsonlDataset
+from asyncrl.rewards.scoring import exact_match
+from asyncrl.rollout.completions import RolloutWorker
+from asyncrl.rollout.evaluation import evaluate
 from asyncrl.types import Group, Prompt
+from asyncrl.workers.build import build_rollout, sampling_params
 
 GROUP = 4
 CAP = 10

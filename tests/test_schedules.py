@@ -20,16 +20,21 @@ import pytest
 import torch
 import yaml
 
+from asyncrl.builtin.arithmetic import ArithmeticTask
 from asyncrl.cli import main
 from asyncrl.config import load_config
-from asyncrl.engine import SamplingParams
+from asyncrl.control.controller import Controller
+from asyncrl.control.run import train
+from asyncrl.control.session import RunSession
+from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationResult
-from asyncrl.metrics import read_jsonl
-from asyncrl.models import load_policy
-from asyncrl.models.loading import load_tokenizer
-from asyncrl.orchestration import train
-from asyncrl.orchestration.controller import Controller
-from asyncrl.orchestration.events import (
+from asyncrl.models.loading import load_policy, load_tokenizer
+from asyncrl.prompts.jsonl import JsonlDataset
+from asyncrl.reports.jsonl import read_jsonl
+from asyncrl.rewards.scoring import resolve_reward
+from asyncrl.rollout.completions import RolloutWorker
+from asyncrl.types import Group, Prompt, Sample
+from asyncrl.workers.messages import (
     Accumulate,
     CheckpointSaved,
     Discard,
@@ -43,10 +48,6 @@ from asyncrl.orchestration.events import (
     Submit,
     WeightsLoaded,
 )
-from asyncrl.orchestration.session import RunSession
-from asyncrl.rollout import RolloutWorker
-from asyncrl.tasks import ArithmeticTask, JsonlDataset, resolve_reward
-from asyncrl.types import Group, Prompt, Sample
 from tests.helpers import ONE_THREAD_EACH, final_weights, max_abs_diff, short_run
 
 STEPS = 5

@@ -13,18 +13,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.engine import EmbeddedEngine, GenerationResult, SamplingParams
-from asyncrl.episodes import EpisodeRolloutWorker, environment_episode
-from asyncrl.episodes.games import GuessTask
+from asyncrl.builtin.arithmetic import ArithmeticTask
+from asyncrl.builtin.games import GuessTask
+from asyncrl.builtin.scripted import CalculatorTeacher, GuessTeacher, ScriptedEpisode, render_episode
+from asyncrl.builtin.tiny import BUILTIN_MODELS
+from asyncrl.builtin.tokenizer import build_char_tokenizer
+from asyncrl.builtin.warm_start import SFTConfig, run_sft, sft_config
+from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.sampling import SamplingParams
+from asyncrl.engine.types import GenerationResult
+from asyncrl.episodes.environment import environment_episode
 from asyncrl.episodes.resolve import builtin_environment
-from asyncrl.episodes.scripted import CalculatorTeacher, GuessTeacher, ScriptedEpisode, render_episode
+from asyncrl.episodes.rollout import EpisodeRolloutWorker
 from asyncrl.errors import ConfigError
-from asyncrl.evaluation import evaluate_episodes
-from asyncrl.models import load_policy
-from asyncrl.models.loading import BUILTIN_MODELS
-from asyncrl.models.tokenizer import build_char_tokenizer
-from asyncrl.sft import SFTConfig, run_sft, sft_config
-from asyncrl.tasks import ArithmeticTask
+from asyncrl.models.loading import load_policy
+from asyncrl.rollout.evaluation import evaluate_episodes
 from asyncrl.types import Prompt
 
 REPO = Path(__file__).resolve().parent.parent
@@ -340,7 +343,7 @@ def test_example_config_trains_its_warm_start(tmp_path: Path, name: str) -> None
     """examples/<name>.yaml validates, plays builtin:<name> with the budgets its warm start was
     made with, and a 2-step run of it trains every group once and evaluates."""
     from asyncrl.config import load_config
-    from asyncrl.orchestration import train
+    from asyncrl.control.run import train
 
     path = REPO / "examples" / f"{name}.yaml"
     cfg = load_config(path)

@@ -24,10 +24,10 @@ import openai
 import pytest
 import torch
 
-from asyncrl.models import Policy, load_policy
-from asyncrl.tasks import ArithmeticTask
-from asyncrl.weight_sync import WeightLayout
-from asyncrl.weight_sync.files import FileSender
+from asyncrl.builtin.arithmetic import ArithmeticTask
+from asyncrl.models.loading import Policy, load_policy
+from asyncrl.transports.weights.base import WeightLayout
+from asyncrl.transports.weights.files import FileSender
 from tests.helpers import child_env
 
 pytestmark = pytest.mark.multiprocess

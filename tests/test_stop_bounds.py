@@ -17,14 +17,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl import checkpoint
 from asyncrl.config import load_config
-from asyncrl.engine import EmbeddedEngine, GenerationRequest, GenerationStopped, SamplingParams
-from asyncrl.evaluation import evaluate
-from asyncrl.orchestration import run as run_module
-from asyncrl.orchestration import train
-from asyncrl.orchestration.controller import RunInterrupted
-from asyncrl.orchestration.events import (
+from asyncrl.control import checkpoints as checkpoint
+from asyncrl.control import run as run_module
+from asyncrl.control.controller import RunInterrupted
+from asyncrl.control.run import train
+from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.sampling import SamplingParams
+from asyncrl.engine.types import GenerationRequest, GenerationStopped
+from asyncrl.rollout.evaluation import evaluate
+from asyncrl.runtimes.inline import InlineRuntime
+from asyncrl.trainer.trainer import assign_advantages
+from asyncrl.transports.weights.inprocess import InProcessChannel
+from asyncrl.types import Group, Prompt
+from asyncrl.workers.messages import (
     Accumulate,
     CheckpointSaved,
     ContinueBatch,
@@ -33,11 +39,7 @@ from asyncrl.orchestration.events import (
     SaveCheckpoint,
     StepDone,
 )
-from asyncrl.orchestration.inline import InlineRuntime
-from asyncrl.orchestration.trainer_worker import TrainerWorker
-from asyncrl.trainer import assign_advantages
-from asyncrl.types import Group, Prompt
-from asyncrl.weight_sync.inprocess import InProcessChannel
+from asyncrl.workers.trainer import TrainerWorker
 from tests.helpers import final_weights, max_abs_diff, short_run
 from tests.test_distributed import make_groups, rank_config, run_ranks
 

@@ -11,12 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.engine import GenerationRequest, GenerationResult, SamplingParams
+from asyncrl.builtin.arithmetic import ArithmeticTask
+from asyncrl.builtin.tokenizer import build_char_tokenizer
+from asyncrl.engine.sampling import SamplingParams
+from asyncrl.engine.types import GenerationRequest, GenerationResult
 from asyncrl.errors import ConfigError, DatasetError
-from asyncrl.models.tokenizer import build_char_tokenizer
-from asyncrl.rollout import RolloutWorker
-from asyncrl.tasks import ArithmeticTask, JsonlDataset, PromptStream, resolve_reward, score
-from asyncrl.tasks.rewards import exact_match, numeric_match
+from asyncrl.prompts.base import PromptStream
+from asyncrl.prompts.jsonl import JsonlDataset
+from asyncrl.rewards.scoring import exact_match, numeric_match, resolve_reward, score
+from asyncrl.rollout.completions import RolloutWorker
 from asyncrl.types import Prompt
 
 PROMPT_RE = re.compile(r"^(\d+)([+\-*])(\d+)=$")

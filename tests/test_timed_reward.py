@@ -16,12 +16,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from asyncrl import checkpoint
 from asyncrl.config import load_config
+from asyncrl.control import checkpoints as checkpoint
+from asyncrl.control.run import train
 from asyncrl.errors import RewardFailing
-from asyncrl.orchestration import train
-from asyncrl.tasks.rewards import RewardSet, RewardTerm, ScoringStopped, score
-from asyncrl.tasks.timed_reward import RewardRaised, RewardTimeout, TimedReward
+from asyncrl.rewards.scoring import RewardSet, RewardTerm, ScoringStopped, score
+from asyncrl.rewards.timed import RewardRaised, RewardTimeout, TimedReward
 from asyncrl.types import Prompt
 from tests.helpers import REPO, child_env, child_pids, cli, sets, short_run, wait_dead
 
@@ -252,7 +252,7 @@ def test_stop_abandons_the_batch_in_progress_and_kills_its_processes(
 
 def test_consecutive_failures_of_one_function_stop_scoring_naming_it(reward_spec: str) -> None:
     module = reward_spec.partition(":")[0]
-    from asyncrl.tasks.rewards import resolve_reward
+    from asyncrl.rewards.scoring import resolve_reward
 
     good = RewardTerm("exact", resolve_reward(f"{module}:reward"), spec=f"{module}:reward")
     bad = RewardTerm("parse", resolve_reward(f"{module}:always_raises"), spec=f"{module}:always_raises")
@@ -408,7 +408,7 @@ def test_killed_parent_leaves_no_reward_process_alive(tmp_path: Path, reward_spe
     script.write_text(
         textwrap.dedent(
             f"""
-            from asyncrl.tasks.timed_reward import TimedReward
+            from asyncrl.rewards.timed import TimedReward
             if __name__ == "__main__":  # the reward processes are spawned: they import this file
                 fn = TimedReward({reward_spec!r}, timeout_s=600, processes=3)
                 fn.call_many([dict(completion="hang", prompt="", answer="2")] * 3)
@@ -435,7 +435,7 @@ def test_killed_parent_leaves_no_reward_process_alive(tmp_path: Path, reward_spe
 def test_a_killed_run_leaves_no_process_behind(tmp_path: Path, reward_spec: str, runtime: str) -> None:
     """SIGKILL of ``asyncrl train`` while a generator waits on hanging reward calls: its workers
     (mid-command: after their grace period) and every reward process end by themselves."""
-    from asyncrl.orchestration.local import LIFELINE_GRACE_S
+    from asyncrl.runtimes.local import LIFELINE_GRACE_S
 
     overrides = [
         "task.reward=asyncrl_test_timed:hangs",

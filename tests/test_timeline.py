@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.errors import AsyncRLError
-from asyncrl.timeline import busy_fractions, plot_timeline
+from asyncrl.reports.timeline import busy_fractions, plot_timeline
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.orchestration.session import RunSession
-from asyncrl.trackers import numeric_items, wandb_mode
+from asyncrl.control.session import RunSession
+from asyncrl.reports.trackers import numeric_items, wandb_mode
 
 RECORDS = [
     {"reward_mean": 0.25, "reward/exact_match": 0.25, "loss": -0.1, "kl": None, "staleness_max": 0},

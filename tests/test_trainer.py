@@ -12,10 +12,11 @@ import torch
 
 from asyncrl.algorithms import losses
 from asyncrl.config import AlgorithmConfig, TrainerConfig
-from asyncrl.models import Policy
-from asyncrl.trainer import Trainer, assign_advantages, collate, completion_logprobs, plan_micro_batches
-from asyncrl.trainer.batching import padded_cost, trained_span
-from asyncrl.trainer.trainer import lr_lambda
+from asyncrl.models.loading import Policy
+from asyncrl.trainer.batching import collate, padded_cost, trained_span
+from asyncrl.trainer.logprobs import completion_logprobs
+from asyncrl.trainer.planning import plan_micro_batches
+from asyncrl.trainer.trainer import Trainer, assign_advantages, lr_lambda
 from asyncrl.types import Group, Prompt, Sample
 
 TEMPERATURE = 0.8

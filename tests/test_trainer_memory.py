@@ -11,7 +11,7 @@ import torch
 
 from asyncrl.config import load_config
 from asyncrl.errors import ConfigError
-from asyncrl.models import Policy
+from asyncrl.models.loading import Policy
 from asyncrl.trainer.memory import (
     CPU_MICRO_BATCH_TOKENS,
     ModelShape,

@@ -35,7 +35,7 @@ import torch
 import transformers
 
 from asyncrl.config import AlgorithmConfig, TrainerConfig
-from asyncrl.models import load_policy, save_policy
+from asyncrl.models.loading import load_policy, save_policy
 from asyncrl.trainer.trainer import Trainer, assign_advantages
 from asyncrl.types import Group, Prompt, Sample
 

@@ -27,26 +27,27 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asyncrl import checkpoint
+from asyncrl.builtin.arithmetic import ArithmeticTask
 from asyncrl.config import load_config
-from asyncrl.engine import GenerationRequest, SamplingParams
-from asyncrl.orchestration import train
-from asyncrl.orchestration.build import task_prompts
-from asyncrl.orchestration.controller import Controller
-from asyncrl.orchestration.events import WorkerError
-from asyncrl.orchestration.local import LocalRuntime
-from asyncrl.orchestration.session import RunSession
-from asyncrl.orchestration.transport import free_port
-from asyncrl.tasks import ArithmeticTask
+from asyncrl.control import checkpoints as checkpoint
+from asyncrl.control.controller import Controller
+from asyncrl.control.run import train
+from asyncrl.control.session import RunSession
+from asyncrl.engine.sampling import SamplingParams
+from asyncrl.engine.types import GenerationRequest
+from asyncrl.runtimes.local import LocalRuntime
 from asyncrl.trainer.distributed import RankGroup, RankSpec
-from asyncrl.types import Prompt
-from asyncrl.weight_sync.base import SyncInterrupted, WeightLayout, WeightSyncError
-from asyncrl.weight_sync.broadcast import (
+from asyncrl.transports.weights.base import SyncInterrupted, WeightLayout, WeightSyncError
+from asyncrl.transports.weights.broadcast import (
     BackgroundPublisher,
     BroadcastReceiver,
     BroadcastSender,
     _BroadcastEnd,
 )
+from asyncrl.transports.weights.factory import free_port
+from asyncrl.types import Prompt
+from asyncrl.workers.build import task_prompts
+from asyncrl.workers.messages import WorkerError
 from tests.helpers import ONE_THREAD_EACH, child_env, child_pids, short_run, wait_dead
 
 pytestmark = pytest.mark.timeout(120)
@@ -393,7 +394,7 @@ def test_a_reward_process_that_never_finishes_importing_is_killed_after_the_star
 ) -> None:
     """timed_reward.START_TIMEOUT_S bounds a reward process's start (importing the reward module):
     the call records RewardTimeout 'did not start within', and the process is gone."""
-    from asyncrl.tasks import timed_reward
+    from asyncrl.rewards import timed as timed_reward
 
     (tmp_path / "asyncrl_test_slow_reward.py").write_text(HANGS_IN_REWARD_PROCESS, encoding="utf-8")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -642,8 +643,8 @@ def test_broadcast_plane_lookups_end_at_the_group_timeout() -> None:
 
 def one_episode_worker(policy, episode):
     """An episode worker that plays ``episode`` one at a time, on a small engine."""
-    from asyncrl.engine import EmbeddedEngine
-    from asyncrl.episodes import EpisodeRolloutWorker
+    from asyncrl.engine.embedded import EmbeddedEngine
+    from asyncrl.episodes.rollout import EpisodeRolloutWorker
 
     engine = EmbeddedEngine(policy.model, pad_token_id=policy.pad_token_id, max_batch_size=2)
     sampling = SamplingParams(4, stop_token_ids=(policy.eos_token_id,))

@@ -23,8 +23,8 @@ import torch
 import torch.multiprocessing as mp
 from safetensors import safe_open
 
-from asyncrl.weight_sync import shm
-from asyncrl.weight_sync.base import (
+from asyncrl.transports.weights import shm
+from asyncrl.transports.weights.base import (
     CHECKSUM_MODULUS,
     SyncInterrupted,
     TensorSpec,
@@ -33,7 +33,7 @@ from asyncrl.weight_sync.base import (
     checksum,
     word_sum,
 )
-from asyncrl.weight_sync.broadcast import (
+from asyncrl.transports.weights.broadcast import (
     DIRECT_BYTES,
     PIECE_BYTES,
     BackgroundPublisher,
@@ -44,13 +44,13 @@ from asyncrl.weight_sync.broadcast import (
     plan_buckets,
     plan_messages,
 )
-from asyncrl.weight_sync.device_ipc import DeviceIpcReceiver, DeviceIpcSender, HostMemory
-from asyncrl.weight_sync.devices import HostStaging, backend_reason, choose_backend, device_identity
-from asyncrl.weight_sync.files import MARKER, FileReceiver, FileSender
-from asyncrl.weight_sync.host_plane import host_identity, plane_refusal
-from asyncrl.weight_sync.inprocess import InProcessChannel
-from asyncrl.weight_sync.segments import attach_segment
-from asyncrl.weight_sync.shm import SharedMemoryReceiver, SharedMemorySender
+from asyncrl.transports.weights.device_ipc import DeviceIpcReceiver, DeviceIpcSender, HostMemory
+from asyncrl.transports.weights.devices import HostStaging, backend_reason, choose_backend, device_identity
+from asyncrl.transports.weights.files import MARKER, FileReceiver, FileSender
+from asyncrl.transports.weights.inprocess import InProcessChannel
+from asyncrl.transports.weights.same_machine import host_identity, plane_refusal
+from asyncrl.transports.weights.segments import attach_segment
+from asyncrl.transports.weights.shm import SharedMemoryReceiver, SharedMemorySender
 
 HOST = "127.0.0.1"
 WORLD = 3  # the sender (rank 0) and two receivers

@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 from asyncrl.config import LoraConfig
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.models.lora import lora_targets
-from asyncrl.weight_sync.base import WeightLayout, WeightSyncError, check_checksums
+from asyncrl.transports.weights.base import WeightLayout, WeightSyncError, check_checksums
 
 
 class MergedLora:

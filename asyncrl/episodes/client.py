@@ -22,7 +22,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from asyncrl.engine import GenerationResult
+from asyncrl.engine.types import GenerationResult
 from asyncrl.types import Tokens
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import functools
 import inspect
 
+from asyncrl.builtin.games import Calculator, GuessingGame
+from asyncrl.config.user_code import import_named
 from asyncrl.episodes.environment import EnvironmentFactory, EpisodeFunction, environment_episode
-from asyncrl.episodes.games import Calculator, GuessingGame
 from asyncrl.errors import ConfigError
-from asyncrl.imports import import_named
 
 KEY = "episode.environment"
 BUILTINS = ("calculator", "guess")

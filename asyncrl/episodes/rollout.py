@@ -1,6 +1,6 @@
 """Rollout of multi-turn episodes: tasks in, scored groups of episodes out.
 
-:class:`EpisodeRolloutWorker` has the interface of :class:`asyncrl.rollout.RolloutWorker`
+:class:`EpisodeRolloutWorker` has the interface of :class:`asyncrl.rollout.completions.RolloutWorker`
 (``submit``, ``step``, ``abort_and_resume``, ``cancel_stale``), so a generator runs
 episodes exactly as it runs single-turn completions. For each task it runs G episodes; all
 episodes run at once as coroutines on one event loop in a background thread. An episode
@@ -27,17 +27,13 @@ from dataclasses import dataclass, field, replace
 
 from transformers import PreTrainedTokenizerBase
 
-from asyncrl.engine import (
-    GenerationRequest,
-    GenerationResult,
-    GenerationStopped,
-    SamplingParams,
-    resume_request,
-)
+from asyncrl.engine.embedded import resume_request
+from asyncrl.engine.sampling import SamplingParams
+from asyncrl.engine.types import GenerationRequest, GenerationResult, GenerationStopped
 from asyncrl.episodes.client import EpisodeClient, EpisodeTruncated
 from asyncrl.episodes.environment import EpisodeFunction
-from asyncrl.rollout import RolloutStats
-from asyncrl.tasks.chat import encode_prompt
+from asyncrl.prompts.chat import encode_prompt
+from asyncrl.rollout.completions import RolloutStats
 from asyncrl.types import Group, PartialGroup, Prompt, Sample
 
 # Longest a step waits for an episode to do something when the engine has nothing to decode.

@@ -26,17 +26,11 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from asyncrl.builtin.tiny import BUILTIN_MODELS, TINY_ARCHITECTURES, TINY_SIZES, build_tiny_model, tiny_config
+from asyncrl.builtin.tokenizer import build_char_tokenizer
 from asyncrl.errors import ConfigError
-from asyncrl.models.tiny import TINY_ARCHITECTURES, TINY_SIZES, build_tiny_model, tiny_config
-from asyncrl.models.tokenizer import build_char_tokenizer
-from asyncrl.tasks.chat import apply_chat_template_override
+from asyncrl.prompts.chat import apply_chat_template_override
 
-ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
-BUILTIN_MODELS = {
-    "arith": ASSETS_DIR / "tiny-arith",
-    "calculator": ASSETS_DIR / "tiny-calculator",
-    "guess": ASSETS_DIR / "tiny-guess",
-}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 

@@ -10,7 +10,7 @@ Endpoints:
   training samples.
 * ``POST /v1/verdicts`` — ``{"prompt": str | [str], "tokens": ["Yes", "No"]}`` (or
   ``"messages"``, one chat per verdict): each prompt's next-token probability of each
-  candidate token, for judges (:mod:`asyncrl.server.verdicts`, :mod:`asyncrl.judges`).
+  candidate token, for judges (:mod:`asyncrl.rewards.judges.verdicts`, :mod:`asyncrl.rewards.judges`).
 * ``GET /v1/models``; ``GET /health``.
 * ``GET /v1/policy`` — the policy version being served; ``POST /v1/policy`` with
   ``{"weights_dir": DIR}`` loads the newest weights published there by the files transport
@@ -34,11 +34,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from asyncrl.engine import EmbeddedEngine, GenerationRequest, SamplingParams
-from asyncrl.models import Policy
+from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.sampling import SamplingParams
+from asyncrl.engine.types import GenerationRequest
+from asyncrl.models.loading import Policy
+from asyncrl.rewards.judges.verdicts import candidate_ids, next_token_probs
 from asyncrl.server.engine_loop import EngineLoop, Ticket
-from asyncrl.server.verdicts import candidate_ids, next_token_probs
-from asyncrl.weight_sync import WeightLayout
+from asyncrl.transports.weights.base import WeightLayout
 
 REQUEST_TIMEOUT_S = 600.0
 # Each socket read or write of a connection waits at most this long: a client that connects
@@ -466,7 +468,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(200, {"object": "verdicts", "model": app.model_name, "tokens": tokens, "probs": probs})
 
     def _policy(self, body: dict) -> None:
-        from asyncrl.weight_sync.files import FileReceiver
+        from asyncrl.transports.weights.files import FileReceiver
 
         app = self.app
         directory = body.get("weights_dir")

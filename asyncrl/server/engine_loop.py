@@ -14,7 +14,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from asyncrl.engine import EmbeddedEngine, GenerationRequest, GenerationResult
+from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.types import GenerationRequest, GenerationResult
 
 POLL_S = 0.005  # how long the idle loop waits for new work
 

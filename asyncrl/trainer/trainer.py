@@ -38,7 +38,7 @@ from transformers import PreTrainedModel
 from asyncrl.algorithms import corrections, losses
 from asyncrl.algorithms.advantages import group_advantages, step_advantages
 from asyncrl.config import AlgorithmConfig, TrainerConfig, old_logprob_mode
-from asyncrl.models.checkpointing import checkpoint_decoder_layers
+from asyncrl.models.activation_checkpointing import checkpoint_decoder_layers
 from asyncrl.models.lora import adapter_fqns, is_lora, published_weights
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.logprobs import completion_logprobs

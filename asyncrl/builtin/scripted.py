@@ -1,0 +1,200 @@
+"""Scripted episodes: a teacher plays a built-in environment, recorded as RL records episodes.
+
+The multi-turn warm starts (``asyncrl sft --task calculator`` or ``--task guess``) are
+trained on episodes a scripted policy, a *teacher*, plays against the very environment RL
+uses. An episode is rendered by the machinery of RL itself — an
+:class:`~asyncrl.episodes.client.EpisodeClient` driven by
+:func:`~asyncrl.episodes.environment.environment_episode`, observations encoded by
+:func:`~asyncrl.episodes.rollout.observation_ids`, the same turn and token budgets — with
+the teacher in the engine's place: each teacher turn is its text's tokens followed by EOS
+(what the engine samples, up to and including the stop token: loss mask 1), each
+observation the environment's text as RL encodes it (loss mask 0). So what SFT trains on
+is token for token what RL samples and trains on (``tests/test_scripted_episodes.py``
+replays them through an :class:`~asyncrl.episodes.EpisodeRolloutWorker`).
+
+Teachers are imperfect on purpose, with probability ``noise``: RL learns nothing from a
+policy that never earns a reward and shows nothing from one that is already perfect.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from transformers import PreTrainedTokenizerBase
+
+from asyncrl.builtin.arithmetic import near_miss
+from asyncrl.builtin.games import TOOL_CALL
+from asyncrl.engine.types import GenerationResult
+from asyncrl.episodes.client import EpisodeClient, EpisodeRecord, EpisodeTruncated
+from asyncrl.episodes.environment import Environment, EnvironmentFactory, StepResult, environment_episode
+from asyncrl.episodes.rollout import observation_ids
+from asyncrl.prompts.chat import encode_prompt
+from asyncrl.types import Prompt
+
+
+class Teacher(Protocol):
+    """A scripted policy for one episode."""
+
+    def turn(self, observation: str | None) -> str:
+        """The next turn's text; ``observation``: the environment's answer to the previous
+        turn, as text (None before the first turn)."""
+        ...
+
+
+TeacherFactory = Callable[[Prompt, random.Random, float], Teacher]
+"""Builds the teacher of one episode from the task, a random stream and the noise level."""
+
+
+class CalculatorTeacher:
+    """Calls the calculator on the prompt's expression (``12*34=`` -> ``?12*34``), then
+    answers with the result it gets back.
+
+    With probability ``noise`` the episode goes wrong in one of three ways, drawn evenly:
+    it answers at once without the tool (the right answer half the time, else a near miss:
+    the model cannot do the arithmetic the tool does), it copies a digit of the expression
+    wrong into the call, or it copies the tool's result wrong into the answer (a near miss).
+    """
+
+    MISTAKES = ("direct", "call", "answer")
+
+    def __init__(self, task: Prompt, rng: random.Random, noise: float) -> None:
+        if task.answer is None or not task.text.endswith("="):
+            raise ValueError(f"calculator teacher: prompt {task.prompt_id} is not an arithmetic prompt")
+        self.expression, self.answer, self.rng = task.text.removesuffix("="), task.answer, rng
+        self.mistake = rng.choice(self.MISTAKES) if rng.random() < noise else None
+
+    def turn(self, observation: str | None) -> str:
+        if observation is None:
+            if self.mistake == "direct":
+                return self.answer if self.rng.random() < 0.5 else near_miss(self.answer, self.rng)
+            return TOOL_CALL + (
+                _miscopy(self.expression, self.rng) if self.mistake == "call" else self.expression
+            )
+        result = observation.removeprefix("=").removesuffix(";")
+        if not re.fullmatch(r"-?\d+", result):  # "=error;": cannot happen to the calls above
+            result = self.answer
+        return near_miss(result, self.rng) if self.mistake == "answer" else result
+
+
+class GuessTeacher:
+    """Bisection with noise: keeps the interval the feedback leaves (from ``1..guess_max``)
+    and guesses its midpoint, which finds the secret in at most ``ceil(log2(guess_max + 1))``
+    turns. Each turn, with probability ``noise``, it plays a cautious player's move instead:
+    one past its last guess, the way the feedback points (``last + 1`` after ``higher;``,
+    ``last - 1`` after ``lower;``), or on the first turn a number drawn from ``1..guess_max``.
+    """
+
+    def __init__(self, task: Prompt, rng: random.Random, noise: float, guess_max: int) -> None:
+        self.low, self.high, self.rng, self.noise = 1, guess_max, rng, noise
+        self.last: int | None = None
+
+    def turn(self, observation: str | None) -> str:
+        if observation == "higher;":
+            self.low = self.last + 1
+        elif observation == "lower;":
+            self.high = self.last - 1
+        if self.rng.random() >= self.noise:
+            self.last = (self.low + self.high) // 2
+        elif self.last is None:
+            self.last = self.rng.randint(self.low, self.high)
+        else:
+            self.last = self.low if self.low > self.last else self.high
+        return str(self.last)
+
+
+def _miscopy(expression: str, rng: random.Random) -> str:
+    """The expression with one of its digits changed."""
+    positions = [i for i, c in enumerate(expression) if c.isdigit()]
+    i = rng.choice(positions)
+    return expression[:i] + rng.choice([d for d in "0123456789" if d != expression[i]]) + expression[i + 1 :]
+
+
+@dataclass
+class ScriptedEpisode:
+    """One teacher episode, as RL records it: prompt tokens, then the episode's record."""
+
+    prompt_ids: list[int]
+    record: EpisodeRecord
+    reward: float
+
+    def sft_row(self) -> tuple[list[int], list[int]]:
+        """(input ids, labels) for supervised training: the loss on the teacher's turns only."""
+        completion = self.record.tokens.completion_ids
+        labels = [t if m else -100 for t, m in zip(completion, self.record.loss_mask, strict=True)]
+        return self.prompt_ids + completion, [-100] * len(self.prompt_ids) + labels
+
+
+class _Inline:
+    """An environment whose calls return at once: a scripted episode waits on nothing, so it
+    runs to its end on one ``send`` without an event loop."""
+
+    def __init__(self, env: Environment) -> None:
+        self.env = env
+
+    async def reset(self, task: Prompt) -> str | None:
+        return self.env.reset(task)
+
+    async def step(self, turn: str) -> StepResult:
+        return self.env.step(turn)
+
+
+def render_episode(
+    environment: EnvironmentFactory,
+    teacher: Teacher,
+    task: Prompt,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    seed: int,
+    max_turns: int,
+    max_episode_tokens: int,
+    max_turn_tokens: int,
+) -> ScriptedEpisode:
+    """Play one episode of ``environment`` (a synchronous one, like the built-ins) with
+    ``teacher`` in the engine's place, under the budgets of ``episode.max_turns``,
+    ``episode.max_episode_tokens`` and ``rollout.max_new_tokens`` (``max_turn_tokens``)."""
+    eos = int(tokenizer.eos_token_id)
+    prompt_ids = encode_prompt(tokenizer, task)
+
+    async def submit(client: EpisodeClient, context: list[int], budget: int, turn: int) -> GenerationResult:
+        spans = client.record.turn_spans
+        seen = context[len(prompt_ids) + spans[-1][1] :] if spans else None
+        text = teacher.turn(None if seen is None else tokenizer.decode(seen, skip_special_tokens=True))
+        ids = [*tokenizer(text, add_special_tokens=False).input_ids, eos]
+        finish = "stop" if len(ids) <= budget else "length"
+        ids = ids[:budget]
+        return GenerationResult(
+            completion_ids=ids,
+            logprobs=[0.0] * len(ids),
+            versions=[0] * len(ids),
+            request_id=f"{client.name}/{turn}",
+            finish_reason=finish,
+        )
+
+    client = EpisodeClient(
+        task.prompt_id,
+        prompt_ids,
+        seed=seed,
+        version=0,
+        max_turns=max_turns,
+        max_episode_tokens=max_episode_tokens,
+        max_turn_tokens=max_turn_tokens,
+        submit=submit,
+        encode_observation=lambda text: observation_ids(tokenizer, task, text),
+        # As the rollout worker decodes a turn for its environment: stop tokens left out.
+        decode=lambda ids: tokenizer.decode([t for t in ids if t != eos], skip_special_tokens=True),
+    )
+    play = environment_episode(lambda t, s: _Inline(environment(t, s)))(client, task)
+    try:
+        play.send(None)
+    except StopIteration as finished:
+        reward = float(finished.value)
+    except EpisodeTruncated:
+        reward = sum(r for r in client.record.turn_rewards if r is not None)
+    else:
+        play.close()
+        raise RuntimeError(f"the scripted episode of {task.prompt_id} waited on something")
+    return ScriptedEpisode(prompt_ids, client.record, reward)

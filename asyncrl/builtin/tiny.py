@@ -1,0 +1,87 @@
+"""Tiny Qwen2- and Llama-style models for CPU runs and tests.
+
+The sizes are named by their approximate parameter count with the built-in character
+tokenizer (99 tokens). They are ordinary ``transformers`` models: everything that works
+on them works on a real checkpoint loaded from a local path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+# The shipped warm starts (``builtin:NAME``), each made by ``asyncrl sft --task ...``
+# (:mod:`asyncrl.builtin.warm_start`).
+SHIPPED_DIR = Path(__file__).resolve().parent / "models"
+BUILTIN_MODELS = {
+    "arith": SHIPPED_DIR / "tiny-arith",
+    "calculator": SHIPPED_DIR / "tiny-calculator",
+    "guess": SHIPPED_DIR / "tiny-guess",
+}
+
+
+@dataclass(frozen=True)
+class TinySize:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+
+
+TINY_SIZES: dict[str, TinySize] = {
+    "1m": TinySize(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512),
+    "6m": TinySize(hidden_size=256, num_layers=6, num_heads=8, num_kv_heads=4, intermediate_size=1024),
+}
+TINY_ARCHITECTURES = ("qwen2", "llama")
+
+
+def tiny_config(
+    size: str,
+    vocab_size: int,
+    *,
+    architecture: str = "qwen2",
+    max_positions: int = 512,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+) -> PretrainedConfig:
+    if size not in TINY_SIZES:
+        raise ValueError(f"unknown tiny model size {size!r}; allowed: {sorted(TINY_SIZES)}")
+    s = TINY_SIZES[size]
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=s.hidden_size,
+        num_hidden_layers=s.num_layers,
+        num_attention_heads=s.num_heads,
+        num_key_value_heads=s.num_kv_heads,
+        intermediate_size=s.intermediate_size,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+    )
+    if architecture == "qwen2":
+        return Qwen2Config(**common)
+    if architecture == "llama":
+        return LlamaConfig(**common)
+    raise ValueError(f"unknown tiny architecture {architecture!r}; allowed: {list(TINY_ARCHITECTURES)}")
+
+
+def build_tiny_model(config: PretrainedConfig, seed: int = 0) -> PreTrainedModel:
+    """A randomly initialised model, identical for identical (config, seed)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        cls = Qwen2ForCausalLM if isinstance(config, Qwen2Config) else LlamaForCausalLM
+        model = cls(config)
+    return model

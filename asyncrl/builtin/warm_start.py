@@ -1,0 +1,293 @@
+"""Supervised warm start: teach a tiny model the task, then blur it, so RL has signal and room.
+
+RL with a verifiable reward learns nothing from a policy that never earns a reward, and
+shows nothing from one that is already perfect. The warm start runs in two phases:
+
+1. *learn*: train a randomly initialised tiny model on a clean teacher until its greedy
+   accuracy on held-out prompts reaches ``learn_accuracy``;
+2. *blur*: continue for ``blur_steps`` on a noisy teacher, wrong with probability
+   ``answer_noise``.
+
+Three tasks (``task``):
+
+* ``arithmetic``: ``prompt + answer + EOS`` (loss on the answer and EOS only); the noisy
+  teacher's answer is a near miss (off by a little, or one digit changed). The result
+  behaves like a pretrained model that knows the answer but is unsure of it: the right
+  answer is the mode of a broad distribution, so sampled accuracy (temperature 1) is low
+  while pass@G is high — the regime in which GRPO sharpens the policy.
+* ``calculator`` and ``guess``: episodes a scripted teacher plays against the built-in
+  environment of that name, rendered token for token as RL renders them, the loss on the
+  teacher's turns only (:mod:`asyncrl.builtin.scripted`: the teachers and their noise).
+  Accuracy is then the mean episode reward, as in RL's evaluation.
+
+Everything is seeded. The shipped checkpoints are ``asyncrl sft`` with a task's defaults
+(:data:`TASK_DEFAULTS`): ``builtin:arith`` (``--task arithmetic``, the default),
+``builtin:calculator`` and ``builtin:guess``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from asyncrl.builtin.arithmetic import ArithmeticTask, near_miss
+from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.sampling import SamplingParams
+from asyncrl.errors import ConfigError
+from asyncrl.models.loading import Policy, load_policy, save_policy
+from asyncrl.prompts.base import PromptStream
+from asyncrl.rewards.scoring import exact_match
+from asyncrl.rollout.evaluation import evaluate, evaluate_episodes
+
+TASKS = ("arithmetic", "calculator", "guess")
+
+Row = tuple[list[int], list[int]]  # (input ids, labels: -100 where no loss)
+
+
+@dataclass
+class SFTConfig:
+    model: str = "tiny:1m"
+    ops: list[str] = field(default_factory=lambda: ["+"])
+    min_digits: int = 1
+    max_digits: int = 2
+    batch_size: int = 64
+    lr: float = 1e-3
+    learn_accuracy: float = 0.95
+    max_learn_steps: int = 4000
+    blur_steps: int = 300
+    blur_lr: float = 5e-4
+    answer_noise: float = 0.8
+    eval_every: int = 50
+    eval_prompts: int = 400
+    seed: int = 0
+    data_seed: int = 1000
+    eval_seed: int = 999
+    # Scripted episodes (task calculator or guess); these match the RL config's episode.* keys.
+    task: str = "arithmetic"
+    guess_max: int = 16  # task.guess_max
+    max_turns: int = 4  # episode.max_turns (the guessing game's reward counts turns out of it)
+    max_episode_tokens: int = 64  # episode.max_episode_tokens
+    max_turn_tokens: int = 8  # rollout.max_new_tokens
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ConfigError("task", self.task, f"not an SFT task; allowed: {list(TASKS)}")
+
+
+# What `asyncrl sft --task NAME` changes from the SFTConfig defaults: the shipped
+# builtin:calculator and builtin:guess are these, with seed 0 (arithmetic: the defaults).
+TASK_DEFAULTS: dict[str, dict] = {
+    "arithmetic": {},
+    "calculator": dict(
+        ops=["+", "-", "*"],
+        max_turns=3,
+        max_episode_tokens=32,
+        max_turn_tokens=8,
+        learn_accuracy=0.95,
+        blur_steps=300,
+        answer_noise=0.6,
+        eval_every=100,
+        eval_prompts=200,
+    ),
+    "guess": dict(
+        guess_max=16,
+        max_turns=6,
+        max_episode_tokens=80,
+        max_turn_tokens=4,
+        learn_accuracy=0.55,
+        blur_steps=300,
+        answer_noise=0.5,
+        eval_every=100,
+        eval_prompts=200,
+    ),
+}
+
+
+def sft_config(task: str = "arithmetic", **overrides) -> SFTConfig:
+    """The SFT config of ``task`` (its :data:`TASK_DEFAULTS`), with ``overrides``; SFTConfig checks the name."""
+    return SFTConfig(task=task, **{**TASK_DEFAULTS.get(task, {}), **overrides})
+
+
+class _Answers:
+    """The arithmetic task: ``prompt + answer + EOS``, scored by exact match."""
+
+    def __init__(self, cfg: SFTConfig, policy: Policy) -> None:
+        self.cfg, self.policy = cfg, policy
+        self.train = PromptStream(ArithmeticTask(cfg.ops, cfg.min_digits, cfg.max_digits, seed=cfg.data_seed))
+        self.held_out = PromptStream(
+            ArithmeticTask(cfg.ops, cfg.min_digits, cfg.max_digits, seed=cfg.eval_seed)
+        ).take(cfg.eval_prompts)
+
+    def rows(self, n: int, noise: float, rng: random.Random) -> list[Row]:
+        tokenizer, eos = self.policy.tokenizer, self.policy.eos_token_id
+        rows = []
+        for p in self.train.take(n):
+            answer = near_miss(p.answer, rng) if rng.random() < noise else p.answer
+            prompt_ids = tokenizer(p.text, add_special_tokens=False).input_ids
+            answer_ids = tokenizer(answer, add_special_tokens=False).input_ids + [eos]
+            rows.append((prompt_ids + answer_ids, [-100] * len(prompt_ids) + answer_ids))
+        return rows
+
+    def accuracy(self, model: torch.nn.Module) -> tuple[float, float]:
+        """(sampled at temperature 1, greedy) exact-match accuracy on the held-out prompts."""
+        cfg, policy = self.cfg, self.policy
+        engine = EmbeddedEngine(copy.deepcopy(model), pad_token_id=policy.pad_token_id, seed=cfg.seed)
+        return tuple(
+            evaluate(
+                engine,
+                policy.tokenizer,
+                self.held_out,
+                exact_match,
+                SamplingParams(
+                    max_new_tokens=cfg.max_digits + 3,
+                    temperature=temperature,
+                    stop_token_ids=(policy.eos_token_id,),
+                ),
+            )
+            for temperature in (1.0, 0.0)
+        )
+
+
+class _Episodes:
+    """A built-in multi-turn task: episodes of a scripted teacher (asyncrl.builtin.scripted)."""
+
+    def __init__(self, cfg: SFTConfig, policy: Policy) -> None:
+        from asyncrl.builtin.games import GuessTask
+        from asyncrl.builtin.scripted import CalculatorTeacher, GuessTeacher
+        from asyncrl.episodes.resolve import builtin_environment
+
+        self.cfg, self.policy = cfg, policy
+        if cfg.task == "calculator":
+            self.teacher = CalculatorTeacher
+            source = functools.partial(ArithmeticTask, cfg.ops, cfg.min_digits, cfg.max_digits)
+        else:
+            self.teacher = functools.partial(GuessTeacher, guess_max=cfg.guess_max)
+            source = functools.partial(GuessTask, cfg.guess_max)
+        self.environment = builtin_environment(cfg.task, cfg.max_turns)
+        self.train = PromptStream(source(seed=cfg.data_seed))
+        self.held_out = PromptStream(source(seed=cfg.eval_seed)).take(cfg.eval_prompts)
+
+    def rows(self, n: int, noise: float, rng: random.Random) -> list[Row]:
+        from asyncrl.builtin.scripted import render_episode
+
+        cfg = self.cfg
+        start = self.train.position
+        return [
+            render_episode(
+                self.environment,
+                self.teacher(task, rng, noise),
+                task,
+                self.policy.tokenizer,
+                seed=start + i,
+                max_turns=cfg.max_turns,
+                max_episode_tokens=cfg.max_episode_tokens,
+                max_turn_tokens=cfg.max_turn_tokens,
+            ).sft_row()
+            for i, task in enumerate(self.train.take(n))
+        ]
+
+    def accuracy(self, model: torch.nn.Module) -> tuple[float, float]:
+        """(sampled at temperature 1, greedy) mean reward of one episode per held-out task."""
+        from asyncrl.episodes.environment import environment_episode
+        from asyncrl.episodes.rollout import EpisodeRolloutWorker
+
+        cfg, policy = self.cfg, self.policy
+        engine = EmbeddedEngine(copy.deepcopy(model), pad_token_id=policy.pad_token_id, seed=cfg.seed)
+        rewards = []
+        for temperature in (1.0, 0.0):
+            sampling = SamplingParams(
+                max_new_tokens=cfg.max_turn_tokens,
+                temperature=temperature,
+                stop_token_ids=(policy.eos_token_id,),
+            )
+            rollout = EpisodeRolloutWorker(
+                engine,
+                policy.tokenizer,
+                environment_episode(self.environment),
+                sampling,
+                1,
+                max_turns=cfg.max_turns,
+                max_episode_tokens=cfg.max_episode_tokens,
+                seed=cfg.seed,
+            )
+            rewards.append(evaluate_episodes(rollout, self.held_out))
+        return rewards[0], rewards[1]
+
+
+def _batch(rows: list[Row], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r, _ in rows)
+    ids = torch.full((len(rows), width), pad_id)
+    labels = torch.full((len(rows), width), -100)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (r, t) in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        labels[i, : len(t)] = torch.tensor(t)
+        attn[i, : len(r)] = 1
+    return ids, attn, labels
+
+
+def run_sft(cfg: SFTConfig, out_dir: Path, log=print) -> dict:
+    torch.manual_seed(cfg.seed)
+    policy = load_policy(cfg.model, device="cpu", seed=cfg.seed)
+    model = policy.model
+    data = _Answers(cfg, policy) if cfg.task == "arithmetic" else _Episodes(cfg, policy)
+    optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    noise_rng = random.Random(cfg.data_seed)
+    history: list[dict] = []
+    t0 = time.perf_counter()
+
+    def train_step(noise: float) -> float:
+        model.train()
+        ids, attn, labels = _batch(data.rows(cfg.batch_size, noise, noise_rng), policy.pad_token_id)
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        return float(loss.detach())
+
+    def log_eval(phase: str, step: int, loss: float) -> tuple[float, float]:
+        acc = data.accuracy(model)
+        record = {
+            "phase": phase,
+            "step": step,
+            "loss": round(loss, 4),
+            "accuracy_sampled": acc[0],
+            "accuracy_greedy": acc[1],
+            "time_s": round(time.perf_counter() - t0, 2),
+        }
+        history.append(record)
+        log(json.dumps(record))
+        return acc
+
+    step, acc_greedy = 0, 0.0
+    while step < cfg.max_learn_steps and acc_greedy < cfg.learn_accuracy:
+        loss = train_step(0.0)
+        step += 1
+        if step % cfg.eval_every == 0:
+            acc_greedy = log_eval("learn", step, loss)[1]
+    for group in optim.param_groups:
+        group["lr"] = cfg.blur_lr
+    for blur_step in range(1, cfg.blur_steps + 1):
+        loss = train_step(cfg.answer_noise)
+        if blur_step % cfg.eval_every == 0 or blur_step == cfg.blur_steps:
+            acc_sampled, acc_greedy = log_eval("blur", step + blur_step, loss)
+    if cfg.blur_steps < 1:  # no blur phase: report the model as the learn phase left it
+        acc_sampled, acc_greedy = data.accuracy(model)
+    model.eval()
+    save_policy(policy, out_dir)
+    summary = {
+        "config": asdict(cfg),
+        "learn_steps": step,
+        "accuracy_sampled": acc_sampled,
+        "accuracy_greedy": acc_greedy,
+        "history": history,
+    }
+    (out_dir / "sft_summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

@@ -1,0 +1,158 @@
+"""Entry point of a training run: pick the runtime, run the controller (its stops on signals, its
+errors), write the summary."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from asyncrl.config import Config
+from asyncrl.control import checkpoints as checkpoint
+from asyncrl.control.controller import Controller
+from asyncrl.control.session import RunSession, default_run_dir
+from asyncrl.errors import AsyncRLError
+from asyncrl.prompts.base import PromptSource
+from asyncrl.rewards.judges.service import served_judge
+from asyncrl.rewards.pool import local_reward_pool
+from asyncrl.runtimes.base import Runtime
+from asyncrl.runtimes.inline import InlineRuntime
+from asyncrl.workers.build import build_episode, seed_everything, task_prompts
+from asyncrl.workers.messages import WorkerError
+
+
+class RunComplete(AsyncRLError):
+    """``--resume`` of a run that has already taken all its ``run.steps``: nothing to do."""
+
+
+def make_runtime(cfg: Config, session: RunSession):
+    kind = cfg.runtime_kind
+    if kind == "inline":
+        return InlineRuntime(cfg)
+    if kind == "ray":
+        from asyncrl.runtimes.ray_runtime import RayRuntime
+
+        return RayRuntime(cfg, session.run_dir)
+    from asyncrl.runtimes.local import LocalRuntime
+
+    return LocalRuntime(cfg, session.run_dir)
+
+
+def train(cfg: Config, run_dir: Path | None = None, *, resume: bool = False) -> dict[str, Any]:
+    """Run training; with ``resume``, continue ``run_dir`` from its newest checkpoint."""
+    seed_everything(cfg.run.seed)
+    prompts = task_prompts(cfg)  # a bad model path or dataset fails here, before a run directory is made
+    build_episode(cfg)  # as does a bad episode.environment
+    run_dir = run_dir or default_run_dir()
+    resume_from = checkpoint.latest(run_dir) if resume else None
+    version = checkpoint.read_controller_state(resume_from)["version"] if resume_from else None
+    if version is not None and version >= cfg.run.steps:
+        raise RunComplete(
+            f"run complete at step {version}; to continue, raise run.steps "
+            f"(asyncrl train --resume {run_dir} --set run.steps={version + cfg.run.steps})"
+        )
+    session = RunSession(cfg, run_dir, resume_step=version)
+    try:
+        checkpoint.check_writable(run_dir)
+        # The judge and the reward pool (on Ray: actors the runtime starts) serve before any worker
+        # starts: the workers find them in their environment.
+        with (
+            served_judge(cfg.judge, run_dir / "judge.log", cfg.runtime.start_timeout_s),
+            local_reward_pool(cfg, cfg.runtime.start_timeout_s)
+            if cfg.runtime.kind != "ray"
+            else contextlib.nullcontext(),
+        ):
+            run_controller(cfg, session, make_runtime(cfg, session), prompts, resume_from=resume_from)
+    finally:
+        summary = session.close()
+    return summary
+
+
+def run_controller(
+    cfg: Config,
+    session: RunSession,
+    runtime: Runtime,
+    prompts: PromptSource,
+    resume_from: Path | None = None,
+) -> dict:
+    controller = Controller(cfg, runtime, session, prompts, resume_from=resume_from)
+    try:
+        with stop_on_signals(controller), stall_alarm(controller, runtime):
+            return controller.run()
+    except WorkerError as exc:
+        if controller.last_checkpoint is None:
+            raise
+        raise WorkerError(
+            f"{exc}\nthe newest checkpoint is {controller.last_checkpoint}; "
+            f"continue with: asyncrl train --resume {session.run_dir}"
+        ) from None
+    finally:
+        runtime.stop()
+        session.accounting = controller.accounting()
+
+
+@contextlib.contextmanager
+def stop_on_signals(controller: Controller):
+    """SIGINT and SIGTERM ask the controller to stop (with a checkpoint); a second one stops at once.
+
+    Only the main thread may install handlers; elsewhere (a run inside a library's thread)
+    signals keep their previous behaviour.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame) -> None:
+        controller.request_stop(signal.Signals(signum).name, 128 + signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+# Otherwise unused (it reports out-of-band socket data only to a process that asks for it), and
+# ignored by default: one sent as the run ends, when the handler is gone, does nothing.
+STALL_SIGNAL = signal.SIGURG
+STALL_CHECK_S = 0.5  # how often the watcher looks at the time since the last progress
+
+
+@contextlib.contextmanager
+def stall_alarm(controller: Controller, runtime: Runtime):
+    """The stall watchdog for work that runs in the controller's own thread (the inline runtime).
+
+    While a generator's step, a reward call or a trainer command runs there, the controller's
+    loop, and with it its watchdog, waits. A watcher thread looks at the time since the last
+    progress; past runtime.stall_timeout_s, while the main thread is in a runtime call, it sends
+    it ``STALL_SIGNAL`` (again every ``STALL_CHECK_S`` while that lasts), whose handler ends the
+    call with the stall error (:meth:`Controller.stall_alarm`). A call blocked in C code that
+    does not return to Python on a signal is not cut short. Only in the main thread, as for
+    :func:`stop_on_signals`; elsewhere a call that does not return holds the run.
+    """
+    if not isinstance(runtime, InlineRuntime) or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    main, done = threading.main_thread().ident, threading.Event()
+
+    def watch() -> None:
+        while not done.wait(STALL_CHECK_S):
+            if runtime.busy and controller.idle_s() > controller.cfg.runtime.stall_timeout_s:
+                signal.pthread_kill(main, STALL_SIGNAL)
+
+    def handler(signum, frame) -> None:
+        if runtime.busy:
+            controller.stall_alarm()
+
+    previous = signal.signal(STALL_SIGNAL, handler)
+    watcher = threading.Thread(target=watch, name="stall-watchdog", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join(timeout=10)
+        signal.signal(STALL_SIGNAL, signal.SIG_DFL if previous is None else previous)

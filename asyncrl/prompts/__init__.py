@@ -1,0 +1,1 @@
+"""Prompts: where they come from (datasets, streams) and how conversations become tokens."""

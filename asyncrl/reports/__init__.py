@@ -1,0 +1,1 @@
+"""Reports: metrics files, the live progress display, timelines, HTML reports and trackers."""

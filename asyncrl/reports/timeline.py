@@ -1,0 +1,96 @@
+"""Draw a run's ``timeline.jsonl`` as a Gantt chart: one row per worker, one bar per span.
+
+The picture shows where generation, training and weight sync overlap and where a worker
+sits idle; the legend gives each row's busy fraction of the plotted interval.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from asyncrl.errors import AsyncRLError
+from asyncrl.reports.jsonl import read_jsonl
+
+COLORS = {
+    "generate": "#4C72B0",
+    "train": "#DD8452",
+    "weight_sync": "#55A868",
+    "eval": "#8172B3",
+    "accumulate": "#C44E52",
+    "optimizer_step": "#937860",
+}
+
+
+def busy_fractions(events: list[dict], start: float, end: float) -> dict[str, float]:
+    """Fraction of [start, end] each component spent inside at least one span."""
+    spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for e in events:
+        spans[e["component"]].append((max(e["start"], start), min(e["end"], end)))
+    out = {}
+    for comp, items in spans.items():
+        items.sort()
+        busy, cur_s, cur_e = 0.0, None, None
+        for s, e in items:
+            if e <= s:
+                continue
+            if cur_e is None or s > cur_e:
+                if cur_e is not None:
+                    busy += cur_e - cur_s
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        if cur_e is not None:
+            busy += cur_e - cur_s
+        out[comp] = busy / max(end - start, 1e-9)
+    return out
+
+
+def plot_timeline(
+    run_dir: Path, out: Path, title: str | None = None, last_s: float | None = None
+) -> dict[str, float]:
+    path = run_dir / "timeline.jsonl"
+    if not path.is_file():
+        raise AsyncRLError(f"{path} does not exist: is {str(run_dir)!r} a run directory?")
+    events = read_jsonl(path)
+    if not events:
+        raise AsyncRLError(f"{path} holds no events")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t_end = max(e["end"] for e in events)
+    t0 = min(e["start"] for e in events) if last_s is None else t_end - last_s
+    rows = sorted({e["component"] for e in events}, key=lambda c: (not c.startswith("generator"), c))
+    busy = busy_fractions(events, t0, t_end)
+    fig, ax = plt.subplots(figsize=(11, 0.6 * len(rows) + 1.6))
+    for y, comp in enumerate(rows):
+        for e in events:
+            if e["component"] != comp or e["end"] < t0:
+                continue
+            s = max(e["start"], t0) - t0
+            ax.barh(
+                y,
+                e["end"] - t0 - s,
+                left=s,
+                height=0.6,
+                color=COLORS.get(e["name"], "#999999"),
+                edgecolor="none",
+            )
+    ax.set_yticks(range(len(rows)), [f"{c} ({busy[c]:.0%} busy)" for c in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    handles = [
+        plt.Rectangle((0, 0), 1, 1, color=c) for n, c in COLORS.items() if any(e["name"] == n for e in events)
+    ]
+    labels = [n for n in COLORS if any(e["name"] == n for e in events)]
+    ax.legend(
+        handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(labels), frameon=False
+    )
+    ax.set_title(title or run_dir.name)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return busy

@@ -1,0 +1,448 @@
+"""Reward functions: plain Python callables, registered by name or given as ``module:function``.
+
+Two signatures are accepted, told apart by their parameters:
+
+* **per completion** (asyncrl's own)::
+
+      fn(completion: str, prompt: str | list[dict], answer: str | None, **fields) -> float
+
+* **batched** (TRL's: the function has a ``completions`` parameter)::
+
+      fn(prompts: list, completions: list, **columns) -> list[float | None]
+
+``fields``/``columns`` are the prompt's other dataset fields (batched: one list per column)
+plus ``completion_ids`` (the token ids) and, for a conversational prompt, the assistant's
+message (``completion_message``; batched completions are then ``[{"role": "assistant",
+"content": ...}]`` lists, as in TRL). Functions that do not need some arguments can take
+``**kwargs``. A batched function may return None for a completion it does not apply to.
+With ``task.step_delimiter`` a function also gets ``completion_steps`` (the completion's
+steps' texts) and may return :class:`~asyncrl.rewards.step_rewards.StepRewards` (process
+rewards, :mod:`asyncrl.rewards.step_rewards`).
+
+:class:`RewardSet` scores the G completions of one prompt (or of several prompts at once)
+with one or more weighted functions; :func:`score` turns whatever a function does (raise,
+return NaN, return a string) into a float reward or a recorded per-sample error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import math
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncrl.config.user_code import import_named
+from asyncrl.errors import ConfigError, RewardFailing
+from asyncrl.prompts.chat import reward_prompt
+from asyncrl.rewards.judges.reward import judge_reward
+from asyncrl.rewards.library import format_regex, math_verify, overlong_penalty
+from asyncrl.rewards.step_rewards import StepRewards, parse_step_rewards, weighted_steps
+from asyncrl.types import Prompt
+
+RewardFn = Callable[..., Any]
+_REGISTRY: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    def wrap(fn: RewardFn) -> RewardFn:
+        _REGISTRY[name] = fn
+        return fn
+
+    return wrap
+
+
+@register_reward("exact_match")
+def exact_match(completion: str, answer: str | None, **_: object) -> float:
+    """1.0 when the completion, stripped of surrounding whitespace, equals the answer."""
+    return float(answer is not None and completion.strip() == answer.strip())
+
+
+@register_reward("numeric_match")
+def numeric_match(completion: str, answer: str | None, **_: object) -> float:
+    """1.0 when the completion parses to the same number as the answer."""
+    try:
+        return float(
+            answer is not None and math.isclose(float(completion.strip()), float(answer), rel_tol=1e-9)
+        )
+    except ValueError:
+        return 0.0
+
+
+for _name, _fn in (
+    ("judge", judge_reward),
+    ("math_verify", math_verify),
+    ("format_regex", format_regex),
+    ("overlong_penalty", overlong_penalty),
+):
+    register_reward(_name)(_fn)
+
+
+def registered_rewards() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def is_batched(fn: RewardFn) -> bool:
+    """TRL's batched signature: the function takes ``completions`` (plural)."""
+    return "completions" in inspect.signature(fn).parameters
+
+
+def resolve_reward(spec: str, key: str = "task.reward") -> RewardFn:
+    """A registered name, or ``package.module:function`` importable from the current environment."""
+    if spec in _REGISTRY:
+        return _REGISTRY[spec]
+    if ":" not in spec:
+        raise ConfigError(
+            key, spec, f"not a registered reward ({registered_rewards()}) nor 'module:function'"
+        )
+    fn = import_named(spec, key, "callable")
+    if not callable(fn):
+        module_name, _, attr = spec.partition(":")
+        raise ConfigError(key, spec, f"module {module_name!r} has no callable {attr!r}")
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return fn
+    required = ("completions",) if "completions" in params else ("completion", "prompt", "answer")
+    missing = [name for name in required if name not in params]
+    if missing:
+        raise ConfigError(
+            key,
+            spec,
+            "a reward function is called with completion=, prompt=, answer= and the row's other fields "
+            "(or, batched, with prompts= and completions= lists); "
+            f"it does not accept {missing} (add them, or **kwargs)",
+        )
+    accepted = set(params)
+
+    @functools.wraps(fn)
+    def only_accepted_fields(**kwargs: object) -> Any:
+        # Dataset rows may carry fields the function does not ask for; those are not passed.
+        return fn(**{k: v for k, v in kwargs.items() if k in accepted})
+
+    return only_accepted_fields
+
+
+class RewardCallError(Exception):
+    """A reward call that failed outside the caller's process (see :mod:`asyncrl.rewards.timed`)."""
+
+    @property
+    def recorded(self) -> str:
+        """The error as recorded for the sample."""
+        return str(self)
+
+
+class ScoringStopped(Exception):
+    """Scoring was abandoned because the run is stopping: no reward, and no reward error, is recorded."""
+
+
+def _as_reward(value: Any) -> tuple[float | None, str | None]:
+    if isinstance(value, (str, bytes)):
+        # float() would accept "1.0"; a string is a bug in the function (e.g. returning the completion).
+        return None, f"returned a non-numeric {type(value).__name__}: {value!r}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        try:
+            value = float(value)  # numpy and torch scalars
+        except (TypeError, ValueError):
+            return None, f"returned a non-numeric {type(value).__name__}: {value!r}"
+    if not math.isfinite(value):
+        return None, f"returned a non-finite value {value!r}"
+    return float(value), None
+
+
+def _as_value(value: Any) -> tuple[float | None, list[float | None] | None, str | None]:
+    """(reward, step rewards or None, None), or (None, None, error): a number, or :class:`StepRewards`."""
+    if isinstance(value, StepRewards):
+        return parse_step_rewards(value)
+    reward, error = _as_reward(value)
+    return reward, None, error
+
+
+def _clash(columns: dict[str, Any], own: dict[str, Any]) -> str | None:
+    same = sorted(set(columns) & set(own))
+    return f"the row's field(s) {same} clash with the reward function's own arguments" if same else None
+
+
+def is_async(fn: RewardFn) -> bool:
+    """An ``async def`` reward function (also behind the wrapper that filters its arguments)."""
+    return inspect.iscoroutinefunction(inspect.unwrap(fn))
+
+
+def resolved(value: Any) -> Any:
+    """A reward function's result: an ``async`` function's coroutine is run to its value."""
+    return asyncio.run(value) if inspect.isawaitable(value) else value
+
+
+async def _call_async(fn: RewardFn, kwargs: dict[str, Any]) -> tuple[Any, str | None]:
+    try:
+        return await fn(**kwargs), None
+    except Exception as exc:  # as in _call: recorded for the sample
+        return None, f"raised {type(exc).__name__}: {exc}"
+
+
+async def _gather(fn: RewardFn, calls: list[dict[str, Any]]) -> list[tuple[Any, str | None]]:
+    return list(await asyncio.gather(*(_call_async(fn, kwargs) for kwargs in calls)))
+
+
+def _call(fn: RewardFn, kwargs: dict[str, Any]) -> tuple[Any, str | None]:
+    try:
+        return resolved(fn(**kwargs)), None
+    except ScoringStopped:
+        raise
+    except RewardCallError as exc:  # timed out, or raised in the reward's own process
+        return None, exc.recorded
+    except Exception as exc:  # a user's reward function may raise anything; it is recorded, not fatal
+        return None, f"raised {type(exc).__name__}: {exc}"
+
+
+def score(
+    fn: RewardFn, completion: str, prompt: Any, answer: str | None, extra: dict, **more: Any
+) -> tuple[float | None, str | None]:
+    """Call a per-completion reward function defensively: (reward, None) or (None, error message)."""
+    own = dict(completion=completion, prompt=prompt, answer=answer, **more)
+    clash = _clash(extra, own)
+    if clash is not None:
+        return None, clash
+    value, error = _call(fn, {**own, **extra})
+    return (None, error) if error is not None else _as_reward(value)
+
+
+@dataclass
+class RewardTerm:
+    """One reward function of a :class:`RewardSet`: its metric label, weight and fixed arguments."""
+
+    label: str
+    fn: RewardFn
+    weight: float = 1.0
+    batched: bool = False
+    args: dict[str, Any] = field(default_factory=dict)
+    spec: str | None = None  # as configured (a name or 'module:function'), for messages
+
+
+@dataclass
+class Scored:
+    reward: float | None
+    error: str | None
+    components: dict[str, float | None]
+    steps: list[float | None] | None = None  # step rewards, when a function returned StepRewards
+
+
+# prompt, completion texts, completion ids[, each completion's steps' texts (task.step_delimiter)]
+GroupToScore = (
+    tuple[Prompt, list[str], list[list[int]]] | tuple[Prompt, list[str], list[list[int]], list[list[str]]]
+)
+TermResults = tuple[
+    list[float | None], list[str | None], list[list[float | None] | None]
+]  # values, errors, steps
+
+
+class RewardSet:
+    """Scores the completions of one prompt with weighted reward functions.
+
+    The reward of a completion is ``sum(weight * value)`` over the functions that apply to it
+    (a batched function's None means "does not apply", as in TRL). It is an error — recorded
+    for the sample, then handled by ``task.reward_on_error`` — when any function fails on it
+    or when none applies. ``components`` keeps each function's unweighted value.
+
+    The calls of a batch (:meth:`score_groups`) go to a function together: a time-limited
+    function (:class:`~asyncrl.rewards.timed.TimedReward`) runs them concurrently, an
+    in-process one runs them one after another. A function whose calls fail (raise, return a
+    bad value, time out) ``max_consecutive_failures`` times in a row stops the run with
+    :class:`~asyncrl.errors.RewardFailing` (0: never); any successful call resets its count.
+    After :meth:`stop` scoring raises :class:`ScoringStopped`: within one wait slice of a
+    time-limited function; for an in-process function, before its next call, or at once when
+    :meth:`stop` runs in a signal handler of the thread that is in the call (the signal
+    handler interrupts the function with the exception).
+    """
+
+    def __init__(self, terms: Sequence[RewardTerm], max_consecutive_failures: int = 0) -> None:
+        if not terms:
+            raise ValueError("a RewardSet needs at least one reward function")
+        self.terms = list(terms)
+        self.max_consecutive_failures = max_consecutive_failures
+        self.failures = {t.label: 0 for t in self.terms}  # consecutive failed calls, per function
+        self._stopped = False
+        self._calling: int | None = None  # the thread in an in-process call, if any
+
+    @classmethod
+    def of(cls, fn: RewardFn | RewardSet, label: str | None = None) -> RewardSet:
+        """A reward set from one plain function (or the set itself, or another scorer with the set's
+        interface: the run's reward pool, :class:`~asyncrl.rewards.pool.PooledRewards`)."""
+        if isinstance(fn, RewardSet) or hasattr(fn, "score_groups"):
+            return fn
+        name = label or getattr(fn, "__name__", "reward")
+        return cls([RewardTerm(name, fn, batched=is_batched(fn))])
+
+    def stop(self) -> None:
+        """Abandon scoring in progress and to come (any thread, or a signal handler): the run is stopping.
+
+        Raises :class:`ScoringStopped` when called by the thread that is in an in-process call,
+        i.e. from a signal handler that interrupted the reward function.
+        """
+        self._stopped = True
+        for term in self.terms:
+            stop = getattr(term.fn, "stop", None)
+            if stop is not None:
+                stop()
+        if self._calling == threading.get_ident():
+            raise ScoringStopped("reward scoring abandoned in the middle of a call: the run is stopping")
+
+    def close(self) -> None:
+        """Stop what the functions hold (a time-limited function's processes)."""
+        for term in self.terms:
+            close = getattr(term.fn, "close", None)
+            if close is not None:
+                close()
+
+    @property
+    def labels(self) -> list[str]:
+        return [t.label for t in self.terms]
+
+    def score(self, prompt: Prompt, texts: list[str], completion_ids: list[list[int]]) -> list[Scored]:
+        return self.score_groups([(prompt, texts, completion_ids)])[0]
+
+    def score_groups(self, groups: Sequence[GroupToScore]) -> list[list[Scored]]:
+        """Score the completions of several prompts as one batch; one list of results per prompt."""
+        per_term = [self._term(term, groups) for term in self.terms]
+        return [self._combine([values[g] for values in per_term]) for g in range(len(groups))]
+
+    def _combine(self, per_term: list[TermResults]) -> list[Scored]:
+        """One group's results from each function's (values, errors, steps)."""
+        out = []
+        for i in range(len(per_term[0][0])):
+            values = [(t, v[i]) for t, (v, _, _) in zip(self.terms, per_term, strict=True)]
+            errors = [(t, e[i]) for t, (_, e, _) in zip(self.terms, per_term, strict=True)]
+            components = {t.label: v for t, v in values}
+            failed = [(t.label, e) for t, e in errors if e is not None]
+            if failed:
+                prefix = len(self.terms) > 1
+                error = "; ".join(f"{label}: {e}" if prefix else e for label, e in failed)
+                out.append(Scored(None, error, components))
+                continue
+            applied = [(t.weight, v) for t, v in values if v is not None]
+            if not applied:
+                out.append(Scored(None, "no reward function applied (each returned None)", components))
+                continue
+            given = [
+                (t.weight, s[i])
+                for t, (_, _, s) in zip(self.terms, per_term, strict=True)
+                if s[i] is not None
+            ]
+            steps, error = weighted_steps(given)
+            reward = sum(w * v for w, v in applied)
+            out.append(Scored(None if error else reward, error, components, steps))
+        return out
+
+    def _calls(self, fn: RewardFn, calls: list[dict[str, Any]]) -> list[tuple[Any, str | None]]:
+        """(value, error) of each call: concurrently where the function can, else in order."""
+        many = getattr(fn, "call_many", None)
+        if many is not None:
+            return [(None, r.recorded) if isinstance(r, RewardCallError) else (r, None) for r in many(calls)]
+        if is_async(fn):  # an async function's calls of a batch run concurrently, on one event loop
+            if self._stopped:
+                raise ScoringStopped("reward scoring abandoned: the run is stopping")
+            return asyncio.run(_gather(fn, calls))
+        out = []
+        for kwargs in calls:
+            if self._stopped:
+                raise ScoringStopped("reward scoring abandoned: the run is stopping")
+            self._calling = threading.get_ident()
+            try:
+                out.append(_call(fn, kwargs))
+            finally:
+                self._calling = None
+        return out
+
+    def _counted(self, term: RewardTerm, error: str | None) -> None:
+        """Count a call of ``term``'s function; too many failures in a row stop the run."""
+        if error is None:
+            self.failures[term.label] = 0
+            return
+        n = self.failures[term.label] = self.failures[term.label] + 1
+        limit = self.max_consecutive_failures
+        if limit and n >= limit:
+            last = " ".join(error.split())
+            raise RewardFailing(
+                f"reward function {term.spec or term.label!r} failed on {n} consecutive calls "
+                f"(task.reward_max_consecutive_failures={limit}); the last: {last}"
+            )
+
+    def _term(self, term: RewardTerm, groups: Sequence[GroupToScore]) -> list[TermResults]:
+        """Each group's (values, errors, steps) from one function."""
+        if term.batched:
+            return self._batched_term(term, groups)
+        # Per completion: one call each, all the groups' calls as one batch.
+        slots: list[tuple[int, int]] = []  # (group, completion) of each call
+        calls: list[dict[str, Any]] = []
+        out: list[TermResults] = [
+            ([None] * len(g[1]), [None] * len(g[1]), [None] * len(g[1])) for g in groups
+        ]
+        for g, (prompt, texts, completion_ids, *steps) in enumerate(groups):
+            for i, text in enumerate(texts):
+                own = dict(
+                    completion=text,
+                    prompt=reward_prompt(prompt),
+                    answer=prompt.answer,
+                    completion_ids=completion_ids[i],
+                    **({"completion_steps": steps[0][i]} if steps else {}),
+                    **term.args,
+                )
+                if prompt.messages is not None:
+                    own["completion_message"] = {"role": "assistant", "content": text}
+                clash = _clash(prompt.extra, own)
+                if clash is not None:
+                    out[g][1][i] = clash
+                    continue
+                slots.append((g, i))
+                calls.append({**own, **prompt.extra})
+        for (g, i), (value, error) in zip(slots, self._calls(term.fn, calls), strict=True):
+            v, s, e = (None, None, error) if error is not None else _as_value(value)
+            self._counted(term, e)
+            out[g][0][i], out[g][1][i], out[g][2][i] = v, e, s
+        return out
+
+    def _batched_term(self, term: RewardTerm, groups: Sequence[GroupToScore]) -> list[TermResults]:
+        """A batched (TRL-style) function: one call per group, the groups' calls as one batch."""
+        out: list[TermResults] = []
+        slots: list[int] = []
+        calls: list[dict[str, Any]] = []
+        for g, (prompt, texts, completion_ids, *steps) in enumerate(groups):
+            n = len(texts)
+            messages = [{"role": "assistant", "content": t} for t in texts]
+            own: dict[str, Any] = {
+                "prompts": [reward_prompt(prompt)] * n,
+                "completions": [[m] for m in messages] if prompt.messages is not None else list(texts),
+                "completion_ids": [list(ids) for ids in completion_ids],
+                "answer": [prompt.answer] * n,
+                **({"completion_steps": [list(s) for s in steps[0]]} if steps else {}),
+                **term.args,
+            }
+            clash = _clash(prompt.extra, own)
+            out.append(([None] * n, [clash] * n, [None] * n))
+            if clash is None:
+                slots.append(g)
+                calls.append({**own, **{k: [v] * n for k, v in prompt.extra.items()}})
+        for g, (result, error) in zip(slots, self._calls(term.fn, calls), strict=True):
+            n = len(groups[g][1])
+            if error is None:
+                try:
+                    result = list(result)
+                except TypeError:
+                    error = f"returned {type(result).__name__}, not a list of {n} rewards"
+            if error is None and len(result) != n:
+                error = f"returned {len(result)} rewards for {n} completions"
+            if error is not None:
+                self._counted(term, error)
+                out[g] = ([None] * n, [error] * n, [None] * n)
+                continue
+            values, errors, step_lists = [], [], []
+            for value in result:
+                v, s, e = (None, None, None) if value is None else _as_value(value)
+                values.append(v)
+                errors.append(e)
+                step_lists.append(s)
+            self._counted(term, next((e for e in errors if e is not None), None))
+            out[g] = (values, errors, step_lists)
+        return out

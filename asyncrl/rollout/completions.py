@@ -1,0 +1,397 @@
+"""Rollout: prompts in, scored Groups out.
+
+For each prompt the worker asks the engine for G completions, decodes them, calls the
+reward function on each and assembles one Group per prompt. Completions find their prompt
+through the request id, which carries the group id and prompt id — never by position.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, replace
+
+from transformers import PreTrainedTokenizerBase
+
+from asyncrl.engine.embedded import resume_request
+from asyncrl.engine.sampling import SamplingParams
+from asyncrl.engine.types import GenerationRequest, GenerationResult
+from asyncrl.errors import DatasetError
+from asyncrl.prompts.chat import encode_prompt
+from asyncrl.rewards.scoring import GroupToScore, RewardFn, RewardSet
+from asyncrl.rewards.step_rewards import cut_steps
+from asyncrl.types import Group, PartialGroup, Prompt, Sample
+
+SCORING_WAIT_S = 0.05  # longest a step waits for scoring when the engine has nothing to decode
+
+
+def _step_rewards(
+    steps: list[float | None] | None, spans: list[tuple[int, int]], delimiter: str
+) -> tuple[list[float | None], str | None]:
+    """A sample's step rewards (None for each step when no function gave any), or an error when a
+    function did not reward each step it was given (the steps then get none)."""
+    if steps is None:
+        return [None] * len(spans), None
+    if len(steps) != len(spans):
+        return [None] * len(spans), (
+            f"returned {len(steps)} step rewards for {len(spans)} steps (task.step_delimiter={delimiter!r})"
+        )
+    return steps, None
+
+
+@dataclass
+class RolloutStats:
+    groups: int = 0
+    samples: int = 0
+    reward_errors: int = 0
+    dropped_groups: int = 0
+
+    def admit(self, groups: list[Group], reward_on_error: str) -> tuple[list[Group], list[Group]]:
+        """Count scored groups and split them into (ready, dropped): with ``drop_group`` a group
+        holding a reward error is dropped."""
+        ready, dropped = [], []
+        for group in groups:
+            self.samples += group.size
+            if reward_on_error == "drop_group" and any(s.reward_error for s in group.samples):
+                self.dropped_groups += 1
+                dropped.append(group)
+            else:
+                self.groups += 1
+                ready.append(group)
+        return ready, dropped
+
+
+@dataclass
+class _PendingGroup:
+    prompt: Prompt
+    prompt_ids: list[int]
+    samples: dict[int, Sample]
+
+
+class RolloutWorker:
+    """Turns prompts into scored groups on top of an engine's ``add_request``/``step`` API.
+
+    A group is complete when all G of its completions are; it is then scored as a whole (a
+    batched reward function sees the G completions of its prompt together; the groups that
+    complete in one engine step are scored as one batch, so a time-limited reward function
+    runs their calls concurrently), and its samples
+    are ordered by completion index, so a group's content does not depend on the order in
+    which its completions finished.
+    """
+
+    def __init__(
+        self,
+        engine,
+        tokenizer: PreTrainedTokenizerBase,
+        reward_fn: RewardFn | RewardSet,
+        sampling: SamplingParams,
+        group_size: int,
+        reward_on_error: str = "zero",
+        eos_after: int | None = None,
+        seed: int = 0,
+        reward_workers: int = 0,
+        step_delimiter: str | None = None,
+    ) -> None:
+        """``eos_after``: with decode_past_eos, the EOS id at which an answer ends although generation went on.
+
+        ``seed``: completion k of group g samples with seed (seed, g, k), so a group's
+        completions do not depend on which engine generates them or what runs beside them.
+
+        ``reward_workers``: with N > 0, finished groups are handed to N scoring threads and
+        the engine goes on decoding; a scored group is returned by a later :meth:`step`.
+        (With ``task.reward_timeout_s`` the calls themselves run in reward processes.)
+
+        ``step_delimiter``: cut completions into steps for step rewards (:mod:`asyncrl.rewards.step_rewards`).
+        """
+        self.engine = engine
+        self.seed = seed
+        self.eos_after = eos_after
+        self.stop_ids = set(sampling.stop_token_ids) | ({eos_after} if eos_after is not None else set())
+        self.tokenizer = tokenizer
+        self.rewards = RewardSet.of(reward_fn)
+        self.sampling = sampling
+        self.group_size = group_size
+        self.reward_on_error = reward_on_error
+        self.step_delimiter = step_delimiter
+        self.stats = RolloutStats()
+        self._next_group_id = 0
+        self._pending: dict[int, _PendingGroup] = {}
+        self._complete_now: list[int] = []  # groups a submit completed (see submit), returned by step
+        self._scorers = (
+            concurrent.futures.ThreadPoolExecutor(reward_workers, thread_name_prefix="asyncrl-reward")
+            if reward_workers > 0
+            else None
+        )
+        self._scoring: list[tuple[concurrent.futures.Future, list[Group]]] = []  # batches being scored
+        self._sampling: dict[str, SamplingParams] = {}  # of requests in flight, to resume them
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt)
+
+    @property
+    def groups_in_flight(self) -> int:
+        return len(self._pending)
+
+    @property
+    def has_work(self) -> bool:
+        """Whether anything submitted is still being generated or scored (or done, not yet returned)."""
+        return self.engine.has_work or bool(self._complete_now) or bool(self._scoring)
+
+    def submit(self, work: list[tuple[int, Prompt]], partials: dict[int, PartialGroup] | None = None) -> None:
+        """Queue G completions for each (group_id, prompt).
+
+        A group in ``partials`` (stopped mid-generation by :meth:`preempt`, e.g. before a
+        resume) continues from there: its finished completions are kept and its prefixes
+        are resumed with their own seeds, as after an abort; only the rest start afresh.
+        """
+        partials = partials or {}
+        for group_id, prompt in work:
+            if group_id in self._pending:
+                raise ValueError(f"group {group_id} is already in flight")
+            ids = self.encode(prompt)
+            budgets = self._budgets(prompt)
+            partial = partials.get(group_id)
+            done = {k: s for k, s in partial.samples.items() if s.finish_reason != "abort"} if partial else {}
+            prefixes = partial.prefixes if partial else {}
+            for k, p in prefixes.items():
+                if len(p.completion_ids) >= budgets[k]:
+                    # Resumed under a smaller token budget than it was sampled with: the
+                    # prefix already reaches it, so the completion ends there.
+                    cut = GenerationResult(
+                        **vars(p.cut(budgets[k])), request_id=f"{group_id}/{k}", finish_reason="length"
+                    )
+                    done[k] = self._sample(prompt, group_id, ids, cut)
+            self._pending[group_id] = _PendingGroup(prompt, ids, done)
+            if len(done) == self.group_size:
+                self._complete_now.append(group_id)
+            for k in range(self.group_size):
+                if k in done:
+                    continue
+                sampling = self.sampling
+                if budgets[k] != sampling.max_new_tokens:
+                    sampling = replace(sampling, max_new_tokens=budgets[k])
+                request_id = f"{group_id}/{k}"
+                self._sampling[request_id] = sampling
+                seed = (self.seed << 40) + group_id * self.group_size + k
+                prefix = prefixes[k].tokens() if k in prefixes else None
+                self.engine.add_request(
+                    GenerationRequest(request_id, ids, sampling, seed=seed, prefix=prefix)
+                )
+
+    def _hand_over(self, finished: list[Group]) -> list[Group]:
+        """Give ``finished`` to the scoring threads; returns the groups whose scoring is done.
+
+        When the engine has nothing to decode, waits (briefly) for a batch to be scored
+        rather than spin. A scoring failure that stops the run is raised here."""
+        if finished:
+            self._scoring.append((self._scorers.submit(self._score, finished), finished))
+        if not self.engine.has_work and self._scoring:
+            concurrent.futures.wait(
+                [f for f, _ in self._scoring],
+                timeout=SCORING_WAIT_S,
+                return_when=concurrent.futures.FIRST_COMPLETED,
+            )
+        done = [(f, gs) for f, gs in self._scoring if f.done()]
+        self._scoring = [(f, gs) for f, gs in self._scoring if not f.done()]
+        scored = []
+        for future, groups in done:
+            future.result()  # RewardFailing, ScoringStopped: as when scoring in this thread
+            scored += groups
+        return scored
+
+    def close(self) -> None:
+        """Stop scoring threads and what the reward functions hold (their processes)."""
+        if self._scorers is not None:
+            self.rewards.stop()
+            self._scorers.shutdown(wait=False, cancel_futures=True)
+        self.rewards.close()
+
+    def preempt(self) -> list[PartialGroup]:
+        """Stop every group in flight and return what each has: finished completions and prefixes.
+
+        The engine is left empty and the groups are forgotten; :meth:`submit` with the result
+        continues them (here or on another worker) where they stopped.
+        """
+        aborted = {res.request_id: res for res in self.engine.abort()}
+        partials = []
+        for group_id, pending in sorted(self._pending.items()):
+            samples = dict(pending.samples)
+            for k in range(self.group_size):
+                res = aborted.get(f"{group_id}/{k}")
+                if res is not None and res.completion_ids:
+                    samples[k] = Sample(
+                        **vars(res.tokens()),
+                        prompt_id=pending.prompt.prompt_id,
+                        group_id=group_id,
+                        prompt_ids=list(pending.prompt_ids),
+                        loss_mask=[1] * res.num_completion_tokens,
+                        finish_reason="abort",
+                    )
+            partials.append(PartialGroup(group_id, pending.prompt, samples))
+        # Groups being scored are complete: they are scored again after the resume.
+        for _, groups in self._scoring:
+            for group in groups:
+                unscored = {
+                    k: replace(s, reward=None, reward_error=None, reward_components=None)
+                    for k, s in enumerate(group.samples)
+                }
+                partials.append(PartialGroup(group.group_id, group.prompt, unscored))
+        self._scoring = []
+        self._pending.clear()
+        self._sampling.clear()
+        self._complete_now.clear()
+        return partials
+
+    def _budgets(self, prompt: Prompt) -> list[int]:
+        """Token budget of each of the G completions, never above the configured one.
+
+        A dataset row may set ``max_new_tokens`` for its prompt (one integer) or for each
+        completion (a list of G integers), e.g. for curricula or straggler benchmarks.
+        """
+        cap = self.sampling.max_new_tokens
+        value = prompt.extra.get("max_new_tokens")
+        if value is None:
+            return [cap] * self.group_size
+        values = value if isinstance(value, list) else [value] * self.group_size
+        if len(values) != self.group_size or any(
+            isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values
+        ):
+            raise DatasetError(
+                f"prompt {prompt.prompt_id}: 'max_new_tokens' must be a positive integer or a list of "
+                f"{self.group_size} of them (one per completion), got {value!r}"
+            )
+        return [min(v, cap) for v in values]
+
+    def step(self, admit: bool = True) -> tuple[list[Group], list[Group]]:
+        """Advance the engine one step; returns (completed groups, groups dropped for reward errors).
+
+        ``admit=False`` lets only the running sequences advance (draining before an update).
+        """
+        complete, self._complete_now = self._complete_now, []
+        for res in self.engine.step(admit=admit):
+            self._sampling.pop(res.request_id, None)
+            group_id, k = (int(x) for x in res.request_id.split("/", 1))
+            pending = self._pending[group_id]
+            pending.samples[k] = self._sample(pending.prompt, group_id, pending.prompt_ids, res)
+            if len(pending.samples) == self.group_size:
+                complete.append(group_id)
+        groups = []
+        for group_id in complete:
+            pending = self._pending.pop(group_id, None)
+            if pending is None:  # cancelled as stale meanwhile
+                continue
+            groups.append(
+                Group(group_id, pending.prompt, [pending.samples[i] for i in range(self.group_size)])
+            )
+        if self._scorers is None:
+            self._score(groups)
+        else:
+            groups = self._hand_over(groups)
+        return self.stats.admit(groups, self.reward_on_error)
+
+    def abort_and_resume(self, before_resume=None) -> int:
+        """Stop every request in flight, call ``before_resume`` (e.g. load new weights), then
+        resume each one from its prefix; returns how many were interrupted.
+
+        A resumed completion keeps the tokens, log-probs and versions of its prefix and
+        continues with the same seed, so the final sample is one sequence whose tokens record
+        the versions that produced them.
+        """
+        aborted = self.engine.abort()
+        try:
+            if before_resume is not None:
+                before_resume()
+        finally:  # the requests go on (under the old weights) even if the update failed
+            for res in aborted:
+                self.engine.add_request(resume_request(res, self._sampling[res.request_id]))
+        return len(aborted)
+
+    def cancel_stale(self, version: int, max_staleness: int) -> list[tuple[int, Prompt]]:
+        """Cancel groups whose oldest token is more than ``max_staleness`` versions behind ``version``.
+
+        Their requests leave the engine and the group is forgotten; the caller re-issues the
+        returned prompts, so nothing is lost.
+        """
+        running = self.engine.oldest_versions()
+        cancelled = []
+        for group_id, pending in list(self._pending.items()):
+            ids = [f"{group_id}/{k}" for k in range(self.group_size)]
+            versions = [running[r] for r in ids if r in running]
+            versions += [min(s.versions) for s in pending.samples.values() if s.versions]
+            if versions and version - min(versions) > max_staleness:
+                self.engine.abort(ids)
+                for r in ids:
+                    self._sampling.pop(r, None)
+                del self._pending[group_id]
+                cancelled.append((group_id, pending.prompt))
+        return cancelled
+
+    def generate_groups(self, prompts: list[Prompt]) -> list[Group]:
+        """Generate, score and group completions for a batch of prompts, in prompt order.
+
+        Groups dropped for reward errors are left out (and counted in ``stats``).
+        """
+        ids = list(range(self._next_group_id, self._next_group_id + len(prompts)))
+        self._next_group_id += len(prompts)
+        self.submit(list(zip(ids, prompts, strict=True)))
+        done: dict[int, Group] = {}
+        while any(i in self._pending for i in ids):
+            for group in self.step()[0]:
+                done[group.group_id] = group
+        return [done[i] for i in ids if i in done]
+
+    def _sample(self, prompt: Prompt, group_id: int, prompt_ids: list[int], res: GenerationResult) -> Sample:
+        ids = res.completion_ids
+        answer_len, finish = len(ids), res.finish_reason
+        if self.eos_after is not None and self.eos_after in ids:
+            # Generation went on past EOS only to load the engine (decode_past_eos): the answer ends
+            # at the first EOS, and the tokens after it are neither scored nor trained.
+            answer_len, finish = ids.index(self.eos_after) + 1, "stop"
+        text = self.tokenizer.decode(
+            [t for t in ids[:answer_len] if t not in self.stop_ids], skip_special_tokens=True
+        )
+        return Sample(
+            **vars(res.tokens()),
+            prompt_id=prompt.prompt_id,
+            group_id=group_id,
+            prompt_ids=list(prompt_ids),
+            loss_mask=[1] * answer_len + [0] * (len(ids) - answer_len),
+            finish_reason=finish,
+            completion_text=text,
+        )
+
+    def _score(self, groups: list[Group]) -> None:
+        """Rewards of whole groups, scored as one batch; a failed reward is recorded per sample
+        (see ``reward_on_error``)."""
+        if not groups:
+            return
+        batch: list[GroupToScore] = []
+        for group in groups:
+            ids = [
+                [t for t, m in zip(s.completion_ids, s.loss_mask, strict=True) if m] for s in group.samples
+            ]
+            texts = [s.completion_text for s in group.samples]
+            if self.step_delimiter is None:
+                batch.append((group.prompt, texts, ids))
+                continue
+            steps = []
+            for sample, answer in zip(group.samples, ids, strict=True):
+                sample.turn_spans, step_texts = cut_steps(
+                    answer, self.tokenizer, self.step_delimiter, self.stop_ids
+                )
+                steps.append(step_texts)
+            batch.append((group.prompt, texts, ids, steps))  # the functions get completion_steps
+        scored = self.rewards.score_groups(batch)
+        for group, results in zip(groups, scored, strict=True):
+            for sample, result in zip(group.samples, results, strict=True):
+                reward, error = result.reward, result.error
+                if self.step_delimiter is not None:
+                    steps = result.steps if error is None else None
+                    sample.turn_rewards, step_error = _step_rewards(
+                        steps, sample.turn_spans, self.step_delimiter
+                    )
+                    error = error or step_error
+                if error is not None:
+                    self.stats.reward_errors += 1
+                    reward = 0.0 if self.reward_on_error == "zero" else None
+                sample.reward, sample.reward_error = reward, error
+                sample.reward_components = result.components

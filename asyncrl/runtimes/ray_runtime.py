@@ -1,0 +1,621 @@
+"""The Ray runtime: the trainer and each generator as a Ray actor, on one machine or a cluster.
+
+The workers are the same classes the local runtime runs in processes (``host.py``); an
+actor only hosts one of them (:class:`WorkerHost`): a thread runs the worker's command
+loop (``loop.py``), :meth:`WorkerHost.send` queues a command and :meth:`WorkerHost.events`
+returns what the worker produced, waiting briefly when there is nothing yet. The runtime
+keeps one ``events`` call outstanding per actor, so :meth:`RayRuntime.poll` is a single
+``ray.wait`` over all actors.
+
+Placement: every actor asks for the resources in ``runtime.ray.generator`` /
+``runtime.ray.trainer`` (CPUs, GPUs, memory); the trainer is created in a placement group
+so that, with several ranks, all of them start together or not at all. A local Ray
+instance is started for the run unless ``runtime.ray.address`` names a cluster to join.
+
+Weights: shared memory when every generator shares the trainer's node (checked: a
+generator on another node fails with a message naming the setting to change), a
+torch.distributed broadcast group through the trainer's node address, or files on a
+filesystem all nodes see.
+
+Faults: a generator actor that dies is reported to the controller as ``WorkerLost`` (its
+groups in flight are issued again) and started afresh under the same name, up to
+``runtime.ray.max_generator_restarts`` times; the newcomer receives the latest weights when
+it is ready. Generators can also be added and removed while the run goes
+(:meth:`add_generator`, :meth:`remove_generator`). Shared memory and files take a newcomer
+at any time. A broadcast group has fixed members, so with ``weight_sync=broadcast`` every
+change makes a new group (:meth:`_regroup`): when a member is lost the survivors move at
+once (waits on the old group are given up), a newcomer joins when it is ready, and the
+trainer publishes its newest weights to each new group first. A dead trainer always ends
+the run.
+
+(Over 400 lines on purpose: placement, the actor host, fault handling and elastic
+broadcast groups all act on the same actor table; the worker logic itself is shared with
+the local runtime through :mod:`.host`.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from asyncrl.config import Config
+from asyncrl.errors import AsyncRLError
+from asyncrl.rewards.judges.client import ENV as JUDGE_ENV
+from asyncrl.rewards.pool import ENV as POOL_ENV
+from asyncrl.rewards.pool import RewardHost
+from asyncrl.runtimes.base import generator_name
+from asyncrl.runtimes.cores import available_cores
+from asyncrl.runtimes.host import (
+    TRAINER,
+    TRAINER_RANK,
+    build_worker,
+    drain,
+    failed,
+    is_trainer,
+    ready,
+    serve_worker,
+)
+from asyncrl.trainer.distributed import trainer_rank_name
+from asyncrl.transports.groups.base import Delivery
+from asyncrl.transports.weights.factory import (
+    TransportSpec,
+    free_port,
+    make_broadcast_sender,
+    make_receiver,
+    transport_spec,
+    unlink_segment,
+)
+from asyncrl.workers.messages import (
+    Ready,
+    Restored,
+    StepDone,
+    Stop,
+    WorkerError,
+    WorkerFailed,
+    WorkerLost,
+)
+
+POLL_WAIT_S = 0.5  # how long an actor's events() call waits for something to report
+
+
+def _import_path() -> str:
+    entries = [p for p in sys.path if p and os.path.isdir(p)]
+    entries += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in entries]
+    return os.pathsep.join(entries)
+
+
+def _not_the_sigterm_notice(record: logging.LogRecord) -> bool:
+    """Drops Ray's warning that ``ray.init`` from a thread sets no SIGTERM handler (one that exits
+    at once): the run has its own (see run.stop_on_signals)."""
+    return not record.getMessage().startswith("SIGTERM handler is not set")
+
+
+class WorkerHost:
+    """Hosts one worker inside a Ray actor (this class is wrapped by ``ray.remote`` at start)."""
+
+    def __init__(self, role: str, name: str, index: int, cfg_json: str, threads: int) -> None:
+        self.role, self.name, self.index = role, name, index
+        self._cfg_json, self._threads = cfg_json, threads
+        self._spec: TransportSpec | None = None
+        self._commands: queue.Queue = queue.Queue()
+        self._events: queue.Queue = queue.Queue()
+        self._next_seq = 0
+        self._early: dict[int, object] = {}
+        self._lock = threading.Lock()
+        self._exit = threading.Event()
+        self._worker = None  # once built
+        self._device = None  # where the worker's weights live, once built
+        self._trainer = None  # a generator's handle on the trainer's actor
+        self._stall_s = 60.0  # runtime.stall_timeout_s, once the config is read
+        self._thread = threading.Thread(target=self._run, name=f"asyncrl-{name}", daemon=True)
+
+    def start(self, spec: TransportSpec, group: dict, trainer=None) -> None:
+        """Build the worker and serve commands, on a thread; ``Ready`` or ``WorkerFailed`` follows.
+
+        ``group`` says where the trainer ranks meet (``world_size``, ``master_addr``,
+        ``master_port``); ranks 1.. take their commands from rank 0, not from ``send``.
+        ``trainer``: a generator's handle on the trainer's actor, where it delivers its groups.
+        """
+        self._spec, self._group, self._trainer = spec, group, trainer
+        self._thread.start()
+
+    def deliver(self, delivery: Delivery) -> None:
+        """A generator's groups, into the trainer's inbox (this is the trainer's actor)."""
+        with self._lock:
+            worker = self._worker
+        if worker is None or self.role != TRAINER:
+            raise RuntimeError(f"{self.name} takes no deliveries: it is not a started trainer")
+        worker.inbox.put(delivery)
+
+    def _deliver_to_trainer(self, delivery: Delivery) -> None:
+        """Hand groups to the trainer and wait until they are there, so the headers reported after
+        them never name a group the trainer cannot get (even if this actor dies right after)."""
+        import ray
+
+        ray.get(self._trainer.deliver.remote(delivery), timeout=self._stall_s)
+
+    def where(self) -> dict:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
+
+    def free_port(self) -> int:
+        return free_port()
+
+    def send(self, seq: int, command) -> None:
+        # Calls may run on different actor threads; the sequence number restores their order.
+        with self._lock:
+            self._early[seq] = command
+            while self._next_seq in self._early:
+                self._commands.put(self._early.pop(self._next_seq))
+                self._next_seq += 1
+
+    def regroup(self, spec: TransportSpec, rank: int, version: int) -> None:
+        """Move this worker's end of the broadcast weight sync to the group ``spec`` names.
+
+        ``rank`` is its place there (0: the trainer), ``version`` the newest version published
+        so far, which the group's first publication carries at least.
+        """
+        with self._lock:
+            worker = self._worker
+        if worker is None:
+            raise RuntimeError(f"{self.name} is not started: the runtime regroups only ready workers")
+        timeout, device = worker.cfg.runtime.stall_timeout_s, self._device
+        if rank == 0:
+            worker.join_group(lambda layout: make_broadcast_sender(spec, layout, timeout, device))
+        else:
+            worker.join_group(lambda layout: make_receiver(spec, layout, rank, timeout, device), version)
+
+    def events(self, wait_s: float) -> list:
+        return drain(self._events, wait_s)
+
+    def abandon_work(self) -> None:
+        """The run is stopping: the worker abandons the reward scoring it is in (on this actor thread)."""
+        with self._lock:
+            worker = self._worker
+        if worker is not None:
+            worker.abandon_work()
+
+    def stop(self, timeout_s: float) -> bool:
+        with self._lock:
+            worker = self._worker
+        if worker is not None:
+            worker.stop_waiting()  # a wait for weights or for receivers would hold the Stop back
+        self._commands.put(Stop())
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        self._exit.set()
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        import torch
+
+        from asyncrl.config import Config
+
+        worker = None
+        try:
+            torch.set_num_threads(max(1, self._threads))
+            cfg = Config.model_validate_json(self._cfg_json)
+            self._stall_s = cfg.runtime.stall_timeout_s
+            worker, device = build_worker(
+                self.role, self.name, self.index, cfg, self._spec, self._group, elastic=True
+            )
+            with self._lock:
+                self._worker = worker
+                self._device = device  # the weight-sync ends of later groups use it too
+            self._events.put(ready(self.name))
+            serve_worker(
+                self.role,
+                worker,
+                self._commands,
+                self._events.put,
+                should_exit=self._exit.is_set,
+                deliver=self._deliver_to_trainer if self._trainer is not None else None,
+            )
+        except BaseException as exc:
+            self._events.put(failed(self.name, exc))
+        finally:
+            if worker is not None:
+                worker.close()
+
+
+class RayRuntime:
+    """Runtime protocol (see runtime.py) over Ray actors, plus elastic generators."""
+
+    restarts_generators = True  # the controller keeps going while a lost generator restarts
+
+    def __init__(self, cfg: Config, run_dir: Path) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise AsyncRLError(
+                "runtime.kind=ray needs Ray: pip install 'asyncrl[ray]' (or pip install ray)"
+            ) from None
+        self.ray = ray
+        self.cfg = cfg
+        self.rcfg = cfg.runtime.ray
+        self.run_dir = run_dir
+        self.generator_names = [generator_name(i) for i in range(cfg.runtime.generators)]
+        self.trainer_names = [trainer_rank_name(r) for r in range(cfg.trainer.ranks)]
+        self._actors: dict[str, object] = {}
+        self._pending: dict[str, object] = {}  # worker -> outstanding events() reference
+        self._seq: dict[str, int] = {}
+        self._ready: set[str] = set()
+        self._restarts = 0
+        self._next_index = cfg.runtime.generators
+        self._started_ray = False
+        self._ray_released = threading.Event()  # ends the thread that started Ray (_init_ray)
+        self._placement = None
+        self._spec: TransportSpec | None = None
+        self._lost: list = []
+        # Broadcast weight sync: the generators in the current group, in rank order (rank i+1),
+        # those started during the run that join it once ready, and the newest published version.
+        self._members: list[str] = []  # filled at start when the transport is broadcast
+        self._joining: set[str] = set()
+        self._published = 0
+        self._interrupt = "no"  # "requested" by the signal handler, then "sent" by the next poll
+        self.regroups = 0
+        self._reward_actors: list = []  # the reward pool (task.reward_workers)
+
+    # -- start --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        ray = self.ray
+        if not ray.is_initialized():
+            kwargs = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+            if self.rcfg.address is None:
+                kwargs["num_cpus"] = self.rcfg.num_cpus or available_cores()
+                # Actors of a local instance import what this process can (e.g. a reward module
+                # next to the user's script): they inherit PYTHONPATH from the Ray processes.
+                kwargs["runtime_env"] = {"env_vars": {"PYTHONPATH": _import_path()}}
+            else:
+                kwargs["address"] = self.rcfg.address
+            main = threading.current_thread() is threading.main_thread()
+            previous = signal.getsignal(signal.SIGTERM) if main else None
+            self._init_ray(kwargs)
+            if previous is not None:
+                # Ray's core worker puts its own crash reporter in place of the process's SIGTERM
+                # handler: the run's own stops cleanly, with a checkpoint (see run.stop_on_signals).
+                signal.signal(signal.SIGTERM, previous)
+            self._started_ray = True
+        self._start_reward_pool()  # before the generators, which look its actors up
+        self._spec = transport_spec(self.cfg, self.run_dir)
+        if self._spec.kind == "broadcast":
+            self._members = list(self.generator_names)
+        self._placement = self._trainer_placement()
+        ranks = [
+            self._create(TRAINER if r == 0 else TRAINER_RANK, name, r)
+            for r, name in enumerate(self.trainer_names)
+        ]
+        # The weight-sync group's store and the trainer ranks' store live with rank 0: its
+        # node's address, and ports free there.
+        where, sync_port, rank_port = self.ray.get(
+            [ranks[0].where.remote(), ranks[0].free_port.remote(), ranks[0].free_port.remote()],
+            timeout=self._start_s,
+        )
+        host = self.rcfg.master_addr or where["ip"]
+        if self._spec.kind == "broadcast":
+            self._spec = self._spec.replace(host=host, port=sync_port)
+        group = {"world_size": len(ranks), "master_addr": host, "master_port": rank_port}
+        for rank in ranks:
+            rank.start.remote(self._spec, group)
+        for i, name in enumerate(self.generator_names):
+            self._create("generator", name, i).start.remote(self._spec, {}, ranks[0])
+        self._wait_ready(set(self._actors))
+        if self._spec.kind == "shm":
+            self._check_same_node(self.generator_names)
+
+    @property
+    def _start_s(self) -> float:
+        return self.cfg.runtime.start_timeout_s
+
+    def _init_ray(self, kwargs: dict) -> None:
+        """``ray.init`` within runtime.start_timeout_s: Ray itself retries an address that does not
+        answer for many minutes.
+
+        It runs in a helper thread that lives until :meth:`stop`: Ray binds the processes of a
+        local instance to the thread that starts them (they are killed when it ends). A call
+        still running when the time is out is left to end with the process, or, if it succeeds
+        after all, shut down by its thread.
+        """
+        logging.getLogger("ray._private.worker").addFilter(_not_the_sigterm_notice)
+        failure: list[BaseException] = []
+        started, abandoned, handoff = threading.Event(), threading.Event(), threading.Lock()
+
+        def own() -> None:
+            try:
+                self.ray.init(**kwargs)
+            except BaseException as exc:  # handed to the waiting thread, which raises it
+                failure.append(exc)
+            with handoff:
+                started.set()
+                late = abandoned.is_set()
+            if failure:
+                return
+            if late:  # the start was given up meanwhile: nobody will use or stop this instance
+                self.ray.shutdown()
+                return
+            self._ray_released.wait()
+
+        threading.Thread(target=own, name="ray-owner", daemon=True).start()
+        started.wait(self._start_s)
+        with handoff:
+            if not started.is_set():
+                abandoned.set()
+        if abandoned.is_set():
+            address = self.rcfg.address or os.environ.get("RAY_ADDRESS")  # Ray's own default
+            what = (
+                f"could not connect to Ray at {address!r} "
+                f"({'runtime.ray.address' if self.rcfg.address else 'the RAY_ADDRESS environment variable'})"
+                if address
+                else "the local Ray instance did not start"
+            )
+            raise WorkerError(f"{what} within {self._start_s:g}s (runtime.start_timeout_s)")
+        if failure:
+            raise failure[0]
+
+    def _actor_options(self, res) -> dict:
+        options = {
+            "num_cpus": res.num_cpus,
+            "num_gpus": res.num_gpus,
+            "max_restarts": 0,  # restarts are the runtime's: it re-issues the lost work first
+            "max_concurrency": 8,  # send, events, stop and the generators' deliveries may overlap
+        }
+        if res.memory_gb:
+            options["memory"] = int(res.memory_gb * (1 << 30))
+        # The run's judge (asyncrl.rewards.judges) and reward pool, for reward functions in the actor.
+        found = {key: os.environ[key] for key in (JUDGE_ENV, POOL_ENV) if key in os.environ}
+        if found:
+            options["runtime_env"] = {"env_vars": found}
+        return options
+
+    def _start_reward_pool(self) -> None:
+        """task.reward_workers actors (runtime.ray.reward), named so that generators find them."""
+        n = self.cfg.task.reward_workers
+        if not n:
+            return
+        run = uuid.uuid4().hex[:8]
+        names = [f"asyncrl-reward-{run}-{i}" for i in range(n)]
+        cls = self.ray.remote(RewardHost)
+        for name in names:
+            options = self._actor_options(self.rcfg.reward)
+            self._reward_actors.append(cls.options(name=name, **options).remote(self.cfg.model_dump_json()))
+        try:
+            self.ray.get([a.ready.remote() for a in self._reward_actors], timeout=self._start_s)
+        except self.ray.exceptions.GetTimeoutError:
+            raise WorkerError(
+                f"the {n} reward workers (task.reward_workers) did not start within {self._start_s:g}s "
+                "(runtime.start_timeout_s); are the resources of runtime.ray.reward available?"
+            ) from None
+        os.environ[POOL_ENV] = json.dumps({"kind": "ray", "actors": names})
+
+    def _trainer_placement(self):
+        """One bundle per trainer rank: the ranks start together or not at all (gang scheduling)."""
+        from ray.util.placement_group import placement_group
+
+        res = self.rcfg.trainer
+        bundle = {"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {})}
+        strategy = self.rcfg.trainer_placement.upper()
+        return placement_group([dict(bundle) for _ in self.trainer_names], strategy=strategy)
+
+    def _threads(self, role: str, res) -> int:
+        trainer = is_trainer(role)
+        explicit = self.cfg.runtime.trainer_threads if trainer else self.cfg.runtime.generator_threads
+        return explicit or max(1, int(res.num_cpus))
+
+    def _create(self, role: str, name: str, index: int):
+        """Create the actor (not yet started) and its first outstanding events() call."""
+        trainer = is_trainer(role)
+        res = self.rcfg.trainer if trainer else self.rcfg.generator
+        options = self._actor_options(res)
+        if trainer:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                self._placement, placement_group_bundle_index=index
+            )
+        cls = self.ray.remote(WorkerHost).options(**options)
+        actor = cls.remote(role, name, index, self.cfg.model_dump_json(), self._threads(role, res))
+        self._actors[name] = actor
+        self._seq[name] = 0
+        self._pending[name] = actor.events.remote(POLL_WAIT_S)
+        return actor
+
+    def _wait_ready(self, names: set[str]) -> None:
+        deadline = time.monotonic() + self.cfg.runtime.start_timeout_s
+        waiting = set(names)
+        while waiting:
+            if time.monotonic() > deadline:
+                raise WorkerError(
+                    f"{sorted(waiting)} did not start within {self.cfg.runtime.start_timeout_s:.0f}s "
+                    "(runtime.start_timeout_s); are the requested Ray resources (runtime.ray.*) available? "
+                    f"cluster: {self.ray.available_resources()}"
+                )
+            for event in self._collect(0.2):
+                if isinstance(event, WorkerFailed):
+                    raise WorkerError(
+                        f"{event.worker} failed while starting: {event.message}\n{event.details}"
+                    )
+                if isinstance(event, WorkerLost):
+                    raise WorkerError(f"{event.worker} died while starting: {event.reason}")
+                if isinstance(event, Ready):
+                    waiting.discard(event.worker)
+                    self._ready.add(event.worker)
+
+    def _check_same_node(self, names: list[str]) -> None:
+        where = self.ray.get(
+            [self._actors[n].where.remote() for n in [TRAINER, *names]], timeout=self._start_s
+        )
+        trainer = where[0]["node_id"]
+        others = [n for n, w in zip(names, where[1:], strict=True) if w["node_id"] != trainer]
+        if others:
+            raise WorkerError(
+                f"{others} run on another node than the trainer, so shared-memory weight sync cannot reach "
+                "them; set runtime.weight_sync=broadcast (or files on a shared filesystem)"
+            )
+
+    # -- commands and events ------------------------------------------------------------------
+
+    def send(self, worker: str, command) -> None:
+        actor = self._actors.get(worker)
+        if actor is None:
+            return  # lost since the controller decided; its work has been re-issued
+        seq = self._seq[worker]
+        self._seq[worker] = seq + 1
+        actor.send.remote(seq, command)
+
+    def interrupt(self) -> None:
+        """The run is stopping: the actors abandon reward scoring. The signal handler only sets a
+        flag; the next :meth:`poll` (the driver's loop is never held by scoring) tells the actors."""
+        self._interrupt = "requested"
+
+    def poll(self, timeout: float) -> list:
+        if self._interrupt == "requested":
+            self._interrupt = "sent"
+            for actor in self._actors.values():
+                actor.abandon_work.remote()
+        events = self._collect(timeout)
+        for event in events:
+            if isinstance(event, Ready):
+                self._ready.add(event.worker)
+                if event.worker in self._joining:  # a newcomer: now it can join the group
+                    self._joining.discard(event.worker)
+                    self._members.append(event.worker)
+                    self._regroup()
+            elif isinstance(event, Restored) or (isinstance(event, StepDone) and event.published):
+                self._published = max(self._published, event.version)
+        return events
+
+    def _collect(self, timeout: float) -> list:
+        events, self._lost = self._lost, []
+        refs = list(self._pending.values())
+        if not refs:
+            time.sleep(timeout)
+            return events
+        ready, _ = self.ray.wait(refs, num_returns=1, timeout=timeout)
+        if ready:
+            ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
+        by_ref = {ref: name for name, ref in self._pending.items()}
+        for ref in ready:
+            name = by_ref[ref]
+            try:
+                events += self.ray.get(ref)
+            except self.ray.exceptions.RayActorError as exc:
+                events += self._on_actor_died(name, exc)
+                continue
+            self._pending[name] = self._actors[name].events.remote(POLL_WAIT_S)
+        return events
+
+    def _on_actor_died(self, name: str, exc: Exception) -> list:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        del self._pending[name]
+        self._actors.pop(name, None)
+        self._ready.discard(name)
+        if name in self.trainer_names:
+            raise WorkerError(f"{name} actor died: {reason}")
+        if self._restarts >= self.rcfg.max_generator_restarts:
+            raise WorkerError(
+                f"{name} actor died ({reason}) after {self._restarts} restarts "
+                "(runtime.ray.max_generator_restarts)"
+            )
+        self._restarts += 1
+        self._start_newcomer(name)
+        if name in self._members:  # the survivors move to a group without it at once
+            self._members.remove(name)
+            self._regroup()
+        return [WorkerLost(name, reason)]
+
+    def _start_newcomer(self, name: str) -> None:
+        """Start a generator during the run; with broadcast sync it joins the group once ready."""
+        spec = self._spec
+        if spec.kind == "broadcast":
+            spec = spec.replace(port=None)
+            self._joining.add(name)
+        self._create("generator", name, self._index_of(name)).start.remote(spec, {}, self._actors[TRAINER])
+
+    def _regroup(self) -> None:
+        """Form a new broadcast group of the trainer and ``_members`` (their ranks in order).
+
+        A broadcast group has fixed members, so every change of generators makes a new one, on a
+        new port: every member is told its rank, waits of the old group are given up, and the
+        trainer publishes its newest weights to the new group first.
+        """
+        trainer = self._actors[TRAINER]
+        port = self.ray.get(trainer.free_port.remote(), timeout=self._start_s)
+        spec = self._spec.replace(port=port, world=len(self._members) + 1)
+        for rank, name in enumerate(self._members, start=1):
+            self._actors[name].regroup.remote(spec, rank, self._published)
+        trainer.regroup.remote(spec, 0, self._published)
+        self.regroups += 1
+
+    @staticmethod
+    def _index_of(name: str) -> int:
+        return int(name.rsplit("-", 1)[1])
+
+    # -- membership -----------------------------------------------------------------------------
+
+    def actor(self, name: str):
+        """The Ray actor handle of a worker (for operators and fault-injection tests)."""
+        return self._actors[name]
+
+    def starting_generators(self) -> list[str]:
+        return [n for n in self._actors if n not in self.trainer_names and n not in self._ready]
+
+    def add_generator(self) -> str:
+        name = generator_name(self._next_index)
+        self._next_index += 1
+        self._start_newcomer(name)
+        return name  # its Ready event, through poll(), lets the controller send it work
+
+    def remove_generator(self, name: str) -> None:
+        self._joining.discard(name)
+        if name in self._members:  # the others move to a group without it before it stops
+            self._members.remove(name)
+            self._regroup()
+        actor = self._actors.pop(name)
+        self._pending.pop(name, None)
+        self._ready.discard(name)
+        grace = self.cfg.runtime.stop_timeout_s
+        with contextlib.suppress(Exception):  # already gone, or not stopping: it is killed either way
+            self.ray.get(actor.stop.remote(grace), timeout=grace + 5)
+        self.ray.kill(actor)
+
+    # -- stop ---------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop every worker (gracefully, then by kill), the placement group, and Ray if we started it."""
+        ray = self.ray
+        if not ray.is_initialized():
+            return
+        grace = self.cfg.runtime.stop_timeout_s
+        stops = {name: actor.stop.remote(grace) for name, actor in self._actors.items()}
+        with contextlib.suppress(Exception):
+            ray.wait(list(stops.values()), num_returns=len(stops), timeout=grace + 5)
+        for actor in [*self._actors.values(), *self._reward_actors]:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+        self._actors.clear()
+        self._reward_actors.clear()
+        os.environ.pop(POOL_ENV, None)
+        self._pending.clear()
+        if self._placement is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self._placement)
+            self._placement = None
+        if self._spec is not None and self._spec.segment:
+            unlink_segment(self._spec.segment)
+        if self._started_ray:
+            ray.shutdown()
+            self._ray_released.set()
+            self._started_ray = False

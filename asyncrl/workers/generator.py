@@ -1,0 +1,293 @@
+"""The generator worker: an engine plus reward scoring, producing groups and applying weight updates.
+
+It executes commands and returns events and knows nothing about processes, queues or Ray:
+a runtime (or its worker host) feeds it commands, delivers the groups it returns to the
+trainer (:mod:`.payload`) and forwards the events' headers to the controller.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from asyncrl.config import Config
+from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.lora import MergedLora
+from asyncrl.rewards.scoring import ScoringStopped
+from asyncrl.transports.weights.base import (
+    InterruptibleReceiver,
+    SyncInterrupted,
+    WeightLayout,
+    WeightReceiver,
+    WeightSyncError,
+    check_checksums,
+)
+from asyncrl.workers import build
+from asyncrl.workers.messages import (
+    GroupCancelled,
+    GroupDropped,
+    GroupReady,
+    LoadWeights,
+    Preempt,
+    Preempted,
+    Span,
+    Submit,
+    WeightsLoaded,
+)
+
+SPAN_FLUSH_S = 0.25  # long generation periods are reported in slices so the timeline stays live
+
+
+class GeneratorWorker:
+    """An engine plus reward scoring, producing groups and applying weight updates.
+
+    Interrupt modes (how a published version is applied):
+    - ``never``: at once, between two decode steps; running sequences continue on their KV
+      cache and their later tokens record the new version (PipelineRL);
+    - ``abort``: at once; running sequences stop, keep their prefix (tokens, log-probs,
+      versions) and resume under the new weights, the prefix re-prefilled (SkyRL, slime);
+    - ``drain``: no new sequence starts until the running ones finish; then the update, then
+      the held work starts under the new weights (PRIME-RL, AReaL);
+    - ``batch``: once all submitted work is finished.
+    Every token records the version of the weights that sampled it. After every update,
+    with ``schedule.reject=group``, groups whose oldest token is more than
+    ``schedule.max_staleness`` versions old are cancelled and reported — they would be
+    dropped when trained — so their prompts are issued again early; with ``reject=token``
+    they run on and only their too-old tokens are masked out of the loss.
+
+    ``Preempt`` (a stop) aborts every group in flight and answers ``Preempted`` with each
+    group's finished completions and prefixes, which a later ``Submit`` (after a resume,
+    here or on another generator) continues from.
+
+    With LoRA (``lora.rank`` > 0) an update carries only the adapters, which
+    :class:`~asyncrl.engine.lora.MergedLora` merges into the engine's base weights. An
+    update must advance the engine to the version received, or the run fails; with
+    ``runtime.verify_weight_sync`` the engine's weights are also checked against the
+    trainer's per-tensor checksums of that version (carried by ``LoadWeights``).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        cfg: Config,
+        receiver_factory: Callable[[WeightLayout], WeightReceiver],
+        seed: int,
+        regroups: bool = False,
+    ) -> None:
+        """``regroups``: the runtime re-forms broadcast groups (Ray); a wait that fails because the
+        group's members changed then waits for :meth:`join_group` instead of failing the run."""
+        self.name = name
+        self.cfg = cfg
+        self.regroups = regroups
+        policy = build.build_policy(cfg)
+        # Built before the engine's first update: it keeps the base weights it merges into.
+        self.lora = MergedLora(policy.model, cfg.lora) if cfg.lora.enabled else None
+        layout = self.lora.layout if self.lora else WeightLayout.of(policy.model.named_parameters())
+        self.receiver = receiver_factory(layout)
+        self._checksums: dict[int, dict[str, float]] = {}  # the trainer's, by version, until checked
+        self.engine = EmbeddedEngine(
+            policy.model,
+            pad_token_id=policy.pad_token_id,
+            max_batch_size=cfg.rollout.max_batch_size,
+            max_tokens_in_flight=cfg.rollout.max_tokens_in_flight,
+            max_seq_len=cfg.rollout.max_seq_len,
+            kv_cache_gb=cfg.rollout.kv_cache_gb,
+            kv_cache_fraction=cfg.rollout.kv_cache_fraction,
+            cuda_graphs=cfg.rollout.cuda_graphs,
+            seed=seed,
+            decode=lambda ids: policy.tokenizer.decode(ids, skip_special_tokens=True),
+        )
+        self.rollout = build.build_rollout(cfg, policy, self.engine)
+        self.interrupt = cfg.schedule.interrupt
+        self.pending_version: int | None = None
+        self._preempt = False
+        self._busy_since: float | None = None
+        self._layout = layout
+        # A new broadcast group to move to (set by join_group from the host's thread), and the
+        # version its first publication carries at least, once moved.
+        self._group_lock = threading.Lock()
+        self._next_receiver: tuple[Callable[[WeightLayout], WeightReceiver], int] | None = None
+        self._moving = threading.Event()  # set by join_group until the move is made
+        self._rejoin_version: int | None = None
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    @property
+    def owes_preempt(self) -> bool:
+        """A Preempt was received and its answer (the next work()) is still owed."""
+        return self._preempt
+
+    @property
+    def idle(self) -> bool:
+        return self.pending_version is None and not self.rollout.has_work and not self._preempt
+
+    def handle(self, command: Submit | LoadWeights | Preempt) -> None:
+        if isinstance(command, Submit):
+            self.rollout.submit(command.work, {p.group_id: p for p in command.partials})
+        elif isinstance(command, Preempt):
+            self._preempt = True  # answered by the next work(), before any update or engine step
+        elif isinstance(command, LoadWeights):
+            if command.checksums is not None:
+                self._checksums[command.version] = command.checksums
+                self._verify_engine()  # the engine may already hold this version (a receiver returns the latest)
+            if command.version > self.engine.version:
+                self.pending_version = max(command.version, self.pending_version or 0)
+        else:
+            raise TypeError(f"generator cannot handle {type(command).__name__}")
+
+    def _may_apply_update(self) -> bool:
+        if self.interrupt == "batch":
+            return not self.rollout.has_work
+        if self.interrupt == "drain":
+            return self.engine.num_running == 0
+        return True  # never, abort
+
+    def join_group(self, make_receiver: Callable[[WeightLayout], WeightReceiver], version: int) -> None:
+        """Move to a new weight-sync group (a broadcast group whose members changed); any thread.
+
+        A wait on the current group is given up at once; the worker's own thread then builds
+        the new receiver and takes the group's first publication, which carries the trainer's
+        newest weights, of ``version`` or newer (0: nothing has been published yet).
+        """
+        with self._group_lock:  # the receiver to interrupt is the one in use before the move
+            self._next_receiver = (make_receiver, version)
+            current = self.receiver
+            self._moving.set()
+        _interrupt(current)
+
+    def stop_waiting(self) -> None:
+        """Give up a wait for weights and the reward scoring in progress (any thread): the run is stopping."""
+        self.abandon_work()
+        _interrupt(self.receiver)
+
+    def abandon_work(self) -> None:
+        """Abandon reward scoring, now and from now on (any thread, or a signal handler): the run is stopping.
+
+        The groups being scored are given up; the controller's checkpoint has them as pending.
+        """
+        self.rollout.rewards.stop()
+
+    def _switch_group(self) -> None:
+        with self._group_lock:
+            (make_receiver, version), self._next_receiver = self._next_receiver, None
+            self._moving.clear()
+        self.receiver.close()
+        receiver = make_receiver(self._layout)  # waits until the group has formed
+        with self._group_lock:
+            self.receiver = receiver
+        if version > 0:
+            self._rejoin_version = version
+            self.pending_version = max(self.pending_version or 0, version)
+        else:
+            self._rejoin_version = None
+
+    def work(self) -> list:
+        """One unit of work: report a preemption, or apply a pending update if allowed, or one engine step."""
+        if self._preempt:
+            self._preempt = False
+            return [*self._flush_span(), Preempted.of(self.name, self.rollout.preempt())]
+        if self._next_receiver is not None:
+            self._switch_group()
+        if self.pending_version is not None and self._may_apply_update():
+            return self._apply_update()
+        if not self.rollout.has_work:
+            return self._flush_span()
+        if self._busy_since is None:
+            self._busy_since = time.time()
+        # While an update waits for the running sequences (drain), nothing new is admitted.
+        draining = self.pending_version is not None and self.interrupt == "drain"
+        try:
+            ready, dropped = self.rollout.step(admit=not draining)
+        except ScoringStopped:
+            return self._flush_span()
+        events: list = [GroupReady.of(self.name, g) for g in ready]
+        events += [GroupDropped(self.name, g.group_id, "reward_error") for g in dropped]
+        if not self.rollout.has_work or time.time() - self._busy_since > SPAN_FLUSH_S:
+            events += self._flush_span()
+        return events
+
+    def _apply_update(self) -> list:
+        events = self._flush_span()
+        t0, start = time.perf_counter(), time.time()
+        received: dict = {}
+
+        def load() -> None:
+            before = self.engine.version
+            # After a move to a new group, its first publication, whatever version it carries.
+            ask = self.pending_version if self._rejoin_version is None else self._rejoin_version
+            version, tensors = self.receiver.receive(ask, timeout=self.cfg.runtime.stall_timeout_s)
+            rejoined, self._rejoin_version = self._rejoin_version is not None, None
+            received["version"] = version
+            if rejoined and version == before:
+                return  # the group's first publication: weights this engine already holds
+            if self.lora is not None:
+                self.lora.load(self.engine, tensors, version)
+            else:
+                self.engine.load_weights(tensors, version)
+            if self.engine.version != version or version <= before:
+                raise WeightSyncError(
+                    f"{self.name}: the weight update to version {version} did not change the engine's "
+                    f"version (it was {before}, it is {self.engine.version})"
+                )
+            self._verify_engine()
+
+        try:
+            if self.interrupt == "abort" and self.engine.num_running:
+                interrupted = self.rollout.abort_and_resume(before_resume=load)
+            else:
+                interrupted = 0
+                load()
+        except SyncInterrupted:
+            return events  # the group is being replaced: the update is taken from the new one
+        except WeightSyncError:
+            # A member left the group before this worker heard of the new one (the old group
+            # fails under a waiting receive); the move, sent at the same time, follows.
+            if not self.regroups or not self._moving.wait(self.cfg.runtime.stall_timeout_s):
+                raise
+            return events
+        version = received["version"]
+        self.pending_version = None if version >= self.pending_version else self.pending_version
+        events.append(
+            Span(
+                self.name, "weight_sync", start, time.time(), {"version": version, "interrupted": interrupted}
+            )
+        )
+        events.append(WeightsLoaded(self.name, version, time.perf_counter() - t0))
+        if self.cfg.schedule.reject == "group":  # with reject=token the fresh tokens are still trained
+            for group_id, prompt in self.rollout.cancel_stale(version, self.cfg.schedule.max_staleness):
+                events.append(GroupCancelled(self.name, group_id, prompt))
+        return events
+
+    def _verify_engine(self) -> None:
+        """Check the engine's weights against the trainer's checksums of its version, once both are here."""
+        version = self.engine.version
+        expected = self._checksums.pop(version, None)
+        for old in [v for v in self._checksums if v < version]:
+            del self._checksums[old]  # superseded before it was loaded
+        if expected is None:
+            return
+        where = f"{self.name}'s engine"
+        if self.lora is not None:
+            self.lora.verify(self.engine, expected, version, where)
+        else:
+            check_checksums(dict(self.engine.model.named_parameters()), expected, version, where)
+
+    def close(self) -> None:
+        """Release what outlives a step: scoring threads and reward processes, episode loops."""
+        self.rollout.close()
+
+    def _flush_span(self) -> list:
+        if self._busy_since is None:
+            return []
+        span = Span(self.name, "generate", self._busy_since, time.time(), {"version": self.engine.version})
+        self._busy_since = None
+        return [span]
+
+
+def _interrupt(receiver: WeightReceiver) -> None:
+    """End a wait of ``receiver`` at once, if its transport can (a broadcast group's can)."""
+    if isinstance(receiver, InterruptibleReceiver):
+        receiver.interrupt()

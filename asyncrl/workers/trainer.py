@@ -1,0 +1,499 @@
+"""The trainer worker: streamed groups into optimizer steps, weight publication, evaluation, checkpoints.
+
+It executes commands and returns events and knows nothing about processes, queues or Ray.
+Rank 0 holds the inbox the generators deliver their groups to (:mod:`.payload`); with
+``trainer.ranks`` > 1 it forwards every command, groups resolved, to the other ranks
+(:func:`run_follower`). (Over 400 lines: the step, evaluation, checkpoint and restore
+commands share the open step's state and the stop rule, which read best together.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from asyncrl.config import Config
+from asyncrl.control import checkpoints as checkpoint
+from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.types import GenerationStopped
+from asyncrl.models.loading import Policy, resolve_device, save_policy
+from asyncrl.models.lora import published_weights, synced_parameters
+from asyncrl.rewards.scoring import ScoringStopped
+from asyncrl.rollout.evaluation import evaluate, evaluate_episodes
+from asyncrl.trainer.batching import MicroBatch
+from asyncrl.trainer.distributed import RankGroup, RankSpec, rank_device
+from asyncrl.trainer.trainer import assign_advantages, sync_dtype
+from asyncrl.transports.groups.base import Delivery, Inbox
+from asyncrl.transports.weights.base import (
+    RegroupingSender,
+    WeightLayout,
+    WeightSender,
+    WeightSyncError,
+    tensor_checksums,
+)
+from asyncrl.types import Group, PartialGroup
+from asyncrl.workers import build
+from asyncrl.workers.messages import (
+    Accumulate,
+    CheckpointSaved,
+    ContinueBatch,
+    Discard,
+    EvalDone,
+    Evaluate,
+    FinishStep,
+    Restore,
+    Restored,
+    SaveCheckpoint,
+    Saved,
+    SaveModel,
+    Span,
+    StepDone,
+    Stop,
+)
+
+Command = Accumulate | FinishStep | ContinueBatch | Evaluate | SaveModel | SaveCheckpoint | Restore | Discard
+
+
+@dataclasses.dataclass
+class BatchInProgress:
+    """A batch whose optimizer steps a stop interrupted after the first of them.
+
+    Its micro-batches are kept as the trainer prepared them — advantages, and the old and
+    reference log-probs of the weights the batch started from — so that the steps still to
+    take after a resume are the ones an uninterrupted run takes.
+    """
+
+    micro_batches: list[MicroBatch]
+    iterations: int  # optimizer steps still to take
+    divisor: float
+    publish: bool  # publish the weights after the last of them
+
+    def state_dict(self) -> dict:
+        """For ``trainer_state.pt`` (read back onto the CPU, whatever device wrote it)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict, device: torch.device) -> BatchInProgress:
+        return cls(**(state | {"micro_batches": [mb.to(device) for mb in state["micro_batches"]]}))
+
+
+class TrainerWorker:
+    """The trainer: accumulates streamed groups into one optimizer step, then publishes weights.
+
+    With ``world_size`` M > 1 this is one rank of a data-parallel trainer
+    (``trainer.parallel``; see :mod:`asyncrl.trainer.parallel`). Every rank constructs a
+    TrainerWorker with the same ``master_addr``/``master_port``/``world_size`` and its own
+    ``rank`` — concurrently, since construction waits until all M have joined the group.
+    Rank 0 is the worker the controller talks to (named ``trainer``): :meth:`handle`
+    computes the advantages of an ``Accumulate`` from whole groups, forwards every command
+    to the other ranks, then executes it; it alone publishes weights, evaluates, saves and
+    returns events. Ranks 1..M-1 (``sender_factory`` None) run :func:`run_follower`, which
+    executes the same commands until rank 0 closes. The host decides only where the
+    processes live: a child process (local runtime) or a Ray actor is the same to this class.
+
+    Rank 0 holds the :class:`~asyncrl.transports.groups.base.Inbox` the generators deliver
+    their groups to: an ``Accumulate`` names group ids, which rank 0 takes from there (and
+    keeps until the step is finished, for a checkpoint that carries them).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        cfg: Config,
+        sender_factory: Callable[[WeightLayout], WeightSender] | None,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 0,
+        inbox: Inbox | None = None,
+    ) -> None:
+        if world_size != cfg.trainer.ranks:
+            raise ValueError(f"world_size={world_size} but the config has trainer.ranks={cfg.trainer.ranks}")
+        if (sender_factory is None) != (rank > 0):
+            raise ValueError("rank 0, and only rank 0, publishes weights: it needs the sender_factory")
+        self.name = name
+        self.cfg = cfg
+        device = rank_device(resolve_device(cfg.model.device), rank, world_size)
+        self.ranks: RankGroup | None = None
+        if world_size > 1:
+            spec = RankSpec(
+                rank,
+                world_size,
+                master_addr,
+                master_port,
+                init_timeout_s=cfg.runtime.start_timeout_s,
+                timeout_s=cfg.runtime.stall_timeout_s,
+            )
+            self.ranks = RankGroup(spec, device)
+        self.policy = build.build_policy(cfg, device, trainable=True)
+        # What the sync moves (the whole model, or with LoRA the adapters), read before any sharding,
+        # in the dtype it travels in.
+        dtype = sync_dtype(cfg.lora.enabled, build.compute_dtype(cfg, device))
+        layout = WeightLayout.of((n, t.to(dtype)) for n, t in published_weights(self.policy.model))
+        self._layout = layout
+        self.sender = sender_factory(layout) if sender_factory is not None else None
+        self.trainer = build.build_trainer(cfg, self.policy, self.ranks)
+        self.inbox = inbox if inbox is not None else Inbox()
+        # Taken from the inbox for the open step (and, once the run is stopping, for every step
+        # given up since the last one finished).
+        self._step_groups: dict[int, Group] = {}
+        self._stopping = threading.Event()  # set by abandon_work
+        self._step_batches: list[MicroBatch] = []
+        self._step_open = False
+        self._in_progress: BatchInProgress | None = None  # a batch a stop interrupted between its steps
+        self._eval_engine: EmbeddedEngine | None = None
+        self._eval_prompts: list = []
+        self._gathered_policy: Policy | None = None
+        self.trainer_reward = build.build_reward(cfg)  # for evaluations, on rank 0
+
+    @property
+    def version(self) -> int:
+        return self.trainer.version
+
+    @property
+    def is_leader(self) -> bool:
+        return self.ranks is None or self.ranks.is_leader
+
+    def join_group(self, make_sender: Callable[[WeightLayout], WeightSender | None]) -> None:
+        """Publish to a new broadcast group from now on (its generators changed); any thread.
+
+        The publication in flight is given up and the newest weights go to the new group
+        first (see :class:`~asyncrl.transports.weights.broadcast.BackgroundPublisher`).
+        """
+        if not isinstance(self.sender, RegroupingSender):
+            raise WeightSyncError(f"{self.name}: its weight transport has no group to move ({self.sender!r})")
+        layout = self._layout
+        self.sender.regroup(lambda: make_sender(layout))
+
+    def stop_waiting(self) -> None:
+        """Give up a publication that waits for receivers or for a regroup, and an evaluation's reward
+        scoring (any thread): the run is stopping."""
+        self.abandon_work()
+        if isinstance(self.sender, RegroupingSender):
+            self.sender.stop_waiting()
+
+    def abandon_work(self) -> None:
+        """The run is stopping (any thread, or a signal handler): an evaluation in progress is given
+        up, and so is training — the step in progress and every one after it. Their groups are
+        kept for the stop's checkpoint, which is written at the version the trainer is at
+        (:meth:`_save_checkpoint`)."""
+        self._stopping.set()
+        self.trainer_reward.stop()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def handle(self, command: Command) -> list:
+        if not isinstance(command, Command):
+            raise TypeError(f"trainer cannot handle {type(command).__name__}")
+        if isinstance(command, Discard):
+            self.inbox.discard(command.group_ids)
+            return []
+        if self.is_leader and isinstance(command, Accumulate):
+            command = self._resolve(command)
+        if self.is_leader and self.stopping:
+            if isinstance(command, Accumulate | FinishStep | ContinueBatch):
+                # Given up, on every rank: the groups stay in _step_groups, a batch in progress in
+                # _in_progress, for the checkpoint.
+                return []
+            if isinstance(command, SaveCheckpoint):
+                # Saved where the trainer is; the controller's books follow (CheckpointSaved.version).
+                command = dataclasses.replace(command, version=self.trainer.version)
+            if isinstance(command, Evaluate):
+                return []
+        if self.ranks is not None and self.ranks.is_leader:
+            self.ranks.post(command)
+        if isinstance(command, Accumulate):
+            return self._accumulate(command)
+        if isinstance(command, FinishStep):
+            return self._finish(command)
+        if isinstance(command, ContinueBatch):
+            return self._continue(command)
+        if isinstance(command, Evaluate):
+            return self._evaluate(command)
+        if isinstance(command, SaveCheckpoint):
+            return self._save_checkpoint(command)
+        if isinstance(command, Restore):
+            return self._restore(command)
+        policy = self._full_policy()
+        if policy is None:
+            return []
+        save_policy(policy, Path(command.path))
+        return [Saved(self.name, command.path)]
+
+    def _resolve(self, command: Accumulate) -> Accumulate:
+        """The command with its groups: from the inbox, stale tokens masked, advantages assigned.
+
+        Advantages come from whole groups, before the samples are split across ranks.
+        """
+        groups = command.groups
+        if groups is None:
+            groups = self.inbox.take(command.group_ids, timeout=self.cfg.runtime.stall_timeout_s)
+        if command.min_version is not None:
+            for group in groups:
+                group.mask_older_than(command.min_version)
+        assign_advantages(groups, self.cfg.algorithm.advantage_scale, self.cfg.algorithm.step_rewards)
+        self._step_groups.update((g.group_id, g) for g in groups)
+        return dataclasses.replace(command, groups=groups)
+
+    def _full_policy(self) -> Policy | None:
+        """The policy with whole weights on rank 0 (None elsewhere); with FSDP2 every rank joins a gather."""
+        if not self.trainer.sharded:
+            return self.policy if self.is_leader else None
+        weights = self.trainer.named_weights()
+        if not self.is_leader:
+            return None
+        if self._gathered_policy is None:
+            self._gathered_policy = build.build_policy(self.cfg, self.trainer.device, trainable=True)
+            self._gathered_policy.model.requires_grad_(False)
+        params = dict(synced_parameters(self._gathered_policy.model))
+        with torch.no_grad():
+            for name, tensor in weights:
+                params[name].copy_(tensor)
+        return self._gathered_policy
+
+    def _save_checkpoint(self, command: SaveCheckpoint) -> list:
+        if self.trainer.version != command.version:
+            raise RuntimeError(
+                f"checkpoint of version {command.version} requested, but the trainer is at {self.trainer.version}"
+            )
+        # Steps given up at a stop: their groups go into the checkpoint with the carried ones.
+        given_up = list(self._step_groups) if command.carry_given_up else []
+        carried = list(dict.fromkeys([*command.carried, *given_up]))
+        command = dataclasses.replace(command, carried=carried)
+        start = time.time()
+        policy = self._full_policy()  # every rank joins the gathers; rank 0 writes
+        state = self.trainer.checkpoint_state()
+        if not self.is_leader:
+            return []
+        if self._in_progress is not None:
+            state["batch_in_progress"] = self._in_progress.state_dict()
+        checkpoint.save_trainer_state(Path(command.path), policy, state)
+        checkpoint.write_rollouts(Path(command.path), self._carried_rollouts(command))
+        return [
+            Span(self.name, "checkpoint", start, time.time()),
+            CheckpointSaved(self.name, command.path, command.version, carried=carried),
+        ]
+
+    def _carried_rollouts(self, command: SaveCheckpoint) -> dict:
+        """The checkpoint's generated groups not yet trained, and the partial groups of a stop.
+
+        A carried group is in the inbox, or was taken for the open step (which a stop abandons).
+        """
+        wait = self.cfg.runtime.stall_timeout_s
+        waiting = [i for i in command.carried if i not in self._step_groups]
+        found = dict(zip(waiting, self.inbox.peek(waiting, timeout=wait), strict=True))
+        groups = [self._step_groups.get(i) or found[i] for i in command.carried]
+        partials: list[PartialGroup] = self.inbox.partials(command.partial, timeout=wait)
+        return {
+            "format": 1,
+            "groups": [g.to_dict() for g in groups],
+            "partial": [p.to_dict() for p in partials],
+        }
+
+    def _restore(self, command: Restore) -> list:
+        """Every rank loads (rank 0 reads the files and broadcasts); rank 0 publishes the weights.
+
+        Rank 0 also puts the generated groups the checkpoint carries into its inbox: the
+        controller, which read their headers from the same file, will ask for them.
+        """
+        if self.is_leader:
+            carried = checkpoint.read_rollouts(Path(command.path)) or {}
+            self.inbox.put(Delivery([Group.from_dict(g) for g in carried.get("groups", [])]))
+        weights, state = checkpoint.load_trainer_state(Path(command.path)) if self.is_leader else ({}, {})
+        in_progress = state.pop("batch_in_progress", None)
+        if in_progress is not None:
+            if self.ranks is not None:
+                raise checkpoint.CheckpointError(
+                    f"{command.path} was taken by one trainer process in the middle of a batch's "
+                    f"optimizer steps; resume it with trainer.ranks=1 (this run has {self.ranks.world_size})"
+                )
+            self._in_progress = BatchInProgress.from_state_dict(in_progress, self.trainer.device)
+        version = self.trainer.load_checkpoint_state(weights, state)
+        named = self.trainer.synced_weights()  # with FSDP2 a gather that every rank joins
+        if self.sender is not None:
+            self.sender.publish(named, version)
+        return [Restored(self.name, version, self._checksums(named))] if self.is_leader else []
+
+    def _checksums(self, named: list) -> dict[str, float] | None:
+        return tensor_checksums(named) if self.cfg.runtime.verify_weight_sync else None
+
+    def _evaluate(self, command: Evaluate) -> list:
+        """Greedy accuracy of the current weights, generated on rank 0 with its own model (no copy but for FSDP2)."""
+        start = time.time()
+        policy = self._full_policy()
+        if policy is None:
+            return []
+        if self._eval_engine is None:
+            self._eval_engine = EmbeddedEngine(
+                policy.model,
+                pad_token_id=policy.pad_token_id,
+                max_batch_size=self.cfg.rollout.max_batch_size,
+                owns_model=False,
+                # The borrowed model's parameters may be re-materialised between evaluations
+                # (compute-dtype copies, FSDP2 gathers): a graph would keep reading the old ones.
+                cuda_graphs=False,
+            )
+            self._eval_prompts = build.eval_prompts(self.cfg, policy)
+        model = policy.model
+        was_training = model.training
+        model.eval()
+        try:
+            with self.trainer.compute():
+                if self.cfg.episode.environment is not None:
+                    rollout = build.build_rollout(self.cfg, policy, self._eval_engine, greedy=True)
+                    accuracy = evaluate_episodes(rollout, self._eval_prompts, stop=self._stopping.is_set)
+                else:
+                    accuracy = evaluate(
+                        self._eval_engine,
+                        policy.tokenizer,
+                        self._eval_prompts,
+                        self.trainer_reward,
+                        build.sampling_params(self.cfg, policy, greedy=True),
+                        stop=self._stopping.is_set,
+                        step_delimiter=self.cfg.task.step_delimiter,
+                    )
+        except (ScoringStopped, GenerationStopped):
+            return []  # the run is stopping: the evaluation is given up
+        finally:
+            model.train(was_training)
+        return [Span(self.name, "eval", start, time.time()), EvalDone(self.name, command.step, accuracy)]
+
+    def _accumulate(self, command: Accumulate) -> list:
+        start = time.time()
+        if not self._step_open:
+            self.trainer.begin_step()
+            self._step_batches = []
+            self._step_open = True
+        batches = self.trainer.prepare([s for g in command.groups for s in g.samples])  # resolved by rank 0
+        self._step_batches += batches
+        # One process gives a step up between micro-batches when the run stops; ranks do so between
+        # commands only (rank 0 decides), as every rank must run the same collectives.
+        if self.ranks is None:
+            self.trainer.accumulate(batches, stop=self._stopping.is_set)
+        else:
+            self.trainer.accumulate(batches)
+        return [Span(self.name, "train", start, time.time(), {"groups": len(command.groups)})]
+
+    def _finish(self, command: FinishStep) -> list:
+        if not self._step_open:
+            raise RuntimeError("FinishStep without any accumulated group")
+        start = time.time()
+        steps = [self.trainer.finish_step(command.divisor)]
+        iterations = self.cfg.algorithm.num_iterations - 1
+        steps += self._iterate(self._step_batches, iterations, command.divisor, command.publish)
+        self._step_open = False
+        self._step_batches = []
+        self._step_groups = {}
+        return self._step_events(steps, start, command.publish and self._in_progress is None)
+
+    def _continue(self, command: ContinueBatch) -> list:
+        batch, self._in_progress = self._in_progress, None
+        if batch is None or batch.iterations != command.iterations:
+            raise RuntimeError(
+                f"asked to continue a batch with {command.iterations} optimizer steps left, but the trainer "
+                f"holds {'no batch in progress' if batch is None else f'one with {batch.iterations} left'}"
+            )
+        start = time.time()
+        self.trainer.begin_step()  # gradients of the interrupted pass are not in the checkpoint
+        steps = self._iterate(batch.micro_batches, batch.iterations, batch.divisor, batch.publish)
+        return self._step_events(steps, start, batch.publish and self._in_progress is None)
+
+    def _iterate(
+        self, batches: list[MicroBatch], iterations: int, divisor: float, publish: bool
+    ) -> list[dict]:
+        """Up to ``iterations`` more optimizer steps on a batch's micro-batches (PPO epochs).
+
+        One trainer process gives the rest up between micro-batches when the run stops; the
+        batch is then kept in ``_in_progress`` for the stop's checkpoint, and the steps already
+        taken stand (the checkpoint is taken at the version they reached). Ranks take every
+        step, as they must run the same collectives.
+        """
+        stop = self._stopping.is_set if self.ranks is None else None
+        steps = []
+        for done in range(iterations):
+            self.trainer.begin_step()
+            self.trainer.accumulate(batches, stop=stop)
+            if stop is not None and stop():
+                self._in_progress = BatchInProgress(batches, iterations - done, divisor, publish)
+                break
+            steps.append(self.trainer.finish_step(divisor))
+        return steps
+
+    def _step_events(self, steps: list[dict], start: float, publish: bool) -> list:
+        """A Span of the optimizer steps, the publication (``publish``), and a StepDone per step."""
+        events: list = [Span(self.name, "train", start, time.time(), {"optimizer_steps": len(steps)})]
+        publish_s, sync_bytes, checksums = 0.0, 0, None
+        if publish:
+            t0, start = time.perf_counter(), time.time()
+            weights = self.trainer.synced_weights()  # with FSDP2 a gather that every rank joins
+            if self.sender is not None:
+                sync_bytes = self.sender.publish(weights, self.trainer.version).nbytes
+                checksums = self._checksums(weights)
+            publish_s = time.perf_counter() - t0
+            events.append(
+                Span(self.name, "weight_sync", start, time.time(), {"version": self.trainer.version})
+            )
+        first_version = self.trainer.version - len(steps) + 1
+        for i, metrics in enumerate(steps):
+            last = i == len(steps) - 1
+            metrics["weight_sync_bytes"] = sync_bytes if last else 0
+            events.append(
+                StepDone(
+                    self.name,
+                    first_version + i,
+                    metrics,
+                    published=last and publish,
+                    publish_s=publish_s if last else 0.0,
+                    checksums=checksums if last else None,
+                )
+            )
+        return events
+
+    def close(self) -> None:
+        """Rank 0: release the other ranks from :func:`run_follower` first. Every rank: leave the group."""
+        self.trainer_reward.close()
+        self.inbox.close()
+        try:
+            if self.ranks is not None and self.ranks.is_leader:
+                self.ranks.post(Stop())
+                self.ranks.wait_for_followers()
+        finally:
+            try:
+                if self.sender is not None:
+                    self.sender.close()
+            finally:
+                if self.ranks is not None:
+                    self.ranks.close()
+
+
+def run_follower(worker: TrainerWorker, busy: Callable[[bool], object] | None = None) -> None:
+    """The command loop of trainer ranks 1..M-1: execute what rank 0 forwards, until it closes.
+
+    A host calls this once on each follower rank after constructing its worker (a local
+    child process, or a Ray actor method that returns when the run ends) and then
+    ``worker.close()``. ``busy(True/False)`` brackets every command (the local runtime
+    shares CPU cores by it). Events are rank 0's to report; a follower's are dropped. An
+    exception (a failed collective, rank 0 gone) propagates to the host, which reports it.
+    """
+    if worker.ranks is None or worker.ranks.is_leader:
+        raise ValueError("run_follower is for trainer ranks 1..M-1; rank 0 is driven by handle()")
+    while True:
+        command = worker.ranks.next_command()
+        if isinstance(command, Stop):
+            worker.ranks.acknowledge_stop()
+            return
+        if busy is not None:
+            busy(True)
+        try:
+            worker.handle(command)
+        finally:
+            if busy is not None:
+                busy(False)
