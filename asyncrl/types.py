@@ -18,10 +18,26 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "abort"]
 """Why generation ended: an EOS/stop token, the token budget, or an abort by the engine."""
+
+
+class GroupState(StrEnum):
+    """Where a group is in its life; the diagram, and the moves allowed between these states, are
+    :mod:`asyncrl.control.lifecycle`'s."""
+
+    ISSUED = "issued"
+    GENERATING = "generating"
+    SCORING = "scoring"
+    DELIVERED = "delivered"
+    BUFFERED = "buffered"
+    ACCUMULATED = "accumulated"
+    TRAINED = "trained"
+    DISCARDED = "discarded"
+    CARRIED = "carried"
 
 
 @dataclass(frozen=True)
@@ -332,7 +348,7 @@ class PartialGroup:
     ``samples`` maps completion index k to what completion k had when it stopped: a finished
     sample, or a prefix (``finish_reason="abort"``) whose tokens keep the log-probs and
     versions they were sampled with. Completions with no tokens yet are absent and start
-    afresh. A rollout worker continues the group from here (``RolloutWorker.submit``).
+    afresh. A rollout worker continues the group from here (``CompletionRollout.submit``).
     """
 
     group_id: int

@@ -79,8 +79,9 @@ def run_soak(work: Path, steps: int, kill_every: int, hang_every: int, generator
     from asyncrl.config import load_config
     from asyncrl.control.controller import Controller
     from asyncrl.control.session import RunSession
+    from asyncrl.prompts.build import task_prompts
     from asyncrl.runtimes.ray_runtime import RayRuntime
-    from asyncrl.workers.build import seed_everything, task_prompts
+    from asyncrl.workers.build import seed_everything
     from asyncrl.workers.messages import StepDone
 
     work.mkdir(parents=True, exist_ok=True)

@@ -3,12 +3,13 @@
     python examples/grpo_loop.py --steps 20
 
 Every step: take B prompts, sample G completions of each with the engine (which records the
-log-prob of every token it draws), score each completion with the task's reward, turn the
-rewards into group-relative advantages, take one clipped policy-gradient step, and copy the
-new weights into the engine. That is all of GRPO. `asyncrl train` (schedule=sync) runs the
-same loop through a controller and workers, which is what lets the other schedules overlap
-generation with training, run the pieces in other processes and survive restarts
-(docs/design.md).
+log-prob of every token it draws), score each group of completions with the task's reward,
+turn the rewards into group-relative advantages, take one clipped policy-gradient step, and
+copy the new weights into the engine. That is all of GRPO. The pieces are the production
+ones: the rollout a generator worker runs and the three-call optimizer step the trainer
+worker runs. `asyncrl train` (schedule=sync) runs the same loop through a controller and
+workers, which is what lets the other schedules overlap generation with training, run the
+pieces in other processes and survive restarts (docs/design.md).
 """
 
 from __future__ import annotations
@@ -23,46 +24,11 @@ from asyncrl.builtin.arithmetic import ArithmeticTask
 from asyncrl.config import AlgorithmConfig, TrainerConfig
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.sampling import SamplingParams
-from asyncrl.engine.types import GenerationRequest
 from asyncrl.models.loading import load_policy
 from asyncrl.prompts.base import PromptStream
 from asyncrl.rewards.scoring import resolve_reward
+from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.trainer.trainer import Trainer, assign_advantages
-from asyncrl.types import Group, Prompt, Sample
-
-
-def rollout(engine, tokenizer, reward_fn, prompts: list[Prompt], group_size: int, sampling) -> list[Group]:
-    """G completions of each prompt, each scored by the reward: one Group per prompt."""
-    encoded = [tokenizer(p.text, add_special_tokens=False).input_ids for p in prompts]
-    requests = [
-        GenerationRequest(f"{i}/{k}", ids, sampling)
-        for i, ids in enumerate(encoded)
-        for k in range(group_size)
-    ]
-    results = iter(engine.generate(requests))  # in request order: group i's completions are adjacent
-    groups = []
-    for i, (prompt, ids) in enumerate(zip(prompts, encoded, strict=True)):
-        samples = []
-        for _ in range(group_size):
-            res = next(results)
-            text = tokenizer.decode(res.completion_ids, skip_special_tokens=True)
-            reward = reward_fn(completion=text, prompt=prompt.text, answer=prompt.answer)
-            samples.append(
-                Sample(
-                    prompt_id=prompt.prompt_id,
-                    group_id=i,
-                    prompt_ids=ids,
-                    completion_ids=res.completion_ids,
-                    logprobs=res.logprobs,  # the behaviour policy's, token by token
-                    versions=res.versions,  # which weights drew each token
-                    loss_mask=[1] * len(res.completion_ids),  # every completion token is trained, EOS too
-                    finish_reason=res.finish_reason,
-                    completion_text=text,
-                    reward=float(reward),
-                )
-            )
-        groups.append(Group(i, prompt, samples))
-    return groups
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -81,6 +47,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     generator_model = load_policy("builtin:arith", device="cpu", dtype="float32").model
     engine = EmbeddedEngine(generator_model, pad_token_id=policy.pad_token_id, seed=args.seed)
     sampling = SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=(policy.eos_token_id,))
+    # The task: endless 1-2 digit additions ("12+7=" -> "19"), rewarded 1 for the exact answer.
+    prompts = PromptStream(ArithmeticTask(["+"], min_digits=1, max_digits=2, seed=args.seed))
+    # G completions of each prompt from the engine, decoded and scored as a group.
+    rollout = CompletionRollout(
+        engine, tokenizer, resolve_reward("exact_match"), sampling, args.group_size, seed=args.seed
+    )
     algorithm = AlgorithmConfig(loss_type="dapo", advantage_scale="group", epsilon_low=0.2, epsilon_high=0.2)
     trainer = Trainer(
         policy.model,
@@ -91,15 +63,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         max_completion_length=sampling.max_new_tokens,
         total_steps=args.steps,
     )
-    # The task: endless 1-2 digit additions ("12+7=" -> "19"), rewarded 1 for the exact answer.
-    prompts = PromptStream(ArithmeticTask(["+"], min_digits=1, max_digits=2, seed=args.seed))
-    reward_fn = resolve_reward("exact_match")
 
     history = []
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
         # 1. Generate: G completions per prompt from the engine's current weights, scored.
-        groups = rollout(engine, tokenizer, reward_fn, prompts.take(args.prompts), args.group_size, sampling)
+        groups = rollout.generate_groups(prompts.take(args.prompts))
         # 2. Advantages: each reward minus its group's mean, over the group's std. A group whose
         #    completions all score the same teaches nothing (every advantage is 0).
         assign_advantages(groups, algorithm.advantage_scale)
@@ -127,6 +96,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             }
         )
         print(json.dumps(history[-1]), flush=True)
+    rollout.close()
     return history
 
 

@@ -12,8 +12,8 @@ import pytest
 from asyncrl.builtin.tokenizer import build_char_tokenizer
 from asyncrl.config import load_config
 from asyncrl.errors import DatasetError
+from asyncrl.prompts.build import prompt_source
 from asyncrl.prompts.hf_dataset import HFDataset, hold_out, load_rows
-from asyncrl.workers.build import prompt_source
 
 ROWS = [{"question": f"{i}+1=", "solution": str(i + 1), "level": i % 3} for i in range(10)]
 CHAT = [{"question": [{"role": "user", "content": f"{i}+2="}], "solution": str(i + 2)} for i in range(4)]

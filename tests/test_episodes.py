@@ -13,7 +13,7 @@ import torch
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.episodes.environment import StepResult, environment_episode
-from asyncrl.episodes.rollout import EpisodeRolloutWorker
+from asyncrl.episodes.rollout import EpisodeRollout
 from asyncrl.models.loading import load_policy
 from asyncrl.trainer.packing import collate_tree
 from asyncrl.types import Prompt
@@ -34,7 +34,7 @@ def make_worker(
         copy.deepcopy(policy.model), pad_token_id=policy.pad_token_id, max_batch_size=max_batch_size
     )
     sampling = SamplingParams(turn_tokens, stop_token_ids=(policy.eos_token_id,))
-    return EpisodeRolloutWorker(
+    return EpisodeRollout(
         engine,
         policy.tokenizer,
         episode,

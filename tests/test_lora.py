@@ -37,6 +37,7 @@ from asyncrl.types import Group, Prompt, Sample
 from asyncrl.workers import build
 from asyncrl.workers.generator import GeneratorWorker
 from asyncrl.workers.messages import LoadWeights, WeightsLoaded
+from tests.helpers import train_groups
 
 LORA = LoraConfig(rank=8)  # alpha 16: the delta is 2 * B @ A
 MAX_COMPLETION = 8
@@ -84,7 +85,7 @@ def trained(policy: Policy, make_sample, steps: int = 3, **algo) -> Trainer:
     """A LoRA trainer after ``steps`` updates at lr 1e-2: adapters far from their B = 0 start."""
     trainer = lora_trainer(policy, **algo)
     for step in range(steps):
-        trainer.train_on_groups(random_groups(make_sample, seed=step))
+        train_groups(trainer, random_groups(make_sample, seed=step))
     return trainer
 
 
@@ -122,7 +123,7 @@ def test_only_the_adapters_are_trained(tiny_policy: Policy, make_sample) -> None
     assert len(optimized) == 2 * 7 * 4  # A and B of q, k, v, o, gate, up, down in 4 layers
     before = {n: t.clone() for n, t in trainer.named_weights()}
     for step in range(2):
-        trainer.train_on_groups(random_groups(make_sample, seed=step))
+        train_groups(trainer, random_groups(make_sample, seed=step))
     after = dict(trainer.named_weights())
     assert min(float((after[n] - before[n]).abs().max()) for n in before if "lora_B" in n) > 1e-3
     for name, p in trainer.model.named_parameters():
@@ -212,9 +213,9 @@ def test_each_version_is_the_base_plus_its_own_delta(make_sample) -> None:
     """Loading v1 then v2 gives exactly the weights of loading v2 alone; layers without adapters are untouched."""
     policy = load_policy("tiny:1m", device="cpu", dtype="float32", seed=0)
     trainer = lora_trainer(policy)
-    trainer.train_on_groups(random_groups(make_sample, seed=0))
+    train_groups(trainer, random_groups(make_sample, seed=0))
     v1 = {n: t.clone() for n, t in trainer.named_weights()}
-    trainer.train_on_groups(random_groups(make_sample, seed=1))
+    train_groups(trainer, random_groups(make_sample, seed=1))
     v2 = {n: t.clone() for n, t in trainer.named_weights()}
     stepped, lora = merged_engine("tiny:1m", v1, 1)
     lora.load(stepped, v2, 2)
@@ -339,7 +340,7 @@ def test_lora_kl_reference_is_the_base_without_a_second_model(make_sample) -> No
     }
     assert sum(full_held.values()) == 2 * base_numel
 
-    kls = [trainer.train_on_groups(random_groups(make_sample, seed=step))[0]["kl_ref"] for step in range(3)]
+    kls = [train_groups(trainer, random_groups(make_sample, seed=step))[0]["kl_ref"] for step in range(3)]
     assert abs(kls[0]) <= 1e-7 < kls[2]  # B = 0 at the first step: policy == reference
     samples = [s for g in random_groups(make_sample, seed=9) for s in g.samples]
     for s in samples:

@@ -20,6 +20,7 @@ from asyncrl.errors import ConfigError
 from asyncrl.models.loading import Policy, load_policy, save_policy
 from asyncrl.prompts.base import PromptStream
 from asyncrl.rewards.scoring import exact_match
+from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.rollout.evaluation import evaluate
 
 SAMPLE_TEXT = CHARACTERS + "\nWhat is 12 + 7?\n\n  Answer: 19.\n" + "x\ny z"
@@ -253,8 +254,8 @@ def test_builtin_arith_answers_most_additions() -> None:
         prompts = PromptStream(ArithmeticTask(["+"], 1, 2, seed=seed)).take(400)
         engine = EmbeddedEngine(policy.model, pad_token_id=policy.pad_token_id, seed=0)
         results[seed] = (
-            evaluate(engine, policy.tokenizer, prompts, exact_match, greedy),
-            evaluate(engine, policy.tokenizer, prompts, exact_match, sampled),
+            evaluate(CompletionRollout(engine, policy.tokenizer, exact_match, greedy, 1), prompts),
+            evaluate(CompletionRollout(engine, policy.tokenizer, exact_match, sampled, 1), prompts),
         )
     # Measured: greedy 0.815 / 0.7975 and sampled 0.185 / 0.175 on the two prompt sets.
     for acc_greedy, acc_sampled in results.values():

@@ -25,7 +25,7 @@ from asyncrl.control.run import train
 from asyncrl.prompts.base import PromptStream
 from asyncrl.runtimes.inline import InlineRuntime
 from asyncrl.transports.weights.inprocess import InProcessChannel
-from asyncrl.types import Group, PartialGroup, Prompt
+from asyncrl.types import Group, GroupState, PartialGroup, Prompt
 from asyncrl.workers.generator import GeneratorWorker
 from asyncrl.workers.messages import GroupReady, Preempt, Preempted, SaveCheckpoint, StepDone, Submit
 from tests.helpers import (
@@ -143,7 +143,7 @@ def test_a_preempted_episode_group_keeps_its_finished_episodes() -> None:
     from asyncrl.engine.embedded import EmbeddedEngine
     from asyncrl.engine.sampling import SamplingParams
     from asyncrl.episodes.environment import environment_episode
-    from asyncrl.episodes.rollout import EpisodeRolloutWorker
+    from asyncrl.episodes.rollout import EpisodeRollout
     from asyncrl.models.loading import load_policy
     from tests.test_episodes import Echo
 
@@ -159,7 +159,7 @@ def test_a_preempted_episode_group_keeps_its_finished_episodes() -> None:
     def worker():
         engine = EmbeddedEngine(policy.model, pad_token_id=policy.pad_token_id, max_batch_size=8)
         params = SamplingParams(6, stop_token_ids=(policy.eos_token_id,))
-        return EpisodeRolloutWorker(
+        return EpisodeRollout(
             engine,
             policy.tokenizer,
             environment_episode(Varied),
@@ -209,9 +209,10 @@ def _run(worker, work, partials):
 def books_with_four_groups() -> Books:
     books = Books(PromptStream(ArithmeticTask(["+"], 1, 2, seed=0), seed=0))
     for _ in range(4):
-        books.issue()
-    books.generated()
-    books.generated()
+        group_id, _ = books.issue()
+        books.groups.move(group_id, GroupState.GENERATING, generator="generator-0")
+    books.generated(0)
+    books.generated(1)
     return books
 
 
@@ -230,9 +231,13 @@ def test_the_books_keep_carried_groups_as_issued_and_generated_and_issue_pending
 
     after = Books(PromptStream(ArithmeticTask(["+"], 1, 2, seed=0), seed=0))
     assert after.load_state_dict(json.loads(json.dumps(state))) == (0, 0)
-    assert after.ticket_of == {0: 0, 1: 1}
+    assert after.carried_tickets == {0: 0, 1: 1}
+    for group_id in (0, 1):  # as carry_over puts them back
+        after.carry(group_id, Prompt(str(group_id), "1+1="))
+        after.groups.move(group_id, GroupState.BUFFERED)
     assert [after.issue()[0] for _ in range(3)] == [2, 3, 4]
-    acc = after.accounting(in_flight=3, buffered=2)
+    acc = after.accounting()
+    assert (acc["in_flight"], acc["buffered"]) == (3, 2)
     assert acc["issued"] == 5 and acc["generated"] == 2 and acc["reconciles"] and acc["prompts_missing"] == 0
 
 
@@ -243,7 +248,7 @@ def test_a_checkpoint_of_the_first_format_still_loads() -> None:
         del item["partial"]
     after = Books(PromptStream(ArithmeticTask(["+"], 1, 2, seed=0), seed=0))
     after.load_state_dict(state)
-    assert after.ticket_of == {} and [after.issue()[0] for _ in range(4)] == [0, 1, 2, 3]
+    assert after.carried_tickets == {} and [after.issue()[0] for _ in range(4)] == [0, 1, 2, 3]
 
 
 class RecordingRuntime(InlineRuntime):

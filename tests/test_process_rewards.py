@@ -19,7 +19,7 @@ from asyncrl.errors import ConfigError
 from asyncrl.models.loading import Policy
 from asyncrl.rewards.scoring import RewardSet, RewardTerm
 from asyncrl.rewards.step_rewards import StepRewards, cut_steps, step_spans
-from asyncrl.rollout.completions import RolloutWorker
+from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.trainer.trainer import assign_advantages
 from asyncrl.types import Group, Prompt
 from tests.helpers import short_run
@@ -163,7 +163,7 @@ def test_rollout_samples_carry_step_spans_and_rewards_and_get_per_token_advantag
     tok = tiny_policy.tokenizer
     engine = EmbeddedEngine(tiny_policy.model, pad_token_id=tiny_policy.pad_token_id, max_batch_size=8)
     sampling = SamplingParams(max_new_tokens=12, temperature=1.0, stop_token_ids=[tiny_policy.eos_token_id])
-    worker = RolloutWorker(engine, tok, steps_reward, sampling, group_size=4, seed=3, step_delimiter="\n")
+    worker = CompletionRollout(engine, tok, steps_reward, sampling, group_size=4, seed=3, step_delimiter="\n")
     # The untrained model writes newlines rarely: a prompt whose completions are forced is not
     # needed, the spans are checked against the texts whatever they are.
     (group,) = worker.generate_groups([Prompt("p0", "1+2=")])
@@ -184,7 +184,7 @@ def test_rollout_samples_carry_step_spans_and_rewards_and_get_per_token_advantag
 def test_a_function_that_rewards_too_few_steps_is_a_reward_error(tiny_policy: Policy) -> None:
     engine = EmbeddedEngine(tiny_policy.model, pad_token_id=tiny_policy.pad_token_id, max_batch_size=4)
     sampling = SamplingParams(max_new_tokens=6, temperature=1.0)
-    worker = RolloutWorker(
+    worker = CompletionRollout(
         engine,
         tiny_policy.tokenizer,
         lambda completion, **_: StepRewards([]),

@@ -25,9 +25,10 @@ from asyncrl.control.controller import Controller
 from asyncrl.control.membership import write_control
 from asyncrl.control.run import train
 from asyncrl.control.session import RunSession
+from asyncrl.prompts.build import task_prompts
 from asyncrl.runtimes.ray_runtime import RayRuntime
 from asyncrl.transports.weights.factory import free_port
-from asyncrl.workers.build import seed_everything, task_prompts
+from asyncrl.workers.build import seed_everything
 from asyncrl.workers.messages import (
     GroupCancelled,
     GroupDropped,
@@ -213,7 +214,7 @@ def test_killed_generator_is_restarted_and_nothing_is_lost_or_trained_twice(
             return
         # The controller handles this poll's events after the hook: groups they finish are not in flight.
         done = {ended_group(e) for e in events if is_group_end(e, victim)}
-        in_flight = set(controller.generators.in_flight.get(victim, {})) - done
+        in_flight = set(controller.generators.in_flight(victim)) - done
         if in_flight:
             killed.update(
                 in_flight=len(in_flight), ids=in_flight, finished_after=0, step=controller.steps_done

@@ -11,10 +11,10 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.control.records import batch_metrics
 from asyncrl.prompts.chat import make_prompt
+from asyncrl.rewards.build import build_reward
 from asyncrl.rewards.library import format_regex, math_verify, overlong_penalty
 from asyncrl.rewards.scoring import RewardSet, RewardTerm, exact_match, is_batched, resolve_reward
 from asyncrl.types import Group, Prompt
-from asyncrl.workers.build import build_reward
 
 PROMPT = Prompt("p:0", "2+2=", "4", {"level": 3})
 TEXTS = ["4", "5", " 4 ", "x"]
@@ -238,7 +238,7 @@ def test_scoring_threads_let_the_engine_go_on_and_return_every_group_scored() ->
     from asyncrl.engine.embedded import EmbeddedEngine
     from asyncrl.engine.sampling import SamplingParams
     from asyncrl.models.loading import load_policy
-    from asyncrl.rollout.completions import RolloutWorker
+    from asyncrl.rollout.completions import CompletionRollout
 
     policy = load_policy("tiny:1m", device="cpu", dtype="float32", seed=0)
     scoring_threads = set()
@@ -252,16 +252,18 @@ def test_scoring_threads_let_the_engine_go_on_and_return_every_group_scored() ->
     def groups(workers: int):
         engine = EmbeddedEngine(policy.model, pad_token_id=policy.pad_token_id, max_batch_size=8)
         params = SamplingParams(12, stop_token_ids=(policy.eos_token_id,))
-        rollout = RolloutWorker(engine, policy.tokenizer, reward, params, 4, seed=3, reward_workers=workers)
+        rollout = CompletionRollout(
+            engine, policy.tokenizer, reward, params, 4, seed=3, scoring_threads=workers
+        )
         try:
             return rollout.generate_groups(prompts)
         finally:
             rollout.close()
 
     inline = groups(0)
-    assert not any(name.startswith("asyncrl-reward") for name in scoring_threads)
+    assert not any(name.startswith("asyncrl-scoring") for name in scoring_threads)
     pooled = groups(2)
-    assert any(name.startswith("asyncrl-reward") for name in scoring_threads)
+    assert any(name.startswith("asyncrl-scoring") for name in scoring_threads)
     assert [g.group_id for g in pooled] == [g.group_id for g in inline]
     for a, b in zip(inline, pooled, strict=True):
         assert [s.completion_ids for s in a.samples] == [s.completion_ids for s in b.samples]
@@ -297,7 +299,7 @@ def test_groups_being_scored_at_a_preemption_are_kept_and_scored_after() -> None
     from asyncrl.engine.embedded import EmbeddedEngine
     from asyncrl.engine.sampling import SamplingParams
     from asyncrl.models.loading import load_policy
-    from asyncrl.rollout.completions import RolloutWorker
+    from asyncrl.rollout.completions import CompletionRollout
 
     policy = load_policy("tiny:1m", device="cpu", dtype="float32", seed=0)
     release = threading.Event()
@@ -309,7 +311,7 @@ def test_groups_being_scored_at_a_preemption_are_kept_and_scored_after() -> None
     def worker():
         engine = EmbeddedEngine(policy.model, pad_token_id=policy.pad_token_id, max_batch_size=8)
         params = SamplingParams(6, stop_token_ids=(policy.eos_token_id,))
-        return RolloutWorker(engine, policy.tokenizer, held, params, 2, reward_workers=1)
+        return CompletionRollout(engine, policy.tokenizer, held, params, 2, scoring_threads=1)
 
     task = Prompt("p", "1+2=", "3")
     first = worker()

@@ -15,10 +15,11 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.control.run import train
 from asyncrl.errors import ConfigError, RewardFailing
-from asyncrl.rewards.pool import ENV, PooledRewards, RewardPoolError, local_reward_pool
+from asyncrl.rewards.build import build_reward
+from asyncrl.rewards.pool import ENV, PooledRewards, RewardPoolError
+from asyncrl.rewards.pool_service import local_reward_pool
 from asyncrl.rewards.scoring import ScoringStopped
 from asyncrl.types import Prompt
-from asyncrl.workers.build import build_reward
 from tests.helpers import child_pids, short_run, survivors_of_a_killed_parent, wait_dead
 
 PIDS_DIR = "ASYNCRL_TEST_REWARD_PIDS"
@@ -171,7 +172,7 @@ def test_a_killed_run_leaves_no_reward_worker_behind(tmp_path: Path) -> None:
         """
         import sys, psutil
         from asyncrl.config import load_config
-        from asyncrl.rewards.pool import local_reward_pool
+        from asyncrl.rewards.pool_service import local_reward_pool
         cfg = load_config(None, ["task.reward_workers=2"])
         with local_reward_pool(cfg, 120):
             print(" ".join(str(p.pid) for p in psutil.Process().children(recursive=True)), flush=True)

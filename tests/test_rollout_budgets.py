@@ -17,10 +17,10 @@ from asyncrl.errors import DatasetError
 from asyncrl.models.loading import Policy, load_policy
 from asyncrl.prompts.jsonl import JsonlDataset
 from asyncrl.rewards.scoring import exact_match
-from asyncrl.rollout.completions import RolloutWorker
+from asyncrl.rollout.build import build_rollout, sampling_params
+from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.rollout.evaluation import evaluate
 from asyncrl.types import Group, Prompt
-from asyncrl.workers.build import build_rollout, sampling_params
 
 GROUP = 4
 CAP = 10
@@ -37,6 +37,10 @@ class RecordingEngine:
         self.requests.append(request)
         self._queued.append(request)
 
+    @property
+    def has_work(self) -> bool:
+        return bool(self._queued)
+
     def step(self, admit: bool = True) -> list[GenerationResult]:
         done, self._queued = self._queued, []
         return [
@@ -51,12 +55,12 @@ class RecordingEngine:
         ]
 
 
-def recording_worker(engine: RecordingEngine) -> RolloutWorker:
+def recording_worker(engine: RecordingEngine) -> CompletionRollout:
     tokenizer = build_char_tokenizer()
     sampling = SamplingParams(
         max_new_tokens=CAP, temperature=0.7, top_k=5, stop_token_ids=(tokenizer.eos_token_id,)
     )
-    return RolloutWorker(engine, tokenizer, exact_match, sampling, GROUP)
+    return CompletionRollout(engine, tokenizer, exact_match, sampling, GROUP)
 
 
 def budgets_by_completion(engine: RecordingEngine, group_id: int) -> list[int]:
@@ -240,7 +244,7 @@ def test_greedy_evaluation_stops_at_eos_in_every_mode(arith: Policy, mode: str |
     for res in results:
         assert res.finish_reason == "stop"
         assert res.completion_ids.index(arith.eos_token_id) == len(res.completion_ids) - 1
-    accuracy = evaluate(engine, arith.tokenizer, held_out, exact_match, greedy)
+    accuracy = evaluate(CompletionRollout(engine, arith.tokenizer, exact_match, greedy, 1), held_out)
     assert accuracy == pytest.approx(9 / 16)  # the same in every mode: greedy answers end at EOS
 
 

@@ -32,7 +32,7 @@ from asyncrl.models.loading import load_policy, load_tokenizer
 from asyncrl.prompts.jsonl import JsonlDataset
 from asyncrl.reports.jsonl import read_jsonl
 from asyncrl.rewards.scoring import resolve_reward
-from asyncrl.rollout.completions import RolloutWorker
+from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.types import Group, Prompt, Sample
 from asyncrl.workers.messages import (
     Accumulate,
@@ -331,7 +331,7 @@ def test_rollout_assembles_scrambled_completions_by_prompt(pairing_module) -> No
     data, module = pairing_module
     tokenizer, _ = load_tokenizer("builtin:arith")
     prompts = JsonlDataset(data).prompts
-    rollout = RolloutWorker(
+    rollout = CompletionRollout(
         ScrambledEngine(tokenizer, seed=3),
         tokenizer,
         resolve_reward(f"{module}:consistent"),

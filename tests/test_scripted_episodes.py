@@ -24,10 +24,10 @@ from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationResult
 from asyncrl.episodes.environment import environment_episode
 from asyncrl.episodes.resolve import builtin_environment
-from asyncrl.episodes.rollout import EpisodeRolloutWorker
+from asyncrl.episodes.rollout import EpisodeRollout
 from asyncrl.errors import ConfigError
 from asyncrl.models.loading import load_policy
-from asyncrl.rollout.evaluation import evaluate_episodes
+from asyncrl.rollout.evaluation import evaluate
 from asyncrl.types import Prompt
 
 REPO = Path(__file__).resolve().parent.parent
@@ -195,7 +195,7 @@ def test_scripted_episodes_are_token_for_token_what_rl_records(name: str) -> Non
         scripted = render(spec, prompts, noise=0.7, seed=3, **budgets)
         assert all(e.record.turn_spans for e in scripted)
         engine = ReplayEngine({f"{i}/0": e for i, e in enumerate(scripted)})
-        worker = EpisodeRolloutWorker(
+        worker = EpisodeRollout(
             engine,
             TOKENIZER,
             environment_episode(spec["environment"]),
@@ -275,7 +275,7 @@ def test_sft_task_is_checked_by_name() -> None:
 def play(model_source: str, spec: dict, prompts: list[Prompt], temperature: float) -> list[float]:
     policy = load_policy(model_source, device="cpu")
     budgets = spec["budgets"]
-    worker = EpisodeRolloutWorker(
+    worker = EpisodeRollout(
         EmbeddedEngine(policy.model, pad_token_id=policy.pad_token_id, seed=0),
         policy.tokenizer,
         environment_episode(spec["environment"]),
@@ -322,7 +322,7 @@ def evaluate_episodes_of(name: str, cfg: dict) -> float:
         else GuessTask(cfg["guess_max"], seed=cfg["eval_seed"])
     )
     policy = load_policy(f"builtin:{name}", device="cpu")
-    worker = EpisodeRolloutWorker(
+    worker = EpisodeRollout(
         EmbeddedEngine(policy.model, pad_token_id=policy.pad_token_id, seed=cfg["seed"]),
         policy.tokenizer,
         environment_episode(spec["environment"]),
@@ -332,7 +332,10 @@ def evaluate_episodes_of(name: str, cfg: dict) -> float:
         max_episode_tokens=cfg["max_episode_tokens"],
         seed=cfg["seed"],
     )
-    return evaluate_episodes(worker, [source.get(i) for i in range(cfg["eval_prompts"])])
+    try:
+        return evaluate(worker, [source.get(i) for i in range(cfg["eval_prompts"])])
+    finally:
+        worker.close()
 
 
 # -- the example configs -----------------------------------------------------------------------

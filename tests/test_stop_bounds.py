@@ -25,6 +25,7 @@ from asyncrl.control.run import train
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest, GenerationStopped
+from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.rollout.evaluation import evaluate
 from asyncrl.runtimes.inline import InlineRuntime
 from asyncrl.trainer.trainer import assign_advantages
@@ -117,7 +118,8 @@ def test_an_evaluation_is_given_up_between_engine_steps(tiny_policy) -> None:
 
     sampling = SamplingParams(max_new_tokens=32, temperature=0.0)  # no stop ids: 32 tokens each
     with pytest.raises(GenerationStopped):
-        evaluate(engine, tiny_policy.tokenizer, prompts, lambda completion, **_: 1.0, sampling, stop=stop)
+        rollout = CompletionRollout(engine, tiny_policy.tokenizer, lambda completion, **_: 1.0, sampling, 1)
+        evaluate(rollout, prompts, stop=stop)
     assert len(steps) == 4 and not engine.has_work  # 16 prompts x 32 tokens would take 128+ steps
     request = GenerationRequest("after", [5, 6, 7], SamplingParams(max_new_tokens=3, temperature=0.0))
     assert len(engine.generate([request])[0].completion_ids) == 3  # the engine is usable again

@@ -19,7 +19,7 @@ from asyncrl.errors import ConfigError, DatasetError
 from asyncrl.prompts.base import PromptStream
 from asyncrl.prompts.jsonl import JsonlDataset
 from asyncrl.rewards.scoring import exact_match, numeric_match, resolve_reward, score
-from asyncrl.rollout.completions import RolloutWorker
+from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.types import Prompt
 
 PROMPT_RE = re.compile(r"^(\d+)([+\-*])(\d+)=$")
@@ -367,7 +367,7 @@ def test_score_passes_prompt_answer_and_extra() -> None:
     assert seen == {"completion": "19", "prompt": "12+7=", "answer": "19", "level": 2}
 
 
-# --- RolloutWorker --------------------------------------------------------------------------------
+# --- CompletionRollout --------------------------------------------------------------------------------
 
 
 class FakeEngine:
@@ -385,6 +385,10 @@ class FakeEngine:
 
     def add_request(self, request: GenerationRequest) -> None:
         self.queued.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.queued)
 
     def step(self, admit: bool = True) -> list[GenerationResult]:
         requests, self.queued = self.queued, []
@@ -412,7 +416,9 @@ def char_tokenizer():
 def make_worker(tokenizer, reward_fn=exact_match, reward_on_error="zero", reverse=False, group_size=4):
     sampling = SamplingParams(max_new_tokens=6, stop_token_ids=(tokenizer.eos_token_id,))
     engine = FakeEngine(tokenizer, reverse=reverse)
-    return RolloutWorker(engine, tokenizer, reward_fn, sampling, group_size, reward_on_error=reward_on_error)
+    return CompletionRollout(
+        engine, tokenizer, reward_fn, sampling, group_size, reward_on_error=reward_on_error
+    )
 
 
 @pytest.mark.parametrize("reverse", [False, True], ids=["in_order", "reversed"])

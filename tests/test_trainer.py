@@ -18,6 +18,7 @@ from asyncrl.trainer.logprobs import completion_logprobs
 from asyncrl.trainer.planning import plan_micro_batches
 from asyncrl.trainer.trainer import Trainer, assign_advantages, lr_lambda
 from asyncrl.types import Group, Prompt, Sample
+from tests.helpers import train_groups
 
 TEMPERATURE = 0.8
 MAX_COMPLETION = 8
@@ -193,7 +194,7 @@ def make_groups(make_sample, rewards: list[list[float]], seed: int) -> list[Grou
     return groups
 
 
-def test_train_on_groups_steps_and_versions(tiny_policy: Policy, make_sample) -> None:
+def test_a_batchs_optimizer_steps_and_versions(tiny_policy: Policy, make_sample) -> None:
     """num_iterations=2 takes two finite optimizer steps, bumps version twice, follows warm-up LR."""
     trainer = make_trainer(
         tiny_policy.model, tiny_policy.pad_token_id, num_iterations=2, lr=1e-3, warmup_steps=2
@@ -201,7 +202,7 @@ def test_train_on_groups_steps_and_versions(tiny_policy: Policy, make_sample) ->
     assert trainer.old_logprob_mode == "recompute"
     groups = make_groups(make_sample, [[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 1.0]], seed=3)
     before = {n: p.detach().clone() for n, p in tiny_policy.model.named_parameters()}
-    metrics = trainer.train_on_groups(groups)
+    metrics = train_groups(trainer, groups)
 
     assert len(metrics) == 2
     assert trainer.version == 2
@@ -274,7 +275,7 @@ def test_old_logprobs_auto_with_one_iteration_gives_ratio_one(tiny_policy: Polic
     assign_advantages(groups, "group")
     batches = trainer.prepare([s for g in groups for s in g.samples])
     assert all(mb.old_logprobs is None for mb in batches)
-    (metrics,) = trainer.train_on_groups(groups)
+    (metrics,) = train_groups(trainer, groups)
     assert metrics["ratio_mean"] == 1.0
     assert metrics["clip_frac"] == 0.0
     assert trainer.version == 1
@@ -325,9 +326,9 @@ def test_beta_creates_frozen_reference_with_zero_initial_kl(tiny_policy: Policy,
         assert torch.equal(p, initial[n])
 
     groups = make_groups(make_sample, [[1.0, 0.0, 0.0], [0.0, 1.0, 0.5]], seed=8)
-    (first,) = trainer.train_on_groups(groups)
+    (first,) = train_groups(trainer, groups)
     assert abs(first["kl_ref"]) <= 1e-7
     for n, p in ref.named_parameters():
         assert torch.equal(p, initial[n])
-    (second,) = trainer.train_on_groups(groups)
+    (second,) = train_groups(trainer, groups)
     assert second["kl_ref"] > 1e-7

@@ -35,6 +35,7 @@ from asyncrl.control.run import train
 from asyncrl.control.session import RunSession
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest
+from asyncrl.prompts.build import task_prompts
 from asyncrl.runtimes.local import LocalRuntime
 from asyncrl.trainer.distributed import RankGroup, RankSpec
 from asyncrl.transports.weights.base import SyncInterrupted, WeightLayout, WeightSyncError
@@ -46,7 +47,6 @@ from asyncrl.transports.weights.broadcast import (
 )
 from asyncrl.transports.weights.factory import free_port
 from asyncrl.types import Prompt
-from asyncrl.workers.build import task_prompts
 from asyncrl.workers.messages import WorkerError
 from tests.helpers import ONE_THREAD_EACH, child_env, child_pids, short_run, wait_dead
 
@@ -644,11 +644,11 @@ def test_broadcast_plane_lookups_end_at_the_group_timeout() -> None:
 def one_episode_worker(policy, episode):
     """An episode worker that plays ``episode`` one at a time, on a small engine."""
     from asyncrl.engine.embedded import EmbeddedEngine
-    from asyncrl.episodes.rollout import EpisodeRolloutWorker
+    from asyncrl.episodes.rollout import EpisodeRollout
 
     engine = EmbeddedEngine(policy.model, pad_token_id=policy.pad_token_id, max_batch_size=2)
     sampling = SamplingParams(4, stop_token_ids=(policy.eos_token_id,))
-    return EpisodeRolloutWorker(
+    return EpisodeRollout(
         engine, policy.tokenizer, episode, sampling, group_size=1, max_turns=1, max_episode_tokens=16
     )
 

@@ -10,7 +10,7 @@ the teacher in the engine's place: each teacher turn is its text's tokens follow
 (what the engine samples, up to and including the stop token: loss mask 1), each
 observation the environment's text as RL encodes it (loss mask 0). So what SFT trains on
 is token for token what RL samples and trains on (``tests/test_scripted_episodes.py``
-replays them through an :class:`~asyncrl.episodes.EpisodeRolloutWorker`).
+replays them through an :class:`~asyncrl.episodes.EpisodeRollout`).
 
 Teachers are imperfect on purpose, with probability ``noise``: RL learns nothing from a
 policy that never earns a reward and shows nothing from one that is already perfect.

@@ -38,13 +38,20 @@ from pathlib import Path
 import torch
 
 from asyncrl.builtin.arithmetic import ArithmeticTask, near_miss
+from asyncrl.builtin.games import GuessTask
+from asyncrl.builtin.scripted import CalculatorTeacher, GuessTeacher, render_episode
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.sampling import SamplingParams
+from asyncrl.episodes.environment import environment_episode
+from asyncrl.episodes.resolve import builtin_environment
+from asyncrl.episodes.rollout import EpisodeRollout
 from asyncrl.errors import ConfigError
 from asyncrl.models.loading import Policy, load_policy, save_policy
 from asyncrl.prompts.base import PromptStream
 from asyncrl.rewards.scoring import exact_match
-from asyncrl.rollout.evaluation import evaluate, evaluate_episodes
+from asyncrl.rollout.base import Rollout
+from asyncrl.rollout.completions import CompletionRollout
+from asyncrl.rollout.evaluation import evaluate
 
 TASKS = ("arithmetic", "calculator", "guess")
 
@@ -135,33 +142,15 @@ class _Answers:
             rows.append((prompt_ids + answer_ids, [-100] * len(prompt_ids) + answer_ids))
         return rows
 
-    def accuracy(self, model: torch.nn.Module) -> tuple[float, float]:
-        """(sampled at temperature 1, greedy) exact-match accuracy on the held-out prompts."""
-        cfg, policy = self.cfg, self.policy
-        engine = EmbeddedEngine(copy.deepcopy(model), pad_token_id=policy.pad_token_id, seed=cfg.seed)
-        return tuple(
-            evaluate(
-                engine,
-                policy.tokenizer,
-                self.held_out,
-                exact_match,
-                SamplingParams(
-                    max_new_tokens=cfg.max_digits + 3,
-                    temperature=temperature,
-                    stop_token_ids=(policy.eos_token_id,),
-                ),
-            )
-            for temperature in (1.0, 0.0)
-        )
+    def rollout(self, engine: EmbeddedEngine, sampling: SamplingParams) -> Rollout:
+        """One completion per held-out prompt, scored by exact match."""
+        return CompletionRollout(engine, self.policy.tokenizer, exact_match, sampling, 1, seed=self.cfg.seed)
 
 
 class _Episodes:
     """A built-in multi-turn task: episodes of a scripted teacher (asyncrl.builtin.scripted)."""
 
     def __init__(self, cfg: SFTConfig, policy: Policy) -> None:
-        from asyncrl.builtin.games import GuessTask
-        from asyncrl.builtin.scripted import CalculatorTeacher, GuessTeacher
-        from asyncrl.episodes.resolve import builtin_environment
 
         self.cfg, self.policy = cfg, policy
         if cfg.task == "calculator":
@@ -175,7 +164,6 @@ class _Episodes:
         self.held_out = PromptStream(source(seed=cfg.eval_seed)).take(cfg.eval_prompts)
 
     def rows(self, n: int, noise: float, rng: random.Random) -> list[Row]:
-        from asyncrl.builtin.scripted import render_episode
 
         cfg = self.cfg
         start = self.train.position
@@ -193,32 +181,36 @@ class _Episodes:
             for i, task in enumerate(self.train.take(n))
         ]
 
-    def accuracy(self, model: torch.nn.Module) -> tuple[float, float]:
-        """(sampled at temperature 1, greedy) mean reward of one episode per held-out task."""
-        from asyncrl.episodes.environment import environment_episode
-        from asyncrl.episodes.rollout import EpisodeRolloutWorker
+    def rollout(self, engine: EmbeddedEngine, sampling: SamplingParams) -> Rollout:
+        """One episode per held-out task, against the built-in environment."""
+        cfg = self.cfg
+        return EpisodeRollout(
+            engine,
+            self.policy.tokenizer,
+            environment_episode(self.environment),
+            sampling,
+            1,
+            max_turns=cfg.max_turns,
+            max_episode_tokens=cfg.max_episode_tokens,
+            seed=cfg.seed,
+        )
 
-        cfg, policy = self.cfg, self.policy
-        engine = EmbeddedEngine(copy.deepcopy(model), pad_token_id=policy.pad_token_id, seed=cfg.seed)
-        rewards = []
-        for temperature in (1.0, 0.0):
-            sampling = SamplingParams(
-                max_new_tokens=cfg.max_turn_tokens,
-                temperature=temperature,
-                stop_token_ids=(policy.eos_token_id,),
-            )
-            rollout = EpisodeRolloutWorker(
-                engine,
-                policy.tokenizer,
-                environment_episode(self.environment),
-                sampling,
-                1,
-                max_turns=cfg.max_turns,
-                max_episode_tokens=cfg.max_episode_tokens,
-                seed=cfg.seed,
-            )
-            rewards.append(evaluate_episodes(rollout, self.held_out))
-        return rewards[0], rewards[1]
+
+def _accuracy(data: _Answers | _Episodes, model: torch.nn.Module, cfg: SFTConfig) -> tuple[float, float]:
+    """(sampled at temperature 1, greedy) mean reward on the held-out prompts: one completion or
+    episode each, through the task's rollout, as RL evaluates."""
+    policy = data.policy
+    engine = EmbeddedEngine(copy.deepcopy(model), pad_token_id=policy.pad_token_id, seed=cfg.seed)
+    budget = cfg.max_digits + 3 if cfg.task == "arithmetic" else cfg.max_turn_tokens
+    accuracy = []
+    for temperature in (1.0, 0.0):
+        sampling = SamplingParams(budget, temperature=temperature, stop_token_ids=(policy.eos_token_id,))
+        rollout = data.rollout(engine, sampling)
+        try:
+            accuracy.append(evaluate(rollout, data.held_out))
+        finally:
+            rollout.close()
+    return accuracy[0], accuracy[1]
 
 
 def _batch(rows: list[Row], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -253,7 +245,7 @@ def run_sft(cfg: SFTConfig, out_dir: Path, log=print) -> dict:
         return float(loss.detach())
 
     def log_eval(phase: str, step: int, loss: float) -> tuple[float, float]:
-        acc = data.accuracy(model)
+        acc = _accuracy(data, model, cfg)
         record = {
             "phase": phase,
             "step": step,
@@ -279,7 +271,7 @@ def run_sft(cfg: SFTConfig, out_dir: Path, log=print) -> dict:
         if blur_step % cfg.eval_every == 0 or blur_step == cfg.blur_steps:
             acc_sampled, acc_greedy = log_eval("blur", step + blur_step, loss)
     if cfg.blur_steps < 1:  # no blur phase: report the model as the learn phase left it
-        acc_sampled, acc_greedy = data.accuracy(model)
+        acc_sampled, acc_greedy = _accuracy(data, model, cfg)
     model.eval()
     save_policy(policy, out_dir)
     summary = {

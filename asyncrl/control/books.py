@@ -2,10 +2,11 @@
 
 Each prompt drawn from the stream gets a *ticket* that stays with it when it is issued
 again (after a staleness drop, a cancellation or a lost generator); each issue of a prompt
-is a *group* with a new group id. The books keep the ticket of every group until it is
-trained or dropped, the tickets trained and dropped, and the counts behind the accounting
-invariant (see :meth:`Books.accounting`): every prompt issued is trained, dropped with a
-reason, or still pending, none is trained twice and none goes missing.
+is a *group* with a new group id. The books hold the :class:`~asyncrl.control.lifecycle.GroupLedger`
+— every group not yet trained or discarded, with its ticket, prompt and state — the tickets
+trained and dropped, and the counts behind the accounting invariant (see
+:meth:`Books.accounting`): every prompt issued is trained, dropped with a reason, or still
+pending, none is trained twice and none goes missing.
 
 **Checkpoints.** :meth:`Books.state_dict` describes the books at a trainer version V (every
 step sent to the trainer so far included): the batches the trainer will have stepped on are
@@ -34,8 +35,9 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from asyncrl.control.lifecycle import GroupLedger, GroupRecord
 from asyncrl.prompts.base import PromptStream
-from asyncrl.types import Prompt
+from asyncrl.types import GroupState, Prompt
 
 FORMAT = 2  # 2: carried groups and partial pending groups (1 is read too)
 FORMATS = (1, 2)
@@ -46,10 +48,12 @@ class Books:
     stream: PromptStream
     next_ticket: int = 0
     next_group_id: int = 0
-    ticket_of: dict[int, int] = field(default_factory=dict)  # group id -> ticket, until trained or dropped
+    groups: GroupLedger = field(default_factory=GroupLedger)  # every group until trained or discarded
     requeued: deque[tuple[int, Prompt]] = field(default_factory=deque)  # (ticket, prompt), issued first
     # (group id, ticket, prompt): the groups pending at a checkpoint, issued first after a resume
     reissue_exact: deque[tuple[int, int, Prompt]] = field(default_factory=deque)
+    # group id -> ticket: the generated groups a resumed checkpoint carries (see carry_over)
+    carried_tickets: dict[int, int] = field(default_factory=dict)
     trained_tickets: Counter = field(default_factory=Counter)
     dropped_tickets: set[int] = field(default_factory=set)
     counts: Counter = field(default_factory=Counter)
@@ -66,7 +70,7 @@ class Books:
         self.counts["issued"] += 1
         if self.reissue_exact:
             group_id, ticket, prompt = self.reissue_exact.popleft()
-            self.ticket_of[group_id] = ticket
+            self.groups.add(group_id, ticket, prompt)
             return group_id, prompt
         if self.requeued:
             ticket, prompt = self.requeued.popleft()
@@ -75,56 +79,69 @@ class Books:
             self.next_ticket += 1
         group_id = self.next_group_id
         self.next_group_id += 1
-        self.ticket_of[group_id] = ticket
+        self.groups.add(group_id, ticket, prompt)
         return group_id, prompt
 
-    def reissue(self, group_id: int, prompt: Prompt) -> None:
-        """The group will not be trained (cancelled, lost): its prompt is issued again, first in line."""
-        self.requeued.append((self.ticket_of.pop(group_id), prompt))
+    def reissue(self, group_id: int) -> None:
+        """The group will not be trained (cancelled, lost, too stale): it is discarded and its
+        prompt is issued again, first in line."""
+        record = self.groups.move(group_id, GroupState.DISCARDED)
+        self.requeued.append((record.ticket, record.prompt))
+
+    def carry(self, group_id: int, prompt: Prompt) -> GroupRecord:
+        """After a resume: a generated group the checkpoint carries, back in the ledger (carried)."""
+        record = self.groups.add(group_id, self.carried_tickets.pop(group_id), prompt, GroupState.CARRIED)
+        record.carried_over = True
+        return record
 
     # -- outcomes -----------------------------------------------------------------------------
 
-    def generated(self) -> None:
-        """A group came back from its generator and goes to the buffer."""
+    def generated(self, group_id: int) -> None:
+        """A group came back from its generator (delivered to the trainer) and goes to the buffer."""
+        self.groups.move(group_id, GroupState.DELIVERED)
         self.counts["generated"] += 1
         self.accepted += 1
 
-    def dropped_stale(self, group_id: int, prompt: Prompt, reason: str) -> None:
+    def dropped_stale(self, group_id: int, reason: str) -> None:
         """A generated group dropped for staleness before training: its prompt is issued again."""
         self.accepted -= 1
         self.counts[f"dropped_{reason}"] += 1
-        self.reissue(group_id, prompt)
+        self.reissue(group_id)
 
     def dropped(self, group_id: int, reason: str) -> None:
         """A generated group dropped for good (e.g. a reward error): its prompt is not issued again."""
         self.counts["generated"] += 1
         self.counts[f"dropped_{reason}"] += 1
-        self.dropped_tickets.add(self.ticket_of.pop(group_id))
+        self.dropped_tickets.add(self.groups.move(group_id, GroupState.DISCARDED).ticket)
 
     def trained(self, group_ids: Iterable[int]) -> None:
         for group_id in group_ids:
             self.counts["trained"] += 1
-            self.trained_tickets[self.ticket_of.pop(group_id)] += 1
+            self.trained_tickets[self.groups.move(group_id, GroupState.TRAINED).ticket] += 1
 
     @property
     def dropped_total(self) -> int:
         return sum(v for k, v in self.counts.items() if k.startswith("dropped_"))
 
-    def accounting(self, in_flight: int, buffered: int) -> dict[str, Any]:
+    def accounting(self) -> dict[str, Any]:
         """Where every issued group went; ``reconciles`` is the invariant that they add up.
 
-        ``in_flight``: groups running on generators; ``buffered``: generated groups not yet
-        trained (in the buffer, staged, or part of the step being assembled). A prompt whose
+        From the ledger: ``in_flight`` — issued and not back from a generator (generating,
+        scoring, or stopped there by a stop's preemption: carried); ``buffered`` — generated
+        and not yet trained (delivered, buffered, or sent for a step not yet done). A prompt whose
         group was dropped for staleness, cancelled in flight or lost with its generator is
         issued again as a new group, so it is counted once as dropped/cancelled/lost and once
         more. Per prompt (ticket): none is trained twice, and every prompt drawn is trained,
         dropped, or still pending (in flight, buffered, or waiting to be issued again).
         """
+        S = GroupState
+        in_flight = self.groups.count(S.ISSUED, S.GENERATING, S.SCORING, S.CARRIED)
+        buffered = self.groups.count(S.DELIVERED, S.BUFFERED, S.ACCUMULATED)
         counts = self.counts
         cancelled = counts.get("cancelled_stale", 0)  # abandoned in flight; their prompts were issued again
         lost = counts.get("lost_in_flight", 0)  # in flight on a lost generator; issued again
         trained_twice = sum(1 for n in self.trained_tickets.values() if n > 1)
-        pending = set(self.ticket_of.values()) | {t for t, _ in self.requeued}
+        pending = set(self.groups.tickets()) | {t for t, _ in self.requeued}
         missing = self.next_ticket - len(set(self.trained_tickets) | self.dropped_tickets | pending)
         membership = {
             k: counts[k]
@@ -176,7 +193,7 @@ class Books:
         partial = set(partial)
         trained = Counter(self.trained_tickets)
         for group_id in in_steps:
-            trained[self.ticket_of[group_id]] += 1
+            trained[self.groups.get(group_id).ticket] += 1
         counts = Counter(self.counts)
         counts["trained"] += len(in_steps)
         counts["issued"] -= len(pending)  # issued again after the resume
@@ -192,13 +209,13 @@ class Books:
             "pending": [
                 {
                     "group_id": gid,
-                    "ticket": self.ticket_of[gid],
+                    "ticket": self.groups.get(gid).ticket,
                     "prompt": asdict(p),
                     "partial": gid in partial,
                 }
                 for gid, p in pending
             ],
-            "carried": [{"group_id": gid, "ticket": self.ticket_of[gid]} for gid in sorted(carried)],
+            "carried": [{"group_id": gid, "ticket": self.groups.get(gid).ticket} for gid in sorted(carried)],
             "requeued": [{"ticket": t, "prompt": asdict(p)} for t, p in self.requeued],
             "trained_tickets": sorted(trained.items()),
             "dropped_tickets": sorted(self.dropped_tickets),
@@ -219,7 +236,9 @@ class Books:
             for item in state["pending"]
         )
         self.requeued = deque((int(item["ticket"]), Prompt(**item["prompt"])) for item in state["requeued"])
-        self.ticket_of = {int(item["group_id"]): int(item["ticket"]) for item in state.get("carried", [])}
+        self.carried_tickets = {
+            int(item["group_id"]): int(item["ticket"]) for item in state.get("carried", [])
+        }
         self.trained_tickets = Counter({int(t): int(n) for t, n in state["trained_tickets"]})
         self.dropped_tickets = {int(t) for t in state["dropped_tickets"]}
         self.counts = Counter(state["counts"])

@@ -28,6 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from asyncrl.control.lifecycle import GroupLedger
+from asyncrl.types import GroupState
+
 
 class Buffered(Protocol):
     """What the buffer needs of what it holds: a whole ``Group``, or the controller's ``GroupHeader``."""
@@ -83,7 +86,10 @@ class RolloutBuffer:
     """A bounded, thread-safe FIFO of complete groups with staleness rejection on the way out.
 
     The controller's buffer holds group headers (the groups themselves wait in the
-    trainer's inbox); a buffer of whole groups works the same way.
+    trainer's inbox); a buffer of whole groups works the same way. With a ``ledger`` (the
+    controller's :class:`~asyncrl.control.lifecycle.GroupLedger`), a group put here is
+    *buffered* there; it stays so until step assembly sends it to the trainer, or ``on_drop``
+    discards it.
     """
 
     def __init__(
@@ -92,6 +98,7 @@ class RolloutBuffer:
         max_staleness: int,
         reject: str = "group",
         on_drop: Callable[[Buffered, str], None] | None = None,
+        ledger: GroupLedger | None = None,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"buffer capacity must be >= 1 group, got {capacity}")
@@ -101,6 +108,7 @@ class RolloutBuffer:
         self.max_staleness = max_staleness
         self.reject = reject
         self.on_drop = on_drop
+        self.ledger = ledger
         self.stats = BufferStats()
         self._groups: deque[Buffered] = deque()
         self._cond = threading.Condition()
@@ -122,6 +130,8 @@ class RolloutBuffer:
                 raise TimeoutError(
                     f"rollout buffer stayed full ({self.capacity} groups) for {timeout:g}s: the trainer is not consuming"
                 )
+            if self.ledger is not None:
+                self.ledger.move(group.group_id, GroupState.BUFFERED)
             self._groups.append(group)
             self.stats.accepted += 1
             self.stats.max_depth = max(self.stats.max_depth, len(self._groups))

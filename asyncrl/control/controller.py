@@ -50,7 +50,7 @@ from asyncrl.control.steps import StepAssembly
 from asyncrl.errors import AsyncRLError
 from asyncrl.prompts.base import PromptSource, PromptStream
 from asyncrl.runtimes.base import InterruptibleRuntime, Runtime
-from asyncrl.types import Group, GroupHeader, PartialGroup, Prompt
+from asyncrl.types import Group, GroupHeader, GroupState, PartialGroup
 from asyncrl.workers.messages import (
     CheckpointSaved,
     Discard,
@@ -110,7 +110,7 @@ class Controller:
         self.B = cfg.rollout.prompts_per_step
         self.books = Books(PromptStream(prompt_source, seed=cfg.task.seed))
         self.generators = Generators(runtime, self.books, session.log)
-        self.steps = StepAssembly(cfg, lambda command: self._send(TRAINER, command))
+        self.steps = StepAssembly(cfg, lambda command: self._send(TRAINER, command), self.books.groups)
         self.admission = AdmissionControl(self.B, sched.max_staleness, versions_per_step=self.steps.iters)
         rollouts = (checkpoint.read_rollouts(resume_from) if resume_from is not None else None) or {}
         # A resume reads the carried groups' headers here; the trainer loads the groups (Restore).
@@ -122,6 +122,7 @@ class Controller:
             max_staleness=sched.max_staleness,
             reject=sched.reject,
             on_drop=self._on_drop,
+            ledger=self.books.groups,
         )
         self.published_version = 0
         self.published_checksums: dict[str, float] | None = None
@@ -140,27 +141,21 @@ class Controller:
         self.stop_signal: str | None = None
         self.stop_exit_code = 1
         self.preemption = Preemption(sched.max_staleness > 0, cfg.run.checkpoint_timeout_s)
-        # After a resume: the groups carried in the buffer, and the partial groups to continue.
-        self.carried_ids: set[int] = set()
+        # After a resume: the partial groups to continue.
         self.partials: dict[int, PartialGroup] = {}
-        # The prompt of every generated group not yet trained (headers carry no prompt).
-        self.prompts: dict[int, Prompt] = {}
         self.resume_from = resume_from
         if resume_from is not None:
             version, handed = self.books.load_state_dict(checkpoint.read_controller_state(resume_from))
             self.trainer_version = self.steps.planned_version = self.steps_done = version
             self.steps.handed = handed
             partials = [PartialGroup.from_dict(p) for p in rollouts.get("partial", [])]
-            self.partials = carry_over(
-                cfg, carried, partials, version, self.buffer, self.prompts, self.books.counts, session.log
-            )
-            self.carried_ids = {g.group_id for g in carried}
+            self.partials = carry_over(cfg, carried, partials, version, self.buffer, self.books, session.log)
 
     def _on_drop(self, group: GroupHeader, reason: str) -> None:
-        if group.group_id in self.carried_ids:  # carried over a stop, and now too old to train
+        if self.books.groups.get(group.group_id).carried_over:  # carried over a stop, now too old to train
             self.books.counts["discarded_stale_rollouts"] += group.size
             self.books.counts["discarded_stale_tokens"] += group.num_completion_tokens
-        self.books.dropped_stale(group.group_id, self.prompts.pop(group.group_id), reason)
+        self.books.dropped_stale(group.group_id, reason)
         self._send(TRAINER, Discard([group.group_id]))
 
     # -- the loop ---------------------------------------------------------------------------
@@ -219,15 +214,14 @@ class Controller:
                 break
             cap = self.admission.capacity(gens.version[gen], books.accepted, total_running)
             if cap == 0:
-                blocked |= not gens.in_flight[gen]
+                blocked |= not gens.in_flight(gen)
                 continue
             # Equally fresh generators share what may start.
             peers = sum(gens.version[g] == gens.version[gen] for g in order[i:])
             share = -(-min(cap, budget) // peers)
             n = min(share, self.cfg.rollout.max_batch_size // self.cfg.rollout.group_size or 1)
             work = [books.issue() for _ in range(n)]
-            for group_id, prompt in work:
-                gens.in_flight[gen][group_id] = prompt
+            gens.submitted(gen, [group_id for group_id, _ in work])
             partials = [self.partials.pop(gid) for gid, _ in work if gid in self.partials]
             self._send(gen, Submit(work, partials))
             total_running += n
@@ -249,14 +243,13 @@ class Controller:
             if prompt is None:
                 self._send(TRAINER, Discard([header.group_id]))  # its prompt was issued again
             else:
-                books.generated()
-                self.prompts[header.group_id] = prompt
+                books.generated(header.group_id)
                 self.recorder.on_generated(header.num_completion_tokens)
                 self.buffer.put(header, timeout=0.0)
         elif isinstance(event, GroupCancelled):
             if gens.finished(event.worker, event.group_id) is not None:
                 books.counts["cancelled_stale"] += 1
-                books.reissue(event.group_id, event.prompt)
+                books.reissue(event.group_id)
         elif isinstance(event, GroupDropped):
             if gens.finished(event.worker, event.group_id) is not None:
                 books.dropped(event.group_id, event.reason)
@@ -292,8 +285,6 @@ class Controller:
         self.trainer_version = event.version
         groups = self.steps.confirmed(event.version)
         self.books.trained(g.group_id for g in groups)
-        for group in groups:
-            del self.prompts[group.group_id]
         step = self.steps_done = self.session.record_step(self._step_record(event, groups))
         if event.published:
             self.published_version, self.published_checksums = event.version, event.checksums
@@ -346,16 +337,15 @@ class Controller:
         steps, counts = self.steps, self.books.counts
         version = steps.planned_version
         held = [*steps.step_groups, *steps.staged, *self.buffer.peek_all()]  # oldest first
-        pending = [
-            (gid, prompt) for groups in self.generators.in_flight.values() for gid, prompt in groups.items()
-        ]
+        ledger = self.books.groups
+        pending = [(r.group_id, r.prompt) for r in ledger.in_state(GroupState.GENERATING, GroupState.SCORING)]
         preempted = self.preemption.stopped()
         pending += [(p.group_id, prompt) for p, prompt in preempted]
         keep = self.cfg.run.checkpoint_rollouts
         carried = [g.group_id for g in held] if keep else []
         partial = [p.group_id for p, _ in preempted if p.completions] if keep else []
         if not keep:
-            pending += [(g.group_id, self.prompts[g.group_id]) for g in held]
+            pending += [(g.group_id, ledger.get(g.group_id).prompt) for g in held]
             if stop:
                 counts["discarded_at_stop_tokens"] += sum(
                     g.num_completion_tokens for g in [*held, *(p for p, _ in preempted)]
@@ -371,7 +361,7 @@ class Controller:
             books_at[at] = self.books.state_dict(
                 at,
                 steps.handed - given_up,
-                pending if keep else pending + [(gid, self.prompts[gid]) for gid in redo],
+                pending if keep else pending + [(gid, ledger.get(gid).prompt) for gid in redo],
                 len(held) - len(carried) + (0 if keep else len(redo)),
                 [gid for batch in trained for gid in batch],
                 carried=carried + redo if keep else carried,
@@ -495,7 +485,4 @@ class Controller:
 
     def accounting(self) -> dict[str, int]:
         """Where every issued group went (see :meth:`Books.accounting`)."""
-        return self.books.accounting(
-            in_flight=self.generators.running + len(self.preemption.groups),  # preempted: stopped in flight
-            buffered=len(self.buffer) + len(self.steps.held),
-        )
+        return self.books.accounting()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from asyncrl.control.books import Books
 from asyncrl.runtimes.base import ElasticRuntime, Runtime, is_generator
-from asyncrl.types import Prompt
+from asyncrl.types import GroupState, Prompt
 from asyncrl.workers.messages import LoadWeights, WorkerError, WorkerLost
 
 TRAINER = "trainer"
@@ -38,9 +38,9 @@ def write_control(run_dir: Path, generators: int) -> None:
 class Generators:
     """The controller's view of its generators.
 
-    ``in_flight[g]`` maps the group ids running on ``g`` to their prompts; ``version[g]`` is
-    the policy version ``g`` last reported loading; ``pending_update[g]`` says a newer
-    version was sent and not yet loaded; ``retiring`` are the ones scaled away.
+    Which groups run on which generator is the books' ledger's (:meth:`in_flight`);
+    ``version[g]`` is the policy version ``g`` last reported loading; ``pending_update[g]``
+    says a newer version was sent and not yet loaded; ``retiring`` are the ones scaled away.
     """
 
     def __init__(self, runtime: Runtime, books: Books, log: Callable[[str], None]) -> None:
@@ -48,20 +48,28 @@ class Generators:
         self.books = books
         self.log = log
         self.names = list(runtime.generator_names)  # generators that may receive work
-        self.in_flight: dict[str, dict[int, Prompt]] = {g: {} for g in self.names}
         self.version = dict.fromkeys(self.names, 0)
         self.pending_update = dict.fromkeys(self.names, False)
         self.retiring: set[str] = set()
         self._control_mtime = 0.0
         self.next_control_check = 0.0
 
+    def in_flight(self, generator: str) -> dict[int, Prompt]:
+        """The groups running on ``generator``, with their prompts."""
+        return self.books.groups.on(generator)
+
     @property
     def running(self) -> int:
         """Groups in flight on every generator."""
-        return sum(len(groups) for groups in self.in_flight.values())
+        return self.books.groups.count(GroupState.GENERATING, GroupState.SCORING)
 
     def running_ids(self) -> list[int]:
-        return [group_id for groups in self.in_flight.values() for group_id in groups]
+        return [r.group_id for r in self.books.groups.in_state(GroupState.GENERATING, GroupState.SCORING)]
+
+    def submitted(self, generator: str, group_ids: list[int]) -> None:
+        """The groups were sent to ``generator``."""
+        for group_id in group_ids:
+            self.books.groups.move(group_id, GroupState.GENERATING, generator=generator)
 
     def dispatch_order(self, wait_for_updates: bool) -> list[str]:
         """Freshest weights first, least loaded first among equals; never a retiring generator.
@@ -70,15 +78,19 @@ class Generators:
         new work would postpone the update.
         """
         active = [g for g in self.names if g not in self.retiring]
-        order = sorted(active, key=lambda g: (-self.version[g], len(self.in_flight[g])))
+        load = {g: len(self.in_flight(g)) for g in active}
+        order = sorted(active, key=lambda g: (-self.version[g], load[g]))
         return [g for g in order if not self.pending_update[g]] if wait_for_updates else order
 
     def finished(self, worker: str, group_id: int) -> Prompt | None:
-        """Take a group off its generator's books: its prompt, or None if it was not there (a late duplicate)."""
-        prompt = self.in_flight.get(worker, {}).pop(group_id, None)
-        if prompt is None:
+        """A group ``worker`` reports back (ready, dropped, cancelled, preempted): its prompt, or None
+        if it is not in flight there (a late duplicate, e.g. of a group issued again since). The
+        caller moves it on in the ledger."""
+        groups = self.books.groups
+        if group_id not in groups or groups.get(group_id).generator != worker:
             self.books.counts["ignored_late"] += 1
-        return prompt
+            return None
+        return groups.get(group_id).prompt
 
     def send_weights(self, version: int, checksums: dict | None) -> None:
         for gen in self.names:
@@ -97,10 +109,9 @@ class Generators:
 
     def on_ready(self, worker: str, published_version: int, checksums: dict | None) -> None:
         """A generator started (again): it may receive work once it has the latest weights."""
-        if not is_generator(worker) or worker in self.in_flight:
+        if not is_generator(worker) or worker in self.version:
             return  # start-up readiness (trainer ranks, first generators), already awaited by the runtime
         self.names.append(worker)
-        self.in_flight[worker] = {}
         self.version[worker] = 0
         self.pending_update[worker] = published_version > 0
         self.books.counts["generators_joined"] += 1
@@ -112,11 +123,11 @@ class Generators:
 
         Returns their group ids (the trainer may hold some of them, delivered before the loss).
         """
-        if event.worker == TRAINER or event.worker not in self.in_flight:
+        if event.worker == TRAINER or event.worker not in self.version:
             raise WorkerError(f"{event.worker} was lost: {event.reason}")
-        lost = self.in_flight.pop(event.worker)
-        for group_id, prompt in lost.items():
-            self.books.reissue(group_id, prompt)
+        lost = self.in_flight(event.worker)
+        for group_id in lost:
+            self.books.reissue(group_id)
         self.books.counts["lost_in_flight"] += len(lost)
         self.books.counts["generators_lost"] += 1
         self._forget(event.worker)
@@ -128,7 +139,6 @@ class Generators:
     def _forget(self, name: str) -> None:
         self.names.remove(name)
         self.retiring.discard(name)
-        self.in_flight.pop(name, None)
         del self.version[name], self.pending_update[name]
 
     # -- scaling ------------------------------------------------------------------------------
@@ -164,16 +174,16 @@ class Generators:
         staying = [g for g in self.names if g not in self.retiring]
         for _ in range(target - len(staying) - len(runtime.starting_generators())):
             self.log(f"adding {runtime.add_generator()}")
-        for name in sorted(staying, key=lambda g: (len(self.in_flight[g]), g))[
+        for name in sorted(staying, key=lambda g: (len(self.in_flight(g)), g))[
             : max(0, len(staying) - target)
         ]:
             self.retiring.add(name)
-            self.log(f"retiring {name} once its {len(self.in_flight[name])} groups are done")
+            self.log(f"retiring {name} once its {len(self.in_flight(name))} groups are done")
 
     def retire_idle(self) -> None:
         """Stop the retiring generators whose groups are all done."""
         runtime = self.runtime
-        for name in [g for g in self.retiring if not self.in_flight[g]]:
+        for name in [g for g in self.retiring if not self.in_flight(g)]:
             self._forget(name)
             if isinstance(runtime, ElasticRuntime):
                 runtime.remove_generator(name)

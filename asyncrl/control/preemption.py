@@ -17,13 +17,13 @@ run goes on), but not the work in flight, which keeps running.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable
 
 from asyncrl.config import Config
+from asyncrl.control.books import Books
 from asyncrl.control.buffer import RolloutBuffer
 from asyncrl.control.membership import Generators
-from asyncrl.types import Group, PartialGroup, PartialHeader, Prompt
+from asyncrl.types import Group, GroupState, PartialGroup, PartialHeader, Prompt
 from asyncrl.workers.messages import Preempt, Preempted
 
 
@@ -45,7 +45,7 @@ class Preemption:
         self.waiting = set()
         if self.enabled:
             for gen in generators.names:
-                if generators.in_flight[gen]:
+                if generators.in_flight(gen):
                     send(gen, Preempt())
                     self.waiting.add(gen)
         self.deadline = time.monotonic() + self.timeout_s
@@ -59,6 +59,7 @@ class Preemption:
         for header in event.headers:
             prompt = generators.finished(event.worker, header.group_id)
             if prompt is not None:
+                generators.books.groups.move(header.group_id, GroupState.CARRIED)
                 self.groups[header.group_id] = (header, prompt)
         self.gone(event.worker)
 
@@ -77,22 +78,22 @@ def carry_over(
     partials: list[PartialGroup],
     version: int,
     buffer: RolloutBuffer,
-    prompts: dict[int, Prompt],
-    counts: Counter,
+    books: Books,
     log: Callable[[str], None],
 ) -> dict[int, PartialGroup]:
-    """Put a checkpoint's groups back (their headers into ``buffer``, their prompts into
-    ``prompts``); returns the partial groups to continue, by group id.
+    """Put a checkpoint's generated groups back (into the books' ledger, carried, and their
+    headers into ``buffer``); returns the partial groups to continue, by group id (the books
+    issue them again first, under their own ids).
 
     The groups keep their versions: the buffer checks them against the version that will
     train them, as before the stop. A partial group whose oldest token is more than η
     versions behind ``version`` (the resumed generators' weights) would be cancelled at
     once (``reject=group``): it starts afresh, counted as discarded.
     """
-    eta = cfg.schedule.max_staleness
+    eta, counts = cfg.schedule.max_staleness, books.counts
     for group in groups:
+        books.carry(group.group_id, group.prompt)
         buffer.put(group.header(), timeout=0.0)
-        prompts[group.group_id] = group.prompt
         counts["carried_groups"] += 1
         counts["carried_group_tokens"] += group.num_completion_tokens
     kept: dict[int, PartialGroup] = {}

@@ -15,11 +15,13 @@ from asyncrl.control.controller import Controller
 from asyncrl.control.session import RunSession, default_run_dir
 from asyncrl.errors import AsyncRLError
 from asyncrl.prompts.base import PromptSource
+from asyncrl.prompts.build import task_prompts
 from asyncrl.rewards.judges.service import served_judge
-from asyncrl.rewards.pool import local_reward_pool
+from asyncrl.rewards.pool_service import local_reward_pool
+from asyncrl.rollout.build import build_episode
 from asyncrl.runtimes.base import Runtime
 from asyncrl.runtimes.inline import InlineRuntime
-from asyncrl.workers.build import build_episode, seed_everything, task_prompts
+from asyncrl.workers.build import seed_everything
 from asyncrl.workers.messages import WorkerError
 
 

@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterable
 from asyncrl.algorithms.losses import batch_divisor
 from asyncrl.config import Config
 from asyncrl.control.buffer import RolloutBuffer
-from asyncrl.types import GroupHeader
+from asyncrl.control.lifecycle import GroupLedger
+from asyncrl.types import GroupHeader, GroupState
 from asyncrl.workers.messages import Accumulate, ContinueBatch, FinishStep
 
 CANONICAL_CHUNKS = 4  # a reproducible streaming step is sent in this many fixed chunks
@@ -34,9 +35,10 @@ class StepAssembly:
     trainer's ``StepDone``.
     """
 
-    def __init__(self, cfg: Config, send: Callable[[object], None]) -> None:
+    def __init__(self, cfg: Config, send: Callable[[object], None], ledger: GroupLedger) -> None:
         self.cfg = cfg
         self.send = send  # to the trainer
+        self.ledger = ledger  # a group sent for a step is accumulated there
         self.B = cfg.rollout.prompts_per_step
         self.iters = cfg.algorithm.num_iterations
         self.rounds = -(-cfg.run.steps // self.iters)  # batches in the run
@@ -95,6 +97,8 @@ class StepAssembly:
         """
         min_version = self.planned_version - self.cfg.schedule.max_staleness
         self.send(Accumulate([g.group_id for g in groups], min_version, mergeable=mergeable))
+        for group in groups:
+            self.ledger.move(group.group_id, GroupState.ACCUMULATED)
         self.step_groups += groups
 
     def _finish(self) -> None:

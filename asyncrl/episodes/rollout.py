@@ -1,7 +1,6 @@
 """Rollout of multi-turn episodes: tasks in, scored groups of episodes out.
 
-:class:`EpisodeRolloutWorker` has the interface of :class:`asyncrl.rollout.completions.RolloutWorker`
-(``submit``, ``step``, ``abort_and_resume``, ``cancel_stale``), so a generator runs
+:class:`EpisodeRollout` is a :class:`~asyncrl.rollout.base.Rollout`, so a generator runs
 episodes exactly as it runs single-turn completions. For each task it runs G episodes; all
 episodes run at once as coroutines on one event loop in a background thread. An episode
 that asks for a model turn hands a request to the engine, which decodes it in its
@@ -29,11 +28,11 @@ from transformers import PreTrainedTokenizerBase
 
 from asyncrl.engine.embedded import resume_request
 from asyncrl.engine.sampling import SamplingParams
-from asyncrl.engine.types import GenerationRequest, GenerationResult, GenerationStopped
+from asyncrl.engine.types import GenerationRequest, GenerationResult
 from asyncrl.episodes.client import EpisodeClient, EpisodeTruncated
 from asyncrl.episodes.environment import EpisodeFunction
 from asyncrl.prompts.chat import encode_prompt
-from asyncrl.rollout.completions import RolloutStats
+from asyncrl.rollout.base import Rollout, RolloutStats, Work
 from asyncrl.types import Group, PartialGroup, Prompt, Sample
 
 # Longest a step waits for an episode to do something when the engine has nothing to decode.
@@ -65,8 +64,13 @@ class _Turn:
     sampling: SamplingParams
 
 
-class EpisodeRolloutWorker:
-    """Runs G multi-turn episodes per task on an engine's ``add_request``/``step`` API."""
+class EpisodeRollout(Rollout):
+    """Runs G multi-turn episodes per task on an engine's ``add_request``/``step`` API.
+
+    An episode's reward is its own (its environment's, or what the episode function returns),
+    so there is no scoring stage to abandon at a stop: :meth:`abandon` only ends the waits
+    for environments, and :meth:`preempt` keeps the finished episodes of each group.
+    """
 
     def __init__(
         self,
@@ -83,17 +87,16 @@ class EpisodeRolloutWorker:
         tool_threads: int = 64,
     ) -> None:
         """``tool_threads``: threads for blocking environment calls (tools), shared by all episodes."""
+        super().__init__(group_size, EpisodeStats())
         self.engine = engine
         self.tokenizer = tokenizer
         self.episode = episode
         self.sampling = sampling
-        self.group_size = group_size
         self.max_turns = max_turns
         self.max_episode_tokens = max_episode_tokens
         self.reward_on_error = reward_on_error
         self.seed = seed
         self.stop_ids = set(sampling.stop_token_ids)
-        self.stats = EpisodeStats()
         self._pending: dict[int, _PendingGroup] = {}
         self._turns: dict[str, _Turn] = {}  # request id -> the turn waiting for it
         self._requests: queue.SimpleQueue[tuple[str, GenerationRequest, _Turn]] = queue.SimpleQueue()
@@ -107,7 +110,7 @@ class EpisodeRolloutWorker:
         self._thread = threading.Thread(target=self._loop.run_forever, name="asyncrl-episodes", daemon=True)
         self._thread.start()
 
-    # -- the rollout worker interface -------------------------------------------------------
+    # -- the rollout interface -----------------------------------------------------------------
 
     @property
     def groups_in_flight(self) -> int:
@@ -116,12 +119,12 @@ class EpisodeRolloutWorker:
     @property
     def has_work(self) -> bool:
         """Whether an episode is running: on the engine, or waiting on its environment."""
-        return bool(self._pending)
+        return bool(self._pending) and not self.abandoned
 
     def encode(self, prompt: Prompt) -> list[int]:
         return encode_prompt(self.tokenizer, prompt)
 
-    def submit(self, work: list[tuple[int, Prompt]], partials: dict[int, PartialGroup] | None = None) -> None:
+    def submit(self, work: Work, partials: dict[int, PartialGroup] | None = None) -> None:
         """Start G episodes for each (group_id, task); a group in ``partials`` (see
         :meth:`preempt`) keeps its finished episodes and starts only the others."""
         partials = partials or {}
@@ -158,6 +161,8 @@ class EpisodeRolloutWorker:
     def step(self, admit: bool = True) -> tuple[list[Group], list[Group]]:
         """Hand new turns to the engine, advance it one step, give finished turns back to their
         episodes, and collect finished episodes; returns (completed groups, dropped groups)."""
+        if self.abandoned:
+            return [], []
         self._take_requests()
         if self.engine.has_work:
             for res in self.engine.step(admit=admit):
@@ -170,7 +175,7 @@ class EpisodeRolloutWorker:
         self._wake.clear()
         return self._collect()
 
-    def abort_and_resume(self, before_resume=None) -> int:
+    def abort_and_resume(self, before_resume: Callable[[], None] | None = None) -> int:
         """Stop every turn in flight, call ``before_resume``, then resume each turn from its prefix."""
         aborted = self.engine.abort()
         try:
@@ -192,7 +197,7 @@ class EpisodeRolloutWorker:
             self._cancel(group_id)
         return partials
 
-    def cancel_stale(self, version: int, max_staleness: int) -> list[tuple[int, Prompt]]:
+    def cancel_stale(self, version: int, max_staleness: int) -> Work:
         """Cancel groups holding a token more than ``max_staleness`` versions behind ``version``."""
         self._take_requests()
         running = self.engine.oldest_versions()
@@ -207,23 +212,8 @@ class EpisodeRolloutWorker:
                 cancelled.append((group_id, pending.prompt))
         return cancelled
 
-    def generate_groups(
-        self, prompts: list[Prompt], first_group_id: int = 0, stop: Callable[[], bool] | None = None
-    ) -> list[Group]:
-        """Run the episodes of a batch of tasks to the end; groups in task order (dropped ones left out).
-
-        ``stop`` is asked between engine steps; True gives the batch up
-        (:class:`~asyncrl.engine.GenerationStopped`; :meth:`close` cancels the episodes).
-        """
-        ids = list(range(first_group_id, first_group_id + len(prompts)))
-        self.submit(list(zip(ids, prompts, strict=True)))
-        done: dict[int, Group] = {}
-        while any(i in self._pending for i in ids):
-            if stop is not None and stop():
-                raise GenerationStopped(f"episodes of {len(prompts)} tasks given up: the run is stopping")
-            for group in self.step()[0]:
-                done[group.group_id] = group
-        return [done[i] for i in ids if i in done]
+    def _abandon_scoring(self) -> None:
+        self._wake.set()  # a step waiting on the environments returns at once
 
     def close(self) -> None:
         """Cancel the episodes still running and stop their event loop."""

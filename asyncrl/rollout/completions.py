@@ -1,13 +1,15 @@
-"""Rollout: prompts in, scored Groups out.
+"""Single completions: prompts in, groups of G completions scored by reward functions out.
 
-For each prompt the worker asks the engine for G completions, decodes them, calls the
-reward function on each and assembles one Group per prompt. Completions find their prompt
-through the request id, which carries the group id and prompt id — never by position.
+For each prompt the rollout asks the engine for G completions, decodes them, scores the
+group with the task's reward functions and returns it. Completions find their prompt
+through the request id (``group_id/k``), never by position. The seam it implements, and a
+group's life through it: :mod:`asyncrl.rollout.base`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from transformers import PreTrainedTokenizerBase
@@ -19,7 +21,8 @@ from asyncrl.errors import DatasetError
 from asyncrl.prompts.chat import encode_prompt
 from asyncrl.rewards.scoring import GroupToScore, RewardFn, RewardSet
 from asyncrl.rewards.step_rewards import cut_steps
-from asyncrl.types import Group, PartialGroup, Prompt, Sample
+from asyncrl.rollout.base import Rollout, RolloutStats, Work
+from asyncrl.types import Group, GroupState, PartialGroup, Prompt, Sample
 
 SCORING_WAIT_S = 0.05  # longest a step waits for scoring when the engine has nothing to decode
 
@@ -39,36 +42,15 @@ def _step_rewards(
 
 
 @dataclass
-class RolloutStats:
-    groups: int = 0
-    samples: int = 0
-    reward_errors: int = 0
-    dropped_groups: int = 0
-
-    def admit(self, groups: list[Group], reward_on_error: str) -> tuple[list[Group], list[Group]]:
-        """Count scored groups and split them into (ready, dropped): with ``drop_group`` a group
-        holding a reward error is dropped."""
-        ready, dropped = [], []
-        for group in groups:
-            self.samples += group.size
-            if reward_on_error == "drop_group" and any(s.reward_error for s in group.samples):
-                self.dropped_groups += 1
-                dropped.append(group)
-            else:
-                self.groups += 1
-                ready.append(group)
-        return ready, dropped
-
-
-@dataclass
 class _PendingGroup:
     prompt: Prompt
     prompt_ids: list[int]
     samples: dict[int, Sample]
+    state: GroupState = GroupState.GENERATING  # then scoring, until a step returns it
 
 
-class RolloutWorker:
-    """Turns prompts into scored groups on top of an engine's ``add_request``/``step`` API.
+class CompletionRollout(Rollout):
+    """G completions of each prompt, scored as a group by the task's reward functions.
 
     A group is complete when all G of its completions are; it is then scored as a whole (a
     batched reward function sees the G completions of its prompt together; the groups that
@@ -88,7 +70,7 @@ class RolloutWorker:
         reward_on_error: str = "zero",
         eos_after: int | None = None,
         seed: int = 0,
-        reward_workers: int = 0,
+        scoring_threads: int = 0,
         step_delimiter: str | None = None,
     ) -> None:
         """``eos_after``: with decode_past_eos, the EOS id at which an answer ends although generation went on.
@@ -96,12 +78,14 @@ class RolloutWorker:
         ``seed``: completion k of group g samples with seed (seed, g, k), so a group's
         completions do not depend on which engine generates them or what runs beside them.
 
-        ``reward_workers``: with N > 0, finished groups are handed to N scoring threads and
-        the engine goes on decoding; a scored group is returned by a later :meth:`step`.
-        (With ``task.reward_timeout_s`` the calls themselves run in reward processes.)
+        ``scoring_threads``: with N > 0, finished groups are handed to N scoring threads and
+        the engine goes on decoding; a scored group is returned by a later :meth:`step`. (With
+        ``task.reward_timeout_s`` the calls themselves run in reward processes; with
+        ``task.reward_workers``, the threads wait on the run's reward pool.)
 
         ``step_delimiter``: cut completions into steps for step rewards (:mod:`asyncrl.rewards.step_rewards`).
         """
+        super().__init__(group_size, RolloutStats())
         self.engine = engine
         self.seed = seed
         self.eos_after = eos_after
@@ -109,19 +93,16 @@ class RolloutWorker:
         self.tokenizer = tokenizer
         self.rewards = RewardSet.of(reward_fn)
         self.sampling = sampling
-        self.group_size = group_size
         self.reward_on_error = reward_on_error
         self.step_delimiter = step_delimiter
-        self.stats = RolloutStats()
-        self._next_group_id = 0
-        self._pending: dict[int, _PendingGroup] = {}
+        self._pending: dict[int, _PendingGroup] = {}  # submitted and not yet returned
         self._complete_now: list[int] = []  # groups a submit completed (see submit), returned by step
         self._scorers = (
-            concurrent.futures.ThreadPoolExecutor(reward_workers, thread_name_prefix="asyncrl-reward")
-            if reward_workers > 0
+            concurrent.futures.ThreadPoolExecutor(scoring_threads, thread_name_prefix="asyncrl-scoring")
+            if scoring_threads > 0
             else None
         )
-        self._scoring: list[tuple[concurrent.futures.Future, list[Group]]] = []  # batches being scored
+        self._scoring: list[tuple[concurrent.futures.Future, list[Group]]] = []  # batches in the threads
         self._sampling: dict[str, SamplingParams] = {}  # of requests in flight, to resume them
 
     def encode(self, prompt: Prompt) -> list[int]:
@@ -134,9 +115,11 @@ class RolloutWorker:
     @property
     def has_work(self) -> bool:
         """Whether anything submitted is still being generated or scored (or done, not yet returned)."""
+        if self.abandoned:
+            return False
         return self.engine.has_work or bool(self._complete_now) or bool(self._scoring)
 
-    def submit(self, work: list[tuple[int, Prompt]], partials: dict[int, PartialGroup] | None = None) -> None:
+    def submit(self, work: Work, partials: dict[int, PartialGroup] | None = None) -> None:
         """Queue G completions for each (group_id, prompt).
 
         A group in ``partials`` (stopped mid-generation by :meth:`preempt`, e.g. before a
@@ -198,6 +181,9 @@ class RolloutWorker:
             scored += groups
         return scored
 
+    def _abandon_scoring(self) -> None:
+        self.rewards.stop()
+
     def close(self) -> None:
         """Stop scoring threads and what the reward functions hold (their processes)."""
         if self._scorers is not None:
@@ -214,6 +200,14 @@ class RolloutWorker:
         aborted = {res.request_id: res for res in self.engine.abort()}
         partials = []
         for group_id, pending in sorted(self._pending.items()):
+            if pending.state == GroupState.SCORING:
+                # Complete: its rewards are computed again after the resume.
+                samples = {
+                    k: replace(s, reward=None, reward_error=None, reward_components=None)
+                    for k, s in pending.samples.items()
+                }
+                partials.append(PartialGroup(group_id, pending.prompt, samples))
+                continue
             samples = dict(pending.samples)
             for k in range(self.group_size):
                 res = aborted.get(f"{group_id}/{k}")
@@ -227,14 +221,6 @@ class RolloutWorker:
                         finish_reason="abort",
                     )
             partials.append(PartialGroup(group_id, pending.prompt, samples))
-        # Groups being scored are complete: they are scored again after the resume.
-        for _, groups in self._scoring:
-            for group in groups:
-                unscored = {
-                    k: replace(s, reward=None, reward_error=None, reward_components=None)
-                    for k, s in enumerate(group.samples)
-                }
-                partials.append(PartialGroup(group.group_id, group.prompt, unscored))
         self._scoring = []
         self._pending.clear()
         self._sampling.clear()
@@ -266,6 +252,8 @@ class RolloutWorker:
 
         ``admit=False`` lets only the running sequences advance (draining before an update).
         """
+        if self.abandoned:
+            return [], []
         complete, self._complete_now = self._complete_now, []
         for res in self.engine.step(admit=admit):
             self._sampling.pop(res.request_id, None)
@@ -276,9 +264,10 @@ class RolloutWorker:
                 complete.append(group_id)
         groups = []
         for group_id in complete:
-            pending = self._pending.pop(group_id, None)
+            pending = self._pending.get(group_id)
             if pending is None:  # cancelled as stale meanwhile
                 continue
+            pending.state = GroupState.SCORING
             groups.append(
                 Group(group_id, pending.prompt, [pending.samples[i] for i in range(self.group_size)])
             )
@@ -286,9 +275,11 @@ class RolloutWorker:
             self._score(groups)
         else:
             groups = self._hand_over(groups)
+        for group in groups:  # scored: returned, and forgotten here
+            del self._pending[group.group_id]
         return self.stats.admit(groups, self.reward_on_error)
 
-    def abort_and_resume(self, before_resume=None) -> int:
+    def abort_and_resume(self, before_resume: Callable[[], None] | None = None) -> int:
         """Stop every request in flight, call ``before_resume`` (e.g. load new weights), then
         resume each one from its prefix; returns how many were interrupted.
 
@@ -305,7 +296,7 @@ class RolloutWorker:
                 self.engine.add_request(resume_request(res, self._sampling[res.request_id]))
         return len(aborted)
 
-    def cancel_stale(self, version: int, max_staleness: int) -> list[tuple[int, Prompt]]:
+    def cancel_stale(self, version: int, max_staleness: int) -> Work:
         """Cancel groups whose oldest token is more than ``max_staleness`` versions behind ``version``.
 
         Their requests leave the engine and the group is forgotten; the caller re-issues the
@@ -314,6 +305,8 @@ class RolloutWorker:
         running = self.engine.oldest_versions()
         cancelled = []
         for group_id, pending in list(self._pending.items()):
+            if pending.state != GroupState.GENERATING:
+                continue  # complete: the buffer judges it when it is trained
             ids = [f"{group_id}/{k}" for k in range(self.group_size)]
             versions = [running[r] for r in ids if r in running]
             versions += [min(s.versions) for s in pending.samples.values() if s.versions]
@@ -324,20 +317,6 @@ class RolloutWorker:
                 del self._pending[group_id]
                 cancelled.append((group_id, pending.prompt))
         return cancelled
-
-    def generate_groups(self, prompts: list[Prompt]) -> list[Group]:
-        """Generate, score and group completions for a batch of prompts, in prompt order.
-
-        Groups dropped for reward errors are left out (and counted in ``stats``).
-        """
-        ids = list(range(self._next_group_id, self._next_group_id + len(prompts)))
-        self._next_group_id += len(prompts)
-        self.submit(list(zip(ids, prompts, strict=True)))
-        done: dict[int, Group] = {}
-        while any(i in self._pending for i in ids):
-            for group in self.step()[0]:
-                done[group.group_id] = group
-        return [done[i] for i in ids if i in done]
 
     def _sample(self, prompt: Prompt, group_id: int, prompt_ids: list[int], res: GenerationResult) -> Sample:
         ids = res.completion_ids

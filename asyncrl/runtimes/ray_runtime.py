@@ -51,7 +51,7 @@ from asyncrl.config import Config
 from asyncrl.errors import AsyncRLError
 from asyncrl.rewards.judges.client import ENV as JUDGE_ENV
 from asyncrl.rewards.pool import ENV as POOL_ENV
-from asyncrl.rewards.pool import RewardHost
+from asyncrl.rewards.pool_service import RewardHost
 from asyncrl.runtimes.base import generator_name
 from asyncrl.runtimes.cores import available_cores
 from asyncrl.runtimes.host import (

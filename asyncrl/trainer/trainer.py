@@ -312,20 +312,31 @@ class Trainer:
             max_completion_length=self.max_completion_length,
         )
 
-    # -- the whole batch at once -----------------------------------------------------------
+    # -- a batch's later optimizer steps ----------------------------------------------------
 
-    def train_on_groups(self, groups: list[Group]) -> list[dict[str, float]]:
-        """Advantages, then ``num_iterations`` optimizer steps on the batch; one metrics dict per step."""
-        assign_advantages(groups, self.algo.advantage_scale, self.algo.step_rewards)
-        samples = [s for g in groups for s in g.samples]
-        batches = self.prepare(samples)
-        divisor = self.batch_divisor(samples)
-        metrics = []
-        for _ in range(self.algo.num_iterations):
+    def train_batch(
+        self,
+        batches: list[MicroBatch],
+        divisor: float,
+        iterations: int,
+        stop: Callable[[], bool] | None = None,
+    ) -> list[dict[str, float]]:
+        """``iterations`` optimizer steps on micro-batches prepared before the first of them (the
+        PPO epochs of ``algorithm.num_iterations``); one metrics dict per step taken.
+
+        The trainer worker takes a batch's first step streamed (:meth:`begin_step`, an
+        :meth:`accumulate` per arrival, :meth:`finish_step`) and the others through this.
+        ``stop``: asked before each micro-batch; True gives the rest up — the step in progress
+        is not taken, so fewer dicts than ``iterations`` come back.
+        """
+        steps = []
+        for _ in range(iterations):
             self.begin_step()
-            self.accumulate(batches)
-            metrics.append(self.finish_step(divisor))
-        return metrics
+            self.accumulate(batches, stop=stop)
+            if stop is not None and stop():
+                break
+            steps.append(self.finish_step(divisor))
+        return steps
 
     # -- what a data-parallel trainer replaces (asyncrl/trainer/parallel.py) ---------------
 

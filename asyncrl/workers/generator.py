@@ -1,8 +1,10 @@
-"""The generator worker: an engine plus reward scoring, producing groups and applying weight updates.
+"""The generator worker: an engine and the run's rollout on it, producing groups and applying weight updates.
 
 It executes commands and returns events and knows nothing about processes, queues or Ray:
 a runtime (or its worker host) feeds it commands, delivers the groups it returns to the
-trainer (:mod:`.payload`) and forwards the events' headers to the controller.
+trainer (:mod:`asyncrl.transports.groups`) and forwards the events' headers to the controller.
+It drives its rollout only through the :class:`~asyncrl.rollout.base.Rollout` interface, so
+completions and episodes (and any other rollout) run the same way.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from asyncrl.config import Config
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.lora import MergedLora
 from asyncrl.rewards.scoring import ScoringStopped
+from asyncrl.rollout.base import Rollout
+from asyncrl.rollout.build import build_rollout
 from asyncrl.transports.weights.base import (
     InterruptibleReceiver,
     SyncInterrupted,
@@ -40,7 +44,7 @@ SPAN_FLUSH_S = 0.25  # long generation periods are reported in slices so the tim
 
 
 class GeneratorWorker:
-    """An engine plus reward scoring, producing groups and applying weight updates.
+    """An engine and a rollout on it, producing groups and applying weight updates.
 
     Interrupt modes (how a published version is applied):
     - ``never``: at once, between two decode steps; running sequences continue on their KV
@@ -98,7 +102,7 @@ class GeneratorWorker:
             seed=seed,
             decode=lambda ids: policy.tokenizer.decode(ids, skip_special_tokens=True),
         )
-        self.rollout = build.build_rollout(cfg, policy, self.engine)
+        self.rollout: Rollout = build_rollout(cfg, policy, self.engine)
         self.interrupt = cfg.schedule.interrupt
         self.pending_version: int | None = None
         self._preempt = False
@@ -168,7 +172,7 @@ class GeneratorWorker:
 
         The groups being scored are given up; the controller's checkpoint has them as pending.
         """
-        self.rollout.rewards.stop()
+        self.rollout.abandon()
 
     def _switch_group(self) -> None:
         with self._group_lock:
@@ -276,7 +280,7 @@ class GeneratorWorker:
             check_checksums(dict(self.engine.model.named_parameters()), expected, version, where)
 
     def close(self) -> None:
-        """Release what outlives a step: scoring threads and reward processes, episode loops."""
+        """Release what outlives a step: the rollout's threads and processes."""
         self.rollout.close()
 
     def _flush_span(self) -> list:

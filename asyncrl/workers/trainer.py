@@ -23,8 +23,11 @@ from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.types import GenerationStopped
 from asyncrl.models.loading import Policy, resolve_device, save_policy
 from asyncrl.models.lora import published_weights, synced_parameters
+from asyncrl.prompts.build import eval_prompts
 from asyncrl.rewards.scoring import ScoringStopped
-from asyncrl.rollout.evaluation import evaluate, evaluate_episodes
+from asyncrl.rollout.base import Rollout
+from asyncrl.rollout.build import build_rollout
+from asyncrl.rollout.evaluation import evaluate
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.distributed import RankGroup, RankSpec, rank_device
 from asyncrl.trainer.trainer import assign_advantages, sync_dtype
@@ -147,10 +150,10 @@ class TrainerWorker:
         self._step_batches: list[MicroBatch] = []
         self._step_open = False
         self._in_progress: BatchInProgress | None = None  # a batch a stop interrupted between its steps
-        self._eval_engine: EmbeddedEngine | None = None
+        # Evaluations (rank 0): the run's rollout, greedy, on an engine over the trainer's own model.
+        self._eval_rollout: Rollout | None = None
         self._eval_prompts: list = []
         self._gathered_policy: Policy | None = None
-        self.trainer_reward = build.build_reward(cfg)  # for evaluations, on rank 0
 
     @property
     def version(self) -> int:
@@ -184,7 +187,8 @@ class TrainerWorker:
         kept for the stop's checkpoint, which is written at the version the trainer is at
         (:meth:`_save_checkpoint`)."""
         self._stopping.set()
-        self.trainer_reward.stop()
+        if self._eval_rollout is not None:
+            self._eval_rollout.abandon()
 
     @property
     def stopping(self) -> bool:
@@ -331,8 +335,8 @@ class TrainerWorker:
         policy = self._full_policy()
         if policy is None:
             return []
-        if self._eval_engine is None:
-            self._eval_engine = EmbeddedEngine(
+        if self._eval_rollout is None:
+            engine = EmbeddedEngine(
                 policy.model,
                 pad_token_id=policy.pad_token_id,
                 max_batch_size=self.cfg.rollout.max_batch_size,
@@ -341,25 +345,14 @@ class TrainerWorker:
                 # (compute-dtype copies, FSDP2 gathers): a graph would keep reading the old ones.
                 cuda_graphs=False,
             )
-            self._eval_prompts = build.eval_prompts(self.cfg, policy)
+            self._eval_rollout = build_rollout(self.cfg, policy, engine, greedy=True)
+            self._eval_prompts = eval_prompts(self.cfg, policy)
         model = policy.model
         was_training = model.training
         model.eval()
         try:
             with self.trainer.compute():
-                if self.cfg.episode.environment is not None:
-                    rollout = build.build_rollout(self.cfg, policy, self._eval_engine, greedy=True)
-                    accuracy = evaluate_episodes(rollout, self._eval_prompts, stop=self._stopping.is_set)
-                else:
-                    accuracy = evaluate(
-                        self._eval_engine,
-                        policy.tokenizer,
-                        self._eval_prompts,
-                        self.trainer_reward,
-                        build.sampling_params(self.cfg, policy, greedy=True),
-                        stop=self._stopping.is_set,
-                        step_delimiter=self.cfg.task.step_delimiter,
-                    )
+                accuracy = evaluate(self._eval_rollout, self._eval_prompts, stop=self._stopping.is_set)
         except (ScoringStopped, GenerationStopped):
             return []  # the run is stopping: the evaluation is given up
         finally:
@@ -417,14 +410,9 @@ class TrainerWorker:
         step, as they must run the same collectives.
         """
         stop = self._stopping.is_set if self.ranks is None else None
-        steps = []
-        for done in range(iterations):
-            self.trainer.begin_step()
-            self.trainer.accumulate(batches, stop=stop)
-            if stop is not None and stop():
-                self._in_progress = BatchInProgress(batches, iterations - done, divisor, publish)
-                break
-            steps.append(self.trainer.finish_step(divisor))
+        steps = self.trainer.train_batch(batches, divisor, iterations, stop)
+        if len(steps) < iterations:
+            self._in_progress = BatchInProgress(batches, iterations - len(steps), divisor, publish)
         return steps
 
     def _step_events(self, steps: list[dict], start: float, publish: bool) -> list:
@@ -459,7 +447,8 @@ class TrainerWorker:
 
     def close(self) -> None:
         """Rank 0: release the other ranks from :func:`run_follower` first. Every rank: leave the group."""
-        self.trainer_reward.close()
+        if self._eval_rollout is not None:
+            self._eval_rollout.close()
         self.inbox.close()
         try:
             if self.ranks is not None and self.ranks.is_leader:

@@ -1,0 +1,68 @@
+"""The run's rollout, from a :class:`~asyncrl.config.Config`: completions, or episodes with
+``episode.environment``; for training, or greedy with one sample per prompt for evaluations."""
+
+from __future__ import annotations
+
+from asyncrl.config import Config
+from asyncrl.engine.sampling import SamplingParams
+from asyncrl.episodes.environment import EpisodeFunction
+from asyncrl.episodes.resolve import resolve_episode
+from asyncrl.episodes.rollout import EpisodeRollout
+from asyncrl.models.loading import Policy
+from asyncrl.rewards.build import build_reward
+from asyncrl.rollout.base import Rollout
+from asyncrl.rollout.completions import CompletionRollout
+
+
+def sampling_params(cfg: Config, policy: Policy, *, greedy: bool = False) -> SamplingParams:
+    """rollout.* as the engine's sampling parameters; ``greedy``: an evaluation's (temperature 0,
+    ending at EOS)."""
+    r = cfg.rollout
+    return SamplingParams(
+        max_new_tokens=r.max_new_tokens,
+        temperature=0.0 if greedy else r.temperature,
+        top_k=r.top_k,
+        top_p=r.top_p,
+        min_p=r.min_p,
+        keep_support=r.keep_sampling_mask and not greedy,
+        stop_token_ids=() if (r.ignore_eos or r.decode_past_eos) and not greedy else (policy.eos_token_id,),
+    )
+
+
+def build_episode(cfg: Config) -> EpisodeFunction | None:
+    """The episode function of episode.environment (None for single-turn completions)."""
+    if cfg.episode.environment is None:
+        return None
+    return resolve_episode(cfg.episode.environment, cfg.episode.max_turns, cfg.episode.step_timeout_s)
+
+
+def build_rollout(cfg: Config, policy: Policy, engine, *, greedy: bool = False) -> Rollout:
+    """The run's rollout on ``engine``: single-turn completions, or multi-turn episodes with
+    episode.environment. ``greedy``: an evaluation's — one greedy sample per prompt, scored in
+    this thread."""
+    episode = build_episode(cfg)
+    if episode is not None:
+        return EpisodeRollout(
+            engine,
+            policy.tokenizer,
+            episode,
+            sampling_params(cfg, policy, greedy=greedy),
+            1 if greedy else cfg.rollout.group_size,
+            max_turns=cfg.episode.max_turns,
+            max_episode_tokens=cfg.episode.max_episode_tokens,
+            reward_on_error=cfg.task.reward_on_error,
+            seed=cfg.run.seed,
+            tool_threads=cfg.episode.tool_threads,
+        )
+    return CompletionRollout(
+        engine,
+        policy.tokenizer,
+        build_reward(cfg),
+        sampling_params(cfg, policy, greedy=greedy),
+        1 if greedy else cfg.rollout.group_size,
+        reward_on_error=cfg.task.reward_on_error,
+        eos_after=policy.eos_token_id if cfg.rollout.decode_past_eos else None,
+        seed=cfg.run.seed,
+        scoring_threads=0 if greedy else cfg.task.reward_workers,
+        step_delimiter=cfg.task.step_delimiter,
+    )

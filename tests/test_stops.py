@@ -1,0 +1,109 @@
+"""A SIGTERM stop of every kind of run, and its resume.
+
+Completions and episodes; sync and async; the inline, local and Ray runtimes. Each stop exits
+with 128 + the signal and one line on stderr (no traceback), leaves a checkpoint and no
+process, and ``asyncrl train --resume`` continues the run to its last step with books that
+reconcile. The generator and trainer workers drive their rollouts only through the
+:class:`~asyncrl.rollout.base.Rollout` interface, so an episode run stops as a completion
+run does (it once raised ``AttributeError`` inside the signal handler).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from asyncrl.control import checkpoints
+from tests.helpers import ONE_THREAD_EACH, short_run, stop_after_steps, train_to_end
+
+STEPS = 3
+STOP_AT = 1  # steps logged before the signal
+
+RUNS = {
+    "completions": ["model.path=builtin:arith"],
+    # The calculator task as multi-turn episodes, with the budgets of its warm start.
+    "episodes": [
+        "model.path=builtin:calculator",
+        "episode.environment=calculator",
+        "episode.max_turns=3",
+        "episode.max_episode_tokens=32",
+        "rollout.max_new_tokens=8",
+        "task.arithmetic.ops=['+', '-', '*']",
+    ],
+}
+SCHEDULES = {
+    "sync": ["schedule=sync"],
+    # Preemption keeps the groups in flight as prefixes (completions) or finished episodes.
+    "async": ["schedule=async", "schedule.max_staleness=1"],
+}
+RUNTIMES = {
+    "inline": ["runtime.kind=inline"],
+    "local": ["runtime.kind=local", *ONE_THREAD_EACH],
+    "ray": ["runtime.kind=ray", *ONE_THREAD_EACH, "runtime.ray.num_cpus=4"],
+}
+
+
+def stop_and_resume(run_dir: Path, work: str, schedule: str, runtime: str) -> None:
+    overrides = [*short_run(STEPS), *RUNS[work], *SCHEDULES[schedule], *RUNTIMES[runtime]]
+    code, err = stop_after_steps(run_dir, overrides, STOP_AT, signal.SIGTERM, timeout=240)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 128 + signal.SIGTERM.value, err
+    assert len(lines) == 1 and lines[0].startswith("asyncrl: stopped by SIGTERM at step"), err
+    saved = checkpoints.latest(run_dir)
+    assert saved is not None and f"--resume {run_dir}" in lines[0]
+    stopped_at = checkpoints.read_controller_state(saved)["version"]
+    assert STOP_AT <= stopped_at < STEPS
+
+    train_to_end("--resume", str(run_dir), timeout=300)
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, STEPS + 1))
+    accounting = json.loads((run_dir / "summary.json").read_text())["accounting"]
+    assert accounting["reconciles"] and accounting["prompts_trained_twice"] == 0
+    assert (run_dir / "final").is_dir()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("work", "schedule", "runtime"),
+    [
+        ("episodes", "sync", "inline"),
+        ("episodes", "async", "local"),
+        pytest.param(
+            "episodes",
+            "sync",
+            "local",
+            # an episode run's stop on the local runtime: episodes-async-local above
+            marks=pytest.mark.slow,
+        ),
+        ("completions", "async", "local"),
+        pytest.param(
+            "completions",
+            "sync",
+            "inline",
+            # an inline completion run's stop: test_timed_reward.py::test_sigterm_during_hanging_reward_scoring_...
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "completions",
+            "sync",
+            "local",
+            # the local runtime's stop: completions-async-local and episodes-async-local above
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_a_stopped_run_exits_with_one_line_and_resumes(
+    tmp_path: Path, work: str, schedule: str, runtime: str
+) -> None:
+    stop_and_resume(tmp_path / "run", work, schedule, runtime)
+
+
+@pytest.mark.ray
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("work", ["completions", "episodes"])
+@pytest.mark.parametrize("schedule", ["sync", "async"])
+def test_a_stopped_ray_run_exits_with_one_line_and_resumes(tmp_path: Path, work: str, schedule: str) -> None:
+    stop_and_resume(tmp_path / "run", work, schedule, "ray")
