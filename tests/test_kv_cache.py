@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+from asyncrl.engine import embedded
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.kv_cache import SlotKVCache, kv_bytes_per_token, length_mask
 from asyncrl.engine.sampling import SamplingParams
@@ -90,12 +91,12 @@ def test_rows_joining_and_leaving_leave_other_slots_untouched() -> None:
     engine.add_request(request("late", prompt(7, 4), 3, seed=4))
     engine.step()
     assert engine.slots() == {"long": 0, "short-a": 1, "short-b": 2}
-    cache = engine._slots.cache
+    cache = engine._runner.cache
     seen: list[torch.Tensor] = []
     slot_history = []
     while engine.has_work:
         before = [k[0].clone() for k in cache.keys]
-        length = engine._slots.lengths[0]
+        length = engine._scheduler.lengths[0]
         engine.step()
         slot_history.append(engine.slots())
         if "long" in engine.slots():
@@ -103,7 +104,7 @@ def test_rows_joining_and_leaving_leave_other_slots_untouched() -> None:
             for layer, k in enumerate(cache.keys):
                 # Columns written before this step are unchanged; one column was appended.
                 assert torch.equal(k[0, :, :length], before[layer][:, :length])
-            assert engine._slots.lengths[0] == length + 1
+            assert engine._scheduler.lengths[0] == length + 1
             seen.append(cache.keys[0][0, :, : length + 1].clone())
     assert {"long": 0, "late": 1, "short-b": 2} in slot_history  # "late" took the slot "short-a" left
     assert len(seen) >= 10
@@ -216,12 +217,15 @@ def test_tokens_and_logprobs_equal_a_forward_without_cache(source: str) -> None:
     assert engine.stats["peak_cache_tokens"] <= 3 * 128
 
 
+def _force_accelerator_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines built from now on take the accelerator layout on the CPU."""
+    monkeypatch.setattr(embedded, "static_layout", lambda device: True)
+
+
 def test_accelerator_shapes_run_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """The accelerator layout (decode over the whole slot, power-of-two batch buckets, rows moved
     only when the batch drops a bucket), forced on the CPU: same completions and log-probs as the
     CPU layout, and every decode forward has one of the bucketed shapes."""
-    from asyncrl.engine import slots
-
     policy = policy_for()
     reqs = [
         request(f"r{k}", prompt(3 + 2 * k, 80 + k), 4 + 5 * k, seed=k, temperature=1.0, top_p=0.9)
@@ -229,13 +233,7 @@ def test_accelerator_shapes_run_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> N
     ]
     cpu = make_engine(policy, max_batch_size=8, max_seq_len=64).generate(reqs)
 
-    init = slots.Slots.__init__
-
-    def static_init(self, engine) -> None:
-        init(self, engine)
-        self.static = True
-
-    monkeypatch.setattr(slots.Slots, "__init__", static_init)
+    _force_accelerator_layout(monkeypatch)
     engine = make_engine(policy, max_batch_size=8, max_seq_len=64)
     shapes = set()
     engine.model.register_forward_pre_hook(
@@ -248,18 +246,6 @@ def test_accelerator_shapes_run_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> N
     decode_shapes = {s for s in shapes if s[2] == 1}
     assert decode_shapes <= {(rows, 1, 1, 64) for rows in (1, 2, 4, 8)}
     assert len(decode_shapes) > 1  # the batch dropped buckets as rows finished
-
-
-def _force_accelerator_layout(monkeypatch: pytest.MonkeyPatch) -> None:
-    from asyncrl.engine import slots
-
-    init = slots.Slots.__init__
-
-    def static_init(self, engine) -> None:
-        init(self, engine)
-        self.static = True
-
-    monkeypatch.setattr(slots.Slots, "__init__", static_init)
 
 
 def test_accelerator_decode_steps_copy_to_the_host_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -290,8 +276,8 @@ def test_accelerator_decode_steps_copy_to_the_host_once(monkeypatch: pytest.Monk
     monkeypatch.undo()
     assert steps >= 10
     assert counts == {"tolist": steps, "item": 0, "__bool__": 0, "cpu": 0}
-    runner = engine._slots.runner
-    assert runner.capture is False and runner.captured == 0  # no CUDA here: run eagerly
+    graphs = engine._runner.graphs
+    assert graphs.capture is False and graphs.captured == 0  # no CUDA here: run eagerly
 
 
 @pytest.mark.gpu
@@ -328,8 +314,8 @@ def test_cuda_graphs_replay_equals_eager_decoding_across_a_weight_swap() -> None
 
     eager_engine, eager = run(False)
     graph_engine, graphed = run(True)
-    assert graph_engine._slots.runner.captured >= 2 and graph_engine._slots.runner.replays > 20
-    assert eager_engine._slots.runner.captured == 0
+    assert graph_engine._runner.graphs.captured >= 2 and graph_engine._runner.graphs.replays > 20
+    assert eager_engine._runner.graphs.captured == 0
     for rid, a in eager.items():
         b = graphed[rid]
         assert a.completion_ids == b.completion_ids

@@ -3,47 +3,42 @@
 Requests are queued with :meth:`EmbeddedEngine.add_request` and advanced by
 :meth:`EmbeddedEngine.step`, which returns the sequences that finished at that step.
 
+**Three parts, one way.** The engine joins a scheduler and a runner, and neither knows it:
+
+* :mod:`asyncrl.engine.scheduler` decides — the waiting queue, which request runs in which
+  slot of the KV cache, admission against the free slots and the token budget, prefix
+  sharing, compaction, finishing and aborting rows — from plain values, and returns plans
+  (:mod:`asyncrl.engine.plans`);
+* :mod:`asyncrl.engine.runner` computes — it owns the model, the static KV cache
+  (:mod:`asyncrl.engine.kv_cache`), the per-slot device tensors, the forwards, the replayed
+  CUDA graphs (:mod:`asyncrl.engine.graphs`) and sampling (:mod:`asyncrl.engine.sampling`) —
+  and executes the plans;
+* this module owns the model's weights and policy version, validates and seeds requests, and
+  runs a step as schedule -> run -> postprocess: admit (a prefill plan, run), draw every
+  running row's next token (a draw plan, run), append the tokens and finish rows
+  (postprocess), then decode the rows left (a decode plan with its compaction moves, run).
+
 **Continuous batching.** At every step, waiting requests are admitted while there is a
 free slot of the KV cache (at most ``max_batch_size``, fewer when ``kv_cache_gb``, or
-``kv_cache_fraction`` of the device's free memory, holds fewer) and room in the token budget (``max_tokens_in_flight``: each running sequence
-reserves its prompt plus its token budget). A request that could never fit — longer than a
-slot (``max_seq_len``) or than the token budget — is refused when it is added, naming
-itself and the limit; one that does not fit now waits. Newcomers are prefilled together
-into their slots; a sequence leaves its slot the moment it finishes.
-
-**Layout: a static KV cache of slots** (:mod:`asyncrl.engine.kv_cache`, which says why slots
-rather than pages). The cache is allocated once, at the first admission: ``num_slots``
-slots of ``slot_len = max_seq_len`` tokens (the model's positions by default). A sequence's
-token at position ``p`` lives in column ``p`` of its slot; each step writes every row's new
-keys and values in place at the row's own length, and the attention mask is built from the
-per-row lengths, so nothing is padded, shifted or concatenated, and rows join and leave
-without copying any other row's cache. A newcomer takes the lowest free slot. The decode
-batch spans slots ``0..highest``; when finished rows leave holes in it, the highest rows
-are moved down into them — the only copy of a running row's cache, one row at a time: on
-the CPU into every hole the next admission will not fill (the batch stays dense, since a
-hole costs a decode row at every step and a move one copy of that row's columns), on an
-accelerator only when the batch drops to a smaller power-of-two bucket.
-
-**CPU and accelerator shapes.** On an accelerator every decode step attends over the whole
-slot and its batch is a power of two (capped at the slot count): the step's tensor shapes
-come from a handful of buckets, as CUDA graphs need. On the CPU, attending over empty
-columns costs as much as over real ones and nothing needs fixed shapes, so every forward
-attends over exactly its longest row and its batch is exactly slots ``0..highest``.
-
-**One prefill per group, shared prefixes.** Newcomers with identical contexts (the G samples
-of a GRPO group) are prefilled once and the prefilled slot and logits are copied to the
-others. A newcomer whose context shares at least ``MIN_SHARED_PREFIX`` leading tokens with
-a running sequence or another newcomer copies those columns from that slot and prefills
-only the rest — but only from a cache the current weights computed (``weights_epoch``).
+``kv_cache_fraction`` of the device's free memory, holds fewer) and room in the token budget
+(``max_tokens_in_flight``: each running sequence reserves its prompt plus its token budget).
+A request that could never fit — longer than a slot (``max_seq_len``) or than the token
+budget — is refused when it is added, naming itself and the limit; one that does not fit now
+waits. Newcomers are prefilled together into their slots; a sequence leaves its slot the
+moment it finishes. The cache is allocated once, at the first admission: ``num_slots`` slots
+of ``slot_len = max_seq_len`` tokens (the model's positions by default).
 ``stats["prefill_tokens"]`` counts the tokens run through the model at prefill,
-``stats["prefix_reused_tokens"]`` those copied instead.
+``stats["prefix_reused_tokens"]`` those copied instead (identical contexts and shared
+prefixes, see the scheduler), ``stats["peak_cache_tokens"]`` the largest rows x columns a
+decode step attended over.
 
 **Between two steps** the engine holds no state that depends on the weights except the KV
 cache and each row's pending logits, so weights may be swapped there (the ``never``
 interrupt mode: sequences continue on their cache, and every token records the version of
 the weights that computed the logits it was drawn from — the first token after a swap
 still comes from the old weights), or running sequences may be aborted and later resumed
-from their prefix (:meth:`abort`).
+from their prefix (:meth:`abort`). A load bumps ``weights_epoch``: a cache prefilled under an
+older epoch is not shared with newcomers.
 """
 
 from __future__ import annotations
@@ -56,10 +51,11 @@ import torch
 from transformers import PreTrainedModel
 
 from asyncrl.engine.kv_cache import free_memory_bytes, kv_bytes_per_token
+from asyncrl.engine.plans import PrefillPlan
+from asyncrl.engine.runner import Runner, static_layout
 from asyncrl.engine.sampling import SamplingParams
-from asyncrl.engine.slots import Slots, reserve, result_of
+from asyncrl.engine.scheduler import Scheduler
 from asyncrl.engine.types import GenerationRequest, GenerationResult, GenerationStopped
-from asyncrl.types import Tokens
 
 
 class EmbeddedEngine:
@@ -125,8 +121,13 @@ class EmbeddedEngine:
             "prefix_reused_tokens": 0,
             "cache_capacity_tokens": self.num_slots * self.slot_len,
         }
-        self._waiting: list[GenerationRequest] = []
-        self._slots: Slots | None = None  # allocated at the first admission, then kept
+        self._scheduler = Scheduler(
+            self.num_slots,
+            self.slot_len,
+            max_tokens_in_flight=max_tokens_in_flight,
+            static=static_layout(self.device),
+        )
+        self._runner: Runner | None = None  # its cache is allocated at the first admission, then kept
 
     # -- weights ------------------------------------------------------------------------
 
@@ -198,7 +199,7 @@ class EmbeddedEngine:
     def add_request(self, request: GenerationRequest) -> None:
         """Queue a request; it joins the running batch at the next step with room for it."""
         self._validate(request)
-        self._waiting.append(self._with_seed(request))
+        self._scheduler.waiting.append(self._with_seed(request))
 
     def _with_seed(self, request: GenerationRequest) -> GenerationRequest:
         if request.seed is not None:
@@ -207,39 +208,37 @@ class EmbeddedEngine:
 
     @property
     def num_running(self) -> int:
-        return 0 if self._slots is None else len(self._slots.running())
+        return self._scheduler.num_running
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._scheduler.waiting)
 
     @property
     def has_work(self) -> bool:
-        return self.num_running > 0 or bool(self._waiting)
+        return self.num_running > 0 or bool(self._scheduler.waiting)
 
     def tokens_in_flight(self) -> int:
         """KV-cache tokens reserved by the running sequences (prompt + budget each)."""
-        return 0 if self._slots is None else sum(row.reserved for row in self._slots.running())
+        return self._scheduler.tokens_in_flight()
 
     # -- stepping -----------------------------------------------------------------------
 
     def partial(self) -> dict[str, tuple[list[int], list[float]]]:
         """Tokens and log-probs generated so far by each running request, a resumed prefix included."""
         out = {}
-        for r in self._slots.running() if self._slots else []:
+        for r in self._scheduler.running():
             out[r.request.request_id] = (list(r.generated.completion_ids), list(r.generated.logprobs))
         return out
 
     def slots(self) -> dict[str, int]:
         """The KV-cache slot of each running request (for tests and diagnostics)."""
-        if self._slots is None:
-            return {}
-        return {row.request.request_id: s for s, row in enumerate(self._slots.rows) if row is not None}
+        return {row.request.request_id: s for s, row in enumerate(self._scheduler.rows) if row is not None}
 
     def oldest_versions(self) -> dict[str, int]:
         """For each running request with tokens, the oldest policy version among them (prefix included)."""
         out = {}
-        for row in self._slots.running() if self._slots else []:
+        for row in self._scheduler.running():
             oldest = row.generated.oldest_version
             if oldest is not None:
                 out[row.request.request_id] = oldest
@@ -249,38 +248,39 @@ class EmbeddedEngine:
         """Admit what fits (unless ``admit`` is False, e.g. while draining), sample one token for
         every running sequence, and return the sequences that finished."""
         t0 = time.perf_counter()
-        if admit:
-            self._admit()
-        if not self.num_running:
+        scheduler = self._scheduler
+        prefill = scheduler.admit(self.version, self.weights_epoch) if admit else None
+        if prefill is not None:
+            self._prefill(prefill)
+        if not scheduler.num_running:
             return []
-        finished = self._slots.step(self, admit)
+        draw = scheduler.schedule_draw()
+        finished = scheduler.postprocess(draw, self._runner.draw(draw), self.decode)
+        self.stats["tokens_generated"] += len(draw.slots)
+        decode = scheduler.schedule_decode(refill=admit, version=self.version)
+        if decode is not None:
+            self._runner.decode(decode)
+            self.stats["peak_cache_tokens"] = max(
+                self.stats["peak_cache_tokens"], decode.rows * decode.length
+            )
         self.stats["steps"] += 1
         self.stats["busy_s"] += time.perf_counter() - t0
         return finished
 
-    def _admissible(self) -> int:
-        """How many waiting requests (from the front of the queue) fit now: a free slot and room
-        in the token budget for each."""
-        count = 0
-        free = self.num_slots - self.num_running
-        reserved = self.tokens_in_flight()
-        for request in self._waiting[:free]:
-            need = reserve(request)
-            if self.max_tokens_in_flight is not None and reserved + need > self.max_tokens_in_flight:
-                break
-            count += 1
-            reserved += need
-        return count
-
-    def _admit(self) -> None:
-        admitted = self._waiting[: self._admissible()]
-        if not admitted:
-            return
-        del self._waiting[: len(admitted)]
-        if self._slots is None:
-            self._slots = Slots(self)
-        self._slots.admit(self, admitted)
+    def _prefill(self, plan: PrefillPlan) -> None:
+        if self._runner is None:
+            self._runner = Runner(
+                self.model,
+                num_slots=self.num_slots,
+                slot_len=self.slot_len,
+                pad_token_id=self.pad_token_id,
+                static=self._scheduler.static,
+                cuda_graphs=self.cuda_graphs,
+            )
+        self._runner.prefill(plan)
         self.stats["prefills"] += 1
+        self.stats["prefill_tokens"] += plan.prefill_tokens
+        self.stats["prefix_reused_tokens"] += plan.reused_tokens
 
     def abort(self, request_ids: Iterable[str] | None = None) -> list[GenerationResult]:
         """Stop requests now (all when ``request_ids`` is None): running ones return their prefix.
@@ -289,18 +289,7 @@ class EmbeddedEngine:
         log-probs and versions), the seed, and the prompt ids, so that
         :func:`resume_request` can continue them exactly where they stopped.
         """
-        wanted = None if request_ids is None else set(request_ids)
-        out: list[GenerationResult] = []
-        keep_waiting = []
-        for req in self._waiting:
-            if wanted is None or req.request_id in wanted:
-                out.append(result_of(req, req.prefix.tokens() if req.prefix else Tokens.empty(), "abort"))
-            else:
-                keep_waiting.append(req)
-        self._waiting = keep_waiting
-        if self._slots is not None:
-            out += self._slots.abort(wanted)
-        return out
+        return self._scheduler.abort(None if request_ids is None else set(request_ids))
 
     def generate(
         self, requests: list[GenerationRequest], stop: Callable[[], bool] | None = None

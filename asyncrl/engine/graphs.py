@@ -4,8 +4,9 @@ A decode step on an accelerator launches hundreds of small kernels (every layer'
 projections, rotary embedding, attention, the cache writes, then the sampler); at small
 batches the GPU waits on the CPU that launches them. A CUDA graph records the launches once
 and replays them with one call. That needs every replay to read and write the same memory
-with the same shapes, which the engine's accelerator layout gives
-(:mod:`asyncrl.engine.embedded`): the KV cache, the pending logits and the per-slot
+with the same shapes, which the engine's accelerator layout gives (the scheduler,
+:mod:`asyncrl.engine.scheduler`, picks the shapes; the runner, :mod:`asyncrl.engine.runner`,
+keeps the static tensors): the KV cache, the pending logits and the per-slot
 sampling parameters are allocated once, a decode batch is a power-of-two bucket of slots
 ``0..rows`` attending over the whole slot, and new weights are copied into the same
 parameter storage (:meth:`EmbeddedEngine.load_weights`), so captured graphs stay valid

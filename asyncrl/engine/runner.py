@@ -1,0 +1,261 @@
+"""The engine's runner: the model, the KV cache and the per-slot device tensors; it executes plans.
+
+:class:`Runner` owns everything on the device: the static KV cache
+(:mod:`asyncrl.engine.kv_cache`, allocated once: ``num_slots`` slots of ``slot_len``
+columns), the pending logits of every slot (what its row samples its next token from), the
+per-slot sampling tensors (temperature, top-k, top-p, min-p, keep_support, seed), and the
+static input buffers of the accelerator layout. It executes the scheduler's plans
+(:mod:`asyncrl.engine.plans`) in the order they give — the prefill rounds, the draw, the
+compaction moves and the decode forward — and never decides who runs or where: which slots
+a forward covers and how many columns it attends over come in the plan.
+
+**In place, per row.** A sequence's token at position ``p`` lives in column ``p`` of its slot;
+every forward writes each row's new keys and values in place at the row's own positions and
+builds the attention mask from the per-row lengths (:func:`~asyncrl.engine.kv_cache.length_mask`),
+so nothing is padded, shifted or concatenated, and rows join and leave without copying any
+other row's cache. Every forward goes through :func:`asyncrl.models.forward.with_cache`.
+
+**The accelerator layout** (``static``, :func:`static_layout`). A draw and a decode forward
+read their inputs from buffers allocated once (token ids, cache lengths, completion
+positions), written in place before each step, and write the pending logits in place; with
+the KV cache and the sampling tensors also allocated once, both steps are pure functions of
+static tensors, run through :class:`~asyncrl.engine.graphs.StepRunner`, which replays them
+as CUDA graphs on CUDA (no Python runs inside a replayed step). On the CPU the same calls
+build their inputs per step at exactly the plan's shapes.
+
+**One transfer per step.** A draw copies from the device once: the drawn tokens over their
+log-probs, packed into one float64 tensor; nothing on the step asks the device a question
+(``.item()``, ``bool()``). Rows that record their kept set (``keep_support``) draw eagerly,
+since kept sets are variable-length lists.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from asyncrl.engine.graphs import StepRunner
+from asyncrl.engine.kv_cache import SlotKVCache, length_mask
+from asyncrl.engine.plans import DecodePlan, Drawn, DrawPlan, PrefillPlan, PrefillRound
+from asyncrl.engine.sampling import sample_tokens
+from asyncrl.models.forward import with_cache
+
+
+def static_layout(device: torch.device) -> bool:
+    """Whether forwards on ``device`` take the accelerator layout's fixed shapes (whole-slot
+    attention, power-of-two decode batches, static input buffers): everywhere but the CPU."""
+    return device.type != "cpu"
+
+
+class Runner:
+    """Runs prefills, draws and decode steps for the slots of one static KV cache."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        num_slots: int,
+        slot_len: int,
+        pad_token_id: int,
+        static: bool,
+        cuda_graphs: bool,
+    ) -> None:
+        dev, n = next(model.parameters()).device, num_slots
+        self.model = model
+        self.device = dev
+        self.pad_token_id = pad_token_id
+        self.static = static
+        self.cache = SlotKVCache(model.config, n, slot_len, dtype=next(model.parameters()).dtype, device=dev)
+        self.logits: torch.Tensor | None = None  # (slots, vocab), allocated at the first prefill
+        self.temperature = torch.ones(n, dtype=torch.float32, device=dev)
+        self.top_k = torch.zeros(n, dtype=torch.long, device=dev)
+        self.top_p = torch.ones(n, dtype=torch.float32, device=dev)
+        self.min_p = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.keep_support = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.seeds = torch.zeros(n, dtype=torch.long, device=dev)
+        # Inputs of the accelerator layout's steps, written in place before each one.
+        self.ids_in = torch.zeros(n, 1, dtype=torch.long, device=dev)
+        self.starts_in = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions_in = torch.zeros(n, dtype=torch.long, device=dev)
+        self.graphs = StepRunner(dev, capture=cuda_graphs)
+
+    # -- prefill ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, plan: PrefillPlan) -> None:
+        """Fill the newcomers' slots with their contexts' KV and set their logits and sampling
+        tensors: each round copies its shared prefixes and prefills the rest in one forward;
+        then identical contexts copy their twin's columns and logits."""
+        for batch in plan.rounds:
+            self._prefill_round(batch)
+        for source, target, columns in plan.twins:
+            self.cache.copy_prefix(source, target, columns)
+            self.logits[target] = self.logits[source]
+        dev = self.device
+        index = torch.tensor([slot for slot, _, _ in plan.sampling], dtype=torch.long, device=dev)
+        params = [p for _, p, _ in plan.sampling]
+        self.temperature[index] = torch.tensor([p.temperature for p in params], device=dev)
+        self.top_k[index] = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev)
+        self.top_p[index] = torch.tensor([p.top_p for p in params], device=dev)
+        self.min_p[index] = torch.tensor([p.min_p for p in params], device=dev)
+        self.keep_support[index] = torch.tensor([p.keep_support for p in params], device=dev)
+        self.seeds[index] = torch.tensor([seed for _, _, seed in plan.sampling], dtype=torch.long, device=dev)
+
+    def _prefill_round(self, batch: PrefillRound) -> None:
+        dev = self.device
+        for p in batch.prefills:
+            if p.source is not None:
+                self.cache.copy_prefix(p.source, p.slot, p.shared)
+        # Left-padded to the longest suffix; only the real tokens are written to the cache.
+        width = max(len(p.tokens) for p in batch.prefills)
+        input_ids = torch.full((len(batch.prefills), width), self.pad_token_id, dtype=torch.long)
+        starts, write_slots, source_idx = [], [], []
+        for b, p in enumerate(batch.prefills):
+            pad = width - len(p.tokens)
+            input_ids[b, pad:] = torch.tensor(p.tokens)
+            starts.append(p.shared - pad)
+            write_slots += [p.slot] * len(p.tokens)
+            source_idx += range(b * width + pad, (b + 1) * width)
+        slots = [p.slot for p in batch.prefills]
+        logits = self._forward(
+            torch.tensor(slots, dtype=torch.long, device=dev),
+            input_ids.to(dev),
+            torch.tensor(starts, dtype=torch.long, device=dev),
+            torch.tensor(write_slots, dtype=torch.long, device=dev),
+            torch.tensor(source_idx, dtype=torch.long, device=dev),
+            batch.length,
+        )
+        if self.logits is None:
+            self.logits = logits.new_zeros((self.cache.slots, logits.shape[-1]))
+        self.logits[torch.tensor(slots, device=dev)] = logits
+
+    # -- drawing ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def draw(self, plan: DrawPlan) -> Drawn:
+        """Each planned row's next token and its log-prob (and kept set, for keep_support
+        rows), copied to the host in one transfer."""
+        if plan.keep_support:
+            # Kept sets are variable-length lists: drawn eagerly, over the planned rows only.
+            index = self._index(plan.slots)
+            positions = torch.tensor(plan.positions, dtype=torch.long, device=self.device)
+            draw = sample_tokens(*self._sampling_inputs(index, positions), self.keep_support[index])
+            host = torch.stack([draw.tokens.double(), draw.logprobs.double()]).tolist()
+            return Drawn([int(t) for t in host[0]], host[1], draw.supports)
+        if not self.static:
+            positions = torch.tensor(plan.positions, dtype=torch.long, device=self.device)
+            host = _draw_packed(*self._sampling_inputs(self._index(plan.slots), positions)).tolist()
+            return Drawn([int(t) for t in host[0]], host[1], None)
+        # Accelerator layout: every row of the bucket is drawn (holes draw garbage, unread)
+        # from static buffers, so the step replays as a graph.
+        width = plan.rows
+        positions = [0] * width
+        for slot, done in zip(plan.slots, plan.positions, strict=True):
+            positions[slot] = done
+        self.positions_in[:width].copy_(torch.tensor(positions, dtype=torch.long))
+        rows = slice(0, width)
+        packed = self.graphs.run(
+            ("draw", width), lambda: _draw_packed(*self._sampling_inputs(rows, self.positions_in[rows]))
+        )
+        host = packed.tolist()
+        return Drawn([int(host[0][s]) for s in plan.slots], [host[1][s] for s in plan.slots], None)
+
+    def _index(self, slots: list[int]) -> slice | torch.Tensor:
+        if slots == list(range(len(slots))):
+            return slice(0, len(slots))
+        return torch.tensor(slots, dtype=torch.long, device=self.device)
+
+    def _sampling_inputs(self, rows: slice | torch.Tensor, positions: torch.Tensor) -> tuple:
+        """The sampler's inputs for ``rows``: logits, temperature, top-k, top-p, seeds, positions, min-p."""
+        return (
+            self.logits[rows],
+            self.temperature[rows],
+            self.top_k[rows],
+            self.top_p[rows],
+            self.seeds[rows],
+            positions,
+            self.min_p[rows],
+        )
+
+    # -- decoding -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def decode(self, plan: DecodePlan) -> None:
+        """Make the plan's moves, then feed every planned row its token at its own position,
+        written in place; the new logits become the slots' pending logits."""
+        for source, target, columns in plan.moves:
+            self.cache.copy_prefix(source, target, columns)
+            for buf in (
+                self.logits,
+                self.temperature,
+                self.top_k,
+                self.top_p,
+                self.min_p,
+                self.keep_support,
+                self.seeds,
+            ):
+                buf[target] = buf[source]
+        dev, width, length = self.device, plan.rows, plan.length
+        ids = [self.pad_token_id] * width
+        for slot, tok in plan.tokens.items():
+            ids[slot] = tok
+        rows = slice(0, width)
+        if not self.static:
+            self.logits[rows] = self._forward(
+                rows,
+                torch.tensor(ids, dtype=torch.long, device=dev).unsqueeze(-1),
+                torch.tensor(plan.starts, dtype=torch.long, device=dev),
+                torch.arange(width, device=dev),
+                None,
+                length,
+            )
+            return
+        # Static buffers in, the pending logits out: the step replays as a graph.
+        self.ids_in[rows, 0].copy_(torch.tensor(ids, dtype=torch.long))
+        self.starts_in[rows].copy_(torch.tensor(plan.starts, dtype=torch.long))
+
+        def decode_step() -> torch.Tensor:
+            logits = self._forward(
+                rows, self.ids_in[rows], self.starts_in[rows], torch.arange(width, device=dev), None, length
+            )
+            self.logits[rows] = logits
+            return self.logits[rows]
+
+        self.graphs.run(("decode", width), decode_step)
+
+    def _forward(
+        self,
+        rows: slice | torch.Tensor,
+        input_ids: torch.Tensor,
+        starts: torch.Tensor,
+        write_slots: torch.Tensor,
+        source: torch.Tensor | None,
+        length: int,
+    ) -> torch.Tensor:
+        """One forward of ``input_ids`` (rows x width) whose row i's query j sits at position
+        ``starts[i] + j`` of slot ``rows[i]``; returns the logits after each row's last token."""
+        width = input_ids.shape[1]
+        positions = starts.unsqueeze(-1) + torch.arange(width, device=starts.device)
+        write_cols = positions.flatten() if source is None else positions.flatten()[source]
+        self.cache.plan(rows, write_slots, write_cols, length, source)
+        dtype = next(self.model.parameters()).dtype
+        # Additive, built once per forward and shared by every layer (SDPA would turn a boolean
+        # mask into an additive one in each layer).
+        mask = length_mask(starts, width, length, dtype, boolean=False)
+        out = with_cache(
+            self.model,
+            self.cache,
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions.clamp(min=0),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1]
+
+
+def _draw_packed(logits, temperature, top_k, top_p, seeds, positions, min_p) -> torch.Tensor:
+    """(2, rows) float64: the drawn tokens (exact: ids < 2**53) over their log-probs, so that
+    the host reads both in one transfer."""
+    draw = sample_tokens(logits, temperature, top_k, top_p, seeds, positions, min_p)
+    return torch.stack([draw.tokens.double(), draw.logprobs.double()])

@@ -1,0 +1,374 @@
+"""The engine's scheduler: who waits, who runs in which slot, and what each step computes.
+
+:class:`Scheduler` never sees the engine, the model or a tensor. It is built from plain
+values (slot count, slot length, token budget, layout) and returns plans
+(:mod:`asyncrl.engine.plans`) that the runner (:mod:`asyncrl.engine.runner`) executes.
+
+**The split of per-slot state.** The scheduler keeps the Python side of every slot: the
+:class:`Row` living there (its request, with its sampling parameters and seed, and what it
+generated) and the slot's length (tokens cached = the position of the row's next token).
+The runner keeps the device side: the KV cache, the pending logits and the per-slot sampling
+tensors, written from :attr:`PrefillPlan.sampling` and moved with :attr:`DecodePlan.moves`.
+Each plan changes both sides the same way: the scheduler applies it to its rows as it
+returns it, the runner to its tensors as it executes it.
+
+**Admission.** Waiting requests are admitted, from the front of the queue, while there is a
+free slot and room in the token budget (``max_tokens_in_flight``: each running sequence
+reserves its context plus its token budget, :func:`reserve`). A newcomer takes the lowest
+free slot; a sequence leaves its slot the moment it finishes (a stop token id, a stop string,
+or its token budget) or is aborted.
+
+**One prefill per group, shared prefixes.** Newcomers with identical contexts (the G samples
+of a GRPO group) are prefilled once and the prefilled slot and logits are copied to the
+others. A newcomer whose context shares at least ``MIN_SHARED_PREFIX`` leading tokens with a
+running sequence or another newcomer copies those columns from that slot and prefills only
+the rest — but only from a cache the current weights computed (the engine's
+``weights_epoch`` when the row was prefilled). Newcomers that copy from newcomers are
+prefilled in a later round of the same admission, after their source.
+
+**Compaction.** The decode batch spans slots ``0..highest``; when finished rows leave holes
+in it, the highest rows are moved down into them — the only copy of a running row's cache,
+one row at a time: on the CPU into every hole the next admission will not fill (the batch
+stays dense, since a hole costs a decode row at every step and a move one copy of that
+row's columns), on an accelerator only when the batch drops to a smaller power-of-two
+bucket.
+
+**CPU and accelerator shapes** (``static``). On an accelerator every decode step attends over
+the whole slot and its batch is a power of two (capped at the slot count): the step's tensor
+shapes come from a handful of buckets, as CUDA graphs need. On the CPU, attending over empty
+columns costs as much as over real ones and nothing needs fixed shapes, so every forward
+attends over exactly its longest row and its batch is exactly slots ``0..highest``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from asyncrl.engine.plans import DecodePlan, Drawn, DrawPlan, Prefill, PrefillPlan, PrefillRound
+from asyncrl.engine.types import GenerationRequest, GenerationResult
+from asyncrl.types import Tokens
+
+MIN_SHARED_PREFIX = 8  # shorter shared prefixes are prefilled again rather than copied
+
+
+def reserve(request: GenerationRequest) -> int:
+    """Tokens a request holds in the budget while it runs: its context and its token budget."""
+    return len(request.prompt_ids) + request.sampling.max_new_tokens
+
+
+def result_of(req: GenerationRequest, generated: Tokens, finish: str) -> GenerationResult:
+    """A request's result: everything it generated (a resumed prefix included) and how it ended."""
+    return GenerationResult(
+        **vars(generated),
+        request_id=req.request_id,
+        finish_reason=finish,
+        seed=req.seed,
+        prompt_ids=list(req.prompt_ids),
+    )
+
+
+class Row:
+    """Python-side state of one running sequence."""
+
+    __slots__ = ("generated", "head", "kv_epoch", "logits_version", "request", "reserved", "stop_chars")
+
+    def __init__(
+        self, request: GenerationRequest, logits_version: int, kv_epoch: int, head: list[int]
+    ) -> None:
+        self.request = request
+        # The version of the weights that computed the logits this row samples from next: after
+        # a swap between steps, the first token drawn still comes from the old weights' logits.
+        self.logits_version = logits_version
+        self.kv_epoch = kv_epoch  # the engine's weights_epoch when this row's cache was prefilled
+        self.head = tuple(head)  # the first MIN_SHARED_PREFIX tokens of its context
+        # Everything generated for the request: the prefix it resumed from, then this run's tokens.
+        keep_support = request.sampling.keep_support
+        self.generated = request.prefix.tokens() if request.prefix else Tokens.empty(keep_support)
+        if keep_support and self.generated.supports is None:
+            self.generated.supports = [None] * self.generated.num_completion_tokens
+        self.reserved = reserve(request)
+        self.stop_chars = max((len(s) for s in request.sampling.stop), default=0)
+
+    @property
+    def done(self) -> int:
+        """Tokens generated so far, including a resumed prefix."""
+        return self.generated.num_completion_tokens
+
+    def hit_stop_string(self, decode: Callable[[list[int]], str] | None) -> bool:
+        if not self.stop_chars or decode is None:
+            return False
+        # The stop string may span tokens; a window of stop_chars tokens covers it (every token is
+        # at least one character), plus one token so a match ending in the new token is seen.
+        tail = decode(self.generated.completion_ids[-(self.stop_chars + 1) :])
+        return any(s in tail for s in self.request.sampling.stop)
+
+    def result(self, finish: str) -> GenerationResult:
+        return result_of(self.request, self.generated, finish)
+
+
+class Scheduler:
+    """The waiting queue and the running rows, one per slot of the static KV cache."""
+
+    def __init__(
+        self, num_slots: int, slot_len: int, *, max_tokens_in_flight: int | None, static: bool
+    ) -> None:
+        self.num_slots = num_slots
+        self.slot_len = slot_len
+        self.max_tokens_in_flight = max_tokens_in_flight
+        self.static = static  # the accelerator layout's shapes (module docstring)
+        self.waiting: list[GenerationRequest] = []
+        self.rows: list[Row | None] = [None] * num_slots
+        self.lengths = [0] * num_slots
+
+    # -- bookkeeping --------------------------------------------------------------------
+
+    def running(self) -> list[Row]:
+        return [row for row in self.rows if row is not None]
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running())
+
+    def tokens_in_flight(self) -> int:
+        """KV-cache tokens reserved by the running sequences (context + budget each)."""
+        return sum(row.reserved for row in self.running())
+
+    def admissible(self) -> int:
+        """How many waiting requests (from the front of the queue) fit now: a free slot and room
+        in the token budget for each."""
+        count = 0
+        free = self.num_slots - self.num_running
+        reserved = self.tokens_in_flight()
+        for request in self.waiting[:free]:
+            need = reserve(request)
+            if self.max_tokens_in_flight is not None and reserved + need > self.max_tokens_in_flight:
+                break
+            count += 1
+            reserved += need
+        return count
+
+    def _free(self, slot: int) -> None:
+        self.rows[slot] = None
+        self.lengths[slot] = 0
+
+    # -- shapes -------------------------------------------------------------------------
+
+    def attend_length(self, longest: int, decode: bool) -> int:
+        """Columns a forward attends over: for a decode step on an accelerator the whole slot
+        (one shape per batch-size bucket, for CUDA graphs); otherwise exactly the longest row,
+        since attending over empty columns costs as much as over real ones and shapes may
+        change at every step."""
+        if self.static and decode:
+            return self.slot_len
+        return min(self.slot_len, longest)
+
+    def decode_rows(self, highest: int) -> int:
+        """Batch rows of a decode step covering slots 0..highest: exact on the CPU, the next
+        power of two (capped at the slot count) on an accelerator."""
+        if not self.static:
+            return highest + 1
+        return min(self.num_slots, 1 << highest.bit_length())
+
+    # -- admission ----------------------------------------------------------------------
+
+    def admit(self, version: int, weights_epoch: int) -> PrefillPlan | None:
+        """Admit what fits: give each newcomer the lowest free slot and plan its prefill
+        (None when nothing is admitted). A context identical to an earlier newcomer's is not
+        prefilled but copied from it (the plan's twins); the others copy their longest shared
+        prefix from a donor (:meth:`_donors`) and prefill the rest. ``version`` is the policy
+        version of the weights that will prefill them, ``weights_epoch`` the engine's count of
+        weight loads (a running row's cache is shared only if it was prefilled in the same
+        epoch)."""
+        requests = self.waiting[: self.admissible()]
+        if not requests:
+            return None
+        del self.waiting[: len(requests)]
+        slots = [s for s, row in enumerate(self.rows) if row is None][: len(requests)]
+        contexts = [r.prompt_ids + (r.prefix.completion_ids if r.prefix else []) for r in requests]
+        twin_of: dict[int, int] = {}
+        first: dict[tuple[int, ...], int] = {}
+        for i, ctx in enumerate(contexts):
+            twin_of[i] = first.setdefault(tuple(ctx), i)
+        leaders = [i for i in range(len(requests)) if twin_of[i] == i]
+        found = self._donors([contexts[i] for i in leaders], weights_epoch)
+        rounds: dict[int, list[Prefill]] = {}
+        round_of: dict[int, int] = {}
+        for k, i in enumerate(leaders):
+            source, shared = found[k]
+            r = 0
+            if isinstance(source, str):  # another newcomer, by its index among leaders
+                j = leaders[int(source)]
+                r = round_of[j] + 1
+                source = slots[j]
+            round_of[i] = r
+            rounds.setdefault(r, []).append(Prefill(slots[i], contexts[i][shared:], shared, source))
+        plan = PrefillPlan(
+            rounds=[
+                PrefillRound(
+                    batch, self.attend_length(max(p.shared + len(p.tokens) for p in batch), decode=False)
+                )
+                for _, batch in sorted(rounds.items())
+            ],
+            twins=[(slots[lead], slots[i], len(contexts[i])) for i, lead in twin_of.items() if i != lead],
+            sampling=[(slot, r.sampling, r.seed) for r, slot in zip(requests, slots, strict=True)],
+        )
+        for req, slot, ctx in zip(requests, slots, contexts, strict=True):
+            self.rows[slot] = Row(req, version, weights_epoch, ctx[:MIN_SHARED_PREFIX])
+            self.lengths[slot] = len(ctx)
+        return plan
+
+    def _donors(self, contexts: list[list[int]], weights_epoch: int) -> list[tuple[int | str | None, int]]:
+        """For each context: where to copy its longest shared prefix from and how long it is.
+
+        The source is a running row's slot (an int), an earlier context of the list (its index
+        as a str), or None. Sequences are bucketed by their first ``MIN_SHARED_PREFIX`` tokens and
+        sorted within a bucket, so that a context's longest common prefix is with a neighbour.
+        """
+        out: list[tuple[int | str | None, int]] = [(None, 0)] * len(contexts)
+        buckets: dict[tuple[int, ...], list[tuple[list[int], int | str]]] = {}
+        for k, ctx in enumerate(contexts):
+            if len(ctx) > MIN_SHARED_PREFIX:
+                buckets.setdefault(tuple(ctx[:MIN_SHARED_PREFIX]), []).append((ctx, str(k)))
+        if not buckets:
+            return out
+        for slot, row in enumerate(self.rows):
+            if row is None or row.kv_epoch != weights_epoch:
+                continue  # a cache computed by older weights is not the current policy's
+            if row.head in buckets:
+                cached = row.request.prompt_ids + row.generated.completion_ids
+                buckets[row.head].append((cached[: self.lengths[slot]], slot))
+        for members in buckets.values():
+            if len(members) < 2:
+                continue
+            members.sort(key=lambda m: m[0])
+            for pos, (ctx, who) in enumerate(members):
+                if not isinstance(who, str):
+                    continue
+                best: tuple[int | str | None, int] = (None, 0)
+                for near in (pos - 1, pos + 1):
+                    if not 0 <= near < len(members):
+                        continue
+                    other, source = members[near]
+                    if isinstance(source, str) and int(source) > int(who):
+                        continue  # a later newcomer copies from this one, not the reverse
+                    shared = min(_common_prefix(ctx, other), len(ctx) - 1)
+                    if shared >= MIN_SHARED_PREFIX and shared > best[1]:
+                        best = (source, shared)
+                out[int(who)] = best
+        return out
+
+    # -- decoding -----------------------------------------------------------------------
+
+    def schedule_draw(self) -> DrawPlan:
+        """Every running row draws its next token (there is at least one)."""
+        slots = [s for s, row in enumerate(self.rows) if row is not None]
+        rows = [self.rows[s] for s in slots]
+        return DrawPlan(
+            slots=slots,
+            positions=[row.done for row in rows],
+            rows=self.decode_rows(slots[-1]),
+            # Checked on the host rows: asking the device would wait for it every step.
+            keep_support=any(row.generated.supports is not None for row in rows),
+        )
+
+    def postprocess(
+        self, plan: DrawPlan, drawn: Drawn, decode: Callable[[list[int]], str] | None
+    ) -> list[GenerationResult]:
+        """Append each row's drawn token and free the rows that finished (a stop token id, a
+        stop string — matched on ``decode``'s text, when given — or the token budget);
+        returns their results."""
+        finished = []
+        for i, (slot, tok, lp) in enumerate(zip(plan.slots, drawn.tokens, drawn.logprobs, strict=True)):
+            row = self.rows[slot]
+            row.generated.append(tok, lp, row.logits_version, drawn.supports[i] if drawn.supports else None)
+            params = row.request.sampling
+            if tok in params.stop_token_ids or row.hit_stop_string(decode):
+                finished.append(row.result("stop"))
+            elif row.done >= params.max_new_tokens:
+                finished.append(row.result("length"))
+            else:
+                continue
+            self._free(slot)
+        return finished
+
+    def schedule_decode(self, refill: bool, version: int) -> DecodePlan | None:
+        """Plan the decode forward that follows a draw (None when no row is left): every running
+        row feeds the token it just drew. Compacts first (``refill``: whether the next step
+        admits newcomers into the lowest free slots), and records the forward in the rows:
+        one more cached token each, and logits of ``version``'s weights to draw from next."""
+        next_token = {
+            s: row.generated.completion_ids[-1] for s, row in enumerate(self.rows) if row is not None
+        }
+        if not next_token:
+            return None
+        moves = self._compact(next_token, self.admissible() if refill else 0)
+        rows = self.decode_rows(max(next_token))
+        length = self.attend_length(max(self.lengths[s] for s in next_token) + 1, decode=True)
+        plan = DecodePlan(moves, next_token, rows, self.lengths[:rows], length)
+        for slot in next_token:
+            self.lengths[slot] += 1
+            self.rows[slot].logits_version = version
+        return plan
+
+    def _compact(self, next_token: dict[int, int], refill: int) -> list[tuple[int, int, int]]:
+        """Move the highest rows down into free slots so that the decode batch shrinks. On the
+        CPU the batch is kept dense: every hole below the highest row that the next admission
+        will not fill (it fills the ``refill`` lowest free slots) takes the highest row, since
+        a hole costs a decode row at every step and a move one copy of the row's columns. On
+        an accelerator rows move only when the batch drops to a smaller batch-size bucket.
+        Rows that stay are not touched. Rekeys ``next_token`` by the new slots and returns the
+        moves as (from slot, to slot, columns)."""
+        if not self.static:
+            top = max(next_token)
+            holes = [s for s in range(top) if self.rows[s] is None][refill:]
+            moves = []
+            for target, slot in zip(holes, sorted(next_token, reverse=True), strict=False):
+                if target > slot:
+                    break
+                moves.append((slot, target))
+        else:
+            count = len(next_token)
+            current, packed = self.decode_rows(max(next_token)), self.decode_rows(count - 1)
+            if current == packed:
+                return []
+            holes = [s for s in range(packed) if self.rows[s] is None]
+            moves = list(zip(sorted(s for s in next_token if s >= packed), holes, strict=False))
+        out = []
+        for slot, target in moves:
+            out.append((slot, target, self.lengths[slot]))
+            self.rows[target], self.lengths[target] = self.rows[slot], self.lengths[slot]
+            next_token[target] = next_token.pop(slot)
+            self._free(slot)
+        return out
+
+    def abort(self, wanted: set[str] | None) -> list[GenerationResult]:
+        """Remove the wanted requests (all when None): the waiting ones, then the running ones
+        by slot, each returning what it generated (a resumed prefix included)."""
+        out: list[GenerationResult] = []
+        keep_waiting = []
+        for req in self.waiting:
+            if wanted is None or req.request_id in wanted:
+                out.append(result_of(req, req.prefix.tokens() if req.prefix else Tokens.empty(), "abort"))
+            else:
+                keep_waiting.append(req)
+        self.waiting = keep_waiting
+        for slot, row in enumerate(self.rows):
+            if row is not None and (wanted is None or row.request.request_id in wanted):
+                out.append(row.result("abort"))
+                self._free(slot)
+        return out
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix, by bisection on slice equality (compared in C)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
