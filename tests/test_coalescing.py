@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import queue
 
-from asyncrl.runtimes.loop import coalesced as _coalesced
+from asyncrl.runtimes.serving import coalesced as _coalesced
 from asyncrl.types import Group, Prompt
 from asyncrl.workers.messages import Accumulate, Discard, Evaluate, FinishStep, LoadWeights, Stop
 

@@ -20,7 +20,9 @@ from asyncrl.control import run as run_module
 from asyncrl.control.records import batch_metrics
 from asyncrl.control.run import train
 from asyncrl.runtimes.inline import InlineRuntime
-from asyncrl.transports.groups.base import Delivery, Inbox, detach_payloads
+from asyncrl.transports.groups.base import Delivery, GroupSender, detach_payloads
+from asyncrl.transports.groups.factory import make_group_sender, make_inbox
+from asyncrl.transports.groups.inbox import Inbox
 from asyncrl.types import Group, PartialGroup, Prompt, Sample
 from asyncrl.workers.messages import Accumulate, GroupReady, Preempted, Span, WorkerError
 from tests.helpers import short_run
@@ -90,23 +92,34 @@ def test_a_header_stays_small_whatever_the_completions_length() -> None:
     assert len(pickle.dumps(long)) > 100 * sizes[1]
 
 
+class Recording(GroupSender):
+    def __init__(self) -> None:
+        self.deliveries: list[Delivery] = []
+
+    def deliver(self, delivery: Delivery) -> None:
+        self.deliveries.append(delivery)
+
+
 def test_detach_payloads_delivers_once_and_strips_every_event() -> None:
     a, b = group(0, [[0]]), group(1, [[0]])
     partial = PartialGroup(2, Prompt("p:2", "x"), {0: group(2, [[0, 0]]).samples[0]})
     span = Span("generator-0", "generate", 0.0, 1.0)
-    deliveries: list[Delivery] = []
+    sender = Recording()
+    deliveries = sender.deliveries
     events = [GroupReady.of("g", a), span, GroupReady.of("g", b), Preempted.of("g", [partial])]
-    out = detach_payloads(events, deliveries.append)
+    out = detach_payloads(events, sender)
     assert len(deliveries) == 1 and [g.group_id for g in deliveries[0].groups] == [0, 1]
     assert [p.group_id for p in deliveries[0].partials] == [2]
     assert out[1] is span and out[0].group is None and out[2].group is None and out[3].partials is None
     assert out[3].headers[0].num_completion_tokens == 2
-    assert detach_payloads([span], deliveries.append) == [span] and len(deliveries) == 1  # nothing to deliver
+    assert detach_payloads([span], sender) == [span] and len(deliveries) == 1  # nothing to deliver
 
 
 def test_inbox_take_waits_for_a_delivery_from_another_thread() -> None:
-    inbox = Inbox()
-    late = threading.Timer(0.05, inbox.put, args=(Delivery([group(5, [[0]])]),))
+    """The inline runtime's form: a sender puts into the inbox by reference, here from another thread."""
+    inbox = make_inbox("inprocess")
+    sender = make_group_sender("inprocess", inbox)
+    late = threading.Timer(0.05, sender.deliver, args=(Delivery([group(5, [[0]])]),))
     late.start()
     try:
         assert [g.group_id for g in inbox.take([5], timeout=30)] == [5]
@@ -118,10 +131,11 @@ def test_inbox_take_waits_for_a_delivery_from_another_thread() -> None:
 def test_inbox_follows_a_feed_queue() -> None:
     """The local runtime's form: deliveries arrive on a queue that the inbox's thread drains."""
     feed: queue.Queue = queue.Queue()
-    inbox = Inbox(feed=feed)
+    inbox = make_inbox("queue", feed)
+    sender = make_group_sender("queue", feed)
     try:
-        feed.put(Delivery([group(1, [[0]]), group(2, [[0]])]))
-        feed.put(Delivery(partials=[PartialGroup(3, Prompt("p:3", "x"), {})]))
+        sender.deliver(Delivery([group(1, [[0]]), group(2, [[0]])]))
+        sender.deliver(Delivery(partials=[PartialGroup(3, Prompt("p:3", "x"), {})]))
         assert [g.group_id for g in inbox.peek([2, 1], timeout=30)] == [2, 1]
         assert [p.group_id for p in inbox.partials([3], timeout=30)] == [3]
         inbox.discard([1])

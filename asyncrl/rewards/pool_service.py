@@ -2,7 +2,7 @@
 
 Locally the pool is one process that accepts connections on 127.0.0.1 and runs the
 workers as a process pool (the least busy one takes the next batch); on Ray it is N actors
-(:class:`RewardHost`, placed with ``runtime.ray.reward``). Each worker builds the task's
+(:class:`RewardActor`, placed with ``runtime.ray.reward``). Each worker builds the task's
 reward functions with :func:`~asyncrl.rewards.build.reward_set` — the functions themselves,
 time-limited in their own processes as usual with ``task.reward_timeout_s`` — and scores the
 batches generators send it (:mod:`asyncrl.rewards.pool`, the client).
@@ -124,7 +124,7 @@ def local_reward_pool(cfg: Config, start_timeout_s: float) -> Iterator[dict | No
             process.join(STOP_TIMEOUT_S)
 
 
-class RewardHost:
+class RewardActor:
     """One reward worker as a Ray actor (wrapped by ``ray.remote`` when the runtime starts)."""
 
     def __init__(self, cfg_json: str) -> None:

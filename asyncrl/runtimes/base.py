@@ -1,6 +1,6 @@
 """The runtime seam: where workers live and how commands and events travel.
 
-A runtime hosts one trainer worker (named ``trainer``) and N generator workers (named
+A runtime runs one trainer worker (named ``trainer``) and N generator workers (named
 ``generator-<i>``): in this process (:mod:`.inline`), in child processes (:mod:`.local`) or
 as Ray actors (:mod:`.ray_runtime`). The controller only calls :meth:`Runtime.send` and
 :meth:`Runtime.poll`; it never learns whether a worker is an object in this process, a child

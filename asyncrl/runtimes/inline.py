@@ -9,7 +9,8 @@ import torch
 from asyncrl.config import Config
 from asyncrl.rewards.scoring import ScoringStopped
 from asyncrl.runtimes.base import generator_name
-from asyncrl.transports.groups.base import detach_payloads
+from asyncrl.transports.groups.base import GroupSender, detach_payloads
+from asyncrl.transports.groups.factory import make_group_sender
 from asyncrl.transports.weights.inprocess import InProcessChannel
 from asyncrl.workers.generator import GeneratorWorker
 from asyncrl.workers.messages import LoadWeights, Preempt, Ready, Submit
@@ -50,6 +51,8 @@ class InlineRuntime:
             name: GeneratorWorker(name, self.cfg, lambda layout: channel, seed=self.cfg.run.seed + i)
             for i, name in enumerate(self.generator_names)
         }
+        # The groups go to the trainer's inbox by reference; the controller gets headers.
+        self._groups: GroupSender = make_group_sender("inprocess", self.trainer.inbox)
         self._events += [Ready(n) for n in ["trainer", *self.generator_names]]
 
     def send(self, worker: str, command) -> None:
@@ -93,8 +96,7 @@ class InlineRuntime:
                 running = [g for g in self.generators.values() if self._may_run(g)]
                 while running and not self._events:
                     for g in running:
-                        # The groups go to the trainer's inbox by reference; the controller gets headers.
-                        self._events += detach_payloads(g.work(), self.trainer.inbox.put)
+                        self._events += detach_payloads(g.work(), self._groups)
                     running = [g for g in running if self._may_run(g)]
                 if not self._events:
                     time.sleep(min(timeout, 0.01))  # nothing anywhere: let the controller's watchdog see it

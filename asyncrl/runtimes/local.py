@@ -3,7 +3,7 @@
 Each worker process sets its own torch thread count, so on a small machine generation and
 training really run side by side. Commands go to a worker through its own queue; every
 worker sends events through one shared queue; the generators' groups go to the trainer
-through one more (the payload plane, :mod:`.payload`). Weights move by the configured transport
+through one more (the group transport's queue, :mod:`asyncrl.transports.groups`). Weights move by the configured transport
 (shared memory by default, or a torch.distributed broadcast group, or files).
 
 Liveness: every wait has a deadline. A worker that raises reports the error before it
@@ -34,9 +34,9 @@ import torch.multiprocessing as mp
 from asyncrl.config import Config
 from asyncrl.runtimes.base import generator_name
 from asyncrl.runtimes.cores import CoreShare, available_cores
-from asyncrl.runtimes.host import TRAINER, TRAINER_RANK, build_worker, drain, failed, ready, serve_worker
+from asyncrl.runtimes.serving import TRAINER, TRAINER_RANK, build_worker, drain, failed, ready, serve_worker
 from asyncrl.trainer.distributed import trainer_rank_name
-from asyncrl.transports.groups.base import Inbox
+from asyncrl.transports.groups.factory import make_group_sender, make_inbox
 from asyncrl.transports.weights.factory import (
     SEGMENT_RECORD,
     TransportSpec,
@@ -73,7 +73,7 @@ def _worker_main(
     ranks meet (``master_addr``, ``master_port``, ``world_size``); ``slot`` is the
     worker's entry in the shared busy flags. Trainer ranks 1.. have no command queue: they
     run rank 0's commands (:func:`run_follower`). ``payload_q`` carries the generators' groups
-    to the trainer (see :mod:`.payload`). ``interrupt``: set when the run stops.
+    to the trainer (:mod:`asyncrl.transports.groups`). ``interrupt``: set when the run stops.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Python refuses children to a daemonic process, which it would leave orphaned when it ends
@@ -94,7 +94,7 @@ def _worker_main(
         else:
             cores = CoreShare(busy_flags, slot=slot, cores=available_cores())
         cfg = Config.model_validate_json(cfg_json)
-        inbox = Inbox(feed=payload_q) if role == TRAINER else None
+        inbox = make_inbox("queue", payload_q) if role == TRAINER else None
         worker, _ = build_worker(role, name, index, cfg, spec, group, elastic=False, inbox=inbox)
         threading.Thread(
             target=_abandon_work_on, args=(interrupt, worker), name="asyncrl-interrupt", daemon=True
@@ -110,7 +110,7 @@ def _worker_main(
             evt_q.put,
             should_exit=lambda: os.getppid() != parent,
             on_busy=busy,
-            deliver=payload_q.put,
+            groups=make_group_sender("queue", payload_q),
         )
         if os.getppid() != parent:
             evt_q.cancel_join_thread()  # nobody will read what is still queued; do not wait for it

@@ -1,8 +1,8 @@
 """The Ray runtime: the trainer and each generator as a Ray actor, on one machine or a cluster.
 
-The workers are the same classes the local runtime runs in processes (``host.py``); an
-actor only hosts one of them (:class:`WorkerHost`): a thread runs the worker's command
-loop (``loop.py``), :meth:`WorkerHost.send` queues a command and :meth:`WorkerHost.events`
+The workers are the same classes the local runtime runs in processes (``serving.py``); an
+actor only runs one of them (:class:`WorkerActor`): a thread runs the worker's command
+loop (:func:`~asyncrl.runtimes.serving.serve_worker`), :meth:`WorkerActor.send` queues a command and :meth:`WorkerActor.events`
 returns what the worker produced, waiting briefly when there is nothing yet. The runtime
 keeps one ``events`` call outstanding per actor, so :meth:`RayRuntime.poll` is a single
 ``ray.wait`` over all actors.
@@ -28,9 +28,9 @@ once (waits on the old group are given up), a newcomer joins when it is ready, a
 trainer publishes its newest weights to each new group first. A dead trainer always ends
 the run.
 
-(Over 400 lines on purpose: placement, the actor host, fault handling and elastic
+(Over 400 lines on purpose: placement, the worker actor, fault handling and elastic
 broadcast groups all act on the same actor table; the worker logic itself is shared with
-the local runtime through :mod:`.host`.)
+the local runtime through :mod:`.serving`.)
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ from asyncrl.config import Config
 from asyncrl.errors import AsyncRLError
 from asyncrl.rewards.judges.client import ENV as JUDGE_ENV
 from asyncrl.rewards.pool import ENV as POOL_ENV
-from asyncrl.rewards.pool_service import RewardHost
+from asyncrl.rewards.pool_service import RewardActor
 from asyncrl.runtimes.base import generator_name
 from asyncrl.runtimes.cores import available_cores
-from asyncrl.runtimes.host import (
+from asyncrl.runtimes.serving import (
     TRAINER,
     TRAINER_RANK,
     build_worker,
@@ -66,6 +66,7 @@ from asyncrl.runtimes.host import (
 )
 from asyncrl.trainer.distributed import trainer_rank_name
 from asyncrl.transports.groups.base import Delivery
+from asyncrl.transports.groups.factory import make_group_sender
 from asyncrl.transports.weights.factory import (
     TransportSpec,
     free_port,
@@ -99,7 +100,7 @@ def _not_the_sigterm_notice(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("SIGTERM handler is not set")
 
 
-class WorkerHost:
+class WorkerActor:
     """Hosts one worker inside a Ray actor (this class is wrapped by ``ray.remote`` at start)."""
 
     def __init__(self, role: str, name: str, index: int, cfg_json: str, threads: int) -> None:
@@ -115,7 +116,6 @@ class WorkerHost:
         self._worker = None  # once built
         self._device = None  # where the worker's weights live, once built
         self._trainer = None  # a generator's handle on the trainer's actor
-        self._stall_s = 60.0  # runtime.stall_timeout_s, once the config is read
         self._thread = threading.Thread(target=self._run, name=f"asyncrl-{name}", daemon=True)
 
     def start(self, spec: TransportSpec, group: dict, trainer=None) -> None:
@@ -135,13 +135,6 @@ class WorkerHost:
         if worker is None or self.role != TRAINER:
             raise RuntimeError(f"{self.name} takes no deliveries: it is not a started trainer")
         worker.inbox.put(delivery)
-
-    def _deliver_to_trainer(self, delivery: Delivery) -> None:
-        """Hand groups to the trainer and wait until they are there, so the headers reported after
-        them never name a group the trainer cannot get (even if this actor dies right after)."""
-        import ray
-
-        ray.get(self._trainer.deliver.remote(delivery), timeout=self._stall_s)
 
     def where(self) -> dict:
         import ray
@@ -206,7 +199,6 @@ class WorkerHost:
         try:
             torch.set_num_threads(max(1, self._threads))
             cfg = Config.model_validate_json(self._cfg_json)
-            self._stall_s = cfg.runtime.stall_timeout_s
             worker, device = build_worker(
                 self.role, self.name, self.index, cfg, self._spec, self._group, elastic=True
             )
@@ -220,7 +212,9 @@ class WorkerHost:
                 self._commands,
                 self._events.put,
                 should_exit=self._exit.is_set,
-                deliver=self._deliver_to_trainer if self._trainer is not None else None,
+                groups=make_group_sender("actor", self._trainer, cfg.runtime.stall_timeout_s)
+                if self._trainer is not None
+                else None,
             )
         except BaseException as exc:
             self._events.put(failed(self.name, exc))
@@ -386,7 +380,7 @@ class RayRuntime:
             return
         run = uuid.uuid4().hex[:8]
         names = [f"asyncrl-reward-{run}-{i}" for i in range(n)]
-        cls = self.ray.remote(RewardHost)
+        cls = self.ray.remote(RewardActor)
         for name in names:
             options = self._actor_options(self.rcfg.reward)
             self._reward_actors.append(cls.options(name=name, **options).remote(self.cfg.model_dump_json()))
@@ -424,7 +418,7 @@ class RayRuntime:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 self._placement, placement_group_bundle_index=index
             )
-        cls = self.ray.remote(WorkerHost).options(**options)
+        cls = self.ray.remote(WorkerActor).options(**options)
         actor = cls.remote(role, name, index, self.cfg.model_dump_json(), self._threads(role, res))
         self._actors[name] = actor
         self._seq[name] = 0

@@ -94,7 +94,7 @@ class RankGroup:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         try:
-            # Rank 0 hosts the store; every rank waits for the others up to init_timeout_s.
+            # Rank 0 runs the store; every rank waits for the others up to init_timeout_s.
             self.store = dist.TCPStore(
                 spec.master_addr,
                 spec.master_port,

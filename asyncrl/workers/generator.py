@@ -1,7 +1,7 @@
 """The generator worker: an engine and the run's rollout on it, producing groups and applying weight updates.
 
 It executes commands and returns events and knows nothing about processes, queues or Ray:
-a runtime (or its worker host) feeds it commands, delivers the groups it returns to the
+a runtime (or the process serving it, :mod:`asyncrl.runtimes.serving`) feeds it commands, delivers the groups it returns to the
 trainer (:mod:`asyncrl.transports.groups`) and forwards the events' headers to the controller.
 It drives its rollout only through the :class:`~asyncrl.rollout.base.Rollout` interface, so
 completions and episodes (and any other rollout) run the same way.

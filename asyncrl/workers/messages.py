@@ -6,7 +6,7 @@ runtime) or are passed by reference (inline runtime).
 
 Payload and control are separate: the controller reads and sends only headers and group
 ids. A generator's ``GroupReady`` and ``Preempted`` leave the worker with their groups
-attached; the worker's host delivers the groups to the trainer's inbox and strips them
+attached; the process serving the worker delivers the groups to the trainer's inbox and strips them
 before the event goes on (:func:`asyncrl.transports.groups.base.detach_payloads`), and the
 trainer resolves an ``Accumulate``'s group ids from its inbox.
 """
@@ -53,7 +53,7 @@ class Accumulate:
 
     ``min_version``: tokens sampled by an older policy version are taken out of the loss
     (``schedule.reject=token``; with ``reject=group`` no admitted group has any).
-    ``mergeable``: a host may merge it with the next queued Accumulate into one (larger
+    ``mergeable``: the trainer's command loop may merge it with the next queued Accumulate into one (larger
     micro-batches, same gradient up to rounding); False when the step's arithmetic must not
     depend on timing. ``groups``: the groups themselves, filled in from the trainer's inbox by
     rank 0 (which forwards them so to the other ranks); None on the controller's side.
@@ -154,7 +154,7 @@ class Ready:
 @dataclass
 class GroupReady:
     """A group is generated and scored. The controller reads ``header``; ``group`` is the payload,
-    delivered to the trainer by the worker's host and None once the event leaves it."""
+    delivered to the trainer by the process serving the worker and None once the event leaves it."""
 
     worker: str
     header: GroupHeader
@@ -187,7 +187,7 @@ class GroupCancelled:
 class Preempted:
     """A generator's groups in flight, stopped by ``Preempt``: finished completions and prefixes.
 
-    As with ``GroupReady``, the controller reads ``headers`` and the host delivers ``partials``
+    As with ``GroupReady``, the controller reads ``headers`` and the serving process delivers ``partials``
     to the trainer, which writes them into the stop's checkpoint.
     """
 

@@ -1,7 +1,7 @@
 """The trainer worker: streamed groups into optimizer steps, weight publication, evaluation, checkpoints.
 
 It executes commands and returns events and knows nothing about processes, queues or Ray.
-Rank 0 holds the inbox the generators deliver their groups to (:mod:`.payload`); with
+Rank 0 holds the inbox the generators deliver their groups to (:mod:`asyncrl.transports.groups`); with
 ``trainer.ranks`` > 1 it forwards every command, groups resolved, to the other ranks
 (:func:`run_follower`). (Over 400 lines: the step, evaluation, checkpoint and restore
 commands share the open step's state and the stop rule, which read best together.)
@@ -31,7 +31,8 @@ from asyncrl.rollout.evaluation import evaluate
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.distributed import RankGroup, RankSpec, rank_device
 from asyncrl.trainer.trainer import assign_advantages, sync_dtype
-from asyncrl.transports.groups.base import Delivery, Inbox
+from asyncrl.transports.groups.base import Delivery
+from asyncrl.transports.groups.inbox import Inbox
 from asyncrl.transports.weights.base import (
     RegroupingSender,
     WeightLayout,
@@ -99,7 +100,7 @@ class TrainerWorker:
     executes the same commands until rank 0 closes. The host decides only where the
     processes live: a child process (local runtime) or a Ray actor is the same to this class.
 
-    Rank 0 holds the :class:`~asyncrl.transports.groups.base.Inbox` the generators deliver
+    Rank 0 holds the :class:`~asyncrl.transports.groups.inbox.Inbox` the generators deliver
     their groups to: an ``Accumulate`` names group ids, which rank 0 takes from there (and
     keeps until the step is finished, for a checkpoint that carries them).
     """

@@ -1,7 +1,7 @@
 """Which weight transport a run uses, and each worker's end of it.
 
 The runtime resolves ``runtime.weight_sync`` into a :class:`TransportSpec` once, at start,
-and hands it to every worker it hosts; each worker opens its own end with
+and hands it to every worker it runs; each worker opens its own end with
 :func:`make_sender` (trainer rank 0) or :func:`make_receiver` (generator i is rank i + 1).
 """
 
