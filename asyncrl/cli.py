@@ -13,8 +13,8 @@ from asyncrl.errors import AsyncRLError
 
 def _train(args: argparse.Namespace) -> int:
     from asyncrl.config import load_config
-    from asyncrl.control.controller import RunInterrupted
     from asyncrl.control.run import RunComplete, train
+    from asyncrl.control.saving import RunInterrupted
 
     if args.resume:
         if args.config or args.run_dir:

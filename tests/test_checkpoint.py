@@ -18,8 +18,9 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.control import checkpoints as checkpoint
-from asyncrl.control.controller import Controller, RunInterrupted
+from asyncrl.control.controller import Controller
 from asyncrl.control.run import train
+from asyncrl.control.saving import RunInterrupted
 from asyncrl.control.session import RunSession
 from asyncrl.runtimes.inline import InlineRuntime
 from tests.helpers import (

@@ -20,8 +20,8 @@ from asyncrl.config import load_config
 from asyncrl.control import checkpoints as checkpoint
 from asyncrl.control import run as run_module
 from asyncrl.control.books import Books
-from asyncrl.control.controller import RunInterrupted
 from asyncrl.control.run import train
+from asyncrl.control.saving import RunInterrupted
 from asyncrl.prompts.base import PromptStream
 from asyncrl.runtimes.inline import InlineRuntime
 from asyncrl.transports.weights.inprocess import InProcessChannel

@@ -20,8 +20,8 @@ import torch
 from asyncrl.config import load_config
 from asyncrl.control import checkpoints as checkpoint
 from asyncrl.control import run as run_module
-from asyncrl.control.controller import RunInterrupted
 from asyncrl.control.run import train
+from asyncrl.control.saving import RunInterrupted
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest, GenerationStopped
