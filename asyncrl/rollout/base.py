@@ -68,6 +68,9 @@ class Rollout(ABC):
     :meth:`preempt` and :meth:`close` still do theirs.
     """
 
+    group_size: int  # samples per group (G)
+    stats: RolloutStats
+
     def __init__(self, group_size: int, stats: RolloutStats) -> None:
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")

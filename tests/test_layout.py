@@ -1,0 +1,129 @@
+"""The layout's rules, checked on the source: the layers show, and nothing reaches around them.
+
+No import cycle (imports inside functions count too); at most eight modules at the package's
+top level; package ``__init__`` files are docstrings only (but the config's, which is its
+public face); a module over 500 lines says why in
+its docstring; the controller stays under 400 lines; and every caller of a rollout uses only
+the :class:`~asyncrl.rollout.base.Rollout` interface.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+from asyncrl.episodes.rollout import EpisodeRollout
+from asyncrl.rollout.base import Rollout
+from asyncrl.rollout.completions import CompletionRollout
+
+PACKAGE = Path(__file__).resolve().parent.parent / "asyncrl"
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The asyncrl modules ``name`` imports anywhere in its file (functions included)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            candidates = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor) + (f".{base}" if base else "")
+            candidates = [base, *(f"{base}.{a.name}" for a in node.names)]
+        else:
+            continue
+        for candidate in candidates:
+            while candidate and candidate not in known:
+                candidate = candidate.rpartition(".")[0]
+            if candidate.startswith("asyncrl") and candidate != name:
+                targets.add(candidate)
+    return targets
+
+
+def test_no_module_imports_itself_around_a_cycle() -> None:
+    known = modules()
+    graph = {name: imported(name, path, known) for name, path in known.items()}
+    cycles = []
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), list(graph[start])
+        while todo:
+            node = todo.pop()
+            if node not in seen:
+                seen.add(node)
+                todo += graph[node]
+        return seen
+
+    for name in graph:
+        if name in reach(name):
+            cycles.append(name)
+    assert cycles == [], f"modules on an import cycle: {sorted(cycles)}"
+
+
+def test_the_package_top_level_is_small_and_its_inits_are_docstrings() -> None:
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 8, top
+    for init in PACKAGE.rglob("__init__.py"):
+        if init.parent.name == "config":
+            continue  # the typed config's public face: ``from asyncrl.config import Config``
+        body = ast.parse(init.read_text(encoding="utf-8")).body
+        assert all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in body), init
+
+
+def test_long_modules_say_why_and_the_controller_is_short() -> None:
+    for name, path in modules().items():
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+        if lines > 500:
+            assert re.search(r"Over \d+ lines on purpose: \w+", doc), (
+                f"{name}: {lines} lines, no reason given"
+            )
+    assert len((PACKAGE / "control" / "controller.py").read_text(encoding="utf-8").splitlines()) <= 400
+
+
+def rollout_interface() -> set[str]:
+    """Rollout's public methods and properties, and the attributes it declares."""
+    members = {n for n, _ in inspect.getmembers(Rollout)} | set(Rollout.__annotations__)
+    return {n for n in members if not n.startswith("_")}
+
+
+@pytest.mark.parametrize(
+    ("module", "holder"),
+    [
+        ("workers/generator.py", "self.rollout"),
+        ("workers/trainer.py", "self._eval_rollout"),
+        ("rollout/evaluation.py", "rollout"),
+        ("builtin/warm_start.py", "rollout"),
+    ],
+)
+def test_callers_use_only_the_rollout_interface(module: str, holder: str) -> None:
+    """What a caller reads or calls on its rollout is a member of :class:`Rollout`."""
+    tree = ast.parse((PACKAGE / module).read_text(encoding="utf-8"))
+    used = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and ast.unparse(node.value) == holder
+    }
+    assert used, f"{module} never uses {holder}"
+    assert used <= rollout_interface(), f"{module} uses {sorted(used - rollout_interface())} beyond Rollout"
+
+
+@pytest.mark.parametrize("cls", [CompletionRollout, EpisodeRollout])
+def test_every_rollout_implements_the_whole_interface(cls: type) -> None:
+    assert issubclass(cls, Rollout) and not inspect.isabstract(cls)
+    assert not Rollout.__abstractmethods__ - set(vars(cls)), "every abstract method is the class's own"
