@@ -26,7 +26,7 @@ from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.models.loading import load_policy
 from asyncrl.prompts.base import PromptStream
-from asyncrl.rewards.scoring import resolve_reward
+from asyncrl.rewards.registry import resolve_reward
 from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.trainer.trainer import Trainer, assign_advantages
 

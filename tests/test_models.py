@@ -19,7 +19,7 @@ from asyncrl.engine.sampling import SamplingParams
 from asyncrl.errors import ConfigError
 from asyncrl.models.loading import Policy, load_policy, save_policy
 from asyncrl.prompts.base import PromptStream
-from asyncrl.rewards.scoring import exact_match
+from asyncrl.rewards.registry import exact_match
 from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.rollout.evaluation import evaluate
 

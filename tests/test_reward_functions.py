@@ -13,7 +13,8 @@ from asyncrl.control.records import batch_metrics
 from asyncrl.prompts.chat import make_prompt
 from asyncrl.rewards.build import build_reward
 from asyncrl.rewards.library import format_regex, math_verify, overlong_penalty
-from asyncrl.rewards.scoring import RewardSet, RewardTerm, exact_match, is_batched, resolve_reward
+from asyncrl.rewards.registry import exact_match, is_batched, resolve_reward
+from asyncrl.rewards.scoring import RewardSet, RewardTerm
 from asyncrl.types import Group, Prompt
 
 PROMPT = Prompt("p:0", "2+2=", "4", {"level": 3})

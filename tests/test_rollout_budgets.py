@@ -16,7 +16,7 @@ from asyncrl.engine.types import GenerationRequest, GenerationResult
 from asyncrl.errors import DatasetError
 from asyncrl.models.loading import Policy, load_policy
 from asyncrl.prompts.jsonl import JsonlDataset
-from asyncrl.rewards.scoring import exact_match
+from asyncrl.rewards.registry import exact_match
 from asyncrl.rollout.build import build_rollout, sampling_params
 from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.rollout.evaluation import evaluate

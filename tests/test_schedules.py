@@ -31,7 +31,7 @@ from asyncrl.engine.types import GenerationResult
 from asyncrl.models.loading import load_policy, load_tokenizer
 from asyncrl.prompts.jsonl import JsonlDataset
 from asyncrl.reports.jsonl import read_jsonl
-from asyncrl.rewards.scoring import resolve_reward
+from asyncrl.rewards.registry import resolve_reward
 from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.types import Group, Prompt, Sample
 from asyncrl.workers.messages import (

@@ -18,7 +18,8 @@ from asyncrl.engine.types import GenerationRequest, GenerationResult
 from asyncrl.errors import ConfigError, DatasetError
 from asyncrl.prompts.base import PromptStream
 from asyncrl.prompts.jsonl import JsonlDataset
-from asyncrl.rewards.scoring import exact_match, numeric_match, resolve_reward, score
+from asyncrl.rewards.registry import exact_match, numeric_match, resolve_reward
+from asyncrl.rewards.scoring import score
 from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.types import Prompt
 

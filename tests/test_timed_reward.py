@@ -252,7 +252,7 @@ def test_stop_abandons_the_batch_in_progress_and_kills_its_processes(
 
 def test_consecutive_failures_of_one_function_stop_scoring_naming_it(reward_spec: str) -> None:
     module = reward_spec.partition(":")[0]
-    from asyncrl.rewards.scoring import resolve_reward
+    from asyncrl.rewards.registry import resolve_reward
 
     good = RewardTerm("exact", resolve_reward(f"{module}:reward"), spec=f"{module}:reward")
     bad = RewardTerm("parse", resolve_reward(f"{module}:always_raises"), spec=f"{module}:always_raises")

@@ -48,7 +48,7 @@ from asyncrl.episodes.rollout import EpisodeRollout
 from asyncrl.errors import ConfigError
 from asyncrl.models.loading import Policy, load_policy, save_policy
 from asyncrl.prompts.base import PromptStream
-from asyncrl.rewards.scoring import exact_match
+from asyncrl.rewards.registry import exact_match
 from asyncrl.rollout.base import Rollout
 from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.rollout.evaluation import evaluate

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from asyncrl.config import Config
 from asyncrl.rewards.pool import PooledRewards, pool_from_env
-from asyncrl.rewards.scoring import RewardSet, RewardTerm, is_batched, resolve_reward
+from asyncrl.rewards.registry import is_batched, resolve_reward
+from asyncrl.rewards.scoring import RewardSet, RewardTerm
 from asyncrl.rewards.timed import TimedReward
 
 

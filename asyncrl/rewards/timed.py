@@ -25,7 +25,8 @@ import time
 from multiprocessing.connection import wait
 from typing import Any
 
-from asyncrl.rewards.scoring import RewardCallError, ScoringStopped, resolve_reward, resolved
+from asyncrl.rewards.registry import resolve_reward
+from asyncrl.rewards.scoring import RewardCallError, ScoringStopped, resolved
 
 START_TIMEOUT_S = 120.0  # importing the user's reward module may be slow
 STOP_CHECK_S = 0.1  # how often a wait looks at the stop flag

@@ -19,7 +19,8 @@ from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest, GenerationResult
 from asyncrl.errors import DatasetError
 from asyncrl.prompts.chat import encode_prompt
-from asyncrl.rewards.scoring import GroupToScore, RewardFn, RewardSet
+from asyncrl.rewards.registry import RewardFn
+from asyncrl.rewards.scoring import GroupToScore, RewardSet
 from asyncrl.rewards.step_rewards import cut_steps
 from asyncrl.rollout.base import Rollout, RolloutStats, Work
 from asyncrl.types import Group, GroupState, PartialGroup, Prompt, Sample
