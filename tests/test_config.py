@@ -229,7 +229,7 @@ def test_docs_page_is_generated_from_the_config() -> None:
     expected = config_reference()
     actual = DOCS_PAGE.read_text(encoding="utf-8") if DOCS_PAGE.is_file() else ""
     assert actual == expected, (
-        "docs/config.md is out of date with asyncrl/config.py; regenerate it with "
+        "docs/config.md is out of date with asyncrl/config/; regenerate it with "
         "`asyncrl config --docs > docs/config.md`"
     )
     for key in ("`model.path`", "`task.arithmetic.max_digits`", "`rollout.group_size`", "`run.eval_every`"):
