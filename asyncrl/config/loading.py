@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import AliasChoices, BaseModel, ValidationError
 
 from asyncrl.config.root import Config
 from asyncrl.errors import AsyncRLError, ConfigError
@@ -42,7 +42,26 @@ def _set_nested(data: dict[str, Any], parts: list[str], value: Any) -> None:
         if not isinstance(child, dict):
             raise ConfigError(".".join(parts[: i + 1]), child, "is a value, not a section")
         node = child
+    for name in _names_of(parts):  # an override replaces the key under its other (old) names too
+        if name != parts[-1]:
+            node.pop(name, None)
     node[parts[-1]] = value
+
+
+def _names_of(parts: list[str]) -> list[str]:
+    """Every name the key ``parts`` may be given under: its field's name and the old names its
+    ``validation_alias`` still accepts (``trainer.gradient_checkpointing``)."""
+    section = _section_at(parts[:-1])
+    for name, field in section.model_fields.items() if section is not None else ():
+        alias = field.validation_alias
+        names = (
+            [name, *(c for c in alias.choices if isinstance(c, str))]
+            if isinstance(alias, AliasChoices)
+            else [name]
+        )
+        if parts[-1] in names:
+            return names
+    return [parts[-1]]
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from asyncrl.config.base import Section
 
@@ -190,7 +190,7 @@ class TrainerConfig(Section):
         8192,
         description="Token budget of one forward/backward (padded tokens counted), or 'auto': sized on CUDA "
         "from the free GPU memory and the model's shape (hidden size, layers, vocabulary, "
-        "logprob_chunk_tokens, gradient_checkpointing) with a safety margin, and logged once; 8192 on "
+        "logprob_chunk_tokens, activation_checkpointing) with a safety margin, and logged once; 8192 on "
         "the CPU. See docs/trainer_memory.md.",
     )
     master_dtype: Literal["float32", "bfloat16", "float16"] = Field(
@@ -209,8 +209,10 @@ class TrainerConfig(Section):
         "micro-batch are never held. Exact (same log-probs and gradients as unchunked). 0 = the model's "
         "own logits for the whole micro-batch at once. See docs/trainer_memory.md.",
     )
-    gradient_checkpointing: bool = Field(
+    activation_checkpointing: bool = Field(
         False,
+        # trainer.gradient_checkpointing, the old name, is still read.
+        validation_alias=AliasChoices("activation_checkpointing", "gradient_checkpointing"),
         description="Activation checkpointing of every decoder layer (torch.utils.checkpoint, non-reentrant): "
         "a layer keeps only its input for backward and is run again there, trading about one more forward "
         "for much less activation memory. Works with both layouts (the prefix tree's KV cache included) "
@@ -259,9 +261,16 @@ class TrainerConfig(Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _packing_spellings(cls, data: Any) -> Any:
+    def _old_spellings(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
+        if "gradient_checkpointing" in data and "activation_checkpointing" in data:
+            raise ValueError(
+                f"trainer.gradient_checkpointing={data['gradient_checkpointing']!r} and "
+                f"trainer.activation_checkpointing={data['activation_checkpointing']!r} both given; "
+                "gradient_checkpointing is the old name of activation_checkpointing: keep only "
+                "activation_checkpointing"
+            )
         if data.get("packing") is False:  # YAML reads an unquoted `off` as false
             data = {**data, "packing": "off"}
         # trainer.share_prompts (a bool) was replaced by trainer.packing; old configs keep working.
