@@ -1,7 +1,7 @@
 """Peak CPU memory of the log-prob forward and backward: whole logits vs chunks of tokens.
 
     python bench/logprob_memory.py [--vocab 151936] [--samples 8] [--prompt 64] [--completion 128]
-                                   [--chunks 0 1024 256] [--checkpointing]
+                                   [--chunks 0 1024 256] [--activation-checkpointing]
 
 Model: a tiny Qwen2-style causal LM (``tiny:1m`` shape: hidden 128, 4 layers) with a large
 vocabulary (default 151,936, Qwen2's), random weights, float32, so that the vocabulary side
@@ -38,7 +38,7 @@ def resident_bytes() -> int:
 
 def one_setting(args: argparse.Namespace, chunk: int) -> dict:
     from asyncrl.builtin.tiny import build_tiny_model, tiny_config
-    from asyncrl.models.activation_checkpointing import checkpoint_decoder_layers
+    from asyncrl.models.activation_checkpointing import enable_activation_checkpointing
     from asyncrl.trainer.batching import collate
     from asyncrl.trainer.logprobs import completion_logprobs
     from asyncrl.types import Sample
@@ -47,8 +47,8 @@ def one_setting(args: argparse.Namespace, chunk: int) -> dict:
     model = build_tiny_model(
         tiny_config("1m", args.vocab, max_positions=args.prompt + args.completion)
     ).train()
-    if args.checkpointing:
-        checkpoint_decoder_layers(model)
+    if args.activation_checkpointing:
+        enable_activation_checkpointing(model)
     g = torch.Generator().manual_seed(0)
     samples = [
         Sample(
@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--completion", type=int, default=128)
     parser.add_argument("--chunks", type=int, nargs="+", default=[0, 1024, 256])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child process's setting
     args = parser.parse_args()
     if args.one is not None:
@@ -116,7 +116,7 @@ def main() -> None:
                     "hidden": 128,
                     "layers": 4,
                     "vocab": args.vocab,
-                    "checkpointing": args.checkpointing,
+                    "activation_checkpointing": args.activation_checkpointing,
                 },
                 "predicting_tokens": tokens,
                 "one_float32_logits_bytes": tokens * args.vocab * 4,

@@ -140,6 +140,70 @@ def test_old_share_prompts_key_maps_to_packing(tmp_path: Path, share: str, packi
     assert validate_config(yaml.safe_load(dump_config(cfg))).trainer.packing == packing
 
 
+@pytest.mark.parametrize("value", [True, False])
+def test_old_gradient_checkpointing_key_maps_to_activation_checkpointing(tmp_path: Path, value: bool) -> None:
+    """trainer.gradient_checkpointing (the old name) still loads, from a file or --set, as
+    trainer.activation_checkpointing; dump_config writes only the new name."""
+    assert load_config().trainer.activation_checkpointing is False
+    word = str(value).lower()
+    assert (
+        load_config(None, [f"trainer.gradient_checkpointing={word}"]).trainer.activation_checkpointing
+        is value
+    )
+    path = tmp_path / "old.yaml"
+    path.write_text(f"trainer:\n  gradient_checkpointing: {word}\n  lr: 0.5\n", encoding="utf-8")
+    cfg = load_config(path)
+    assert (cfg.trainer.activation_checkpointing, cfg.trainer.lr) == (value, 0.5)
+    dumped = dump_config(cfg)
+    assert "gradient_checkpointing" not in dumped
+    assert yaml.safe_load(dumped)["trainer"]["activation_checkpointing"] is value
+    assert validate_config(yaml.safe_load(dumped)) == cfg
+    assert load_config(None, [f"trainer.activation_checkpointing={word}", "trainer.lr=0.5"]) == cfg
+
+
+def test_an_override_replaces_the_key_under_either_name(tmp_path: Path) -> None:
+    """--set under one name replaces what a file (an old run's config.yaml) or an earlier --set gave
+    under the other: resuming a run saved with trainer.gradient_checkpointing and
+    --set trainer.activation_checkpointing=true works; of two --set, the last wins."""
+
+    def loaded(path: Path | None, *sets: str) -> bool:
+        return load_config(path, list(sets)).trainer.activation_checkpointing
+
+    old = tmp_path / "old.yaml"
+    old.write_text("trainer:\n  gradient_checkpointing: false\n", encoding="utf-8")
+    assert loaded(old, "trainer.activation_checkpointing=true") is True
+    new = tmp_path / "new.yaml"
+    new.write_text("trainer:\n  activation_checkpointing: false\n", encoding="utf-8")
+    assert loaded(new, "trainer.gradient_checkpointing=true") is True
+    assert (
+        loaded(None, "trainer.gradient_checkpointing=false", "trainer.activation_checkpointing=true") is True
+    )
+    assert (
+        loaded(None, "trainer.activation_checkpointing=true", "trainer.gradient_checkpointing=false") is False
+    )
+
+
+def test_old_gradient_checkpointing_key_errors(tmp_path: Path) -> None:
+    """A bad value under the old name names the old key; both names in one file is an error naming
+    both; unknown keys are still rejected, listing only the new name."""
+    message = str(config_error("trainer.gradient_checkpointing=maybe"))
+    assert "trainer.gradient_checkpointing='maybe'" in message
+    both = tmp_path / "both.yaml"
+    both.write_text(
+        "trainer:\n  gradient_checkpointing: true\n  activation_checkpointing: true\n", encoding="utf-8"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(both)
+    assert "trainer.gradient_checkpointing=True" in str(info.value)
+    assert "keep only activation_checkpointing" in str(info.value)
+    message = str(config_error("trainer.gradient_checkpointin=true"))
+    assert "unknown key" in message and "activation_checkpointing" in message
+    assert "gradient_checkpointing," not in message
+    reference = config_reference()
+    assert reference.count("`trainer.activation_checkpointing`") == 1
+    assert "trainer.gradient_checkpointing" not in reference
+
+
 def test_packing_off_needs_no_quotes() -> None:
     """YAML reads an unquoted `off` as false; trainer.packing=off still means 'off'."""
     assert load_config(None, ["trainer.packing=off"]).trainer.packing == "off"
@@ -229,7 +293,7 @@ def test_docs_page_is_generated_from_the_config() -> None:
     expected = config_reference()
     actual = DOCS_PAGE.read_text(encoding="utf-8") if DOCS_PAGE.is_file() else ""
     assert actual == expected, (
-        "docs/config.md is out of date with asyncrl/config.py; regenerate it with "
+        "docs/config.md is out of date with asyncrl/config/; regenerate it with "
         "`asyncrl config --docs > docs/config.md`"
     )
     for key in ("`model.path`", "`task.arithmetic.max_digits`", "`rollout.group_size`", "`run.eval_every`"):

@@ -1,5 +1,5 @@
 """The trainer's memory options: ``micro_batch_tokens: auto`` sizing (with made-up GPU numbers), its config
-validation, and whole trainer steps with gradient checkpointing and chunked log-probs."""
+validation, and whole trainer steps with activation checkpointing and chunked log-probs."""
 
 from __future__ import annotations
 
@@ -33,23 +33,28 @@ def test_auto_budget_by_hand() -> None:
     fixed = 1024 * 151_936 * (16 + 4) + 151_936 * 896 * 6
     expected = int(((free - reserved) * 0.8 - fixed) // per_token) // 256 * 256
     got = auto_micro_batch_tokens(
-        free, QWEN2_05B, activation_bytes=2, chunk_tokens=1024, checkpointing=False, reserved_bytes=reserved
+        free,
+        QWEN2_05B,
+        activation_bytes=2,
+        chunk_tokens=1024,
+        activation_checkpointing=False,
+        reserved_bytes=reserved,
     )
     assert got == expected == 37_888
 
 
 def test_auto_budget_follows_memory_and_options() -> None:
     def budget(free: float, **kw) -> int:
-        args = dict(activation_bytes=2, chunk_tokens=1024, checkpointing=False) | kw
+        args = dict(activation_bytes=2, chunk_tokens=1024, activation_checkpointing=False) | kw
         return auto_micro_batch_tokens(int(free * GIB), QWEN2_05B, **args)
 
     assert budget(40) < budget(70)
     assert budget(70, reserved_bytes=20 * GIB) < budget(70)
     # Whole logits cost (vocabulary x 18) bytes a token, twice the layers' 1.3 MB: a third of the budget.
     assert budget(70, chunk_tokens=0) < budget(70) / 2.5
-    # Checkpointing keeps one hidden state per layer and token: the budget hits the cap.
-    assert budget(70, checkpointing=True) == 65_536
-    assert budget(20, checkpointing=True) > 3 * budget(20)
+    # Activation checkpointing keeps one hidden state per layer and token: the budget hits the cap.
+    assert budget(70, activation_checkpointing=True) == 65_536
+    assert budget(20, activation_checkpointing=True) > 3 * budget(20)
     assert budget(70, activation_bytes=4) < budget(70)
     assert budget(0.5) == 256  # the floor: less than one chunk's logits is left
     assert all(budget(f) % 256 == 0 for f in (3, 7.5, 30, 79))
@@ -59,12 +64,15 @@ def test_auto_resolves_to_the_default_on_cpu(tiny_policy: Policy, caplog: pytest
     caplog.set_level(logging.INFO, logger="asyncrl.trainer.memory")
     device = torch.device("cpu")
     got = resolve_micro_batch_tokens(
-        "auto", tiny_policy.model, device, chunk_tokens=1024, checkpointing=False
+        "auto", tiny_policy.model, device, chunk_tokens=1024, activation_checkpointing=False
     )
     assert got == CPU_MICRO_BATCH_TOKENS == 8192
     assert "trainer.micro_batch_tokens=auto: 8192 tokens" in caplog.text
     assert (
-        resolve_micro_batch_tokens(300, tiny_policy.model, device, chunk_tokens=0, checkpointing=True) == 300
+        resolve_micro_batch_tokens(
+            300, tiny_policy.model, device, chunk_tokens=0, activation_checkpointing=True
+        )
+        == 300
     )
     assert model_shape(tiny_policy.model.config) == ModelShape(128, 4, 512, 99)
     trainer = make_trainer(
@@ -86,14 +94,18 @@ def test_memory_options_load() -> None:
         None,
         [
             "trainer.micro_batch_tokens=auto",
-            "trainer.gradient_checkpointing=true",
+            "trainer.activation_checkpointing=true",
             "trainer.logprob_chunk_tokens=0",
         ],
     )
-    assert (cfg.trainer.micro_batch_tokens, cfg.trainer.gradient_checkpointing) == ("auto", True)
+    assert (cfg.trainer.micro_batch_tokens, cfg.trainer.activation_checkpointing) == ("auto", True)
     assert cfg.trainer.logprob_chunk_tokens == 0
     defaults = load_config().trainer
-    assert (defaults.micro_batch_tokens, defaults.logprob_chunk_tokens, defaults.gradient_checkpointing) == (
+    assert (
+        defaults.micro_batch_tokens,
+        defaults.logprob_chunk_tokens,
+        defaults.activation_checkpointing,
+    ) == (
         8192,
         1024,
         False,
@@ -103,7 +115,9 @@ def test_memory_options_load() -> None:
 
 
 @pytest.mark.parametrize("packing", ["tree", "off"])
-def test_trainer_step_with_checkpointing_and_chunks(tiny_policy: Policy, make_sample, packing: str) -> None:
+def test_trainer_step_with_activation_checkpointing_and_chunks(
+    tiny_policy: Policy, make_sample, packing: str
+) -> None:
     """Whole accumulation passes (several micro-batches, an entropy bonus): checkpointed and chunked equal
     plain and unchunked (gradients rel. 1e-6)."""
     pad = tiny_policy.pad_token_id
@@ -128,5 +142,8 @@ def test_trainer_step_with_checkpointing_and_chunks(tiny_policy: Policy, make_sa
 
     plain = gradient(logprob_chunk_tokens=0)
     assert plain.norm() > 0
-    for options in ({"logprob_chunk_tokens": 3}, {"gradient_checkpointing": True, "logprob_chunk_tokens": 3}):
+    for options in (
+        {"logprob_chunk_tokens": 3},
+        {"activation_checkpointing": True, "logprob_chunk_tokens": 3},
+    ):
         assert float((gradient(**options) - plain).norm() / plain.norm()) <= 1e-6, options

@@ -1,9 +1,9 @@
-"""Activation checkpointing of decoder layers that keeps the KV cache (``trainer.gradient_checkpointing``).
+"""Activation checkpointing of decoder layers that keeps the KV cache (``trainer.activation_checkpointing``).
 
 Hugging Face's own gradient checkpointing drops the KV cache of a layer it checkpoints in
 training (its backward replay would append the layer's keys and values to the cache a second
 time), and the prefix-tree layout forwards each tree level against the cache of the level
-above. :func:`checkpoint_decoder_layers` wraps every decoder layer's ``forward`` in a
+above. :func:`enable_activation_checkpointing` wraps every decoder layer's ``forward`` in a
 non-reentrant :func:`torch.utils.checkpoint.checkpoint` instead, whose replay sees the cache
 as the original forward saw it: before the layer runs, the state of its cache layer (the keys
 and values gathered from the level above) is noted, and the replay runs with that state put
@@ -35,8 +35,8 @@ from asyncrl.models.forward import base_model
 _MARK = "_asyncrl_checkpointed"
 
 
-def checkpoint_decoder_layers(model: torch.nn.Module) -> int:
-    """Checkpoint every decoder layer of ``model`` (a transformers model, or a peft model around one).
+def enable_activation_checkpointing(model: torch.nn.Module) -> int:
+    """Activation-checkpoint every decoder layer of ``model`` (a transformers model, or a peft model around one).
 
     Returns the number of layers wrapped; calling it again changes nothing.
     """

@@ -7,7 +7,7 @@ micro-batch (elements × bytes per activation):
 
 * a decoder layer keeps about ``8·H + 4·I`` activations for backward (H hidden, I MLP
   width: norm inputs and outputs, q/k/v, attention output, the MLP's gate, up, activation and
-  product), ``L`` layers of them; with gradient checkpointing each layer keeps only its input
+  product), ``L`` layers of them; with activation checkpointing each layer keeps only its input
   (``H``) and one layer at a time is rebuilt (twice ``8·H + 4·I``, with its gradients);
 * with ``logprob_chunk_tokens`` = 0 every token also holds (vocabulary) float32 logits about
   four times over (logits, log-softmax, its exponential, the gradient) and the logits once
@@ -50,14 +50,14 @@ def auto_micro_batch_tokens(
     *,
     activation_bytes: int,
     chunk_tokens: int,
-    checkpointing: bool,
+    activation_checkpointing: bool,
     reserved_bytes: int = 0,
     margin: float = 0.2,
 ) -> int:
     """Tokens of one micro-batch that fit ``free_bytes`` less ``reserved_bytes`` and a ``margin`` fraction."""
     h, i, v = shape.hidden_size, shape.intermediate_size, shape.vocab_size
     layer = 8 * h + 4 * i
-    kept = shape.num_layers * h + 2 * layer if checkpointing else (shape.num_layers + 1) * layer
+    kept = shape.num_layers * h + 2 * layer if activation_checkpointing else (shape.num_layers + 1) * layer
     # Embedding output, final norm, the predicting positions' hidden states and their gradient.
     per_token = (kept + 4 * h) * activation_bytes
     fixed = 0
@@ -86,7 +86,7 @@ def resolve_micro_batch_tokens(
     device: torch.device,
     *,
     chunk_tokens: int,
-    checkpointing: bool,
+    activation_checkpointing: bool,
     autocast_dtype: torch.dtype | None = None,
 ) -> int:
     """``setting`` itself, or for ``'auto'`` the budget that fits ``device`` now (logged once per call).
@@ -110,7 +110,7 @@ def resolve_micro_batch_tokens(
         model_shape(model.config),
         activation_bytes=activation_bytes,
         chunk_tokens=chunk_tokens,
-        checkpointing=checkpointing,
+        activation_checkpointing=activation_checkpointing,
         reserved_bytes=reserved,
     )
     log.info(

@@ -38,7 +38,7 @@ from transformers import PreTrainedModel
 from asyncrl.algorithms import corrections, losses
 from asyncrl.algorithms.advantages import group_advantages, step_advantages
 from asyncrl.config import AlgorithmConfig, TrainerConfig, old_logprob_mode
-from asyncrl.models.activation_checkpointing import checkpoint_decoder_layers
+from asyncrl.models.activation_checkpointing import enable_activation_checkpointing
 from asyncrl.models.lora import adapter_fqns, is_lora, published_weights
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.logprobs import completion_logprobs
@@ -143,14 +143,14 @@ class Trainer:
         self.ref_model = (
             copy.deepcopy(model).eval().requires_grad_(False) if algo_cfg.beta > 0 and not self.lora else None
         )
-        if trainer_cfg.gradient_checkpointing:  # the policy only: the reference computes no gradients
-            checkpoint_decoder_layers(model)
+        if trainer_cfg.activation_checkpointing:  # the policy only: the reference computes no gradients
+            enable_activation_checkpointing(model)
         self.micro_batch_tokens = resolve_micro_batch_tokens(
             trainer_cfg.micro_batch_tokens,
             model,
             self.device,
             chunk_tokens=trainer_cfg.logprob_chunk_tokens,
-            checkpointing=trainer_cfg.gradient_checkpointing,
+            activation_checkpointing=trainer_cfg.activation_checkpointing,
             autocast_dtype=self.compute_dtype if self.autocast else None,
         )
         # After the reference copy (it stays whole) and before the optimizer sees the parameters.

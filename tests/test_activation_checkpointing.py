@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from asyncrl.models.activation_checkpointing import checkpoint_decoder_layers
+from asyncrl.models.activation_checkpointing import enable_activation_checkpointing
 from asyncrl.models.loading import load_policy
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.logprobs import completion_logprobs
@@ -53,8 +53,9 @@ def test_checkpointing_gives_the_same_logprobs_and_gradients(path: str, chunk: i
     """Both layouts: equal log-probs and gradients; each layer runs twice (forward, replay); less is saved."""
     policy = load_policy(path, device="cpu", dtype="float32", seed=0)
     checkpointed = copy.deepcopy(policy.model)
-    assert checkpoint_decoder_layers(checkpointed) == policy.model.config.num_hidden_layers
-    assert checkpoint_decoder_layers(checkpointed) == policy.model.config.num_hidden_layers  # idempotent
+    layers = policy.model.config.num_hidden_layers
+    assert enable_activation_checkpointing(checkpointed) == layers
+    assert enable_activation_checkpointing(checkpointed) == layers  # idempotent
     for name, mb in layouts(mixed_samples(make_sample), policy.pad_token_id).items():
         logp, grads, saved, calls = run(policy.model, mb, chunk)
         logp_ck, grads_ck, saved_ck, calls_ck = run(checkpointed, mb, chunk)
@@ -67,7 +68,7 @@ def test_checkpointing_gives_the_same_logprobs_and_gradients(path: str, chunk: i
 
 def test_checkpointing_without_gradients_runs_layers_once(tiny_policy, make_sample) -> None:
     model = copy.deepcopy(tiny_policy.model).train()
-    checkpoint_decoder_layers(model)
+    enable_activation_checkpointing(model)
     mb = layouts(mixed_samples(make_sample), tiny_policy.pad_token_id)["tree"]
     with torch.no_grad():
         got, _ = completion_logprobs(model, mb, TEMPERATURE)
@@ -79,7 +80,7 @@ def test_checkpointing_with_lora(make_sample) -> None:
     """A peft model (B moved off zero), checkpointed after wrapping: the same adapter gradients, in both layouts."""
     policy, model = tiny_lora_model()
     checkpointed = copy.deepcopy(model)
-    checkpoint_decoder_layers(checkpointed)
+    enable_activation_checkpointing(checkpointed)
     for name, mb in layouts(mixed_samples(make_sample), policy.pad_token_id).items():
         logp, grads, _, calls = run(model, mb, 5)
         logp_ck, grads_ck, _, calls_ck = run(checkpointed, mb, 5)
@@ -92,7 +93,7 @@ def test_checkpointing_with_lora(make_sample) -> None:
 def test_checkpointing_under_bfloat16_autocast(tiny_policy, make_sample) -> None:
     """The replay runs under the forward's autocast state: the same bfloat16 numbers as without checkpointing."""
     checkpointed = copy.deepcopy(tiny_policy.model)
-    checkpoint_decoder_layers(checkpointed)
+    enable_activation_checkpointing(checkpointed)
     for name, mb in layouts(mixed_samples(make_sample), tiny_policy.pad_token_id).items():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logp, grads, _, _ = run(tiny_policy.model, mb, 5)

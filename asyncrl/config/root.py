@@ -1,0 +1,136 @@
+"""The root :class:`Config` of a run: one field per section, and the checks that span sections."""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import Field, model_validator
+
+from asyncrl.config.base import Section
+from asyncrl.config.data import EpisodeConfig, JudgeConfig, ModelConfig, TaskConfig
+from asyncrl.config.running import RunConfig, RuntimeConfig, ScheduleConfig
+from asyncrl.config.training import AlgorithmConfig, LoraConfig, RolloutConfig, TrainerConfig
+
+
+class Config(Section):
+    """A whole asyncrl run."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    episode: EpisodeConfig = Field(default_factory=EpisodeConfig)
+    judge: JudgeConfig = Field(default_factory=JudgeConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _combinations(self) -> Config:
+        env = self.episode.environment
+        if self.task.name == "guess" and env != "guess":
+            raise ValueError("task.name=guess is played as episodes: set episode.environment=guess")
+        if env == "guess" and self.task.name != "guess":
+            raise ValueError(f"episode.environment=guess needs task.name=guess, not {self.task.name}")
+        if env == "calculator" and self.task.name != "arithmetic":
+            raise ValueError(
+                f"episode.environment=calculator needs task.name=arithmetic, not {self.task.name}"
+            )
+        if self.task.reward_workers and env is not None:
+            raise ValueError(
+                "task.reward_workers scores task rewards; episodes are rewarded by their environment "
+                "(episode.environment): set task.reward_workers=0"
+            )
+        judged = "judge" in [self.task.reward, *(r.name for r in self.task.rewards)]
+        if judged and self.judge.model is None and self.judge.url is None:
+            raise ValueError("the reward 'judge' needs a judge: set judge.model (or judge.url)")
+        if self.task.step_delimiter is not None and env is not None:
+            raise ValueError(
+                "task.step_delimiter cuts single completions into steps; episodes reward their turns "
+                "(episode.environment) instead: set one of them"
+            )
+        if self.task.step_delimiter is not None and self.algorithm.step_rewards == "ignore":
+            raise ValueError(
+                "task.step_delimiter gives step rewards that algorithm.step_rewards=ignore would not train on: "
+                "set algorithm.step_rewards=return_to_go"
+            )
+        if self.algorithm.advantage_scale == "group" and self.rollout.group_size < 2:
+            raise ValueError(
+                "algorithm.advantage_scale=group needs rollout.group_size >= 2 (a group of one has no spread)"
+            )
+        if self.run.steps % self.algorithm.num_iterations:
+            raise ValueError(
+                f"run.steps ({self.run.steps}) must be a multiple of algorithm.num_iterations "
+                f"({self.algorithm.num_iterations}): each generated batch gets num_iterations optimizer steps"
+            )
+        if self.trainer.ranks > 1 and self.runtime.kind == "inline":
+            raise ValueError(
+                f"trainer.ranks={self.trainer.ranks} needs one process per rank, but runtime.kind=inline "
+                "runs the trainer in this process; use runtime.kind=local (or auto)"
+            )
+        if self.trainer.ranks > 1 and self.model.device.startswith("cuda:"):
+            raise ValueError(
+                f"model.device={self.model.device} would put all {self.trainer.ranks} trainer ranks "
+                "(trainer.ranks) on one GPU; use 'cuda' or 'auto' (rank r takes the r-th visible GPU)"
+            )
+        if self.model.dtype == "float16" and self.trainer.master_dtype != "float16":
+            raise ValueError(
+                f"model.dtype=float16 with trainer.master_dtype={self.trainer.master_dtype} needs loss scaling, "
+                "which asyncrl does not do (float16 gradients under- and overflow); use model.dtype=bfloat16, "
+                "or trainer.master_dtype=float16 for pure float16 training"
+            )
+        if self.runtime.weight_sync == "cuda_ipc":
+            if self.model.device == "cpu":
+                raise ValueError(
+                    "runtime.weight_sync=cuda_ipc shares a GPU buffer between trainer and generators, but "
+                    "model.device=cpu; use shm (or auto)"
+                )
+            if self.runtime.kind == "ray":
+                raise ValueError(
+                    "runtime.weight_sync=cuda_ipc needs trainer and generators on one GPU, which only the local "
+                    "runtime guarantees; on Ray use broadcast (NCCL between GPUs) or shm"
+                )
+        if self.schedule.streaming and self.algorithm.advantage_scale == "batch":
+            raise ValueError(
+                "algorithm.advantage_scale=batch needs the whole batch before training; it cannot be used "
+                "with schedule.streaming=true (use advantage_scale=group or none)"
+            )
+        return self
+
+    @property
+    def runtime_kind(self) -> str:
+        if self.runtime.kind != "auto":
+            return self.runtime.kind
+        on_policy_batch = self.schedule.max_staleness == 0 and not self.schedule.streaming
+        return "inline" if on_policy_batch and self.trainer.ranks == 1 else "local"
+
+    def threads(self, role: str) -> int:
+        """Torch thread count for 'generator' or 'trainer'.
+
+        0 means: inline, leave torch's default (all cores, the phases take turns); local with
+        dynamic core sharing, decided at run time by the worker (see runtimes/cores.py).
+        """
+        explicit = self.runtime.generator_threads if role == "generator" else self.runtime.trainer_threads
+        if explicit or self.runtime_kind == "inline" or self.runtime.core_sharing == "dynamic":
+            return explicit
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(1, cores // (self.runtime.generators + self.trainer.ranks))
+
+    @property
+    def old_logprob_mode(self) -> str:
+        """What the trainer uses as old-policy log-probs: current, behaviour or recompute."""
+        return old_logprob_mode(self.algorithm, self.schedule.max_staleness)
+
+
+def old_logprob_mode(algorithm: AlgorithmConfig, max_staleness: int) -> str:
+    """``algorithm.old_logprobs`` resolved: ``auto`` recomputes when several updates share a batch
+    or an IS correction needs the proximal policy, uses the engine's behaviour log-probs when
+    tokens may be stale, and else the detached current log-probs (the ratio is then exactly 1)."""
+    mode = algorithm.old_logprobs
+    if mode != "auto":
+        return mode
+    if algorithm.num_iterations > 1 or algorithm.is_level != "none":
+        return "recompute"
+    return "behaviour" if max_staleness > 0 else "current"
