@@ -1,4 +1,4 @@
-"""Wire records shared by the engine, the rollout workers, the buffer and the trainer.
+"""Wire records shared by the engine, the rollouts, the buffer and the trainer.
 
 A :class:`Sample` carries token-level provenance from the moment it is generated: every
 completion token has the behaviour log-prob it was sampled with and the policy version
@@ -348,7 +348,7 @@ class PartialGroup:
     ``samples`` maps completion index k to what completion k had when it stopped: a finished
     sample, or a prefix (``finish_reason="abort"``) whose tokens keep the log-probs and
     versions they were sampled with. Completions with no tokens yet are absent and start
-    afresh. A rollout worker continues the group from here (``CompletionRollout.submit``).
+    afresh. A rollout continues the group from here (:meth:`~asyncrl.rollout.base.Rollout.submit`).
     """
 
     group_id: int

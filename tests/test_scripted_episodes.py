@@ -183,7 +183,7 @@ class ReplayEngine:
 
 @pytest.mark.parametrize("name", ["calculator", "guess"])
 def test_scripted_episodes_are_token_for_token_what_rl_records(name: str) -> None:
-    """Replayed through the rollout worker of RL (the real environment, observations encoded
+    """Replayed through the episode rollout of RL (the real environment, observations encoded
     by the worker), the teacher's turns give exactly the scripted episodes: the same tokens,
     observations with loss mask 0, turn spans, step rewards, rewards and truncation. Budgets
     included: small ones truncate some episodes the same way on both sides."""

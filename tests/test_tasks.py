@@ -1,4 +1,4 @@
-"""Tasks, prompt streams, JSONL datasets, reward functions, and the rollout worker that groups completions."""
+"""Tasks, prompt streams, JSONL datasets, reward functions, and the completion rollout that groups them."""
 
 from __future__ import annotations
 

@@ -184,7 +184,7 @@ def render_episode(
         max_turn_tokens=max_turn_tokens,
         submit=submit,
         encode_observation=lambda text: observation_ids(tokenizer, task, text),
-        # As the rollout worker decodes a turn for its environment: stop tokens left out.
+        # As the episode rollout decodes a turn for its environment: stop tokens left out.
         decode=lambda ids: tokenizer.decode([t for t in ids if t != eos], skip_special_tokens=True),
     )
     play = environment_episode(lambda t, s: _Inline(environment(t, s)))(client, task)
