@@ -68,8 +68,8 @@ class EpisodeRollout(Rollout):
     """Runs G multi-turn episodes per task on an engine's ``add_request``/``step`` API.
 
     An episode's reward is its own (its environment's, or what the episode function returns),
-    so there is no scoring stage to abandon at a stop: :meth:`abandon` only ends the waits
-    for environments, and :meth:`preempt` keeps the finished episodes of each group.
+    so there is no scoring stage to abandon at a stop: after :meth:`abandon` the rollout only
+    stops stepping, and :meth:`preempt` keeps the finished episodes of each group.
     """
 
     def __init__(
@@ -213,7 +213,10 @@ class EpisodeRollout(Rollout):
         return cancelled
 
     def _abandon_scoring(self) -> None:
-        self._wake.set()  # a step waiting on the environments returns at once
+        # Nothing is scored apart from the episodes themselves, and a step that waits on the
+        # environments does so for at most IDLE_WAIT_S. (No event is set here: this may run in a
+        # signal handler, which must not take a lock the interrupted thread may hold.)
+        return
 
     def close(self) -> None:
         """Cancel the episodes still running and stop their event loop."""
