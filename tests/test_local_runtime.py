@@ -112,8 +112,10 @@ TRANSPORTS = {
     "files": ["runtime.weight_sync=files"],
     "broadcast": ["runtime.weight_sync=broadcast", "runtime.generators=2"],
 }
-# One run per transport; files and broadcast are slow: test_weight_sync covers both (broadcast to helper processes).
-TRANSPORT_PARAMS = ["shm", *(pytest.param(t, marks=pytest.mark.slow) for t in ("files", "broadcast"))]
+# One run per transport, all slow. shm (the default on CPU) in such a run, its versions and what it
+# leaves: test_schedules' test_the_async_run_publishes_every_step_over_shm_and_leaves_nothing_behind
+# (the same async run); files and broadcast: test_weight_sync (broadcast to helper processes).
+TRANSPORT_PARAMS = [pytest.param(t, marks=pytest.mark.slow) for t in ("shm", "files", "broadcast")]
 
 
 @pytest.fixture(scope="module")
