@@ -306,7 +306,7 @@ def reward(completion, prompt, answer, **_):
 """
 
 
-@pytest.mark.slow  # the stall timer: test_stalled_generator_fails_the_run_within_the_stall_timeout
+@pytest.mark.slow  # the stall timer: test_resume's test_a_loop_with_no_progress_fails_within_the_stall_timeout_naming_what_it_waits_for
 @pytest.mark.multiprocess
 def test_slow_worker_start_does_not_count_as_a_stall(tmp_path: Path, reward_module) -> None:
     """Start-up (3 s) longer than runtime.stall_timeout_s (2 s) is bounded by start_timeout_s only; the run completes."""
@@ -323,6 +323,7 @@ def test_slow_worker_start_does_not_count_as_a_stall(tmp_path: Path, reward_modu
     assert run.leftover_shm == []
 
 
+@pytest.mark.slow  # the stall watchdog and its message: test_resume's test_a_loop_with_no_progress_fails_within_the_stall_timeout_naming_what_it_waits_for; a stuck worker killed at the stop, nothing left: test_waits' test_a_local_worker_that_never_becomes_ready_fails_the_start_within_start_timeout
 @pytest.mark.multiprocess
 def test_stalled_generator_fails_the_run_within_the_stall_timeout(tmp_path: Path, reward_module) -> None:
     """A generator stuck in its reward function: WorkerError 'no progress' soon after stall_timeout_s; all stopped."""
