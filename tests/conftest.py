@@ -11,6 +11,13 @@ import torch
 from asyncrl.models.loading import Policy, load_policy
 from asyncrl.types import Sample
 
+# The processes the tests start (workers, `asyncrl serve`, reward and helper processes) inherit
+# this: torch in them starts with one intra-op thread, as this process runs (_single_thread),
+# unless the code sets a count itself. On a few small cores, idle OpenMP threads of every child
+# would otherwise spin for work (test_server's two servers took 36 s of CPU with two threads
+# each, 12 s with one).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``gpu`` are skipped, with the reason, where no CUDA device is visible

@@ -134,43 +134,53 @@ def drive_checkpoint(worker: TrainerWorker, channel: InProcessChannel, script: s
 def _rank_main(
     rank: int,
     world_size: int,
-    port: int,
+    ports: tuple[int, ...],
     parallel: str,
     model: str,
     out: str,
     script: str = "steps",
     extra: tuple[str, ...] = (),
 ) -> None:
-    """Body of one spawned rank (module level, so that spawn can import it)."""
+    """Body of one spawned rank (module level, so that spawn can import it). ``script`` names one
+    script, or several joined by '+': each runs with workers and a group of its own (on its own
+    port), one after another in the same processes; rank 0 then saves {script: result}."""
     torch.set_num_threads(1)
-    channel = InProcessChannel()
-    worker = TrainerWorker(
-        "trainer",
-        rank_config(world_size, parallel, model, extra),
-        (lambda layout: channel) if rank == 0 else None,
-        rank=rank,
-        world_size=world_size,
-        master_addr="127.0.0.1",
-        master_port=port,
-    )
-    try:
-        if rank == 0 and script == "steps":
-            torch.save(drive(worker, channel), out)
-        elif rank == 0:
-            torch.save(drive_checkpoint(worker, channel, script, Path(out).parent / "checkpoint"), out)
-        else:
-            run_follower(worker)
-    finally:
-        worker.close()
+    results = {}
+    for part, port in zip(script.split("+"), ports, strict=True):
+        channel = InProcessChannel()
+        worker = TrainerWorker(
+            "trainer",
+            rank_config(world_size, parallel, model, extra),
+            (lambda layout, channel=channel: channel) if rank == 0 else None,
+            rank=rank,
+            world_size=world_size,
+            master_addr="127.0.0.1",
+            master_port=port,
+        )
+        try:
+            if rank == 0 and part == "steps":
+                results[part] = drive(worker, channel)
+            elif rank == 0:
+                results[part] = drive_checkpoint(worker, channel, part, Path(out).parent / "checkpoint")
+            else:
+                run_follower(worker)
+        finally:
+            worker.close()
+    if rank == 0:
+        torch.save(results if "+" in script else results[script], out)
 
 
 def run_ranks(
     world_size: int, parallel: str, model: str, out: Path, script: str = "steps", extra: tuple[str, ...] = ()
 ) -> dict:
-    """Spawn the ranks on a free port; join them within RANK_TIMEOUT_S or kill them and fail."""
+    """Spawn the ranks on a free port (one per script of ``script``); join them within
+    RANK_TIMEOUT_S or kill them and fail."""
+    ports: set[int] = set()
+    while len(ports) < len(script.split("+")):
+        ports.add(free_port())
     ctx = mp.start_processes(
         _rank_main,
-        args=(world_size, free_port(), parallel, model, str(out), script, extra),
+        args=(world_size, tuple(sorted(ports)), parallel, model, str(out), script, extra),
         nprocs=world_size,
         join=False,
         start_method="spawn",
@@ -204,6 +214,15 @@ def single_process() -> Callable[[str], dict]:
     return get
 
 
+@pytest.fixture(scope="module")
+def fsdp2_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Two FSDP2 ranks of tiny:1m, spawned once for the quick tier's two tests of them: the steps
+    script, then (a new group in the same processes) the stop script; with the seconds taken."""
+    t0 = time.monotonic()
+    out = run_ranks(2, "fsdp2", "tiny:1m", tmp_path_factory.mktemp("fsdp2-ranks") / "rank0.pt", "steps+stop")
+    return {**out, "seconds": time.monotonic() - t0}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("parallel", "model"),
@@ -214,11 +233,17 @@ def single_process() -> Callable[[str], dict]:
         pytest.param("fsdp2", "tiny:1m:llama", marks=pytest.mark.slow),
     ],
 )
-def test_two_ranks_match_one_process(single_process, tmp_path: Path, parallel: str, model: str) -> None:
+def test_two_ranks_match_one_process(
+    single_process, request: pytest.FixtureRequest, tmp_path: Path, parallel: str, model: str
+) -> None:
     """2 ranks (DDP, FSDP2) publish the single process's weights after 2 steps: max |diff| <= 1e-5."""
-    t0 = time.monotonic()
-    got = run_ranks(2, parallel, model, tmp_path / "rank0.pt")
-    seconds = time.monotonic() - t0
+    if (parallel, model) == ("fsdp2", "tiny:1m"):
+        ranks = request.getfixturevalue("fsdp2_ranks")
+        got, seconds = ranks["steps"], ranks["seconds"]
+    else:
+        t0 = time.monotonic()
+        got = run_ranks(2, parallel, model, tmp_path / "rank0.pt")
+        seconds = time.monotonic() - t0
     reference = single_process(model)
     ref, initial = reference["weights"], reference["initial"]
     assert got["weights"].keys() == ref.keys()
@@ -239,6 +264,14 @@ def test_two_ranks_match_one_process(single_process, tmp_path: Path, parallel: s
         for key in ("loss", "grad_norm", "kl_ref", "entropy", "clip_frac", "ratio_mean"):
             assert got_m[key] == pytest.approx(ref_m[key], rel=1e-4, abs=1e-6), key
     assert max(m["grad_norm"] for m in got["metrics"]) > 0.5  # clipping was active
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_give_a_stopped_step_up_together(fsdp2_ranks: dict) -> None:
+    """2 FSDP2 ranks: rank 0 gives the stopped step up for both (it forwards no more training)
+    and both save at step 1; nothing hangs in a collective (the stop within a step in one
+    process: test_stop_bounds)."""
+    assert fsdp2_ranks["stop"] == {"skipped": [], "saved": [1], "version": 1}
 
 
 @pytest.mark.slow  # two ranks: test_two_ranks_match_one_process; exact resume: test_checkpoint

@@ -4,11 +4,13 @@ the judge process ends with the run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import socket
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,8 @@ from asyncrl.models.loading import load_policy
 from asyncrl.rewards.judges.client import ENV, JudgeClient, JudgeError, judge_client
 from asyncrl.rewards.judges.service import served_judge
 from asyncrl.rewards.judges.verdicts import candidate_ids, next_token_probs
+from asyncrl.rewards.timed import TimedReward
+from asyncrl.server.app import OpenAIServer
 from tests.helpers import child_pids, short_run, survivors_of_a_killed_parent, wait_dead
 
 TINY_JUDGE = [
@@ -37,6 +41,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def judge_in_this_process(model: str) -> Iterator[str]:
+    """The server ``asyncrl serve --model MODEL`` runs (seed 0), in a thread of this process: its URL.
+    For the tests of what a judge answers; a judge served as a process of its own is
+    test_a_run_rewarded_by_the_judge_trains_and_stops_its_judge's (and the start failures')."""
+    server = OpenAIServer(load_policy(model, device="cpu", seed=0), model_name=f"judge:{model}")
+    host, port = server.start("127.0.0.1", 0)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
 
 
 def test_next_token_probabilities_of_a_padded_batch_equal_one_prompt_at_a_time(tiny_policy) -> None:
@@ -54,12 +71,30 @@ def test_next_token_probabilities_of_a_padded_batch_equal_one_prompt_at_a_time(t
 
 
 def test_a_served_judge_scores_verdicts_as_the_model_gives_them(tmp_path: Path) -> None:
-    cfg = load_config(None, TINY_JUDGE)
+    """tiny:1m served (here in a thread; as a process of its own: the run's judge below), given to
+    the run as judge.url: the verdict scores are the model's, here and in a reward process."""
     items = [("1+2=", "3", "3"), ("1+2=", "4", "3"), ([{"role": "user", "content": "5+5="}], "10", None)]
-    with served_judge(cfg.judge, tmp_path / "judge.log", 120) as client:
-        assert json.loads(os.environ[ENV])["url"] == client.url
-        scores = judge_client().score_many(items)
+    with judge_in_this_process("tiny:1m") as url:
+        cfg = load_config(None, [f"judge.url={url}", "judge.yes=Y", "judge.no=N"])
+        with served_judge(cfg.judge, tmp_path / "judge.log", 120) as client:
+            assert json.loads(os.environ[ENV])["url"] == client.url == url
+            scores = judge_client().score_many(items)
+            # A reward process (task.reward_timeout_s) finds the judge through the environment too.
+            reward_process = TimedReward("judge", timeout_s=120, processes=1)
+            try:
+                (from_a_process,) = reward_process.call_many(
+                    [
+                        {
+                            "prompts": [i[0] for i in items],
+                            "completions": [i[1] for i in items],
+                            "answer": [i[2] for i in items],
+                        }
+                    ]
+                )
+            finally:
+                reward_process.close()
     assert ENV not in os.environ
+    assert from_a_process == scores
     policy = load_policy("tiny:1m", device="cpu", seed=0)  # what `asyncrl serve` loads for the judge
     tok = policy.tokenizer
     ids = [tok(client.render(*item), add_special_tokens=False).input_ids for item in items]
@@ -84,7 +119,8 @@ def test_parse_mode_reads_the_score_from_the_judges_greedy_answer(tmp_path: Path
         ],
     )
     items = [("q", "3", None), ("q", "42", None), ("q", "17", None)]
-    with served_judge(cfg.judge, tmp_path / "judge.log", 120) as client:
+    with judge_in_this_process("builtin:arith") as url:
+        client = JudgeClient.from_config(cfg.judge, url)
         scores = client.score_many(items)
     policy = load_policy("builtin:arith", device="cpu", seed=0)
     engine = EmbeddedEngine(policy.model, pad_token_id=policy.pad_token_id, max_batch_size=4)
@@ -103,6 +139,31 @@ def test_parse_mode_reads_the_score_from_the_judges_greedy_answer(tmp_path: Path
 
 
 def test_bad_judge_settings_fail_at_start_naming_the_key(tmp_path: Path) -> None:
+    # ' Yes' is four characters, not one token, for the judge's tokenizer: its first answer says so.
+    with (
+        judge_in_this_process("tiny:1m") as judge,
+        pytest.raises(JudgeError, match=r"check judge\.yes / judge\.no.*verdict token ' Yes' is 4 tokens"),
+        served_judge(load_config(None, [f"judge.url={judge}"]).judge, tmp_path / "judge.log", 120),
+    ):
+        pass
+    url = f"http://127.0.0.1:{free_port()}"
+    with (
+        pytest.raises(JudgeError, match=rf"cannot reach the judge at {url}"),
+        served_judge(load_config(None, [f"judge.url={url}"]).judge, tmp_path / "judge.log", 120),
+    ):
+        pass
+    before = child_pids()
+    with (
+        pytest.raises(JudgeError, match=r"judge 'no/such/dir' \(judge\.model\) failed to start"),
+        served_judge(load_config(None, ["judge.model=no/such/dir"]).judge, tmp_path / "judge.log", 120),
+    ):
+        pass
+    assert wait_dead(child_pids() - before) == []  # the judge process was stopped
+
+
+@pytest.mark.slow  # the probe's error: test_bad_judge_settings_fail_at_start_naming_the_key; a judge process stopped when its start fails: the same test (no/such/dir)
+@pytest.mark.multiprocess
+def test_a_judge_process_whose_first_answer_is_refused_is_stopped(tmp_path: Path) -> None:
     before = child_pids()
     cfg = load_config(None, ["judge.model=tiny:1m"])  # ' Yes' is four characters: not one token
     with (
@@ -111,17 +172,6 @@ def test_bad_judge_settings_fail_at_start_naming_the_key(tmp_path: Path) -> None
     ):
         pass
     assert wait_dead(child_pids() - before) == []  # the judge process was stopped
-    url = f"http://127.0.0.1:{free_port()}"
-    with (
-        pytest.raises(JudgeError, match=rf"cannot reach the judge at {url}"),
-        served_judge(load_config(None, [f"judge.url={url}"]).judge, tmp_path / "judge.log", 120),
-    ):
-        pass
-    with (
-        pytest.raises(JudgeError, match=r"judge 'no/such/dir' \(judge\.model\) failed to start"),
-        served_judge(load_config(None, ["judge.model=no/such/dir"]).judge, tmp_path / "judge.log", 120),
-    ):
-        pass
 
 
 @pytest.mark.parametrize(
@@ -156,6 +206,7 @@ def test_a_run_rewarded_by_the_judge_trains_and_stops_its_judge(tmp_path: Path) 
     assert ENV not in os.environ and wait_dead(child_pids() - before) == []
 
 
+@pytest.mark.slow  # a run with its judge process: test_a_run_rewarded_by_the_judge_trains_and_stops_its_judge; a reward process reaching a judge: test_a_served_judge_scores_verdicts_as_the_model_gives_them; worker processes get the run's environment: test_local_runtime's test_killed_generator_fails_the_run_naming_it
 @pytest.mark.multiprocess
 def test_worker_and_reward_processes_reach_the_judge(tmp_path: Path) -> None:
     """Local runtime, rewards in reward processes: every process finds the judge the run serves."""

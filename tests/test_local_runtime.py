@@ -112,8 +112,10 @@ TRANSPORTS = {
     "files": ["runtime.weight_sync=files"],
     "broadcast": ["runtime.weight_sync=broadcast", "runtime.generators=2"],
 }
-# One run per transport; files and broadcast are slow: test_weight_sync covers both (broadcast to helper processes).
-TRANSPORT_PARAMS = ["shm", *(pytest.param(t, marks=pytest.mark.slow) for t in ("files", "broadcast"))]
+# One run per transport, all slow. shm (the default on CPU) in such a run, its versions and what it
+# leaves: test_schedules' test_the_async_run_publishes_every_step_over_shm_and_leaves_nothing_behind
+# (the same async run); files and broadcast: test_weight_sync (broadcast to helper processes).
+TRANSPORT_PARAMS = [pytest.param(t, marks=pytest.mark.slow) for t in ("shm", "files", "broadcast")]
 
 
 @pytest.fixture(scope="module")
@@ -304,7 +306,7 @@ def reward(completion, prompt, answer, **_):
 """
 
 
-@pytest.mark.slow  # the stall timer: test_stalled_generator_fails_the_run_within_the_stall_timeout
+@pytest.mark.slow  # the stall timer: test_resume's test_a_loop_with_no_progress_fails_within_the_stall_timeout_naming_what_it_waits_for
 @pytest.mark.multiprocess
 def test_slow_worker_start_does_not_count_as_a_stall(tmp_path: Path, reward_module) -> None:
     """Start-up (3 s) longer than runtime.stall_timeout_s (2 s) is bounded by start_timeout_s only; the run completes."""
@@ -321,6 +323,7 @@ def test_slow_worker_start_does_not_count_as_a_stall(tmp_path: Path, reward_modu
     assert run.leftover_shm == []
 
 
+@pytest.mark.slow  # the stall watchdog and its message: test_resume's test_a_loop_with_no_progress_fails_within_the_stall_timeout_naming_what_it_waits_for; a stuck worker killed at the stop, nothing left: test_waits' test_a_local_worker_that_never_becomes_ready_fails_the_start_within_start_timeout
 @pytest.mark.multiprocess
 def test_stalled_generator_fails_the_run_within_the_stall_timeout(tmp_path: Path, reward_module) -> None:
     """A generator stuck in its reward function: WorkerError 'no progress' soon after stall_timeout_s; all stopped."""

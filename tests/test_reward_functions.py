@@ -271,6 +271,7 @@ def test_scoring_threads_let_the_engine_go_on_and_return_every_group_scored() ->
         assert [s.reward for s in a.samples] == [s.reward for s in b.samples]
 
 
+@pytest.mark.slow  # task.reward_workers=2 is the reward pool: a run scored by it, every group once, is test_reward_pool's test_a_run_scored_by_the_pool_trains_and_stops_its_workers; async accounting in the local runtime: test_schedules' async run
 @pytest.mark.parametrize("schedule", ["sync", "async"])
 def test_a_run_with_scoring_threads_trains_every_group_once(tmp_path: Path, schedule: str) -> None:
     from asyncrl.control.run import train

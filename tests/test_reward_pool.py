@@ -150,11 +150,13 @@ def test_a_run_scored_by_the_pool_trains_and_stops_its_workers(
     monkeypatch.setenv(PIDS_DIR, str(tmp_path))
     before = child_pids()
     summary = train(pool_config(tmp_path, "runtime.kind=inline"), tmp_path / "run")
-    assert summary["accounting"]["reconciles"] and summary["accounting"]["trained"] == 8
+    books = summary["accounting"]
+    assert books["reconciles"] and books["trained"] == 8 and books["prompts_trained_twice"] == 0
     assert os.getpid() not in {int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()}
     assert ENV not in os.environ and wait_dead(child_pids() - before) == []
 
 
+@pytest.mark.slow  # the pool's scoring: test_pooled_scoring_runs_in_the_workers_and_equals_scoring_here; a run scored by it: test_a_run_scored_by_the_pool_trains_and_stops_its_workers; worker processes get the run's environment: test_local_runtime's test_killed_generator_fails_the_run_naming_it
 @pytest.mark.multiprocess
 def test_generator_processes_share_the_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(PIDS_DIR, str(tmp_path))

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import random
 import textwrap
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ import yaml
 
 from asyncrl.builtin.arithmetic import ArithmeticTask
 from asyncrl.cli import main
-from asyncrl.config import load_config
+from asyncrl.config import Config, load_config
 from asyncrl.control.controller import Controller
 from asyncrl.control.run import train
 from asyncrl.control.session import RunSession
@@ -33,6 +35,7 @@ from asyncrl.prompts.jsonl import JsonlDataset
 from asyncrl.reports.jsonl import read_jsonl
 from asyncrl.rewards.registry import resolve_reward
 from asyncrl.rollout.completions import CompletionRollout
+from asyncrl.transports.weights.factory import weight_sync_kind
 from asyncrl.types import Group, Prompt, Sample
 from asyncrl.workers.messages import (
     Accumulate,
@@ -48,7 +51,7 @@ from asyncrl.workers.messages import (
     Submit,
     WeightsLoaded,
 )
-from tests.helpers import ONE_THREAD_EACH, final_weights, max_abs_diff, short_run
+from tests.helpers import ONE_THREAD_EACH, child_pids, final_weights, max_abs_diff, short_run
 
 STEPS = 5
 PROMPTS = 4
@@ -95,20 +98,37 @@ class Run:
     metrics: list[dict]
     timeline: list[dict]
     config: dict
+    leftover_children: list[int] = field(default_factory=list)  # started by the run, alive after it
+    leftover_shm: list[str] = field(default_factory=list)  # shared-memory segments of this process's runs
+
+
+def own_shm_segments() -> set[str]:
+    """Shared-memory segments of runs started by this process (the shm transport names them asyncrl-<pid>-*)."""
+    shm = Path("/dev/shm")
+    return (
+        {p.name for p in shm.iterdir() if p.name.startswith(f"asyncrl-{os.getpid()}-")}
+        if shm.is_dir()
+        else set()
+    )
 
 
 def cli_train(run_dir: Path, overrides: list[str]) -> Run:
-    """``asyncrl train --set ... --run-dir run_dir`` in this process, and what it wrote."""
+    """``asyncrl train --set ... --run-dir run_dir`` in this process, what it wrote and what it left."""
     args = ["train", "--run-dir", str(run_dir)]
     for o in [*BASE, *overrides]:
         args += ["--set", o]
+    resource_tracker.ensure_running()  # outlives every run by design: not a leftover of this one
+    children, segments = child_pids(), own_shm_segments()
+    code = main(args)
     return Run(
-        main(args),
+        code,
         run_dir,
         json.loads((run_dir / "summary.json").read_text(encoding="utf-8")),
         read_jsonl(run_dir / "metrics.jsonl"),
         read_jsonl(run_dir / "timeline.jsonl"),
         yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8")),
+        sorted(child_pids() - children),
+        sorted(own_shm_segments() - segments),
     )
 
 
@@ -198,6 +218,31 @@ def test_on_policy_schedules_train_on_the_weights_that_generated(schedule_run, n
     gaps = [r["old_behaviour_abs_gap"] for r in run.metrics]
     assert max(gaps) <= ON_POLICY_GAP, gaps
     assert_reconciles(run.summary["accounting"])
+
+
+@pytest.mark.multiprocess
+def test_the_async_run_publishes_every_step_over_shm_and_leaves_nothing_behind(schedule_run) -> None:
+    """async in local processes over the shm transport (the default on CPU): every step but the
+    last publishes, the generator loads strictly increasing versions of those, and no worker
+    process or shared-memory segment outlives the run (the files and broadcast transports in such
+    a run: test_local_runtime, slow)."""
+    run = schedule_run("async")
+    assert run.code == 0 and run.summary["runtime"] == "local"
+    assert weight_sync_kind(Config.model_validate(run.config)) == "shm"
+    assert [r["step"] for r in run.metrics] == list(range(1, STEPS + 1))
+    assert max(r["gen_version_min"] for r in run.metrics) >= STEPS - 3
+    published = [
+        e["version"] for e in run.timeline if e["component"] == "trainer" and e["name"] == "weight_sync"
+    ]
+    assert published == list(range(1, STEPS))
+    generators = sorted({e["component"] for e in run.timeline if e["component"].startswith("generator-")})
+    assert generators == ["generator-0"]
+    loaded = [
+        e["version"] for e in run.timeline if e["component"] == "generator-0" and e["name"] == "weight_sync"
+    ]
+    assert loaded and loaded == sorted(set(loaded)) and set(loaded) <= set(published), loaded
+    assert run.leftover_children == []
+    assert run.leftover_shm == []
 
 
 @pytest.mark.multiprocess

@@ -242,7 +242,15 @@ def test_sft_rows_train_only_the_teachers_turns() -> None:
 # -- SFT on episodes ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("task", ["calculator", "guess"])
+@pytest.mark.parametrize(
+    "task",
+    [
+        "calculator",
+        # SFT on episodes: calculator; the guessing game's episodes as RL records them:
+        # test_scripted_episodes_are_token_for_token_what_rl_records[guess].
+        pytest.param("guess", marks=pytest.mark.slow),
+    ],
+)
 def test_sft_on_episodes_lowers_the_loss(tmp_path: Path, task: str) -> None:
     """A few SFT steps on scripted episodes from a random tiny model: the loss falls well below
     its start (ln 99 = 4.6 for a uniform guess over the vocabulary), deterministically; the

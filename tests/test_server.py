@@ -1,9 +1,10 @@
 """``asyncrl serve`` through the official ``openai`` client: completions, chat, streaming, errors, policy updates.
 
-Each server is a subprocess on a free port of 127.0.0.1 (``--port 0``; the port is read from
+The server is a subprocess on a free port of 127.0.0.1 (``--port 0``; the port is read from
 its first stdout line) serving the shipped ``builtin:arith`` model, stopped by its handle
 when the module's tests are done. Policy updates get a server of their own, so the other
-tests always talk to version 0.
+tests always talk to version 0: the same server, started as ``asyncrl serve`` starts it, in a
+thread of this process.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 from asyncrl.builtin.arithmetic import ArithmeticTask
 from asyncrl.models.loading import Policy, load_policy
+from asyncrl.server.app import OpenAIServer
 from asyncrl.transports.weights.base import WeightLayout
 from asyncrl.transports.weights.files import FileSender
 from tests.helpers import child_env
@@ -42,9 +44,9 @@ EOS = "<eos>"
 
 @dataclass
 class Server:
-    process: subprocess.Popen
+    process: subprocess.Popen | None  # None: served in this process
     url: str
-    stderr: Path
+    stderr: Path | None
 
     @property
     def client(self) -> openai.OpenAI:
@@ -359,12 +361,15 @@ def test_non_json_body_and_unknown_routes_are_4xx_and_serving_goes_on(server: Se
 
 
 @pytest.fixture(scope="module")
-def policy_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """A second server, for the tests that change its weights."""
-    srv = start_server(tmp_path_factory.mktemp("serve-policy"))
-    yield srv
-    stop_server(srv.process)
-    assert srv.process.returncode == 0, srv.stderr.read_text()[-2000:]
+def policy_server() -> Iterator[Server]:
+    """A second server, for the tests that change its weights: OpenAIServer as ``asyncrl serve``
+    builds it (seed 0), in a thread of this process (serving as a program is the other one's)."""
+    app = OpenAIServer(load_policy(MODEL, device="cpu", seed=0), model_name=MODEL)
+    host, port = app.start("127.0.0.1", 0)
+    try:
+        yield Server(None, f"http://{host}:{port}", None)
+    finally:
+        app.stop()
 
 
 def publish(policy: Policy, directory: Path, version: int, seed: int) -> dict[str, torch.Tensor]:

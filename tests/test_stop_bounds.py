@@ -42,7 +42,7 @@ from asyncrl.workers.messages import (
 )
 from asyncrl.workers.trainer import TrainerWorker
 from tests.helpers import final_weights, max_abs_diff, short_run
-from tests.test_distributed import make_groups, rank_config, run_ranks
+from tests.test_distributed import make_groups, rank_config
 
 
 def renumbered(groups: list[Group], first: int) -> list[Group]:
@@ -226,11 +226,3 @@ def test_a_batch_in_progress_is_continued_only_as_it_was_left(tmp_path: Path) ->
             worker.handle(ContinueBatch(2))
     finally:
         worker.close()
-
-
-@pytest.mark.multiprocess
-def test_trainer_ranks_give_a_step_up_together(tmp_path: Path) -> None:
-    """2 FSDP2 ranks: rank 0 gives the stopped step up for both (it forwards no more training)
-    and both save at step 1; nothing hangs in a collective."""
-    result = run_ranks(2, "fsdp2", "tiny:1m", tmp_path / "out.pt", script="stop")
-    assert result == {"skipped": [], "saved": [1], "version": 1}

@@ -837,10 +837,10 @@ def test_broadcast_sender_whose_receivers_never_join_fails_within_its_timeout() 
     port = free_port()
     t0 = time.monotonic()
     with pytest.raises(
-        WeightSyncError, match=rf"{HOST}:{port} \(rank 0 of 3\): could not form the group within 3s"
+        WeightSyncError, match=rf"{HOST}:{port} \(rank 0 of 3\): could not form the group within 1.5s"
     ):
-        BroadcastSender(LAYOUT, HOST, port, WORLD, 64, timeout_s=3.0)
-    assert 2.5 <= time.monotonic() - t0 < 8.0
+        BroadcastSender(LAYOUT, HOST, port, WORLD, 64, timeout_s=1.5)
+    assert 1.25 <= time.monotonic() - t0 < 8.0  # nobody can join: the bound alone decides
 
 
 def _interrupted_receive_job(rank: int, report: Callable, *, port: int, after_s: float) -> None:
