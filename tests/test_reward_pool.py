@@ -21,24 +21,13 @@ from asyncrl.rewards.pool_service import local_reward_pool
 from asyncrl.rewards.scoring import ScoringStopped
 from asyncrl.types import Prompt
 from tests.helpers import child_pids, short_run, survivors_of_a_killed_parent, wait_dead
-
-PIDS_DIR = "ASYNCRL_TEST_REWARD_PIDS"
-
-
-def pid_reward(completion: str, answer: str | None, **_) -> float:
-    """Rewards like exact_match, and leaves the scoring process's pid in $ASYNCRL_TEST_REWARD_PIDS."""
-    (Path(os.environ[PIDS_DIR]) / str(os.getpid())).touch()
-    return float(answer is not None and completion.strip() == answer.strip())
-
-
-def failing_reward(completion: str, **_) -> float:
-    raise ValueError(f"cannot parse {completion[:3]!r}")
+from tests.pool_rewards import PIDS_DIR, wait_for
 
 
 def pool_config(tmp_path: Path, *more: str):
     return load_config(
         None,
-        [*short_run(2), "task.reward=tests.test_reward_pool:pid_reward", "task.reward_workers=2", *more],
+        [*short_run(2), "task.reward=tests.pool_rewards:pid_reward", "task.reward_workers=2", *more],
     )
 
 
@@ -71,7 +60,7 @@ def test_a_failing_function_stops_scoring_from_the_pool_naming_it(tmp_path: Path
     cfg = load_config(
         None,
         [
-            "task.reward=tests.test_reward_pool:failing_reward",
+            "task.reward=tests.pool_rewards:failing_reward",
             "task.reward_workers=1",
             "task.reward_max_consecutive_failures=3",
         ],
@@ -81,7 +70,7 @@ def test_a_failing_function_stops_scoring_from_the_pool_naming_it(tmp_path: Path
         (scored,) = pooled.score_groups(GROUPS[1:])
         assert scored[0].error == "raised ValueError: cannot parse '5'"  # 2 failures so far
         with pytest.raises(
-            RewardFailing, match=r"'tests\.test_reward_pool:failing_reward' failed on 3 consecutive"
+            RewardFailing, match=r"'tests\.pool_rewards:failing_reward' failed on 3 consecutive"
         ):
             pooled.score_groups(GROUPS[:1])
         pooled.close()
@@ -91,7 +80,7 @@ def test_a_stop_abandons_the_wait_for_the_pool_and_the_pool_stays_usable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(PIDS_DIR, str(tmp_path))
-    cfg = pool_config(tmp_path, "task.reward=tests.test_reward_pool:held_reward", "task.reward_workers=1")
+    cfg = pool_config(tmp_path, "task.reward=tests.pool_rewards:held_reward", "task.reward_workers=1")
     release = tmp_path / "release"
     monkeypatch.setenv("ASYNCRL_TEST_RELEASE", str(release))
     with local_reward_pool(cfg, 120):
@@ -99,7 +88,7 @@ def test_a_stop_abandons_the_wait_for_the_pool_and_the_pool_stays_usable(
         outcome: list = []
         thread = threading.Thread(target=lambda: outcome.append(_capture(pooled.score_groups, GROUPS)))
         thread.start()
-        assert _wait_for(lambda: any(p.name.isdigit() for p in tmp_path.iterdir()), 120)  # the call started
+        assert wait_for(lambda: any(p.name.isdigit() for p in tmp_path.iterdir()), 120)  # the call started
         pooled.stop()
         thread.join(30)
         assert not thread.is_alive() and isinstance(outcome[0], ScoringStopped)
@@ -108,23 +97,6 @@ def test_a_stop_abandons_the_wait_for_the_pool_and_the_pool_stays_usable(
         assert [s.reward for s in again.score_groups(GROUPS)[1]] == [0.0, 1.0]
         again.close()
         pooled.close()
-
-
-def held_reward(completion: str, answer: str | None, **kw) -> float:
-    """pid_reward, which first waits (bounded) until the test creates $ASYNCRL_TEST_RELEASE."""
-    pid_reward(completion, answer)
-    release = Path(os.environ["ASYNCRL_TEST_RELEASE"])
-    assert _wait_for(release.exists, 120)
-    return pid_reward(completion, answer)
-
-
-def _wait_for(condition, timeout: float) -> bool:
-    done = threading.Event()
-    for _ in range(int(timeout / 0.02)):
-        if condition():
-            return True
-        done.wait(0.02)
-    return condition()
 
 
 def _capture(fn, *args):

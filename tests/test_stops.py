@@ -47,7 +47,12 @@ RUNTIMES = {
 
 
 def stop_and_resume(run_dir: Path, work: str, schedule: str, runtime: str) -> None:
-    overrides = [*short_run(STEPS), *RUNS[work], *SCHEDULES[schedule], *RUNTIMES[runtime]]
+    overrides = [
+        *short_run(STEPS, prompts=2, group_size=2),
+        *RUNS[work],
+        *SCHEDULES[schedule],
+        *RUNTIMES[runtime],
+    ]
     code, err = stop_after_steps(run_dir, overrides, STOP_AT, signal.SIGTERM, timeout=240)
     lines = [line for line in err.splitlines() if line.strip()]
     if runtime == "ray":  # Ray logs its own notices when it starts the run's instance
@@ -72,8 +77,15 @@ def stop_and_resume(run_dir: Path, work: str, schedule: str, runtime: str) -> No
 @pytest.mark.parametrize(
     ("work", "schedule", "runtime"),
     [
-        ("episodes", "sync", "inline"),
         ("episodes", "async", "local"),
+        pytest.param(
+            "episodes",
+            "sync",
+            "inline",
+            # an episode generator's stop: test_rollout_seam.py::test_a_generator_of_episodes_abandons_and_answers_a_preempt;
+            # the inline runtime's: test_timed_reward.py::test_sigterm_during_hanging_reward_scoring_...[inline-step-None]
+            marks=pytest.mark.slow,
+        ),
         pytest.param(
             "episodes",
             "sync",
@@ -81,7 +93,14 @@ def stop_and_resume(run_dir: Path, work: str, schedule: str, runtime: str) -> No
             # an episode run's stop on the local runtime: episodes-async-local above
             marks=pytest.mark.slow,
         ),
-        ("completions", "async", "local"),
+        pytest.param(
+            "completions",
+            "async",
+            "local",
+            # an async completion run's stop: test_preemption.py::test_a_stopped_async_run_resumes_without_generating_anything_again;
+            # the local runtime's: episodes-async-local above
+            marks=pytest.mark.slow,
+        ),
         pytest.param(
             "completions",
             "sync",
@@ -93,7 +112,7 @@ def stop_and_resume(run_dir: Path, work: str, schedule: str, runtime: str) -> No
             "completions",
             "sync",
             "local",
-            # the local runtime's stop: completions-async-local and episodes-async-local above
+            # the local runtime's stop: episodes-async-local above
             marks=pytest.mark.slow,
         ),
     ],
