@@ -3,7 +3,9 @@
     python bench/gpu.py [--parts default engine trainer weight_sync loop] [--steps 150] [--loop-steps 12]
     python bench/gpu.py --device cpu --quick      # a few seconds per part, to check the script itself
 
-Prints one JSON object (its last line) with the device's name and, per part:
+Prints the JSON object measured so far after every measurement, one full line each, so a run
+cut off at a time limit still reports everything before the cut (the last line is the whole
+result). It holds the device's name and, per part:
 
 * ``default``: the default example (``asyncrl train`` with ``model.device`` set) for the
   ``sync``, ``periodic`` and ``async`` schedules, generator and trainer on one GPU: seconds
@@ -104,11 +106,10 @@ def sync(device: torch.device) -> None:
 # -- the default example ------------------------------------------------------------------------
 
 
-def default_example(device: torch.device, steps: int) -> dict:
+def default_example(device: torch.device, steps: int, out: dict, emit) -> None:
     from asyncrl.config import load_config
     from asyncrl.control.run import train
 
-    out = {}
     for schedule in ("sync", "periodic", "async"):
         with tempfile.TemporaryDirectory() as tmp:
             cfg = load_config(
@@ -135,7 +136,7 @@ def default_example(device: torch.device, steps: int) -> dict:
             "trainer_busy_frac": round(statistics.fmean(r["trainer_busy_frac"] for r in rows), 3),
             "generator_busy_frac": round(statistics.fmean(r["generator_busy_frac"] for r in rows), 3),
         }
-    return out
+        emit()
 
 
 # -- the engine ---------------------------------------------------------------------------------
@@ -246,33 +247,42 @@ def run_generate(model, prompts, budgets, in_flight, device, static: bool) -> di
     }
 
 
-def engine_part(device: torch.device, quick: bool) -> dict:
+def engine_part(device: torch.device, quick: bool, out: dict, emit) -> None:
+    """The engine first (with and without CUDA graphs), then the ``generate`` baselines, the
+    static-cache one last: it compiles, and a time limit should cut the baselines, not asyncrl."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(quick, device, dtype).eval().requires_grad_(False)
     vocab = model.config.vocab_size
-    out = {"model": "qwen2-tiny" if quick else "qwen2-0.5b-shape", "dtype": str(dtype).removeprefix("torch.")}
-    for case, (prompts, budgets, in_flight) in engine_workloads(quick, vocab).items():
-        row = {"engine": run_engine(model, prompts, budgets, in_flight, device)}
-        if device.type == "cuda":  # the same without CUDA graphs (rollout.cuda_graphs=false)
-            row["engine_eager"] = run_engine(model, prompts, budgets, in_flight, device, cuda_graphs=False)
-        # The engine stops a request at its budget only: random weights rarely sample EOS (0).
-        row["generate_eager"] = run_generate(model, prompts, budgets, in_flight, device, static=False)
-        try:
-            row["generate_static"] = run_generate(model, prompts, budgets, in_flight, device, static=True)
-        except Exception as exc:  # a transformers version without static-cache generate for this model
-            row["generate_static"] = {"error": f"{type(exc).__name__}: {exc}"}
-        engine_tps = row["engine"]["tokens_per_s"]
-        for base in ("generate_eager", "generate_static"):
-            if "tokens_per_s" in row[base]:
-                row[f"speedup_vs_{base}"] = round(engine_tps / row[base]["tokens_per_s"], 3)
-        out[case] = row
-    return out
+    out.update(model="qwen2-tiny" if quick else "qwen2-0.5b-shape", dtype=str(dtype).removeprefix("torch."))
+    workloads = engine_workloads(quick, vocab)
+    runs = [("engine", lambda w: run_engine(model, *w, device))]
+    if device.type == "cuda":  # the same without CUDA graphs (rollout.cuda_graphs=false)
+        runs.append(("engine_eager", lambda w: run_engine(model, *w, device, cuda_graphs=False)))
+    # The engine stops a request at its budget only: random weights rarely sample EOS (0).
+    runs.append(("generate_eager", lambda w: run_generate(model, *w, device, static=False)))
+    runs.append(("generate_static", lambda w: run_generate_or_error(model, *w, device, static=True)))
+    for name, run in runs:
+        for case, workload in workloads.items():
+            row = out.setdefault(case, {})
+            row[name] = run(workload)
+            if name.startswith("generate") and "tokens_per_s" in row[name]:
+                row[f"speedup_vs_{name}"] = round(
+                    row["engine"]["tokens_per_s"] / row[name]["tokens_per_s"], 3
+                )
+            emit()
+
+
+def run_generate_or_error(model, prompts, budgets, in_flight, device, static: bool) -> dict:
+    try:
+        return run_generate(model, prompts, budgets, in_flight, device, static)
+    except Exception as exc:  # a transformers version without static-cache generate for this model
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 # -- the trainer ----------------------------------------------------------------------------------
 
 
-def trainer_part(device: torch.device, quick: bool) -> dict:
+def trainer_part(device: torch.device, quick: bool, out: dict, emit) -> None:
     from asyncrl.config import AlgorithmConfig, TrainerConfig
     from asyncrl.trainer.trainer import Trainer
     from asyncrl.types import Sample
@@ -328,19 +338,22 @@ def trainer_part(device: torch.device, quick: bool) -> dict:
     tokens = len(samples) * (prompt_len + completion_len)
     name = device_name(device)
     flops = peak_flops(name) if device.type == "cuda" else None
-    return {
-        "parameters": params,
-        "samples": len(samples),
-        "tokens": tokens,
-        "master_dtype": "float32",
-        "compute_dtype": str(compute).removeprefix("torch."),
-        "packing": trainer.cfg.packing,
-        "s_per_step": round(seconds, 4),
-        "tokens_per_s": round(tokens / seconds, 1),
-        "mfu": round(6 * params * tokens / seconds / flops, 4) if flops else None,
-        "peak_gb": peak_gb(device),
-        "training_state_gb": round(16 * params / 2**30, 3),
-    }
+    out.update(
+        {
+            "parameters": params,
+            "samples": len(samples),
+            "tokens": tokens,
+            "master_dtype": "float32",
+            "compute_dtype": str(compute).removeprefix("torch."),
+            "packing": trainer.cfg.packing,
+            "s_per_step": round(seconds, 4),
+            "tokens_per_s": round(tokens / seconds, 1),
+            "mfu": round(6 * params * tokens / seconds / flops, 4) if flops else None,
+            "peak_gb": peak_gb(device),
+            "training_state_gb": round(16 * params / 2**30, 3),
+        }
+    )
+    emit()
 
 
 # -- the whole loop at the 0.5B shape ---------------------------------------------------------------
@@ -349,7 +362,7 @@ def trainer_part(device: torch.device, quick: bool) -> dict:
 PROMPT_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789+-*= "
 
 
-def loop_part(device: torch.device, quick: bool, steps: int) -> dict:
+def loop_part(device: torch.device, quick: bool, steps: int, out: dict, emit) -> None:
     """``asyncrl train`` on the 0.5B shape, generator and trainer sharing the device, per schedule.
 
     The task is synthetic: random prompts (256 characters, one token each) and a reward from
@@ -367,7 +380,7 @@ def loop_part(device: torch.device, quick: bool, steps: int) -> dict:
 
     prompt_len, new_tokens = (32, 48) if quick else (256, 512)
     groups, group_size = (2, 4) if quick else (4, 8)
-    out: dict = {"prompt_tokens": prompt_len, "completion_tokens": new_tokens}
+    out.update(prompt_tokens=prompt_len, completion_tokens=new_tokens)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         build_model(quick, torch.device("cpu"), torch.float32).save_pretrained(model_dir)
@@ -413,7 +426,7 @@ def loop_part(device: torch.device, quick: bool, steps: int) -> dict:
                 "trainer_busy_frac": round(statistics.fmean(r["trainer_busy_frac"] for r in timed), 3),
                 "generator_busy_frac": round(statistics.fmean(r["generator_busy_frac"] for r in timed), 3),
             }
-    return out
+            emit()
 
 
 # -- weight sync --------------------------------------------------------------------------------
@@ -439,7 +452,9 @@ def _receiver(spec, layout, device: str, versions: int, results) -> None:
         receiver.close()
 
 
-def weight_sync_part(device: torch.device, quick: bool) -> dict:
+def weight_sync_part(device: torch.device, quick: bool, out: dict, emit) -> None:
+    """Per transport, the one a single GPU uses first (CUDA IPC), then shared memory, the
+    broadcast and files: a time limit cuts the least used."""
     from asyncrl.transports.weights.base import WeightLayout
     from asyncrl.transports.weights.factory import TransportSpec, free_port, make_sender
 
@@ -448,8 +463,8 @@ def weight_sync_part(device: torch.device, quick: bool) -> dict:
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     layout = WeightLayout.of(named)
     versions = 3 if quick else 5
-    transports = ["shm", "files", "broadcast"] + (["cuda_ipc"] if device.type == "cuda" else [])
-    out = {"bytes": layout.nbytes, "dtype": str(dtype).removeprefix("torch."), "versions": versions}
+    transports = (["cuda_ipc"] if device.type == "cuda" else []) + ["shm", "broadcast", "files"]
+    out.update(bytes=layout.nbytes, dtype=str(dtype).removeprefix("torch."), versions=versions)
     ctx = mp.get_context("spawn")
     for kind in transports:
         with tempfile.TemporaryDirectory() as tmp:
@@ -485,15 +500,16 @@ def weight_sync_part(device: torch.device, quick: bool) -> dict:
                 proc.join(timeout=60)
                 if proc.is_alive():
                     proc.kill()
-    return out
+            emit()
 
 
+# Each part fills its own dict of the result and calls emit() after every measurement.
 PARTS = {
-    "default": lambda a, d: default_example(d, a.steps),
-    "engine": lambda a, d: engine_part(d, a.quick),
-    "trainer": lambda a, d: trainer_part(d, a.quick),
-    "weight_sync": lambda a, d: weight_sync_part(d, a.quick),
-    "loop": lambda a, d: loop_part(d, a.quick, a.loop_steps),
+    "default": lambda a, d, out, emit: default_example(d, a.steps, out, emit),
+    "engine": lambda a, d, out, emit: engine_part(d, a.quick, out, emit),
+    "trainer": lambda a, d, out, emit: trainer_part(d, a.quick, out, emit),
+    "weight_sync": lambda a, d, out, emit: weight_sync_part(d, a.quick, out, emit),
+    "loop": lambda a, d, out, emit: loop_part(d, a.quick, a.loop_steps, out, emit),
 }
 
 
@@ -514,11 +530,16 @@ def main() -> None:
         args.steps = min(args.steps, 4)
         args.loop_steps = min(args.loop_steps, 3)
     result = {"device": device_name(device), "torch": torch.__version__, "quick": args.quick}
+
+    def emit() -> None:
+        print(json.dumps(result), flush=True)
+
     for part in args.parts:
         t0 = time.perf_counter()
-        result[part] = PARTS[part](args, device)
+        result[part] = {}
+        PARTS[part](args, device, result[part], emit)
         result[part]["part_s"] = round(time.perf_counter() - t0, 1)
-    print(json.dumps(result))
+        emit()
 
 
 if __name__ == "__main__":

@@ -32,6 +32,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+_config: pytest.Config | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _config
+    _config = config
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """On a CUDA machine, each test's outcome and time as it ends, and a failure's report at
+    once: a GPU check cut off at its time limit never reaches pytest's closing summary."""
+    terminal = _config and _config.pluginmanager.get_plugin("terminalreporter")
+    if terminal is None or not torch.cuda.is_available():
+        return
+    if report.when == "call" or report.failed:
+        terminal.write_line(
+            f"\n[gpu test] {report.nodeid} {report.when}: {report.outcome} in {report.duration:.1f} s"
+        )
+    if report.failed:
+        terminal.write_line(report.longreprtext[-4000:])
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _single_thread() -> Iterator[None]:
     """One intra-op thread, so reductions run in one order and results repeat exactly."""
