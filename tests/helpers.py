@@ -12,7 +12,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -119,6 +121,55 @@ def stop_after_steps(
             proc.kill()
             proc.wait(timeout=10)
     return proc.returncode, err
+
+
+def run_processes() -> list[psutil.Process]:
+    """This process's children that a run started (spawned workers and theirs), not the
+    interpreter's own resource tracker, which outlives every run by design."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "resource_tracker" not in " ".join(child.cmdline()):
+                found.append(child)
+    return found
+
+
+@contextlib.contextmanager
+def signalled_when(
+    ready: Callable[[], bool], sig: signal.Signals = signal.SIGTERM, timeout: float = 240
+) -> Iterator[list[psutil.Process]]:
+    """For a run driven in this process's main thread inside the block: a thread sends this
+    process ``sig`` once ``ready()``. Yields a list that then holds the run's child processes of
+    that moment; after the block, asserts that the signal reached the run and that they ended.
+
+    The run installs its own handler and puts the previous one back when it ends: this one,
+    which catches a signal that comes too late (the run ended first) instead of ending pytest.
+    """
+    done = threading.Event()
+    children: list[psutil.Process] = []
+    late: list[int] = []
+
+    def signal_once_ready() -> None:
+        deadline = time.monotonic() + timeout
+        while not done.is_set() and time.monotonic() < deadline:
+            if ready():
+                children.extend(run_processes())
+                os.kill(os.getpid(), sig)
+                return
+            done.wait(0.01)
+
+    previous = signal.signal(sig, lambda signum, _frame: late.append(signum))
+    watcher = threading.Thread(target=signal_once_ready, name="signal-when-ready", daemon=True)
+    try:
+        watcher.start()
+        yield children
+    finally:
+        done.set()
+        watcher.join(timeout=timeout)
+        signal.signal(sig, previous)
+    assert not late, "the run ended before the signal reached it"
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive, f"left behind after the stop: {[p.pid for p in alive]}"
 
 
 def train_to_end(*args: str, timeout: float = 300) -> None:

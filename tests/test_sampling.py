@@ -314,22 +314,22 @@ def test_radix_select_keeps_exactly_what_sorting_keeps(monkeypatch) -> None:
 
 
 def test_large_flat_vocabulary_draws_follow_the_restricted_distribution() -> None:
-    """Radix path, top-p 0.95 over a flat 3,048-token row (2,779 kept): 10k draws never leave the kept
+    """Radix path, top-p 0.95 over a flat 3,048-token row (2,779 kept): 4,000 draws never leave the kept
     set, and grouped into 10 bins of equal expected mass their chi-square is under the 0.999 quantile."""
     vocab = sampling.SORT_BELOW + 1000
     logits = flat_logits(1, vocab, seed=5)[0]
     expected = restricted_probs(logits, 1.0, 0, 0.95, 0.0)
-    out = draw(n_seeds=100, top_p=0.95, logits=logits)
+    out = draw(n_seeds=40, top_p=0.95, logits=logits)
     counts = torch.bincount(out.tokens, minlength=vocab).double()
     kept = expected > 0
     assert int(kept.sum()) == 2779 and counts[~kept].sum() == 0
-    # Bins by cumulative expected mass in token-id order, so each expects about 1,000 draws.
+    # Bins by cumulative expected mass in token-id order, so each expects about 400 draws.
     bins = (expected.cumsum(-1) * 10).clamp(max=9.999).long()
     n = len(out.tokens)
     observed = torch.zeros(10, dtype=torch.float64).index_add_(0, bins, counts)
     mass = torch.zeros(10, dtype=torch.float64).index_add_(0, bins, expected)
     stat = float(((observed - n * mass) ** 2 / (n * mass)).sum())
-    assert stat <= CHI2_999[9], stat  # 0.999 quantile for 9 degrees of freedom (27.88); measured 9.80
+    assert stat <= CHI2_999[9], stat  # 0.999 quantile for 9 degrees of freedom (27.88); measured 7.86
 
 
 def test_edge_cases_in_one_mixed_batch() -> None:

@@ -6,6 +6,10 @@ process, and ``asyncrl train --resume`` continues the run to its last step with 
 reconcile. The generator and trainer workers drive their rollouts only through the
 :class:`~asyncrl.rollout.base.Rollout` interface, so an episode run stops as a completion
 run does (it once raised ``AttributeError`` inside the signal handler).
+
+Every case runs ``asyncrl train`` as a child process, signalled from outside, but one: the
+quick tier's episode run is driven in this process through the command line's ``main`` and
+signalled by a thread of the test, which saves two interpreter start-ups.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.cli import main
 from asyncrl.control import checkpoints
-from tests.helpers import ONE_THREAD_EACH, short_run, stop_after_steps, train_to_end
+from tests.helpers import ONE_THREAD_EACH, sets, short_run, signalled_when, stop_after_steps, train_to_end
 
 STEPS = 3
 STOP_AT = 1  # steps logged before the signal
@@ -46,14 +51,42 @@ RUNTIMES = {
 }
 
 
-def stop_and_resume(run_dir: Path, work: str, schedule: str, runtime: str) -> None:
+WAIT_S = 240.0  # for the steps before the stop, and for the stop itself
+
+
+def stop_in_this_process(
+    run_dir: Path, overrides: list[str], capsys: pytest.CaptureFixture[str]
+) -> tuple[int, str]:
+    """``asyncrl train`` through ``main`` here, sent SIGTERM once STOP_AT steps are logged:
+    (exit code, stderr)."""
+    metrics = run_dir / "metrics.jsonl"
+
+    def logged() -> bool:
+        return metrics.is_file() and len(metrics.read_text().splitlines()) >= STOP_AT
+
+    with signalled_when(logged, timeout=WAIT_S):
+        code = main(["train", *sets(overrides), "--run-dir", str(run_dir)])
+    return code, capsys.readouterr().err
+
+
+def stop_and_resume(
+    run_dir: Path,
+    work: str,
+    schedule: str,
+    runtime: str,
+    capsys: pytest.CaptureFixture[str] | None = None,
+) -> None:
+    """The stop and the resume as child processes, or in this process given ``capsys``."""
     overrides = [
         *short_run(STEPS, prompts=2, group_size=2),
         *RUNS[work],
         *SCHEDULES[schedule],
         *RUNTIMES[runtime],
     ]
-    code, err = stop_after_steps(run_dir, overrides, STOP_AT, signal.SIGTERM, timeout=240)
+    if capsys is None:
+        code, err = stop_after_steps(run_dir, overrides, STOP_AT, signal.SIGTERM, timeout=WAIT_S)
+    else:
+        code, err = stop_in_this_process(run_dir, overrides, capsys)
     lines = [line for line in err.splitlines() if line.strip()]
     if runtime == "ray":  # Ray logs its own notices when it starts the run's instance
         lines = [line for line in lines if "ray" not in line.lower() or line.startswith("asyncrl:")]
@@ -65,7 +98,11 @@ def stop_and_resume(run_dir: Path, work: str, schedule: str, runtime: str) -> No
     stopped_at = checkpoints.read_controller_state(saved)["version"]
     assert STOP_AT <= stopped_at < STEPS
 
-    train_to_end("--resume", str(run_dir), timeout=300)
+    if capsys is None:
+        train_to_end("--resume", str(run_dir), timeout=300)
+    else:
+        resumed = main(["train", "--resume", str(run_dir)])
+        assert resumed == 0, capsys.readouterr().err
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, STEPS + 1))
     accounting = json.loads((run_dir / "summary.json").read_text())["accounting"]
@@ -77,7 +114,13 @@ def stop_and_resume(run_dir: Path, work: str, schedule: str, runtime: str) -> No
 @pytest.mark.parametrize(
     ("work", "schedule", "runtime"),
     [
-        ("episodes", "async", "local"),
+        pytest.param(
+            "episodes",
+            "async",
+            "local",
+            # the same run driven in this process: test_a_stopped_episode_run_driven_in_this_process_...
+            marks=pytest.mark.slow,
+        ),
         pytest.param(
             "episodes",
             "sync",
@@ -90,7 +133,7 @@ def stop_and_resume(run_dir: Path, work: str, schedule: str, runtime: str) -> No
             "episodes",
             "sync",
             "local",
-            # an episode run's stop on the local runtime: episodes-async-local above
+            # an episode run's stop on the local runtime: test_a_stopped_episode_run_driven_in_this_process_...
             marks=pytest.mark.slow,
         ),
         pytest.param(
@@ -98,7 +141,7 @@ def stop_and_resume(run_dir: Path, work: str, schedule: str, runtime: str) -> No
             "async",
             "local",
             # an async completion run's stop: test_preemption.py::test_a_stopped_async_run_resumes_without_generating_anything_again;
-            # the local runtime's: episodes-async-local above
+            # the local runtime's: test_a_stopped_episode_run_driven_in_this_process_...
             marks=pytest.mark.slow,
         ),
         pytest.param(
@@ -112,7 +155,7 @@ def stop_and_resume(run_dir: Path, work: str, schedule: str, runtime: str) -> No
             "completions",
             "sync",
             "local",
-            # the local runtime's stop: episodes-async-local above
+            # the local runtime's stop: test_a_stopped_episode_run_driven_in_this_process_...
             marks=pytest.mark.slow,
         ),
     ],
@@ -121,6 +164,15 @@ def test_a_stopped_run_exits_with_one_line_and_resumes(
     tmp_path: Path, work: str, schedule: str, runtime: str
 ) -> None:
     stop_and_resume(tmp_path / "run", work, schedule, runtime)
+
+
+@pytest.mark.multiprocess
+def test_a_stopped_episode_run_driven_in_this_process_exits_with_one_line_and_resumes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """episodes, async, local runtime: the stop path of the generator worker's rollout, the local
+    runtime's interrupt of its workers, the checkpoint, and the resume."""
+    stop_and_resume(tmp_path / "run", "episodes", "async", "local", capsys)
 
 
 @pytest.mark.ray

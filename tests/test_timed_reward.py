@@ -24,7 +24,7 @@ from asyncrl.errors import RewardFailing
 from asyncrl.rewards.scoring import RewardSet, RewardTerm, ScoringStopped, score
 from asyncrl.rewards.timed import RewardRaised, RewardTimeout, TimedReward
 from asyncrl.types import Prompt
-from tests.helpers import REPO, child_env, child_pids, cli, sets, short_run, wait_dead
+from tests.helpers import REPO, child_env, child_pids, cli, sets, short_run, signalled_when, wait_dead
 
 pytestmark = pytest.mark.multiprocess  # every reward call here runs in the reward's own process
 
@@ -322,13 +322,15 @@ def test_a_run_whose_reward_always_fails_stops_with_one_line(
 @pytest.mark.parametrize(
     ("runtime", "during", "timeout_s"),
     [
-        # The stop during scoring: ("inline", "step", None); reward processes killed at a stop:
+        # The stop during scoring: the in-process form below; reward processes killed at a stop:
         # test_stop_abandons_the_batch_in_progress_and_kills_its_processes.
         pytest.param("inline", "step", 600, marks=pytest.mark.slow),
         pytest.param("local", "step", 600, marks=pytest.mark.slow),
         pytest.param("inline", "eval", 600, marks=pytest.mark.slow),
         pytest.param("local", "eval", 600, marks=pytest.mark.slow),
-        ("inline", "step", None),  # called in this process: the signal handler interrupts the call
+        # Called in the run's own process: the signal handler interrupts the call. The same
+        # driven in this process: test_sigterm_during_a_hanging_reward_call_in_this_process_...
+        pytest.param("inline", "step", None, marks=pytest.mark.slow),
         pytest.param("ray", "step", 600, marks=pytest.mark.ray),
     ],
 )
@@ -338,15 +340,7 @@ def test_sigterm_during_hanging_reward_scoring_stops_the_run_with_a_checkpoint(
     """The stop cuts the scoring short (of a step's groups or of the first evaluation, in this
     process or a worker's) instead of waiting out the calls."""
     run_dir = tmp_path / "run"
-    overrides = [
-        "task.reward=asyncrl_test_timed:hangs",
-        f"task.reward_timeout_s={'null' if timeout_s is None else timeout_s}",
-        "task.reward_max_consecutive_failures=0",
-        f"runtime.kind={runtime}",
-        *short_run(3),
-        *(["run.eval_every=1", "run.eval_prompts=8"] if during == "eval" else []),
-        *(["runtime.ray.num_cpus=4"] if runtime == "ray" else []),
-    ]
+    overrides = hanging_run(runtime, during, timeout_s)
     if runtime == "ray":
         pytest.importorskip("ray")
     proc = start_train(tmp_path, overrides, run_dir)
@@ -367,10 +361,43 @@ def test_sigterm_during_hanging_reward_scoring_stops_the_run_with_a_checkpoint(
     print(f"{runtime}, {during}, timeout {timeout_s}: stopped {stopped_in:.2f}s after SIGTERM")
     assert stopped_in < 60, stopped_in
     assert proc.returncode == 128 + signal.SIGTERM.value, err
+    assert_stopped_at_step_0(err, run_dir)
+    assert wait_dead({p.pid for p in descendants} | hanging, timeout=15) == []
+
+
+def test_sigterm_during_a_hanging_reward_call_in_this_process_stops_the_run_with_a_checkpoint(
+    tmp_path: Path, reward_spec: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The inline runtime calls the reward in the run's own thread (no reward_timeout_s): the
+    signal handler interrupts the hanging call, and the stop checkpoints at step 0."""
+    run_dir = tmp_path / "run"
+    calls = tmp_path / "calls"
+    args = ["train", *sets(hanging_run("inline", "step", None)), "--run-dir", str(run_dir)]
+    with signalled_when(lambda: any(calls.iterdir())):
+        code = main(args)
+    err = capsys.readouterr().err
+    assert {int(p.name) for p in calls.iterdir()} == {os.getpid()}  # the call ran here
+    assert code == 128 + signal.SIGTERM.value, err
+    assert_stopped_at_step_0(err, run_dir)
+
+
+def hanging_run(runtime: str, during: str, timeout_s: float | None) -> list[str]:
+    """Overrides of a short run whose reward calls hang, during a step's scoring or an evaluation's."""
+    return [
+        "task.reward=asyncrl_test_timed:hangs",
+        f"task.reward_timeout_s={'null' if timeout_s is None else timeout_s}",
+        "task.reward_max_consecutive_failures=0",
+        f"runtime.kind={runtime}",
+        *short_run(3),
+        *(["run.eval_every=1", "run.eval_prompts=8"] if during == "eval" else []),
+        *(["runtime.ray.num_cpus=4"] if runtime == "ray" else []),
+    ]
+
+
+def assert_stopped_at_step_0(err: str, run_dir: Path) -> None:
     last = err.strip().splitlines()[-1]
     assert last.startswith("asyncrl: stopped by SIGTERM at step 0; checkpoint "), err
     assert checkpoint.latest(run_dir) is not None
-    assert wait_dead({p.pid for p in descendants} | hanging, timeout=15) == []
 
 
 def test_an_in_process_reward_call_that_hangs_fails_an_inline_run_within_the_stall_timeout(
