@@ -7,9 +7,10 @@ reconcile. The generator and trainer workers drive their rollouts only through t
 :class:`~asyncrl.rollout.base.Rollout` interface, so an episode run stops as a completion
 run does (it once raised ``AttributeError`` inside the signal handler).
 
-Every case runs ``asyncrl train`` as a child process, signalled from outside, but one: the
-quick tier's episode run is driven in this process through the command line's ``main`` and
-signalled by a thread of the test, which saves two interpreter start-ups.
+The cases on the inline and local runtimes drive ``asyncrl train`` in this process through
+the command line's ``main``, signalled by a thread of the test (two interpreter start-ups
+fewer per case); one of them also runs as a child process signalled from outside, as do the
+Ray cases.
 """
 
 from __future__ import annotations
@@ -114,26 +115,20 @@ def stop_and_resume(
 @pytest.mark.parametrize(
     ("work", "schedule", "runtime"),
     [
-        pytest.param(
-            "episodes",
-            "async",
-            "local",
-            # the same run driven in this process: test_a_stopped_episode_run_driven_in_this_process_...
-            marks=pytest.mark.slow,
-        ),
+        ("episodes", "async", "local"),
         pytest.param(
             "episodes",
             "sync",
             "inline",
             # an episode generator's stop: test_rollout_seam.py::test_a_generator_of_episodes_abandons_and_answers_a_preempt;
-            # the inline runtime's: test_timed_reward.py::test_sigterm_during_hanging_reward_scoring_...[inline-step-None]
+            # the inline runtime's: test_timed_reward.py::test_sigterm_during_a_hanging_reward_call_in_this_process_...
             marks=pytest.mark.slow,
         ),
         pytest.param(
             "episodes",
             "sync",
             "local",
-            # an episode run's stop on the local runtime: test_a_stopped_episode_run_driven_in_this_process_...
+            # an episode run's stop on the local runtime: episodes-async-local
             marks=pytest.mark.slow,
         ),
         pytest.param(
@@ -141,38 +136,38 @@ def stop_and_resume(
             "async",
             "local",
             # an async completion run's stop: test_preemption.py::test_a_stopped_async_run_resumes_without_generating_anything_again;
-            # the local runtime's: test_a_stopped_episode_run_driven_in_this_process_...
+            # the local runtime's: episodes-async-local
             marks=pytest.mark.slow,
         ),
         pytest.param(
             "completions",
             "sync",
             "inline",
-            # an inline completion run's stop: test_timed_reward.py::test_sigterm_during_hanging_reward_scoring_...
+            # an inline completion run's stop: test_timed_reward.py::test_sigterm_during_a_hanging_reward_call_in_this_process_...
             marks=pytest.mark.slow,
         ),
         pytest.param(
             "completions",
             "sync",
             "local",
-            # the local runtime's stop: test_a_stopped_episode_run_driven_in_this_process_...
+            # the local runtime's stop: episodes-async-local
             marks=pytest.mark.slow,
         ),
     ],
 )
 def test_a_stopped_run_exits_with_one_line_and_resumes(
-    tmp_path: Path, work: str, schedule: str, runtime: str
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], work: str, schedule: str, runtime: str
 ) -> None:
-    stop_and_resume(tmp_path / "run", work, schedule, runtime)
+    """Driven in this process; the signal comes from a thread of the test."""
+    stop_and_resume(tmp_path / "run", work, schedule, runtime, capsys)
 
 
+@pytest.mark.slow  # the same stop driven in this process: test_a_stopped_run_exits_with_one_line_and_resumes[episodes-async-local]
 @pytest.mark.multiprocess
-def test_a_stopped_episode_run_driven_in_this_process_exits_with_one_line_and_resumes(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """episodes, async, local runtime: the stop path of the generator worker's rollout, the local
-    runtime's interrupt of its workers, the checkpoint, and the resume."""
-    stop_and_resume(tmp_path / "run", "episodes", "async", "local", capsys)
+def test_a_stopped_run_as_a_program_exits_with_one_line_and_resumes(tmp_path: Path) -> None:
+    """``asyncrl train`` as a child process signalled from outside, resumed as one: the exit code
+    is the process's own."""
+    stop_and_resume(tmp_path / "run", "episodes", "async", "local")
 
 
 @pytest.mark.ray
