@@ -42,7 +42,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _sft(args: argparse.Namespace) -> int:
-    from asyncrl.builtin.warm_start import run_sft, sft_config
+    from asyncrl.builtin.sft_settings import sft_config
+    from asyncrl.builtin.warm_start import run_sft
 
     given = {"blur_steps": args.blur_steps, "answer_noise": args.answer_noise}
     cfg = sft_config(
@@ -121,7 +122,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from asyncrl.builtin.warm_start import TASK_DEFAULTS, TASKS, SFTConfig
+    from asyncrl.builtin.sft_settings import TASK_DEFAULTS, TASKS, SFTConfig
 
     parser = argparse.ArgumentParser(
         prog="asyncrl", description="Asynchronous RL post-training of language models."

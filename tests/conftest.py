@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing.forkserver
 import os
 from collections.abc import Callable, Iterator
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from asyncrl.models.loading import Policy, load_policy
+from asyncrl.runtimes.processes import worker_context
 from asyncrl.types import Sample
 
 # The processes the tests start (workers, `asyncrl serve`, reward and helper processes) inherit
@@ -52,6 +54,21 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         )
     if report.failed:
         terminal.write_line(report.longreprtext[-4000:])
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Start the local runtime's fork server (runtime.start_method=forkserver) now: it imports
+    torch, transformers and asyncrl's workers on another core while the tests are collected,
+    instead of during the first test that starts a local run."""
+    worker_context("forkserver")  # sets what the server preloads
+    multiprocessing.forkserver.ensure_running()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop the fork server with the session rather than leave it to end with the interpreter."""
+    stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)  # CPython's own teardown
+    if stop is not None:
+        stop()
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -57,9 +57,22 @@ def sets(overrides: list[str]) -> list[str]:
     return [a for o in overrides for a in ("--set", o)]
 
 
+def is_interpreter_helper(process: psutil.Process) -> bool:
+    """One of this process's own Python helpers (the fork server the local runtime starts its
+    workers from, the resource tracker): they serve every later run of this process and end
+    with it, so no run's check of what it left behind counts them. (Workers forked from the
+    server carry its command line too, but they are its children, not this process's.)"""
+    with contextlib.suppress(psutil.Error):
+        if process.ppid() != os.getpid():
+            return False
+        text = " ".join(process.cmdline())
+        return "multiprocessing.forkserver" in text or "multiprocessing.resource_tracker" in text
+    return False
+
+
 def child_pids() -> set[int]:
-    """Every live descendant of this process."""
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+    """Every live descendant of this process but Python's own helpers (a fork server's workers count)."""
+    return {p.pid for p in psutil.Process().children(recursive=True) if not is_interpreter_helper(p)}
 
 
 def wait_gone(pids: set[int], timeout: float = 15) -> list[psutil.Process]:
@@ -124,14 +137,8 @@ def stop_after_steps(
 
 
 def run_processes() -> list[psutil.Process]:
-    """This process's children that a run started (spawned workers and theirs), not the
-    interpreter's own resource tracker, which outlives every run by design."""
-    found = []
-    for child in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if "resource_tracker" not in " ".join(child.cmdline()):
-                found.append(child)
-    return found
+    """This process's descendants that a run started (its workers and theirs)."""
+    return [p for p in psutil.Process().children(recursive=True) if not is_interpreter_helper(p)]
 
 
 @contextlib.contextmanager

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.builtin.warm_start import SFTConfig, run_sft
+from asyncrl.builtin.sft_settings import SFTConfig, sft_config
+from asyncrl.builtin.warm_start import run_sft
 from asyncrl.cli import main
 from asyncrl.config import RolloutConfig, RunConfig, load_config
 from asyncrl.models.loading import load_policy
@@ -327,8 +328,8 @@ def test_sft_command_line_picks_the_tasks_defaults(tmp_path: Path, monkeypatch, 
     assert main(["sft", "--task", "calculator", "--answer-noise", "0.3", "--out", str(tmp_path)]) == 0
     assert made == [
         SFTConfig(),
-        sft.sft_config("guess"),
-        sft.sft_config("calculator", answer_noise=0.3),
+        sft_config("guess"),
+        sft_config("calculator", answer_noise=0.3),
     ]
     assert (made[1].max_turns, made[1].answer_noise) == (6, 0.5) and made[2].blur_steps == 300
     with pytest.raises(SystemExit) as exit_info:

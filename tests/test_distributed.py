@@ -20,6 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from asyncrl.config import Config, load_config
+from asyncrl.runtimes.processes import worker_context
 from asyncrl.trainer.batching import trained_span
 from asyncrl.trainer.distributed import reduce_step_stats, split_samples
 from asyncrl.transports.weights.factory import free_port
@@ -141,7 +142,7 @@ def _rank_main(
     script: str = "steps",
     extra: tuple[str, ...] = (),
 ) -> None:
-    """Body of one spawned rank (module level, so that spawn can import it). ``script`` names one
+    """Body of one rank (module level, so that a started process can import it). ``script`` names one
     script, or several joined by '+': each runs with workers and a group of its own (on its own
     port), one after another in the same processes; rank 0 then saves {script: result}."""
     torch.set_num_threads(1)
@@ -173,8 +174,10 @@ def _rank_main(
 def run_ranks(
     world_size: int, parallel: str, model: str, out: Path, script: str = "steps", extra: tuple[str, ...] = ()
 ) -> dict:
-    """Spawn the ranks on a free port (one per script of ``script``); join them within
-    RANK_TIMEOUT_S or kill them and fail."""
+    """Start the ranks on a free port (one per script of ``script``) as the local runtime starts
+    its workers (forked from the fork server, which has imported torch and asyncrl once); join
+    them within RANK_TIMEOUT_S or kill them and fail."""
+    worker_context("forkserver")  # the server's preload, in case no run of this process started it yet
     ports: set[int] = set()
     while len(ports) < len(script.split("+")):
         ports.add(free_port())
@@ -183,7 +186,7 @@ def run_ranks(
         args=(world_size, tuple(sorted(ports)), parallel, model, str(out), script, extra),
         nprocs=world_size,
         join=False,
-        start_method="spawn",
+        start_method="forkserver",
     )
     deadline = time.monotonic() + RANK_TIMEOUT_S
     try:

@@ -219,6 +219,47 @@ def test_worker_and_reward_processes_reach_the_judge(tmp_path: Path) -> None:
     assert summary["accounting"]["trained"] == 8 and all(r["reward_errors"] == 0 for r in rows)
 
 
+def test_a_runs_judge_process_arms_its_lifeline_before_it_loads_the_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run starts its judge as ``asyncrl serve ... --exit-with-parent``, and that command arms
+    the lifeline (test_lifeline: a child so armed ends when its parent is killed) on its parent
+    before anything else: the judge of a killed run cannot outlive it."""
+    import asyncrl.rewards.judges.service as service
+    import asyncrl.runtimes.lifeline as lifeline
+    from asyncrl.cli import main
+
+    commands: list[list[str]] = []
+
+    def no_process(command, **_):
+        commands.append(command)
+        raise OSError("not started by this test")
+
+    monkeypatch.setattr(service.subprocess, "Popen", no_process)
+    with (
+        pytest.raises(OSError),
+        served_judge(load_config(None, TINY_JUDGE).judge, tmp_path / "judge.log", 120),
+    ):
+        pass
+    assert commands and commands[0][3] == "serve" and "--exit-with-parent" in commands[0]
+
+    armed: list[int] = []
+
+    def arm(parent: int, grace_s: float = 0.0) -> None:
+        armed.append(parent)
+        raise RuntimeError("armed")  # stop before the model is loaded
+
+    def load(*_, **__):
+        raise RuntimeError("the model was loaded before the lifeline was armed")
+
+    monkeypatch.setattr(lifeline, "exit_with_parent", arm)
+    monkeypatch.setattr("asyncrl.models.loading.load_policy", load)
+    with pytest.raises(RuntimeError, match="armed"):
+        main(commands[0][3:])
+    assert armed == [os.getppid()]
+
+
+@pytest.mark.slow  # the lifeline of a killed parent's child: test_lifeline; the judge's process armed with it: test_a_runs_judge_process_arms_its_lifeline_before_it_loads_the_model
 @pytest.mark.multiprocess
 def test_a_killed_run_leaves_no_judge_behind(tmp_path: Path) -> None:
     script = textwrap.dedent(

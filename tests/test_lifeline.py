@@ -62,3 +62,23 @@ def test_a_busy_child_ends_when_its_parent_is_killed(grace_s: float) -> None:
             parent.wait(timeout=10)
         if child is not None and wait_dead([child], timeout=0):
             os.kill(child, signal.SIGKILL)
+
+
+def test_an_owner_other_than_the_parent_is_alive_until_it_dies_unreaped_or_not() -> None:
+    """A forked local worker watches the run's process, not its parent (the fork server):
+    ``Owner`` sees a process die even before it is reaped (a zombie), and this process's own
+    parent through getppid."""
+    from asyncrl.runtimes.lifeline import Owner
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        owner = Owner(other.pid)
+        assert owner.alive()
+        other.kill()
+        assert wait_dead([other.pid], timeout=10) == []  # dead, not yet reaped: a zombie
+        assert not owner.alive()
+    finally:
+        other.kill()
+        other.wait(timeout=10)
+    assert not Owner(other.pid).alive()  # reaped: no such process
+    assert Owner(os.getppid()).alive()

@@ -16,9 +16,10 @@ import torch
 from asyncrl.builtin.arithmetic import ArithmeticTask
 from asyncrl.builtin.games import GuessTask
 from asyncrl.builtin.scripted import CalculatorTeacher, GuessTeacher, ScriptedEpisode, render_episode
+from asyncrl.builtin.sft_settings import SFTConfig, sft_config
 from asyncrl.builtin.tiny import BUILTIN_MODELS
 from asyncrl.builtin.tokenizer import build_char_tokenizer
-from asyncrl.builtin.warm_start import SFTConfig, run_sft, sft_config
+from asyncrl.builtin.warm_start import run_sft
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationResult

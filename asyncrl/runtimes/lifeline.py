@@ -10,6 +10,12 @@ left to stop the child, and a child busy in a call never looks at its parent. Tw
 
 A worker that owns resources (shared memory, a process group) gets ``grace_s`` to notice by
 itself and exit through its own cleanup before the thread ends it.
+
+The owner need not be the parent: a local worker forked from the fork server
+(:mod:`asyncrl.runtimes.processes`) is the server's child, and the server outlives the run
+for as long as any of its children does, so such a worker watches the run's process itself
+(:class:`Owner`: its pid and, on Linux, its start time, so a recycled pid is not taken for
+it, nor a dead one that is not yet reaped).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 WATCH_S = 0.2  # how often the watcher thread looks at the parent pid
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -37,11 +44,57 @@ def _set_parent_death_signal(signum: int) -> bool:
         return False
 
 
-def _watch(parent: int, grace_s: float) -> None:
-    while os.getppid() == parent:
+def _proc_stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name (state first), or None without /proc."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return [] if Path("/proc/self/stat").exists() else None  # [] : no such process
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2 :].split()
+
+
+class Owner:
+    """The process a child lives for, by pid; ``alive()`` until it has died."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        stat = _proc_stat(pid)
+        self._started = stat[19] if stat else None  # starttime (field 22 of stat)
+        self._gone = stat == []
+
+    def alive(self) -> bool:
+        if self._gone:
+            return False
+        if os.getppid() == self.pid:
+            return True  # a parent that died would have re-parented this process
+        stat = _proc_stat(self.pid)
+        if stat is None:  # no /proc: ask the kernel whether the pid exists
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                self._gone = True
+            except PermissionError:
+                pass
+        else:
+            self._gone = stat == [] or stat[0] == "Z" or stat[19] != self._started
+        return not self._gone
+
+
+def _watch(owner: Owner, grace_s: float) -> None:
+    while owner.alive():
         time.sleep(WATCH_S)
     time.sleep(grace_s)
     os._exit(1)
+
+
+def exit_with_owner(owner: Owner, grace_s: float) -> None:
+    """End this process ``grace_s`` after ``owner`` (any process, not only the parent) is gone;
+    the watcher thread alone acts (the kernel's parent-death signal knows only the parent)."""
+    if not owner.alive():
+        os._exit(1)
+    threading.Thread(target=_watch, args=(owner, grace_s), name="asyncrl-lifeline", daemon=True).start()
 
 
 def exit_with_parent(parent: int, grace_s: float = 0.0) -> None:
@@ -58,4 +111,4 @@ def exit_with_parent(parent: int, grace_s: float = 0.0) -> None:
         _set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent:  # died before the guards were in place
         os._exit(1)
-    threading.Thread(target=_watch, args=(parent, grace_s), name="asyncrl-lifeline", daemon=True).start()
+    exit_with_owner(Owner(parent), grace_s)

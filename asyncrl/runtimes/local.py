@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 from asyncrl.config import Config
 from asyncrl.runtimes.base import generator_name
 from asyncrl.runtimes.cores import CoreShare, available_cores
+from asyncrl.runtimes.processes import adopt_environment, worker_context
 from asyncrl.runtimes.serving import TRAINER, TRAINER_RANK, build_worker, drain, failed, ready, serve_worker
 from asyncrl.trainer.distributed import trainer_rank_name
 from asyncrl.transports.groups.factory import make_group_sender, make_inbox
@@ -66,6 +67,8 @@ def _worker_main(
     evt_q,
     payload_q,
     interrupt,
+    environ: dict[str, str],
+    owner_pid: int,
 ) -> None:
     """Body of a worker process: build the worker, then execute commands until Stop.
 
@@ -74,18 +77,21 @@ def _worker_main(
     worker's entry in the shared busy flags. Trainer ranks 1.. have no command queue: they
     run rank 0's commands (:func:`run_follower`). ``payload_q`` carries the generators' groups
     to the trainer (:mod:`asyncrl.transports.groups`). ``interrupt``: set when the run stops.
+    ``environ``: the run's environment when the worker was started; ``owner_pid``: the run's
+    process (not the parent when the worker was forked from the fork server).
     """
+    adopt_environment(environ)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Python refuses children to a daemonic process, which it would leave orphaned when it ends
     # the process; a reward function's processes (task.reward_timeout_s) end with it by themselves.
     mp.current_process().daemon = False
     from transformers.utils import logging as hf_logging
 
-    from asyncrl.runtimes.lifeline import exit_with_parent
+    from asyncrl.runtimes.lifeline import Owner, exit_with_owner
 
     hf_logging.disable_progress_bar()
-    parent = os.getppid()
-    exit_with_parent(parent, grace_s=LIFELINE_GRACE_S)
+    owner = Owner(owner_pid)
+    exit_with_owner(owner, grace_s=LIFELINE_GRACE_S)
     worker = None
     cores = None
     try:
@@ -108,11 +114,11 @@ def _worker_main(
             worker,
             cmd_q,
             evt_q.put,
-            should_exit=lambda: os.getppid() != parent,
+            should_exit=lambda: not owner.alive(),
             on_busy=busy,
             groups=make_group_sender("queue", payload_q),
         )
-        if os.getppid() != parent:
+        if not owner.alive():
             evt_q.cancel_join_thread()  # nobody will read what is still queued; do not wait for it
         # Groups still on their way when the run stops are not needed (the checkpoint was
         # written): exiting must not wait for a trainer that no longer reads them.
@@ -155,7 +161,7 @@ class LocalRuntime:
         self.run_dir = run_dir
         self.generator_names = [generator_name(i) for i in range(cfg.runtime.generators)]
         self.trainer_names = [trainer_rank_name(r) for r in range(cfg.trainer.ranks)]
-        self._ctx = mp.get_context("spawn")
+        self._ctx = worker_context(cfg.runtime.start_method)
         self._events = self._ctx.Queue()
         self._payloads = self._ctx.Queue()  # generators -> trainer: the groups themselves
         self._commands: dict[str, object] = {}
@@ -204,6 +210,8 @@ class LocalRuntime:
                     self._events,
                     self._payloads,
                     self._interrupt,
+                    dict(os.environ),
+                    os.getpid(),
                 ),
             )
             proc.start()

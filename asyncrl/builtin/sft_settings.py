@@ -1,0 +1,77 @@
+"""The warm start's settings: the SFT tasks, their config and each task's defaults.
+
+Apart from :mod:`asyncrl.builtin.warm_start` (which imports torch and the engine) so that the
+command line builds its parser, whose ``asyncrl sft`` help shows them, without those imports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from asyncrl.errors import ConfigError
+
+TASKS = ("arithmetic", "calculator", "guess")
+
+
+@dataclass
+class SFTConfig:
+    model: str = "tiny:1m"
+    ops: list[str] = field(default_factory=lambda: ["+"])
+    min_digits: int = 1
+    max_digits: int = 2
+    batch_size: int = 64
+    lr: float = 1e-3
+    learn_accuracy: float = 0.95
+    max_learn_steps: int = 4000
+    blur_steps: int = 300
+    blur_lr: float = 5e-4
+    answer_noise: float = 0.8
+    eval_every: int = 50
+    eval_prompts: int = 400
+    seed: int = 0
+    data_seed: int = 1000
+    eval_seed: int = 999
+    # Scripted episodes (task calculator or guess); these match the RL config's episode.* keys.
+    task: str = "arithmetic"
+    guess_max: int = 16  # task.guess_max
+    max_turns: int = 4  # episode.max_turns (the guessing game's reward counts turns out of it)
+    max_episode_tokens: int = 64  # episode.max_episode_tokens
+    max_turn_tokens: int = 8  # rollout.max_new_tokens
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ConfigError("task", self.task, f"not an SFT task; allowed: {list(TASKS)}")
+
+
+# What `asyncrl sft --task NAME` changes from the SFTConfig defaults: the shipped
+# builtin:calculator and builtin:guess are these, with seed 0 (arithmetic: the defaults).
+TASK_DEFAULTS: dict[str, dict] = {
+    "arithmetic": {},
+    "calculator": dict(
+        ops=["+", "-", "*"],
+        max_turns=3,
+        max_episode_tokens=32,
+        max_turn_tokens=8,
+        learn_accuracy=0.95,
+        blur_steps=300,
+        answer_noise=0.6,
+        eval_every=100,
+        eval_prompts=200,
+    ),
+    "guess": dict(
+        guess_max=16,
+        max_turns=6,
+        max_episode_tokens=80,
+        max_turn_tokens=4,
+        learn_accuracy=0.55,
+        blur_steps=300,
+        answer_noise=0.5,
+        eval_every=100,
+        eval_prompts=200,
+    ),
+}
+
+
+def sft_config(task: str = "arithmetic", **overrides) -> SFTConfig:
+    """The SFT config of ``task`` (its :data:`TASK_DEFAULTS`), with ``overrides``; SFTConfig checks the name."""
+    return SFTConfig(task=task, **{**TASK_DEFAULTS.get(task, {}), **overrides})

@@ -1,0 +1,47 @@
+"""How the local runtime starts its worker processes: forked from a server that imported them once.
+
+A worker process needs torch, transformers and asyncrl's workers: about 5 s of CPU to import
+in a fresh interpreter, paid by every worker of every run (``spawn``). With ``forkserver``
+(the default where the platform has it, ``runtime.start_method``) one server process,
+started at the first run of this process, imports those modules once; each worker is then
+forked from it and starts in a fraction of a second. The server is single-threaded Python
+that has only imported modules: no CUDA context, no thread pool of its own in use, so
+forking it is safe where forking the run's own process would not be.
+
+What a forked worker does not inherit from the server, it is given: the run's environment
+as it is when the worker starts (the server's is the one of its own start), and, as with
+``spawn``, the parent's ``sys.path`` and working directory. The server lives as long as
+the process that started it (Python ends it when that process exits) and is shared by
+every later run of that process: like Python's resource tracker, it is the interpreter's
+helper, not a process of the run.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from typing import Literal
+
+StartMethod = Literal["forkserver", "spawn"]
+
+# Imported once by the fork server: everything a worker process imports to build its worker.
+PRELOAD = ["asyncrl.runtimes.local", "asyncrl.workers.generator", "asyncrl.workers.trainer"]
+
+
+def worker_context(method: StartMethod):
+    """The multiprocessing context the local runtime starts its workers with; ``forkserver``
+    falls back to ``spawn`` where the platform has no fork server (Windows)."""
+    import torch.multiprocessing as mp
+
+    if method == "forkserver" and "forkserver" in multiprocessing.get_all_start_methods():
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload(PRELOAD)
+        return context
+    return mp.get_context("spawn")
+
+
+def adopt_environment(environ: dict[str, str]) -> None:
+    """In a worker: take the run's environment (a forked worker has its fork server's)."""
+    if environ != dict(os.environ):
+        os.environ.clear()
+        os.environ.update(environ)
