@@ -100,6 +100,10 @@ def _serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
+    from asyncrl.models.directories import check_model_directory, is_directory_source
+
+    if is_directory_source(args.model):  # a wrong directory is refused before the heavy imports
+        check_model_directory(Path(args.model), args.model)
     from asyncrl.models.loading import load_policy
     from asyncrl.server.app import OpenAIServer
 

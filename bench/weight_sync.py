@@ -8,7 +8,7 @@ o, gate/up/down, two RMSNorms per layer, a final norm) at about 1M, 10M and 100M
 parameters — 50, 98 and 146 tensors, most of them small, a few large. The tensors are built
 directly (random values), not through ``transformers``.
 
-Cases, each to 1 and to 2 receiver processes (spawned, one torch thread each by default):
+Cases, each to 1 and to 2 receiver processes (one torch thread each by default):
 ``broadcast_per_param`` (gloo broadcast, ``bucket_bytes=0``: one message per tensor, those
 over 16 MB cut into pieces for the parallel connections), ``broadcast_bucketed_<N>mb`` (the same transport with N-MB buckets; 64 is the default of
 ``runtime.bucket_mb``), ``shm`` (the seqlocked shared-memory segment), ``files``
@@ -69,8 +69,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.multiprocessing as mp
 
+from asyncrl.runtimes.processes import worker_context
 from asyncrl.transports.weights.base import SyncStats, TensorSpec, WeightLayout
 from asyncrl.transports.weights.broadcast import (
     DEFAULT_BUCKET_BYTES,
@@ -358,10 +358,11 @@ def _receiver_main(rank: int, threads: int, commands, results) -> None:
 
 
 class ReceiverPool:
-    """``n`` spawned receiver processes (ranks 1..n); on exit every one is stopped, then killed if needed."""
+    """``n`` receiver processes (ranks 1..n), started as the local runtime starts its workers
+    (``runtime.start_method``'s default); on exit every one is stopped, then killed if needed."""
 
     def __init__(self, n: int, threads: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = worker_context("forkserver")
         self.results = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(n)]
         self.procs = [

@@ -335,7 +335,7 @@ def test_a_local_worker_that_never_becomes_ready_fails_the_start_within_start_ti
             *short_run(1),
             *ONE_THREAD_EACH,
             "task.reward=asyncrl_test_hanging_import:reward",
-            "runtime.start_timeout_s=2",
+            "runtime.start_timeout_s=1",
             "runtime.stop_timeout_s=1",
         ],
     )
@@ -352,9 +352,9 @@ def test_a_local_worker_that_never_becomes_ready_fails_the_start_within_start_ti
         runtime.stop()
     # The trainer may be slow to start on a busy machine too; the generator can never be ready.
     assert re.fullmatch(
-        r"\['generator-0'(, 'trainer')?\] did not start within 2s \(runtime.start_timeout_s\)", str(err.value)
+        r"\['generator-0'(, 'trainer')?\] did not start within 1s \(runtime.start_timeout_s\)", str(err.value)
     )
-    assert 2.0 <= elapsed < 30
+    assert 1.0 <= elapsed < 30
     pids = runtime.pids
     assert set(pids) == {"trainer", "generator-0"} and None not in pids.values()
     assert wait_dead(set(pids.values()), timeout=15) == []
@@ -600,8 +600,8 @@ def test_a_publication_whose_receivers_never_join_holds_the_next_one_at_most_the
 
 def test_broadcast_plane_lookups_end_at_the_group_timeout() -> None:
     """The same-host plane's two store waits are bounded by each end's group timeout_s: a receiver
-    whose sender never names a segment (3 s), and a sender one of whose receivers never reports
-    its host (5 s; it outlives the receiver's wait, so that one ends on its own bound)."""
+    whose sender never names a segment (2 s), and a sender one of whose receivers never reports
+    its host (4 s; it outlives the receiver's wait, so that one ends on its own bound)."""
     port = free_port()
     ends: dict[str, object] = {}
 
@@ -614,10 +614,10 @@ def test_broadcast_plane_lookups_end_at_the_group_timeout() -> None:
 
     cpu = torch.device("cpu")
     members = {
-        "sender": lambda: BroadcastSender(LAYOUT, "127.0.0.1", port, 3, 64, 5.0, streams=1),
+        "sender": lambda: BroadcastSender(LAYOUT, "127.0.0.1", port, 3, 64, 4.0, streams=1),
         # A member that forms the group and stops there: it never reports its host.
-        "silent": lambda: _BroadcastEnd(LAYOUT, "127.0.0.1", port, 1, 3, 64, 3.0, cpu, 1),
-        "receiver": lambda: BroadcastReceiver(LAYOUT, "127.0.0.1", port, 2, 3, 64, 3.0, streams=1),
+        "silent": lambda: _BroadcastEnd(LAYOUT, "127.0.0.1", port, 1, 3, 64, 2.0, cpu, 1),
+        "receiver": lambda: BroadcastReceiver(LAYOUT, "127.0.0.1", port, 2, 3, 64, 2.0, streams=1),
     }
     threads = [threading.Thread(target=build, args=item) for item in members.items()]
     for thread in threads:
@@ -628,10 +628,10 @@ def test_broadcast_plane_lookups_end_at_the_group_timeout() -> None:
         assert not any(thread.is_alive() for thread in threads)
         where = "broadcast group 127.0.0.1"
         received, received_after = ends["receiver"]
-        assert received.startswith(f"{where}:{port} (rank 2 of 3): no word from the sender within 3s: ")
+        assert received.startswith(f"{where}:{port} (rank 2 of 3): no word from the sender within 2s: ")
         sent, sent_after = ends["sender"]
-        assert sent.startswith(f"{where}:{port} (rank 0 of 3): receivers did not report within 5s: ")
-        assert 3.0 <= received_after < sent_after and 5.0 <= sent_after < 20
+        assert sent.startswith(f"{where}:{port} (rank 0 of 3): receivers did not report within 4s: ")
+        assert 2.0 <= received_after < sent_after and 4.0 <= sent_after < 20
     finally:
         for end in ends.values():
             if isinstance(end, _BroadcastEnd):

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors import safe_open
 
+from asyncrl.runtimes.processes import worker_context
 from asyncrl.transports.weights import shm
 from asyncrl.transports.weights.base import (
     CHECKSUM_MODULUS,
@@ -150,7 +150,7 @@ def _serve(rank: int, commands, results) -> None:
 
 @dataclass
 class Helpers:
-    """Two spawned processes (ranks 1 and 2) that run jobs and report results through a queue."""
+    """Two helper processes (ranks 1 and 2) that run jobs and report results through a queue."""
 
     commands: dict[int, object]
     results: object
@@ -181,8 +181,9 @@ class Helpers:
 
 @pytest.fixture(scope="module")
 def helpers() -> Iterator[Helpers]:
-    """Two helper processes in a torch.multiprocessing spawn context, stopped by their handles afterwards."""
-    ctx = mp.get_context("spawn")
+    """Two helper processes, forked from the fork server as the local runtime's workers are
+    (it has imported torch and asyncrl once), stopped by their handles afterwards."""
+    ctx = worker_context("forkserver")
     results = ctx.Queue()
     commands = {r: ctx.Queue() for r in (1, 2)}
     procs = [ctx.Process(target=_serve, args=(r, commands[r], results), daemon=True) for r in (1, 2)]
@@ -414,7 +415,7 @@ def _shm_receive_job(rank: int, report: Callable, *, name: str, versions: list[i
 def test_shm_child_process_receives_two_successive_versions(
     helpers: Helpers, shm_sender: SharedMemorySender
 ) -> None:
-    """A spawned process attached to the segment receives version 1, then version 2, exactly."""
+    """A helper process attached to the segment receives version 1, then version 2, exactly."""
     tag = helpers.submit(_shm_receive_job, ranks=(1,), name=shm_sender.name, versions=[1, 2])
     shm_sender.publish(named_tensors(1), version=1)
     rank, first = helpers.next(tag)

@@ -29,9 +29,9 @@ from transformers import (
 from asyncrl.builtin.tiny import BUILTIN_MODELS, TINY_ARCHITECTURES, TINY_SIZES, build_tiny_model, tiny_config
 from asyncrl.builtin.tokenizer import build_char_tokenizer
 from asyncrl.errors import ConfigError
+from asyncrl.models.directories import check_model_directory
 from asyncrl.prompts.chat import apply_chat_template_override
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
@@ -165,21 +165,7 @@ def _from_directory(path: Path, source: str) -> Policy:
 
 
 def _checked_tokenizer(path: Path, source: str) -> PreTrainedTokenizerBase:
-    if not path.is_dir():
-        raise ConfigError(
-            "model.path",
-            source,
-            "no such directory (a local Hugging Face model directory is expected; nothing is downloaded)",
-        )
-    if not (path / "config.json").is_file():
-        raise ConfigError(
-            "model.path", source, "the directory has no config.json, so it is not a Hugging Face model"
-        )
-    if not any((path / f).is_file() for f in TOKENIZER_FILES):
-        # transformers would build an empty tokenizer from the model config instead of failing.
-        raise ConfigError(
-            "model.path", source, f"the directory has no tokenizer (none of {list(TOKENIZER_FILES)})"
-        )
+    check_model_directory(path, source)
     try:
         tok = _load_tokenizer(path)
     except (OSError, ValueError) as exc:
