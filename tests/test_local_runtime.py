@@ -249,7 +249,10 @@ def test_killed_generator_fails_the_run_naming_it(tmp_path: Path, reward_module)
 
     killer = threading.Thread(target=kill_once_training, daemon=True)
     killer.start()
-    run = run_local(run_dir, ["run.steps=400", f"task.reward={reward}"])
+    # After the kill, the trainer does not always exit at once on Stop (about one run in five
+    # waited out the default 20 s stop_timeout_s and was then terminated); what is tested here
+    # is the failure's detection and naming, and that nothing is left, so 2 s are enough.
+    run = run_local(run_dir, ["run.steps=400", f"task.reward={reward}", "runtime.stop_timeout_s=2"])
     killer.join(timeout=10)
     assert not killer.is_alive()
     assert "pid" in killed, "the run never made progress"
