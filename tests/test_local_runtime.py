@@ -456,3 +456,15 @@ def test_weight_sync_auto_picks_cuda_ipc_only_for_one_gpu_and_refusals_name_the_
     assert transport.weight_sync_kind(load_config(overrides=["schedule=async", "runtime.kind=ray"])) == "shm"
     spec = transport.transport_spec(load_config(overrides=async_local), Path("unused"))
     assert spec.kind == "cuda_ipc" and spec.segment == spec.name and spec.name.startswith("asyncrl-")
+
+
+def test_workers_on_the_cpu_are_forked_from_the_server_and_workers_on_cuda_spawned() -> None:
+    """runtime.start_method=auto: the fork server for CPU workers; spawn for CUDA ones (not yet
+    measured forked on a GPU); a method named is used as named."""
+    from asyncrl.runtimes.processes import worker_context
+
+    assert worker_context("auto", on_cuda=False).get_start_method() == "forkserver"
+    assert worker_context("auto", on_cuda=True).get_start_method() == "spawn"
+    assert worker_context("spawn").get_start_method() == "spawn"
+    assert worker_context("forkserver", on_cuda=True).get_start_method() == "forkserver"
+    assert load_config(None, []).runtime.start_method == "auto"

@@ -192,14 +192,15 @@ class RuntimeConfig(Section):
     def _kind_shorthand(cls, data: Any) -> Any:
         return {"kind": data} if isinstance(data, str) else data  # `runtime: ray` means runtime.kind=ray
 
-    start_method: Literal["forkserver", "spawn"] = Field(
-        "forkserver",
+    start_method: Literal["auto", "forkserver", "spawn"] = Field(
+        "auto",
         description="How the local runtime starts worker processes. 'forkserver': one server process "
         "imports torch, transformers and asyncrl once, and every worker is forked from it (a worker "
         "starts in a fraction of a second, and later runs of the same process reuse the server); "
-        "'spawn': every worker a fresh interpreter that imports them itself (about 5 s of CPU each). "
-        "Either way a worker gets the run's environment, sys.path and working directory. Where the "
-        "platform has no fork server, spawn.",
+        "'spawn': every worker a fresh interpreter that imports them itself (about 5 s of CPU each); "
+        "'auto': forkserver for workers on the CPU, spawn for workers on CUDA. Either way a worker gets "
+        "the run's environment, sys.path and working directory. Where the platform has no fork server, "
+        "spawn.",
     )
     generators: int = Field(1, ge=1, description="Generator workers (each one engine).")
     generator_threads: int = Field(

@@ -32,6 +32,7 @@ import torch
 import torch.multiprocessing as mp
 
 from asyncrl.config import Config
+from asyncrl.models.loading import resolve_device
 from asyncrl.runtimes.base import generator_name
 from asyncrl.runtimes.cores import CoreShare, available_cores
 from asyncrl.runtimes.processes import adopt_environment, worker_context
@@ -161,7 +162,8 @@ class LocalRuntime:
         self.run_dir = run_dir
         self.generator_names = [generator_name(i) for i in range(cfg.runtime.generators)]
         self.trainer_names = [trainer_rank_name(r) for r in range(cfg.trainer.ranks)]
-        self._ctx = worker_context(cfg.runtime.start_method)
+        on_cuda = resolve_device(cfg.model.device).type == "cuda"
+        self._ctx = worker_context(cfg.runtime.start_method, on_cuda)
         self._events = self._ctx.Queue()
         self._payloads = self._ctx.Queue()  # generators -> trainer: the groups themselves
         self._commands: dict[str, object] = {}

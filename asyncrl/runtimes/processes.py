@@ -2,11 +2,14 @@
 
 A worker process needs torch, transformers and asyncrl's workers: about 5 s of CPU to import
 in a fresh interpreter, paid by every worker of every run (``spawn``). With ``forkserver``
-(the default where the platform has it, ``runtime.start_method``) one server process,
+(``runtime.start_method``; ``auto`` picks it for workers on the CPU) one server process,
 started at the first run of this process, imports those modules once; each worker is then
-forked from it and starts in a fraction of a second. The server is single-threaded Python
-that has only imported modules: no CUDA context, no thread pool of its own in use, so
-forking it is safe where forking the run's own process would not be.
+forked from it and starts in a fraction of a second. The server is a fresh interpreter
+(Python starts it by exec, not by forking the run) that has only imported modules: no
+thread pool of its own in use, and nothing in those imports asks CUDA anything, so forking
+it is safe where forking the run's own process would not be. Workers on CUDA are spawned
+all the same under ``auto``: a GPU run spends far longer loading its model than importing,
+and forking for CUDA has not been measured on a GPU yet.
 
 What a forked worker does not inherit from the server, it is given: the run's environment
 as it is when the worker starts (the server's is the one of its own start), and, as with
@@ -22,17 +25,20 @@ import multiprocessing
 import os
 from typing import Literal
 
-StartMethod = Literal["forkserver", "spawn"]
+StartMethod = Literal["auto", "forkserver", "spawn"]
 
 # Imported once by the fork server: everything a worker process imports to build its worker.
 PRELOAD = ["asyncrl.runtimes.local", "asyncrl.workers.generator", "asyncrl.workers.trainer"]
 
 
-def worker_context(method: StartMethod):
-    """The multiprocessing context the local runtime starts its workers with; ``forkserver``
-    falls back to ``spawn`` where the platform has no fork server (Windows)."""
+def worker_context(method: StartMethod, on_cuda: bool = False):
+    """The multiprocessing context the local runtime starts its workers with: ``auto`` is
+    ``forkserver`` for workers on the CPU and ``spawn`` for workers on CUDA (``on_cuda``);
+    ``forkserver`` falls back to ``spawn`` where the platform has no fork server (Windows)."""
     import torch.multiprocessing as mp
 
+    if method == "auto":
+        method = "spawn" if on_cuda else "forkserver"
     if method == "forkserver" and "forkserver" in multiprocessing.get_all_start_methods():
         context = mp.get_context("forkserver")
         context.set_forkserver_preload(PRELOAD)
