@@ -1,4 +1,5 @@
-"""Shared fixtures: seeded tiny policies and a Sample factory."""
+"""Shared fixtures (seeded tiny policies, a Sample factory) and session hooks: the local runtime's
+fork server started with the session, GPU skips, and test outcomes printed as they end on CUDA."""
 
 from __future__ import annotations
 
