@@ -136,31 +136,27 @@ def stop_after_steps(
     return proc.returncode, err
 
 
-def run_processes() -> list[psutil.Process]:
-    """This process's descendants that a run started (its workers and theirs)."""
-    return [p for p in psutil.Process().children(recursive=True) if not is_interpreter_helper(p)]
-
-
 @contextlib.contextmanager
 def signalled_when(
     ready: Callable[[], bool], sig: signal.Signals = signal.SIGTERM, timeout: float = 240
-) -> Iterator[list[psutil.Process]]:
+) -> Iterator[set[int]]:
     """For a run driven in this process's main thread inside the block: a thread sends this
-    process ``sig`` once ``ready()``. Yields a list that then holds the run's child processes of
-    that moment; after the block, asserts that the signal reached the run and that they ended.
+    process ``sig`` once ``ready()``. Yields a set that then holds the pids of the run's processes
+    of that moment (:func:`child_pids`); after the block, asserts that the signal reached the run
+    and that they ended.
 
     The run installs its own handler and puts the previous one back when it ends: this one,
     which catches a signal that comes too late (the run ended first) instead of ending pytest.
     """
     done = threading.Event()
-    children: list[psutil.Process] = []
+    children: set[int] = set()
     late: list[int] = []
 
     def signal_once_ready() -> None:
         deadline = time.monotonic() + timeout
         while not done.is_set() and time.monotonic() < deadline:
             if ready():
-                children.extend(run_processes())
+                children.update(child_pids())
                 os.kill(os.getpid(), sig)
                 return
             done.wait(0.01)
@@ -175,8 +171,8 @@ def signalled_when(
         watcher.join(timeout=timeout)
         signal.signal(sig, previous)
     assert not late, "the run ended before the signal reached it"
-    _, alive = psutil.wait_procs(children, timeout=15)
-    assert not alive, f"left behind after the stop: {[p.pid for p in alive]}"
+    alive = wait_dead(children, timeout=15)
+    assert not alive, f"left behind after the stop: {alive}"
 
 
 def train_to_end(*args: str, timeout: float = 300) -> None:
