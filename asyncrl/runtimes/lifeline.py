@@ -56,10 +56,13 @@ def _proc_stat(pid: int) -> list[str] | None:
 
 
 class Owner:
-    """The process a child lives for, by pid; ``alive()`` until it has died."""
+    """The process a child lives for, by pid; ``alive()`` until it has died. ``gone`` is set by
+    the watcher thread (:func:`exit_with_owner`) when it sees the owner dead: a check that costs
+    nothing, for loops that look on every step."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
+        self.gone = threading.Event()
         stat = _proc_stat(pid)
         self._started = stat[19] if stat else None  # starttime (field 22 of stat)
         self._gone = stat == []
@@ -85,6 +88,7 @@ class Owner:
 def _watch(owner: Owner, grace_s: float) -> None:
     while owner.alive():
         time.sleep(WATCH_S)
+    owner.gone.set()
     time.sleep(grace_s)
     os._exit(1)
 

@@ -115,7 +115,7 @@ def _worker_main(
             worker,
             cmd_q,
             evt_q.put,
-            should_exit=lambda: not owner.alive(),
+            should_exit=owner.gone.is_set,  # looked at on every engine step: no /proc read there
             on_busy=busy,
             groups=make_group_sender("queue", payload_q),
         )
