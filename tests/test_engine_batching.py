@@ -153,7 +153,11 @@ class Recorder:
         self.widths_checked += 1
 
 
-@pytest.mark.parametrize("source", ["tiny:1m", "tiny:1m:llama"])
+@pytest.mark.parametrize(
+    "source",
+    # The Llama layout in the engine: test_engine's and test_kv_cache's [tiny:1m:llama] cases.
+    ["tiny:1m", pytest.param("tiny:1m:llama", marks=pytest.mark.slow)],
+)
 def test_continuous_batching_admits_into_free_slots_and_matches_running_alone(source: str) -> None:
     """max_batch_size=4 with 10 requests: at most 4 run, each newcomer joins the step after a slot frees,
     stats count 7 prefills, and every completion equals the request run alone, token for token."""

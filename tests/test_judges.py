@@ -196,6 +196,8 @@ def test_without_a_judge_the_client_says_how_to_get_one(monkeypatch: pytest.Monk
         judge_client()
 
 
+@pytest.mark.slow  # the judge's verdicts as rewards: test_a_served_judge_scores_verdicts_as_the_model_gives_them; the run's judge command and its lifeline: test_a_runs_judge_process_arms_its_lifeline_before_it_loads_the_model
+@pytest.mark.multiprocess
 def test_a_run_rewarded_by_the_judge_trains_and_stops_its_judge(tmp_path: Path) -> None:
     before = child_pids()
     cfg = load_config(None, [*short_run(2), "runtime.kind=inline", "task.reward=judge", *TINY_JUDGE])

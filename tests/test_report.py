@@ -83,6 +83,7 @@ class Images(HTMLParser):
             self.links.append(tag)
 
 
+@pytest.mark.slow  # the report's panels and page: test_missing_panels_are_listed_not_drawn
 def test_report_of_two_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     a = fake_run(tmp_path, "run-a", 0.02)
     b = fake_run(tmp_path, "run-b", 0.005, with_is=True)

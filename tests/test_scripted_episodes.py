@@ -301,7 +301,14 @@ def play(model_source: str, spec: dict, prompts: list[Prompt], temperature: floa
     return [g.samples[0].reward for g in groups]
 
 
-@pytest.mark.parametrize("name", ["calculator", "guess"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "calculator",
+        # The guessing game's warm start at work: test_example_config_trains_its_warm_start[guess].
+        pytest.param("guess", marks=pytest.mark.slow),
+    ],
+)
 def test_shipped_warm_starts_earn_some_reward_but_not_all(name: str) -> None:
     """builtin:<name> plays 64 episodes of its task: sampled at temperature 1 it earns some
     reward but far from all, which leaves RL room; greedy it earns more than a little. Its

@@ -154,7 +154,15 @@ SYNC = [
 ]
 
 
-@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize(
+    "keep",
+    [
+        True,
+        # Without run.checkpoint_rollouts, stopped rollouts are issued again: test_preemption's
+        # test_a_stopped_async_run_resumes_without_generating_anything_again[False].
+        pytest.param(False, marks=pytest.mark.slow),
+    ],
+)
 def test_a_stop_inside_a_training_step_resumes_to_the_uninterrupted_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep: bool
 ) -> None:

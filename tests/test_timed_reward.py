@@ -165,6 +165,7 @@ def test_errors_in_the_child_keep_their_type_and_bad_values_are_recorded(reward_
         TimedReward("asyncrl_test_timed:missing_function", timeout_s=5)(completion="", prompt="", answer="")
 
 
+@pytest.mark.slow  # a hanging call cut off and the next one answered: test_a_hanging_call_is_cut_off_and_the_next_call_works; failed calls in a run: test_a_run_whose_reward_always_fails_stops_with_one_line[inline]
 def test_run_with_a_reward_that_hangs_once_finishes_and_records_one_error(
     tmp_path: Path, reward_spec: str
 ) -> None:

@@ -76,6 +76,7 @@ def wandb_records(path: Path):
             yield record
 
 
+@pytest.mark.slow  # the trackers' shared metric names: test_tensorboard_events_hold_every_metric; W&B's mode: test_wandb_mode_rules
 def test_wandb_offline_run_holds_every_metric(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No API key and no network: W&B runs offline in RUN_DIR/wandb with the same metric names."""
     for var in ("WANDB_API_KEY", "WANDB_MODE", "NETRC"):

@@ -46,6 +46,8 @@ REQUEST_TIMEOUT_S = 600.0
 # Each socket read or write of a connection waits at most this long: a client that connects
 # and sends nothing, goes quiet mid-request, or stops reading a stream frees its thread.
 CONNECTION_IDLE_S = 60.0
+# How often the accept loop looks for a stop: a stopping server answers within this.
+SHUTDOWN_POLL_S = 0.05
 
 
 class BadRequest(ValueError):
@@ -103,7 +105,13 @@ class OpenAIServer:
 
         self.httpd = ThreadingHTTPServer((host, port), Handler)
         self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, name="http", daemon=True).start()
+        # shutdown() returns once serve_forever next looks, every poll_interval (0.5 s by default).
+        threading.Thread(
+            target=self.httpd.serve_forever,
+            kwargs={"poll_interval": SHUTDOWN_POLL_S},
+            name="http",
+            daemon=True,
+        ).start()
         return self.httpd.server_address[:2]
 
     def stop(self) -> None:
