@@ -62,11 +62,16 @@ class Prompt:
 class Tokens:
     """The per-token record of a completion, declared once for the whole system.
 
-    ``completion_ids``, ``logprobs``, ``versions`` and ``supports`` (when recorded) all have
-    the same length. ``logprobs[t]`` is the behaviour log-prob of ``completion_ids[t]`` under
-    the temperature-scaled distribution of the policy whose version is ``versions[t]`` —
-    renormalised over ``supports[t]`` (the ids the sampler could choose; None = the whole
-    vocabulary) when that is recorded. The engine grows one while a request runs, an aborted
+    ``completion_ids``, ``logprobs``, ``versions``, and ``supports`` and ``routes`` (when
+    recorded) all have the same length. ``logprobs[t]`` is the behaviour log-prob of
+    ``completion_ids[t]`` under the temperature-scaled distribution of the policy whose
+    version is ``versions[t]`` — renormalised over ``supports[t]`` (the ids the sampler could
+    choose; None = the whole vocabulary) when that is recorded. ``routes[t]`` is, for a
+    mixture-of-experts policy, the experts every MoE layer chose for token ``t`` when the
+    engine fed it back in (:func:`asyncrl.models.routing.pack_routes` bytes, ``layers x k``
+    ids; None: not fed, like the last token, or not recorded): the weights that computed
+    them are those of ``versions[t + 1]``, the token it helped sample. Keep Sampling Mask
+    reads ``supports``, Keep Routing reads ``routes``. The engine grows one while a request runs, an aborted
     request's prefix is one, and :class:`Sample` and the engine's ``GenerationResult`` are
     ones with more fields: moving tokens between them is :meth:`tokens`, :meth:`cut` and
     :meth:`followed_by`, never a field-by-field copy.
@@ -76,10 +81,15 @@ class Tokens:
     logprobs: list[float]
     versions: list[int]
     supports: list[list[int] | None] | None = None
+    routes: list[bytes | None] | None = None
+
+    # The per-token fields recorded only on request: None, or one entry per token.
+    _OPTIONAL = ("supports", "routes")
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
-        for name in ("logprobs", "versions") + (("supports",) if self.supports is not None else ()):
+        recorded = tuple(name for name in self._OPTIONAL if getattr(self, name) is not None)
+        for name in ("logprobs", "versions") + recorded:
             if len(getattr(self, name)) != n:
                 raise ValueError(
                     f"{self._label()}: {name} has {len(getattr(self, name))} entries but completion_ids has {n}"
@@ -89,8 +99,14 @@ class Tokens:
         return type(self).__name__
 
     @staticmethod
-    def empty(supports: bool = False) -> Tokens:
-        return Tokens(completion_ids=[], logprobs=[], versions=[], supports=[] if supports else None)
+    def empty(supports: bool = False, routes: bool = False) -> Tokens:
+        return Tokens(
+            completion_ids=[],
+            logprobs=[],
+            versions=[],
+            supports=[] if supports else None,
+            routes=[] if routes else None,
+        )
 
     @property
     def num_completion_tokens(self) -> int:
@@ -110,40 +126,55 @@ class Tokens:
             completion_ids=self.completion_ids[:n],
             logprobs=self.logprobs[:n],
             versions=self.versions[:n],
-            supports=None if self.supports is None else self.supports[:n],
+            **{
+                name: None if getattr(self, name) is None else getattr(self, name)[:n]
+                for name in self._OPTIONAL
+            },
         )
+
+    def _joined(self, other: Tokens, name: str) -> list | None:
+        """An optional field of these tokens then ``other``'s (None entries where one did not record it)."""
+        mine, theirs = getattr(self, name), getattr(other, name)
+        if mine is None and theirs is None:
+            return None
+        return (mine or [None] * len(self.completion_ids)) + (theirs or [None] * len(other.completion_ids))
 
     def followed_by(self, other: Tokens) -> Tokens:
         """These tokens, then ``other``'s (a resumed request's prefix, then what it generated)."""
-        supports = None
-        if self.supports is not None or other.supports is not None:
-            supports = (self.supports or [None] * len(self.completion_ids)) + (
-                other.supports or [None] * len(other.completion_ids)
-            )
         return Tokens(
             completion_ids=self.completion_ids + other.completion_ids,
             logprobs=self.logprobs + other.logprobs,
             versions=self.versions + other.versions,
-            supports=supports,
+            **{name: self._joined(other, name) for name in self._OPTIONAL},
         )
 
     def extend(self, other: Tokens) -> None:
         """``other``'s tokens appended to these, in place (an episode growing turn by turn)."""
-        if self.supports is not None or other.supports is not None:
-            self.supports = (self.supports or [None] * len(self.completion_ids)) + (
-                other.supports or [None] * len(other.completion_ids)
-            )
+        for name in self._OPTIONAL:
+            setattr(self, name, self._joined(other, name))
         self.completion_ids += other.completion_ids
         self.logprobs += other.logprobs
         self.versions += other.versions
 
     def append(self, token: int, logprob: float, version: int, support: list[int] | None = None) -> None:
-        """One more sampled token (the engine's running record)."""
+        """One more sampled token (the engine's running record); its route is not known until
+        the token is fed back in (:meth:`set_routes`)."""
         self.completion_ids.append(token)
         self.logprobs.append(logprob)
         self.versions.append(version)
         if self.supports is not None:
             self.supports.append(support)
+        if self.routes is not None:
+            self.routes.append(None)
+
+    def set_routes(self, start: int, routes: list[bytes]) -> None:
+        """Routes of tokens ``start, start + 1, ...`` where none is recorded yet: a token keeps the
+        route of the forward that first fed it (a resumed prefix keeps its own)."""
+        if self.routes is None:
+            self.routes = [None] * len(self.completion_ids)
+        for t, route in enumerate(routes, start):
+            if t < len(self.routes) and self.routes[t] is None:
+                self.routes[t] = route
 
 
 @dataclass
@@ -172,6 +203,9 @@ class Sample(Tokens):
     # Per completion token, when step rewards make advantages differ along the completion
     # (algorithm.step_rewards); None: every token takes ``advantage``.
     token_advantages: list[float] | None = None
+    # A mixture-of-experts policy's experts for every prompt token (pack_routes bytes; None:
+    # not recorded). The samples of a group share one object, so a group pickles it once.
+    prompt_routes: bytes | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -211,6 +245,7 @@ class Group:
                     f"Group {self.group_id} of prompt {self.prompt.prompt_id!r} received a sample of "
                     f"prompt {s.prompt_id!r}, group {s.group_id}: completions must stay with their prompt"
                 )
+        _share_prompt_routes(self.samples)
 
     @property
     def size(self) -> int:
@@ -269,6 +304,15 @@ class Group:
         return cls(
             int(data["group_id"]), Prompt(**data["prompt"]), [Sample.from_dict(s) for s in data["samples"]]
         )
+
+
+def _share_prompt_routes(samples: list[Sample]) -> None:
+    """Samples whose prompt routes are equal (one prefill of the group's prompt) hold one object,
+    which a pickle of the group then writes once."""
+    seen: dict[bytes, bytes] = {}
+    for s in samples:
+        if s.prompt_routes is not None:
+            s.prompt_routes = seen.setdefault(s.prompt_routes, s.prompt_routes)
 
 
 def _trained_versions(sample: Sample) -> dict[int, int]:

@@ -219,6 +219,17 @@ class TrainerConfig(Section):
         "and LoRA; gradients equal those without it. See docs/trainer_memory.md.",
     )
 
+    routing_replay: Literal["off", "rollout"] = Field(
+        "off",
+        description="Keep Routing, for a mixture-of-experts policy (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE "
+        "routers): the engine records the experts every MoE layer chose for every token, and 'rollout' "
+        "makes every forward of the current policy in the trainer (recomputed old log-probs, the loss) "
+        "use them; gate weights are the live router's probabilities at those experts, renormalised as the "
+        "model does, so the router still learns. 'off': the trainer's routers choose. Either way the "
+        "metrics compare the two (routing_mismatch_frac, routing_drift_frac). 'rollout' with a dense "
+        "model, or a router asyncrl cannot hook, is refused at start. See docs/moe.md.",
+    )
+
     @field_validator("micro_batch_tokens", mode="before")
     @classmethod
     def _token_budget(cls, value: Any) -> int | str:
@@ -271,8 +282,9 @@ class TrainerConfig(Section):
                 "gradient_checkpointing is the old name of activation_checkpointing: keep only "
                 "activation_checkpointing"
             )
-        if data.get("packing") is False:  # YAML reads an unquoted `off` as false
-            data = {**data, "packing": "off"}
+        for key in ("packing", "routing_replay"):
+            if data.get(key) is False:  # YAML reads an unquoted `off` as false
+                data = {**data, key: "off"}
         # trainer.share_prompts (a bool) was replaced by trainer.packing; old configs keep working.
         if "share_prompts" not in data:
             return data

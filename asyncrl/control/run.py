@@ -14,6 +14,8 @@ from asyncrl.control import checkpoints as checkpoint
 from asyncrl.control.controller import Controller
 from asyncrl.control.session import RunSession, default_run_dir
 from asyncrl.errors import AsyncRLError
+from asyncrl.models.loading import load_model_config
+from asyncrl.models.routing import check_routing_replay
 from asyncrl.prompts.base import PromptSource
 from asyncrl.prompts.build import task_prompts
 from asyncrl.rewards.judges.service import served_judge
@@ -46,6 +48,8 @@ def train(cfg: Config, run_dir: Path | None = None, *, resume: bool = False) -> 
     """Run training; with ``resume``, continue ``run_dir`` from its newest checkpoint."""
     seed_everything(cfg.run.seed)
     prompts = task_prompts(cfg)  # a bad model path or dataset fails here, before a run directory is made
+    if cfg.trainer.routing_replay == "rollout":
+        check_routing_replay(load_model_config(cfg.model.path), cfg.model.path)
     build_episode(cfg)  # as does a bad episode.environment
     run_dir = run_dir or default_run_dir()
     resume_from = checkpoint.latest(run_dir) if resume else None

@@ -56,6 +56,7 @@ from asyncrl.engine.runner import Runner, static_layout
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.scheduler import Scheduler
 from asyncrl.engine.types import GenerationRequest, GenerationResult, GenerationStopped
+from asyncrl.models.routing import pack_routes
 
 
 class EmbeddedEngine:
@@ -256,6 +257,7 @@ class EmbeddedEngine:
             return []
         draw = scheduler.schedule_draw()
         finished = scheduler.postprocess(draw, self._runner.draw(draw), self.decode)
+        self._attach_routes()
         self.stats["tokens_generated"] += len(draw.slots)
         decode = scheduler.schedule_decode(refill=admit, version=self.version)
         if decode is not None:
@@ -289,7 +291,22 @@ class EmbeddedEngine:
         log-probs and versions), the seed, and the prompt ids, so that
         :func:`resume_request` can continue them exactly where they stopped.
         """
-        return self._scheduler.abort(None if request_ids is None else set(request_ids))
+        aborted = self._scheduler.abort(None if request_ids is None else set(request_ids))
+        self._attach_routes()
+        return aborted
+
+    def _attach_routes(self) -> None:
+        """Give the rows that just left their recorded expert routes (a mixture-of-experts model):
+        the prompt's as one record, each completion token fed back in its own (a resumed prefix
+        keeps the routes it came with)."""
+        runner, left = self._runner, self._scheduler.left
+        if runner is None or runner.routing is None or not left:
+            return
+        routes = runner.routes_of([(slot, columns) for _, slot, columns in left])
+        for (result, _, _), cached in zip(left, routes, strict=True):
+            prompt = len(result.prompt_ids)
+            result.prompt_routes = pack_routes(cached[:prompt])
+            result.set_routes(0, [pack_routes(route) for route in cached[prompt:]])
 
     def generate(
         self, requests: list[GenerationRequest], stop: Callable[[], bool] | None = None

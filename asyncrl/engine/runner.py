@@ -23,6 +23,13 @@ static tensors, run through :class:`~asyncrl.engine.graphs.StepRunner`, which re
 as CUDA graphs on CUDA (no Python runs inside a replayed step). On the CPU the same calls
 build their inputs per step at exactly the plan's shapes.
 
+**Expert routes.** For a mixture-of-experts model (:mod:`asyncrl.models.routing`) every
+forward records the experts each token took, per MoE layer, into ``slot_routes`` — the
+routes' twin of the KV cache, ``(slots, slot_len, layers, k)`` int16, written at the same
+(slot, column) as the token's keys and values, copied with them, and read once per request
+when it leaves (:meth:`Runner.routes_of`). The routers write into a static buffer and the
+scatter into ``slot_routes`` is part of the step, so a replayed decode graph records too.
+
 **One transfer per step.** A draw copies from the device once: the drawn tokens over their
 log-probs, packed into one float64 tensor; nothing on the step asks the device a question
 (``.item()``, ``bool()``). Rows that record their kept set (``keep_support``) draw eagerly,
@@ -39,6 +46,7 @@ from asyncrl.engine.kv_cache import SlotKVCache, length_mask
 from asyncrl.engine.plans import DecodePlan, Drawn, DrawPlan, PrefillPlan, PrefillRound
 from asyncrl.engine.sampling import sample_tokens
 from asyncrl.models.forward import with_cache
+from asyncrl.models.routing import routing_of
 
 
 def static_layout(device: torch.device) -> bool:
@@ -78,6 +86,26 @@ class Runner:
         self.starts_in = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions_in = torch.zeros(n, dtype=torch.long, device=dev)
         self.graphs = StepRunner(dev, capture=cuda_graphs)
+        self.routing = routing_of(model)
+        self.slot_routes: torch.Tensor | None = None
+        if self.routing is not None:
+            r = self.routing
+            self.slot_routes = torch.full((n, slot_len, r.layers, r.top_k), -1, dtype=torch.int16, device=dev)
+            r.allocate_recording(n, dev)  # a decode step's tokens: one per slot at most
+
+    def _copy_columns(self, source: int, target: int, columns: int) -> None:
+        """A slot's first ``columns`` cached tokens, keys, values and routes, copied to another slot."""
+        self.cache.copy_prefix(source, target, columns)
+        if self.slot_routes is not None:
+            self.slot_routes[target, :columns] = self.slot_routes[source, :columns]
+
+    def routes_of(self, rows: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """The recorded routes ``(columns, layers, k)`` of the first ``columns`` tokens of each
+        (slot, columns), on the host, in one transfer."""
+        longest = max(columns for _, columns in rows)
+        slots = torch.tensor([slot for slot, _ in rows], dtype=torch.long, device=self.device)
+        host = self.slot_routes[slots, :longest].cpu()
+        return [host[i, :columns] for i, (_, columns) in enumerate(rows)]
 
     # -- prefill ------------------------------------------------------------------------
 
@@ -89,7 +117,7 @@ class Runner:
         for batch in plan.rounds:
             self._prefill_round(batch)
         for source, target, columns in plan.twins:
-            self.cache.copy_prefix(source, target, columns)
+            self._copy_columns(source, target, columns)
             self.logits[target] = self.logits[source]
         dev = self.device
         index = torch.tensor([slot for slot, _, _ in plan.sampling], dtype=torch.long, device=dev)
@@ -105,7 +133,7 @@ class Runner:
         dev = self.device
         for p in batch.prefills:
             if p.source is not None:
-                self.cache.copy_prefix(p.source, p.slot, p.shared)
+                self._copy_columns(p.source, p.slot, p.shared)
         # Left-padded to the longest suffix; only the real tokens are written to the cache.
         width = max(len(p.tokens) for p in batch.prefills)
         input_ids = torch.full((len(batch.prefills), width), self.pad_token_id, dtype=torch.long)
@@ -184,7 +212,7 @@ class Runner:
         """Make the plan's moves, then feed every planned row its token at its own position,
         written in place; the new logits become the slots' pending logits."""
         for source, target, columns in plan.moves:
-            self.cache.copy_prefix(source, target, columns)
+            self._copy_columns(source, target, columns)
             for buf in (
                 self.logits,
                 self.temperature,
@@ -242,15 +270,24 @@ class Runner:
         # Additive, built once per forward and shared by every layer (SDPA would turn a boolean
         # mask into an additive one in each layer).
         mask = length_mask(starts, width, length, dtype, boolean=False)
-        out = with_cache(
-            self.model,
-            self.cache,
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions.clamp(min=0),
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        routes = None if self.routing is None else self.routing.record_into(input_ids.numel())
+        try:
+            out = with_cache(
+                self.model,
+                self.cache,
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions.clamp(min=0),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        finally:
+            if self.routing is not None:
+                self.routing.stop_recording()
+        if routes is not None:
+            # (layers, tokens, k) -> each real token's routes at its cache column.
+            per_token = routes.permute(1, 0, 2)
+            self.slot_routes[write_slots, write_cols] = per_token if source is None else per_token[source]
         return out.logits[:, -1]
 
 

@@ -119,6 +119,9 @@ class Scheduler:
         self.waiting: list[GenerationRequest] = []
         self.rows: list[Row | None] = [None] * num_slots
         self.lengths = [0] * num_slots
+        # The rows that left at the last postprocess or abort: (result, slot, cached columns),
+        # for what the runner still holds of them (their expert routes) until the next plan.
+        self.left: list[tuple[GenerationResult, int, int]] = []
 
     # -- bookkeeping --------------------------------------------------------------------
 
@@ -278,6 +281,7 @@ class Scheduler:
         stop string — matched on ``decode``'s text, when given — or the token budget);
         returns their results."""
         finished = []
+        self.left = []
         for i, (slot, tok, lp) in enumerate(zip(plan.slots, drawn.tokens, drawn.logprobs, strict=True)):
             row = self.rows[slot]
             row.generated.append(tok, lp, row.logits_version, drawn.supports[i] if drawn.supports else None)
@@ -288,6 +292,7 @@ class Scheduler:
                 finished.append(row.result("length"))
             else:
                 continue
+            self.left.append((finished[-1], slot, self.lengths[slot]))
             self._free(slot)
         return finished
 
@@ -345,6 +350,7 @@ class Scheduler:
         """Remove the wanted requests (all when None): the waiting ones, then the running ones
         by slot, each returning what it generated (a resumed prefix included)."""
         out: list[GenerationResult] = []
+        self.left = []
         keep_waiting = []
         for req in self.waiting:
             if wanted is None or req.request_id in wanted:
@@ -355,6 +361,7 @@ class Scheduler:
         for slot, row in enumerate(self.rows):
             if row is not None and (wanted is None or row.request.request_id in wanted):
                 out.append(row.result("abort"))
+                self.left.append((out[-1], slot, self.lengths[slot]))
                 self._free(slot)
         return out
 

@@ -33,6 +33,9 @@ class GenerationResult(Tokens):
     seed: int | None = None
     # When the request was aborted: what it needs to be resumed.
     prompt_ids: list[int] = field(default_factory=list)
+    # A mixture-of-experts engine's routes of the prompt (and of a resumed prefix's context),
+    # as the request's last prefill computed them (pack_routes bytes).
+    prompt_routes: bytes | None = None
 
     def _label(self) -> str:
         return f"result of request {self.request_id!r}"

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from asyncrl.models.forward import base_model
+from asyncrl.models.routing import checkpoint_state as routing_checkpoint_state
 
 _MARK = "_asyncrl_checkpointed"
 
@@ -53,12 +54,22 @@ def _checkpointed_forward(layer: torch.nn.Module, index: int, *args: Any, **kwar
     if not (layer.training and torch.is_grad_enabled()):
         return run(layer, *args, **kwargs)
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    replay = nullcontext
+    # What the replay must see as this forward saw it: the cache layer's state, and the
+    # routes forced on the layer's MoE router (the trainer has moved on to other tokens by
+    # the time the backward replays this layer); the replay does not count routes again.
+    states = routing_checkpoint_state(layer)
     if cache is not None:
         attention = getattr(layer, "self_attn", None)
         cache_layer = cache.layers[getattr(attention, "layer_idx", index)]
-        before = dict(vars(cache_layer))
-        replay = functools.partial(_state_as, cache_layer, before)
+        states.append((cache_layer, dict(vars(cache_layer))))
+
+    @contextmanager
+    def replay() -> Iterator[None]:  # entered when the backward replays the layer, not before
+        with ExitStack() as stack:
+            for obj, state in states:
+                stack.enter_context(_state_as(obj, state))
+            yield
+
     return checkpoint(
         functools.partial(run, layer, **kwargs),
         *args,

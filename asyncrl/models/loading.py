@@ -6,7 +6,8 @@ Sources:
   shipped with asyncrl, for the arithmetic task and the two built-in multi-turn tasks (see
   ``asyncrl sft``);
 - ``tiny:<size>[:<architecture>]`` — a randomly initialised tiny model with the character
-  tokenizer, e.g. ``tiny:1m`` or ``tiny:6m:llama``.
+  tokenizer, e.g. ``tiny:1m``, ``tiny:6m:llama`` or ``tiny:moe`` (= ``tiny:1m:moe``, a
+  Qwen3-MoE-style mixture of experts).
 
 Nothing is ever downloaded: Hugging Face loaders are called with ``local_files_only``.
 """
@@ -19,8 +20,10 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
@@ -123,6 +126,14 @@ def load_tokenizer(source: str, chat_template: str | None = None) -> tuple[PreTr
     return tok, int(config.get("max_position_embeddings") or 1 << 30)
 
 
+def load_model_config(source: str) -> PretrainedConfig:
+    """The model's configuration, without its weights (for checks at the start of a run)."""
+    if source.startswith("tiny:"):
+        size, arch = _tiny_spec(source)
+        return tiny_config(size, len(build_char_tokenizer()), architecture=arch)
+    return AutoConfig.from_pretrained(_directory(source), local_files_only=True)
+
+
 def _directory(source: str) -> Path:
     if not source.startswith("builtin:"):
         return Path(source)
@@ -138,6 +149,8 @@ def _directory(source: str) -> Path:
 
 def _tiny_spec(source: str) -> tuple[str, str]:
     parts = source.split(":")
+    if parts[1:] == ["moe"]:  # tiny:moe, the mixture of experts at the smallest size
+        parts = ["tiny", "1m", "moe"]
     size = parts[1] if len(parts) > 1 else ""
     arch = parts[2] if len(parts) > 2 else "qwen2"
     if size not in TINY_SIZES or arch not in TINY_ARCHITECTURES or len(parts) > 3:

@@ -220,6 +220,7 @@ class CompletionRollout(Rollout):
                         prompt_ids=list(pending.prompt_ids),
                         loss_mask=[1] * res.num_completion_tokens,
                         finish_reason="abort",
+                        prompt_routes=res.prompt_routes,
                     )
             partials.append(PartialGroup(group_id, pending.prompt, samples))
         self._scoring = []
@@ -337,6 +338,7 @@ class CompletionRollout(Rollout):
             loss_mask=[1] * answer_len + [0] * (len(ids) - answer_len),
             finish_reason=finish,
             completion_text=text,
+            prompt_routes=res.prompt_routes,
         )
 
     def _score(self, groups: list[Group]) -> None:

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from asyncrl.models.routing import ROUTE_DTYPE, RoutingError
 from asyncrl.types import Sample
 
 
@@ -35,6 +37,7 @@ class TreeLevel:
     position_ids: torch.Tensor  # (n, W)
     parent: torch.Tensor  # (n,) row of each segment's parent on the level above (empty on level 0)
     keep: int  # logits are computed for the last ``keep`` columns (0: none)
+    routes: torch.Tensor | None = None  # (n, W, layers * k) recorded experts, -1: none (MoE)
 
 
 @dataclass
@@ -69,6 +72,9 @@ class MicroBatch:
     input_ids: torch.Tensor | None = None  # (B, P + R - 1)
     attention_mask: torch.Tensor | None = None
     position_ids: torch.Tensor | None = None
+    # Keep Routing: (B, P + R - 1, layers * k) int16 experts the engine recorded for each input
+    # token of the padded layout, -1 where none (padding, unrecorded); None: a dense model.
+    input_routes: torch.Tensor | None = None
     tree: TreeInputs | None = None  # the prefix-tree layout
     # Keep Sampling Mask: (B, R, S) kept token ids per position, -1 padded; None when not recorded.
     support_ids: torch.Tensor | None = None
@@ -99,6 +105,7 @@ class MicroBatch:
             "input_ids",
             "attention_mask",
             "position_ids",
+            "input_routes",
             "support_ids",
             "has_support",
             "old_logprobs",
@@ -175,6 +182,52 @@ def _support_tensors(samples: list[Sample], width: int) -> tuple[torch.Tensor, t
     return support_ids, has_support
 
 
+def input_routes(sample: Sample, length: int) -> np.ndarray | None:
+    """The recorded routes of a sample's first ``length`` input tokens (its prompt, then its
+    completion fed back in), ``(length, layers * k)``, -1 where none; None if it has none."""
+    prompt = sample.prompt_routes
+    tokens = sample.routes or []
+    first = next((r for r in tokens if r), None)
+    if prompt is None and first is None:
+        return None
+    n_prompt = len(sample.prompt_ids)
+    item = np.dtype(ROUTE_DTYPE).itemsize
+    width = len(prompt) // (item * n_prompt) if prompt is not None else len(first) // item
+    out = np.full((length, width), -1, dtype=ROUTE_DTYPE)
+    try:
+        if prompt is not None:
+            out[: min(n_prompt, length)] = np.frombuffer(prompt, dtype=ROUTE_DTYPE).reshape(n_prompt, width)[
+                :length
+            ]
+        for t, route in enumerate(tokens[: max(length - n_prompt, 0)]):
+            if route:
+                out[n_prompt + t] = np.frombuffer(route, dtype=ROUTE_DTYPE)
+    except ValueError as exc:
+        raise RoutingError(
+            f"sample {sample.prompt_id!r} (group {sample.group_id}): its recorded routes do not have "
+            f"{width} expert ids for each of its {n_prompt} prompt tokens and fed completion tokens: {exc}"
+        ) from None
+    return out
+
+
+def routes_tensor(rows: list[np.ndarray | None], width: int, align_right: list[int]) -> torch.Tensor | None:
+    """Rows of routes as one ``(rows, width, layers * k)`` tensor, row ``i`` ending at column
+    ``align_right[i]`` (-1 elsewhere); None when no row has routes."""
+    present = [r for r in rows if r is not None]
+    if not present:
+        return None
+    ids = {r.shape[1] for r in present}
+    if len(ids) != 1:
+        raise RoutingError(
+            f"samples of one micro-batch recorded routes of different sizes: {sorted(ids)} ids per token"
+        )
+    out = torch.full((len(rows), width, ids.pop()), -1, dtype=torch.int16)
+    for i, r in enumerate(rows):
+        if r is not None:
+            out[i, align_right[i] - len(r) : align_right[i]] = torch.from_numpy(r)
+    return out
+
+
 def collate(samples: list[Sample], pad_token_id: int) -> MicroBatch:
     """The padded layout: one row of prompt + completion per sample."""
     per_token = per_token_tensors(samples, pad_token_id)
@@ -190,8 +243,16 @@ def collate(samples: list[Sample], pad_token_id: int) -> MicroBatch:
         input_ids[i, p : p + lc - 1] = torch.tensor(s.completion_ids[: lc - 1])
         attention[i, p - lp : p + lc - 1] = 1
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    routes = [input_routes(s, len(s.prompt_ids) + trained_span(s) - 1) for s in samples]
+    # Row i's input starts at column p - len(prompt): its routes end where its input does.
+    ends = [p + trained_span(s) - 1 for s in samples]
     return MicroBatch(
-        samples, **per_token, input_ids=input_ids, attention_mask=attention, position_ids=positions
+        samples,
+        **per_token,
+        input_ids=input_ids,
+        attention_mask=attention,
+        position_ids=positions,
+        input_routes=routes_tensor(routes, width, ends),
     )
 
 

@@ -22,6 +22,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 from transformers import PretrainedConfig
 
@@ -31,8 +32,10 @@ from asyncrl.trainer.batching import (
     TreeInputs,
     TreeLevel,
     collate,
+    input_routes,
     padded_cost,
     per_token_tensors,
+    routes_tensor,
     trained_span,
 )
 from asyncrl.trainer.prefix_tree import PrefixTree, prefix_tree, prompt_tree
@@ -97,6 +100,14 @@ def collate_tree(samples: list[Sample], pad_token_id: int, tree: PrefixTree | No
             if lo < hi:
                 need_from[id(seg)] = min(need_from.get(id(seg), len(seg)), lo - seg.start)
                 spans.append((i, seg, lo, hi))
+    # Keep Routing: each segment takes the recorded routes of the first sample whose path
+    # holds it (a group's prompt was prefilled once: its samples' prompt routes are one record).
+    routes = [input_routes(s, len(model_input(s))) for s in samples]
+    route_of: dict[int, np.ndarray | None] = {}
+    for i, path in enumerate(tree.paths):
+        for seg in path:
+            if id(seg) not in route_of and routes[i] is not None:
+                route_of[id(seg)] = routes[i][seg.start : seg.start + len(seg)]
     levels = []
     keeps = []
     mask_above = torch.zeros((0, 0), dtype=torch.long)
@@ -113,7 +124,8 @@ def collate_tree(samples: list[Sample], pad_token_id: int, tree: PrefixTree | No
         parent = torch.tensor([seg.parent.row for seg in rows if seg.level > 0], dtype=torch.long)
         mask = torch.cat([mask_above[parent], own_mask], dim=1) if len(parent) else own_mask
         keep = max((len(seg) - need_from[id(seg)] for seg in rows if id(seg) in need_from), default=0)
-        levels.append(TreeLevel(input_ids, mask, positions, parent, keep))
+        level_routes = routes_tensor([route_of.get(id(seg)) for seg in rows], width, [width] * len(rows))
+        levels.append(TreeLevel(input_ids, mask, positions, parent, keep, level_routes))
         keeps.append(keep)
         mask_above = mask
     base = [0]

@@ -40,6 +40,7 @@ from asyncrl.algorithms.advantages import group_advantages, step_advantages
 from asyncrl.config import AlgorithmConfig, TrainerConfig, old_logprob_mode
 from asyncrl.models.activation_checkpointing import enable_activation_checkpointing
 from asyncrl.models.lora import adapter_fqns, is_lora, published_weights
+from asyncrl.models.routing import route_bytes, routing_metrics, routing_of
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.logprobs import completion_logprobs
 from asyncrl.trainer.memory import resolve_micro_batch_tokens
@@ -140,9 +141,17 @@ class Trainer:
         # frozen copy of the initial policy, made only when it is used. It stays in the master
         # dtype and runs under the same autocast as the policy, so that the KL of the initial
         # policy to itself is exactly 0.
+        # Keep Routing (trainer.routing_replay): the policy's routers compare with, and may use,
+        # the experts the engine recorded. Patched before the reference copy, which compares only.
+        self.routing = routing_of(
+            model,
+            required_by="trainer.routing_replay=rollout" if trainer_cfg.routing_replay == "rollout" else None,
+        )
         self.ref_model = (
             copy.deepcopy(model).eval().requires_grad_(False) if algo_cfg.beta > 0 and not self.lora else None
         )
+        if self.routing is not None:
+            self.routing.replay = trainer_cfg.routing_replay == "rollout"
         if trainer_cfg.activation_checkpointing:  # the policy only: the reference computes no gradients
             enable_activation_checkpointing(model)
         self.micro_batch_tokens = resolve_micro_batch_tokens(
@@ -167,6 +176,8 @@ class Trainer:
         )
         self._stats: dict[str, float] = defaultdict(float)
         self._busy_s = 0.0
+        # Recorded route bytes and samples prepared since the last optimizer step, and of the last one.
+        self._route_bytes = self._step_route_bytes = (0.0, 0)
         # Called before every micro-batch forward/backward (e.g. to resize the thread pool).
         self.before_micro_batch: Callable[[], object] | None = None
 
@@ -188,6 +199,9 @@ class Trainer:
             collate_layout(chunk, layout, self.pad_token_id).to(self.device)
             for chunk, layout in plan_layouts(samples, self.micro_batch_tokens, self.packing)
         ]
+        if self.routing is not None:
+            total, count = self._route_bytes
+            self._route_bytes = (total + sum(route_bytes(s) for s in samples), count + len(samples))
         mode = self.old_logprob_mode
         with torch.no_grad(), self._eval_mode(), self.compute():
             for mb in batches:
@@ -271,6 +285,12 @@ class Trainer:
         self.scheduler.step()
         self.version += 1
         self._busy_s += time.perf_counter() - t0
+        if self.routing is not None:  # summed across ranks with the other step sums
+            self._stats.update({f"routing_{k}": v for k, v in self.routing.take_totals().items()})
+            # The samples prepared for this step (a batch's later optimizer steps repeat its first's).
+            if self._route_bytes[1]:
+                self._step_route_bytes, self._route_bytes = self._route_bytes, (0.0, 0)
+            self._stats["route_bytes"], self._stats["route_samples"] = self._step_route_bytes
         s = self._step_stats()
         tokens = max(s["tokens"], 1.0)
         return {
@@ -288,8 +308,18 @@ class Trainer:
             "parity_tokens": s["parity_tokens"],
             "trained_tokens": s["tokens"],
             **self._correction_metrics(s, tokens),
+            **(self._routing_metrics(s) if self.routing is not None else {}),
             "train_s": self._busy_s,
             "old_logprobs_source": self.old_logprob_mode,
+        }
+
+    def _routing_metrics(self, s: dict[str, float]) -> dict[str, float]:
+        """Keep Routing: the engine's and the trainer's experts compared over the step's forwards,
+        and the recorded routes' bytes per sample of the batch."""
+        totals = {k.removeprefix("routing_"): v for k, v in s.items() if k.startswith("routing_")}
+        return {
+            **routing_metrics(totals),
+            "route_bytes_per_sample": s["route_bytes"] / max(s["route_samples"], 1.0),
         }
 
     def _correction_metrics(self, s: dict[str, float], tokens: float) -> dict[str, float]:

@@ -23,6 +23,7 @@ from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.types import GenerationStopped
 from asyncrl.models.loading import Policy, resolve_device, save_policy
 from asyncrl.models.lora import published_weights, synced_parameters
+from asyncrl.models.routing import mismatched_routes
 from asyncrl.prompts.build import eval_prompts
 from asyncrl.rewards.scoring import ScoringStopped
 from asyncrl.rollout.base import Rollout
@@ -311,7 +312,13 @@ class TrainerWorker:
         """
         if self.is_leader:
             carried = checkpoint.read_rollouts(Path(command.path)) or {}
-            self.inbox.put(Delivery([Group.from_dict(g) for g in carried.get("groups", [])]))
+            groups = [Group.from_dict(g) for g in carried.get("groups", [])]
+            problem = mismatched_routes([s for g in groups for s in g.samples], self.trainer.routing)
+            if problem is not None:
+                raise checkpoint.CheckpointError(
+                    f"{command.path}: carried rollouts do not fit the model: {problem}"
+                )
+            self.inbox.put(Delivery(groups))
         weights, state = checkpoint.load_trainer_state(Path(command.path)) if self.is_leader else ({}, {})
         in_progress = state.pop("batch_in_progress", None)
         if in_progress is not None:
