@@ -52,13 +52,23 @@ def rank_config(ranks: int, parallel: str, model: str = "tiny:1m", extra: tuple[
             "run.steps=2",
             "runtime.start_timeout_s=60",
             "runtime.stall_timeout_s=60",
+            # The mixture of experts replays the routes its samples carry (make_groups).
+            *(("trainer.routing_replay=rollout",) if model.endswith("moe") else ()),
             *extra,
         ],
     )
 
 
-def make_groups(seed: int, sizes: list[int]) -> list[Group]:
-    """Groups of random prompts and completions (varied lengths, some masked tokens) with rewards."""
+def random_routes(tokens: int, g: torch.Generator) -> bytes:
+    """Expert routes of ``tokens`` tokens for tiny:moe (4 layers, top-2 of 8), two distinct experts each."""
+    first = torch.randint(0, 8, (tokens, 4), generator=g)
+    second = (first + torch.randint(1, 8, (tokens, 4), generator=g)) % 8
+    return torch.stack([first, second], dim=-1).to(torch.int16).numpy().tobytes()
+
+
+def make_groups(seed: int, sizes: list[int], routes: bool = False) -> list[Group]:
+    """Groups of random prompts and completions (varied lengths, some masked tokens) with rewards;
+    with ``routes``, random tiny:moe expert routes for every fed token."""
     g = torch.Generator().manual_seed(seed)
     groups = []
     for gid, size in enumerate(sizes):
@@ -84,15 +94,18 @@ def make_groups(seed: int, sizes: list[int]) -> list[Group]:
                     reward=float(torch.rand(1, generator=g) > 0.5),
                 )
             )
+            if routes:  # a group's prompt was prefilled once: its samples share its routes
+                samples[-1].prompt_routes = samples[0].prompt_routes or random_routes(len(prompt_ids), g)
+                samples[-1].routes = [random_routes(1, g) for _ in range(n - 1)] + [None]
         groups.append(Group(gid, prompt, samples))
     return groups
 
 
-def command_sequence() -> list:
+def command_sequence(routes: bool = False) -> list:
     """Two optimizer steps, each streamed in uneven Accumulate commands, each publishing."""
     commands: list = []
     for step, sizes in enumerate([[4, 3, 4, 1], [2, 4, 4, 3]]):
-        groups = make_groups(seed=10 + step, sizes=sizes)
+        groups = make_groups(seed=10 + step, sizes=sizes, routes=routes)
         samples = [s for g in groups for s in g.samples]
         divisor = float(sum(s.num_trained_tokens for s in samples))  # dapo: trained tokens of the batch
         commands += [Accumulate.of(groups[:2]), Accumulate.of(groups[2:3]), Accumulate.of(groups[3:])]
@@ -103,7 +116,7 @@ def command_sequence() -> list:
 def drive(worker: TrainerWorker, channel: InProcessChannel) -> dict:
     """Rank 0's side: run the commands, return the published weights and the step metrics."""
     metrics = []
-    for command in command_sequence():
+    for command in command_sequence(routes=worker.trainer.routing is not None):
         metrics += [e.metrics for e in worker.handle(command) if isinstance(e, StepDone)]
     return {"weights": dict(channel._tensors), "metrics": metrics}
 
@@ -234,6 +247,9 @@ def fsdp2_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
         ("fsdp2", "tiny:1m"),
         pytest.param("ddp", "tiny:1m:llama", marks=pytest.mark.slow),
         pytest.param("fsdp2", "tiny:1m:llama", marks=pytest.mark.slow),
+        # Keep Routing: every rank forces its share's recorded experts (tests/test_routing.py).
+        pytest.param("ddp", "tiny:moe", marks=pytest.mark.slow),
+        pytest.param("fsdp2", "tiny:moe", marks=pytest.mark.slow),
     ],
 )
 def test_two_ranks_match_one_process(
@@ -266,6 +282,13 @@ def test_two_ranks_match_one_process(
         assert got_m["logprob_diff_max"] == pytest.approx(ref_m["logprob_diff_max"], abs=1e-5)
         for key in ("loss", "grad_norm", "kl_ref", "entropy", "clip_frac", "ratio_mean"):
             assert got_m[key] == pytest.approx(ref_m[key], rel=1e-4, abs=1e-6), key
+        if model.endswith("moe"):
+            # Every rank compares the routes of what it forwards (a prompt split across ranks is
+            # forwarded by each) and the counts are summed; the random routes are rarely the live
+            # router's, and replay uses them all.
+            assert got_m["routing_compared_tokens"] >= ref_m["routing_compared_tokens"] > 0
+            assert got_m["routing_mismatch_frac"] == ref_m["routing_mismatch_frac"] == 0.0
+            assert got_m["routing_drift_frac"] > 0.5 and ref_m["routing_drift_frac"] > 0.5
     assert max(m["grad_norm"] for m in got["metrics"]) > 0.5  # clipping was active
 
 

@@ -139,7 +139,7 @@ def test_tiny_config_rejects_unknown_size_and_architecture() -> None:
     """tiny_config names the bad size or architecture and the allowed ones."""
     with pytest.raises(ValueError, match=r"unknown tiny model size '3m'; allowed: \['1m', '6m'\]"):
         tiny_config("3m", 99)
-    with pytest.raises(ValueError, match=r"unknown tiny architecture 'gpt2'; allowed: \['qwen2', 'llama'\]"):
+    with pytest.raises(ValueError, match=r"unknown tiny architecture 'gpt2'; allowed: \['qwen2', 'llama', 'moe'\]"):
         tiny_config("1m", 99, architecture="gpt2")
 
 
@@ -200,7 +200,7 @@ def test_load_policy_tokenizer_without_pad_uses_eos(saved_tiny, tmp_path: Path) 
     ("source", "needle"),
     [
         ("tiny:3m", "expected tiny:<size>[:<architecture>] with size in ['1m', '6m']"),
-        ("tiny:1m:gpt2", "architecture in ['qwen2', 'llama']"),
+        ("tiny:1m:gpt2", "architecture in ['qwen2', 'llama', 'moe']"),
         ("tiny:1m:llama:x", "expected tiny:<size>[:<architecture>]"),
         ("tiny:", "expected tiny:<size>[:<architecture>]"),
         (
