@@ -139,7 +139,9 @@ def test_tiny_config_rejects_unknown_size_and_architecture() -> None:
     """tiny_config names the bad size or architecture and the allowed ones."""
     with pytest.raises(ValueError, match=r"unknown tiny model size '3m'; allowed: \['1m', '6m'\]"):
         tiny_config("3m", 99)
-    with pytest.raises(ValueError, match=r"unknown tiny architecture 'gpt2'; allowed: \['qwen2', 'llama', 'moe'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown tiny architecture 'gpt2'; allowed: \['qwen2', 'llama', 'moe'\]"
+    ):
         tiny_config("1m", 99, architecture="gpt2")
 
 
