@@ -358,7 +358,10 @@ def test_lora_adapters_replay_the_recorded_experts(moe: Policy) -> None:
 # -- runs, records and bad input -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("replay", ["rollout", "off"])
+@pytest.mark.parametrize(
+    "replay",
+    ["rollout", pytest.param("off", marks=pytest.mark.slow)],  # off: mismatch = drift, counted alike
+)
 def test_a_run_reports_routing_mismatch_and_drift(tmp_path, replay: str) -> None:
     """A bfloat16 engine and a float32 trainer under bfloat16 autocast route some tokens apart;
     with replay the experts used never differ (mismatch 0), without it mismatch = drift."""
@@ -459,3 +462,139 @@ def test_a_decode_step_replayed_as_a_cuda_graph_records_routes(moe: Policy) -> N
             and a.prompt_routes == b.prompt_routes
         )
         assert all(r is not None for r in a.routes[:-1])
+
+
+# -- local checkpoints of the supported families -------------------------------------------------
+
+
+def family_checkpoint(directory, family: str) -> str:
+    """A random tiny checkpoint of a transformers MoE family, saved with the character tokenizer."""
+    import shutil
+
+    from transformers import (
+        AutoModelForCausalLM,
+        MixtralConfig,
+        OlmoeConfig,
+        Qwen2MoeConfig,
+        Qwen3MoeConfig,
+    )
+
+    from asyncrl.builtin.tiny import BUILTIN_MODELS
+
+    common = dict(
+        vocab_size=99,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        eos_token_id=1,
+        pad_token_id=0,
+        num_experts_per_tok=2,
+    )
+    configs = {
+        "qwen2_moe": lambda: Qwen2MoeConfig(
+            **common, num_experts=6, moe_intermediate_size=32, shared_expert_intermediate_size=32
+        ),
+        "qwen3_moe": lambda: Qwen3MoeConfig(
+            **common, num_experts=6, moe_intermediate_size=32, norm_topk_prob=True
+        ),
+        "mixtral": lambda: MixtralConfig(**common, num_local_experts=6),
+        "olmoe": lambda: OlmoeConfig(**common, num_experts=6),
+    }
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(configs[family]())
+    model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(BUILTIN_MODELS["arith"] / name, directory / name)
+    return str(directory)
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        # Mixtral's gate weights stay float32 (the other families cast them back); the others are
+        # slow: tiny:moe is a Qwen3-MoE, tested throughout this file.
+        "mixtral",
+        pytest.param("qwen2_moe", marks=pytest.mark.slow),
+        pytest.param("qwen3_moe", marks=pytest.mark.slow),
+        pytest.param("olmoe", marks=pytest.mark.slow),
+    ],
+)
+def test_local_checkpoints_of_each_family_record_and_replay(tmp_path, family: str) -> None:
+    """A checkpoint of each family loads from its directory; the engine records its routers'
+    choices; forcing altered routes changes exactly the altered decisions and is counted."""
+    from asyncrl.models.loading import load_model_config
+    from asyncrl.models.routing import check_routing_replay
+
+    source = family_checkpoint(tmp_path / family, family)
+    check_routing_replay(load_model_config(source), source)  # accepted at the start of a run
+    policy = load_policy(source, device="cpu", dtype="float32", seed=0)
+    routing = routing_of(policy.model)
+    assert (routing.layers, routing.top_k, routing.num_experts) == (3, 2, 6)
+    samples = samples_of(generate_groups(policy, 2, 2, max_new=6))
+    for s in samples:
+        engine = torch.cat([recorded(policy, s.prompt_routes)] + [recorded(policy, r) for r in s.routes[:-1]])
+        assert torch.equal(engine, plain_routes(policy.model, s.prompt_ids + s.completion_ids[:-1]))
+    mb = collate(samples, policy.pad_token_id)
+    live, counts = logprobs_and_counts(policy.model, mb, replay=True)
+    assert (
+        counts["drifted"] == 0
+        and float(((live - mb.behaviour_logprobs).abs() * mb.mask).max()) < LOGPROB_BOUND
+    )
+
+    def first_layer_to(position: int, token: int, routes: np.ndarray) -> np.ndarray:
+        routes = routes.copy()
+        if position % 2 == 0:
+            routes[:2] = [4, 5] if set(routes[:2]) != {4, 5} else [0, 1]
+        return routes
+
+    changed = collate(with_routes(samples, first_layer_to), policy.pad_token_id)
+    altered = sum(
+        1 for s in samples for t in range(len(s.prompt_ids) + len(s.completion_ids) - 1) if t % 2 == 0
+    )
+    _, counts = logprobs_and_counts(policy.model, changed, replay=False)
+    forced, replay_counts = logprobs_and_counts(policy.model, changed, replay=True)
+    assert counts["drifted"] == counts["mismatched"] == altered and replay_counts["mismatched"] == 0
+    assert float(((forced - live).abs() * mb.mask).max()) > 1e-4
+
+
+@pytest.mark.slow  # routes of a run replayed: test_a_run_reports_routing_mismatch_and_drift; pickled with their group: test_the_engine_records_the_experts_a_plain_forward_chooses
+@pytest.mark.multiprocess
+def test_routes_cross_processes_and_a_checkpoint_and_replay_after_the_resume(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Async, local runtime (the generator in its own process, groups sent to the trainer), stopped
+    by SIGTERM after a step: the checkpoint carries generated groups with their routes, and every
+    step, before the stop and after the resume, replays routes (compared, none mismatched)."""
+    import json
+    import signal
+
+    from asyncrl.control import checkpoints
+    from asyncrl.types import Group
+    from tests.helpers import ONE_THREAD_EACH, signalled_when
+
+    run_dir = tmp_path / "run"
+    overrides = [
+        *short_run(4, prompts=4, group_size=2),
+        "model.path=tiny:moe",
+        "trainer.routing_replay=rollout",
+        "schedule=async",
+        "schedule.max_staleness=2",
+        "runtime.kind=local",
+        *ONE_THREAD_EACH,
+    ]
+    metrics = run_dir / "metrics.jsonl"
+    with signalled_when(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 1):
+        code = main(["train", *sets(overrides), "--run-dir", str(run_dir)])
+    assert code == 128 + signal.SIGTERM.value, capsys.readouterr().err
+    carried = checkpoints.read_rollouts(checkpoints.latest(run_dir))["groups"]
+    assert carried, "the stop carried no generated group"
+    for group in map(Group.from_dict, carried):
+        for s in group.samples:
+            assert s.prompt_routes and all(r is not None for r in s.routes[:-1])
+    assert main(["train", "--resume", str(run_dir)]) == 0
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["routing_compared_tokens"] > 0 and r["routing_mismatch_frac"] == 0.0 for r in rows)

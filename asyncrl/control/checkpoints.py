@@ -88,6 +88,28 @@ def save_trainer_state(directory: Path, policy, state: dict[str, Any]) -> None:
     _atomic_torch_save({**state, "rng": rng}, directory / TRAINER_FILE)
 
 
+def _converted_on_save(weights_file: Path) -> bool:
+    """Whether transformers wrote these weights under other names than the model's parameters:
+    it splits a mixture of experts' fused expert tensors into one tensor per expert on save."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    config = weights_file.parent / "config.json"
+    if weights_file.name != WEIGHT_FILES[-1] or not config.is_file():
+        return False
+    return bool(
+        get_checkpoint_conversion_mapping(json.loads(config.read_text(encoding="utf-8")).get("model_type"))
+    )
+
+
+def _converted(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The weights of a checkpoint that transformers converted on save, under the model's own
+    parameter names (transformers loads them back, fusing what it split)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype="auto")
+    return dict(model.state_dict())
+
+
 def load_trainer_state(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(model weights by parameter name, trainer state) as :func:`save_trainer_state` wrote them.
 
@@ -101,7 +123,9 @@ def load_trainer_state(directory: Path) -> tuple[dict[str, torch.Tensor], dict[s
         (model_dir / f for f in WEIGHT_FILES if (model_dir / f).is_file()), model_dir / WEIGHT_FILES[-1]
     )
     try:
-        weights = load_file(str(weights_file))
+        weights = (
+            load_file(str(weights_file)) if not _converted_on_save(weights_file) else _converted(model_dir)
+        )
         state = torch.load(directory / TRAINER_FILE, map_location="cpu", weights_only=False)
     except (OSError, RuntimeError) as exc:
         raise CheckpointError(f"cannot read the checkpoint in {str(directory)!r}: {exc}") from None
