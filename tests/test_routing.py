@@ -364,7 +364,8 @@ def test_lora_adapters_replay_the_recorded_experts(moe: Policy) -> None:
 )
 def test_a_run_reports_routing_mismatch_and_drift(tmp_path, replay: str) -> None:
     """A bfloat16 engine and a float32 trainer under bfloat16 autocast route some tokens apart;
-    with replay the experts used never differ (mismatch 0), without it mismatch = drift."""
+    with replay the experts used never differ (mismatch 0), without it mismatch = drift; the
+    drift is also reported by the version lag of the tokens (async, up to 1 version old)."""
     import json
 
     overrides = [
@@ -372,6 +373,9 @@ def test_a_run_reports_routing_mismatch_and_drift(tmp_path, replay: str) -> None
         "model.path=tiny:moe",
         "model.dtype=bfloat16",
         "runtime.kind=inline",
+        "schedule=async",
+        "schedule.max_staleness=1",
+        "trainer.packing=off",  # route staleness is counted in the padded layout
         f"trainer.routing_replay={replay}",
     ]
     assert main(["train", *sets(overrides), "--run-dir", str(tmp_path / "run")]) == 0
@@ -379,6 +383,10 @@ def test_a_run_reports_routing_mismatch_and_drift(tmp_path, replay: str) -> None
     assert len(rows) == 3
     assert all(r["routing_compared_tokens"] > 100 and r["route_bytes_per_sample"] > 16 for r in rows)
     assert sum(r["routing_drift_frac"] for r in rows) > 0
+    # Tokens up to 1 version old: drift by lag 0 and 1, each a fraction.
+    lags = {key for r in rows for key in r if key.startswith("routing_drift_frac_lag")}
+    assert lags == {"routing_drift_frac_lag0", "routing_drift_frac_lag1"}
+    assert all(0 <= r[key] <= 1 for r in rows for key in lags if key in r)
     for r in rows:
         if replay == "rollout":
             assert r["routing_mismatch_frac"] == 0 == r["routing_mismatch_tokens_frac"]
@@ -598,3 +606,29 @@ def test_routes_cross_processes_and_a_checkpoint_and_replay_after_the_resume(
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["routing_compared_tokens"] > 0 and r["routing_mismatch_frac"] == 0.0 for r in rows)
+
+
+def test_route_staleness_is_counted_by_the_version_lag_of_each_completion_token(moe: Policy) -> None:
+    """The drift of the loss forward, split by how many versions ago each fed completion token was
+    sampled; prompt tokens are not counted (they carry no version)."""
+    from asyncrl.trainer.routing_metrics import drift_by_lag, routing_step_metrics
+
+    samples = samples_of(generate_groups(moe, 2, 2, max_new=6))
+    for s in samples:
+        s.versions = [0, 1, 2, 3, 4, 4][: len(s.versions)]
+    changed = with_routes(samples, shifted_first_layer)
+    mb = collate(changed, moe.pad_token_id)
+    logprobs_and_counts(moe.model, mb, replay=False)
+    sums = drift_by_lag(routing_of(moe.model), mb, version=4)
+    # Fed completion tokens 0..4 of each sample: lags 4, 3, 2, 1, 0 -> buckets 3+, 3+, 2, 1, 0.
+    assert [sums[f"routing_lag{lag}_decisions"] for lag in ("0", "1", "2", "3+")] == [16.0, 16.0, 16.0, 32.0]
+    altered = {lag: 0 for lag in ("0", "1", "2", "3+")}
+    for s in samples:
+        for t in range(5):
+            if (len(s.prompt_ids) + t) % 3 == 0:
+                altered[{4: "3+", 3: "3+", 2: "2", 1: "1", 0: "0"}[4 - t]] += 1
+    assert {lag: sums[f"routing_lag{lag}_drifted"] for lag in altered} == {
+        k: float(v) for k, v in altered.items()
+    }
+    metrics = routing_step_metrics({**sums, "route_bytes": 0.0, "route_samples": 0.0})
+    assert metrics["routing_drift_frac_lag3+"] == altered["3+"] / 32

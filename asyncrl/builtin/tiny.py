@@ -35,6 +35,8 @@ BUILTIN_MODELS = {
     "arith": SHIPPED_DIR / "tiny-arith",
     "calculator": SHIPPED_DIR / "tiny-calculator",
     "guess": SHIPPED_DIR / "tiny-guess",
+    # tiny:moe warm-started on arithmetic like builtin:arith (`asyncrl sft --model tiny:moe`).
+    "moe": SHIPPED_DIR / "tiny-moe",
 }
 
 

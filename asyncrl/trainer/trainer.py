@@ -40,12 +40,13 @@ from asyncrl.algorithms.advantages import group_advantages, step_advantages
 from asyncrl.config import AlgorithmConfig, TrainerConfig, old_logprob_mode
 from asyncrl.models.activation_checkpointing import enable_activation_checkpointing
 from asyncrl.models.lora import adapter_fqns, is_lora, published_weights
-from asyncrl.models.routing import route_bytes, routing_metrics, routing_of
+from asyncrl.models.routing import route_bytes, routing_of
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.logprobs import completion_logprobs
 from asyncrl.trainer.memory import resolve_micro_batch_tokens
 from asyncrl.trainer.packing import packing_for
 from asyncrl.trainer.planning import collate_layout, plan_layouts
+from asyncrl.trainer.routing_metrics import drift_by_lag, routing_step_metrics
 from asyncrl.types import Group, Sample
 
 
@@ -308,18 +309,9 @@ class Trainer:
             "parity_tokens": s["parity_tokens"],
             "trained_tokens": s["tokens"],
             **self._correction_metrics(s, tokens),
-            **(self._routing_metrics(s) if self.routing is not None else {}),
+            **(routing_step_metrics(s) if self.routing is not None else {}),
             "train_s": self._busy_s,
             "old_logprobs_source": self.old_logprob_mode,
-        }
-
-    def _routing_metrics(self, s: dict[str, float]) -> dict[str, float]:
-        """Keep Routing: the engine's and the trainer's experts compared over the step's forwards,
-        and the recorded routes' bytes per sample of the batch."""
-        totals = {k.removeprefix("routing_"): v for k, v in s.items() if k.startswith("routing_")}
-        return {
-            **routing_metrics(totals),
-            "route_bytes_per_sample": s["route_bytes"] / max(s["route_samples"], 1.0),
         }
 
     def _correction_metrics(self, s: dict[str, float], tokens: float) -> dict[str, float]:
@@ -396,13 +388,15 @@ class Trainer:
                 entropy_grad=bool(algo.entropy_coef),
                 chunk_tokens=self.cfg.logprob_chunk_tokens,
             )
+        stats: dict[str, float] = {}
+        if self.routing is not None and mb.input_routes is not None:
+            stats.update(drift_by_lag(self.routing, mb, self.version))
         mask = mb.mask
         old = logp.detach() if mb.old_logprobs is None else mb.old_logprobs
         log_ratio = losses.log_importance_ratio(logp, old, mask, algo.ratio_level)
         per_token, clipped = losses.clipped_policy_loss(
             log_ratio, mb.advantages, algo.epsilon_low, algo.epsilon_high, algo.delta
         )
-        stats: dict[str, float] = {}
         if algo.opsm_delta is not None:
             keep = corrections.off_policy_sequence_mask(
                 logp, mb.behaviour_logprobs, mb.advantages, mask, algo.opsm_delta
