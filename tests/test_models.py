@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer
 
 from asyncrl.builtin.arithmetic import ArithmeticTask
-from asyncrl.builtin.tiny import build_tiny_model, tiny_config
+from asyncrl.builtin.tiny import BUILTIN_MODELS, build_tiny_model, tiny_config
 from asyncrl.builtin.tokenizer import CHARACTERS, build_char_tokenizer
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.sampling import SamplingParams
@@ -24,9 +24,6 @@ from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.rollout.evaluation import evaluate
 
 SAMPLE_TEXT = CHARACTERS + "\nWhat is 12 + 7?\n\n  Answer: 19.\n" + "x\ny z"
-SHIPPED_SUMMARY = (
-    Path(__file__).resolve().parent.parent / "asyncrl/builtin/models/tiny-arith/sft_summary.json"
-)
 
 
 def ids(tokenizer, text: str = SAMPLE_TEXT) -> list[int]:
@@ -244,10 +241,15 @@ def test_builtin_arith_tokenizer_is_the_char_tokenizer() -> None:
     assert (policy.eos_token_id, policy.pad_token_id) == (1, 0)
 
 
-def test_builtin_arith_answers_most_additions() -> None:
-    """builtin:arith answers ~80% of held-out 1-2 digit additions greedily and ~18% sampled (its shipped summary)."""
-    policy = load_policy("builtin:arith", device="cpu")
-    summary = json.loads(SHIPPED_SUMMARY.read_text(encoding="utf-8"))
+@pytest.mark.parametrize(
+    ("name", "greedy_at_least"),
+    [("arith", 0.72), pytest.param("moe", 0.78, marks=pytest.mark.slow)],  # the MoE's forwards: test_routing
+)
+def test_builtin_arith_answers_most_additions(name: str, greedy_at_least: float) -> None:
+    """builtin:arith answers ~80% of held-out 1-2 digit additions greedily and ~18% sampled (its
+    shipped summary); builtin:moe, the mixture of experts warm-started alike, ~87% and ~22%."""
+    policy = load_policy(f"builtin:{name}", device="cpu")
+    summary = json.loads((BUILTIN_MODELS[name] / "sft_summary.json").read_text(encoding="utf-8"))
     stop = (policy.eos_token_id,)
     greedy = SamplingParams(max_new_tokens=5, temperature=0.0, stop_token_ids=stop)
     sampled = SamplingParams(max_new_tokens=5, temperature=1.0, stop_token_ids=stop)
@@ -259,9 +261,9 @@ def test_builtin_arith_answers_most_additions() -> None:
             evaluate(CompletionRollout(engine, policy.tokenizer, exact_match, greedy, 1), prompts),
             evaluate(CompletionRollout(engine, policy.tokenizer, exact_match, sampled, 1), prompts),
         )
-    # Measured: greedy 0.815 / 0.7975 and sampled 0.185 / 0.175 on the two prompt sets.
+    # Measured: arith greedy 0.815 / 0.7975 and sampled 0.185 / 0.175 on the two prompt sets.
     for acc_greedy, acc_sampled in results.values():
-        assert acc_greedy >= 0.72
+        assert acc_greedy >= greedy_at_least
         assert 0.08 <= acc_sampled <= 0.3
     # On the SFT's own held-out prompts the greedy accuracy reproduces the shipped summary.
     assert results[summary["config"]["eval_seed"]][0] == pytest.approx(summary["accuracy_greedy"], abs=0.02)
