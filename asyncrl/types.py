@@ -69,9 +69,9 @@ class Tokens:
     choose; None = the whole vocabulary) when that is recorded. ``routes[t]`` is, for a
     mixture-of-experts policy, the experts every MoE layer chose for token ``t`` when the
     engine fed it back in (:func:`asyncrl.models.routing.pack_routes` bytes, ``layers x k``
-    ids; None: not fed, like the last token, or not recorded): the weights that computed
-    them are those of ``versions[t + 1]``, the token it helped sample. Keep Sampling Mask
-    reads ``supports``, Keep Routing reads ``routes``. The engine grows one while a request runs, an aborted
+    ids; None: not fed, like the last token, or not recorded), computed by the weights of
+    ``versions[t + 1]``, the token it helped sample. Keep Sampling Mask reads ``supports``,
+    Keep Routing reads ``routes``. The engine grows one while a request runs, an aborted
     request's prefix is one, and :class:`Sample` and the engine's ``GenerationResult`` are
     ones with more fields: moving tokens between them is :meth:`tokens`, :meth:`cut` and
     :meth:`followed_by`, never a field-by-field copy.
@@ -99,14 +99,8 @@ class Tokens:
         return type(self).__name__
 
     @staticmethod
-    def empty(supports: bool = False, routes: bool = False) -> Tokens:
-        return Tokens(
-            completion_ids=[],
-            logprobs=[],
-            versions=[],
-            supports=[] if supports else None,
-            routes=[] if routes else None,
-        )
+    def empty(supports: bool = False) -> Tokens:
+        return Tokens(completion_ids=[], logprobs=[], versions=[], supports=[] if supports else None)
 
     @property
     def num_completion_tokens(self) -> int:

@@ -210,7 +210,7 @@ def test_user_errors_exit_2_with_one_line(
     assert "Traceback" not in err
 
 
-@pytest.mark.slow  # exit 2 with one line: test_user_errors_exit_2_with_one_line; `python -m asyncrl.cli` as a program: test_server
+@pytest.mark.slow  # exit 2 with one line: test_user_errors_exit_2_with_one_line; `python -m asyncrl.cli` as a program: test_stops
 @pytest.mark.multiprocess
 def test_user_error_in_a_subprocess_has_no_traceback(tmp_path: Path) -> None:
     """Run as a program, a bad key gives exit code 2 and exactly one error line on stderr."""

@@ -1,10 +1,11 @@
 """``asyncrl serve`` through the official ``openai`` client: completions, chat, streaming, errors, policy updates.
 
-The server is a subprocess on a free port of 127.0.0.1 (``--port 0``; the port is read from
-its first stdout line) serving the shipped ``builtin:arith`` model, stopped by its handle
-when the module's tests are done. Policy updates get a server of their own, so the other
-tests always talk to version 0: the same server, started as ``asyncrl serve`` starts it, in a
-thread of this process.
+The tests talk to the server ``asyncrl serve`` builds (OpenAIServer over the shipped
+``builtin:arith`` model, seed 0), started as the command starts it, on a free port of
+127.0.0.1 in a thread of this process, and stopped when the module's tests are done. Policy
+updates get a server of their own, so the other tests always talk to version 0. The command
+itself, as a program (``--port 0``, the port read from its first stdout line, a clean stop
+by SIGTERM), is test_asyncrl_serve_as_a_program_announces_its_port_serves_and_stops.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from tests.helpers import child_env
 # A test dependency only: a machine without it (the GPU machine) skips this module.
 openai = pytest.importorskip("openai", reason="these tests speak through the official openai client")
 
-pytestmark = pytest.mark.multiprocess
 
 MODEL = "builtin:arith"
 START_TIMEOUT_S = 60.0
@@ -103,12 +103,31 @@ def stop_server(proc: subprocess.Popen) -> None:
     proc.stdout.close()
 
 
+def serve_in_this_process() -> tuple[OpenAIServer, Server]:
+    """OpenAIServer as ``asyncrl serve`` builds it with its defaults, started on a free port."""
+    app = OpenAIServer(load_policy(MODEL, device="cpu", seed=0), model_name=MODEL, max_batch_size=64, seed=0)
+    host, port = app.start("127.0.0.1", 0)
+    return app, Server(None, f"http://{host}:{port}", None)
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """A server of builtin:arith at policy version 0, shared by the module and stopped by its handle."""
-    srv = start_server(tmp_path_factory.mktemp("serve"))
-    yield srv
-    stop_server(srv.process)
+def server() -> Iterator[Server]:
+    """A server of builtin:arith at policy version 0, shared by the module's tests."""
+    app, srv = serve_in_this_process()
+    try:
+        yield srv
+    finally:
+        app.stop()
+
+
+@pytest.mark.slow  # the server it runs: this module's other tests; `asyncrl train` as a program: test_stops
+@pytest.mark.multiprocess
+def test_asyncrl_serve_as_a_program_announces_its_port_serves_and_stops(tmp_path: Path) -> None:
+    srv = start_server(tmp_path)
+    try:
+        assert_serving(srv)
+    finally:
+        stop_server(srv.process)
     assert srv.process.returncode == 0, srv.stderr.read_text()[-2000:]
 
 
@@ -366,10 +385,9 @@ def test_non_json_body_and_unknown_routes_are_4xx_and_serving_goes_on(server: Se
 def policy_server() -> Iterator[Server]:
     """A second server, for the tests that change its weights: OpenAIServer as ``asyncrl serve``
     builds it (seed 0), in a thread of this process (serving as a program is the other one's)."""
-    app = OpenAIServer(load_policy(MODEL, device="cpu", seed=0), model_name=MODEL)
-    host, port = app.start("127.0.0.1", 0)
+    app, srv = serve_in_this_process()
     try:
-        yield Server(None, f"http://{host}:{port}", None)
+        yield srv
     finally:
         app.stop()
 
