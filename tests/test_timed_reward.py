@@ -188,6 +188,7 @@ def test_run_with_a_reward_that_hangs_once_finishes_and_records_one_error(
     assert summary["accounting"]["reconciles"]
 
 
+@pytest.mark.slow  # a hanging call cut off: test_a_hanging_call_is_cut_off_and_the_next_call_works; calls in processes side by side: test_calls_beyond_the_process_limit_wait_for_a_free_process
 def test_a_batch_of_hanging_calls_costs_about_one_timeout(reward_spec: str) -> None:
     n, timeout = 16, 1.0
     fn = TimedReward(reward_spec, timeout_s=timeout, processes=n)
