@@ -598,6 +598,7 @@ def test_a_publication_whose_receivers_never_join_holds_the_next_one_at_most_the
     assert sender.published == [1]
 
 
+@pytest.mark.slow  # the broadcast group's bounded waits: test_weight_sync's test_broadcast_receive_of_unpublished_version_times_out and test_broadcast_sender_whose_receivers_never_join_fails_within_its_timeout
 def test_broadcast_plane_lookups_end_at_the_group_timeout() -> None:
     """The same-host plane's two store waits are bounded by each end's group timeout_s: a receiver
     whose sender never names a segment (2 s), and a sender one of whose receivers never reports
