@@ -632,3 +632,35 @@ def test_route_staleness_is_counted_by_the_version_lag_of_each_completion_token(
     }
     metrics = routing_step_metrics({**sums, "route_bytes": 0.0, "route_samples": 0.0})
     assert metrics["routing_drift_frac_lag3+"] == altered["3+"] / 32
+
+
+def test_after_an_in_flight_weight_swap_each_token_keeps_the_routes_of_the_weights_that_fed_it(
+    moe: Policy,
+) -> None:
+    """Weights swapped between two decode steps (interrupt mode ``never``): the tokens fed before
+    the swap keep the old weights' routes (a plain forward of the old model over them agrees);
+    the tokens fed after it carry the new weights' (some differ from the old model's choice),
+    next to versions that say which weights sampled them."""
+    model = copy.deepcopy(moe.model)
+    engine = EmbeddedEngine(model, pad_token_id=moe.pad_token_id, max_batch_size=2, seed=5)
+    prompt = prompts(1, seed=11)[0]
+    engine.add_request(
+        GenerationRequest("r", prompt, SamplingParams(max_new_tokens=16, temperature=TEMPERATURE))
+    )
+    for _ in range(6):  # 6 tokens drawn, each fed back by its step's decode
+        engine.step()
+    new = {
+        name: p.detach()
+        + (0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) if "gate" in name else 0)
+        for name, p in model.named_parameters()
+    }
+    engine.load_weights(new, version=1)
+    done = []
+    while engine.has_work:
+        done += engine.step()
+    (result,) = done
+    assert result.versions[:7] == [0] * 7 and set(result.versions[7:]) == {1}  # token 7 comes from old logits
+    old = plain_routes(moe.model, prompt + result.completion_ids[:-1])[len(prompt) :]
+    fed = torch.stack([recorded(moe, r)[0] for r in result.routes[:-1]])
+    assert torch.equal(fed[:6], old[:6])
+    assert not torch.equal(fed[6:], old[6:])
