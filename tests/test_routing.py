@@ -664,3 +664,45 @@ def test_after_an_in_flight_weight_swap_each_token_keeps_the_routes_of_the_weigh
     fed = torch.stack([recorded(moe, r)[0] for r in result.routes[:-1]])
     assert torch.equal(fed[:6], old[:6])
     assert not torch.equal(fed[6:], old[6:])
+
+
+def test_a_checkpoint_whose_carried_routes_do_not_fit_the_model_fails_at_load_naming_both(tmp_path) -> None:
+    """Carried groups recorded by another mixture of experts (16 expert ids per token, where
+    tiny:moe routes 4 layers x top-2 = 8): the restore refuses them, naming the checkpoint, the
+    sample and both shapes."""
+    from asyncrl.config import load_config
+    from asyncrl.control import checkpoints
+    from asyncrl.control.checkpoints import CheckpointError
+    from asyncrl.transports.weights.inprocess import InProcessChannel
+    from asyncrl.workers.messages import Restore, SaveCheckpoint
+    from asyncrl.workers.trainer import TrainerWorker
+
+    cfg = load_config(None, ["model.path=tiny:moe", "model.device=cpu", "trainer.routing_replay=rollout"])
+    worker = TrainerWorker("trainer", cfg, lambda layout: InProcessChannel())
+    try:
+        directory = tmp_path / "checkpoint"
+        worker.handle(SaveCheckpoint(str(directory), 0))
+        prompt = Prompt("p0", "x")
+        sample = Sample(
+            completion_ids=[5, 6],
+            logprobs=[-1.0, -1.0],
+            versions=[0, 0],
+            routes=[bytes(32), None],  # 16 int16 ids
+            prompt_id="p0",
+            group_id=0,
+            prompt_ids=[3, 4],
+            loss_mask=[1, 1],
+            finish_reason="length",
+            prompt_routes=bytes(64),
+        )
+        checkpoints.write_rollouts(
+            directory, {"format": 1, "groups": [Group(0, prompt, [sample]).to_dict()], "partial": []}
+        )
+        with pytest.raises(CheckpointError) as err:
+            worker.handle(Restore(str(directory)))
+    finally:
+        worker.close()
+    assert str(err.value) == (
+        f"{directory}: carried rollouts do not fit the model: sample 'p0' (group 0) holds routes of [16] "
+        "expert ids per token; the model routes 4 MoE layers x top-2 = 8"
+    )
