@@ -1,11 +1,11 @@
 """Keep Routing on the CPU: routing mismatch, log-prob gap and mismatch KL with replay off and on.
 
-    python bench/moe.py [--steps 100] [--runs sync-off sync-on async-off async-on]
+    python bench/moe.py [--steps 100] [--runs sync-off sync-on async-off async-on] [--device cpu]
 
 Each run trains the shipped tiny mixture of experts (``builtin:moe``, 8 experts, top-2) on
 the default arithmetic task, in this process (inline runtime), with the engine in bfloat16
 and the trainer's float32 master weights under bfloat16 autocast (``model.dtype=bfloat16``):
-on this CPU that reproduces the engine/trainer mismatch of a GPU run. ``sync`` trains every
+on a CPU that reproduces the engine/trainer mismatch of a GPU run (``--device cuda``). ``sync`` trains every
 batch on the weights that sampled it; ``async`` lets tokens be up to 2 versions old
 (``schedule.max_staleness=2``). ``off``/``on`` is ``trainer.routing_replay``. The padded
 layout (``trainer.packing=off``) is used so that route staleness is reported by version lag.
@@ -39,7 +39,7 @@ COMMON = [
 ]
 
 
-def run(name: str, steps: int) -> dict:
+def run(name: str, steps: int, device: str = "cpu") -> dict:
     from asyncrl.config import load_config
     from asyncrl.control.run import train
 
@@ -62,7 +62,7 @@ def run(name: str, steps: int) -> dict:
 
     rewards = [r["reward_mean"] for r in rows]
     return {
-        "overrides": overrides[len(COMMON) :],
+        "overrides": overrides[len(COMMON) + 1 :],
         "steps": len(rows),
         "s_per_step": round(wall / len(rows), 3),
         "routing_mismatch_frac": mean("routing_mismatch_frac"),
@@ -88,6 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--runs", nargs="+", default=["sync-off", "sync-on", "async-off", "async-on"])
+    parser.add_argument("--device", default="cpu", help="model.device of the runs (cpu, cuda)")
     args = parser.parse_args()
     for name in args.runs:
         if name.split("-")[0] not in SCHEDULES or name.split("-")[-1] not in REPLAY:
@@ -96,8 +97,8 @@ def main() -> None:
             )
     results: dict[str, dict] = {}
     for name in args.runs:
-        results[name] = run(name, args.steps)
-        print(json.dumps({"device": "cpu", "steps": args.steps, "runs": results}), flush=True)
+        results[name] = run(name, args.steps, args.device)
+        print(json.dumps({"device": args.device, "steps": args.steps, "runs": results}), flush=True)
 
 
 if __name__ == "__main__":
