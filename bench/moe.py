@@ -46,6 +46,7 @@ def run(name: str, steps: int, device: str = "cpu") -> dict:
     schedule, replay = name.split("-")
     overrides = [
         *COMMON,
+        f"model.device={device}",
         *SCHEDULES[schedule],
         f"trainer.routing_replay={REPLAY[replay]}",
         f"run.steps={steps}",
