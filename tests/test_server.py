@@ -11,6 +11,7 @@ by SIGTERM), is test_asyncrl_serve_as_a_program_announces_its_port_serves_and_st
 from __future__ import annotations
 
 import json
+import math
 import queue
 import subprocess
 import sys
@@ -466,3 +467,92 @@ def test_policy_post_without_weights_is_a_400_naming_the_directory(
     assert status == 400 and "'weights_dir'" in body["error"]["message"]
     assert http(policy_server, "GET", "/v1/policy") == (200, {"model": MODEL, "version": version})
     assert_serving(policy_server)
+
+
+# -- token log-probs (a distillation teacher) -----------------------------------------------------
+
+
+def scoring_rows(policy: Policy) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompts of different lengths with completions of different lengths (right padding at work)."""
+    tok = policy.tokenizer
+    prompts = [tok(t, add_special_tokens=False).input_ids for t in ("12+7=", "3+4=", "45+19=")]
+    completions = [tok(t, add_special_tokens=False).input_ids for t in ("19", "7", "64")]
+    completions[0] = completions[0] + [policy.eos_token_id]
+    return prompts, completions
+
+
+def test_token_logprobs_equal_a_forward_over_each_whole_row(server: Server, policy: Policy) -> None:
+    """POST /v1/logprobs: each completion token's log-prob equals a fresh forward's; with top_k,
+    the k most likely tokens there, most likely first, including the token when it is among them."""
+    prompts, completions = scoring_rows(policy)
+    body = json.dumps({"prompt_ids": prompts, "completion_ids": completions, "top_k": 5}).encode()
+    status, out = http(server, "POST", "/v1/logprobs", body)
+    assert status == 200 and out["object"] == "logprobs" and out["version"] == 0
+    assert [len(r) for r in out["logprobs"]] == [len(c) for c in completions]
+    for p, c, got, ids, lps in zip(
+        prompts, completions, out["logprobs"], out["top_ids"], out["top_logprobs"], strict=True
+    ):
+        assert max_gap(got, reference_logprobs(policy.model, p, c)) < 1e-5
+        for token, lp, top, top_lp in zip(c, got, ids, lps, strict=True):
+            assert (
+                len(top) == 5
+                and top_lp == sorted(top_lp, reverse=True)
+                and sum(math.exp(x) for x in top_lp) <= 1 + 1e-6
+            )
+            if token in top:
+                assert abs(top_lp[top.index(token)] - lp) < 1e-6
+            else:
+                assert lp < top_lp[-1]
+    # Temperature scales the logits before the softmax; no top_k, no top lists.
+    status, hot = http(
+        server,
+        "POST",
+        "/v1/logprobs",
+        json.dumps(
+            {"prompt_ids": prompts[:1], "completion_ids": completions[:1], "temperature": 2.0}
+        ).encode(),
+    )
+    assert status == 200 and "top_ids" not in hot and max_gap(hot["logprobs"][0], out["logprobs"][0]) > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        (
+            {"prompt_ids": [[5]], "completion_ids": [[6], [7]]},
+            "completion_ids",
+            "'completion_ids' has 2 rows but 'prompt_ids' has 1",
+        ),
+        (
+            {"prompt_ids": [[5]], "completion_ids": [[6, 1000]]},
+            "completion_ids",
+            "'completion_ids'[0] holds 1000, not a token id",
+        ),
+        (
+            {"prompt_ids": [[]], "completion_ids": [[6]]},
+            "prompt_ids",
+            "'prompt_ids' must be a non-empty list",
+        ),
+        (
+            {"prompt_ids": [[5] * 600], "completion_ids": [[6]]},
+            "completion_ids",
+            "row 0: 600 prompt + 1 completion tokens exceed",
+        ),
+        (
+            {"prompt_ids": [[5]], "completion_ids": [[6]], "top_k": 65},
+            "top_k",
+            "'top_k' must be an integer from 0 to 64",
+        ),
+        (
+            {"prompt_ids": [[5]], "completion_ids": [[6]], "temperature": 0},
+            "temperature",
+            "'temperature' must be a positive",
+        ),
+    ],
+)
+def test_bad_scoring_requests_are_a_400_naming_the_field(
+    server: Server, body: dict, param: str, message: str
+) -> None:
+    status, out = http(server, "POST", "/v1/logprobs", json.dumps(body).encode())
+    assert status == 400 and out["error"]["param"] == param and message in out["error"]["message"], out
+    assert_serving(server)

@@ -11,6 +11,10 @@ Endpoints:
 * ``POST /v1/verdicts`` — ``{"prompt": str | [str], "tokens": ["Yes", "No"]}`` (or
   ``"messages"``, one chat per verdict): each prompt's next-token probability of each
   candidate token, for judges (:mod:`asyncrl.rewards.judges.verdicts`, :mod:`asyncrl.rewards.judges`).
+* ``POST /v1/logprobs`` — ``{"prompt_ids": [[...]], "completion_ids": [[...]]}`` (token ids;
+  ``temperature``, ``top_k`` optional): each completion token's log-prob given its prompt and
+  the tokens before it, and the ``top_k`` most likely tokens there, for a distillation
+  teacher (:mod:`asyncrl.server.scoring`).
 * ``GET /v1/models``; ``GET /health``.
 * ``GET /v1/policy`` — the policy version being served; ``POST /v1/policy`` with
   ``{"weights_dir": DIR}`` loads the newest weights published there by the files transport
@@ -40,6 +44,7 @@ from asyncrl.engine.types import GenerationRequest
 from asyncrl.models.loading import Policy
 from asyncrl.rewards.judges.verdicts import candidate_ids, next_token_probs
 from asyncrl.server.engine_loop import EngineLoop, Ticket
+from asyncrl.server.scoring import ScoringError, check_request, token_logprobs
 from asyncrl.transports.weights.base import WeightLayout
 
 REQUEST_TIMEOUT_S = 600.0
@@ -269,6 +274,7 @@ class _Handler(BaseHTTPRequestHandler):
             "/v1/chat/completions": self._chat,
             "/v1/policy": self._policy,
             "/v1/verdicts": self._verdicts,
+            "/v1/logprobs": self._logprobs,
         }
         route = routes.get(self.path)
         if route is None:
@@ -474,6 +480,20 @@ class _Handler(BaseHTTPRequestHandler):
             timeout=REQUEST_TIMEOUT_S,
         )
         self._json(200, {"object": "verdicts", "model": app.model_name, "tokens": tokens, "probs": probs})
+
+    def _logprobs(self, body: dict) -> None:
+        app = self.app
+        vocab = app.engine.model.get_output_embeddings().weight.shape[0]
+        try:
+            request = check_request(body, vocab, app.engine.max_positions)
+        except ScoringError as exc:
+            raise BadRequest(str(exc), exc.field) from None
+        # On the engine's thread, between two decode steps: the version is the one that scored.
+        scored, version = app.loop.call(
+            lambda engine: (token_logprobs(engine.model, app.policy.pad_token_id, request), engine.version),
+            timeout=REQUEST_TIMEOUT_S,
+        )
+        self._json(200, {"object": "logprobs", "model": app.model_name, "version": version, **scored})
 
     def _policy(self, body: dict) -> None:
         from asyncrl.transports.weights.files import FileReceiver
