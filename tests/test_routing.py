@@ -574,18 +574,23 @@ def test_routes_cross_processes_and_a_checkpoint_and_replay_after_the_resume(
     tmp_path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Async, local runtime (the generator in its own process, groups sent to the trainer), stopped
-    by SIGTERM after a step: the checkpoint carries generated groups with their routes, and every
-    step, before the stop and after the resume, replays routes (compared, none mismatched)."""
+    by SIGTERM after a step: the groups the checkpoint carries ahead of training (generated, or
+    prefixes in flight; which and how many depends on where the stop lands; a checkpoint's round
+    trip of routes: test_a_checkpoint_whose_carried_routes_do_not_fit_the_model_fails_at_load_naming_both)
+    hold their routes, and every step, before the stop and after the resume, replays routes
+    (compared, none mismatched)."""
     import json
     import signal
 
     from asyncrl.control import checkpoints
-    from asyncrl.types import Group
+    from asyncrl.types import Group, PartialGroup
     from tests.helpers import ONE_THREAD_EACH, signalled_when
 
     run_dir = tmp_path / "run"
     overrides = [
-        *short_run(4, prompts=4, group_size=2),
+        # Steps enough that groups are always ahead of training when the stop lands (a step
+        # takes a fraction of a second: the stop may land a step or two after the signal).
+        *short_run(10, prompts=4, group_size=2),
         "model.path=tiny:moe",
         "trainer.routing_replay=rollout",
         "schedule=async",
@@ -597,14 +602,16 @@ def test_routes_cross_processes_and_a_checkpoint_and_replay_after_the_resume(
     with signalled_when(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 1):
         code = main(["train", *sets(overrides), "--run-dir", str(run_dir)])
     assert code == 128 + signal.SIGTERM.value, capsys.readouterr().err
-    carried = checkpoints.read_rollouts(checkpoints.latest(run_dir))["groups"]
-    assert carried, "the stop carried no generated group"
-    for group in map(Group.from_dict, carried):
-        for s in group.samples:
-            assert s.prompt_routes and all(r is not None for r in s.routes[:-1])
+    rollouts = checkpoints.read_rollouts(checkpoints.latest(run_dir))
+    # Where the stop finds the groups ahead of training depends on timing: generated (carried)
+    # or in flight (preempted into prefixes); either way they keep their routes.
+    samples = [s for g in map(Group.from_dict, rollouts["groups"]) for s in g.samples]
+    samples += [s for g in map(PartialGroup.from_dict, rollouts["partial"]) for s in g.samples.values()]
+    for s in samples:  # none when the stop lands between a step's groups and the next ones
+        assert s.prompt_routes and all(r is not None for r in s.routes[:-1])
     assert main(["train", "--resume", str(run_dir)]) == 0
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows] == list(range(1, 11))
     assert all(r["routing_compared_tokens"] > 0 and r["routing_mismatch_frac"] == 0.0 for r in rows)
 
 
@@ -667,9 +674,9 @@ def test_after_an_in_flight_weight_swap_each_token_keeps_the_routes_of_the_weigh
 
 
 def test_a_checkpoint_whose_carried_routes_do_not_fit_the_model_fails_at_load_naming_both(tmp_path) -> None:
-    """Carried groups recorded by another mixture of experts (16 expert ids per token, where
-    tiny:moe routes 4 layers x top-2 = 8): the restore refuses them, naming the checkpoint, the
-    sample and both shapes."""
+    """Carried groups come back from a checkpoint with their routes; recorded by another mixture
+    of experts (16 expert ids per token, where tiny:moe routes 4 layers x top-2 = 8), the restore
+    refuses them, naming the checkpoint, the sample and both shapes."""
     from asyncrl.config import load_config
     from asyncrl.control import checkpoints
     from asyncrl.control.checkpoints import CheckpointError
@@ -695,6 +702,15 @@ def test_a_checkpoint_whose_carried_routes_do_not_fit_the_model_fails_at_load_na
             finish_reason="length",
             prompt_routes=bytes(64),
         )
+        fitting = copy.deepcopy(sample)
+        fitting.routes, fitting.prompt_routes = [bytes(range(16)), None], bytes(range(32))
+        checkpoints.write_rollouts(
+            directory, {"format": 1, "groups": [Group(0, prompt, [fitting]).to_dict()], "partial": []}
+        )
+        worker.handle(Restore(str(directory)))  # routes that fit come back as they were written
+        (restored,) = worker.inbox.take([0], timeout=10)
+        assert restored.samples[0].routes == fitting.routes
+        assert restored.samples[0].prompt_routes == fitting.prompt_routes
         checkpoints.write_rollouts(
             directory, {"format": 1, "groups": [Group(0, prompt, [sample]).to_dict()], "partial": []}
         )
