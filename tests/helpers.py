@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import os
 import signal
 import subprocess
@@ -222,6 +223,20 @@ def tiny_lora_model(seed: int = 3):
             if "lora_B" in name:
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
     return policy, model
+
+
+def run_bench(name: str, *args: str, timeout: float = 600) -> list[dict]:
+    """``python bench/<name>.py ARGS`` as a program that must exit 0; the JSON objects it printed, one per line."""
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / f"{name}.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(),
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [json.loads(line) for line in done.stdout.strip().splitlines()]
 
 
 @contextlib.contextmanager

@@ -2,31 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from tests.helpers import child_env
-
-SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "moe.py"
+from tests.helpers import run_bench
 
 
 @pytest.mark.slow  # ~15 s of training; the metrics it averages: test_routing's test_a_run_reports_routing_mismatch_and_drift
 @pytest.mark.multiprocess
 def test_the_moe_bench_reports_each_run_with_replay_off_and_on() -> None:
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--steps", "3", "--runs", "sync-off", "async-on"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=child_env(),
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    lines = [json.loads(line) for line in done.stdout.strip().splitlines()]
+    lines = run_bench("moe", "--steps", "3", "--runs", "sync-off", "async-on")
     assert len(lines) == 2 and list(lines[-1]["runs"]) == ["sync-off", "async-on"]
     off, on = lines[-1]["runs"]["sync-off"], lines[-1]["runs"]["async-on"]
     assert off["steps"] == on["steps"] == 3 and lines[-1]["device"] == "cpu"

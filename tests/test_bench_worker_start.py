@@ -2,32 +2,16 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from tests.helpers import child_env
+from tests.helpers import run_bench
 
 pytestmark = pytest.mark.multiprocess
-
-SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "worker_start.py"
 
 
 @pytest.mark.slow  # ~35 s of worker starts; the fork server's workers in every local run of the quick tier (test_schedules, test_stops, test_local_runtime)
 def test_a_fork_servers_later_starts_skip_the_imports_that_every_spawn_pays() -> None:
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--repeats", "2"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=child_env(),
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = run_bench("worker_start", "--repeats", "2")[-1]
     assert (result["generators"], result["workers"]) == (1, 2)
     spawn, forkserver = result["spawn"], result["forkserver"]
     assert len(spawn) == len(forkserver) == 2 and min(spawn + forkserver) > 0

@@ -75,8 +75,9 @@ def check_routing_replay(config: PretrainedConfig, source: str) -> None:
     if config.model_type in ROUTED_MODEL_TYPES:
         return
     architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
-    moe = any((getattr(config, key, None) or 0) > 1 for key in _EXPERT_COUNT_KEYS)
-    what = "a mixture of experts whose router asyncrl cannot hook" if moe else "a dense model"
+    what = (
+        "a mixture of experts whose router asyncrl cannot hook" if _has_experts(config) else "a dense model"
+    )
     raise ConfigError(
         "trainer.routing_replay",
         "rollout",
@@ -91,7 +92,12 @@ class RoutingError(ValueError):
 
 def is_mixture_of_experts(model: torch.nn.Module) -> bool:
     config = base_model(model).config
-    return any((getattr(config, key, None) or 0) > 1 for key in _EXPERT_COUNT_KEYS) or bool(_routers(model))
+    return _has_experts(config) or bool(_routers(model))
+
+
+def _has_experts(config: PretrainedConfig) -> bool:
+    """Whether the configuration declares several experts, whatever the router."""
+    return any((getattr(config, key, None) or 0) > 1 for key in _EXPERT_COUNT_KEYS)
 
 
 def _routers(model: torch.nn.Module) -> list[torch.nn.Module]:
