@@ -115,10 +115,9 @@ def load_policy(
 def load_tokenizer(source: str, chat_template: str | None = None) -> tuple[PreTrainedTokenizerBase, int]:
     """The tokenizer and maximum positions of a model source, validated, without loading weights."""
     if source.startswith("tiny:"):
-        size, arch = _tiny_spec(source)
         tok = build_char_tokenizer()
         apply_chat_template_override(tok, chat_template)
-        return tok, tiny_config(size, len(tok), architecture=arch).max_position_embeddings
+        return tok, load_model_config(source).max_position_embeddings
     path = _directory(source)
     tok = _checked_tokenizer(path, source)
     apply_chat_template_override(tok, chat_template)
