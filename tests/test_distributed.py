@@ -391,3 +391,48 @@ def test_two_fsdp2_ranks_with_lora_match_one_process_and_resume(tmp_path: Path) 
         float((straight["weights"][n] - resumed["weights"][n]).abs().max()) for n in straight["weights"]
     )
     assert diff <= 1e-6
+
+
+def _fsdp2_without_unused_param_reduction(model_name: str, port: int) -> str:
+    """Build a one-rank FSDP2 trainer on a torch whose FSDP2 lacks set_reduce_scatter_unused_params
+    (removed here, as torch before 2.13 has it); return the error, or "" if it builds."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from asyncrl.config import AlgorithmConfig, TrainerConfig
+    from asyncrl.models.loading import load_policy
+    from asyncrl.trainer.distributed import RankGroup, RankSpec
+    from asyncrl.trainer.parallel import DistributedTrainer
+
+    del FSDPModule.set_reduce_scatter_unused_params
+    policy = load_policy(model_name, device="cpu", dtype="float32", seed=0)
+    try:
+        DistributedTrainer(
+            policy.model,
+            ranks=RankGroup(RankSpec(0, 1, "127.0.0.1", port), torch.device("cpu")),
+            parallel="fsdp2",
+            pad_token_id=policy.pad_token_id,
+            trainer_cfg=TrainerConfig(),
+            algo_cfg=AlgorithmConfig(),
+            temperature=1.0,
+            max_completion_length=MAX_COMPLETION,
+            total_steps=2,
+        )
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.slow  # two spawned processes; the quick tier's FSDP2 ranks run on this torch's path
+@pytest.mark.multiprocess
+def test_fsdp2_on_a_torch_without_unused_parameter_reduction_refuses_only_experts() -> None:
+    """An older torch (the GPU machine's 2.11) has no set_reduce_scatter_unused_params: a dense model
+    needs none (the sync pass reaches every parameter) and trains; a mixture of experts is refused."""
+    import concurrent.futures
+
+    ctx = mp.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        dense = pool.submit(_fsdp2_without_unused_param_reduction, "tiny:1m", free_port()).result(RANK_TIMEOUT_S)
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        moe = pool.submit(_fsdp2_without_unused_param_reduction, "tiny:moe", free_port()).result(RANK_TIMEOUT_S)
+    assert dense == ""
+    assert "trainer.parallel=fsdp2" in moe and "set_reduce_scatter_unused_params" in moe and "torch" in moe

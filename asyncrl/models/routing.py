@@ -76,7 +76,7 @@ def check_routing_replay(config: PretrainedConfig, source: str) -> None:
         return
     architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
     what = (
-        "a mixture of experts whose router asyncrl cannot hook" if _has_experts(config) else "a dense model"
+        "a mixture of experts whose router asyncrl cannot hook" if has_experts(config) else "a dense model"
     )
     raise ConfigError(
         "trainer.routing_replay",
@@ -92,10 +92,10 @@ class RoutingError(ValueError):
 
 def is_mixture_of_experts(model: torch.nn.Module) -> bool:
     config = base_model(model).config
-    return _has_experts(config) or bool(_routers(model))
+    return has_experts(config) or bool(_routers(model))
 
 
-def _has_experts(config: PretrainedConfig) -> bool:
+def has_experts(config: PretrainedConfig) -> bool:
     """Whether the configuration declares several experts, whatever the router."""
     return any((getattr(config, key, None) or 0) > 1 for key in _EXPERT_COUNT_KEYS)
 

@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from asyncrl.models.lora import synced_parameters
+from asyncrl.models.routing import has_experts
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.distributed import RankGroup, reduce_step_stats, split_samples
 from asyncrl.trainer.trainer import Trainer
@@ -124,8 +125,19 @@ class DistributedTrainer(Trainer):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
         self.model.set_reshard_after_backward(False)  # the sync pass reshards explicitly
-        # A parameter without gradient on one rank must not drop out of the reduce-scatter.
-        self.model.set_reduce_scatter_unused_params(True)
+        # A parameter without gradient on one rank must not drop out of the reduce-scatter. In a
+        # dense model the sync pass's token reaches every parameter; a mixture of experts routes it
+        # to a few experts, so an expert no sample of this rank chose has no gradient here.
+        keep_unused = getattr(self.model, "set_reduce_scatter_unused_params", None)
+        if keep_unused is not None:
+            keep_unused(True)
+        elif has_experts(self.model.config):
+            raise ValueError(
+                f"trainer.parallel=fsdp2 with a mixture of experts needs FSDP2's "
+                f"set_reduce_scatter_unused_params, which torch {torch.__version__} lacks "
+                "(an expert unused on one rank would desynchronise the reduce-scatter); "
+                "use trainer.parallel=ddp or a newer torch"
+            )
 
     @contextmanager
     def _gathered(self) -> Iterator[None]:
