@@ -431,8 +431,12 @@ def test_fsdp2_on_a_torch_without_unused_parameter_reduction_refuses_only_expert
 
     ctx = mp.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
-        dense = pool.submit(_fsdp2_without_unused_param_reduction, "tiny:1m", free_port()).result(RANK_TIMEOUT_S)
+        dense = pool.submit(_fsdp2_without_unused_param_reduction, "tiny:1m", free_port()).result(
+            RANK_TIMEOUT_S
+        )
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
-        moe = pool.submit(_fsdp2_without_unused_param_reduction, "tiny:moe", free_port()).result(RANK_TIMEOUT_S)
+        moe = pool.submit(_fsdp2_without_unused_param_reduction, "tiny:moe", free_port()).result(
+            RANK_TIMEOUT_S
+        )
     assert dense == ""
     assert "trainer.parallel=fsdp2" in moe and "set_reduce_scatter_unused_params" in moe and "torch" in moe

@@ -75,9 +75,7 @@ def check_routing_replay(config: PretrainedConfig, source: str) -> None:
     if config.model_type in ROUTED_MODEL_TYPES:
         return
     architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
-    what = (
-        "a mixture of experts whose router asyncrl cannot hook" if has_experts(config) else "a dense model"
-    )
+    what = "a mixture of experts whose router asyncrl cannot hook" if has_experts(config) else "a dense model"
     raise ConfigError(
         "trainer.routing_replay",
         "rollout",
