@@ -33,6 +33,7 @@ class GroupState(StrEnum):
     GENERATING = "generating"
     SCORING = "scoring"
     DELIVERED = "delivered"
+    TEACHING = "teaching"
     BUFFERED = "buffered"
     ACCUMULATED = "accumulated"
     TRAINED = "trained"
@@ -200,14 +201,19 @@ class Sample(Tokens):
     # A mixture-of-experts policy's experts for every prompt token (pack_routes bytes; None:
     # not recorded). The samples of a group share one object, so a group pickles it once.
     prompt_routes: bytes | None = None
+    # On-policy distillation: the teacher's log-prob of every completion token given what precedes
+    # it (asyncrl.distill); None until the teacher stage has scored the sample.
+    teacher_logprobs: list[float] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if len(self.loss_mask) != len(self.completion_ids):
-            raise ValueError(
-                f"{self._label()}: loss_mask has {len(self.loss_mask)} entries "
-                f"but completion_ids has {len(self.completion_ids)}"
-            )
+        for name in ("loss_mask", "teacher_logprobs"):
+            values = getattr(self, name)
+            if values is not None and len(values) != len(self.completion_ids):
+                raise ValueError(
+                    f"{self._label()}: {name} has {len(values)} entries "
+                    f"but completion_ids has {len(self.completion_ids)}"
+                )
 
     def _label(self) -> str:
         return f"Sample {self.prompt_id!r}"
@@ -222,6 +228,14 @@ class Sample(Tokens):
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Sample:
         return cls(**data)
+
+
+@dataclass(frozen=True)
+class TeacherScores:
+    """A teacher's log-probs of one group's completion tokens: per sample, in the group's order."""
+
+    group_id: int
+    logprobs: list[list[float]]
 
 
 @dataclass
@@ -244,6 +258,26 @@ class Group:
     @property
     def size(self) -> int:
         return len(self.samples)
+
+    @property
+    def taught(self) -> bool:
+        """Whether the teacher has scored every sample (on-policy distillation)."""
+        return all(s.teacher_logprobs is not None for s in self.samples)
+
+    def take_scores(self, scores: TeacherScores) -> None:
+        """Attach the teacher's log-probs, checked against the samples they score."""
+        if scores.group_id != self.group_id or len(scores.logprobs) != len(self.samples):
+            raise ValueError(
+                f"teacher scores of group {scores.group_id} ({len(scores.logprobs)} samples) do not fit "
+                f"group {self.group_id} ({len(self.samples)} samples)"
+            )
+        for sample, logprobs in zip(self.samples, scores.logprobs, strict=True):
+            if len(logprobs) != len(sample.completion_ids):
+                raise ValueError(
+                    f"{sample._label()}: the teacher scored {len(logprobs)} tokens of a "
+                    f"{len(sample.completion_ids)}-token completion"
+                )
+            sample.teacher_logprobs = list(logprobs)
 
     @property
     def rewards(self) -> list[float | None]:

@@ -18,6 +18,15 @@ of the normalised step rewards from that turn to the end of its episode (reward 
 PRIME does with its implicit process rewards). A token's advantage is then its sample's
 outcome advantage plus the step advantage of the turn it belongs to: a turn is credited
 for what it and the turns after it earned, relative to the group.
+
+**On-policy distillation.** A teacher that scored the student's own completion gives each
+sampled token the signal w * (log pi_teacher(y_t) - log pi_behaviour(y_t)) (:func:`distill_advantages`):
+the negative of the per-token reverse KL estimate, detached, so the policy gradient with it
+as the advantage moves the student towards the teacher where it sampled (Thinking Machines'
+on-policy distillation; the behaviour log-prob is the engine's, so a stale token's signal is
+that of the policy that sampled it, and the loss's importance-sampling corrections apply to
+it as to any advantage). It is the advantage alone (``algorithm.advantage=distill``) or added
+to the outcome (and step) advantage of every token.
 """
 
 from __future__ import annotations
@@ -88,3 +97,14 @@ def step_advantages(
             to_go.append(acc)
         out.append(to_go[::-1])
     return out
+
+
+def distill_advantages(
+    teacher_logprobs: Sequence[float], behaviour_logprobs: Sequence[float], weight: float = 1.0
+) -> list[float]:
+    """Per token, ``weight * (teacher - behaviour)`` log-prob of the sampled token (see the module doc)."""
+    if len(teacher_logprobs) != len(behaviour_logprobs):
+        raise ValueError(
+            f"{len(teacher_logprobs)} teacher log-probs for {len(behaviour_logprobs)} sampled tokens"
+        )
+    return [weight * (t - b) for t, b in zip(teacher_logprobs, behaviour_logprobs, strict=True)]

@@ -48,7 +48,7 @@ from asyncrl.config.running import (
     RuntimeConfig,
     ScheduleConfig,
 )
-from asyncrl.config.training import AlgorithmConfig, LoraConfig, RolloutConfig, TrainerConfig
+from asyncrl.config.training import AlgorithmConfig, DistillConfig, LoraConfig, RolloutConfig, TrainerConfig
 
 __all__ = [
     "JUDGE_FIELDS",
@@ -57,6 +57,7 @@ __all__ = [
     "AlgorithmConfig",
     "ArithmeticConfig",
     "Config",
+    "DistillConfig",
     "EpisodeConfig",
     "JudgeConfig",
     "LoraConfig",

@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 from asyncrl.config.base import Section
 from asyncrl.config.data import EpisodeConfig, JudgeConfig, ModelConfig, TaskConfig
 from asyncrl.config.running import RunConfig, RuntimeConfig, ScheduleConfig
-from asyncrl.config.training import AlgorithmConfig, LoraConfig, RolloutConfig, TrainerConfig
+from asyncrl.config.training import AlgorithmConfig, DistillConfig, LoraConfig, RolloutConfig, TrainerConfig
 
 
 class Config(Section):
@@ -21,6 +21,7 @@ class Config(Section):
     episode: EpisodeConfig = Field(default_factory=EpisodeConfig)
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
@@ -92,6 +93,15 @@ class Config(Section):
                     "runtime.weight_sync=cuda_ipc needs trainer and generators on one GPU, which only the local "
                     "runtime guarantees; on Ray use broadcast (NCCL between GPUs) or shm"
                 )
+        if self.algorithm.advantage == "distill" and not self.distill.enabled:
+            raise ValueError(
+                "algorithm.advantage=distill needs a teacher: set distill.teacher (or distill.url)"
+            )
+        if self.distill.enabled and self.episode.environment is not None:
+            raise ValueError(
+                f"{self.distill.source} scores completions; episodes (episode.environment="
+                f"{self.episode.environment}) interleave observations the teacher did not see: unset one of them"
+            )
         if self.schedule.streaming and self.algorithm.advantage_scale == "batch":
             raise ValueError(
                 "algorithm.advantage_scale=batch needs the whole batch before training; it cannot be used "

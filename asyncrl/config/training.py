@@ -1,5 +1,5 @@
 """Config sections of generation and optimisation: the rollout's sampling, the policy
-objective, the trainer, and LoRA adapters."""
+objective, on-policy distillation's teacher, the trainer, and LoRA adapters."""
 
 from __future__ import annotations
 
@@ -99,6 +99,13 @@ class AlgorithmConfig(Section):
     advantage_scale: Literal["group", "batch", "none"] = Field(
         "group", description="Divide centred rewards by the group std, the batch std, or nothing."
     )
+    advantage: Literal["group", "distill"] = Field(
+        "group",
+        description="'group': advantages from the group's rewards (GRPO), plus distill.weight x the teacher's "
+        "per-token signal when a teacher is set (distill.teacher or distill.url). 'distill': the teacher's "
+        "signal alone, per token: distill.weight x (teacher log-prob - behaviour log-prob) of the sampled token "
+        "(on-policy distillation; rewards are still computed and logged).",
+    )
     step_rewards: Literal["ignore", "return_to_go"] = Field(
         "ignore",
         description="Step (process) rewards of multi-turn episodes: 'return_to_go' adds to each turn's tokens "
@@ -173,6 +180,66 @@ class AlgorithmConfig(Section):
         if self.is_low > self.is_cap:
             raise ValueError(f"is_low ({self.is_low}) must not exceed is_cap ({self.is_cap})")
         return self
+
+
+class DistillConfig(Section):
+    """On-policy distillation: a teacher scores the student's own tokens (asyncrl.distill).
+
+    The teacher stage is a worker of its own between the generators and the trainer: every
+    generated group waits for it (at most ``queue_groups`` at a time) before it can be trained.
+    """
+
+    teacher: str | None = Field(
+        None,
+        description="The teacher model: a local Hugging Face directory, 'builtin:<name>' or 'tiny:<size>'. It "
+        "must use the student's tokenizer. null = no teacher (or see url).",
+    )
+    url: str | None = Field(
+        None,
+        description="Instead of teacher: the base URL of a teacher served with `asyncrl serve` (its "
+        "POST /v1/logprobs scores the tokens), e.g. http://127.0.0.1:8001.",
+    )
+    weight: float = Field(
+        1.0,
+        gt=0,
+        description="Weight of the teacher's per-token signal (teacher log-prob - behaviour log-prob) in the "
+        "advantage.",
+    )
+    queue_groups: int = Field(
+        0,
+        ge=0,
+        description="Most groups waiting for the teacher; while it is full no new group starts on a generator. "
+        "0: one step's groups (rollout.prompts_per_step).",
+    )
+    batch_groups: int = Field(4, ge=1, description="Most groups the teacher scores in one call.")
+    device: str = Field("cpu", description="Where a local teacher runs ('cpu', 'cuda', 'cuda:1', 'auto').")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="A local teacher's weights: 'auto' is bfloat16 on CUDA, float32 on the CPU."
+    )
+    threads: int = Field(
+        0, ge=0, description="Torch threads of a local teacher's process (0: one per core it is given)."
+    )
+    timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="Longest a group may wait for the teacher's scores (and one request to distill.url may "
+        "take); past it the run stops with an error naming this key.",
+    )
+
+    @model_validator(mode="after")
+    def _one_teacher(self) -> DistillConfig:
+        if self.teacher is not None and self.url is not None:
+            raise ValueError("set one of distill.teacher and distill.url, not both")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.teacher is not None or self.url is not None
+
+    @property
+    def source(self) -> str:
+        """The teacher, as the config names it (for errors and logs)."""
+        return f"distill.teacher={self.teacher}" if self.teacher is not None else f"distill.url={self.url}"
 
 
 class TrainerConfig(Section):

@@ -128,7 +128,8 @@ class Books:
 
         From the ledger: ``in_flight`` — issued and not back from a generator (generating,
         scoring, or stopped there by a stop's preemption: carried); ``buffered`` — generated
-        and not yet trained (delivered, buffered, or sent for a step not yet done). A prompt whose
+        and not yet trained (delivered, waiting for the teacher, buffered, or sent for a step
+        not yet done). A prompt whose
         group was dropped for staleness, cancelled in flight or lost with its generator is
         issued again as a new group, so it is counted once as dropped/cancelled/lost and once
         more. Per prompt (ticket): none is trained twice, and every prompt drawn is trained,
@@ -136,7 +137,7 @@ class Books:
         """
         S = GroupState
         in_flight = self.groups.count(S.ISSUED, S.GENERATING, S.SCORING, S.CARRIED)
-        buffered = self.groups.count(S.DELIVERED, S.BUFFERED, S.ACCUMULATED)
+        buffered = self.groups.count(S.DELIVERED, S.TEACHING, S.BUFFERED, S.ACCUMULATED)
         counts = self.counts
         cancelled = counts.get("cancelled_stale", 0)  # abandoned in flight; their prompts were issued again
         lost = counts.get("lost_in_flight", 0)  # in flight on a lost generator; issued again

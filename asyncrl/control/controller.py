@@ -49,9 +49,10 @@ from asyncrl.control.records import StepRecorder
 from asyncrl.control.saving import SaveProtocol
 from asyncrl.control.session import RunSession
 from asyncrl.control.steps import StepAssembly
+from asyncrl.control.teaching import TeacherQueue
 from asyncrl.prompts.base import PromptSource, PromptStream
 from asyncrl.runtimes.base import InterruptibleRuntime, Runtime
-from asyncrl.types import Group, GroupHeader, PartialGroup
+from asyncrl.types import Group, GroupHeader, GroupState, PartialGroup
 from asyncrl.workers.messages import (
     CheckpointSaved,
     Discard,
@@ -69,11 +70,14 @@ from asyncrl.workers.messages import (
     Span,
     StepDone,
     Submit,
+    Taught,
+    Teach,
     WeightsLoaded,
     WorkerError,
     WorkerFailed,
     WorkerLost,
 )
+from asyncrl.workers.teacher import TEACHER
 
 
 class Controller:
@@ -114,11 +118,24 @@ class Controller:
         self.saved = False
         self.final_save_requested = False
         self.recorder = StepRecorder()
+        # On-policy distillation: generated groups wait for the teacher stage before the buffer.
+        self.teacher_queue = (
+            TeacherQueue(cfg.distill, self.books.groups, self.B) if cfg.distill.enabled else None
+        )
+        self._teach_after_start: list[Group] = []  # a resume's carried groups the teacher has not scored
         self._loop_t = time.monotonic()
         self.watchdog = Watchdog(cfg.runtime.stall_timeout_s, self._waiting_for)
         self.preemption = Preemption(sched.max_staleness > 0, cfg.run.checkpoint_timeout_s)
         self.saving = SaveProtocol(
-            cfg, session, self.books, self.steps, self.buffer, self.generators, self.preemption, self._send
+            cfg,
+            session,
+            self.books,
+            self.steps,
+            self.buffer,
+            self.generators,
+            self.preemption,
+            self._send,
+            waiting_for_teacher=self.teacher_queue.headers if self.teacher_queue is not None else list,
         )
         # After a resume: the partial groups to continue.
         self.partials: dict[int, PartialGroup] = {}
@@ -128,7 +145,11 @@ class Controller:
             self.trainer_version = self.steps.planned_version = self.steps_done = version
             self.steps.handed = handed
             partials = [PartialGroup.from_dict(p) for p in rollouts.get("partial", [])]
-            self.partials = carry_over(cfg, carried, partials, version, self.buffer, self.books, session.log)
+            self.partials = carry_over(
+                cfg, carried, partials, version, self.buffer, self.books, session.log, self.teacher_queue
+            )
+            waiting = GroupState.TEACHING
+            self._teach_after_start = [g for g in carried if self.books.groups.state(g.group_id) == waiting]
 
     def _on_drop(self, group: GroupHeader, reason: str) -> None:
         if self.books.groups.get(group.group_id).carried_over:  # carried over a stop, now too old to train
@@ -149,6 +170,9 @@ class Controller:
         if self.resume_from is not None:
             self._send(TRAINER, Restore(str(self.resume_from)))
             self.steps.continue_batch()
+            if self._teach_after_start:
+                self._send(TEACHER, Teach(self._teach_after_start))
+                self._teach_after_start = []
         elif self.cfg.run.eval_every:
             self._send(TRAINER, Evaluate(0))
         while (
@@ -185,6 +209,10 @@ class Controller:
         now = time.monotonic()
         dt, self._loop_t = now - self._loop_t, now
         gens, books = self.generators, self.books
+        if self.teacher_queue is not None and self.teacher_queue.full:
+            # The teacher is behind: generators wait rather than pile up groups for it.
+            self.teacher_queue.full_s += dt
+            return
         total_running = gens.running
         budget = self.steps.rounds * self.B - (books.accepted + total_running)  # groups the run still needs
         blocked = False
@@ -225,6 +253,12 @@ class Controller:
             else:
                 books.generated(header.group_id)
                 self.recorder.on_generated(header.num_completion_tokens)
+                if self.teacher_queue is not None:
+                    self.teacher_queue.wait(header)
+                else:
+                    self.buffer.put(header, timeout=0.0)
+        elif isinstance(event, Taught):
+            for header in self.teacher_queue.taught(event.group_ids):
                 self.buffer.put(header, timeout=0.0)
         elif isinstance(event, GroupCancelled):
             if gens.finished(event.worker, event.group_id) is not None:
@@ -289,6 +323,11 @@ class Controller:
             {
                 "dropped": self.books.dropped_total,
                 "buffer_depth": len(self.buffer),
+                **(
+                    {"teacher_queue": len(self.teacher_queue), "teacher_full_s": self.teacher_queue.full_s}
+                    if self.teacher_queue is not None
+                    else {}
+                ),
                 "admission_blocked_s": self.books.admission_blocked_s,
                 "gen_version_min": min(self.generators.version.values(), default=-1),  # -1: none right now
                 # After a resume: what it carried over, and what was generated again instead.
@@ -318,6 +357,9 @@ class Controller:
 
     def _watchdog(self) -> None:
         self.saving.check_deadline()
+        overdue = self.teacher_queue.overdue() if self.teacher_queue is not None else None
+        if overdue is not None:
+            raise WorkerError(overdue)
         if self.watchdog.stall() is not None:
             raise WorkerError(self.watchdog.stalled)
 

@@ -6,7 +6,9 @@ discarded; a stop can instead leave it carried in a checkpoint, to be continued 
 resumed run under the same id::
 
     issued ──► generating ──► scoring ──► delivered ──► buffered ──► accumulated ──► trained
-                   │              │                        │              │
+                   │              │            │     ▲     │              │
+                   │              │            ▼     │     │              │
+                   │              │           teaching ────┤              │
                    └──────────────┴────► discarded ◄───────┘              │
                    │                                       │              │
                    └──────────────────► carried ◄──────────┴──────────────┘
@@ -17,6 +19,8 @@ resumed run under the same id::
   returns the group only once it is scored (the controller sees it generating until then);
 * **delivered** — the group is with the trainer (in its inbox) and its header reached the
   controller;
+* **teaching** — (on-policy distillation) delivered, and waiting for the teacher stage's scores
+  before it may enter the buffer (:mod:`asyncrl.control.teaching`);
 * **buffered** — its header waits in the rollout buffer for a step;
 * **accumulated** — sent to the trainer for a step that is not yet confirmed;
 * **trained** — its step is done (a terminal state);
@@ -48,10 +52,11 @@ MOVES: dict[GroupState, frozenset[GroupState]] = {
     S.ISSUED: frozenset({S.GENERATING, S.CARRIED}),
     S.GENERATING: frozenset({S.SCORING, S.DELIVERED, S.DISCARDED, S.CARRIED}),
     S.SCORING: frozenset({S.DELIVERED, S.DISCARDED, S.CARRIED}),
-    S.DELIVERED: frozenset({S.BUFFERED, S.DISCARDED}),
+    S.DELIVERED: frozenset({S.BUFFERED, S.TEACHING, S.DISCARDED}),
+    S.TEACHING: frozenset({S.BUFFERED, S.DISCARDED, S.CARRIED}),
     S.BUFFERED: frozenset({S.ACCUMULATED, S.DISCARDED, S.CARRIED}),
     S.ACCUMULATED: frozenset({S.TRAINED, S.CARRIED}),
-    S.CARRIED: frozenset({S.BUFFERED, S.GENERATING, S.DISCARDED}),
+    S.CARRIED: frozenset({S.BUFFERED, S.TEACHING, S.GENERATING, S.DISCARDED}),
     S.TRAINED: frozenset(),
     S.DISCARDED: frozenset(),
 }

@@ -23,6 +23,7 @@ from asyncrl.config import Config
 from asyncrl.control.books import Books
 from asyncrl.control.buffer import RolloutBuffer
 from asyncrl.control.membership import Generators
+from asyncrl.control.teaching import TeacherQueue
 from asyncrl.types import Group, GroupState, PartialGroup, PartialHeader, Prompt
 from asyncrl.workers.messages import Preempt, Preempted
 
@@ -80,6 +81,7 @@ def carry_over(
     buffer: RolloutBuffer,
     books: Books,
     log: Callable[[str], None],
+    teacher_queue: TeacherQueue | None = None,
 ) -> dict[int, PartialGroup]:
     """Put a checkpoint's generated groups back (into the books' ledger, carried, and their
     headers into ``buffer``); returns the partial groups to continue, by group id (the books
@@ -88,12 +90,16 @@ def carry_over(
     The groups keep their versions: the buffer checks them against the version that will
     train them, as before the stop. A partial group whose oldest token is more than η
     versions behind ``version`` (the resumed generators' weights) would be cancelled at
-    once (``reject=group``): it starts afresh, counted as discarded.
+    once (``reject=group``): it starts afresh, counted as discarded. With a teacher
+    (``teacher_queue``), a group the teacher had not scored waits for it again.
     """
     eta, counts = cfg.schedule.max_staleness, books.counts
     for group in groups:
         books.carry(group.group_id, group.prompt)
-        buffer.put(group.header(), timeout=0.0)
+        if teacher_queue is not None and not group.taught:
+            teacher_queue.wait(group.header())
+        else:
+            buffer.put(group.header(), timeout=0.0)
         counts["carried_groups"] += 1
         counts["carried_group_tokens"] += group.num_completion_tokens
     kept: dict[int, PartialGroup] = {}

@@ -106,8 +106,10 @@ class SaveProtocol:
         generators: Generators,
         preemption: Preemption,
         send: Callable[[str, object], None],
+        waiting_for_teacher: Callable[[], list[GroupHeader]] = list,
     ) -> None:
         self.cfg, self.session, self.send = cfg, session, send
+        self.waiting_for_teacher = waiting_for_teacher  # generated groups the teacher has not scored
         self.books, self.steps, self.buffer = books, steps, buffer
         self.generators, self.preemption = generators, preemption
         self.pending: PendingCheckpoint | None = None  # asked of the trainer, not yet written
@@ -124,7 +126,7 @@ class SaveProtocol:
             return
         steps, counts, ledger = self.steps, self.books.counts, self.books.groups
         version = steps.planned_version
-        held = [*steps.step_groups, *steps.staged, *self.buffer.peek_all()]  # oldest first
+        held = [*steps.step_groups, *steps.staged, *self.buffer.peek_all(), *self.waiting_for_teacher()]
         pending = [(r.group_id, r.prompt) for r in ledger.in_state(GroupState.GENERATING, GroupState.SCORING)]
         preempted = self.preemption.stopped()
         pending += [(p.group_id, prompt) for p, prompt in preempted]

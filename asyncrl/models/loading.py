@@ -14,6 +14,7 @@ Nothing is ever downloaded: Hugging Face loaders are called with ``local_files_o
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,3 +209,11 @@ def save_policy(policy: Policy, path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     policy.model.save_pretrained(path, safe_serialization=True)
     policy.tokenizer.save_pretrained(path)
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A digest of what makes two tokenizers give the same ids: the vocabulary (token -> id) and
+    the special tokens' ids. Two models share a tokenizer exactly when their digests agree."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    specials = [tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id]
+    return hashlib.sha256(json.dumps([vocab, specials]).encode()).hexdigest()[:16]

@@ -9,11 +9,12 @@ import torch
 from asyncrl.config import Config
 from asyncrl.rewards.scoring import ScoringStopped
 from asyncrl.runtimes.base import generator_name
-from asyncrl.transports.groups.base import GroupSender, detach_payloads
+from asyncrl.transports.groups.base import FanOut, GroupSender, detach_payloads
 from asyncrl.transports.groups.factory import make_group_sender
 from asyncrl.transports.weights.inprocess import InProcessChannel
 from asyncrl.workers.generator import GeneratorWorker
-from asyncrl.workers.messages import LoadWeights, Preempt, Ready, Submit
+from asyncrl.workers.messages import LoadWeights, Preempt, Ready, Submit, Teach
+from asyncrl.workers.teacher import TEACHER, TeacherWorker
 from asyncrl.workers.trainer import TrainerWorker
 
 
@@ -38,6 +39,7 @@ class InlineRuntime:
         self._events: list = []
         self.trainer: TrainerWorker | None = None
         self.generators: dict[str, GeneratorWorker] = {}
+        self.teacher: TeacherWorker | None = None  # on-policy distillation's stage (distill.*)
         self._interrupted = False
         self.busy = False  # in send or poll
 
@@ -51,9 +53,14 @@ class InlineRuntime:
             name: GeneratorWorker(name, self.cfg, lambda layout: channel, seed=self.cfg.run.seed + i)
             for i, name in enumerate(self.generator_names)
         }
-        # The groups go to the trainer's inbox by reference; the controller gets headers.
-        self._groups: GroupSender = make_group_sender("inprocess", self.trainer.inbox)
-        self._events += [Ready(n) for n in ["trainer", *self.generator_names]]
+        # The groups go to the trainer's inbox by reference (and the teacher's); the controller gets headers.
+        self._to_trainer: GroupSender = make_group_sender("inprocess", self.trainer.inbox)
+        self._groups = self._to_trainer
+        if self.cfg.distill.enabled:
+            self.teacher = TeacherWorker(TEACHER, self.cfg)
+            self._groups = FanOut(self._to_trainer, make_group_sender("inprocess", self.teacher.inbox))
+        names = ["trainer", *self.generator_names, *([TEACHER] if self.teacher is not None else [])]
+        self._events += [Ready(n) for n in names]
 
     def send(self, worker: str, command) -> None:
         self.busy = True
@@ -61,6 +68,8 @@ class InlineRuntime:
             if worker == "trainer":
                 self._threads(self.cfg.threads("trainer"))
                 self._events += self.trainer.handle(command)
+            elif worker == TEACHER and isinstance(command, Teach):
+                self.teacher.handle(command)
             elif isinstance(command, Submit | LoadWeights | Preempt):
                 self.generators[worker].handle(command)
             else:
@@ -94,9 +103,11 @@ class InlineRuntime:
                 self._threads(self.cfg.threads("generator"))
                 # Once the run is stopping, generators only answer a Preempt (which steps no engine).
                 running = [g for g in self.generators.values() if self._may_run(g)]
-                while running and not self._events:
+                while (running or self._teacher_has_work()) and not self._events:
                     for g in running:
                         self._events += detach_payloads(g.work(), self._groups)
+                    if self._teacher_has_work():  # its scores go to the trainer, the headers on
+                        self._events += detach_payloads(self.teacher.work(), self._to_trainer)
                     running = [g for g in running if self._may_run(g)]
                 if not self._events:
                     time.sleep(min(timeout, 0.01))  # nothing anywhere: let the controller's watchdog see it
@@ -105,6 +116,9 @@ class InlineRuntime:
         events, self._events = self._events, []
         return events
 
+    def _teacher_has_work(self) -> bool:
+        return self.teacher is not None and not self.teacher.idle and not self._interrupted
+
     def _may_run(self, generator: GeneratorWorker) -> bool:
         return not generator.idle and (not self._interrupted or generator.owes_preempt)
 
@@ -112,6 +126,9 @@ class InlineRuntime:
         for generator in self.generators.values():
             generator.close()
         self.generators.clear()
+        if self.teacher is not None:
+            self.teacher.close()
+        self.teacher = None
         if self.trainer is not None:
             self.trainer.close()
         self.trainer = None

@@ -36,8 +36,18 @@ from asyncrl.models.loading import resolve_device
 from asyncrl.runtimes.base import generator_name
 from asyncrl.runtimes.cores import CoreShare, available_cores
 from asyncrl.runtimes.processes import adopt_environment, worker_context
-from asyncrl.runtimes.serving import TRAINER, TRAINER_RANK, build_worker, drain, failed, ready, serve_worker
+from asyncrl.runtimes.serving import (
+    GENERATOR,
+    TRAINER,
+    TRAINER_RANK,
+    build_worker,
+    drain,
+    failed,
+    ready,
+    serve_worker,
+)
 from asyncrl.trainer.distributed import trainer_rank_name
+from asyncrl.transports.groups.base import FanOut, GroupSender
 from asyncrl.transports.groups.factory import make_group_sender, make_inbox
 from asyncrl.transports.weights.factory import (
     SEGMENT_RECORD,
@@ -48,6 +58,7 @@ from asyncrl.transports.weights.factory import (
     unlink_segment,
 )
 from asyncrl.workers.messages import Ready, Stop, WorkerError, WorkerFailed
+from asyncrl.workers.teacher import TEACHER
 
 RANK_FAILURE_GRACE_S = 1.0  # how long a trainer rank's failure waits for a sibling rank's exit to show
 INTERRUPT_CHECK_S = 0.1  # how often a worker looks at the shared stop flag
@@ -67,6 +78,7 @@ def _worker_main(
     cmd_q,
     evt_q,
     payload_q,
+    teacher_q,
     interrupt,
     environ: dict[str, str],
     owner_pid: int,
@@ -77,7 +89,9 @@ def _worker_main(
     ranks meet (``master_addr``, ``master_port``, ``world_size``); ``slot`` is the
     worker's entry in the shared busy flags. Trainer ranks 1.. have no command queue: they
     run rank 0's commands (:func:`run_follower`). ``payload_q`` carries the generators' groups
-    to the trainer (:mod:`asyncrl.transports.groups`). ``interrupt``: set when the run stops.
+    to the trainer (:mod:`asyncrl.transports.groups`); ``teacher_q`` a copy of them to the teacher
+    stage (None without one), whose scores go to the trainer on ``payload_q`` too.
+    ``interrupt``: set when the run stops.
     ``environ``: the run's environment when the worker was started; ``owner_pid``: the run's
     process (not the parent when the worker was forked from the fork server).
     """
@@ -101,7 +115,8 @@ def _worker_main(
         else:
             cores = CoreShare(busy_flags, slot=slot, cores=available_cores())
         cfg = Config.model_validate_json(cfg_json)
-        inbox = make_inbox("queue", payload_q) if role == TRAINER else None
+        feed = {TRAINER: payload_q, TEACHER: teacher_q}.get(role)
+        inbox = make_inbox("queue", feed) if feed is not None else None
         worker, _ = build_worker(role, name, index, cfg, spec, group, elastic=False, inbox=inbox)
         threading.Thread(
             target=_abandon_work_on, args=(interrupt, worker), name="asyncrl-interrupt", daemon=True
@@ -117,13 +132,15 @@ def _worker_main(
             evt_q.put,
             should_exit=owner.gone.is_set,  # looked at on every engine step: no /proc read there
             on_busy=busy,
-            groups=make_group_sender("queue", payload_q),
+            groups=_group_sender(role, payload_q, teacher_q),
         )
         if not owner.alive():
             evt_q.cancel_join_thread()  # nobody will read what is still queued; do not wait for it
         # Groups still on their way when the run stops are not needed (the checkpoint was
         # written): exiting must not wait for a trainer that no longer reads them.
         payload_q.cancel_join_thread()
+        if teacher_q is not None:
+            teacher_q.cancel_join_thread()
     except BaseException as exc:
         # Exiting joins the queue's feeder thread, so the report is written before the process ends.
         evt_q.put(failed(name, exc))
@@ -131,6 +148,15 @@ def _worker_main(
     finally:
         if worker is not None:
             worker.close()
+
+
+def _group_sender(role: str, payload_q, teacher_q) -> GroupSender:
+    """A generator's groups go to the trainer and, with a teacher stage, to it as well; the
+    teacher's scores go to the trainer."""
+    to_trainer = make_group_sender("queue", payload_q)
+    if role == GENERATOR and teacher_q is not None:
+        return FanOut(to_trainer, make_group_sender("queue", teacher_q))
+    return to_trainer
 
 
 def _abandon_work_on(interrupt, worker) -> None:
@@ -166,10 +192,12 @@ class LocalRuntime:
         self._ctx = worker_context(cfg.runtime.start_method, on_cuda)
         self._events = self._ctx.Queue()
         self._payloads = self._ctx.Queue()  # generators -> trainer: the groups themselves
+        # generators -> the teacher stage (on-policy distillation): a copy of every finished group
+        self._to_teacher = self._ctx.Queue() if cfg.distill.enabled else None
         self._commands: dict[str, object] = {}
         self._procs: dict[str, mp.Process] = {}
         # Slot 0 is the trainer's, slot i+1 generator i's, slot N+r trainer rank r's (see
-        # runtimes/cores.py).
+        # runtimes/cores.py); the teacher's process has its own thread count, no slot.
         self._busy = self._ctx.Array("b", cfg.runtime.generators + cfg.trainer.ranks, lock=False)
         self._stopping = False
         self._interrupt = self._ctx.RawValue("b", 0)
@@ -191,6 +219,8 @@ class LocalRuntime:
             (TRAINER_RANK, self.trainer_names[r], r, trainer_threads, gens + r) for r in range(1, ranks)
         ]
         roles += [("generator", n, i, generator_threads, i + 1) for i, n in enumerate(self.generator_names)]
+        if self._to_teacher is not None:
+            roles.append((TEACHER, TEACHER, 0, self.cfg.distill.threads or max(1, generator_threads), 0))
         for role, name, index, threads, slot in roles:
             if role != TRAINER_RANK:
                 self._commands[name] = self._ctx.Queue()
@@ -211,6 +241,7 @@ class LocalRuntime:
                     self._commands.get(name),
                     self._events,
                     self._payloads,
+                    self._to_teacher,
                     self._interrupt,
                     dict(os.environ),
                     os.getpid(),
@@ -306,7 +337,7 @@ class LocalRuntime:
                     getattr(proc, sig_method)()
             for proc in self._procs.values():
                 proc.join(timeout=5)
-        for q in [*self._commands.values(), self._events, self._payloads]:
+        for q in [*self._commands.values(), self._events, self._payloads, *filter(None, [self._to_teacher])]:
             q.cancel_join_thread()
             q.close()
         if self._spec is not None and self._spec.segment:

@@ -28,6 +28,7 @@ from asyncrl.transports.groups.inbox import Inbox
 from asyncrl.transports.weights.factory import TransportSpec, make_receiver, make_sender, weights_device
 from asyncrl.workers.generator import GeneratorWorker
 from asyncrl.workers.messages import Accumulate, Discard, Ready, Stop, WorkerFailed
+from asyncrl.workers.teacher import TEACHER, TeacherWorker
 from asyncrl.workers.trainer import TrainerWorker, run_follower
 
 IDLE_WAIT_S = 0.02  # how long an idle generator waits for a command before looking again
@@ -123,6 +124,28 @@ def serve_generator(
             on_busy(False)  # at once: the trainer may be starting on what was just sent
 
 
+def serve_teacher(
+    worker: TeacherWorker,
+    cmd_q,
+    emit: Callable[[object], None],
+    to_trainer: GroupSender,
+    should_exit: Callable[[], bool] = lambda: False,
+) -> None:
+    """Score the groups that arrive until Stop (or ``should_exit``); the scores go to the trainer by
+    ``to_trainer`` before ``emit`` reports them."""
+    while not should_exit():
+        try:
+            while True:
+                command = cmd_q.get_nowait()
+                if isinstance(command, Stop):
+                    return
+                worker.handle(command)
+        except queue.Empty:
+            pass
+        for event in detach_payloads(worker.work(wait_s=IDLE_WAIT_S), to_trainer):
+            emit(event)
+
+
 TRAINER = "trainer"
 TRAINER_RANK = "trainer-rank"  # role of trainer ranks 1..M-1
 GENERATOR = "generator"
@@ -142,14 +165,17 @@ def build_worker(
     *,
     elastic: bool,
     inbox: Inbox | None = None,
-) -> tuple[TrainerWorker | GeneratorWorker, torch.device]:
+) -> tuple[TrainerWorker | GeneratorWorker | TeacherWorker, torch.device]:
     """The worker of ``role`` and the device its weights live on.
 
     ``index`` is the trainer rank or the generator's index (its rank in a broadcast group is
     index + 1); ``group`` says where trainer ranks meet (``world_size``, ``master_addr``,
     ``master_port``); ``elastic``: the trainer's broadcast group may be re-formed (Ray);
-    ``inbox``: where rank 0 finds the groups the generators deliver.
+    ``inbox``: where rank 0 (or the teacher) finds the groups the generators deliver.
     """
+    if role == TEACHER:
+        worker = TeacherWorker(name, cfg, inbox=inbox)
+        return worker, worker.teacher.device
     timeout = cfg.runtime.stall_timeout_s
     device = weights_device(cfg, trainer=is_trainer(role))
     if is_trainer(role):
@@ -173,7 +199,7 @@ def failed(name: str, exc: BaseException) -> WorkerFailed:
 
 def serve_worker(
     role: str,
-    worker: TrainerWorker | GeneratorWorker,
+    worker: TrainerWorker | GeneratorWorker | TeacherWorker,
     commands,
     emit: Callable[[object], None],
     should_exit: Callable[[], bool],
@@ -182,9 +208,11 @@ def serve_worker(
 ) -> None:
     """Run the worker's command loop until Stop; trainer ranks 1.. execute what rank 0 forwards.
 
-    ``groups``: a generator's end of the group transport (:mod:`asyncrl.transports.groups`).
+    ``groups``: a generator's (or the teacher's) end of the group transport (:mod:`asyncrl.transports.groups`).
     """
-    if role == TRAINER_RANK:
+    if role == TEACHER:
+        serve_teacher(worker, commands, emit, groups, should_exit=should_exit)
+    elif role == TRAINER_RANK:
         run_follower(worker, busy=on_busy)
     elif role == TRAINER:
         serve_trainer(worker, commands, emit, should_exit=should_exit, on_busy=on_busy)

@@ -41,7 +41,7 @@ from typing import Any
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest
-from asyncrl.models.loading import Policy
+from asyncrl.models.loading import Policy, tokenizer_fingerprint
 from asyncrl.rewards.judges.verdicts import candidate_ids, next_token_probs
 from asyncrl.server.engine_loop import EngineLoop, Ticket
 from asyncrl.server.scoring import ScoringError, check_request, token_logprobs
@@ -260,7 +260,16 @@ class _Handler(BaseHTTPRequestHandler):
                 200,
                 {
                     "object": "list",
-                    "data": [{"id": app.model_name, "object": "model", "created": 0, "owned_by": "asyncrl"}],
+                    "data": [
+                        {
+                            "id": app.model_name,
+                            "object": "model",
+                            "created": 0,
+                            "owned_by": "asyncrl",
+                            # A client that sends token ids (/v1/logprobs) checks it shares the tokenizer.
+                            "tokenizer": tokenizer_fingerprint(app.policy.tokenizer),
+                        }
+                    ],
                 },
             )
         elif self.path == "/v1/policy":

@@ -36,7 +36,7 @@ import torch
 from transformers import PreTrainedModel
 
 from asyncrl.algorithms import corrections, losses
-from asyncrl.algorithms.advantages import group_advantages, step_advantages
+from asyncrl.algorithms.advantages import distill_advantages, group_advantages, step_advantages
 from asyncrl.config import AlgorithmConfig, TrainerConfig, old_logprob_mode
 from asyncrl.models.activation_checkpointing import enable_activation_checkpointing
 from asyncrl.models.lora import adapter_fqns, is_lora, published_weights
@@ -50,13 +50,23 @@ from asyncrl.trainer.routing_metrics import drift_by_lag, routing_step_metrics
 from asyncrl.types import Group, Sample
 
 
-def assign_advantages(groups: list[Group], scale: str, step_rewards: str = "ignore") -> None:
+def assign_advantages(
+    groups: list[Group],
+    scale: str,
+    step_rewards: str = "ignore",
+    distill: str | None = None,
+    distill_weight: float = 1.0,
+) -> None:
     """Set ``sample.advantage`` for every sample, from its group's rewards (None counts as NaN).
 
     With ``step_rewards="return_to_go"``, samples of groups that hold step rewards (multi-turn
     episodes, ``Sample.turn_rewards``) also get ``token_advantages``: the outcome advantage
     plus, on each turn's tokens, that turn's step advantage (see
     :func:`asyncrl.algorithms.advantages.step_advantages`).
+
+    ``distill``: with ``"add"`` every token's advantage also gets the teacher's signal
+    (:func:`asyncrl.algorithms.advantages.distill_advantages`, times ``distill_weight``); with
+    ``"alone"`` that signal is the whole advantage. The samples must hold ``teacher_logprobs``.
     """
     rewards = [
         torch.tensor([float("nan") if s.reward is None else s.reward for s in g.samples], dtype=torch.float64)
@@ -75,6 +85,18 @@ def assign_advantages(groups: list[Group], scale: str, step_rewards: str = "igno
                 for (start, end), a in zip(sample.turn_spans or [], steps, strict=True):
                     tokens[start:end] = [sample.advantage + a] * (end - start)
                 sample.token_advantages = tokens
+        if distill is not None:
+            for sample in group.samples:
+                if sample.teacher_logprobs is None:
+                    raise ValueError(
+                        f"{sample._label()} of group {group.group_id} has no teacher log-probs to distill from"
+                    )
+                signal = distill_advantages(sample.teacher_logprobs, sample.logprobs, distill_weight)
+                if distill == "alone":
+                    sample.advantage, sample.token_advantages = 0.0, signal
+                else:
+                    base = sample.token_advantages or [sample.advantage] * len(signal)
+                    sample.token_advantages = [a + d for a, d in zip(base, signal, strict=True)]
 
 
 def sync_dtype(lora: bool, compute_dtype: torch.dtype) -> torch.dtype:

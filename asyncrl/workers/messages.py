@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.errors import AsyncRLError
-from asyncrl.types import Group, GroupHeader, PartialGroup, PartialHeader, Prompt
+from asyncrl.types import Group, GroupHeader, PartialGroup, PartialHeader, Prompt, TeacherScores
 
 # -- commands ---------------------------------------------------------------------------
 
@@ -138,6 +138,14 @@ class Restore:
 
 
 @dataclass
+class Teach:
+    """To the teacher stage: score these groups (those a resumed checkpoint carried unscored; in a
+    run the generators deliver the teacher its groups themselves)."""
+
+    groups: list[Group]
+
+
+@dataclass
 class Stop:
     pass
 
@@ -253,6 +261,16 @@ class Restored:
     worker: str
     version: int
     checksums: dict[str, float] | None = None  # as in StepDone
+
+
+@dataclass
+class Taught:
+    """The teacher scored these groups. ``scores`` is the payload, delivered to the trainer by the
+    process serving the teacher and None once the event leaves it (as a ``GroupReady``'s group)."""
+
+    worker: str
+    group_ids: list[int]
+    scores: list[TeacherScores] | None = None
 
 
 @dataclass

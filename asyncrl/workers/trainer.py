@@ -241,11 +241,20 @@ class TrainerWorker:
         """
         groups = command.groups
         if groups is None:
-            groups = self.inbox.take(command.group_ids, timeout=self.cfg.runtime.stall_timeout_s)
+            groups = self.inbox.take(
+                command.group_ids, timeout=self.cfg.runtime.stall_timeout_s, taught=self.cfg.distill.enabled
+            )
         if command.min_version is not None:
             for group in groups:
                 group.mask_older_than(command.min_version)
-        assign_advantages(groups, self.cfg.algorithm.advantage_scale, self.cfg.algorithm.step_rewards)
+        algorithm, distill = self.cfg.algorithm, self.cfg.distill
+        assign_advantages(
+            groups,
+            algorithm.advantage_scale,
+            algorithm.step_rewards,
+            distill=("alone" if algorithm.advantage == "distill" else "add") if distill.enabled else None,
+            distill_weight=distill.weight,
+        )
         self._step_groups.update((g.group_id, g) for g in groups)
         return dataclasses.replace(command, groups=groups)
 

@@ -23,19 +23,20 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from asyncrl.types import Group, PartialGroup
-from asyncrl.workers.messages import GroupReady, Preempted
+from asyncrl.types import Group, PartialGroup, TeacherScores
+from asyncrl.workers.messages import GroupReady, Preempted, Taught
 
 
 @dataclass
 class Delivery:
-    """The payloads of one batch of a generator's events."""
+    """The payloads of one batch of a generator's events, or of the teacher's scores."""
 
     groups: list[Group] = field(default_factory=list)
     partials: list[PartialGroup] = field(default_factory=list)
+    scores: list[TeacherScores] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.groups or self.partials)
+        return bool(self.groups or self.partials or self.scores)
 
 
 class GroupSender(ABC):
@@ -45,6 +46,23 @@ class GroupSender(ABC):
     def deliver(self, delivery: Delivery) -> None:
         """Hand ``delivery`` over; when this returns the groups are with the trainer or on their way
         along a channel that keeps their order (so the headers that follow may be reported)."""
+
+
+class FanOut(GroupSender):
+    """On-policy distillation: a generator's groups go to the trainer and to the teacher stage.
+
+    The trainer keeps every generated group (a checkpoint writes the ones waiting for the
+    teacher from there); the teacher gets a copy of the finished groups to score, and sends the
+    trainer only their scores. Partial groups (a stop's) go to the trainer alone.
+    """
+
+    def __init__(self, trainer: GroupSender, teacher: GroupSender) -> None:
+        self.trainer, self.teacher = trainer, teacher
+
+    def deliver(self, delivery: Delivery) -> None:
+        self.trainer.deliver(delivery)
+        if delivery.groups:
+            self.teacher.deliver(Delivery(groups=delivery.groups))
 
 
 def detach_payloads(events: Iterable, sender: GroupSender) -> list:
@@ -61,6 +79,9 @@ def detach_payloads(events: Iterable, sender: GroupSender) -> list:
         elif isinstance(event, Preempted) and event.partials is not None:
             delivery.partials += event.partials
             event = replace(event, partials=None)
+        elif isinstance(event, Taught) and event.scores is not None:
+            delivery.scores += event.scores
+            event = replace(event, scores=None)
         out.append(event)
     if delivery:
         sender.deliver(delivery)

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Iterable
 
 from asyncrl.transports.groups.base import Delivery
-from asyncrl.types import Group, PartialGroup
+from asyncrl.types import Group, PartialGroup, TeacherScores
 from asyncrl.workers.messages import WorkerError
 
 FEED_WAIT_S = 0.5  # how often the feeding thread looks whether the inbox is closed
@@ -24,6 +24,8 @@ class Inbox:
     def __init__(self, feed=None) -> None:
         self._groups: dict[int, Group] = {}
         self._partials: dict[int, PartialGroup] = {}
+        # A teacher's scores that came before their group (the two travel by different channels).
+        self._scores: dict[int, TeacherScores] = {}
         self._cond = threading.Condition()
         self._closed = threading.Event()
         if feed is not None:
@@ -42,8 +44,17 @@ class Inbox:
         with self._cond:
             for group in delivery.groups:
                 self._groups[group.group_id] = group
+                scores = self._scores.pop(group.group_id, None)
+                if scores is not None:
+                    group.take_scores(scores)
             for partial in delivery.partials:
                 self._partials[partial.group_id] = partial
+            for scores in delivery.scores:
+                group = self._groups.get(scores.group_id)
+                if group is None:
+                    self._scores[scores.group_id] = scores
+                else:
+                    group.take_scores(scores)
             self._cond.notify_all()
 
     def __len__(self) -> int:
@@ -55,11 +66,28 @@ class Inbox:
         with self._cond:
             return set(self._groups)
 
-    def take(self, group_ids: list[int], timeout: float) -> list[Group]:
-        """The groups ``group_ids``, in that order, removed from the inbox; waits up to ``timeout``."""
+    def take(self, group_ids: list[int], timeout: float, taught: bool = False) -> list[Group]:
+        """The groups ``group_ids``, in that order, removed from the inbox; waits up to ``timeout``
+        (``taught``: also for the teacher's scores of every one)."""
         with self._cond:
             self._wait(self._groups, group_ids, timeout, "groups")
+            if taught and not self._cond.wait_for(
+                lambda: all(self._groups[i].taught for i in group_ids), timeout=timeout
+            ):
+                missing = [i for i in group_ids if not self._groups[i].taught]
+                raise WorkerError(
+                    f"the trainer was sent groups {missing} whose teacher scores did not reach it within "
+                    f"{timeout:.0f}s (runtime.stall_timeout_s): the teacher reported them but their delivery was lost"
+                )
             return [self._groups.pop(i) for i in group_ids]
+
+    def take_arrived(self, limit: int, timeout: float) -> list[Group]:
+        """Up to ``limit`` groups, oldest delivery first, removed; waits up to ``timeout`` for one
+        (the teacher stage's inbox, which scores what comes in order)."""
+        with self._cond:
+            self._cond.wait_for(lambda: bool(self._groups) or self._closed.is_set(), timeout=timeout)
+            ids = list(self._groups)[:limit]
+            return [self._groups.pop(i) for i in ids]
 
     def peek(self, group_ids: list[int], timeout: float) -> list[Group]:
         """The groups ``group_ids`` without removing them (a checkpoint copies them)."""
@@ -78,6 +106,7 @@ class Inbox:
             for i in group_ids:
                 self._groups.pop(i, None)
                 self._partials.pop(i, None)
+                self._scores.pop(i, None)
 
     def close(self) -> None:
         self._closed.set()

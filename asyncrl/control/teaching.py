@@ -1,0 +1,68 @@
+"""The controller's side of the teacher stage: the groups waiting for the teacher's scores.
+
+With a teacher (``distill.teacher`` or ``distill.url``) a generated group does not enter the
+rollout buffer when its generator reports it: it waits, in state ``teaching``, until the
+teacher stage reports ``Taught`` (its scores are then with the trainer). The queue is
+bounded — while ``distill.queue_groups`` groups (by default one step's) wait no new group
+starts on a generator — and
+so is the wait: a group waiting longer than ``distill.timeout_s`` stops the run with an error
+naming the key (a teacher that hangs). A checkpoint carries the waiting groups (the trainer
+holds them, unscored), and a resumed run sends them to the teacher again.
+"""
+
+from __future__ import annotations
+
+import time
+
+from asyncrl.config import DistillConfig
+from asyncrl.control.lifecycle import GroupLedger
+from asyncrl.types import GroupHeader, GroupState
+
+
+class TeacherQueue:
+    def __init__(self, distill: DistillConfig, ledger: GroupLedger, step_groups: int) -> None:
+        self.distill = distill
+        self.ledger = ledger
+        self.capacity = distill.queue_groups or step_groups
+        self._waiting: dict[int, tuple[GroupHeader, float]] = {}  # arrival order
+        self.taught_groups = 0
+        self.full_s = 0.0  # seconds dispatch was held back by a full queue
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def full(self) -> bool:
+        return len(self._waiting) >= self.capacity
+
+    def wait(self, header: GroupHeader) -> None:
+        """A generated (or carried) group waits for the teacher."""
+        self.ledger.move(header.group_id, GroupState.TEACHING)
+        self._waiting[header.group_id] = (header, time.monotonic())
+
+    def taught(self, group_ids: list[int]) -> list[GroupHeader]:
+        """The headers of the scored groups that still wait (others ended meanwhile), removed."""
+        out = []
+        for group_id in group_ids:
+            entry = self._waiting.pop(group_id, None)
+            if entry is not None and self.ledger.state(group_id) == GroupState.TEACHING:
+                out.append(entry[0])
+        self.taught_groups += len(out)
+        return out
+
+    def headers(self) -> list[GroupHeader]:
+        """The waiting groups' headers, oldest first (a checkpoint carries them)."""
+        return [header for header, _ in self._waiting.values()]
+
+    def overdue(self) -> str | None:
+        """An error message if the oldest group has waited longer than distill.timeout_s."""
+        if not self._waiting:
+            return None
+        group_id, (_, since) = next(iter(self._waiting.items()))
+        waited = time.monotonic() - since
+        if waited <= self.distill.timeout_s:
+            return None
+        return (
+            f"group {group_id} waited {waited:.0f}s for the teacher ({self.distill.source}), longer than "
+            f"distill.timeout_s={self.distill.timeout_s:g}; {len(self._waiting)} groups are waiting"
+        )

@@ -1,0 +1,166 @@
+"""The teacher: log-probs of the student's completion tokens under another model.
+
+:func:`load_teacher` makes the one the config names: a local model (``distill.teacher``: a
+Hugging Face directory, ``builtin:<name>`` or ``tiny:<size>``), run in the process that asks,
+or a served one (``distill.url``: ``asyncrl serve`` and its ``POST /v1/logprobs``). Either
+must share the student's tokenizer, or the ids it scores would mean other text: compared by
+:func:`~asyncrl.models.loading.tokenizer_fingerprint` at start, the error names both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import urllib.error
+import urllib.request
+from typing import Protocol
+
+import torch
+
+from asyncrl.config import Config
+from asyncrl.errors import AsyncRLError, ConfigError
+from asyncrl.models.loading import load_policy, load_tokenizer, resolve_device, tokenizer_fingerprint
+from asyncrl.server.scoring import ScoringRequest, token_logprobs
+from asyncrl.types import Group, TeacherScores
+
+
+class TeacherError(AsyncRLError):
+    """The teacher could not be loaded or asked, or its answer does not fit the question."""
+
+
+class Teacher(Protocol):
+    name: str  # the teacher as the config names it, for errors
+    device: torch.device  # where its model runs (the CPU for a served one: this process only asks)
+
+    def score(self, groups: list[Group]) -> list[TeacherScores]:
+        """The teacher's log-prob of every completion token of every sample, one record per group."""
+        ...
+
+
+def _rows(groups: list[Group]) -> ScoringRequest:
+    samples = [s for g in groups for s in g.samples]
+    return ScoringRequest(
+        prompts=[list(s.prompt_ids) for s in samples], completions=[list(s.completion_ids) for s in samples]
+    )
+
+
+def _per_group(groups: list[Group], logprobs: list[list[float]]) -> list[TeacherScores]:
+    out, start = [], 0
+    for group in groups:
+        out.append(TeacherScores(group.group_id, logprobs[start : start + group.size]))
+        start += group.size
+    return out
+
+
+class LocalTeacher:
+    """A teacher model loaded in this process (``distill.teacher``)."""
+
+    def __init__(self, cfg: Config) -> None:
+        distill = cfg.distill
+        self.name = distill.source
+        try:
+            device = resolve_device(distill.device)
+        except ConfigError as exc:
+            raise ConfigError("distill.device", distill.device, exc.problem) from None
+        try:
+            policy = load_policy(distill.teacher, device=str(device), dtype=distill.dtype, seed=cfg.run.seed)
+        except ConfigError as exc:  # the loader names model.path; here it is the teacher's key
+            raise ConfigError("distill.teacher", distill.teacher, exc.problem) from None
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise TeacherError(f"{self.name}: the teacher failed to load: {exc}") from None
+        self.device = device
+        self.model = policy.model.eval()
+        self.model.requires_grad_(False)
+        self.pad_token_id = policy.pad_token_id
+        check_same_tokenizer(cfg, tokenizer_fingerprint(policy.tokenizer), type(policy.tokenizer).__name__)
+
+    def score(self, groups: list[Group]) -> list[TeacherScores]:
+        if not groups:
+            return []
+        with torch.no_grad():
+            logprobs = token_logprobs(self.model, self.pad_token_id, _rows(groups))["logprobs"]
+        return _per_group(groups, logprobs)
+
+
+class ServedTeacher:
+    """A teacher served with ``asyncrl serve`` (``distill.url``), asked over HTTP."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.url = cfg.distill.url.rstrip("/")
+        self.device = torch.device("cpu")
+        self.name = cfg.distill.source
+        self.timeout_s = cfg.distill.timeout_s
+        models = self._call("GET", "/v1/models").get("data") or [{}]
+        fingerprint = models[0].get("tokenizer")
+        if fingerprint is None:
+            raise TeacherError(
+                f"{self.name}: the server does not say which tokenizer it uses (GET /v1/models has no "
+                "'tokenizer'); serve the teacher with this version of `asyncrl serve`"
+            )
+        check_same_tokenizer(cfg, fingerprint, f"the tokenizer of the model {models[0].get('id')!r}")
+
+    def score(self, groups: list[Group]) -> list[TeacherScores]:
+        if not groups:
+            return []
+        request = _rows(groups)
+        body = {"prompt_ids": request.prompts, "completion_ids": request.completions}
+        answer = self._call("POST", "/v1/logprobs", body)
+        logprobs = answer.get("logprobs")
+        if not isinstance(logprobs, list) or [len(r) for r in logprobs] != [
+            len(c) for c in request.completions
+        ]:
+            raise TeacherError(
+                f"{self.name}: /v1/logprobs answered rows that do not fit the completions asked"
+            )
+        return _per_group(groups, logprobs)
+
+    def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")
+            with contextlib.suppress(ValueError, KeyError, TypeError):  # not the server's JSON error
+                detail = json.loads(detail)["error"]["message"]
+            raise TeacherError(
+                f"{self.name}: the teacher refused {path}: HTTP {exc.code}: {detail}"
+            ) from None
+        except TimeoutError:
+            raise TeacherError(
+                f"{self.name}: {path} did not answer within {self.timeout_s:.0f}s (distill.timeout_s)"
+            ) from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            if isinstance(reason, TimeoutError):
+                raise TeacherError(
+                    f"{self.name}: {path} did not answer within {self.timeout_s:.0f}s (distill.timeout_s)"
+                ) from None
+            raise TeacherError(f"{self.name}: cannot reach the teacher ({path}): {reason}") from None
+
+
+def check_same_tokenizer(cfg: Config, teacher_fingerprint: str, teacher_tokenizer: str) -> None:
+    """Refuse a teacher whose tokenizer is not the student's, naming both."""
+    student, _ = load_tokenizer(cfg.model.path, cfg.model.chat_template)
+    if tokenizer_fingerprint(student) != teacher_fingerprint:
+        raise ConfigError(
+            "distill.teacher" if cfg.distill.teacher is not None else "distill.url",
+            cfg.distill.teacher or cfg.distill.url,
+            f"the teacher's tokenizer ({teacher_tokenizer}) is not the student's ({type(student).__name__} "
+            f"of model.path={cfg.model.path}): the token ids it would score mean other text; "
+            "distill from a teacher that uses the student's tokenizer",
+        )
+
+
+def load_teacher(cfg: Config) -> Teacher:
+    """The teacher ``distill.*`` names, loaded (or reached) and checked."""
+    if cfg.distill.url is not None:
+        return ServedTeacher(cfg)
+    if cfg.distill.teacher is None:
+        raise ConfigError(
+            "distill.teacher", None, "no teacher configured (set distill.teacher or distill.url)"
+        )
+    return LocalTeacher(cfg)

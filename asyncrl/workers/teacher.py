@@ -1,0 +1,66 @@
+"""The teacher stage: a worker between the generators and the trainer (on-policy distillation).
+
+The generators deliver every finished group to the trainer and a copy to this worker's inbox
+(:class:`~asyncrl.transports.groups.base.FanOut`). The worker scores what arrives, oldest
+first and up to ``distill.batch_groups`` groups a call, with its teacher
+(:mod:`asyncrl.distill.teacher`), and reports ``Taught`` with the scores as payload: the process
+serving it delivers them to the trainer's inbox before the event reaches the controller,
+which only then lets the groups into the rollout buffer. The controller bounds how many groups
+wait for it (``distill.queue_groups``) and how long (``distill.timeout_s``).
+
+Nothing is lost at a stop: the trainer holds every group the teacher has not scored, and a
+checkpoint carries them unscored; the resumed run sends them here again (``Teach``).
+"""
+
+from __future__ import annotations
+
+import time
+
+from asyncrl.config import Config
+from asyncrl.distill.teacher import Teacher, load_teacher
+from asyncrl.transports.groups.base import Delivery
+from asyncrl.transports.groups.inbox import Inbox
+from asyncrl.workers.messages import Span, Taught, Teach
+
+TEACHER = "teacher"
+
+
+class TeacherWorker:
+    def __init__(
+        self, name: str, cfg: Config, inbox: Inbox | None = None, teacher: Teacher | None = None
+    ) -> None:
+        self.name = name
+        self.batch_groups = cfg.distill.batch_groups
+        self.teacher = teacher if teacher is not None else load_teacher(cfg)
+        self.inbox = inbox if inbox is not None else Inbox()
+        self.scored_groups = 0
+
+    @property
+    def idle(self) -> bool:
+        return len(self.inbox) == 0
+
+    def handle(self, command) -> None:
+        if not isinstance(command, Teach):
+            raise TypeError(f"{self.name} cannot handle {type(command).__name__}")
+        self.inbox.put(Delivery(groups=command.groups))
+
+    def work(self, wait_s: float = 0.0) -> list:
+        """Score the oldest waiting groups (waiting up to ``wait_s`` for one); their events."""
+        groups = self.inbox.take_arrived(self.batch_groups, timeout=wait_s)
+        if not groups:
+            return []
+        start = time.time()
+        scores = self.teacher.score(groups)
+        self.scored_groups += len(groups)
+        tokens = sum(s.num_completion_tokens for g in groups for s in g.samples)
+        return [
+            Span(self.name, "teach", start, time.time(), {"groups": len(groups), "tokens": tokens}),
+            Taught(self.name, [g.group_id for g in groups], scores),
+        ]
+
+    def abandon_work(self) -> None:
+        """A stop: nothing to abandon (a call to the teacher is bounded by distill.timeout_s, and the
+        groups it scores are carried by the checkpoint whether or not it answers)."""
+
+    def close(self) -> None:
+        self.inbox.close()
