@@ -157,6 +157,10 @@ class RayConfig(Section):
     trainer: RayResources = Field(
         default_factory=RayResources, description="Resources of each trainer actor."
     )
+    teacher: RayResources = Field(
+        default_factory=RayResources,
+        description="Resources of the teacher stage's actor (on-policy distillation, distill.*).",
+    )
     reward: RayResources = Field(
         default_factory=RayResources,
         description="Resources of each reward worker actor (task.reward_workers), e.g. on CPU-only nodes.",

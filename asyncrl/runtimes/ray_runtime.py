@@ -52,7 +52,7 @@ from asyncrl.errors import AsyncRLError
 from asyncrl.rewards.judges.client import ENV as JUDGE_ENV
 from asyncrl.rewards.pool import ENV as POOL_ENV
 from asyncrl.rewards.pool_service import RewardActor
-from asyncrl.runtimes.base import generator_name
+from asyncrl.runtimes.base import generator_name, is_generator
 from asyncrl.runtimes.cores import available_cores
 from asyncrl.runtimes.serving import (
     TRAINER,
@@ -65,7 +65,7 @@ from asyncrl.runtimes.serving import (
     serve_worker,
 )
 from asyncrl.trainer.distributed import trainer_rank_name
-from asyncrl.transports.groups.base import Delivery
+from asyncrl.transports.groups.base import Delivery, FanOut
 from asyncrl.transports.groups.factory import make_group_sender
 from asyncrl.transports.weights.factory import (
     TransportSpec,
@@ -84,6 +84,7 @@ from asyncrl.workers.messages import (
     WorkerFailed,
     WorkerLost,
 )
+from asyncrl.workers.teacher import TEACHER
 
 POLL_WAIT_S = 0.5  # how long an actor's events() call waits for something to report
 
@@ -115,25 +116,28 @@ class WorkerActor:
         self._exit = threading.Event()
         self._worker = None  # once built
         self._device = None  # where the worker's weights live, once built
-        self._trainer = None  # a generator's handle on the trainer's actor
+        self._trainer = None  # a generator's (or the teacher's) handle on the trainer's actor
+        self._teacher = None  # with distillation, a generator's handle on the teacher's actor
         self._thread = threading.Thread(target=self._run, name=f"asyncrl-{name}", daemon=True)
 
-    def start(self, spec: TransportSpec, group: dict, trainer=None) -> None:
+    def start(self, spec: TransportSpec, group: dict, trainer=None, teacher=None) -> None:
         """Build the worker and serve commands, on a thread; ``Ready`` or ``WorkerFailed`` follows.
 
         ``group`` says where the trainer ranks meet (``world_size``, ``master_addr``,
         ``master_port``); ranks 1.. take their commands from rank 0, not from ``send``.
-        ``trainer``: a generator's handle on the trainer's actor, where it delivers its groups.
+        ``trainer``: a generator's (or the teacher's) handle on the trainer's actor, where it
+        delivers its groups (scores); ``teacher``: the teacher stage's actor, which a generator
+        delivers a copy of its groups to.
         """
-        self._spec, self._group, self._trainer = spec, group, trainer
+        self._spec, self._group, self._trainer, self._teacher = spec, group, trainer, teacher
         self._thread.start()
 
     def deliver(self, delivery: Delivery) -> None:
-        """A generator's groups, into the trainer's inbox (this is the trainer's actor)."""
+        """Groups (or a teacher's scores) into the inbox of this actor's trainer or teacher."""
         with self._lock:
             worker = self._worker
-        if worker is None or self.role != TRAINER:
-            raise RuntimeError(f"{self.name} takes no deliveries: it is not a started trainer")
+        if worker is None or self.role not in (TRAINER, TEACHER):
+            raise RuntimeError(f"{self.name} takes no deliveries: it is not a started trainer or teacher")
         worker.inbox.put(delivery)
 
     def where(self) -> dict:
@@ -190,6 +194,15 @@ class WorkerActor:
         self._exit.set()
         return not self._thread.is_alive()
 
+    def _group_sender(self, timeout_s: float):
+        """Where this worker's groups (a generator's) or scores (the teacher's) go."""
+        if self._trainer is None:
+            return None
+        to_trainer = make_group_sender("actor", self._trainer, timeout_s)
+        if self._teacher is None:
+            return to_trainer
+        return FanOut(to_trainer, make_group_sender("actor", self._teacher, timeout_s))
+
     def _run(self) -> None:
         import torch
 
@@ -212,9 +225,7 @@ class WorkerActor:
                 self._commands,
                 self._events.put,
                 should_exit=self._exit.is_set,
-                groups=make_group_sender("actor", self._trainer, cfg.runtime.stall_timeout_s)
-                if self._trainer is not None
-                else None,
+                groups=self._group_sender(cfg.runtime.stall_timeout_s),
             )
         except BaseException as exc:
             self._events.put(failed(self.name, exc))
@@ -303,8 +314,12 @@ class RayRuntime:
         group = {"world_size": len(ranks), "master_addr": host, "master_port": rank_port}
         for rank in ranks:
             rank.start.remote(self._spec, group)
+        if self.cfg.distill.enabled:
+            self._create(TEACHER, TEACHER, 0).start.remote(self._spec, {}, ranks[0])
         for i, name in enumerate(self.generator_names):
-            self._create("generator", name, i).start.remote(self._spec, {}, ranks[0])
+            self._create("generator", name, i).start.remote(
+                self._spec, {}, ranks[0], self._actors.get(TEACHER)
+            )
         self._wait_ready(set(self._actors))
         if self._spec.kind == "shm":
             self._check_same_node(self.generator_names)
@@ -403,6 +418,8 @@ class RayRuntime:
         return placement_group([dict(bundle) for _ in self.trainer_names], strategy=strategy)
 
     def _threads(self, role: str, res) -> int:
+        if role == TEACHER:
+            return self.cfg.distill.threads or max(1, int(res.num_cpus))
         trainer = is_trainer(role)
         explicit = self.cfg.runtime.trainer_threads if trainer else self.cfg.runtime.generator_threads
         return explicit or max(1, int(res.num_cpus))
@@ -410,7 +427,7 @@ class RayRuntime:
     def _create(self, role: str, name: str, index: int):
         """Create the actor (not yet started) and its first outstanding events() call."""
         trainer = is_trainer(role)
-        res = self.rcfg.trainer if trainer else self.rcfg.generator
+        res = self.rcfg.teacher if role == TEACHER else self.rcfg.trainer if trainer else self.rcfg.generator
         options = self._actor_options(res)
         if trainer:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -517,6 +534,8 @@ class RayRuntime:
         self._ready.discard(name)
         if name in self.trainer_names:
             raise WorkerError(f"{name} actor died: {reason}")
+        if name == TEACHER:
+            raise WorkerError(f"the teacher actor ({self.cfg.distill.source}) died: {reason}")
         if self._restarts >= self.rcfg.max_generator_restarts:
             raise WorkerError(
                 f"{name} actor died ({reason}) after {self._restarts} restarts "
@@ -535,7 +554,9 @@ class RayRuntime:
         if spec.kind == "broadcast":
             spec = spec.replace(port=None)
             self._joining.add(name)
-        self._create("generator", name, self._index_of(name)).start.remote(spec, {}, self._actors[TRAINER])
+        self._create("generator", name, self._index_of(name)).start.remote(
+            spec, {}, self._actors[TRAINER], self._actors.get(TEACHER)
+        )
 
     def _regroup(self) -> None:
         """Form a new broadcast group of the trainer and ``_members`` (their ranks in order).
@@ -563,7 +584,7 @@ class RayRuntime:
         return self._actors[name]
 
     def starting_generators(self) -> list[str]:
-        return [n for n in self._actors if n not in self.trainer_names and n not in self._ready]
+        return [n for n in self._actors if is_generator(n) and n not in self._ready]
 
     def add_generator(self) -> str:
         name = generator_name(self._next_index)

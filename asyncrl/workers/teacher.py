@@ -62,5 +62,9 @@ class TeacherWorker:
         """A stop: nothing to abandon (a call to the teacher is bounded by distill.timeout_s, and the
         groups it scores are carried by the checkpoint whether or not it answers)."""
 
+    def stop_waiting(self) -> None:
+        """A Stop is coming: a wait for groups to arrive ends at once."""
+        self.inbox.close()
+
     def close(self) -> None:
         self.inbox.close()

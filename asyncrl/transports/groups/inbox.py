@@ -109,7 +109,10 @@ class Inbox:
                 self._scores.pop(i, None)
 
     def close(self) -> None:
+        """No more deliveries are read; a wait for one (:meth:`take_arrived`) ends at once."""
         self._closed.set()
+        with self._cond:
+            self._cond.notify_all()
 
     def _wait(self, store: dict, group_ids: list[int], timeout: float, what: str) -> None:
         """Wait (holding the condition) until every id is in ``store``; a bounded wait."""
