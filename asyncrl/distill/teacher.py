@@ -155,6 +155,19 @@ def check_same_tokenizer(cfg: Config, teacher_fingerprint: str, teacher_tokenize
         )
 
 
+def check_teacher(cfg: Config) -> None:
+    """At the start of a run, before any worker: the teacher exists (its directory, or its server
+    answers) and shares the student's tokenizer. Loading its weights is left to the teacher stage."""
+    if cfg.distill.url is not None:
+        ServedTeacher(cfg)  # asks GET /v1/models, and compares tokenizers
+        return
+    try:
+        tokenizer, _ = load_tokenizer(cfg.distill.teacher)
+    except ConfigError as exc:  # the loader names model.path; here it is the teacher's key
+        raise ConfigError("distill.teacher", cfg.distill.teacher, exc.problem) from None
+    check_same_tokenizer(cfg, tokenizer_fingerprint(tokenizer), type(tokenizer).__name__)
+
+
 def load_teacher(cfg: Config) -> Teacher:
     """The teacher ``distill.*`` names, loaded (or reached) and checked."""
     if cfg.distill.url is not None:

@@ -99,6 +99,23 @@ def assign_advantages(
                     sample.token_advantages = [a + d for a, d in zip(base, signal, strict=True)]
 
 
+def distill_metrics(samples: list[Sample]) -> dict[str, float]:
+    """A step's distillation figures over its trained tokens: the student's reverse KL to the teacher
+    on its own samples (the mean of behaviour - teacher log-prob, the estimate whose negative
+    is the advantage) and the teacher's mean log-prob of the sampled tokens."""
+    gaps, teacher = [], []
+    for s in samples:
+        if s.teacher_logprobs is None:
+            continue
+        for lp, tlp, m in zip(s.logprobs, s.teacher_logprobs, s.loss_mask, strict=True):
+            if m:
+                gaps.append(lp - tlp)
+                teacher.append(tlp)
+    if not gaps:
+        return {}
+    return {"distill_reverse_kl": sum(gaps) / len(gaps), "teacher_logprob_mean": sum(teacher) / len(teacher)}
+
+
 def sync_dtype(lora: bool, compute_dtype: torch.dtype) -> torch.dtype:
     """The dtype weights travel in to the engines: the engines' own (compute) dtype, half the
     bytes of float32 master weights in bfloat16; LoRA adapters in float32 (they are small, and the

@@ -31,7 +31,7 @@ from asyncrl.rollout.build import build_rollout
 from asyncrl.rollout.evaluation import evaluate
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.distributed import RankGroup, RankSpec, rank_device
-from asyncrl.trainer.trainer import assign_advantages, sync_dtype
+from asyncrl.trainer.trainer import assign_advantages, distill_metrics, sync_dtype
 from asyncrl.transports.groups.base import Delivery
 from asyncrl.transports.groups.inbox import Inbox
 from asyncrl.transports.weights.base import (
@@ -399,6 +399,10 @@ class TrainerWorker:
         steps = [self.trainer.finish_step(command.divisor)]
         iterations = self.cfg.algorithm.num_iterations - 1
         steps += self._iterate(self._step_batches, iterations, command.divisor, command.publish)
+        if self.cfg.distill.enabled:
+            distilled = distill_metrics([s for g in self._step_groups.values() for s in g.samples])
+            for metrics in steps:
+                metrics.update(distilled)
         self._step_open = False
         self._step_batches = []
         self._step_groups = {}
