@@ -66,13 +66,15 @@ class LocalTeacher:
             policy = load_policy(distill.teacher, device=str(device), dtype=distill.dtype, seed=cfg.run.seed)
         except ConfigError as exc:  # the loader names model.path; here it is the teacher's key
             raise ConfigError("distill.teacher", distill.teacher, exc.problem) from None
-        except (OSError, ValueError, RuntimeError) as exc:
-            raise TeacherError(f"{self.name}: the teacher failed to load: {exc}") from None
+        except Exception as exc:  # whatever the checkpoint's reader raises (safetensors has its own errors)
+            raise TeacherError(f"{self.name}: the teacher failed to load: {type(exc).__name__}: {exc}") from None
         self.device = device
         self.model = policy.model.eval()
         self.model.requires_grad_(False)
         self.pad_token_id = policy.pad_token_id
-        check_same_tokenizer(cfg, tokenizer_fingerprint(policy.tokenizer), type(policy.tokenizer).__name__)
+        check_same_tokenizer(
+            cfg, tokenizer_fingerprint(policy.tokenizer), describe_tokenizer(policy.tokenizer)
+        )
 
     def score(self, groups: list[Group]) -> list[TeacherScores]:
         if not groups:
@@ -97,7 +99,8 @@ class ServedTeacher:
                 f"{self.name}: the server does not say which tokenizer it uses (GET /v1/models has no "
                 "'tokenizer'); serve the teacher with this version of `asyncrl serve`"
             )
-        check_same_tokenizer(cfg, fingerprint, f"the tokenizer of the model {models[0].get('id')!r}")
+        served = f"{models[0].get('vocab_size', '?')} tokens, fingerprint {fingerprint}"
+        check_same_tokenizer(cfg, fingerprint, f"served with {models[0].get('id')!r}: {served}")
 
     def score(self, groups: list[Group]) -> list[TeacherScores]:
         if not groups:
@@ -142,6 +145,13 @@ class ServedTeacher:
             raise TeacherError(f"{self.name}: cannot reach the teacher ({path}): {reason}") from None
 
 
+def describe_tokenizer(tokenizer) -> str:
+    """A tokenizer as an error names it: its class, vocabulary size and fingerprint."""
+    return (
+        f"{type(tokenizer).__name__}, {len(tokenizer)} tokens, fingerprint {tokenizer_fingerprint(tokenizer)}"
+    )
+
+
 def check_same_tokenizer(cfg: Config, teacher_fingerprint: str, teacher_tokenizer: str) -> None:
     """Refuse a teacher whose tokenizer is not the student's, naming both."""
     student, _ = load_tokenizer(cfg.model.path, cfg.model.chat_template)
@@ -149,8 +159,8 @@ def check_same_tokenizer(cfg: Config, teacher_fingerprint: str, teacher_tokenize
         raise ConfigError(
             "distill.teacher" if cfg.distill.teacher is not None else "distill.url",
             cfg.distill.teacher or cfg.distill.url,
-            f"the teacher's tokenizer ({teacher_tokenizer}) is not the student's ({type(student).__name__} "
-            f"of model.path={cfg.model.path}): the token ids it would score mean other text; "
+            f"the teacher's tokenizer ({teacher_tokenizer}) is not the student's (model.path={cfg.model.path}: "
+            f"{describe_tokenizer(student)}): the token ids it would score mean other text; "
             "distill from a teacher that uses the student's tokenizer",
         )
 
@@ -165,7 +175,7 @@ def check_teacher(cfg: Config) -> None:
         tokenizer, _ = load_tokenizer(cfg.distill.teacher)
     except ConfigError as exc:  # the loader names model.path; here it is the teacher's key
         raise ConfigError("distill.teacher", cfg.distill.teacher, exc.problem) from None
-    check_same_tokenizer(cfg, tokenizer_fingerprint(tokenizer), type(tokenizer).__name__)
+    check_same_tokenizer(cfg, tokenizer_fingerprint(tokenizer), describe_tokenizer(tokenizer))
 
 
 def load_teacher(cfg: Config) -> Teacher:

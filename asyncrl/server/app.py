@@ -268,6 +268,7 @@ class _Handler(BaseHTTPRequestHandler):
                             "owned_by": "asyncrl",
                             # A client that sends token ids (/v1/logprobs) checks it shares the tokenizer.
                             "tokenizer": tokenizer_fingerprint(app.policy.tokenizer),
+                            "vocab_size": len(app.policy.tokenizer),
                         }
                     ],
                 },
