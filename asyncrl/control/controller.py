@@ -52,7 +52,7 @@ from asyncrl.control.steps import StepAssembly
 from asyncrl.control.teaching import TeacherQueue
 from asyncrl.prompts.base import PromptSource, PromptStream
 from asyncrl.runtimes.base import InterruptibleRuntime, Runtime
-from asyncrl.types import Group, GroupHeader, GroupState, PartialGroup
+from asyncrl.types import Group, GroupHeader, PartialGroup
 from asyncrl.workers.messages import (
     CheckpointSaved,
     Discard,
@@ -122,7 +122,6 @@ class Controller:
         self.teacher_queue = (
             TeacherQueue(cfg.distill, self.books.groups, self.B) if cfg.distill.enabled else None
         )
-        self._teach_after_start: list[Group] = []  # a resume's carried groups the teacher has not scored
         self._loop_t = time.monotonic()
         self.watchdog = Watchdog(cfg.runtime.stall_timeout_s, self._waiting_for)
         self.preemption = Preemption(sched.max_staleness > 0, cfg.run.checkpoint_timeout_s)
@@ -148,8 +147,6 @@ class Controller:
             self.partials = carry_over(
                 cfg, carried, partials, version, self.buffer, self.books, session.log, self.teacher_queue
             )
-            waiting = GroupState.TEACHING
-            self._teach_after_start = [g for g in carried if self.books.groups.state(g.group_id) == waiting]
 
     def _on_drop(self, group: GroupHeader, reason: str) -> None:
         if self.books.groups.get(group.group_id).carried_over:  # carried over a stop, now too old to train
@@ -170,9 +167,8 @@ class Controller:
         if self.resume_from is not None:
             self._send(TRAINER, Restore(str(self.resume_from)))
             self.steps.continue_batch()
-            if self._teach_after_start:
-                self._send(TEACHER, Teach(self._teach_after_start))
-                self._teach_after_start = []
+            if self.teacher_queue is not None and self.teacher_queue.carried:  # scored after the resume
+                self._send(TEACHER, Teach(self.teacher_queue.take_carried()))
         elif self.cfg.run.eval_every:
             self._send(TRAINER, Evaluate(0))
         while (

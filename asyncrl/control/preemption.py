@@ -97,7 +97,7 @@ def carry_over(
     for group in groups:
         books.carry(group.group_id, group.prompt)
         if teacher_queue is not None and not group.taught:
-            teacher_queue.wait(group.header())
+            teacher_queue.carry(group)
         else:
             buffer.put(group.header(), timeout=0.0)
         counts["carried_groups"] += 1

@@ -16,7 +16,7 @@ import time
 
 from asyncrl.config import DistillConfig
 from asyncrl.control.lifecycle import GroupLedger
-from asyncrl.types import GroupHeader, GroupState
+from asyncrl.types import Group, GroupHeader, GroupState
 
 
 class TeacherQueue:
@@ -25,6 +25,7 @@ class TeacherQueue:
         self.ledger = ledger
         self.capacity = distill.queue_groups or step_groups
         self._waiting: dict[int, tuple[GroupHeader, float]] = {}  # arrival order
+        self.carried: list[Group] = []  # a resume's groups the teacher had not scored: sent to it again
         self.taught_groups = 0
         self.full_s = 0.0  # seconds dispatch was held back by a full queue
 
@@ -39,6 +40,15 @@ class TeacherQueue:
         """A generated (or carried) group waits for the teacher."""
         self.ledger.move(header.group_id, GroupState.TEACHING)
         self._waiting[header.group_id] = (header, time.monotonic())
+
+    def carry(self, group: Group) -> None:
+        """A group a checkpoint carried unscored: it waits for the teacher again, which is sent it."""
+        self.wait(group.header())
+        self.carried.append(group)
+
+    def take_carried(self) -> list[Group]:
+        carried, self.carried = self.carried, []
+        return carried
 
     def taught(self, group_ids: list[int]) -> list[GroupHeader]:
         """The headers of the scored groups that still wait (others ended meanwhile), removed."""

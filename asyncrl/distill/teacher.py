@@ -67,7 +67,9 @@ class LocalTeacher:
         except ConfigError as exc:  # the loader names model.path; here it is the teacher's key
             raise ConfigError("distill.teacher", distill.teacher, exc.problem) from None
         except Exception as exc:  # whatever the checkpoint's reader raises (safetensors has its own errors)
-            raise TeacherError(f"{self.name}: the teacher failed to load: {type(exc).__name__}: {exc}") from None
+            raise TeacherError(
+                f"{self.name}: the teacher failed to load: {type(exc).__name__}: {exc}"
+            ) from None
         self.device = device
         self.model = policy.model.eval()
         self.model.requires_grad_(False)

@@ -3,7 +3,7 @@
 It executes commands and returns events and knows nothing about processes, queues or Ray.
 Rank 0 holds the inbox the generators deliver their groups to (:mod:`asyncrl.transports.groups`); with
 ``trainer.ranks`` > 1 it forwards every command, groups resolved, to the other ranks
-(:func:`run_follower`). (Over 400 lines: the step, evaluation, checkpoint and restore
+(:func:`run_follower`). (Over 500 lines on purpose: the step, evaluation, checkpoint and restore
 commands share the open step's state and the stop rule, which read best together.)
 """
 
