@@ -120,7 +120,14 @@ class Controller:
         self.recorder = StepRecorder()
         # On-policy distillation: generated groups wait for the teacher stage before the buffer.
         self.teacher_queue = (
-            TeacherQueue(cfg.distill, self.books.groups, self.B) if cfg.distill.enabled else None
+            TeacherQueue(
+                cfg.distill,
+                self.books.groups,
+                self.B,
+                lambda depth: session.record_level("teacher queue", depth),
+            )
+            if cfg.distill.enabled
+            else None
         )
         self._loop_t = time.monotonic()
         self.watchdog = Watchdog(cfg.runtime.stall_timeout_s, self._waiting_for)

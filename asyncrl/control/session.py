@@ -69,6 +69,14 @@ class RunSession:
         self.progress = ProgressDisplay(cfg.run.steps, enabled=cfg.run.progress)
         self.trackers = build_trackers(cfg, run_dir)  # run.report_to: the same records, same names
 
+    def record_level(self, component: str, level: int) -> None:
+        """A quantity that changed (e.g. the groups waiting for the teacher), for the timeline's
+        picture: a zero-length event with its ``level``."""
+        now = time.time()
+        self._timeline.write(
+            {"component": component, "name": "level", "start": now, "end": now, "level": level}
+        )
+
     def record_span(self, span) -> None:
         self._timeline.write(
             {

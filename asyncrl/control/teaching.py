@@ -13,6 +13,7 @@ holds them, unscored), and a resumed run sends them to the teacher again.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from asyncrl.config import DistillConfig
 from asyncrl.control.lifecycle import GroupLedger
@@ -20,8 +21,15 @@ from asyncrl.types import Group, GroupHeader, GroupState
 
 
 class TeacherQueue:
-    def __init__(self, distill: DistillConfig, ledger: GroupLedger, step_groups: int) -> None:
+    def __init__(
+        self,
+        distill: DistillConfig,
+        ledger: GroupLedger,
+        step_groups: int,
+        on_change: Callable[[int], None] = lambda depth: None,
+    ) -> None:
         self.distill = distill
+        self.on_change = on_change  # told the number of waiting groups when it changes (the timeline)
         self.ledger = ledger
         self.capacity = distill.queue_groups or step_groups
         self._waiting: dict[int, tuple[GroupHeader, float]] = {}  # arrival order
@@ -40,6 +48,7 @@ class TeacherQueue:
         """A generated (or carried) group waits for the teacher."""
         self.ledger.move(header.group_id, GroupState.TEACHING)
         self._waiting[header.group_id] = (header, time.monotonic())
+        self.on_change(len(self._waiting))
 
     def carry(self, group: Group) -> None:
         """A group a checkpoint carried unscored: it waits for the teacher again, which is sent it."""
@@ -58,6 +67,7 @@ class TeacherQueue:
             if entry is not None and self.ledger.state(group_id) == GroupState.TEACHING:
                 out.append(entry[0])
         self.taught_groups += len(out)
+        self.on_change(len(self._waiting))
         return out
 
     def headers(self) -> list[GroupHeader]:

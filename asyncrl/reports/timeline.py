@@ -1,7 +1,9 @@
 """Draw a run's ``timeline.jsonl`` as a Gantt chart: one row per worker, one bar per span.
 
 The picture shows where generation, training and weight sync overlap and where a worker
-sits idle; the legend gives each row's busy fraction of the plotted interval.
+sits idle; the legend gives each row's busy fraction of the plotted interval. A quantity the
+run recorded over time (zero-length events with a ``level``: the groups waiting for the
+teacher, ``teacher queue``) gets a row of its own, drawn as a step line with its maximum.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ COLORS = {
     "eval": "#8172B3",
     "accumulate": "#C44E52",
     "optimizer_step": "#937860",
+    "teach": "#DA8BC3",
 }
 
 
@@ -62,9 +65,20 @@ def plot_timeline(
 
     t_end = max(e["end"] for e in events)
     t0 = min(e["start"] for e in events) if last_s is None else t_end - last_s
+    levels = [e for e in events if "level" in e]
+    events = [e for e in events if "level" not in e]
     rows = sorted({e["component"] for e in events}, key=lambda c: (not c.startswith("generator"), c))
+    level_rows = sorted({e["component"] for e in levels})
     busy = busy_fractions(events, t0, t_end)
-    fig, ax = plt.subplots(figsize=(11, 0.6 * len(rows) + 1.6))
+    fig, ax = plt.subplots(figsize=(11, 0.6 * (len(rows) + len(level_rows)) + 1.6))
+    labels = [f"{c} ({busy[c]:.0%} busy)" for c in rows]
+    for y, comp in enumerate(level_rows, start=len(rows)):
+        points = [(max(e["start"], t0) - t0, e["level"]) for e in levels if e["component"] == comp]
+        top = max((v for _, v in points), default=0) or 1
+        xs = [x for x, _ in points] + [t_end - t0]
+        ys = [y + 0.3 - 0.6 * v / top for _, v in points]
+        ax.step(xs, [*ys, ys[-1]] if ys else [y + 0.3] * len(xs), where="post", color="#DA8BC3")
+        labels.append(f"{comp} (max {top})")
     for y, comp in enumerate(rows):
         for e in events:
             if e["component"] != comp or e["end"] < t0:
@@ -78,16 +92,14 @@ def plot_timeline(
                 color=COLORS.get(e["name"], "#999999"),
                 edgecolor="none",
             )
-    ax.set_yticks(range(len(rows)), [f"{c} ({busy[c]:.0%} busy)" for c in rows])
+    ax.set_yticks(range(len(labels)), labels)
     ax.invert_yaxis()
     ax.set_xlabel("seconds")
     handles = [
         plt.Rectangle((0, 0), 1, 1, color=c) for n, c in COLORS.items() if any(e["name"] == n for e in events)
     ]
-    labels = [n for n in COLORS if any(e["name"] == n for e in events)]
-    ax.legend(
-        handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(labels), frameon=False
-    )
+    names = [n for n in COLORS if any(e["name"] == n for e in events)]
+    ax.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(names), frameon=False)
     ax.set_title(title or run_dir.name)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
