@@ -453,3 +453,29 @@ def test_a_distillation_run_on_ray(tmp_path: Path) -> None:
     assert [r["step"] for r in rows] == [1, 2, 3] and all("distill_reverse_kl" in r for r in rows)
     accounting = json.loads((run_dir / "summary.json").read_text())["accounting"]
     assert accounting["reconciles"] and accounting["trained"] == 12
+
+
+def test_self_distillation_refreshes_its_snapshot_every_n_versions(tmp_path: Path) -> None:
+    """teacher=self, refresh_every=2, sync: step 1 samples with version 0, the teacher's snapshot; step 2
+    with version 1 against snapshot 0; after version 2 is published the teacher takes it, so step 3's
+    samples are scored by the weights that sampled them again (signal 0), and step 4's are not."""
+    run_dir = tmp_path / "run"
+    overrides = [*short_run(4), "distill.teacher=self", "distill.refresh_every=2", *RUNS["inline"]]
+    assert main(["train", *sets(overrides), "--run-dir", str(run_dir)]) == 0
+    gaps = [
+        json.loads(line)["distill_reverse_kl"]
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert abs(gaps[0]) < 2e-6 and abs(gaps[2]) < 2e-6
+    assert abs(gaps[1]) > 1e-5 and abs(gaps[3]) > 1e-5
+
+
+def test_self_distillation_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match=r"needs distill\.teacher=self"):
+        load_config(None, [f"distill.teacher={STUDENT}", "distill.refresh_every=2"])
+    with pytest.raises(ConfigError, match="broadcast"):
+        load_config(
+            None, ["distill.teacher=self", "distill.refresh_every=2", "runtime.weight_sync=broadcast"]
+        )
+    with pytest.raises(ConfigError, match="LoRA"):
+        load_config(None, ["distill.teacher=self", "distill.refresh_every=2", "lora.rank=4"])

@@ -97,6 +97,17 @@ class Config(Section):
             raise ValueError(
                 "algorithm.advantage=distill needs a teacher: set distill.teacher (or distill.url)"
             )
+        if self.distill.self_distillation and self.distill.refresh_every:
+            if self.runtime.weight_sync == "broadcast":
+                raise ValueError(
+                    "distill.refresh_every loads the policy's weights into the teacher, which a broadcast group "
+                    "(runtime.weight_sync=broadcast) does not reach; use shm or files"
+                )
+            if self.lora.enabled:
+                raise ValueError(
+                    "distill.refresh_every with LoRA: the teacher would need the base and the adapters merged; "
+                    "distill from the starting weights (refresh_every=0) or train without LoRA"
+                )
         if self.distill.enabled and self.episode.environment is not None:
             raise ValueError(
                 f"{self.distill.source} scores completions; episodes (episode.environment="

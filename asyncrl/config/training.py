@@ -192,7 +192,15 @@ class DistillConfig(Section):
     teacher: str | None = Field(
         None,
         description="The teacher model: a local Hugging Face directory, 'builtin:<name>' or 'tiny:<size>'. It "
-        "must use the student's tokenizer. null = no teacher (or see url).",
+        "must use the student's tokenizer. 'self': self-distillation from a snapshot of the policy (model.path "
+        "at the start, then the policy's weights every distill.refresh_every versions). null = no teacher "
+        "(or see url).",
+    )
+    refresh_every: int = Field(
+        0,
+        ge=0,
+        description="With teacher=self: the teacher takes the policy's weights at the first published version "
+        "of every refresh_every versions (0: it keeps the starting weights).",
     )
     url: str | None = Field(
         None,
@@ -230,7 +238,16 @@ class DistillConfig(Section):
     def _one_teacher(self) -> DistillConfig:
         if self.teacher is not None and self.url is not None:
             raise ValueError("set one of distill.teacher and distill.url, not both")
+        if self.refresh_every and self.teacher != "self":
+            raise ValueError(
+                f"distill.refresh_every={self.refresh_every} refreshes a snapshot of the policy: it needs "
+                f"distill.teacher=self (not {self.teacher})"
+            )
         return self
+
+    @property
+    def self_distillation(self) -> bool:
+        return self.teacher == "self"
 
     @property
     def enabled(self) -> bool:

@@ -49,7 +49,7 @@ from asyncrl.control.records import StepRecorder
 from asyncrl.control.saving import SaveProtocol
 from asyncrl.control.session import RunSession
 from asyncrl.control.steps import StepAssembly
-from asyncrl.control.teaching import TeacherQueue
+from asyncrl.control.teaching import teacher_queue
 from asyncrl.prompts.base import PromptSource, PromptStream
 from asyncrl.runtimes.base import InterruptibleRuntime, Runtime
 from asyncrl.types import Group, GroupHeader, PartialGroup
@@ -61,6 +61,7 @@ from asyncrl.workers.messages import (
     GroupCancelled,
     GroupDropped,
     GroupReady,
+    LoadWeights,
     Preempted,
     Ready,
     Restore,
@@ -119,29 +120,15 @@ class Controller:
         self.final_save_requested = False
         self.recorder = StepRecorder()
         # On-policy distillation: generated groups wait for the teacher stage before the buffer.
-        self.teacher_queue = (
-            TeacherQueue(
-                cfg.distill,
-                self.books.groups,
-                self.B,
-                lambda depth: session.record_level("teacher queue", depth),
-            )
-            if cfg.distill.enabled
-            else None
-        )
+        self.teacher_queue = teacher_queue(cfg, self.books.groups, session.record_level)
         self._loop_t = time.monotonic()
         self.watchdog = Watchdog(cfg.runtime.stall_timeout_s, self._waiting_for)
         self.preemption = Preemption(sched.max_staleness > 0, cfg.run.checkpoint_timeout_s)
         self.saving = SaveProtocol(
-            cfg,
-            session,
-            self.books,
-            self.steps,
-            self.buffer,
-            self.generators,
-            self.preemption,
-            self._send,
-            waiting_for_teacher=self.teacher_queue.headers if self.teacher_queue is not None else list,
+            cfg, session, self.books, self.steps, self.buffer, self.generators, self.preemption, self._send
+        )
+        self.saving.waiting_for_teacher = (
+            self.teacher_queue.headers if self.teacher_queue is not None else list
         )
         # After a resume: the partial groups to continue.
         self.partials: dict[int, PartialGroup] = {}
@@ -307,6 +294,8 @@ class Controller:
             self.published_version, self.published_checksums = event.version, event.checksums
         if event.published and step < self.cfg.run.steps:
             self.generators.send_weights(event.version, event.checksums)
+            if self.teacher_queue is not None and self.teacher_queue.refresh(event.version):
+                self._send(TEACHER, LoadWeights(event.version))  # self-distillation's new snapshot
         if self.cfg.run.eval_every and (step % self.cfg.run.eval_every == 0 or step == self.cfg.run.steps):
             self._send(TRAINER, Evaluate(step))
         every = self.cfg.run.checkpoint_every

@@ -106,10 +106,10 @@ class SaveProtocol:
         generators: Generators,
         preemption: Preemption,
         send: Callable[[str, object], None],
-        waiting_for_teacher: Callable[[], list[GroupHeader]] = list,
     ) -> None:
         self.cfg, self.session, self.send = cfg, session, send
-        self.waiting_for_teacher = waiting_for_teacher  # generated groups the teacher has not scored
+        # On-policy distillation: the generated groups the teacher has not scored (the controller's).
+        self.waiting_for_teacher: Callable[[], list[GroupHeader]] = list
         self.books, self.steps, self.buffer = books, steps, buffer
         self.generators, self.preemption = generators, preemption
         self.pending: PendingCheckpoint | None = None  # asked of the trainer, not yet written

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from asyncrl.config import DistillConfig
+from asyncrl.config import Config, DistillConfig
 from asyncrl.control.lifecycle import GroupLedger
 from asyncrl.types import Group, GroupHeader, GroupState
 
@@ -35,6 +35,7 @@ class TeacherQueue:
         self._waiting: dict[int, tuple[GroupHeader, float]] = {}  # arrival order
         self.carried: list[Group] = []  # a resume's groups the teacher had not scored: sent to it again
         self.taught_groups = 0
+        self.snapshot_version = 0  # self-distillation: the policy version the teacher holds
         self.full_s = 0.0  # seconds dispatch was held back by a full queue
 
     def __len__(self) -> int:
@@ -74,6 +75,15 @@ class TeacherQueue:
         """The waiting groups' headers, oldest first (a checkpoint carries them)."""
         return [header for header, _ in self._waiting.values()]
 
+    def refresh(self, published: int) -> bool:
+        """Self-distillation: whether the teacher takes the policy's weights of the version just
+        published (the first published one of each distill.refresh_every versions)."""
+        every = self.distill.refresh_every
+        if not every or published // every <= self.snapshot_version // every:
+            return False
+        self.snapshot_version = published
+        return True
+
     def overdue(self) -> str | None:
         """An error message if the oldest group has waited longer than distill.timeout_s."""
         if not self._waiting:
@@ -86,3 +96,15 @@ class TeacherQueue:
             f"group {group_id} waited {waited:.0f}s for the teacher ({self.distill.source}), longer than "
             f"distill.timeout_s={self.distill.timeout_s:g}; {len(self._waiting)} groups are waiting"
         )
+
+
+def teacher_queue(
+    cfg: Config, ledger: GroupLedger, record_level: Callable[[str, int], None]
+) -> TeacherQueue | None:
+    """The run's queue for the teacher stage (None without a teacher); ``record_level`` draws its depth
+    in the timeline (:meth:`~asyncrl.control.session.RunSession.record_level`)."""
+    if not cfg.distill.enabled:
+        return None
+    return TeacherQueue(
+        cfg.distill, ledger, cfg.rollout.prompts_per_step, lambda depth: record_level("teacher queue", depth)
+    )

@@ -62,10 +62,12 @@ class LocalTeacher:
             device = resolve_device(distill.device)
         except ConfigError as exc:
             raise ConfigError("distill.device", distill.device, exc.problem) from None
+        # Self-distillation: the student's own starting weights, later refreshed (load_weights).
+        source = cfg.model.path if distill.self_distillation else distill.teacher
         try:
-            policy = load_policy(distill.teacher, device=str(device), dtype=distill.dtype, seed=cfg.run.seed)
+            policy = load_policy(source, device=str(device), dtype=distill.dtype, seed=cfg.run.seed)
         except ConfigError as exc:  # the loader names model.path; here it is the teacher's key
-            raise ConfigError("distill.teacher", distill.teacher, exc.problem) from None
+            raise ConfigError("distill.teacher", source, exc.problem) from None
         except Exception as exc:  # whatever the checkpoint's reader raises (safetensors has its own errors)
             raise TeacherError(
                 f"{self.name}: the teacher failed to load: {type(exc).__name__}: {exc}"
@@ -77,6 +79,18 @@ class LocalTeacher:
         check_same_tokenizer(
             cfg, tokenizer_fingerprint(policy.tokenizer), describe_tokenizer(policy.tokenizer)
         )
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Take the policy's published weights (self-distillation's refreshed snapshot)."""
+        params = dict(self.model.named_parameters())
+        missing = sorted(set(tensors) - set(params))
+        if missing:
+            raise TeacherError(
+                f"{self.name}: published weights {missing[:3]} are not parameters of the teacher"
+            )
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                params[name].copy_(tensor)
 
     def score(self, groups: list[Group]) -> list[TeacherScores]:
         if not groups:
@@ -173,6 +187,8 @@ def check_teacher(cfg: Config) -> None:
     if cfg.distill.url is not None:
         ServedTeacher(cfg)  # asks GET /v1/models, and compares tokenizers
         return
+    if cfg.distill.self_distillation:
+        return  # the student itself
     try:
         tokenizer, _ = load_tokenizer(cfg.distill.teacher)
     except ConfigError as exc:  # the loader names model.path; here it is the teacher's key

@@ -57,7 +57,7 @@ class InlineRuntime:
         self._to_trainer: GroupSender = make_group_sender("inprocess", self.trainer.inbox)
         self._groups = self._to_trainer
         if self.cfg.distill.enabled:
-            self.teacher = TeacherWorker(TEACHER, self.cfg)
+            self.teacher = TeacherWorker(TEACHER, self.cfg, receiver_factory=lambda layout: channel)
             self._groups = FanOut(self._to_trainer, make_group_sender("inprocess", self.teacher.inbox))
         names = ["trainer", *self.generator_names, *([TEACHER] if self.teacher is not None else [])]
         self._events += [Ready(n) for n in names]
@@ -68,7 +68,7 @@ class InlineRuntime:
             if worker == "trainer":
                 self._threads(self.cfg.threads("trainer"))
                 self._events += self.trainer.handle(command)
-            elif worker == TEACHER and isinstance(command, Teach):
+            elif worker == TEACHER and isinstance(command, Teach | LoadWeights):
                 self.teacher.handle(command)
             elif isinstance(command, Submit | LoadWeights | Preempt):
                 self.generators[worker].handle(command)

@@ -23,6 +23,7 @@ import torch
 
 from asyncrl.config import Config
 from asyncrl.errors import AsyncRLError
+from asyncrl.models.loading import resolve_device
 from asyncrl.transports.groups.base import GroupSender, detach_payloads
 from asyncrl.transports.groups.inbox import Inbox
 from asyncrl.transports.weights.factory import TransportSpec, make_receiver, make_sender, weights_device
@@ -173,10 +174,12 @@ def build_worker(
     ``master_port``); ``elastic``: the trainer's broadcast group may be re-formed (Ray);
     ``inbox``: where rank 0 (or the teacher) finds the groups the generators deliver.
     """
-    if role == TEACHER:
-        worker = TeacherWorker(name, cfg, inbox=inbox)
-        return worker, worker.teacher.device
     timeout = cfg.runtime.stall_timeout_s
+    if role == TEACHER:  # it receives weights only with self-distillation (distill.refresh_every)
+        device = resolve_device(cfg.distill.device)
+        receiver = lambda layout: make_receiver(spec, layout, 0, timeout, device)  # noqa: E731
+        worker = TeacherWorker(name, cfg, inbox=inbox, receiver_factory=receiver)
+        return worker, worker.teacher.device
     device = weights_device(cfg, trainer=is_trainer(role))
     if is_trainer(role):
         sender = (lambda layout: make_sender(spec, layout, timeout, device, elastic)) if index == 0 else None

@@ -10,39 +10,67 @@ wait for it (``distill.queue_groups``) and how long (``distill.timeout_s``).
 
 Nothing is lost at a stop: the trainer holds every group the teacher has not scored, and a
 checkpoint carries them unscored; the resumed run sends them here again (``Teach``).
+
+Self-distillation (``distill.teacher=self``): the teacher is the student's starting weights;
+with ``distill.refresh_every`` = N the controller sends it ``LoadWeights`` at the first
+published version of every N, which it receives as a generator does.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from asyncrl.config import Config
 from asyncrl.distill.teacher import Teacher, load_teacher
 from asyncrl.transports.groups.base import Delivery
 from asyncrl.transports.groups.inbox import Inbox
-from asyncrl.workers.messages import Span, Taught, Teach
+from asyncrl.transports.weights.base import WeightLayout, WeightReceiver
+from asyncrl.workers.messages import LoadWeights, Span, Taught, Teach
 
 TEACHER = "teacher"
 
 
 class TeacherWorker:
+    """``receiver_factory``: with self-distillation refreshed every N versions
+    (``distill.refresh_every``), its end of the weight transport, as a generator's."""
+
     def __init__(
-        self, name: str, cfg: Config, inbox: Inbox | None = None, teacher: Teacher | None = None
+        self,
+        name: str,
+        cfg: Config,
+        inbox: Inbox | None = None,
+        teacher: Teacher | None = None,
+        receiver_factory: Callable[[WeightLayout], WeightReceiver] | None = None,
     ) -> None:
         self.name = name
+        self.cfg = cfg
         self.batch_groups = cfg.distill.batch_groups
         self.teacher = teacher if teacher is not None else load_teacher(cfg)
         self.inbox = inbox if inbox is not None else Inbox()
         self.scored_groups = 0
+        self.version = 0  # of the policy snapshot it holds (self-distillation)
+        self.receiver = None
+        if cfg.distill.refresh_every:
+            if receiver_factory is None:
+                raise ValueError(f"{name}: distill.refresh_every needs a way to receive the policy's weights")
+            self.receiver = receiver_factory(WeightLayout.of(self.teacher.model.named_parameters()))
 
     @property
     def idle(self) -> bool:
         return len(self.inbox) == 0
 
     def handle(self, command) -> None:
-        if not isinstance(command, Teach):
+        if isinstance(command, LoadWeights) and self.receiver is not None:
+            version, tensors = self.receiver.receive(
+                command.version, timeout=self.cfg.runtime.stall_timeout_s
+            )
+            self.teacher.load_weights(tensors)
+            self.version = version
+        elif isinstance(command, Teach):
+            self.inbox.put(Delivery(groups=command.groups))
+        else:
             raise TypeError(f"{self.name} cannot handle {type(command).__name__}")
-        self.inbox.put(Delivery(groups=command.groups))
 
     def work(self, wait_s: float = 0.0) -> list:
         """Score the oldest waiting groups (waiting up to ``wait_s`` for one); their events."""
@@ -68,3 +96,5 @@ class TeacherWorker:
 
     def close(self) -> None:
         self.inbox.close()
+        if self.receiver is not None:
+            self.receiver.close()
