@@ -204,7 +204,7 @@ def test_load_policy_tokenizer_without_pad_uses_eos(saved_tiny, tmp_path: Path) 
         ("tiny:", "expected tiny:<size>[:<architecture>]"),
         (
             "builtin:chess",
-            "unknown built-in model; allowed: ['builtin:arith', 'builtin:calculator', 'builtin:guess', 'builtin:moe']",
+            "unknown built-in model; allowed: ['builtin:arith', 'builtin:arith-teacher', 'builtin:calculator', 'builtin:guess', 'builtin:moe']",
         ),
     ],
 )
@@ -305,3 +305,17 @@ def test_with_cache_uses_the_keyword_the_model_declares(arch: str) -> None:
     legacy = _LegacyForward()
     marker = object()
     assert with_cache(legacy, marker, input_ids=ids)["cache"] is marker
+
+
+def test_the_shipped_teacher_answers_almost_every_addition_sampled() -> None:
+    """builtin:arith-teacher (builtin:arith after 400 RL steps, the distillation teacher) answers
+    95.5 % of 400 held-out additions sampled at temperature 1 (its shipped summary)."""
+    policy = load_policy("builtin:arith-teacher", device="cpu")
+    summary = json.loads((BUILTIN_MODELS["arith-teacher"] / "teacher_summary.json").read_text(encoding="utf-8"))
+    held_out = summary["held_out"]
+    sampled = SamplingParams(max_new_tokens=5, temperature=1.0, stop_token_ids=(policy.eos_token_id,))
+    prompts = PromptStream(ArithmeticTask(["+"], 1, 2, seed=held_out["task_seed"])).take(held_out["prompts"])
+    engine = EmbeddedEngine(policy.model, pad_token_id=policy.pad_token_id, seed=0)
+    accuracy = evaluate(CompletionRollout(engine, policy.tokenizer, exact_match, sampled, 1), prompts)
+    assert accuracy == pytest.approx(held_out["accuracy_sampled_t1"], abs=1e-9)
+    assert accuracy >= 0.95

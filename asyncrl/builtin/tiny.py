@@ -37,6 +37,9 @@ BUILTIN_MODELS = {
     "guess": SHIPPED_DIR / "tiny-guess",
     # tiny:moe warm-started on arithmetic like builtin:arith (`asyncrl sft --model tiny:moe`).
     "moe": SHIPPED_DIR / "tiny-moe",
+    # builtin:arith trained further by RL (400 steps of the default example): the teacher of
+    # on-policy distillation's example and measurements (bench/distill.py made it).
+    "arith-teacher": SHIPPED_DIR / "tiny-arith-teacher",
 }
 
 
