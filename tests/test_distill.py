@@ -479,3 +479,24 @@ def test_self_distillation_settings_are_checked() -> None:
         )
     with pytest.raises(ConfigError, match="LoRA"):
         load_config(None, ["distill.teacher=self", "distill.refresh_every=2", "lora.rank=4"])
+
+
+def test_scoring_in_forward_passes_of_any_size_keeps_each_rows_log_probs(student) -> None:
+    """Rows go into forward passes by length (FORWARD_TOKENS); whatever the passes, each row gets
+    its own log-probs, in the request's order."""
+    from asyncrl.server.scoring import ScoringRequest, token_logprobs
+
+    groups = engine_groups(student, n_groups=3, size=4)
+    rows = [s for g in groups for s in g.samples]
+    request = ScoringRequest([s.prompt_ids for s in rows], [s.completion_ids for s in rows], top_k=3)
+    together = token_logprobs(student.model, student.pad_token_id, request)
+    one_by_one = token_logprobs(student.model, student.pad_token_id, request, forward_tokens=1)
+    assert [len(r) for r in together["logprobs"]] == [len(s.completion_ids) for s in rows]
+    for key in ("logprobs", "top_logprobs"):
+        flat = [
+            (a, b)
+            for x, y in zip(together[key], one_by_one[key], strict=True)
+            for a, b in zip(x, y, strict=True)
+        ]
+        assert max(abs(torch.tensor(a) - torch.tensor(b)).max().item() for a, b in flat) < 1e-5
+    assert together["top_ids"] == one_by_one["top_ids"]

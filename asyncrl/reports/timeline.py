@@ -73,7 +73,11 @@ def plot_timeline(
     fig, ax = plt.subplots(figsize=(11, 0.6 * (len(rows) + len(level_rows)) + 1.6))
     labels = [f"{c} ({busy[c]:.0%} busy)" for c in rows]
     for y, comp in enumerate(level_rows, start=len(rows)):
-        points = [(max(e["start"], t0) - t0, e["level"]) for e in levels if e["component"] == comp]
+        mine = [e for e in levels if e["component"] == comp]
+        before = [e for e in mine if e["start"] < t0][-1:]  # the level the plotted interval starts at
+        points = [
+            (max(e["start"], t0) - t0, e["level"]) for e in before + [e for e in mine if e["start"] >= t0]
+        ]
         top = max((v for _, v in points), default=0) or 1
         xs = [x for x, _ in points] + [t_end - t0]
         ys = [y + 0.3 - 0.6 * v / top for _, v in points]

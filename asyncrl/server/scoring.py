@@ -7,8 +7,9 @@ log-probs (for a reverse KL over that support). ``POST /v1/logprobs`` takes toke
 text, so that nothing is tokenized twice: teacher and student share one tokenizer.
 
 :func:`check_request` validates a request against the model (naming the bad field and
-row); :func:`token_logprobs` computes it with forward passes of right-padded rows, a chunk
-of rows at a time, on the engine's thread between two decode steps.
+row); :func:`token_logprobs` computes it with forward passes of right-padded rows, as many
+rows of similar length at a time as ``FORWARD_TOKENS`` allows (the server calls it on the
+engine's thread between two decode steps; the teacher stage in its own worker).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-CHUNK = 16  # rows per forward pass: bounds the activation memory of long completions
+# Tokens per forward pass (rows x the longest row): bounds the activation memory of long
+# completions, while short rows go many at a time (a forward's fixed cost dominates small ones).
+FORWARD_TOKENS = 8192
 MAX_TOP_K = 64
 
 
@@ -78,20 +81,21 @@ def check_request(body: dict, vocab_size: int, max_positions: int) -> ScoringReq
 
 
 @torch.no_grad()
-def token_logprobs(model, pad_token_id: int, request: ScoringRequest) -> dict[str, list]:
+def token_logprobs(
+    model, pad_token_id: int, request: ScoringRequest, forward_tokens: int = FORWARD_TOKENS
+) -> dict[str, list]:
     """``logprobs``: per row, log softmax(logits / temperature) of each completion token given
     what precedes it; with ``top_k``, also ``top_ids`` and ``top_logprobs`` per token (most
     likely first)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    out: dict[str, list] = {"logprobs": []}
-    if request.top_k:
-        out.update(top_ids=[], top_logprobs=[])
     rows = list(zip(request.prompts, request.completions, strict=True))
+    keys = ["logprobs", *(["top_ids", "top_logprobs"] if request.top_k else [])]
+    per_row: dict[str, list] = {key: [None] * len(rows) for key in keys}
     try:
-        for start in range(0, len(rows), CHUNK):
-            chunk = rows[start : start + CHUNK]
+        for chunk_ids in _chunks([len(p) + len(c) - 1 for p, c in rows], forward_tokens):
+            chunk = [rows[j] for j in chunk_ids]
             width = max(len(p) + len(c) - 1 for p, c in chunk)
             ids = torch.full((len(chunk), width), pad_token_id, dtype=torch.long)
             mask = torch.zeros((len(chunk), width), dtype=torch.long)
@@ -104,13 +108,29 @@ def token_logprobs(model, pad_token_id: int, request: ScoringRequest) -> dict[st
                 # Positions len(p) - 1 ... predict the completion's tokens.
                 rows_logits = logits[i, len(p) - 1 : len(p) - 1 + len(c)].float() / request.temperature
                 logp = torch.log_softmax(rows_logits, dim=-1)
-                out["logprobs"].append(
+                row = chunk_ids[i]
+                per_row["logprobs"][row] = (
                     logp.gather(-1, torch.tensor(c, device=device).unsqueeze(-1)).squeeze(-1).tolist()
                 )
                 if request.top_k:
                     top = logp.topk(request.top_k, dim=-1)
-                    out["top_ids"].append(top.indices.tolist())
-                    out["top_logprobs"].append(top.values.tolist())
+                    per_row["top_ids"][row] = top.indices.tolist()
+                    per_row["top_logprobs"][row] = top.values.tolist()
     finally:
         model.train(was_training)
-    return out
+    return per_row
+
+
+def _chunks(lengths: list[int], forward_tokens: int) -> list[list[int]]:
+    """Row indices in forward passes of at most ``forward_tokens`` (rows x longest row; one row at
+    least), rows of similar length together (less padding)."""
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if current and (len(current) + 1) * lengths[i] > forward_tokens:
+            chunks.append(current)
+            current = []
+        current.append(i)
+    if current:
+        chunks.append(current)
+    return chunks
