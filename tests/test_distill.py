@@ -500,3 +500,21 @@ def test_scoring_in_forward_passes_of_any_size_keeps_each_rows_log_probs(student
         ]
         assert max(abs(torch.tensor(a) - torch.tensor(b)).max().item() for a, b in flat) < 1e-5
     assert together["top_ids"] == one_by_one["top_ids"]
+
+
+def test_scores_reported_before_their_group_let_it_into_the_buffer_at_once() -> None:
+    """A generator delivers a group (to the trainer and the teacher), then reports it: the teacher
+    may score it and report ``Taught`` first. The queue remembers, and the group does not wait."""
+    ledger = GroupLedger()
+    queue = TeacherQueue(DistillConfig(teacher="tiny:1m"), ledger, step_groups=4)
+    for gid in (7, 8):
+        ledger.add(gid, gid, Prompt(f"p{gid}", "x"))
+        ledger.move(gid, GroupState.GENERATING, generator="generator-0")
+    assert queue.taught([7]) == []  # before the controller heard of group 7
+    ledger.move(7, GroupState.DELIVERED)
+    assert queue.wait(group(7, [sample(7, [-1.0], 1.0)]).header()) is True
+    assert len(queue) == 0 and queue.taught_groups == 1
+    ledger.move(8, GroupState.DELIVERED)
+    assert queue.wait(group(8, [sample(8, [-1.0], 1.0)]).header()) is False  # the usual order
+    assert [h.group_id for h in queue.taught([8])] == [8]
+    assert queue.taught([99]) == [] and queue._early == set()  # a group no longer known is ignored

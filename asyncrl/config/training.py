@@ -220,7 +220,10 @@ class DistillConfig(Section):
         "0: one step's groups (rollout.prompts_per_step).",
     )
     batch_groups: int = Field(4, ge=1, description="Most groups the teacher scores in one call.")
-    device: str = Field("cpu", description="Where a local teacher runs ('cpu', 'cuda', 'cuda:1', 'auto').")
+    device: str = Field(
+        "auto",
+        description="Where a local teacher runs ('auto': CUDA when a GPU is visible; 'cpu', 'cuda:1').",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="A local teacher's weights: 'auto' is bfloat16 on CUDA, float32 on the CPU."
     )

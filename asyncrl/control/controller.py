@@ -243,9 +243,7 @@ class Controller:
             else:
                 books.generated(header.group_id)
                 self.recorder.on_generated(header.num_completion_tokens)
-                if self.teacher_queue is not None:
-                    self.teacher_queue.wait(header)
-                else:
+                if self.teacher_queue is None or self.teacher_queue.wait(header):  # True: already scored
                     self.buffer.put(header, timeout=0.0)
         elif isinstance(event, Taught):
             for header in self.teacher_queue.taught(event.group_ids):

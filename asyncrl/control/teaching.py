@@ -33,6 +33,7 @@ class TeacherQueue:
         self.ledger = ledger
         self.capacity = distill.queue_groups or step_groups
         self._waiting: dict[int, tuple[GroupHeader, float]] = {}  # arrival order
+        self._early: set[int] = set()  # scored before the controller heard of them (see wait)
         self.carried: list[Group] = []  # a resume's groups the teacher had not scored: sent to it again
         self.taught_groups = 0
         self.snapshot_version = 0  # self-distillation: the policy version the teacher holds
@@ -45,11 +46,18 @@ class TeacherQueue:
     def full(self) -> bool:
         return len(self._waiting) >= self.capacity
 
-    def wait(self, header: GroupHeader) -> None:
-        """A generated (or carried) group waits for the teacher."""
+    def wait(self, header: GroupHeader) -> bool:
+        """A generated (or carried) group waits for the teacher. Returns True if it need not: the
+        teacher's ``Taught`` came first (a generator delivers a group, then reports it, and the
+        teacher may score it and report in between), so it goes to the buffer now."""
         self.ledger.move(header.group_id, GroupState.TEACHING)
+        if header.group_id in self._early:
+            self._early.discard(header.group_id)
+            self.taught_groups += 1
+            return True
         self._waiting[header.group_id] = (header, time.monotonic())
         self.on_change(len(self._waiting))
+        return False
 
     def carry(self, group: Group) -> None:
         """A group a checkpoint carried unscored: it waits for the teacher again, which is sent it."""
@@ -61,12 +69,16 @@ class TeacherQueue:
         return carried
 
     def taught(self, group_ids: list[int]) -> list[GroupHeader]:
-        """The headers of the scored groups that still wait (others ended meanwhile), removed."""
+        """The headers of the scored groups that waited, removed (one that ended meanwhile is
+        left out; one the controller has not heard of yet is remembered, see :meth:`wait`)."""
         out = []
         for group_id in group_ids:
             entry = self._waiting.pop(group_id, None)
-            if entry is not None and self.ledger.state(group_id) == GroupState.TEACHING:
+            state = self.ledger.state(group_id)
+            if entry is not None and state == GroupState.TEACHING:
                 out.append(entry[0])
+            elif entry is None and state in (GroupState.GENERATING, GroupState.SCORING):
+                self._early.add(group_id)  # scored before its generator's report reached us
         self.taught_groups += len(out)
         self.on_change(len(self._waiting))
         return out
