@@ -311,7 +311,9 @@ def test_the_shipped_teacher_answers_almost_every_addition_sampled() -> None:
     """builtin:arith-teacher (builtin:arith after 400 RL steps, the distillation teacher) answers
     95.5 % of 400 held-out additions sampled at temperature 1 (its shipped summary)."""
     policy = load_policy("builtin:arith-teacher", device="cpu")
-    summary = json.loads((BUILTIN_MODELS["arith-teacher"] / "teacher_summary.json").read_text(encoding="utf-8"))
+    summary = json.loads(
+        (BUILTIN_MODELS["arith-teacher"] / "teacher_summary.json").read_text(encoding="utf-8")
+    )
     held_out = summary["held_out"]
     sampled = SamplingParams(max_new_tokens=5, temperature=1.0, stop_token_ids=(policy.eos_token_id,))
     prompts = PromptStream(ArithmeticTask(["+"], 1, 2, seed=held_out["task_seed"])).take(held_out["prompts"])
