@@ -13,6 +13,8 @@ import copy
 import json
 import math
 import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -518,3 +520,90 @@ def test_scores_reported_before_their_group_let_it_into_the_buffer_at_once() -> 
     assert queue.wait(group(8, [sample(8, [-1.0], 1.0)]).header()) is False  # the usual order
     assert [h.group_id for h in queue.taught([8])] == [8]
     assert queue.taught([99]) == [] and queue._early == set()  # a group no longer known is ignored
+
+
+def test_a_served_teacher_that_hangs_stops_the_run_naming_the_timeout(tmp_path: Path, capsys) -> None:
+    """A teacher server that answers GET /v1/models (with the student's tokenizer) and never
+    answers POST /v1/logprobs: the run stops within distill.timeout_s, naming the key."""
+    import http.server
+
+    from asyncrl.models.loading import load_tokenizer, tokenizer_fingerprint
+
+    fingerprint = tokenizer_fingerprint(load_tokenizer(STUDENT)[0])
+    release = threading.Event()
+
+    class Silent(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps({"data": [{"id": "silent", "tokenizer": fingerprint}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self) -> None:
+            release.wait(timeout=60)  # hangs until the test ends
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Silent)
+    serving = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    serving.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    overrides = [*short_run(2), f"distill.url={url}", "distill.timeout_s=1", *RUNS["inline"]]
+    try:
+        started = time.monotonic()
+        code = main(["train", *sets(overrides), "--run-dir", str(tmp_path / "run")])
+        took = time.monotonic() - started
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+        serving.join(timeout=10)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code != 0 and len(lines) == 1 and "Traceback" not in err, err
+    assert "distill.timeout_s" in lines[0] and f"distill.url={url}" in lines[0]
+    assert took < 60  # bounded by the timeout, not by the server
+
+
+@pytest.mark.ray
+@pytest.mark.multiprocess
+def test_a_teacher_actor_that_dies_stops_a_ray_run_naming_it(tmp_path: Path) -> None:
+    import ray
+
+    from asyncrl.control.run import run_controller
+    from asyncrl.control.session import RunSession
+    from asyncrl.prompts.build import task_prompts
+    from asyncrl.runtimes.ray_runtime import RayRuntime
+    from asyncrl.workers.messages import StepDone
+
+    overrides = [
+        *short_run(20),
+        f"distill.teacher={STUDENT}",
+        "schedule=async",
+        "runtime.kind=ray",
+        *ONE_THREAD_EACH,
+        "runtime.ray.num_cpus=4",
+        "distill.threads=1",
+    ]
+    cfg = load_config(None, overrides)
+    session = RunSession(cfg, tmp_path)
+    runtime = RayRuntime(cfg, tmp_path)
+    poll = runtime.poll
+
+    killed: list[bool] = []
+
+    def kill_the_teacher_after_a_step(timeout: float) -> list:
+        events = poll(timeout)
+        if any(isinstance(e, StepDone) for e in events) and not killed:
+            ray.kill(runtime.actor("teacher"))
+            killed.append(True)
+        return events
+
+    runtime.poll = kill_the_teacher_after_a_step  # type: ignore[method-assign]
+    try:
+        with pytest.raises(WorkerError, match=rf"the teacher actor \(distill.teacher={STUDENT}\) died"):
+            run_controller(cfg, session, runtime, task_prompts(cfg))
+    finally:
+        session.close()
