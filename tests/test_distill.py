@@ -338,6 +338,7 @@ RUNS = {
 }
 
 
+@pytest.mark.slow  # quick: the stop-and-resume run (inline), the dead teacher's run (local), self-distillation
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("runtime", ["inline", "local"])
 def test_a_distillation_run_trains_every_group_once_with_the_teachers_signal(
@@ -470,6 +471,15 @@ def test_self_distillation_refreshes_its_snapshot_every_n_versions(tmp_path: Pat
     ]
     assert abs(gaps[0]) < 2e-6 and abs(gaps[2]) < 2e-6
     assert abs(gaps[1]) > 1e-5 and abs(gaps[3]) > 1e-5
+    accounting = json.loads((run_dir / "summary.json").read_text())["accounting"]
+    assert (
+        accounting["reconciles"]
+        and accounting["trained"] == 4 * 4
+        and accounting["prompts_trained_twice"] == 0
+    )
+    timeline = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines()]
+    assert sum(e["groups"] for e in timeline if e["component"] == "teacher" and e["name"] == "teach") == 16
+    assert max(e["level"] for e in timeline if e["component"] == "teacher queue") >= 1
 
 
 def test_self_distillation_settings_are_checked() -> None:
@@ -522,6 +532,7 @@ def test_scores_reported_before_their_group_let_it_into_the_buffer_at_once() -> 
     assert queue.taught([99]) == [] and queue._early == set()  # a group no longer known is ignored
 
 
+@pytest.mark.slow  # a request's bound: test_a_missing_unreachable_or_hanging_teacher_is_named; the queue's: test_the_teacher_queue_bounds_dispatch_and_the_wait
 def test_a_served_teacher_that_hangs_stops_the_run_naming_the_timeout(tmp_path: Path, capsys) -> None:
     """A teacher server that answers GET /v1/models (with the student's tokenizer) and never
     answers POST /v1/logprobs: the run stops within distill.timeout_s, naming the key."""
