@@ -129,10 +129,9 @@ class Books:
         From the ledger: ``in_flight`` — issued and not back from a generator (generating,
         scoring, or stopped there by a stop's preemption: carried); ``buffered`` — generated
         and not yet trained (delivered, waiting for the teacher, buffered, or sent for a step
-        not yet done). A prompt whose
-        group was dropped for staleness, cancelled in flight or lost with its generator is
-        issued again as a new group, so it is counted once as dropped/cancelled/lost and once
-        more. Per prompt (ticket): none is trained twice, and every prompt drawn is trained,
+        not yet done). A prompt whose group was dropped for staleness, cancelled in flight or
+        lost with its generator is issued again as a new group, so it is counted once as
+        dropped/cancelled/lost and once more. Per prompt (ticket): none is trained twice, and every prompt drawn is trained,
         dropped, or still pending (in flight, buffered, or waiting to be issued again).
         """
         S = GroupState

@@ -3,10 +3,9 @@
 With a teacher (``distill.teacher`` or ``distill.url``) a generated group does not enter the
 rollout buffer when its generator reports it: it waits, in state ``teaching``, until the
 teacher stage reports ``Taught`` (its scores are then with the trainer). The queue is
-bounded — while ``distill.queue_groups`` groups (by default one step's) wait no new group
-starts on a generator — and
-so is the wait: a group waiting longer than ``distill.timeout_s`` stops the run with an error
-naming the key (a teacher that hangs). A checkpoint carries the waiting groups (the trainer
+bounded — while ``distill.queue_groups`` groups (by default one step's) wait, no new group
+starts on a generator — and so is the wait: a group waiting longer than ``distill.timeout_s``
+stops the run with an error naming the key (a teacher that hangs). A checkpoint carries the waiting groups (the trainer
 holds them, unscored), and a resumed run sends them to the teacher again.
 """
 
