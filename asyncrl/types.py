@@ -12,10 +12,14 @@ serialise to JSON for recording and replay. A :class:`GroupHeader` is what the c
 knows of a generated group — ids, token counts per policy version, rewards, finish reasons —
 while the group itself goes from its generator straight to the trainer (the payload plane,
 ``transports/groups/base.py``); its size does not grow with the completions' length.
+
+(Over 500 lines on purpose: every record that crosses a process boundary is declared here, so
+that one module says what travels; pivot resampling's records joined them.)
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -238,13 +242,43 @@ class TeacherScores:
     logprobs: list[list[float]]
 
 
+@dataclass(frozen=True)
+class Pivot:
+    """Where a branch group starts (pivot resampling, :mod:`asyncrl.algorithms.pivots`): completion
+    ``sample`` of group ``source_group_id`` kept up to ``position`` of its ``length`` trained tokens.
+
+    ``version``: the policy version that sampled the prefix's last token (a branch's staleness is
+    judged by it); ``found_step``: the step being assembled when the pivot was found (it is
+    expanded in a later one); ``branches``: K, the continuations of the branch group.
+    """
+
+    source_group_id: int
+    sample: int
+    position: int
+    length: int
+    version: int
+    branches: int
+    found_step: int = 0
+    probability: float = 1.0  # the chance it had of being chosen among the completion's candidates
+
+    @property
+    def depth(self) -> float:
+        return self.position / self.length
+
+
 @dataclass
 class Group:
-    """The G samples of one prompt, generated together and trained together."""
+    """The G samples of one prompt, generated together and trained together.
+
+    A *branch group* (``pivot`` set) is the K continuations of one pivot: each sample's
+    completion starts with the pivot's prefix, which is out of the loss (``loss_mask`` 0) —
+    it is trained as prompt — and keeps the log-probs and versions it was sampled with.
+    """
 
     group_id: int
     prompt: Prompt
     samples: list[Sample]
+    pivot: Pivot | None = None
 
     def __post_init__(self) -> None:
         for s in self.samples:
@@ -322,6 +356,7 @@ class Group:
             finish_reasons=[s.finish_reason for s in self.samples],
             lengths=[s.num_completion_tokens for s in self.samples],
             trained_versions=[_trained_versions(s) for s in self.samples],
+            pivot=self.pivot,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -329,9 +364,60 @@ class Group:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Group:
+        pivot = data.get("pivot")
         return cls(
-            int(data["group_id"]), Prompt(**data["prompt"]), [Sample.from_dict(s) for s in data["samples"]]
+            int(data["group_id"]),
+            Prompt(**data["prompt"]),
+            [Sample.from_dict(s) for s in data["samples"]],
+            Pivot(**pivot) if pivot else None,
         )
+
+
+@dataclass
+class FoundPivot:
+    """A pivot a generator found, with what its branch group starts from: the prompt, and the
+    prefix as a completion stopped there (its tokens keep their log-probs, versions and routes;
+    ``loss_mask`` 0: trained as prompt). It crosses the controller, which holds it until its
+    branch group is trained (or a checkpoint keeps it)."""
+
+    pivot: Pivot
+    prompt: Prompt
+    prefix: Sample
+
+    def branch_group(self, group_id: int) -> PartialGroup:
+        """The branch group to generate under ``group_id``: K completions, each at the prefix."""
+        samples = {
+            k: dataclasses.replace(
+                self.prefix, group_id=group_id, **{n: list(getattr(self.prefix, n)) for n in _PER_TOKEN}
+            )
+            for k in range(self.pivot.branches)
+        }
+        return PartialGroup(group_id, self.prompt, samples, self.pivot)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (a checkpoint's controller.json): route bytes as base64."""
+        prefix = self.prefix.to_dict()
+        if prefix["routes"] is not None:
+            prefix["routes"] = [None if r is None else base64.b64encode(r).decode() for r in prefix["routes"]]
+        if prefix["prompt_routes"] is not None:
+            prefix["prompt_routes"] = base64.b64encode(prefix["prompt_routes"]).decode()
+        return {
+            "pivot": dataclasses.asdict(self.pivot),
+            "prompt": dataclasses.asdict(self.prompt),
+            "prefix": prefix,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FoundPivot:
+        prefix = dict(data["prefix"])
+        if prefix.get("routes") is not None:
+            prefix["routes"] = [None if r is None else base64.b64decode(r) for r in prefix["routes"]]
+        if prefix.get("prompt_routes") is not None:
+            prefix["prompt_routes"] = base64.b64decode(prefix["prompt_routes"])
+        return cls(Pivot(**data["pivot"]), Prompt(**data["prompt"]), Sample.from_dict(prefix))
+
+
+_PER_TOKEN = ("completion_ids", "logprobs", "versions", "loss_mask")
 
 
 def _share_prompt_routes(samples: list[Sample]) -> None:
@@ -377,6 +463,7 @@ class GroupHeader:
     finish_reasons: list[str]
     lengths: list[int]
     trained_versions: list[dict[int, int]]
+    pivot: Pivot | None = None  # a branch group's (see Group)
 
     @property
     def size(self) -> int:
@@ -426,6 +513,7 @@ class PartialGroup:
     group_id: int
     prompt: Prompt
     samples: dict[int, Sample]
+    pivot: Pivot | None = None  # a branch group's: every completion continues the pivot's prefix
 
     def __post_init__(self) -> None:
         Group(self.group_id, self.prompt, list(self.samples.values()))  # completions stay with their prompt
@@ -453,9 +541,13 @@ class PartialGroup:
             "group_id": self.group_id,
             "prompt": dataclasses.asdict(self.prompt),
             "samples": [[k, s.to_dict()] for k, s in sorted(self.samples.items())],
+            "pivot": None if self.pivot is None else dataclasses.asdict(self.pivot),
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PartialGroup:
         samples = {int(k): Sample.from_dict(s) for k, s in data["samples"]}
-        return cls(int(data["group_id"]), Prompt(**data["prompt"]), samples)
+        pivot = data.get("pivot")
+        return cls(
+            int(data["group_id"]), Prompt(**data["prompt"]), samples, Pivot(**pivot) if pivot else None
+        )

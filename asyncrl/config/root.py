@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from asyncrl.config.base import Section
 from asyncrl.config.data import EpisodeConfig, JudgeConfig, ModelConfig, TaskConfig
+from asyncrl.config.pivots import PivotConfig
 from asyncrl.config.running import RunConfig, RuntimeConfig, ScheduleConfig
 from asyncrl.config.training import AlgorithmConfig, DistillConfig, LoraConfig, RolloutConfig, TrainerConfig
 
@@ -22,6 +23,7 @@ class Config(Section):
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     distill: DistillConfig = Field(default_factory=DistillConfig)
+    pivot: PivotConfig = Field(default_factory=PivotConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
@@ -113,12 +115,40 @@ class Config(Section):
                 f"{self.distill.source} scores completions; episodes (episode.environment="
                 f"{self.episode.environment}) interleave observations the teacher did not see: unset one of them"
             )
+        self._pivot_combinations()
         if self.schedule.streaming and self.algorithm.advantage_scale == "batch":
             raise ValueError(
                 "algorithm.advantage_scale=batch needs the whole batch before training; it cannot be used "
                 "with schedule.streaming=true (use advantage_scale=group or none)"
             )
         return self
+
+    def _pivot_combinations(self) -> None:
+        pivot = self.pivot
+        if not pivot.enabled:
+            return
+        if pivot.branches < 2:
+            raise ValueError(
+                f"pivot.branches={pivot.branches}: a branch group needs at least 2 continuations for a "
+                "group advantage (0 turns pivot resampling off)"
+            )
+        reasons = {
+            "episode.environment": self.episode.environment is not None
+            and "episodes are branched by turns, not tokens",
+            "distill.teacher": self.distill.enabled and "the teacher stage does not score branch groups",
+            "task.step_delimiter": self.task.step_delimiter is not None
+            and "step rewards of a branch would cover only its continuation",
+            "algorithm.advantage_scale": self.algorithm.advantage_scale == "batch"
+            and "branch groups take their advantages within the group",
+        }
+        for key, reason in reasons.items():
+            if reason:
+                raise ValueError(f"pivot.branches > 0 cannot be used with {key}: {reason}")
+        if pivot.branches > self.rollout.max_batch_size:
+            raise ValueError(
+                f"pivot.branches={pivot.branches} is more than rollout.max_batch_size="
+                f"{self.rollout.max_batch_size}: a branch group's continuations run together"
+            )
 
     @property
     def runtime_kind(self) -> str:

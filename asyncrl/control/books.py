@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from asyncrl.control.lifecycle import GroupLedger, GroupRecord
+from asyncrl.control.pivoting import BranchBook
 from asyncrl.prompts.base import PromptStream
 from asyncrl.types import GroupState, Prompt
 
@@ -59,6 +60,8 @@ class Books:
     counts: Counter = field(default_factory=Counter)
     accepted: int = 0  # groups returned by generators and not dropped
     admission_blocked_s: float = 0.0
+    # Pivot resampling: the pivots and branch groups (a control.pivoting.BranchBook), or None.
+    branches: BranchBook | None = None
 
     # -- issuing ------------------------------------------------------------------------------
 
@@ -82,9 +85,16 @@ class Books:
         self.groups.add(group_id, ticket, prompt)
         return group_id, prompt
 
+    def new_group_id(self) -> int:
+        group_id, self.next_group_id = self.next_group_id, self.next_group_id + 1
+        return group_id
+
     def reissue(self, group_id: int) -> None:
         """The group will not be trained (cancelled, lost, too stale): it is discarded and its
-        prompt is issued again, first in line."""
+        prompt is issued again, first in line (a branch group's pivot waits to be expanded again)."""
+        if self.groups.get(group_id).branch:
+            self.branches.requeue(group_id)
+            return
         record = self.groups.move(group_id, GroupState.DISCARDED)
         self.requeued.append((record.ticket, record.prompt))
 
@@ -110,6 +120,9 @@ class Books:
 
     def dropped(self, group_id: int, reason: str) -> None:
         """A generated group dropped for good (e.g. a reward error): its prompt is not issued again."""
+        if self.groups.get(group_id).branch:
+            self.branches.dropped(group_id, reason)
+            return
         self.counts["generated"] += 1
         self.counts[f"dropped_{reason}"] += 1
         self.dropped_tickets.add(self.groups.move(group_id, GroupState.DISCARDED).ticket)
@@ -150,6 +163,7 @@ class Books:
         }
         # Preemption: what resumes carried over, and what was thrown away and generated again.
         carried = {k: v for k, v in counts.items() if k.startswith(("carried_", "discarded_"))}
+        branches = self.branches.accounting() if self.branches is not None else {}
         issued, trained = counts.get("issued", 0), counts.get("trained", 0)
         return {
             "issued": issued,
@@ -165,9 +179,11 @@ class Books:
             "prompts_missing": missing,
             **membership,
             **carried,
+            **branches,
             "reconciles": issued == trained + self.dropped_total + cancelled + lost + in_flight + buffered
             and trained_twice == 0
-            and missing == 0,
+            and missing == 0
+            and branches.get("branches_reconcile", True),
         }
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -181,6 +197,7 @@ class Books:
         in_steps: list[int],
         carried: Iterable[int] = (),
         partial: Iterable[int] = (),
+        branches_trained: Iterable[int] = (),
     ) -> dict[str, Any]:
         """The books as of trainer version ``version`` (see the module docstring).
 
@@ -188,7 +205,9 @@ class Books:
         ``generated_pending``: how many of them were already generated; ``in_steps``: group
         ids of the steps sent to the trainer but not yet confirmed (the checkpoint's trainer
         state includes them); ``carried``: group ids of the generated groups the checkpoint
-        holds; ``partial``: the pending groups that continue from a prefix.
+        holds; ``partial``: the pending groups that continue from a prefix; ``branches_trained``:
+        the branch groups of the steps the trainer state includes (pivot resampling: every other
+        branch group's pivot is kept, to be expanded again).
         """
         partial = set(partial)
         trained = Counter(self.trained_tickets)
@@ -222,6 +241,7 @@ class Books:
             "counts": dict(counts),
             "accepted": self.accepted - generated_pending,
             "admission_blocked_s": self.admission_blocked_s,
+            **({"branches": self.branches.state_dict(list(branches_trained))} if self.branches else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> tuple[int, int]:
@@ -244,4 +264,6 @@ class Books:
         self.counts = Counter(state["counts"])
         self.accepted = int(state["accepted"])
         self.admission_blocked_s = float(state["admission_blocked_s"])
+        if self.branches is not None:
+            self.branches.load_state_dict(state.get("branches"))
         return int(state["version"]), int(state["batches_handed"])

@@ -42,8 +42,9 @@ from asyncrl.config import Config
 from asyncrl.control import checkpoints as checkpoint
 from asyncrl.control.books import Books
 from asyncrl.control.buffer import AdmissionControl, RolloutBuffer
-from asyncrl.control.liveness import Watchdog
+from asyncrl.control.liveness import Watchdog, waiting_for
 from asyncrl.control.membership import TRAINER, Generators
+from asyncrl.control.pivoting import BranchBook
 from asyncrl.control.preemption import Preemption, carry_over
 from asyncrl.control.records import StepRecorder
 from asyncrl.control.saving import SaveProtocol
@@ -62,6 +63,7 @@ from asyncrl.workers.messages import (
     GroupDropped,
     GroupReady,
     LoadWeights,
+    PivotsFound,
     Preempted,
     Ready,
     Restore,
@@ -98,6 +100,8 @@ class Controller:
         self.books = Books(PromptStream(prompt_source, seed=cfg.task.seed))
         self.generators = Generators(runtime, self.books, session.log)
         self.steps = StepAssembly(cfg, lambda command: self._send(TRAINER, command), self.books.groups)
+        if cfg.pivot.enabled:  # pivot resampling's branch groups (control/pivoting.py)
+            self.books.branches = self.steps.branches = BranchBook(cfg, self.books.groups)
         self.admission = AdmissionControl(self.B, sched.max_staleness, versions_per_step=self.steps.iters)
         rollouts = (checkpoint.read_rollouts(resume_from) if resume_from is not None else None) or {}
         # A resume reads the carried groups' headers here; the trainer loads the groups (Restore).
@@ -122,7 +126,7 @@ class Controller:
         # On-policy distillation: generated groups wait for the teacher stage before the buffer.
         self.teacher_queue = teacher_queue(cfg, self.books.groups, session.record_level)
         self._loop_t = time.monotonic()
-        self.watchdog = Watchdog(cfg.runtime.stall_timeout_s, self._waiting_for)
+        self.watchdog = Watchdog(cfg.runtime.stall_timeout_s, lambda: waiting_for(self))
         self.preemption = Preemption(sched.max_staleness > 0, cfg.run.checkpoint_timeout_s)
         self.saving = SaveProtocol(
             cfg, session, self.books, self.steps, self.buffer, self.generators, self.preemption, self._send
@@ -221,11 +225,22 @@ class Controller:
             work = [books.issue() for _ in range(n)]
             gens.submitted(gen, [group_id for group_id, _ in work])
             partials = [self.partials.pop(gid) for gid, _ in work if gid in self.partials]
-            self._send(gen, Submit(work, partials))
+            self._send(gen, Submit(work, partials, books.branches and books.branches.model.params))
             total_running += n
             budget -= n
         if blocked:
             books.admission_blocked_s += dt
+        if books.branches is not None:
+            steps = self.steps
+            books.branches.dispatch(
+                gens.version,
+                gens.submitted,
+                order,
+                steps.handed,
+                steps.planned_version,
+                books.new_group_id,
+                self._send,
+            )
 
     # -- events ----------------------------------------------------------------------------
 
@@ -240,17 +255,21 @@ class Controller:
             prompt = gens.finished(event.worker, header.group_id)
             if prompt is None:
                 self._send(TRAINER, Discard([header.group_id]))  # its prompt was issued again
+            elif header.pivot is not None:
+                books.branches.delivered(header)
             else:
                 books.generated(header.group_id)
                 self.recorder.on_generated(header.num_completion_tokens)
                 if self.teacher_queue is None or self.teacher_queue.wait(header):  # True: already scored
                     self.buffer.put(header, timeout=0.0)
+        elif isinstance(event, PivotsFound):
+            books.branches.found(event.pivots, self.steps.handed)
         elif isinstance(event, Taught):
             for header in self.teacher_queue.taught(event.group_ids):
                 self.buffer.put(header, timeout=0.0)
         elif isinstance(event, GroupCancelled):
             if gens.finished(event.worker, event.group_id) is not None:
-                books.counts["cancelled_stale"] += 1
+                books.counts["cancelled_stale"] += not books.groups.get(event.group_id).branch
                 books.reissue(event.group_id)
         elif isinstance(event, GroupDropped):
             if gens.finished(event.worker, event.group_id) is not None:
@@ -287,6 +306,9 @@ class Controller:
         self.trainer_version = event.version
         groups = self.steps.confirmed(event.version)
         self.books.trained(g.group_id for g in groups)
+        if self.books.branches is not None:
+            self.books.branches.trained([g.group_id for g in self.steps.confirmed_branches])
+            event.metrics.update(self.books.branches.step_metrics(self.steps.confirmed_branches))
         step = self.steps_done = self.session.record_step(self._step_record(event, groups))
         if event.published:
             self.published_version, self.published_checksums = event.version, event.checksums
@@ -365,26 +387,6 @@ class Controller:
         if isinstance(self.runtime, InterruptibleRuntime):
             self.runtime.interrupt()
         raise WorkerError(self.watchdog.stalled)
-
-    def _waiting_for(self) -> str:
-        """What keeps the loop going, for an error that names the state it is stuck in."""
-        parts = []
-        if self.steps_done < self.cfg.run.steps:
-            parts.append(
-                f"step {self.steps_done + 1} of {self.cfg.run.steps}: {self.generators.running} groups in flight "
-                f"on {self.generators.names}, {len(self.buffer)} buffered, {len(self.steps.held)} held for the "
-                f"trainer, trainer at version {self.trainer_version} (planned {self.steps.planned_version})"
-            )
-        if self.evals_pending:
-            parts.append(f"{self.evals_pending} evaluation(s)")
-        if self.preemption.waiting and self.saving.pending is None:
-            parts.append(f"the preemption of {sorted(self.preemption.waiting)}")
-        if self.saving.pending is not None:
-            parts.append(f"the checkpoint of step {self.saving.pending.version}")
-        if not self.saved:
-            never = "" if self.final_save_requested else ", which was never requested"
-            parts.append(f"the final model{never}")
-        return "; ".join(parts) or "nothing"
 
     def accounting(self) -> dict[str, int]:
         """Where every issued group went (see :meth:`Books.accounting`)."""

@@ -75,6 +75,7 @@ class GroupRecord:
     state: GroupState
     generator: str | None = None  # while generating (or scoring) on it
     carried_over: bool = False  # read back from the checkpoint a resume started from
+    branch: bool = False  # a branch group of pivot resampling (no ticket: its prompt was issued already)
 
 
 class GroupLedger:
@@ -94,13 +95,16 @@ class GroupLedger:
     def __len__(self) -> int:
         return len(self._records)
 
-    def add(self, group_id: int, ticket: int, prompt: Prompt, state: GroupState = S.ISSUED) -> GroupRecord:
-        """A new group (``issued``), or one a resume reads back from its checkpoint (``carried``)."""
+    def add(
+        self, group_id: int, ticket: int, prompt: Prompt, state: GroupState = S.ISSUED, branch: bool = False
+    ) -> GroupRecord:
+        """A new group (``issued``), or one a resume reads back from its checkpoint (``carried``);
+        ``branch``: a branch group of pivot resampling."""
         if group_id in self._records:
             raise LifecycleError(f"group {group_id} is already {self._records[group_id].state}")
         if state not in (S.ISSUED, S.CARRIED):
             raise LifecycleError(f"group {group_id} cannot start its life {state}")
-        record = GroupRecord(group_id, ticket, prompt, state)
+        record = GroupRecord(group_id, ticket, prompt, state, branch=branch)
         self._records[group_id] = record
         return record
 
@@ -134,9 +138,13 @@ class GroupLedger:
             self.ended[to] += 1
         return record
 
-    def in_state(self, *states: GroupState) -> list[GroupRecord]:
-        """The records in any of ``states``, by group id."""
-        return sorted((r for r in self._records.values() if r.state in states), key=lambda r: r.group_id)
+    def in_state(self, *states: GroupState, branches: bool = False) -> list[GroupRecord]:
+        """The records in any of ``states``, by group id: the prompts' groups, or with ``branches``
+        the branch groups of pivot resampling (which the prompts' books do not count)."""
+        return sorted(
+            (r for r in self._records.values() if r.state in states and r.branch == branches),
+            key=lambda r: r.group_id,
+        )
 
     def on(self, generator: str) -> dict[int, Prompt]:
         """The groups ``generator`` has in flight (generating or scoring), with their prompts."""
@@ -146,12 +154,13 @@ class GroupLedger:
             if r.generator == generator
         }
 
-    def count(self, *states: GroupState) -> int:
-        return sum(1 for r in self._records.values() if r.state in states)
+    def count(self, *states: GroupState, branches: bool = False) -> int:
+        """Groups in any of ``states``: the prompts' groups, or with ``branches`` the branch groups."""
+        return sum(1 for r in self._records.values() if r.state in states and r.branch == branches)
 
     def tickets(self) -> Iterator[int]:
-        """The tickets of the groups still in the ledger (their prompts are pending)."""
-        return (r.ticket for r in self._records.values())
+        """The tickets of the prompts' groups still in the ledger (their prompts are pending)."""
+        return (r.ticket for r in self._records.values() if not r.branch)
 
     def __iter__(self) -> Iterator[GroupRecord]:
         return iter(sorted(self._records.values(), key=lambda r: r.group_id))

@@ -35,3 +35,25 @@ class Watchdog:
                 f"no progress for {idle:.0f}s (runtime.stall_timeout_s): waiting for {self.waiting_for()}"
             )
         return self.stalled
+
+
+def waiting_for(c) -> str:
+    """What keeps the loop of controller ``c`` going, for the stall error that names the state it is
+    stuck in."""
+    parts = []
+    if c.steps_done < c.cfg.run.steps:
+        parts.append(
+            f"step {c.steps_done + 1} of {c.cfg.run.steps}: {c.generators.running} groups in flight "
+            f"on {c.generators.names}, {len(c.buffer)} buffered, {len(c.steps.held)} held for the "
+            f"trainer, trainer at version {c.trainer_version} (planned {c.steps.planned_version})"
+        )
+    if c.evals_pending:
+        parts.append(f"{c.evals_pending} evaluation(s)")
+    if c.preemption.waiting and c.saving.pending is None:
+        parts.append(f"the preemption of {sorted(c.preemption.waiting)}")
+    if c.saving.pending is not None:
+        parts.append(f"the checkpoint of step {c.saving.pending.version}")
+    if not c.saved:
+        never = "" if c.final_save_requested else ", which was never requested"
+        parts.append(f"the final model{never}")
+    return "; ".join(parts) or "nothing"

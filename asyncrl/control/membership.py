@@ -126,9 +126,10 @@ class Generators:
         if event.worker == TRAINER or event.worker not in self.version:
             raise WorkerError(f"{event.worker} was lost: {event.reason}")
         lost = self.in_flight(event.worker)
+        branches = sum(self.books.groups.get(gid).branch for gid in lost)  # their pivots wait again
         for group_id in lost:
             self.books.reissue(group_id)
-        self.books.counts["lost_in_flight"] += len(lost)
+        self.books.counts["lost_in_flight"] += len(lost) - branches
         self.books.counts["generators_lost"] += 1
         self._forget(event.worker)
         self.log(f"{event.worker} lost ({event.reason}); {len(lost)} groups re-issued")

@@ -59,7 +59,9 @@ class Preemption:
     def on_preempted(self, event: Preempted, generators: Generators) -> None:
         for header in event.headers:
             prompt = generators.finished(event.worker, header.group_id)
-            if prompt is not None:
+            if prompt is not None and generators.books.groups.get(header.group_id).branch:
+                generators.books.reissue(header.group_id)  # the checkpoint keeps its pivot instead
+            elif prompt is not None:
                 generators.books.groups.move(header.group_id, GroupState.CARRIED)
                 self.groups[header.group_id] = (header, prompt)
         self.gone(event.worker)

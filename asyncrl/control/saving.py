@@ -70,6 +70,7 @@ def books_by_version(
     holds as generated and as partial groups.
     """
     batches = [[g.group_id for g in batch] for batch in steps.unconfirmed]
+    branches = [[g.group_id for g in batch] for batch in steps.unconfirmed_branches]
     starts = steps.batch_starts()
     out: dict[int, dict] = {}
     for at in range(first_version, steps.planned_version + 1):
@@ -84,6 +85,7 @@ def books_by_version(
             [gid for batch in trained for gid in batch],
             carried=carried + redo if keep_rollouts else carried,
             partial=partial,
+            branches_trained=[gid for batch in branches[:kept] for gid in batch],
         )
     return out
 

@@ -21,8 +21,9 @@ from asyncrl.algorithms.losses import batch_divisor
 from asyncrl.config import Config
 from asyncrl.control.buffer import RolloutBuffer
 from asyncrl.control.lifecycle import GroupLedger
+from asyncrl.control.pivoting import BranchBook
 from asyncrl.types import GroupHeader, GroupState
-from asyncrl.workers.messages import Accumulate, ContinueBatch, FinishStep
+from asyncrl.workers.messages import Accumulate, ContinueBatch, Discard, FinishStep
 
 CANONICAL_CHUNKS = 4  # a reproducible streaming step is sent in this many fixed chunks
 
@@ -45,6 +46,10 @@ class StepAssembly:
         self.staged: list[GroupHeader] = []  # held until they can be sent (whole step, or a canonical chunk)
         self.step_groups: list[GroupHeader] = []  # sent for the step being assembled
         self.unconfirmed: deque[list[GroupHeader]] = deque()  # steps sent whole, awaiting StepDone
+        # Pivot resampling: the branch book, and each unconfirmed step's branch groups.
+        self.branches: BranchBook | None = None
+        self.unconfirmed_branches: deque[list[GroupHeader]] = deque()
+        self.confirmed_branches: list[GroupHeader] = []  # of the last step confirmed
         self.planned_version = 0
         self.handed = 0
 
@@ -102,6 +107,14 @@ class StepAssembly:
         self.step_groups += groups
 
     def _finish(self) -> None:
+        branches: list[GroupHeader] = []
+        if self.branches is not None:
+            taken = self.branches.take_for_step(self.handed, self.planned_version)
+            if taken is None:
+                return  # a branch group issued for this step is still generating
+            if self.branches.discarded:
+                self.send(Discard(self.branches.discarded))
+            branches = taken
         divisor = batch_divisor(
             self.cfg.algorithm.loss_type,
             sum(g.size for g in self.step_groups),
@@ -111,9 +124,16 @@ class StepAssembly:
         self.planned_version += self.iters
         last = self.planned_version >= self.rounds * self.iters
         publish = not last and self.planned_version % self.cfg.schedule.sync_every == 0
-        self.send(FinishStep(divisor, publish))
+        finish = FinishStep(divisor, publish)
+        if branches:
+            finish.branches = [g.group_id for g in branches]
+            finish.branch_divisor = self.branches.divisor(branches)
+            finish.branch_weight = self.cfg.pivot.weight
+            finish.branch_min_version = self.planned_version - self.iters - self.cfg.schedule.max_staleness
+        self.send(finish)
         self.handed += 1
         self.unconfirmed.append(self.step_groups)
+        self.unconfirmed_branches.append(branches)
         self.step_groups = []
 
     def _send_canonical_chunks(self, running_ids: Iterable[int]) -> None:
@@ -145,4 +165,8 @@ class StepAssembly:
 
     def confirmed(self, version: int) -> list[GroupHeader]:
         """The groups a ``StepDone`` of ``version`` trained (a batch's later PPO epochs train none anew)."""
-        return self.unconfirmed.popleft() if (version - 1) % self.iters == 0 else []
+        if (version - 1) % self.iters:
+            self.confirmed_branches = []
+            return []
+        self.confirmed_branches = self.unconfirmed_branches.popleft()
+        return self.unconfirmed.popleft()

@@ -23,7 +23,7 @@ from asyncrl.rewards.registry import RewardFn
 from asyncrl.rewards.scoring import GroupToScore, RewardSet
 from asyncrl.rewards.step_rewards import cut_steps
 from asyncrl.rollout.base import Rollout, RolloutStats, Work
-from asyncrl.types import Group, GroupState, PartialGroup, Prompt, Sample
+from asyncrl.types import Group, GroupState, PartialGroup, Pivot, Prompt, Sample
 
 SCORING_WAIT_S = 0.05  # longest a step waits for scoring when the engine has nothing to decode
 
@@ -47,7 +47,13 @@ class _PendingGroup:
     prompt: Prompt
     prompt_ids: list[int]
     samples: dict[int, Sample]
+    size: int  # completions: G, or a branch group's K
+    pivot: Pivot | None = None  # a branch group's: its prefix is trained as prompt
     state: GroupState = GroupState.GENERATING  # then scoring, until a step returns it
+
+    @property
+    def prefix_len(self) -> int:
+        return 0 if self.pivot is None else self.pivot.position
 
 
 class CompletionRollout(Rollout):
@@ -125,15 +131,21 @@ class CompletionRollout(Rollout):
 
         A group in ``partials`` (stopped mid-generation by :meth:`preempt`, e.g. before a
         resume) continues from there: its finished completions are kept and its prefixes
-        are resumed with their own seeds, as after an abort; only the rest start afresh.
+        are resumed with their own seeds, as after an abort; only the rest start afresh. A
+        branch group (pivot resampling: ``PartialGroup.pivot``) is K completions that all
+        start at the pivot's prefix: their identical contexts are prefilled once.
         """
         partials = partials or {}
         for group_id, prompt in work:
             if group_id in self._pending:
                 raise ValueError(f"group {group_id} is already in flight")
             ids = self.encode(prompt)
-            budgets = self._budgets(prompt)
             partial = partials.get(group_id)
+            pivot = partial.pivot if partial else None
+            size = self.group_size if pivot is None else pivot.branches
+            budgets = self._budgets(prompt)
+            if pivot is not None:  # the source completion's budget, for each continuation
+                budgets = [budgets[pivot.sample]] * size
             done = {k: s for k, s in partial.samples.items() if s.finish_reason != "abort"} if partial else {}
             prefixes = partial.prefixes if partial else {}
             for k, p in prefixes.items():
@@ -143,11 +155,11 @@ class CompletionRollout(Rollout):
                     cut = GenerationResult(
                         **vars(p.cut(budgets[k])), request_id=f"{group_id}/{k}", finish_reason="length"
                     )
-                    done[k] = self._sample(prompt, group_id, ids, cut)
-            self._pending[group_id] = _PendingGroup(prompt, ids, done)
-            if len(done) == self.group_size:
+                    done[k] = self._sample(prompt, group_id, ids, cut, pivot)
+            self._pending[group_id] = _PendingGroup(prompt, ids, done, size, pivot)
+            if len(done) == size:
                 self._complete_now.append(group_id)
-            for k in range(self.group_size):
+            for k in range(size):
                 if k in done:
                     continue
                 sampling = self.sampling
@@ -156,6 +168,8 @@ class CompletionRollout(Rollout):
                 request_id = f"{group_id}/{k}"
                 self._sampling[request_id] = sampling
                 seed = (self.seed << 40) + group_id * self.group_size + k
+                if pivot is not None:  # a seed space of their own: K may differ from G
+                    seed = (self.seed << 40) + (1 << 39) + group_id * size + k
                 prefix = prefixes[k].tokens() if k in prefixes else None
                 self.engine.add_request(
                     GenerationRequest(request_id, ids, sampling, seed=seed, prefix=prefix)
@@ -207,10 +221,10 @@ class CompletionRollout(Rollout):
                     k: replace(s, reward=None, reward_error=None, reward_components=None)
                     for k, s in pending.samples.items()
                 }
-                partials.append(PartialGroup(group_id, pending.prompt, samples))
+                partials.append(PartialGroup(group_id, pending.prompt, samples, pending.pivot))
                 continue
             samples = dict(pending.samples)
-            for k in range(self.group_size):
+            for k in range(pending.size):
                 res = aborted.get(f"{group_id}/{k}")
                 if res is not None and res.completion_ids:
                     samples[k] = Sample(
@@ -222,7 +236,7 @@ class CompletionRollout(Rollout):
                         finish_reason="abort",
                         prompt_routes=res.prompt_routes,
                     )
-            partials.append(PartialGroup(group_id, pending.prompt, samples))
+            partials.append(PartialGroup(group_id, pending.prompt, samples, pending.pivot))
         self._scoring = []
         self._pending.clear()
         self._sampling.clear()
@@ -261,8 +275,10 @@ class CompletionRollout(Rollout):
             self._sampling.pop(res.request_id, None)
             group_id, k = (int(x) for x in res.request_id.split("/", 1))
             pending = self._pending[group_id]
-            pending.samples[k] = self._sample(pending.prompt, group_id, pending.prompt_ids, res)
-            if len(pending.samples) == self.group_size:
+            pending.samples[k] = self._sample(
+                pending.prompt, group_id, pending.prompt_ids, res, pending.pivot
+            )
+            if len(pending.samples) == pending.size:
                 complete.append(group_id)
         groups = []
         for group_id in complete:
@@ -271,7 +287,9 @@ class CompletionRollout(Rollout):
                 continue
             pending.state = GroupState.SCORING
             groups.append(
-                Group(group_id, pending.prompt, [pending.samples[i] for i in range(self.group_size)])
+                Group(
+                    group_id, pending.prompt, [pending.samples[i] for i in range(pending.size)], pending.pivot
+                )
             )
         if self._scorers is None:
             self._score(groups)
@@ -307,9 +325,11 @@ class CompletionRollout(Rollout):
         running = self.engine.oldest_versions()
         cancelled = []
         for group_id, pending in list(self._pending.items()):
-            if pending.state != GroupState.GENERATING:
-                continue  # complete: the buffer judges it when it is trained
-            ids = [f"{group_id}/{k}" for k in range(self.group_size)]
+            if pending.state != GroupState.GENERATING or pending.pivot is not None:
+                # Complete: the buffer judges it when it is trained. A branch group's prefix is old
+                # by design: the controller judges it by its pivot's version, at issue and at training.
+                continue
+            ids = [f"{group_id}/{k}" for k in range(pending.size)]
             versions = [running[r] for r in ids if r in running]
             versions += [min(s.versions) for s in pending.samples.values() if s.versions]
             if versions and version - min(versions) > max_staleness:
@@ -320,8 +340,17 @@ class CompletionRollout(Rollout):
                 cancelled.append((group_id, pending.prompt))
         return cancelled
 
-    def _sample(self, prompt: Prompt, group_id: int, prompt_ids: list[int], res: GenerationResult) -> Sample:
+    def _sample(
+        self,
+        prompt: Prompt,
+        group_id: int,
+        prompt_ids: list[int],
+        res: GenerationResult,
+        pivot: Pivot | None = None,
+    ) -> Sample:
+        """A finished completion; of a branch group (``pivot``), its prefix is out of the loss."""
         ids = res.completion_ids
+        start = 0 if pivot is None else pivot.position
         answer_len, finish = len(ids), res.finish_reason
         if self.eos_after is not None and self.eos_after in ids:
             # Generation went on past EOS only to load the engine (decode_past_eos): the answer ends
@@ -335,7 +364,7 @@ class CompletionRollout(Rollout):
             prompt_id=prompt.prompt_id,
             group_id=group_id,
             prompt_ids=list(prompt_ids),
-            loss_mask=[1] * answer_len + [0] * (len(ids) - answer_len),
+            loss_mask=[0] * start + [1] * (answer_len - start) + [0] * (len(ids) - answer_len),
             finish_reason=finish,
             completion_text=text,
             prompt_routes=res.prompt_routes,
@@ -348,9 +377,7 @@ class CompletionRollout(Rollout):
             return
         batch: list[GroupToScore] = []
         for group in groups:
-            ids = [
-                [t for t, m in zip(s.completion_ids, s.loss_mask, strict=True) if m] for s in group.samples
-            ]
+            ids = [s.completion_ids[: _answer_end(s)] for s in group.samples]
             texts = [s.completion_text for s in group.samples]
             if self.step_delimiter is None:
                 batch.append((group.prompt, texts, ids))
@@ -377,3 +404,9 @@ class CompletionRollout(Rollout):
                     reward = 0.0 if self.reward_on_error == "zero" else None
                 sample.reward, sample.reward_error = reward, error
                 sample.reward_components = result.components
+
+
+def _answer_end(sample: Sample) -> int:
+    """Where a completion's answer ends: after its last trained token (generation may go on past EOS,
+    untrained; a branch's prefix, before its trained tokens, is part of the answer)."""
+    return max((t + 1 for t, m in enumerate(sample.loss_mask) if m), default=0)

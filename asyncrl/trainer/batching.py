@@ -78,6 +78,9 @@ class MicroBatch:
     tree: TreeInputs | None = None  # the prefix-tree layout
     # Keep Sampling Mask: (B, R, S) kept token ids per position, -1 padded; None when not recorded.
     support_ids: torch.Tensor | None = None
+    # On this micro-batch's undivided loss: 1, or for a step's branch groups (pivot resampling)
+    # lambda x the step's divisor / the branch groups' own divisor.
+    scale: float = 1.0
     has_support: torch.Tensor | None = None  # (B, R) bool: the position has a recorded support
     # Filled by the trainer before the first update on this batch, when needed.
     old_logprobs: torch.Tensor | None = None

@@ -460,6 +460,8 @@ class Trainer:
         if algo.entropy_coef:
             per_token = per_token - algo.entropy_coef * entropy
         loss_sum = losses.aggregate(per_token, mask, algo.loss_type)
+        if mb.scale != 1.0:
+            loss_sum = loss_sum * mb.scale
         with torch.no_grad():
             ratio = torch.exp(log_ratio).expand_as(mask)
             behav_gap = (old - mb.behaviour_logprobs).abs() * mask

@@ -19,6 +19,7 @@ from asyncrl.engine.lora import MergedLora
 from asyncrl.rewards.scoring import ScoringStopped
 from asyncrl.rollout.base import Rollout
 from asyncrl.rollout.build import build_rollout
+from asyncrl.rollout.pivots import find_pivots
 from asyncrl.transports.weights.base import (
     InterruptibleReceiver,
     SyncInterrupted,
@@ -33,6 +34,7 @@ from asyncrl.workers.messages import (
     GroupDropped,
     GroupReady,
     LoadWeights,
+    PivotsFound,
     Preempt,
     Preempted,
     Span,
@@ -104,6 +106,7 @@ class GeneratorWorker:
         )
         self.rollout: Rollout = build_rollout(cfg, policy, self.engine)
         self.interrupt = cfg.schedule.interrupt
+        self.pivot_model: tuple[float, float, bool] = (0.0, 0.0, False)  # the controller's, as last sent
         self.pending_version: int | None = None
         self._preempt = False
         self._busy_since: float | None = None
@@ -130,6 +133,8 @@ class GeneratorWorker:
 
     def handle(self, command: Submit | LoadWeights | Preempt) -> None:
         if isinstance(command, Submit):
+            if command.pivot_model is not None:
+                self.pivot_model = command.pivot_model
             self.rollout.submit(command.work, {p.group_id: p for p in command.partials})
         elif isinstance(command, Preempt):
             self._preempt = True  # answered by the next work(), before any update or engine step
@@ -208,6 +213,12 @@ class GeneratorWorker:
         except ScoringStopped:
             return self._flush_span()
         events: list = [GroupReady.of(self.name, g) for g in ready]
+        if self.cfg.pivot.enabled:
+            found = [
+                p for g in ready for p in find_pivots(g, self.cfg.pivot, self.pivot_model, self.cfg.task.seed)
+            ]
+            if found:
+                events.append(PivotsFound(self.name, found))
         events += [GroupDropped(self.name, g.group_id, "reward_error") for g in dropped]
         if not self.rollout.has_work or time.time() - self._busy_since > SPAN_FLUSH_S:
             events += self._flush_span()

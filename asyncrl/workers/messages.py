@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.errors import AsyncRLError
-from asyncrl.types import Group, GroupHeader, PartialGroup, PartialHeader, Prompt, TeacherScores
+from asyncrl.types import FoundPivot, Group, GroupHeader, PartialGroup, PartialHeader, Prompt, TeacherScores
 
 # -- commands ---------------------------------------------------------------------------
 
@@ -28,6 +28,8 @@ class Submit:
 
     work: list[tuple[int, Prompt]]
     partials: list[PartialGroup] = field(default_factory=list)
+    # Pivot resampling: the success model's (w, b, fitted) to choose pivots with from now on.
+    pivot_model: tuple[float, float, bool] | None = None
 
 
 @dataclass
@@ -63,6 +65,7 @@ class Accumulate:
     min_version: int | None = None
     mergeable: bool = True
     groups: list[Group] | None = None
+    scale: float = 1.0  # on these groups' loss (a step's branch groups: lambda x divisor / branch divisor)
 
     @classmethod
     def of(cls, groups: list[Group], mergeable: bool = True) -> Accumulate:
@@ -79,10 +82,19 @@ class Discard:
 
 @dataclass
 class FinishStep:
-    """All groups of the step are in: divide by ``divisor``, take the optimizer step(s), publish."""
+    """All groups of the step are in: divide by ``divisor``, take the optimizer step(s), publish.
+
+    Pivot resampling: ``branches`` are the step's branch groups, trained first, their loss
+    normalised over their own tokens (``branch_divisor``) and weighted by ``branch_weight``
+    (λ): loss = main / divisor + λ · branch / branch_divisor.
+    """
 
     divisor: float
     publish: bool
+    branches: list[int] = field(default_factory=list)
+    branch_divisor: float = 1.0
+    branch_weight: float = 1.0
+    branch_min_version: int | None = None
 
 
 @dataclass
@@ -206,6 +218,15 @@ class Preempted:
     @classmethod
     def of(cls, worker: str, partials: list[PartialGroup]) -> Preempted:
         return cls(worker, [p.header() for p in partials], partials)
+
+
+@dataclass
+class PivotsFound:
+    """Pivot resampling: pivots a generator found in the failed completions of groups it scored, each
+    with its prefix (the one payload the controller holds: it expands them in later steps)."""
+
+    worker: str
+    pivots: list[FoundPivot]
 
 
 @dataclass

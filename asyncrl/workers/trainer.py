@@ -202,6 +202,16 @@ class TrainerWorker:
         if isinstance(command, Discard):
             self.inbox.discard(command.group_ids)
             return []
+        if self.is_leader and isinstance(command, FinishStep) and command.branches:
+            # Pivot resampling: the step's branch groups first, as an Accumulate whose loss is
+            # scaled so that dividing by the step's divisor leaves lambda x theirs / branch_divisor.
+            branches = Accumulate(
+                command.branches,
+                command.branch_min_version,
+                mergeable=False,
+                scale=command.branch_weight * command.divisor / command.branch_divisor,
+            )
+            return self.handle(branches) + self.handle(dataclasses.replace(command, branches=[]))
         if self.is_leader and isinstance(command, Accumulate):
             command = self._resolve(command)
         if self.is_leader and self.stopping:
@@ -280,7 +290,10 @@ class TrainerWorker:
                 f"checkpoint of version {command.version} requested, but the trainer is at {self.trainer.version}"
             )
         # Steps given up at a stop: their groups go into the checkpoint with the carried ones.
-        given_up = list(self._step_groups) if command.carry_given_up else []
+        # (Not a branch group: a checkpoint keeps its pivot instead, in the controller's books.)
+        given_up = (
+            [gid for gid, g in self._step_groups.items() if g.pivot is None] if command.carry_given_up else []
+        )
         carried = list(dict.fromkeys([*command.carried, *given_up]))
         command = dataclasses.replace(command, carried=carried)
         start = time.time()
@@ -383,6 +396,8 @@ class TrainerWorker:
             self._step_batches = []
             self._step_open = True
         batches = self.trainer.prepare([s for g in command.groups for s in g.samples])  # resolved by rank 0
+        for mb in batches:
+            mb.scale = command.scale
         self._step_batches += batches
         # One process gives a step up between micro-batches when the run stops; ranks do so between
         # commands only (rank 0 decides), as every rank must run the same collectives.
