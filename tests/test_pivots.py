@@ -8,6 +8,8 @@ import copy
 import json
 import math
 import random
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -36,7 +38,7 @@ from asyncrl.transports.weights.inprocess import InProcessChannel
 from asyncrl.types import FoundPivot, Group, GroupHeader, GroupState, Pivot, Prompt, Sample
 from asyncrl.workers.messages import Accumulate, FinishStep
 from asyncrl.workers.trainer import TrainerWorker
-from tests.helpers import short_run
+from tests.helpers import child_env, cli, short_run, stop_after_steps
 
 PIVOTS = ["pivot.branches=4", "pivot.every_tokens=1"]
 
@@ -379,3 +381,23 @@ def test_a_checkpoint_keeps_pending_pivots_and_a_resume_expands_them(tmp_path: P
     acc = summary["accounting"]
     assert summary["steps"] == 5 and acc["reconciles"] and acc["branches_reconcile"]
     assert acc["branches_trained"] > state["branches"]["counts"]["branches_trained"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_stopped_async_run_keeps_its_pivots_and_resumes_with_nothing_lost(tmp_path: Path) -> None:
+    """SIGTERM of an async run (local runtime, preemption): exit 143, the checkpoint holds the pivots
+    waiting and those whose branch groups were in flight; the resume trains them, books reconciled."""
+    overrides = [*short_run(6, prompts=8), *PIVOTS, "schedule=async", "run.checkpoint_every=0"]
+    code, err = stop_after_steps(tmp_path, overrides, 3, signal.SIGTERM)
+    assert code == 143, err
+    state = checkpoint.read_controller_state(checkpoint.latest(tmp_path))
+    kept = state["branches"]
+    assert kept["pending"] and kept["model"]["outcomes"]
+    resumed = subprocess.run(
+        cli("train", "--resume", str(tmp_path)), capture_output=True, text=True, timeout=240, env=child_env()
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    acc = json.loads((tmp_path / "summary.json").read_text())["accounting"]
+    assert acc["reconciles"] and acc["branches_reconcile"] and acc["trained"] == 6 * 8
+    assert acc["branches_trained"] >= kept["counts"].get("branches_trained", 0)

@@ -433,3 +433,44 @@ def test_actors_the_cluster_cannot_place_fail_the_start_within_start_timeout(tmp
     ):
         train(cfg, tmp_path / "run")  # (the fixture checks that no process is left)
     assert 15.0 <= time.monotonic() - t0 < 120
+
+
+@pytest.mark.ray
+@pytest.mark.multiprocess
+def test_a_lost_generators_branch_groups_go_back_to_their_pivots(tmp_path: Path) -> None:
+    """Pivot resampling on Ray: a generator killed with a branch group in flight is replaced; the
+    branch group's pivot waits again and is expanded once more, and both books reconcile."""
+    steps = 10
+    cfg = load_config(
+        None,
+        [
+            *BASE,
+            "schedule=async",
+            "runtime.kind=ray",
+            "runtime.ray.generator.num_cpus=1",
+            f"run.steps={steps}",
+            "pivot.branches=4",
+            "pivot.every_tokens=1",
+        ],
+    )
+    killed: dict = {}
+
+    def kill_with_a_branch_in_flight(runtime: RayRuntime, controller: Controller, events: list) -> None:
+        if killed or controller.steps_done >= steps - 3:
+            return
+        ledger = controller.books.groups
+        for victim in controller.generators.names:
+            done = {ended_group(e) for e in events if is_group_end(e, victim)}
+            branches = [
+                g for g in controller.generators.in_flight(victim) if g not in done and ledger.get(g).branch
+            ]
+            if branches:
+                killed.update(victim=victim, branches=branches)
+                ray.kill(runtime.actor(victim))
+                return
+
+    acc, _, _ = run_with_hook(cfg, tmp_path, kill_with_a_branch_in_flight)
+    assert killed, "no branch group was ever in flight"
+    assert acc["generators_lost"] == 1 and acc["branches_reissued"] >= 1
+    assert acc["trained"] == steps * PROMPTS and acc["reconciles"] and acc["branches_reconcile"]
+    assert acc["branches_trained"] > 0
