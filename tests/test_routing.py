@@ -30,6 +30,7 @@ from asyncrl.models.routing import (
     pack_routes,
     routing_of,
     unpack_routes,
+    use_capturable_experts,
 )
 from asyncrl.trainer.batching import MicroBatch, collate
 from asyncrl.trainer.logprobs import completion_logprobs
@@ -450,6 +451,30 @@ def test_a_mixture_of_experts_whose_router_cannot_be_hooked_is_refused_by_class_
 
 
 @pytest.mark.gpu
+def test_the_capturable_experts_forward_chooses_the_same_routes_and_tokens(moe: Policy) -> None:
+    """A CUDA-graph engine switches a mixture of experts to transformers' batched_mm experts (the default
+    grouped matmul reads its offsets on the host, which a capture refuses); on the CPU, the same
+    engine run with either gives the same tokens and routes, and log-probs equal to rounding."""
+    results = []
+    for capturable in (False, True):
+        model = copy.deepcopy(moe.model)
+        if capturable:
+            assert use_capturable_experts(model) and model.config._experts_implementation == "batched_mm"
+        engine = EmbeddedEngine(model, pad_token_id=moe.pad_token_id, max_batch_size=4, seed=0)
+        sampling = SamplingParams(max_new_tokens=12, temperature=1.0)
+        requests = [GenerationRequest(f"r{i}", ids, sampling, seed=i) for i, ids in enumerate(prompts(4))]
+        results.append(engine.generate(requests))
+    for a, b in zip(*results, strict=True):
+        assert (
+            a.completion_ids == b.completion_ids
+            and a.routes == b.routes
+            and a.prompt_routes == b.prompt_routes
+        )
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+    dense = load_policy("tiny:1m", device="cpu", dtype="float32", seed=0)
+    assert not use_capturable_experts(dense.model)  # a dense model has no experts to switch
+
+
 def test_a_decode_step_replayed_as_a_cuda_graph_records_routes(moe: Policy) -> None:
     """On CUDA, decode steps replay as CUDA graphs; the routes they record equal an eager engine's."""
     if not torch.cuda.is_available():

@@ -46,7 +46,7 @@ from asyncrl.engine.kv_cache import SlotKVCache, length_mask
 from asyncrl.engine.plans import DecodePlan, Drawn, DrawPlan, PrefillPlan, PrefillRound
 from asyncrl.engine.sampling import sample_tokens
 from asyncrl.models.forward import with_cache
-from asyncrl.models.routing import routing_of
+from asyncrl.models.routing import routing_of, use_capturable_experts
 
 
 def static_layout(device: torch.device) -> bool:
@@ -86,6 +86,8 @@ class Runner:
         self.starts_in = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions_in = torch.zeros(n, dtype=torch.long, device=dev)
         self.graphs = StepRunner(dev, capture=cuda_graphs)
+        if self.graphs.capture:
+            use_capturable_experts(model)  # a mixture of experts' default experts forward cannot be captured
         self.routing = routing_of(model)
         self.slot_routes: torch.Tensor | None = None
         if self.routing is not None:

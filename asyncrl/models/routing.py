@@ -93,6 +93,27 @@ def is_mixture_of_experts(model: torch.nn.Module) -> bool:
     return has_experts(config) or bool(_routers(model))
 
 
+CAPTURABLE_EXPERTS = "batched_mm"
+
+
+def use_capturable_experts(model: torch.nn.Module) -> bool:
+    """Switch a mixture of experts to an experts forward a CUDA graph can capture; returns whether it did.
+
+    transformers' default experts forward (grouped matmul) reads its group offsets on the host,
+    which a capture refuses ("Cannot copy between CPU and CUDA tensors during CUDA graph
+    capture"), and a per-expert loop has data-dependent shapes. ``batched_mm`` gathers each
+    token's experts' weights and multiplies in one batch: static shapes, no host read; the
+    same numbers up to rounding (the routes, which the router decides, are unchanged).
+    """
+    model = base_model(model)
+    settable = getattr(type(model), "_can_set_experts_implementation", None)  # transformers >= 5
+    if not is_mixture_of_experts(model) or settable is None or not settable():
+        return False
+    if model.config._experts_implementation != CAPTURABLE_EXPERTS:
+        model.set_experts_implementation(CAPTURABLE_EXPERTS)
+    return True
+
+
 def has_experts(config: PretrainedConfig) -> bool:
     """Whether the configuration declares several experts, whatever the router."""
     return any((getattr(config, key, None) or 0) > 1 for key in _EXPERT_COUNT_KEYS)
