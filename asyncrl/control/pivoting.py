@@ -41,6 +41,7 @@ from asyncrl.types import FoundPivot, GroupHeader, GroupState, Prompt
 from asyncrl.workers.messages import Submit
 
 S = GroupState
+DEPTH_BINS = 10
 
 
 class BranchBook:
@@ -65,6 +66,7 @@ class BranchBook:
         self.issued: dict[int, tuple[FoundPivot, int]] = {}  # group id -> (pivot, step it was issued for)
         self.ready: list[GroupHeader] = []  # delivered, waiting for a step
         self.depths: list[float] = []  # of the pivots expanded since the last step record
+        self.depth_counts = [0] * DEPTH_BINS  # of every pivot expanded, by relative depth
 
     # -- found and issued ---------------------------------------------------------------------
 
@@ -123,6 +125,7 @@ class BranchBook:
             self.issued[group_id] = (found, handed)
             self.counts["branches_issued"] += 1
             self.depths.append(found.pivot.depth)
+            self.depth_counts[min(int(found.pivot.depth * DEPTH_BINS), DEPTH_BINS - 1)] += 1
             out.setdefault(fresh[i % len(fresh)], []).append((group_id, found.prompt, found))
         return out
 
@@ -207,6 +210,10 @@ class BranchBook:
         out = {
             "branch_groups": float(len(headers)),
             "branch_tokens": float(sum(h.num_trained_tokens for h in headers)),
+            # Sampled for the branch groups (their prefixes were sampled before, with their source).
+            "branch_tokens_generated": float(
+                sum(h.num_completion_tokens - h.size * h.pivot.position for h in headers)
+            ),
             "pivots_pending": float(len(self.pending)),
             "pivot_model_w": w,
             "pivot_model_b": b,
@@ -230,6 +237,8 @@ class BranchBook:
         figures = {k: v for k, v in c.items() if k.startswith(("branches_", "pivots_"))}
         return {
             **figures,
+            "pivot_depths": self.depth_counts,  # expanded pivots per tenth of relative depth
+            "pivot_model_calibration": self.model.calibration(),
             "branches_in_flight": in_flight,
             "branches_buffered": buffered,
             "pivots_pending": len(self.pending),
@@ -249,6 +258,7 @@ class BranchBook:
             "pending": [p.to_dict() for p in [*back, *self.pending]],
             "model": self.model.state_dict(),
             "counts": dict(counts),
+            "depths": self.depth_counts,
         }
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
@@ -257,3 +267,4 @@ class BranchBook:
         self.pending = [FoundPivot.from_dict(p) for p in state["pending"]]
         self.model.load_state_dict(state["model"])
         self.counts = Counter(state["counts"])
+        self.depth_counts = list(state["depths"])
