@@ -43,8 +43,8 @@ class PivotConfig(Section):
     max_groups: int = Field(
         0,
         ge=0,
-        description="Most branch groups issued and not yet trained at once, i.e. at most this many in a step "
-        "(0: a quarter of rollout.prompts_per_step, at least 1).",
+        description="Most branch groups issued and not yet sent for a step (generating, or waiting for one), "
+        "so at most this many in a step (0: a quarter of rollout.prompts_per_step, at least 1).",
     )
     max_pending: int = Field(
         0,

@@ -118,7 +118,9 @@ class BranchBook:
             return out
         ready = [p for p in self.pending if p.pivot.found_step < handed]
         ready.sort(key=lambda p: (-p.pivot.found_step, p.pivot.source_group_id, p.pivot.sample))
-        for i, found in enumerate(ready[: max(0, self.limit - len(self.issued))]):
+        # Sent for a step already (accumulated) no longer counts: a step's branch groups are at most the limit.
+        outstanding = sum(self.ledger.state(gid) != S.ACCUMULATED for gid in self.issued)
+        for i, found in enumerate(ready[: max(0, self.limit - outstanding)]):
             self.pending.remove(found)
             group_id = next_group_id()
             self.ledger.add(group_id, -1, found.prompt, branch=True)
