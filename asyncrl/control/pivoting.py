@@ -10,7 +10,7 @@ for the step being assembled, as a partial group whose K completions all start a
 A branch group lives in the books' ledger like any group (issued, generating, delivered,
 buffered, accumulated, trained or discarded) but holds no ticket: its prompt was issued and
 trained already. It is kept out of the prompts' counts and admission; at most
-``pivot.max_groups`` are issued and not yet trained at once. A step takes the branch groups
+``pivot.max_groups`` are issued and not yet sent for a step. A step takes the branch groups
 delivered by the time its B groups are in, after waiting for the ones issued while it was
 assembled (so a synchronous run's steps do not depend on timing), and trains them with
 ``FinishStep.branches``: loss = main + λ · branch, each normalised over its own tokens.
@@ -107,7 +107,7 @@ class BranchBook:
     ) -> dict[str, list[tuple[int, Prompt, FoundPivot]]]:
         """Branch groups to start now, by generator: pivots found before the step being assembled
         (``handed`` batches sent), newest first, on the ``fresh`` generators (weights recent enough
-        for the step), round robin; at most ``pivot.max_groups`` issued and not yet trained."""
+        for the step), round robin; at most ``pivot.max_groups`` issued and not yet sent for a step."""
         oldest = planned_version - self.bound
         expired = [p for p in self.pending if p.pivot.version < oldest]
         if expired:
