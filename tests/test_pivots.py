@@ -383,6 +383,7 @@ def test_a_checkpoint_keeps_pending_pivots_and_a_resume_expands_them(tmp_path: P
     assert acc["branches_trained"] > state["branches"]["counts"]["branches_trained"]
 
 
+@pytest.mark.slow  # a stopped and resumed subprocess run; in-process: test_a_checkpoint_keeps_pending_pivots_...
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_a_stopped_async_run_keeps_its_pivots_and_resumes_with_nothing_lost(tmp_path: Path) -> None:
