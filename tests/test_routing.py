@@ -451,6 +451,13 @@ def test_a_mixture_of_experts_whose_router_cannot_be_hooked_is_refused_by_class_
 
 
 @pytest.mark.gpu
+def assert_same_tokens_and_routes(first: list, second: list) -> None:
+    """Two engines' results of the same requests: the same tokens, and the same experts for each."""
+    for a, b in zip(first, second, strict=True):
+        assert a.completion_ids == b.completion_ids
+        assert a.routes == b.routes and a.prompt_routes == b.prompt_routes
+
+
 def test_the_capturable_experts_forward_chooses_the_same_routes_and_tokens(moe: Policy) -> None:
     """A CUDA-graph engine switches a mixture of experts to transformers' batched_mm experts (the default
     grouped matmul reads its offsets on the host, which a capture refuses); on the CPU, the same
@@ -464,12 +471,8 @@ def test_the_capturable_experts_forward_chooses_the_same_routes_and_tokens(moe: 
         sampling = SamplingParams(max_new_tokens=12, temperature=1.0)
         requests = [GenerationRequest(f"r{i}", ids, sampling, seed=i) for i, ids in enumerate(prompts(4))]
         results.append(engine.generate(requests))
+    assert_same_tokens_and_routes(*results)
     for a, b in zip(*results, strict=True):
-        assert (
-            a.completion_ids == b.completion_ids
-            and a.routes == b.routes
-            and a.prompt_routes == b.prompt_routes
-        )
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
     dense = load_policy("tiny:1m", device="cpu", dtype="float32", seed=0)
     assert not use_capturable_experts(dense.model)  # a dense model has no experts to switch
@@ -488,13 +491,8 @@ def test_a_decode_step_replayed_as_a_cuda_graph_records_routes(moe: Policy) -> N
         sampling = SamplingParams(max_new_tokens=16, temperature=0.0)
         requests = [GenerationRequest(f"r{i}", ids, sampling) for i, ids in enumerate(prompts(6))]
         results.append(engine.generate(requests))
-    for a, b in zip(*results, strict=True):
-        assert (
-            a.completion_ids == b.completion_ids
-            and a.routes == b.routes
-            and a.prompt_routes == b.prompt_routes
-        )
-        assert all(r is not None for r in a.routes[:-1])
+    assert_same_tokens_and_routes(*results)
+    assert all(r is not None for res in results[0] for r in res.routes[:-1])
 
 
 # -- local checkpoints of the supported families -------------------------------------------------
