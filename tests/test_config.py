@@ -108,7 +108,7 @@ def test_overrides_win_over_file(tmp_path: Path) -> None:
         (["rollout.top_p=1.5"], ["rollout.top_p=1.5", "less than or equal to 1"]),
         (["task.arithmetic.max_digits=10"], ["task.arithmetic.max_digits=10", "less than or equal to 9"]),
         (["algorithm.loss_type=ppo"], ["algorithm.loss_type='ppo'", "'grpo', 'bnpo', 'dapo' or 'dr_grpo'"]),
-        (["task.name=csv"], ["task.name='csv'", "'arithmetic', 'jsonl', 'dataset' or 'guess'"]),
+        (["task.name=csv"], ["task.name='csv'", "'arithmetic', 'chain', 'jsonl', 'dataset' or 'guess'"]),
         (["trainer.packing=dense"], ["trainer.packing='dense'", "'tree', 'prompts' or 'off'"]),
         (["trainer.share_prompts=maybe"], ["trainer.share_prompts='maybe'", "true or false", "'prompts'"]),
         (

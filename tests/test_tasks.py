@@ -282,7 +282,7 @@ def test_resolve_reward_by_name_and_by_module(tmp_path: Path, monkeypatch: pytes
     [
         (
             "no_such_reward",
-            "not a registered reward (['exact_match', 'format_regex', 'judge', 'math_verify', 'numeric_match'",
+            "not a registered reward (['chain_match', 'exact_match', 'format_regex', 'judge', 'math_verify', 'numeric_match'",
         ),
         ("asyncrl_no_such_module:fn", "cannot import module 'asyncrl_no_such_module'"),
         ("asyncrl_test_bad_rewards:missing", "has no callable 'missing'"),

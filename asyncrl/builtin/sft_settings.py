@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 from asyncrl.errors import ConfigError
 
-TASKS = ("arithmetic", "calculator", "guess")
+TASKS = ("arithmetic", "chain", "calculator", "guess")
+LEARN_SCHEDULES = ("constant", "cosine")
 
 
 @dataclass
@@ -21,6 +22,10 @@ class SFTConfig:
     max_digits: int = 2
     batch_size: int = 64
     lr: float = 1e-3
+    # "cosine": the learn phase's lr falls from lr to blur_lr along a half cosine over
+    # max_learn_steps, which settles a task too slow to learn at a constant lr in the budget.
+    learn_schedule: str = "constant"
+    warmup_steps: int = 0  # the learn phase's lr rises linearly to lr over these first steps
     learn_accuracy: float = 0.95
     max_learn_steps: int = 4000
     blur_steps: int = 300
@@ -31,8 +36,9 @@ class SFTConfig:
     seed: int = 0
     data_seed: int = 1000
     eval_seed: int = 999
-    # Scripted episodes (task calculator or guess); these match the RL config's episode.* keys.
     task: str = "arithmetic"
+    terms: int = 4  # task chain: task.chain.terms (ops and digits as above)
+    # Scripted episodes (task calculator or guess); these match the RL config's episode.* keys.
     guess_max: int = 16  # task.guess_max
     max_turns: int = 4  # episode.max_turns (the guessing game's reward counts turns out of it)
     max_episode_tokens: int = 64  # episode.max_episode_tokens
@@ -41,12 +47,29 @@ class SFTConfig:
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise ConfigError("task", self.task, f"not an SFT task; allowed: {list(TASKS)}")
+        if self.learn_schedule not in LEARN_SCHEDULES:
+            raise ConfigError("learn_schedule", self.learn_schedule, f"allowed: {list(LEARN_SCHEDULES)}")
 
 
 # What `asyncrl sft --task NAME` changes from the SFTConfig defaults: the shipped
-# builtin:calculator and builtin:guess are these, with seed 0 (arithmetic: the defaults).
+# builtin:chain, builtin:calculator and builtin:guess are these, with seed 0 (arithmetic: the defaults).
 TASK_DEFAULTS: dict[str, dict] = {
     "arithmetic": {},
+    # Chains take longer to learn than one addition: a cosine-settled learn phase of a fixed
+    # length (learn_accuracy is out of its reach), then a short blur on late slips only.
+    "chain": dict(
+        terms=4,
+        lr=2e-3,
+        learn_schedule="cosine",
+        warmup_steps=100,
+        max_learn_steps=2500,
+        learn_accuracy=0.9,
+        blur_lr=2e-4,
+        blur_steps=300,
+        answer_noise=0.3,
+        eval_every=500,
+        eval_prompts=400,
+    ),
     "calculator": dict(
         ops=["+", "-", "*"],
         max_turns=3,

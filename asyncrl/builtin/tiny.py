@@ -33,6 +33,8 @@ from transformers import (
 SHIPPED_DIR = Path(__file__).resolve().parent / "models"
 BUILTIN_MODELS = {
     "arith": SHIPPED_DIR / "tiny-arith",
+    # The chain task's (asyncrl.builtin.chains): its sampled failures come late in a completion.
+    "chain": SHIPPED_DIR / "tiny-chain",
     "calculator": SHIPPED_DIR / "tiny-calculator",
     "guess": SHIPPED_DIR / "tiny-guess",
     # tiny:moe warm-started on arithmetic like builtin:arith (`asyncrl sft --model tiny:moe`).

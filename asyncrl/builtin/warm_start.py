@@ -8,13 +8,18 @@ shows nothing from one that is already perfect. The warm start runs in two phase
 2. *blur*: continue for ``blur_steps`` on a noisy teacher, wrong with probability
    ``answer_noise``.
 
-Three tasks (``task``):
+Four tasks (``task``):
 
 * ``arithmetic``: ``prompt + answer + EOS`` (loss on the answer and EOS only); the noisy
   teacher's answer is a near miss (off by a little, or one digit changed). The result
   behaves like a pretrained model that knows the answer but is unsure of it: the right
   answer is the mode of a broad distribution, so sampled accuracy (temperature 1) is low
   while pass@G is high — the regime in which GRPO sharpens the policy.
+* ``chain``: the same, on :mod:`asyncrl.builtin.chains` (``3+14+5+9=`` → ``17,22,31``), scored
+  by ``chain_match``; the noisy teacher always gets the first result right and slips on a
+  later one (:func:`~asyncrl.builtin.chains.late_slip`), so the model's sampled failures
+  come late in the completion. Its evaluations also report ``failures_late``: the share of
+  the failed sampled completions whose first wrong character comes after the first comma.
 * ``calculator`` and ``guess``: episodes a scripted teacher plays against the built-in
   environment of that name, rendered token for token as RL renders them, the loss on the
   teacher's turns only (:mod:`asyncrl.builtin.scripted`: the teachers and their noise).
@@ -22,7 +27,7 @@ Three tasks (``task``):
 
 Everything is seeded. The shipped checkpoints are ``asyncrl sft`` with a task's defaults
 (:data:`~asyncrl.builtin.sft_settings.TASK_DEFAULTS`): ``builtin:arith`` (``--task arithmetic``, the default),
-``builtin:calculator`` and ``builtin:guess``.
+``builtin:chain``, ``builtin:calculator`` and ``builtin:guess``.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import math
 import random
 import time
 from dataclasses import asdict
@@ -38,6 +44,7 @@ from pathlib import Path
 import torch
 
 from asyncrl.builtin.arithmetic import ArithmeticTask, near_miss
+from asyncrl.builtin.chains import ChainTask, fails_late, late_slip, max_answer_chars
 from asyncrl.builtin.games import GuessTask
 from asyncrl.builtin.scripted import CalculatorTeacher, GuessTeacher, render_episode
 from asyncrl.builtin.sft_settings import SFTConfig
@@ -47,8 +54,8 @@ from asyncrl.episodes.environment import environment_episode
 from asyncrl.episodes.resolve import builtin_environment
 from asyncrl.episodes.rollout import EpisodeRollout
 from asyncrl.models.loading import Policy, load_policy, save_policy
-from asyncrl.prompts.base import PromptStream
-from asyncrl.rewards.registry import exact_match
+from asyncrl.prompts.base import PromptSource, PromptStream
+from asyncrl.rewards.registry import RewardFn, chain_match, exact_match
 from asyncrl.rollout.base import Rollout
 from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.rollout.evaluation import evaluate
@@ -59,26 +66,62 @@ Row = tuple[list[int], list[int]]  # (input ids, labels: -100 where no loss)
 class _Answers:
     """The arithmetic task: ``prompt + answer + EOS``, scored by exact match."""
 
+    reward: RewardFn = staticmethod(exact_match)
+
     def __init__(self, cfg: SFTConfig, policy: Policy) -> None:
         self.cfg, self.policy = cfg, policy
-        self.train = PromptStream(ArithmeticTask(cfg.ops, cfg.min_digits, cfg.max_digits, seed=cfg.data_seed))
-        self.held_out = PromptStream(
-            ArithmeticTask(cfg.ops, cfg.min_digits, cfg.max_digits, seed=cfg.eval_seed)
-        ).take(cfg.eval_prompts)
+        self.train = PromptStream(self.source(cfg.data_seed))
+        self.held_out = PromptStream(self.source(cfg.eval_seed)).take(cfg.eval_prompts)
+        self.budget = cfg.max_digits + 3  # the longest answer (a product's digits) and EOS
+
+    def source(self, seed: int) -> PromptSource:
+        cfg = self.cfg
+        return ArithmeticTask(cfg.ops, cfg.min_digits, cfg.max_digits, seed=seed)
+
+    def noisy(self, answer: str, rng: random.Random) -> str:
+        return near_miss(answer, rng)
 
     def rows(self, n: int, noise: float, rng: random.Random) -> list[Row]:
         tokenizer, eos = self.policy.tokenizer, self.policy.eos_token_id
         rows = []
         for p in self.train.take(n):
-            answer = near_miss(p.answer, rng) if rng.random() < noise else p.answer
+            answer = self.noisy(p.answer, rng) if rng.random() < noise else p.answer
             prompt_ids = tokenizer(p.text, add_special_tokens=False).input_ids
             answer_ids = tokenizer(answer, add_special_tokens=False).input_ids + [eos]
             rows.append((prompt_ids + answer_ids, [-100] * len(prompt_ids) + answer_ids))
         return rows
 
     def rollout(self, engine: EmbeddedEngine, sampling: SamplingParams) -> Rollout:
-        """One completion per held-out prompt, scored by exact match."""
-        return CompletionRollout(engine, self.policy.tokenizer, exact_match, sampling, 1, seed=self.cfg.seed)
+        """One completion per held-out prompt, scored by the task's reward."""
+        return CompletionRollout(engine, self.policy.tokenizer, self.reward, sampling, 1, seed=self.cfg.seed)
+
+
+class _Chains(_Answers):
+    """The chain task: ``prompt + running results + EOS``, scored by ``chain_match``; the noisy
+    teacher slips after the first result."""
+
+    reward: RewardFn = staticmethod(chain_match)
+
+    def __init__(self, cfg: SFTConfig, policy: Policy) -> None:
+        super().__init__(cfg, policy)
+        self.budget = max_answer_chars(cfg.terms, cfg.max_digits) + 1  # and EOS
+
+    def source(self, seed: int) -> PromptSource:
+        cfg = self.cfg
+        return ChainTask(cfg.terms, cfg.ops, cfg.min_digits, cfg.max_digits, seed=seed)
+
+    def noisy(self, answer: str, rng: random.Random) -> str:
+        return late_slip(answer, rng)
+
+    def failures_late(self, rollout: Rollout) -> float:
+        """The share of the failed completions of ``rollout`` on the held-out prompts that get the
+        first result right (first wrong character after the first comma); 0 with no failure.
+        The rollout's per-request seeds make these the completions an evaluation just scored."""
+        samples = [s for g in rollout.generate_groups(self.held_out, first_group_id=0) for s in g.samples]
+        answers = {p.prompt_id: p.answer for p in self.held_out}
+        failed = [s for s in samples if (s.reward or 0.0) < 1.0]
+        late = sum(fails_late(s.completion_text, answers[s.prompt_id]) for s in failed)
+        return late / len(failed) if failed else 0.0
 
 
 class _Episodes:
@@ -130,21 +173,24 @@ class _Episodes:
         )
 
 
-def _accuracy(data: _Answers | _Episodes, model: torch.nn.Module, cfg: SFTConfig) -> tuple[float, float]:
-    """(sampled at temperature 1, greedy) mean reward on the held-out prompts: one completion or
-    episode each, through the task's rollout, as RL evaluates."""
+def _accuracy(data: _Answers | _Episodes, model: torch.nn.Module, cfg: SFTConfig) -> dict[str, float]:
+    """``accuracy_sampled`` (temperature 1) and ``accuracy_greedy``: the mean reward on the
+    held-out prompts, one completion or episode each, through the task's rollout, as RL
+    evaluates; for chains also ``failures_late`` of the sampled completions."""
     policy = data.policy
     engine = EmbeddedEngine(copy.deepcopy(model), pad_token_id=policy.pad_token_id, seed=cfg.seed)
-    budget = cfg.max_digits + 3 if cfg.task == "arithmetic" else cfg.max_turn_tokens
-    accuracy = []
-    for temperature in (1.0, 0.0):
+    budget = cfg.max_turn_tokens if isinstance(data, _Episodes) else data.budget
+    figures = {}
+    for name, temperature in (("accuracy_sampled", 1.0), ("accuracy_greedy", 0.0)):
         sampling = SamplingParams(budget, temperature=temperature, stop_token_ids=(policy.eos_token_id,))
         rollout = data.rollout(engine, sampling)
         try:
-            accuracy.append(evaluate(rollout, data.held_out))
+            figures[name] = evaluate(rollout, data.held_out)
+            if temperature > 0 and isinstance(data, _Chains):
+                figures["failures_late"] = data.failures_late(rollout)
         finally:
             rollout.close()
-    return accuracy[0], accuracy[1]
+    return figures
 
 
 def _batch(rows: list[Row], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -159,11 +205,23 @@ def _batch(rows: list[Row], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, to
     return ids, attn, labels
 
 
+def _learn_lr(cfg: SFTConfig, step: int) -> float:
+    """The learn phase's learning rate at ``step`` (from 1): ``lr`` after ``warmup_steps`` of
+    linear warm-up, falling to ``blur_lr`` at ``max_learn_steps`` with the cosine schedule."""
+    rate = cfg.lr
+    if cfg.learn_schedule == "cosine":
+        rate = cfg.blur_lr + (cfg.lr - cfg.blur_lr) * 0.5 * (
+            1 + math.cos(math.pi * step / cfg.max_learn_steps)
+        )
+    return rate * min(1.0, step / cfg.warmup_steps) if cfg.warmup_steps else rate
+
+
 def run_sft(cfg: SFTConfig, out_dir: Path, log=print) -> dict:
     torch.manual_seed(cfg.seed)
     policy = load_policy(cfg.model, device="cpu", seed=cfg.seed)
     model = policy.model
-    data = _Answers(cfg, policy) if cfg.task == "arithmetic" else _Episodes(cfg, policy)
+    tasks = {"arithmetic": _Answers, "chain": _Chains}
+    data = tasks.get(cfg.task, _Episodes)(cfg, policy)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     noise_rng = random.Random(cfg.data_seed)
     history: list[dict] = []
@@ -178,41 +236,42 @@ def run_sft(cfg: SFTConfig, out_dir: Path, log=print) -> dict:
         optim.step()
         return float(loss.detach())
 
-    def log_eval(phase: str, step: int, loss: float) -> tuple[float, float]:
-        acc = _accuracy(data, model, cfg)
+    def log_eval(phase: str, step: int, loss: float) -> dict[str, float]:
+        figures = _accuracy(data, model, cfg)
         record = {
             "phase": phase,
             "step": step,
             "loss": round(loss, 4),
-            "accuracy_sampled": acc[0],
-            "accuracy_greedy": acc[1],
+            **figures,
             "time_s": round(time.perf_counter() - t0, 2),
         }
         history.append(record)
         log(json.dumps(record))
-        return acc
+        return figures
 
     step, acc_greedy = 0, 0.0
     while step < cfg.max_learn_steps and acc_greedy < cfg.learn_accuracy:
-        loss = train_step(0.0)
         step += 1
+        for group in optim.param_groups:
+            group["lr"] = _learn_lr(cfg, step)
+        loss = train_step(0.0)
         if step % cfg.eval_every == 0:
-            acc_greedy = log_eval("learn", step, loss)[1]
+            acc_greedy = log_eval("learn", step, loss)["accuracy_greedy"]
     for group in optim.param_groups:
         group["lr"] = cfg.blur_lr
     for blur_step in range(1, cfg.blur_steps + 1):
         loss = train_step(cfg.answer_noise)
         if blur_step % cfg.eval_every == 0 or blur_step == cfg.blur_steps:
-            acc_sampled, acc_greedy = log_eval("blur", step + blur_step, loss)
+            figures = log_eval("blur", step + blur_step, loss)
     if cfg.blur_steps < 1:  # no blur phase: report the model as the learn phase left it
-        acc_sampled, acc_greedy = _accuracy(data, model, cfg)
+        figures = _accuracy(data, model, cfg)
     model.eval()
     save_policy(policy, out_dir)
     summary = {
         "config": asdict(cfg),
         "learn_steps": step,
-        "accuracy_sampled": acc_sampled,
-        "accuracy_greedy": acc_greedy,
+        **figures,
+        "time_s": round(time.perf_counter() - t0, 2),
         "history": history,
     }
     (out_dir / "sft_summary.json").write_text(json.dumps(summary, indent=2))

@@ -26,6 +26,7 @@ from asyncrl.config.base import Section
 from asyncrl.config.data import (
     JUDGE_FIELDS,
     ArithmeticConfig,
+    ChainConfig,
     EpisodeConfig,
     JudgeConfig,
     ModelConfig,
@@ -56,6 +57,7 @@ __all__ = [
     "SHORTHAND_KEYS",
     "AlgorithmConfig",
     "ArithmeticConfig",
+    "ChainConfig",
     "Config",
     "DistillConfig",
     "EpisodeConfig",

@@ -16,7 +16,8 @@ class ModelConfig(Section):
     path: str = Field(
         "builtin:arith",
         description="A local Hugging Face model directory, a shipped warm-started tiny model ('builtin:arith'; "
-        "'builtin:calculator' and 'builtin:guess' for those episode.environment values), or "
+        "'builtin:chain' for task.name=chain; 'builtin:calculator' and 'builtin:guess' for those "
+        "episode.environment values), or "
         "'tiny:<size>[:<arch>]' for a random tiny model (sizes 1m, 6m; arch qwen2, llama).",
     )
     device: str = Field("auto", description="'auto' (CUDA when available, else CPU), 'cpu', or 'cuda[:N]'.")
@@ -48,11 +49,36 @@ class ArithmeticConfig(Section):
         return self
 
 
+class ChainConfig(Section):
+    """The built-in chain task: prompts like '3+14+5+9=' answered by the running results '17,22,31'."""
+
+    terms: int = Field(
+        4,
+        ge=2,
+        le=16,
+        description="Numbers in a chain; the answer writes terms - 1 running results, comma separated "
+        "(rollout.max_new_tokens must cover them and EOS: 16 for the defaults' 11 characters at most).",
+    )
+    ops: list[Literal["+", "-"]] = Field(
+        ["+"],
+        min_length=1,
+        description="Operators to draw from; a '-' that would make the running value negative becomes a '+'.",
+    )
+    min_digits: int = Field(1, ge=1, le=9, description="Fewest digits of each number.")
+    max_digits: int = Field(2, ge=1, le=9, description="Most digits of each number.")
+
+    @model_validator(mode="after")
+    def _digits_ordered(self) -> ChainConfig:
+        if self.min_digits > self.max_digits:
+            raise ValueError(f"min_digits ({self.min_digits}) must not exceed max_digits ({self.max_digits})")
+        return self
+
+
 class RewardEntry(Section):
     """One of several reward functions; the reward is the weighted sum of their values."""
 
     name: str = Field(
-        description="A registered reward (exact_match, numeric_match, math_verify, format_regex, "
+        description="A registered reward (exact_match, chain_match, numeric_match, math_verify, format_regex, "
         "overlong_penalty, judge) or 'module:function'."
     )
     weight: float = Field(1.0, description="Weight of this function in the summed reward.")
@@ -68,14 +94,16 @@ class RewardEntry(Section):
 class TaskConfig(Section):
     """Where prompts come from and how completions are scored."""
 
-    name: Literal["arithmetic", "jsonl", "dataset", "guess"] = Field(
+    name: Literal["arithmetic", "chain", "jsonl", "dataset", "guess"] = Field(
         "arithmetic",
-        description="'arithmetic' (built-in, generated), 'jsonl' (a JSONL file), 'dataset' (Hugging Face "
+        description="'arithmetic' (built-in, generated), 'chain' (built-in, generated: running results of "
+        "a chain of additions and subtractions, scored by reward chain_match), 'jsonl' (a JSONL file), 'dataset' (Hugging Face "
         "`datasets`: a directory saved with save_to_disk, a folder of data files, or a .parquet, .jsonl, "
         ".json or .csv file; a row's prompt is a string or a list of chat messages), or 'guess' (the "
         "built-in guessing game's secrets, played with episode.environment=guess).",
     )
     arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
+    chain: ChainConfig = Field(default_factory=ChainConfig)
     guess_max: int = Field(16, ge=2, description="task.name=guess: secrets are integers in 1..guess_max.")
     path: str | None = Field(None, description="The dataset file or directory (task.name=jsonl or dataset).")
     split: str = Field("train", description="Split trained on (task.name=dataset).")
@@ -98,7 +126,7 @@ class TaskConfig(Section):
     )
     reward: str = Field(
         "exact_match",
-        description="Reward function: a registered name (exact_match, numeric_match, math_verify, "
+        description="Reward function: a registered name (exact_match, chain_match, numeric_match, math_verify, "
         "format_regex, overlong_penalty, judge: the LLM judge of the judge section) or 'module:function'. Per-completion "
         "(`completion, prompt, answer, **fields`) and TRL's batched signature (`prompts, completions, "
         "**columns` -> list) are both accepted.",
@@ -157,7 +185,8 @@ class TaskConfig(Section):
     )
     seed: int = Field(
         0,
-        description="Seed of the prompt stream (arithmetic generation, dataset shuffling and held-out rows).",
+        description="Seed of the prompt stream (arithmetic and chain generation, dataset shuffling and "
+        "held-out rows).",
     )
 
     @model_validator(mode="after")

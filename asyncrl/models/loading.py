@@ -2,9 +2,9 @@
 
 Sources:
 - a local directory holding a Hugging Face causal LM and its tokenizer;
-- ``builtin:arith``, ``builtin:calculator``, ``builtin:guess`` — the warm-started tiny models
-  shipped with asyncrl, for the arithmetic task and the two built-in multi-turn tasks (see
-  ``asyncrl sft``);
+- ``builtin:arith``, ``builtin:chain``, ``builtin:calculator``, ``builtin:guess`` — the
+  warm-started tiny models shipped with asyncrl, for the arithmetic and chain tasks and the two
+  built-in multi-turn tasks (see ``asyncrl sft``);
 - ``tiny:<size>[:<architecture>]`` — a randomly initialised tiny model with the character
   tokenizer, e.g. ``tiny:1m``, ``tiny:6m:llama`` or ``tiny:moe`` (= ``tiny:1m:moe``, a
   Qwen3-MoE-style mixture of experts).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from asyncrl.builtin.arithmetic import ArithmeticTask
+from asyncrl.builtin.chains import ChainTask
 from asyncrl.builtin.games import GuessTask
 from asyncrl.config import Config
 from asyncrl.models.loading import Policy, load_tokenizer
@@ -12,7 +13,7 @@ from asyncrl.prompts.hf_dataset import hold_out, load_rows
 from asyncrl.prompts.jsonl import JsonlDataset
 from asyncrl.types import Prompt
 
-EVAL_SEED_OFFSET = 1_000_003  # held-out arithmetic prompts come from a disjoint seed
+EVAL_SEED_OFFSET = 1_000_003  # held-out generated prompts come from a disjoint seed
 
 
 def prompt_source(
@@ -26,6 +27,10 @@ def prompt_source(
         a = t.arithmetic
         offset = seed_offset + (EVAL_SEED_OFFSET if evaluation else 0)
         return ArithmeticTask(list(a.ops), a.min_digits, a.max_digits, seed=t.seed + offset)
+    if t.name == "chain":
+        c = t.chain
+        offset = seed_offset + (EVAL_SEED_OFFSET if evaluation else 0)
+        return ChainTask(c.terms, list(c.ops), c.min_digits, c.max_digits, seed=t.seed + offset)
     options = dict(
         prompt_field=t.prompt_field,
         answer_field=t.answer_field,
@@ -45,7 +50,7 @@ def prompt_source(
 
 
 def eval_prompts(cfg: Config, policy: Policy) -> list[Prompt]:
-    """Held-out prompts: a disjoint arithmetic seed; for datasets, task.eval_split or the
+    """Held-out prompts: a disjoint seed for the generated tasks; for datasets, task.eval_split or the
     task.eval_fraction held out, else the first rows of the training data."""
     source = prompt_source(cfg, policy.tokenizer, policy.max_positions, evaluation=True)
     return PromptStream(source, seed=cfg.task.seed, shuffle=False).take(
@@ -57,6 +62,6 @@ def task_prompts(cfg: Config) -> PromptSource:
     """The training prompt source, validated against the model's tokenizer without loading weights."""
     tokenizer, max_positions = load_tokenizer(cfg.model.path, cfg.model.chat_template)
     source = prompt_source(cfg, tokenizer, max_positions)
-    if cfg.task.name not in ("arithmetic", "guess"):
+    if cfg.task.name not in ("arithmetic", "chain", "guess"):  # generated: no eval split to check
         prompt_source(cfg, tokenizer, max_positions, evaluation=True)  # a bad eval split fails here too
     return source

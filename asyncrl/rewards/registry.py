@@ -29,6 +29,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from asyncrl.builtin.chains import results_of
 from asyncrl.config.user_code import import_named
 from asyncrl.errors import ConfigError
 from asyncrl.rewards.judges.reward import judge_reward
@@ -50,6 +51,14 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
 def exact_match(completion: str, answer: str | None, **_: object) -> float:
     """1.0 when the completion, stripped of surrounding whitespace, equals the answer."""
     return float(answer is not None and completion.strip() == answer.strip())
+
+
+@register_reward("chain_match")
+def chain_match(completion: str, answer: str | None, **_: object) -> float:
+    """1.0 when the completion writes every running result of the chain task right (``17,22,31``),
+    whitespace around the results ignored; one wrong result, a missing one or an extra one
+    scores 0, so a late slip costs the whole reward."""
+    return float(answer is not None and results_of(completion) == results_of(answer))
 
 
 @register_reward("numeric_match")
