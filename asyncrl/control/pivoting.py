@@ -58,9 +58,8 @@ class BranchBook:
         self.bound = self.cfg.staleness(cfg.schedule.max_staleness)
         self.ledger = ledger
         self.counts: Counter = Counter()  # pivots_* and branches_*: kept apart from the prompts' counts
-        self.discarded: list[
-            int
-        ] = []  # branch groups the last take_for_step dropped (the trainer frees them)
+        # The branch groups the last take_for_step dropped (for the trainer to free).
+        self.discarded: list[int] = []
         self.model = SuccessModel(self.cfg.window)
         self.pending: list[FoundPivot] = []  # found, not yet expanded (oldest first)
         self.issued: dict[int, tuple[FoundPivot, int]] = {}  # group id -> (pivot, step it was issued for)
@@ -120,8 +119,10 @@ class BranchBook:
         ready.sort(key=lambda p: (-p.pivot.found_step, p.pivot.source_group_id, p.pivot.sample))
         # Sent for a step already (accumulated) no longer counts: a step's branch groups are at most the limit.
         outstanding = sum(self.ledger.state(gid) != S.ACCUMULATED for gid in self.issued)
-        for i, found in enumerate(ready[: max(0, self.limit - outstanding)]):
-            self.pending.remove(found)
+        chosen = ready[: max(0, self.limit - outstanding)]
+        taken = {id(p) for p in chosen}
+        self.pending = [p for p in self.pending if id(p) not in taken]
+        for i, found in enumerate(chosen):
             group_id = next_group_id()
             self.ledger.add(group_id, -1, found.prompt, branch=True)
             self.issued[group_id] = (found, handed)
@@ -130,9 +131,6 @@ class BranchBook:
             self.depth_counts[min(int(found.pivot.depth * DEPTH_BINS), DEPTH_BINS - 1)] += 1
             out.setdefault(fresh[i % len(fresh)], []).append((group_id, found.prompt, found))
         return out
-
-    def is_branch(self, group_id: int) -> bool:
-        return group_id in self.issued
 
     # -- outcomes -----------------------------------------------------------------------------
 
