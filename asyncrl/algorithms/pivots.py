@@ -124,17 +124,18 @@ class SuccessModel:
         return self.w, self.b, self.fitted
 
     def calibration(self, bins: int = 5) -> list[dict[str, float]]:
-        """Predicted against observed success rate over the window, in ``bins`` bins of predicted
-        probability (only the bins with outcomes)."""
+        """Predicted against observed success over the window, by relative depth (``bins`` equal
+        bins of depth, those with outcomes): n, the mean prediction and the observed rate."""
         rows: list[list[float]] = [[0.0, 0.0, 0.0] for _ in range(bins)]  # n, predicted sum, successes
         for x, y in self.outcomes:
-            p = self.predict(x)
-            row = rows[min(int(p * bins), bins - 1)]
+            row = rows[min(int(x * bins), bins - 1)]
             row[0] += 1
-            row[1] += p
+            row[1] += self.predict(x)
             row[2] += y
         return [
-            {"bin": i, "n": n, "predicted": s / n, "observed": k / n} for i, (n, s, k) in enumerate(rows) if n
+            {"depth": (i + 0.5) / bins, "n": n, "predicted": s / n, "observed": k / n}
+            for i, (n, s, k) in enumerate(rows)
+            if n
         ]
 
     def state_dict(self) -> dict:
