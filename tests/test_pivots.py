@@ -369,6 +369,39 @@ def test_a_sync_run_trains_branch_groups_and_its_books_reconcile(tmp_path: Path)
     assert all(0 < r["pivot_depth_mean"] < 1 for r in rows[1:] if "pivot_depth_mean" in r)
 
 
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        ["schedule=periodic"],
+        ["schedule=one_step_off"],
+        ["schedule=async", "schedule.interrupt=abort"],
+        ["schedule=async", "schedule.interrupt=drain", "schedule.reject=token"],
+        ["schedule=async", "schedule.interrupt=batch"],
+        # interrupt=never with the local runtime: test_a_stopped_async_run_keeps_its_pivots_...
+    ],
+    ids=["periodic", "one_step_off", "async-abort", "async-drain-token", "async-batch"],
+)
+def test_branch_groups_flow_through_every_schedule_and_interrupt_mode(
+    tmp_path: Path, schedule: list[str]
+) -> None:
+    """Every schedule trains branch groups; their tokens and pivots stay within their staleness bounds."""
+    cfg = load_config(
+        None,
+        [*short_run(5, prompts=8), *PIVOTS, "runtime.kind=inline", "rollout.max_new_tokens=12", *schedule],
+    )
+    summary = train(cfg, tmp_path)
+    acc = summary["accounting"]
+    assert acc["reconciles"] and acc["branches_reconcile"] and acc["trained"] == 40
+    assert acc["branches_trained"] > 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    eta = cfg.schedule.max_staleness
+    assert all(r["staleness_max"] <= eta for r in rows)
+    lags = [r["pivot_lag_max"] for r in rows if "pivot_lag_max" in r]
+    assert lags and all(
+        1 <= lag <= cfg.pivot.staleness(eta) for lag in lags
+    )  # expanded a step later at the earliest
+
+
 def test_a_checkpoint_keeps_pending_pivots_and_a_resume_expands_them(tmp_path: Path) -> None:
     overrides = [*short_run(3, prompts=8), *PIVOTS, "pivot.max_groups=2", "run.checkpoint_every=2"]
     train(load_config(None, overrides), tmp_path)

@@ -308,7 +308,9 @@ class Controller:
         self.books.trained(g.group_id for g in groups)
         if self.books.branches is not None:
             self.books.branches.trained([g.group_id for g in self.steps.confirmed_branches])
-            event.metrics.update(self.books.branches.step_metrics(self.steps.confirmed_branches))
+            event.metrics.update(
+                self.books.branches.step_metrics(self.steps.confirmed_branches, event.version)
+            )
         step = self.steps_done = self.session.record_step(self._step_record(event, groups))
         if event.published:
             self.published_version, self.published_checksums = event.version, event.checksums

@@ -202,8 +202,9 @@ class BranchBook:
             self.ledger.move(group_id, S.TRAINED)
             self.counts["branches_trained"] += 1
 
-    def step_metrics(self, headers: list[GroupHeader]) -> dict[str, float]:
-        """The step's pivot figures: branch groups trained, their reward, the pivots' depths, the model."""
+    def step_metrics(self, headers: list[GroupHeader], version: int) -> dict[str, float]:
+        """The step's pivot figures: branch groups trained, their reward, the pivots' depths and lag
+        behind the weights that trained them (the step made ``version``), the success model."""
         rewards = [r for h in headers for r in h.rewards if r is not None]
         depths, self.depths = self.depths, []
         w, b, fitted = self.model.params
@@ -221,6 +222,7 @@ class BranchBook:
         }
         if rewards:
             out["branch_reward_mean"] = sum(rewards) / len(rewards)
+            out["pivot_lag_max"] = float(version - 1 - min(h.pivot.version for h in headers))
         if depths:
             out["pivot_depth_mean"] = sum(depths) / len(depths)
         return out
