@@ -191,6 +191,9 @@ def test_killed_generator_is_restarted_and_nothing_is_lost_or_trained_twice(
             "rollout.max_new_tokens=24",
             "rollout.ignore_eos=true",  # long enough generations that the victim has work in flight
             f"run.steps={steps}",
+            # A stall ends the run with the watchdog's error naming what it waits for, well before
+            # the test's timeout (once, under a loaded machine, [broadcast-2] hung until it).
+            "runtime.stall_timeout_s=100",
         ],
     )
     killed: dict = {}
