@@ -28,15 +28,20 @@ class ArithmeticTask:
         return None
 
     def _operand(self, rng: random.Random) -> int:
-        digits = rng.randint(self.min_digits, self.max_digits)
-        low = 0 if digits == 1 else 10 ** (digits - 1)
-        return rng.randint(low, 10**digits - 1)
+        return operand(rng, self.min_digits, self.max_digits)
 
     def get(self, index: int) -> Prompt:
         rng = random.Random(f"{self.seed}:{index}")
         op = rng.choice(self.ops)
         a, b = self._operand(rng), self._operand(rng)
         return Prompt(prompt_id=f"{self.name}:{index}", text=f"{a}{op}{b}=", answer=str(_APPLY[op](a, b)))
+
+
+def operand(rng: random.Random, min_digits: int, max_digits: int) -> int:
+    """A number of ``min_digits`` to ``max_digits`` digits (one digit: 0..9), the digit count uniform."""
+    digits = rng.randint(min_digits, max_digits)
+    low = 0 if digits == 1 else 10 ** (digits - 1)
+    return rng.randint(low, 10**digits - 1)
 
 
 def near_miss(answer: str, rng: random.Random) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 
-from asyncrl.builtin.arithmetic import near_miss
+from asyncrl.builtin.arithmetic import near_miss, operand
 from asyncrl.types import Prompt
 
 CHAIN_OPS = ("+", "-")
@@ -47,9 +47,7 @@ class ChainTask:
         return None
 
     def _operand(self, rng: random.Random) -> int:
-        digits = rng.randint(self.min_digits, self.max_digits)
-        low = 0 if digits == 1 else 10 ** (digits - 1)
-        return rng.randint(low, 10**digits - 1)
+        return operand(rng, self.min_digits, self.max_digits)
 
     def get(self, index: int) -> Prompt:
         rng = random.Random(f"chain:{self.seed}:{index}")
