@@ -51,10 +51,6 @@ class _PendingGroup:
     pivot: Pivot | None = None  # a branch group's: its prefix is trained as prompt
     state: GroupState = GroupState.GENERATING  # then scoring, until a step returns it
 
-    @property
-    def prefix_len(self) -> int:
-        return 0 if self.pivot is None else self.pivot.position
-
 
 class CompletionRollout(Rollout):
     """G completions of each prompt, scored as a group by the task's reward functions.
