@@ -332,6 +332,14 @@ def test_a_teacher_that_fails_to_load_stops_the_run_with_one_line(tmp_path: Path
 
 # -- runs ------------------------------------------------------------------------------------------
 
+# An async run on Ray, each worker one thread, the teacher's too.
+ON_RAY = [
+    "schedule=async",
+    "runtime.kind=ray",
+    *ONE_THREAD_EACH,
+    "runtime.ray.num_cpus=4",
+    "distill.threads=1",
+]
 RUNS = {
     "inline": ["schedule=sync", "runtime.kind=inline"],
     "local": ["schedule=async", "runtime.kind=local", *ONE_THREAD_EACH, "distill.threads=1"],
@@ -445,11 +453,7 @@ def test_a_distillation_run_on_ray(tmp_path: Path) -> None:
     overrides = [
         *short_run(3),
         f"distill.teacher={STUDENT}",
-        "schedule=async",
-        "runtime.kind=ray",
-        *ONE_THREAD_EACH,
-        "runtime.ray.num_cpus=4",
-        "distill.threads=1",
+        *ON_RAY,
     ]
     assert main(["train", *sets(overrides), "--run-dir", str(run_dir)]) == 0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -592,11 +596,7 @@ def test_a_teacher_actor_that_dies_stops_a_ray_run_naming_it(tmp_path: Path) -> 
     overrides = [
         *short_run(20),
         f"distill.teacher={STUDENT}",
-        "schedule=async",
-        "runtime.kind=ray",
-        *ONE_THREAD_EACH,
-        "runtime.ray.num_cpus=4",
-        "distill.threads=1",
+        *ON_RAY,
     ]
     cfg = load_config(None, overrides)
     session = RunSession(cfg, tmp_path)

@@ -13,15 +13,19 @@ from asyncrl.types import Prompt
 _APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
-class ArithmeticTask:
-    def __init__(self, ops: list[str], min_digits: int, max_digits: int, seed: int = 0) -> None:
-        unknown = [op for op in ops if op not in _APPLY]
+class NumberTask:
+    """A generated task over numbers of ``min_digits..max_digits`` digits: an endless stream (no
+    size), the i-th prompt drawn from (seed, i). The arithmetic and chain tasks are ones."""
+
+    def __init__(
+        self, what: str, ops: list[str], allowed: list[str], min_digits: int, max_digits: int, seed: int
+    ) -> None:
+        unknown = [op for op in ops if op not in allowed]
         if unknown or not ops:
-            raise ValueError(f"arithmetic ops must be a non-empty subset of {sorted(_APPLY)}, got {ops}")
+            raise ValueError(f"{what} ops must be a non-empty subset of {allowed}, got {ops}")
         if not 1 <= min_digits <= max_digits:
             raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
         self.ops, self.min_digits, self.max_digits, self.seed = list(ops), min_digits, max_digits, seed
-        self.name = f"arith{seed}"
 
     @property
     def size(self) -> int | None:
@@ -29,6 +33,12 @@ class ArithmeticTask:
 
     def _operand(self, rng: random.Random) -> int:
         return operand(rng, self.min_digits, self.max_digits)
+
+
+class ArithmeticTask(NumberTask):
+    def __init__(self, ops: list[str], min_digits: int, max_digits: int, seed: int = 0) -> None:
+        super().__init__("arithmetic", ops, sorted(_APPLY), min_digits, max_digits, seed)
+        self.name = f"arith{seed}"
 
     def get(self, index: int) -> Prompt:
         rng = random.Random(f"{self.seed}:{index}")

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import random
 
-from asyncrl.builtin.arithmetic import near_miss, operand
+from asyncrl.builtin.arithmetic import NumberTask, near_miss
 from asyncrl.types import Prompt
 
 CHAIN_OPS = ("+", "-")
 SEPARATOR = ","
 
 
-class ChainTask:
+class ChainTask(NumberTask):
     """Chains of ``terms`` numbers of ``min_digits..max_digits`` digits joined by ``ops``.
 
     Every running value stays non-negative: a ``-`` drawn where the operand exceeds the
@@ -31,23 +31,11 @@ class ChainTask:
     """
 
     def __init__(self, terms: int, ops: list[str], min_digits: int, max_digits: int, seed: int = 0) -> None:
-        unknown = [op for op in ops if op not in CHAIN_OPS]
-        if unknown or not ops:
-            raise ValueError(f"chain ops must be a non-empty subset of {list(CHAIN_OPS)}, got {ops}")
+        super().__init__("chain", ops, list(CHAIN_OPS), min_digits, max_digits, seed)
         if terms < 2:
             raise ValueError(f"a chain needs terms >= 2, got {terms}")
-        if not 1 <= min_digits <= max_digits:
-            raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
-        self.terms, self.ops, self.min_digits, self.max_digits = terms, list(ops), min_digits, max_digits
-        self.seed = seed
+        self.terms = terms
         self.name = f"chain{seed}"
-
-    @property
-    def size(self) -> int | None:
-        return None
-
-    def _operand(self, rng: random.Random) -> int:
-        return operand(rng, self.min_digits, self.max_digits)
 
     def get(self, index: int) -> Prompt:
         rng = random.Random(f"chain:{self.seed}:{index}")

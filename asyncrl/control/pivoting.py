@@ -107,6 +107,8 @@ class BranchBook:
         """Branch groups to start now, by generator: pivots found before the step being assembled
         (``handed`` batches sent), newest first, on the ``fresh`` generators (weights recent enough
         for the step), round robin; at most ``pivot.max_groups`` issued and not yet sent for a step."""
+        if not self.pending:
+            return {}
         oldest = planned_version - self.bound
         expired = [p for p in self.pending if p.pivot.version < oldest]
         if expired:

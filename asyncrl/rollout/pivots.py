@@ -8,12 +8,11 @@ model's parameters the controller last sent; completion k of group g draws with 
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 from asyncrl.algorithms.pivots import choose_pivot
 from asyncrl.config.pivots import PivotConfig
-from asyncrl.types import FoundPivot, Group, Pivot
+from asyncrl.types import FoundPivot, Group, Pivot, Sample
 
 
 def find_pivots(
@@ -33,20 +32,14 @@ def find_pivots(
         if choice is None:
             continue
         cut = sample.cut(choice.position)
-        prefix = dataclasses.replace(
-            sample,
+        prefix = Sample(
             **vars(cut),
+            prompt_id=sample.prompt_id,
+            group_id=sample.group_id,
+            prompt_ids=sample.prompt_ids,
             loss_mask=[0] * choice.position,
             finish_reason="abort",
-            completion_text="",
-            reward=None,
-            reward_error=None,
-            reward_components=None,
-            advantage=None,
-            token_advantages=None,
-            turn_spans=None,
-            turn_rewards=None,
-            teacher_logprobs=None,
+            prompt_routes=sample.prompt_routes,
         )
         pivot = Pivot(
             source_group_id=group.group_id,
