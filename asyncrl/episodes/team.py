@@ -17,10 +17,21 @@ samples: episode k's role r at index ``k * R + r``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from asyncrl.episodes.client import EpisodeClient
 from asyncrl.types import Prompt
+
+
+@dataclass(frozen=True)
+class Role:
+    """One role of a multi-agent episode: its name (what agent code asks ``team`` for), the
+    text put before the task in its transcript (:func:`role_prompt`), and the policy that
+    generates its turns and is trained on them."""
+
+    name: str
+    prompt: str = ""
+    policy: str = "default"
 
 
 def role_prompt(task: Prompt, text: str) -> Prompt:
