@@ -12,6 +12,11 @@ observation the environment's text as RL encodes it (loss mask 0). So what SFT t
 is token for token what RL samples and trains on (``tests/test_scripted_episodes.py``
 replays them through an :class:`~asyncrl.episodes.EpisodeRollout`).
 
+A multi-agent episode function (:mod:`asyncrl.episodes.team`) is rendered the same way by
+:func:`render_team_episode`, a teacher for every role: each role's transcript (its role prompt
+before the task, its turns, what the episode showed it) is one such record
+(``asyncrl sft --task verify``, :mod:`asyncrl.builtin.verify`).
+
 Teachers are imperfect on purpose, with probability ``noise``: RL learns nothing from a
 policy that never earns a reward and shows nothing from one that is already perfect.
 """
@@ -20,9 +25,9 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from transformers import PreTrainedTokenizerBase
 
@@ -32,6 +37,7 @@ from asyncrl.engine.types import GenerationResult
 from asyncrl.episodes.client import EpisodeClient, EpisodeRecord, EpisodeTruncated
 from asyncrl.episodes.environment import Environment, EnvironmentFactory, StepResult, environment_episode
 from asyncrl.episodes.rollout import observation_ids
+from asyncrl.episodes.team import Role, Team, role_prompt
 from asyncrl.prompts.chat import encode_prompt
 from asyncrl.types import Prompt
 
@@ -40,13 +46,17 @@ class Teacher(Protocol):
     """A scripted policy for one episode."""
 
     def turn(self, observation: str | None) -> str:
-        """The next turn's text; ``observation``: the environment's answer to the previous
-        turn, as text (None before the first turn)."""
+        """The next turn's text; ``observation``: what the player was shown since its previous
+        turn (the environment's answer; for a role of a team, what the episode showed the role),
+        as text; None before a first turn that nothing was shown before."""
         ...
 
 
 TeacherFactory = Callable[[Prompt, random.Random, float], Teacher]
 """Builds the teacher of one episode from the task, a random stream and the noise level."""
+
+TeamEpisodeFunction = Callable[[Team, Prompt], Coroutine[Any, Any, float | None]]
+"""A multi-agent episode function (:mod:`asyncrl.episodes.team`)."""
 
 
 class CalculatorTeacher:
@@ -142,6 +152,69 @@ class _Inline:
         return self.env.step(turn)
 
 
+def _scripted_client(
+    name: str,
+    task: Prompt,
+    teacher: Teacher,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    seed: int,
+    max_turns: int,
+    max_episode_tokens: int,
+    max_turn_tokens: int,
+) -> EpisodeClient:
+    """An episode client of ``task`` whose turns ``teacher`` plays: each turn its text's tokens
+    and EOS, cut to the turn's budget as the engine would cut it; observations encoded as the
+    episode rollout encodes them."""
+    eos = int(tokenizer.eos_token_id)
+    prompt_ids = encode_prompt(tokenizer, task)
+
+    async def submit(client: EpisodeClient, context: list[int], budget: int, turn: int) -> GenerationResult:
+        # What the client was shown since its previous turn (or since its prompt).
+        spans = client.record.turn_spans
+        seen = tokenizer.decode(
+            context[len(prompt_ids) + (spans[-1][1] if spans else 0) :], skip_special_tokens=True
+        )
+        text = teacher.turn(seen if spans or seen else None)
+        ids = [*tokenizer(text, add_special_tokens=False).input_ids, eos]
+        finish = "stop" if len(ids) <= budget else "length"
+        ids = ids[:budget]
+        return GenerationResult(
+            completion_ids=ids,
+            logprobs=[0.0] * len(ids),
+            versions=[0] * len(ids),
+            request_id=f"{client.name}/{turn}",
+            finish_reason=finish,
+        )
+
+    return EpisodeClient(
+        name,
+        prompt_ids,
+        seed=seed,
+        version=0,
+        max_turns=max_turns,
+        max_episode_tokens=max_episode_tokens,
+        max_turn_tokens=max_turn_tokens,
+        submit=submit,
+        encode_observation=lambda text: observation_ids(tokenizer, task, text),
+        # As the episode rollout decodes a turn for its environment: stop tokens left out.
+        decode=lambda ids: tokenizer.decode([t for t in ids if t != eos], skip_special_tokens=True),
+    )
+
+
+def _play(episode: Coroutine[Any, Any, float | None], what: str) -> tuple[float | None, bool]:
+    """Run a scripted episode, which waits on nothing, to its end on one ``send``: (what it
+    returned, whether a budget cut it)."""
+    try:
+        episode.send(None)
+    except StopIteration as finished:
+        return finished.value, False
+    except EpisodeTruncated:
+        return None, True
+    episode.close()
+    raise RuntimeError(f"the scripted episode of {what} waited on something")
+
+
 def render_episode(
     environment: EnvironmentFactory,
     teacher: Teacher,
@@ -156,45 +229,59 @@ def render_episode(
     """Play one episode of ``environment`` (a synchronous one, like the built-ins) with
     ``teacher`` in the engine's place, under the budgets of ``episode.max_turns``,
     ``episode.max_episode_tokens`` and ``rollout.max_new_tokens`` (``max_turn_tokens``)."""
-    eos = int(tokenizer.eos_token_id)
-    prompt_ids = encode_prompt(tokenizer, task)
+    budgets = dict(
+        max_turns=max_turns, max_episode_tokens=max_episode_tokens, max_turn_tokens=max_turn_tokens
+    )
+    client = _scripted_client(task.prompt_id, task, teacher, tokenizer, seed=seed, **budgets)
+    play = environment_episode(lambda t, s: _Inline(environment(t, s)))
+    value, truncated = _play(play(client, task), task.prompt_id)
+    reward = sum(r for r in client.record.turn_rewards if r is not None) if truncated else float(value)
+    return ScriptedEpisode(client.prompt_ids, client.record, reward)
 
-    async def submit(client: EpisodeClient, context: list[int], budget: int, turn: int) -> GenerationResult:
-        spans = client.record.turn_spans
-        seen = context[len(prompt_ids) + spans[-1][1] :] if spans else None
-        text = teacher.turn(None if seen is None else tokenizer.decode(seen, skip_special_tokens=True))
-        ids = [*tokenizer(text, add_special_tokens=False).input_ids, eos]
-        finish = "stop" if len(ids) <= budget else "length"
-        ids = ids[:budget]
-        return GenerationResult(
-            completion_ids=ids,
-            logprobs=[0.0] * len(ids),
-            versions=[0] * len(ids),
-            request_id=f"{client.name}/{turn}",
-            finish_reason=finish,
+
+@dataclass
+class ScriptedTeamEpisode:
+    """One multi-agent episode of teachers: each role's transcript, as RL records it, with the
+    role's own reward (``team.reward_role``; 0 if none), and what the episode function returned,
+    the team reward (None when a budget cut the episode: the rollout decides what that earns)."""
+
+    roles: dict[str, ScriptedEpisode]
+    reward: float | None
+
+
+def render_team_episode(
+    episode: TeamEpisodeFunction,
+    roles: list[Role],
+    teachers: dict[str, Teacher],
+    task: Prompt,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    seed: int,
+    max_turns: int,
+    max_episode_tokens: int,
+    max_turn_tokens: int,
+) -> ScriptedTeamEpisode:
+    """Play one episode of the multi-agent episode function ``episode`` with a teacher in the
+    engine's place for every role: each role's client, made by a :class:`Team`, starts from the
+    role's prompt before the task (:func:`role_prompt`) under the per-role budgets of
+    ``episode.max_turns``, ``episode.max_episode_tokens`` and ``rollout.max_new_tokens``."""
+    by_name = {role.name: role for role in roles}
+    budgets = dict(
+        max_turns=max_turns, max_episode_tokens=max_episode_tokens, max_turn_tokens=max_turn_tokens
+    )
+
+    def make_client(name: str) -> EpisodeClient:
+        role_task = role_prompt(task, by_name[name].prompt)
+        return _scripted_client(
+            f"{task.prompt_id}/{name}", role_task, teachers[name], tokenizer, seed=seed, **budgets
         )
 
-    client = EpisodeClient(
-        task.prompt_id,
-        prompt_ids,
-        seed=seed,
-        version=0,
-        max_turns=max_turns,
-        max_episode_tokens=max_episode_tokens,
-        max_turn_tokens=max_turn_tokens,
-        submit=submit,
-        encode_observation=lambda text: observation_ids(tokenizer, task, text),
-        # As the episode rollout decodes a turn for its environment: stop tokens left out.
-        decode=lambda ids: tokenizer.decode([t for t in ids if t != eos], skip_special_tokens=True),
-    )
-    play = environment_episode(lambda t, s: _Inline(environment(t, s)))(client, task)
-    try:
-        play.send(None)
-    except StopIteration as finished:
-        reward = float(finished.value)
-    except EpisodeTruncated:
-        reward = sum(r for r in client.record.turn_rewards if r is not None)
-    else:
-        play.close()
-        raise RuntimeError(f"the scripted episode of {task.prompt_id} waited on something")
-    return ScriptedEpisode(prompt_ids, client.record, reward)
+    team = Team(list(by_name), make_client)
+    value, truncated = _play(episode(team, task), task.prompt_id)
+    transcripts = {}
+    for name in by_name:
+        client = team(name)  # a role the episode never called: its prompt and no turn
+        transcripts[name] = ScriptedEpisode(
+            client.prompt_ids, client.record, team.role_rewards.get(name, 0.0)
+        )
+    return ScriptedTeamEpisode(transcripts, None if truncated or value is None else float(value))
