@@ -208,6 +208,12 @@ class Sample(Tokens):
     # On-policy distillation: the teacher's log-prob of every completion token given what precedes
     # it (asyncrl.distill); None until the teacher stage has scored the sample.
     teacher_logprobs: list[float] | None = None
+    # Multi-agent episodes (asyncrl.episodes.team): the role whose transcript this is, the policy
+    # that generated its turns (their ``versions`` are that policy's clock) and is trained on it,
+    # and the episode's team reward (``reward`` mixes it with the role's own).
+    role: str | None = None
+    policy: str = "default"
+    team_reward: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
