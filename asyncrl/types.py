@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal
@@ -208,6 +209,12 @@ class Sample(Tokens):
     # On-policy distillation: the teacher's log-prob of every completion token given what precedes
     # it (asyncrl.distill); None until the teacher stage has scored the sample.
     teacher_logprobs: list[float] | None = None
+    # Multi-agent episodes (asyncrl.episodes.team): the role whose transcript this is, the policy
+    # that generated its turns (their ``versions`` are that policy's clock) and is trained on it,
+    # and the episode's team reward (``reward`` mixes it with the role's own).
+    role: str | None = None
+    policy: str = "default"
+    team_reward: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -330,17 +337,22 @@ class Group:
     def num_trained_tokens(self) -> int:
         return sum(s.num_trained_tokens for s in self.samples)
 
-    def stale_trained_tokens(self, oldest: int) -> int:
-        """Trained tokens (loss mask 1) sampled by a version older than ``oldest``."""
+    def stale_trained_tokens(self, oldest: Oldest) -> int:
+        """Trained tokens (loss mask 1) sampled by a version older than ``oldest`` (of the sample's
+        policy, when it is a mapping: see :data:`Oldest`)."""
         return sum(
-            int(m and v < oldest) for s in self.samples for m, v in zip(s.loss_mask, s.versions, strict=True)
+            int(m and v < limit)
+            for s in self.samples
+            for limit in [oldest_for(oldest, s.policy)]
+            for m, v in zip(s.loss_mask, s.versions, strict=True)
         )
 
-    def mask_older_than(self, oldest: int) -> int:
+    def mask_older_than(self, oldest: Oldest) -> int:
         """Take tokens sampled by versions older than ``oldest`` out of the loss; returns how many."""
         masked = 0
         for s in self.samples:
-            keep = [int(m and v >= oldest) for m, v in zip(s.loss_mask, s.versions, strict=True)]
+            limit = oldest_for(oldest, s.policy)
+            keep = [int(m and v >= limit) for m, v in zip(s.loss_mask, s.versions, strict=True)]
             masked += sum(s.loss_mask) - sum(keep)
             s.loss_mask = keep
         return masked
@@ -357,6 +369,13 @@ class Group:
             lengths=[s.num_completion_tokens for s in self.samples],
             trained_versions=[_trained_versions(s) for s in self.samples],
             pivot=self.pivot,
+            policies=[s.policy for s in self.samples]
+            if any(s.policy != "default" for s in self.samples)
+            else None,
+            roles=[s.role or "" for s in self.samples] if any(s.role for s in self.samples) else None,
+            turns=[len(s.turn_spans or ()) for s in self.samples]
+            if any(s.role for s in self.samples)
+            else None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -429,6 +448,18 @@ def _share_prompt_routes(samples: list[Sample]) -> None:
             s.prompt_routes = seen.setdefault(s.prompt_routes, s.prompt_routes)
 
 
+Oldest = int | Mapping[str, int]
+"""The oldest policy version still trained: one for every token, or one per policy (a multi-agent
+run's policies keep clocks of their own; a policy missing from the mapping has no bound)."""
+
+
+def oldest_for(oldest: Oldest, policy: str) -> int:
+    """The bound of ``policy``'s tokens."""
+    if isinstance(oldest, int):
+        return oldest
+    return oldest.get(policy, -(1 << 62))
+
+
 def _trained_versions(sample: Sample) -> dict[int, int]:
     counts: dict[int, int] = {}
     for m, v in zip(sample.loss_mask, sample.versions, strict=True):
@@ -464,6 +495,14 @@ class GroupHeader:
     lengths: list[int]
     trained_versions: list[dict[int, int]]
     pivot: Pivot | None = None  # a branch group's (see Group)
+    # Multi-agent groups: each sample's policy (None: all 'default'), whose clock its versions
+    # count, and each sample's role and model turns (None: not an episode of roles).
+    policies: list[str] | None = None
+    roles: list[str] | None = None
+    turns: list[int] | None = None
+
+    def policy_of(self, index: int) -> str:
+        return "default" if self.policies is None else self.policies[index]
 
     @property
     def size(self) -> int:
@@ -481,12 +520,20 @@ class GroupHeader:
     def oldest_version(self) -> int | None:
         return min((v for counts in self.trained_versions for v in counts), default=None)
 
-    def stale_trained_tokens(self, oldest: int) -> int:
-        return sum(n for counts in self.trained_versions for v, n in counts.items() if v < oldest)
+    def stale_trained_tokens(self, oldest: Oldest) -> int:
+        return sum(
+            n
+            for i, counts in enumerate(self.trained_versions)
+            for v, n in counts.items()
+            if v < oldest_for(oldest, self.policy_of(i))
+        )
 
-    def mask_older_than(self, oldest: int) -> int:
+    def mask_older_than(self, oldest: Oldest) -> int:
         masked = self.stale_trained_tokens(oldest)
-        self.trained_versions = [{v: n for v, n in c.items() if v >= oldest} for c in self.trained_versions]
+        self.trained_versions = [
+            {v: n for v, n in c.items() if v >= oldest_for(oldest, self.policy_of(i))}
+            for i, c in enumerate(self.trained_versions)
+        ]
         return masked
 
 

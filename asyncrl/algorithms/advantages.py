@@ -19,6 +19,11 @@ PRIME does with its implicit process rewards). A token's advantage is then its s
 outcome advantage plus the step advantage of the turn it belongs to: a turn is credited
 for what it and the turns after it earned, relative to the group.
 
+**Roles** (multi-agent episodes). The samples of a group are the G episodes' transcripts of
+each role; advantages are normalised within each role's G samples (:func:`role_subgroups`),
+and with ``by turn`` (:func:`turn_advantages`) each turn t of a role within the episodes of
+the group that reached turn t of that role, as AT-GRPO groups by task, role and turn.
+
 **On-policy distillation.** A teacher that scored the student's own completion gives each
 sampled token the signal w * (log pi_teacher(y_t) - log pi_behaviour(y_t)) (:func:`distill_advantages`):
 the negative of the per-token reverse KL estimate, detached, so the policy gradient with it
@@ -108,3 +113,31 @@ def distill_advantages(
             f"{len(teacher_logprobs)} teacher log-probs for {len(behaviour_logprobs)} sampled tokens"
         )
     return [weight * (t - b) for t, b in zip(teacher_logprobs, behaviour_logprobs, strict=True)]
+
+
+def role_subgroups(roles: Sequence[str | None]) -> list[list[int]]:
+    """The sample indices of each role of a group, in order of first appearance (one subgroup
+    holding every sample when no sample has a role)."""
+    groups: dict[str | None, list[int]] = {}
+    for i, role in enumerate(roles):
+        groups.setdefault(role, []).append(i)
+    return list(groups.values())
+
+
+def turn_advantages(
+    rewards: torch.Tensor, turns: Sequence[int], scale: AdvantageScale = "group", eps: float = ADVANTAGE_EPS
+) -> list[list[float]]:
+    """Per sample of one role's subgroup, the advantage of each of its ``turns[i]`` turns: turn t's
+    is the sample's reward normalised (as :func:`group_advantages` does) over the samples that
+    have a turn t. ``scale="batch"`` is not defined per turn (use group or none)."""
+    if scale == "batch":
+        raise ValueError(
+            "advantages by turn normalise within the group: advantage_scale must be group or none"
+        )
+    out: list[list[float]] = [[] for _ in turns]
+    for t in range(max(turns, default=0)):
+        reached = [i for i, n in enumerate(turns) if n > t]
+        (advantages,) = group_advantages([rewards[reached]], scale, eps)
+        for i, a in zip(reached, advantages.tolist(), strict=True):
+            out[i].append(a)
+    return out

@@ -11,6 +11,7 @@ The sections live in modules by concern, and this package re-exports every publi
 
 - :mod:`asyncrl.config.base`: :class:`Section`, the base of every section;
 - :mod:`asyncrl.config.data`: the model, the task and its rewards, episodes, the judge;
+- :mod:`asyncrl.config.agents`: multi-agent episodes' roles and policies;
 - :mod:`asyncrl.config.training`: the rollout, the algorithm, the trainer, LoRA;
 - :mod:`asyncrl.config.running`: the run, the schedule, the runtime and Ray;
 - :mod:`asyncrl.config.root`: the root :class:`Config` and its cross-section checks;
@@ -22,6 +23,7 @@ the package to be initialised first.
 
 from __future__ import annotations
 
+from asyncrl.config.agents import DEFAULT_POLICY, MultiAgentConfig, PolicySpec, RoleSpec
 from asyncrl.config.base import Section
 from asyncrl.config.data import (
     JUDGE_FIELDS,
@@ -52,6 +54,7 @@ from asyncrl.config.running import (
 from asyncrl.config.training import AlgorithmConfig, DistillConfig, LoraConfig, RolloutConfig, TrainerConfig
 
 __all__ = [
+    "DEFAULT_POLICY",
     "JUDGE_FIELDS",
     "SCHEDULE_PRESETS",
     "SHORTHAND_KEYS",
@@ -64,9 +67,12 @@ __all__ = [
     "JudgeConfig",
     "LoraConfig",
     "ModelConfig",
+    "MultiAgentConfig",
+    "PolicySpec",
     "RayConfig",
     "RayResources",
     "RewardEntry",
+    "RoleSpec",
     "RolloutConfig",
     "RunConfig",
     "RuntimeConfig",

@@ -6,6 +6,7 @@ import os
 
 from pydantic import Field, model_validator
 
+from asyncrl.config.agents import MultiAgentConfig
 from asyncrl.config.base import Section
 from asyncrl.config.data import EpisodeConfig, JudgeConfig, ModelConfig, TaskConfig
 from asyncrl.config.pivots import PivotConfig
@@ -20,6 +21,7 @@ class Config(Section):
     task: TaskConfig = Field(default_factory=TaskConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     episode: EpisodeConfig = Field(default_factory=EpisodeConfig)
+    multi_agent: MultiAgentConfig = Field(default_factory=MultiAgentConfig)
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     distill: DistillConfig = Field(default_factory=DistillConfig)
@@ -116,6 +118,7 @@ class Config(Section):
                 f"{self.episode.environment}) interleave observations the teacher did not see: unset one of them"
             )
         self._pivot_combinations()
+        self._multi_agent_combinations()
         if self.schedule.streaming and self.algorithm.advantage_scale == "batch":
             raise ValueError(
                 "algorithm.advantage_scale=batch needs the whole batch before training; it cannot be used "
@@ -149,6 +152,31 @@ class Config(Section):
                 f"pivot.branches={pivot.branches} is more than rollout.max_batch_size="
                 f"{self.rollout.max_batch_size}: a branch group's continuations run together"
             )
+
+    def _multi_agent_combinations(self) -> None:
+        agents = self.multi_agent
+        if not agents.enabled:
+            if agents.policies:
+                raise ValueError(
+                    "multi_agent.policies is set but multi_agent.roles is empty: no role uses them"
+                )
+            return
+        if self.episode.environment is None:
+            raise ValueError(
+                "multi_agent.roles needs episode.environment: an `async def episode(team, task)` function "
+                "(or a built-in multi-agent environment) that plays the roles"
+            )
+        for policy in agents.policies:
+            if policy.kind == "adapter" and not self.lora.enabled:
+                raise ValueError(
+                    f"multi_agent.policies: policy {policy.name!r} has kind=adapter, a LoRA adapter over the run's "
+                    "base model: set lora.enabled=true (or kind=model)"
+                )
+            if policy.kind == "adapter" and policy.model is not None:
+                raise ValueError(
+                    f"multi_agent.policies: policy {policy.name!r} has kind=adapter over the run's model "
+                    f"(model.name) and model={policy.model!r}: an adapter has no model of its own (use kind=model)"
+                )
 
     @property
     def runtime_kind(self) -> str:

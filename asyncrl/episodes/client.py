@@ -64,6 +64,7 @@ class EpisodeClient:
         prompt_ids: list[int],
         *,
         seed: int,
+        policy: str = "default",
         version: int,
         max_turns: int,
         max_episode_tokens: int,
@@ -75,6 +76,7 @@ class EpisodeClient:
         self.name = name  # "group/episode": its turns' request ids are "group/episode/turn"
         self.prompt_ids = list(prompt_ids)
         self.seed = seed  # for the episode's environment: episodes are reproducible
+        self.policy = policy  # whose engine generates the turns (multi-agent: the role's policy)
         self.record = EpisodeRecord()
         self.max_turns = max_turns
         self.max_episode_tokens = max_episode_tokens

@@ -47,8 +47,9 @@ def role_prompt(task: Prompt, text: str) -> Prompt:
 class Team:
     """The roles of one episode, as agent code sees them (see the module docstring)."""
 
-    def __init__(self, roles: list[str], make_client: Callable[[str], EpisodeClient]) -> None:
+    def __init__(self, roles: list[str], make_client: Callable[[str], EpisodeClient], seed: int = 0) -> None:
         self.roles = list(roles)
+        self.seed = seed  # the episode's: for its environment, as EpisodeClient.seed is for one role
         self._make_client = make_client
         self.clients: dict[str, EpisodeClient] = {}
         self.role_rewards: dict[str, float] = {}

@@ -138,6 +138,11 @@ class Rollout(ABC):
     def abandoned(self) -> bool:
         return self._abandoned
 
+    def outcomes(self, group: Group) -> list[float]:
+        """What an evaluation scores of ``group``: each sample's reward (0 when it failed); a
+        multi-agent rollout scores each episode once, by its team reward."""
+        return [s.reward or 0.0 for s in group.samples]
+
     # -- a whole batch ------------------------------------------------------------------------------
 
     def generate_groups(

@@ -8,6 +8,7 @@ from asyncrl.engine.sampling import SamplingParams
 from asyncrl.episodes.environment import EpisodeFunction
 from asyncrl.episodes.resolve import resolve_episode
 from asyncrl.episodes.rollout import EpisodeRollout
+from asyncrl.episodes.team import Role
 from asyncrl.models.loading import Policy
 from asyncrl.rewards.build import build_reward
 from asyncrl.rollout.base import Rollout
@@ -36,10 +37,13 @@ def build_episode(cfg: Config) -> EpisodeFunction | None:
     return resolve_episode(cfg.episode.environment, cfg.episode.max_turns, cfg.episode.step_timeout_s)
 
 
-def build_rollout(cfg: Config, policy: Policy, engine, *, greedy: bool = False) -> Rollout:
+def build_rollout(
+    cfg: Config, policy: Policy, engine, *, greedy: bool = False, engines: dict | None = None
+) -> Rollout:
     """The run's rollout on ``engine``: single-turn completions, or multi-turn episodes with
     episode.environment. ``greedy``: an evaluation's — one greedy sample per prompt, scored in
-    this thread."""
+    this thread. ``engines``: a multi-agent run's engine of each policy besides 'default' (or
+    the same engine, serving adapters)."""
     episode = build_episode(cfg)
     if episode is not None:
         return EpisodeRollout(
@@ -53,6 +57,10 @@ def build_rollout(cfg: Config, policy: Policy, engine, *, greedy: bool = False) 
             reward_on_error=cfg.task.reward_on_error,
             seed=cfg.run.seed,
             tool_threads=cfg.episode.tool_threads,
+            roles=[Role(r.name, r.prompt, r.policy) for r in cfg.multi_agent.roles],
+            engines=engines,
+            team_weight=cfg.multi_agent.team_weight,
+            role_weight=cfg.multi_agent.role_weight,
         )
     return CompletionRollout(
         engine,

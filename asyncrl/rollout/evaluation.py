@@ -15,7 +15,8 @@ from asyncrl.types import Prompt
 
 
 def evaluate(rollout: Rollout, prompts: list[Prompt], stop: Callable[[], bool] | None = None) -> float:
-    """Mean reward over ``prompts`` of the samples ``rollout`` generates for them.
+    """Mean reward over ``prompts`` of the samples ``rollout`` generates for them (of the
+    episodes, by their team reward, for a multi-agent rollout: :meth:`Rollout.outcomes`).
 
     A sample whose reward failed counts 0, and so does a group the rollout dropped (reward
     errors under ``drop_group``). With several reward functions the reward is their weighted
@@ -25,5 +26,5 @@ def evaluate(rollout: Rollout, prompts: list[Prompt], stop: Callable[[], bool] |
     # Group ids (and with them the seeds episodes and their environments get) from 0 at every
     # evaluation, so that two evaluations of the same weights agree.
     groups = rollout.generate_groups(prompts, first_group_id=0, stop=stop)
-    rewards = [s.reward or 0.0 for g in groups for s in g.samples]
+    rewards = [r for g in groups for r in rollout.outcomes(g)]
     return sum(rewards) / max(len(prompts) * rollout.group_size, 1)

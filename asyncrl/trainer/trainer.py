@@ -36,7 +36,13 @@ import torch
 from transformers import PreTrainedModel
 
 from asyncrl.algorithms import corrections, losses
-from asyncrl.algorithms.advantages import distill_advantages, group_advantages, step_advantages
+from asyncrl.algorithms.advantages import (
+    distill_advantages,
+    group_advantages,
+    role_subgroups,
+    step_advantages,
+    turn_advantages,
+)
 from asyncrl.config import AlgorithmConfig, TrainerConfig, old_logprob_mode
 from asyncrl.models.activation_checkpointing import enable_activation_checkpointing
 from asyncrl.models.lora import adapter_fqns, is_lora, published_weights
@@ -56,8 +62,14 @@ def assign_advantages(
     step_rewards: str = "ignore",
     distill: str | None = None,
     distill_weight: float = 1.0,
+    by_turn: bool = False,
 ) -> None:
     """Set ``sample.advantage`` for every sample, from its group's rewards (None counts as NaN).
+
+    The samples of a multi-agent group are normalised role by role (``Sample.role``); with
+    ``by_turn`` each turn of a role gets its own advantage, normalised over the samples of
+    that role holding that turn (``token_advantages``, see
+    :func:`asyncrl.algorithms.advantages.turn_advantages`).
 
     With ``step_rewards="return_to_go"``, samples of groups that hold step rewards (multi-turn
     episodes, ``Sample.turn_rewards``) also get ``token_advantages``: the outcome advantage
@@ -68,23 +80,36 @@ def assign_advantages(
     (:func:`asyncrl.algorithms.advantages.distill_advantages`, times ``distill_weight``); with
     ``"alone"`` that signal is the whole advantage. The samples must hold ``teacher_logprobs``.
     """
-    rewards = [
-        torch.tensor([float("nan") if s.reward is None else s.reward for s in g.samples], dtype=torch.float64)
-        for g in groups
+    subgroups = [
+        [group.samples[i] for i in indices]
+        for group in groups
+        for indices in role_subgroups([s.role for s in group.samples])
     ]
-    for group, adv in zip(groups, group_advantages(rewards, scale), strict=True):  # type: ignore[arg-type]
-        for sample, a in zip(group.samples, adv.tolist(), strict=True):
+    rewards = [
+        torch.tensor([float("nan") if s.reward is None else s.reward for s in samples], dtype=torch.float64)
+        for samples in subgroups
+    ]
+    for samples, adv, reward in zip(subgroups, group_advantages(rewards, scale), rewards, strict=True):  # type: ignore[arg-type]
+        for sample, a in zip(samples, adv.tolist(), strict=True):
             sample.advantage = a
             sample.token_advantages = None
-        if step_rewards == "return_to_go" and any(
-            r is not None for s in group.samples for r in (s.turn_rewards or ())
-        ):
-            per_step = step_advantages([s.turn_rewards or [] for s in group.samples])
-            for sample, steps in zip(group.samples, per_step, strict=True):
-                tokens = [sample.advantage] * len(sample.completion_ids)
-                for (start, end), a in zip(sample.turn_spans or [], steps, strict=True):
-                    tokens[start:end] = [sample.advantage + a] * (end - start)
+        if by_turn:
+            per_turn = turn_advantages(reward, [len(s.turn_spans or ()) for s in samples], scale)  # type: ignore[arg-type]
+            for sample, turns in zip(samples, per_turn, strict=True):
+                tokens = [0.0] * len(sample.completion_ids)  # observations: not trained
+                for (start, end), a in zip(sample.turn_spans or [], turns, strict=True):
+                    tokens[start:end] = [a] * (end - start)
                 sample.token_advantages = tokens
+        if step_rewards == "return_to_go" and any(
+            r is not None for s in samples for r in (s.turn_rewards or ())
+        ):
+            per_step = step_advantages([s.turn_rewards or [] for s in samples])
+            for sample, steps in zip(samples, per_step, strict=True):
+                tokens = sample.token_advantages or [sample.advantage] * len(sample.completion_ids)
+                for (start, end), a in zip(sample.turn_spans or [], steps, strict=True):
+                    tokens[start:end] = [t + a for t in tokens[start:end]]
+                sample.token_advantages = tokens
+    for group in groups:
         if distill is not None:
             for sample in group.samples:
                 if sample.teacher_logprobs is None:

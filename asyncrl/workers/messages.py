@@ -17,7 +17,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.errors import AsyncRLError
-from asyncrl.types import FoundPivot, Group, GroupHeader, PartialGroup, PartialHeader, Prompt, TeacherScores
+from asyncrl.types import (
+    FoundPivot,
+    Group,
+    GroupHeader,
+    Oldest,
+    PartialGroup,
+    PartialHeader,
+    Prompt,
+    TeacherScores,
+)
 
 # -- commands ---------------------------------------------------------------------------
 
@@ -62,7 +71,7 @@ class Accumulate:
     """
 
     group_ids: list[int]
-    min_version: int | None = None
+    min_version: Oldest | None = None  # one for all tokens, or per policy (a multi-agent run's clocks)
     mergeable: bool = True
     groups: list[Group] | None = None
     scale: float = 1.0  # on these groups' loss (a step's branch groups: lambda x divisor / branch divisor)
@@ -91,6 +100,8 @@ class FinishStep:
 
     divisor: float
     publish: bool
+    # Several policies: each one's divisor (over its own samples); a policy missing is not trained.
+    policy_divisors: dict[str, float] | None = None
     branches: list[int] = field(default_factory=list)
     branch_divisor: float = 1.0
     branch_weight: float = 1.0
@@ -246,6 +257,8 @@ class StepDone:
     published: bool
     publish_s: float = 0.0
     checksums: dict[str, float] | None = None  # of the published tensors, with runtime.verify_weight_sync
+    # Several policies: each one's version (its clock: the steps that trained it) after this step.
+    policy_versions: dict[str, int] | None = None
 
 
 @dataclass

@@ -264,6 +264,7 @@ class TrainerWorker:
             algorithm.step_rewards,
             distill=("alone" if algorithm.advantage == "distill" else "add") if distill.enabled else None,
             distill_weight=distill.weight,
+            by_turn=self.cfg.multi_agent.advantage == "role_turn",
         )
         self._step_groups.update((g.group_id, g) for g in groups)
         return dataclasses.replace(command, groups=groups)

@@ -1,0 +1,177 @@
+"""Multi-agent episodes: roles with their own transcripts, one sample per role per episode, rewards
+mixed from the team's and the role's, advantages by role and by turn (by hand), and a run."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from asyncrl.algorithms.advantages import role_subgroups, turn_advantages
+from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.sampling import SamplingParams
+from asyncrl.episodes.rollout import EpisodeRollout
+from asyncrl.episodes.team import Role, role_prompt
+from asyncrl.models.loading import load_policy
+from asyncrl.prompts.chat import encode_prompt
+from asyncrl.rollout.evaluation import evaluate
+from asyncrl.trainer.trainer import assign_advantages
+from asyncrl.types import Group, Prompt, Sample
+
+TASKS = [Prompt("a", "12+3=", answer="15"), Prompt("b", "7+8=", answer="15")]
+ROLES = [Role("solver", "S:"), Role("checker", "C:")]
+
+
+async def solve_and_check(team, task):
+    """The solver answers; the checker sees the answer and says something; the team is rewarded
+    by the answer's first character, the checker on its own by its turn's length."""
+    solver, checker = team("solver"), team("checker")
+    answer = await solver.generate()
+    checker.observe(f"[{answer}]")
+    verdict = await checker.generate()
+    team.reward_role("checker", float(len(verdict) % 2))
+    return 1.0 if answer[:1] == "1" else 0.0
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return load_policy("tiny:1m", device="cpu", dtype="float32", seed=0)
+
+
+def make_rollout(policy, episode=solve_and_check, *, roles=ROLES, group_size=3, **kwargs):
+    engine = EmbeddedEngine(copy.deepcopy(policy.model), pad_token_id=policy.pad_token_id, max_batch_size=8)
+    sampling = SamplingParams(5, stop_token_ids=(policy.eos_token_id,))
+    return EpisodeRollout(
+        engine,
+        policy.tokenizer,
+        episode,
+        sampling,
+        group_size,
+        max_turns=4,
+        max_episode_tokens=40,
+        seed=3,
+        roles=roles,
+        **kwargs,
+    )
+
+
+def run(rollout, tasks=TASKS):
+    try:
+        return rollout.generate_groups(tasks)
+    finally:
+        rollout.close()
+
+
+def test_each_role_is_a_sample_with_its_own_transcript(policy) -> None:
+    groups = run(make_rollout(policy, team_weight=1.0, role_weight=0.5))
+    tok = policy.tokenizer
+    assert [len(g.samples) for g in groups] == [6, 6]  # G x R
+    for group, task in zip(groups, TASKS, strict=True):
+        for k in range(3):
+            solver, checker = group.samples[2 * k], group.samples[2 * k + 1]
+            assert (solver.role, checker.role) == ("solver", "checker")
+            assert solver.prompt_ids == encode_prompt(tok, role_prompt(task, "S:"))
+            assert checker.prompt_ids == encode_prompt(tok, role_prompt(task, "C:"))
+            # The checker's transcript: the solver's answer as an observation (not trained), then its turn.
+            answer = tok.decode(solver.completion_ids, skip_special_tokens=True)
+            shown = tok(f"[{answer}]", add_special_tokens=False).input_ids
+            assert checker.completion_ids[: len(shown)] == shown
+            assert checker.loss_mask[: len(shown)] == [0] * len(shown)
+            assert sum(checker.loss_mask) == len(checker.completion_ids) - len(shown) > 0
+            assert solver.loss_mask == [1] * len(solver.completion_ids)
+            # Rewards: team for both, plus half the checker's own.
+            team = 1.0 if answer[:1] == "1" else 0.0
+            assert solver.team_reward == checker.team_reward == team
+            assert solver.reward == team
+            own = checker.reward_components["role"]
+            assert own in (0.0, 1.0) and checker.reward == pytest.approx(team + 0.5 * own)
+
+
+def test_a_role_never_called_is_a_sample_with_nothing_to_train(policy) -> None:
+    async def solver_alone(team, task):
+        await team("solver").generate()
+        return 1.0
+
+    groups = run(make_rollout(policy, solver_alone, group_size=2), TASKS[:1])
+    checker = groups[0].samples[1]
+    assert checker.role == "checker" and checker.completion_ids == [] and checker.loss_mask == []
+    assert checker.reward == 1.0  # the team's
+
+
+def test_an_unknown_role_is_an_episode_error_naming_it(policy) -> None:
+    async def bad(team, task):
+        await team("critic").generate()
+
+    groups = run(make_rollout(policy, bad, group_size=2), TASKS[:1])
+    errors = {s.reward_error for s in groups[0].samples}
+    assert len(errors) == 1 and "critic" in errors.pop() and groups[0].samples[0].reward == 0.0
+
+
+def test_an_evaluation_scores_each_episode_by_its_team_reward(policy) -> None:
+    rollout = make_rollout(policy, group_size=1, role_weight=1.0)
+    greedy = make_rollout(policy, group_size=1)
+    try:
+        groups = rollout.generate_groups(TASKS)
+        expected = sum(g.samples[0].team_reward for g in groups) / len(TASKS)
+        assert evaluate(greedy, TASKS) == pytest.approx(
+            sum(r for g in greedy.generate_groups(TASKS, first_group_id=0) for r in greedy.outcomes(g)) / 2
+        )
+        assert 0.0 <= expected <= 1.0
+    finally:
+        rollout.close()
+        greedy.close()
+
+
+def _sample(role: str, reward: float, turns: list[tuple[int, int]], length: int) -> Sample:
+    return Sample(
+        completion_ids=[1] * length,
+        logprobs=[0.0] * length,
+        versions=[0] * length,
+        prompt_id="p",
+        group_id=0,
+        prompt_ids=[1],
+        loss_mask=[1] * length,
+        finish_reason="stop",
+        reward=reward,
+        role=role,
+        turn_spans=turns,
+    )
+
+
+def test_advantages_are_normalised_within_each_role() -> None:
+    # Two episodes: solver rewards 1 and 0, checker rewards 3 and 1 (other scales than the solver's).
+    samples = [
+        _sample("solver", 1.0, [(0, 2)], 2),
+        _sample("checker", 3.0, [(0, 1)], 1),
+        _sample("solver", 0.0, [(0, 2)], 2),
+        _sample("checker", 1.0, [(0, 1)], 1),
+    ]
+    assert role_subgroups([s.role for s in samples]) == [[0, 2], [1, 3]]
+    assign_advantages([Group(0, Prompt("p", "x"), samples)], "group")
+    # Each role: rewards (a, b) centred on their mean and divided by their Bessel std |a-b|/sqrt(2).
+    solver, checker = 0.5 / (0.5**0.5 + 1e-4), 1.0 / (2**0.5 + 1e-4)
+    assert [x.advantage for x in samples] == pytest.approx([solver, checker, -solver, -checker])
+    assign_advantages([Group(0, Prompt("p", "x"), samples)], "none")
+    assert [x.advantage for x in samples] == pytest.approx([0.5, 1.0, -0.5, -1.0])
+
+
+def test_advantages_by_turn_compare_the_episodes_that_reached_the_turn() -> None:
+    # Three solver transcripts: two turns (reward 1), one turn (reward 0), two turns (reward 0).
+    rewards = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)
+    per_turn = turn_advantages(rewards, [2, 1, 2], "none")
+    # Turn 0: all three (mean 1/3); turn 1: episodes 0 and 2 (mean 1/2).
+    assert per_turn[0] == pytest.approx([2 / 3, 0.5])
+    assert per_turn[1] == pytest.approx([-1 / 3])
+    assert per_turn[2] == pytest.approx([-1 / 3, -0.5])
+    samples = [
+        _sample("solver", 1.0, [(0, 2), (3, 4)], 4),
+        _sample("solver", 0.0, [(0, 2)], 2),
+        _sample("solver", 0.0, [(0, 1), (2, 3)], 3),
+    ]
+    assign_advantages([Group(0, Prompt("p", "x"), samples)], "none", by_turn=True)
+    assert samples[0].token_advantages == pytest.approx([2 / 3, 2 / 3, 0.0, 0.5])  # token 2: an observation
+    assert samples[1].token_advantages == pytest.approx([-1 / 3, -1 / 3])
+    assert samples[2].token_advantages == pytest.approx([-1 / 3, 0.0, -0.5])
+    with pytest.raises(ValueError, match="group or none"):
+        turn_advantages(rewards, [1, 1, 1], "batch")
