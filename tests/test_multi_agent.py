@@ -175,3 +175,43 @@ def test_advantages_by_turn_compare_the_episodes_that_reached_the_turn() -> None
     assert samples[2].token_advantages == pytest.approx([-1 / 3, 0.0, -0.5])
     with pytest.raises(ValueError, match="group or none"):
         turn_advantages(rewards, [1, 1, 1], "batch")
+
+
+def _run(tmp_path, *extra: str):
+    import json
+
+    from asyncrl.config import load_config
+    from asyncrl.control.run import train
+
+    cfg = load_config(
+        None,
+        [
+            "episode.environment=tests.test_multi_agent:solve_and_check",
+            "multi_agent.roles=[{name: solver, prompt: 'S:'}, {name: checker, prompt: 'C:', policy: checker}]",
+            "multi_agent.policies=[{name: checker, kind: model}]",
+            "run.steps=3",
+            "rollout.prompts_per_step=3",
+            "rollout.group_size=3",
+            "rollout.max_new_tokens=4",
+            "run.eval_every=3",
+            "run.eval_prompts=4",
+            "run.progress=false",
+            "run.checkpoint_every=0",
+            *extra,
+        ],
+    )
+    summary = train(cfg, tmp_path / "run")
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return summary, rows
+
+
+def test_two_policies_train_each_on_its_own_roles_samples(tmp_path) -> None:
+    summary, rows = _run(tmp_path, "schedule=sync")
+    books = summary["accounting"]
+    assert books["reconciles"] and books["trained"] == 9 and books["prompts_trained_twice"] == 0
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # Both policies trained every step: their clocks advance with the run's version.
+    for r in rows:
+        assert r["policy/default/version"] == r["policy/checker/version"] == r["step"]
+        assert r["policy/default/trained_tokens"] > 0 and r["policy/checker/trained_tokens"] > 0
+    assert 0.0 <= summary["eval"][-1]["eval_accuracy"] <= 1.0

@@ -41,7 +41,7 @@ class PolicySpec(Section):
     model: str | None = Field(
         None,
         description="kind=model: a local Hugging Face directory or a built-in name ('builtin:...', 'tiny:...'); "
-        "null = a copy of model.name.",
+        "null = a copy of model.path.",
     )
     max_staleness: int | None = Field(
         None,

@@ -268,17 +268,35 @@ class EpisodeRollout(Rollout):
             self._cancel(group_id)
         return partials
 
-    def cancel_stale(self, version: int, max_staleness: int) -> Work:
-        """Cancel groups holding a token more than ``max_staleness`` versions behind ``version``."""
+    def cancel_stale(self, version: int | dict[str, int], max_staleness: int | dict[str, int]) -> Work:
+        """Cancel groups holding a token more than ``max_staleness`` versions behind ``version``;
+        with several policies both are per policy (each one's clock; a policy without a bound
+        is never stale)."""
         self._take_requests()
-        running = {r: v for engine in self._all_engines for r, v in engine.oldest_versions().items()}
+
+        def limit(policy: str) -> int | None:
+            if isinstance(version, int) and isinstance(max_staleness, int):
+                return version - max_staleness
+            if policy not in max_staleness or policy not in version:  # type: ignore[operator]
+                return None
+            return version[policy] - max_staleness[policy]  # type: ignore[index]
+
         cancelled = []
+        running = [
+            (request_id, self._turns[request_id].client.policy, v)
+            for engine in self._all_engines
+            for request_id, v in engine.oldest_versions().items()
+            if request_id in self._turns
+        ]
         for group_id, pending in list(self._pending.items()):
-            versions = [v for r, v in running.items() if r.startswith(f"{group_id}/")]
-            for client in pending.episode_clients():
-                versions += client.record.tokens.versions[:1]
-            versions += [min(s.versions) for s in pending.samples.values() if s.versions]
-            if versions and version - min(versions) > max_staleness:
+            versions = [(p, v) for r, p, v in running if r.startswith(f"{group_id}/")]
+            versions += [
+                (c.policy, c.record.tokens.versions[0])
+                for c in pending.episode_clients()
+                if c.record.tokens.versions
+            ]
+            versions += [(s.policy, min(s.versions)) for s in pending.samples.values() if s.versions]
+            if any((bound := limit(p)) is not None and v < bound for p, v in versions):
                 self._cancel(group_id)
                 cancelled.append((group_id, pending.prompt))
         return cancelled

@@ -10,11 +10,12 @@ import random
 
 import torch
 
-from asyncrl.config import Config
+from asyncrl.config import DEFAULT_POLICY, Config
 from asyncrl.models.loading import DTYPES, Policy, load_policy, resolve_device, resolve_dtype
 from asyncrl.models.lora import apply_lora
 from asyncrl.trainer.distributed import RankGroup
 from asyncrl.trainer.parallel import DistributedTrainer
+from asyncrl.trainer.policies import PolicyMember, PolicySet
 from asyncrl.trainer.trainer import Trainer
 
 
@@ -73,3 +74,36 @@ def build_trainer(cfg: Config, policy: Policy, ranks: RankGroup | None = None) -
     if ranks is None:
         return Trainer(policy.model, **kwargs)
     return DistributedTrainer(policy.model, ranks=ranks, parallel=cfg.trainer.parallel, **kwargs)
+
+
+def several_policies(cfg: Config) -> bool:
+    """Whether the run's roles are served by more than the run's own policy."""
+    return cfg.multi_agent.policy_names != [DEFAULT_POLICY]
+
+
+def policy_config(cfg: Config, name: str) -> Config:
+    """The config policy ``name`` is built and trained by: the run's, with a model of its own
+    (kind=model) and its own learning rate."""
+    spec = cfg.multi_agent.policy(name)
+    if spec is None:
+        return cfg
+    own = cfg.model_copy(deep=True)
+    if spec.kind == "model" and spec.model is not None:
+        own.model.path = spec.model
+    if spec.lr is not None:
+        own.trainer.lr = spec.lr
+    return own
+
+
+def build_policy_set(cfg: Config, device: torch.device) -> PolicySet:
+    """A trainer for every policy a role uses (see :mod:`asyncrl.trainer.policies`)."""
+    members = []
+    for name in cfg.multi_agent.policy_names:
+        spec = cfg.multi_agent.policy(name)
+        if spec is not None and spec.kind == "adapter":
+            raise ValueError(f"policy {name!r}: adapters are built by build_adapter_set")
+        own = policy_config(cfg, name)
+        policy = build_policy(own, device, trainable=True)
+        trainer = build_trainer(own, policy)
+        members.append(PolicyMember(name, policy, trainer, train=spec is None or spec.train))
+    return PolicySet(members)

@@ -1,0 +1,139 @@
+"""A generator's engines in a multi-policy run: one per policy, each at its own clock.
+
+The generator's own engine serves the run's policy ('default'); every other policy a role
+uses gets an engine over a model of its own (``kind=model``). A publication carries every
+trained policy's tensors and the clocks of all (:mod:`asyncrl.trainer.policies`); loading it
+gives each engine its policy's weights at that policy's clock — an engine whose policy was
+not trained since keeps its weights and version — and the generator's weights version
+becomes the publication's (the run's version, which admission and schedules count).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from asyncrl.config import DEFAULT_POLICY, Config
+from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.lora import MergedLora
+from asyncrl.models.loading import Policy
+from asyncrl.trainer.policies import CLOCKS, published_name, split_published
+from asyncrl.transports.weights.base import TensorSpec, WeightLayout, WeightSyncError, check_checksums
+
+
+class PolicyEngine:
+    """One policy's engine, and with LoRA the merge of its adapters into the engine's base."""
+
+    def __init__(self, name: str, engine: EmbeddedEngine, lora: MergedLora | None, trained: bool) -> None:
+        self.name, self.engine, self.lora, self.trained = name, engine, lora, trained
+
+    @property
+    def layout(self) -> WeightLayout:
+        return (
+            self.lora.layout
+            if self.lora is not None
+            else WeightLayout.of(self.engine.model.named_parameters())
+        )
+
+    def load(self, tensors: Mapping[str, torch.Tensor], clock: int) -> None:
+        if self.lora is not None:
+            self.lora.load(self.engine, tensors, clock)
+        else:
+            self.engine.load_weights(tensors, clock)
+
+    def verify(self, expected: Mapping[str, float], version: int, where: str) -> None:
+        if self.lora is not None:
+            self.lora.verify(self.engine, expected, self.engine.version, f"{where} (policy {self.name})")
+        else:
+            check_checksums(
+                dict(self.engine.model.named_parameters()), expected, version, f"{where} (policy {self.name})"
+            )
+
+
+class PolicyEngines:
+    """Every policy's engine on one generator; :attr:`version` is the run's version they hold."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        default: PolicyEngine,
+        make_engine: Callable[[str], tuple[Policy, EmbeddedEngine, MergedLora | None]],
+    ) -> None:
+        """``make_engine(name)`` builds policy ``name``'s model, engine and LoRA merge."""
+        self.order = list(cfg.multi_agent.policy_names)
+        self.members: dict[str, PolicyEngine] = {}
+        for name in self.order:
+            spec = cfg.multi_agent.policy(name)
+            trained = spec is None or spec.train
+            if name == DEFAULT_POLICY:
+                default.trained = trained
+                self.members[name] = default
+            else:
+                _, engine, lora = make_engine(name)
+                self.members[name] = PolicyEngine(name, engine, lora, trained)
+        self.version = 0
+        self.bounds = {
+            name: (
+                spec.max_staleness
+                if spec is not None and spec.max_staleness is not None
+                else cfg.schedule.max_staleness
+            )
+            for name in self.order
+            for spec in [cfg.multi_agent.policy(name)]
+            if spec is None or spec.train
+        }
+
+    @property
+    def engines(self) -> dict[str, EmbeddedEngine]:
+        return {name: m.engine for name, m in self.members.items()}
+
+    @property
+    def clocks(self) -> dict[str, int]:
+        return {name: m.engine.version for name, m in self.members.items()}
+
+    @property
+    def layout(self) -> WeightLayout:
+        """What a publication holds: the trained policies' tensors under their sync names, then the clocks."""
+        specs = [
+            TensorSpec(published_name(name, s.name), s.shape, s.dtype)
+            for name in self.order
+            if self.members[name].trained
+            for s in self.members[name].layout.specs
+        ]
+        return WeightLayout((*specs, TensorSpec(CLOCKS, (len(self.order),), torch.int64)))
+
+    def load(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Give each engine whose policy's clock moved its new weights; adopt ``version``."""
+        if version < self.version:
+            raise WeightSyncError(
+                f"weights went backwards: the engines hold version {self.version}, got {version}"
+            )
+        parts, clocks = split_published(tensors, self.order)
+        for name, member in self.members.items():
+            clock = clocks[name]
+            if clock < member.engine.version:
+                raise WeightSyncError(
+                    f"policy {name!r}: version {version} carries its clock {clock}, behind its engine's "
+                    f"{member.engine.version}"
+                )
+            if member.trained and clock > member.engine.version:
+                member.load(parts.get(name, {}), clock)
+        self.version = version
+
+    def verify(self, expected: Mapping[str, float], version: int, where: str) -> None:
+        """The engines' weights are those the trainer published as ``version`` (per-tensor checksums)."""
+        clocks = torch.tensor([self.members[n].engine.version for n in self.order], dtype=torch.int64)
+        check_checksums({CLOCKS: clocks}, {CLOCKS: expected[CLOCKS]}, version, where)
+        parts: dict[str, dict[str, float]] = {name: {} for name in self.order}
+        for tensor_name, value in expected.items():
+            if tensor_name == CLOCKS:
+                continue
+            if tensor_name.startswith("policy/"):
+                _, name, inner = tensor_name.split("/", 2)
+            else:
+                name, inner = DEFAULT_POLICY, tensor_name
+            parts[name][inner] = value
+        for name in self.order:
+            if self.members[name].trained:
+                self.members[name].verify(parts[name], version, where)
