@@ -35,7 +35,7 @@ from transformers import PreTrainedTokenizerBase
 from asyncrl.engine.embedded import resume_request
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest, GenerationResult
-from asyncrl.episodes.client import EpisodeClient, EpisodeRecord, EpisodeTruncated
+from asyncrl.episodes.client import EpisodeClient, EpisodeRecord, EpisodeTruncated, observation_ids
 from asyncrl.episodes.environment import EpisodeFunction
 from asyncrl.episodes.team import Role, Team, role_prompt
 from asyncrl.prompts.chat import encode_prompt
@@ -473,27 +473,6 @@ class EpisodeRollout(Rollout):
         if not self.roles:
             return super().outcomes(group)
         return [s.team_reward or 0.0 for s in group.samples[:: len(self.roles)]]
-
-
-def observation_ids(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, text: str) -> list[int]:
-    """An observation's tokens: for a conversational task, a user turn in the chat
-    template's format (what the template puts between an assistant turn and the next
-    generation prompt); otherwise the text itself."""
-    if prompt.messages is None:
-        return tokenizer(text, add_special_tokens=False).input_ids
-    before = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
-    head = tokenizer.apply_chat_template(before, tokenize=False)
-    full = tokenizer.apply_chat_template(
-        [*before, {"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-    )
-    if not full.startswith(head):
-        raise ValueError("the chat template renders a conversation differently once it goes on")
-    turn = full[len(head) :]
-    # The model's own turn already ended with its end-of-turn token (sampled, trained).
-    eos = tokenizer.eos_token
-    if eos and head.rstrip().endswith(eos) and turn.startswith("\n"):
-        turn = turn[1:]
-    return tokenizer(turn, add_special_tokens=False).input_ids
 
 
 def _resolve(future: asyncio.Future, result: GenerationResult) -> None:
