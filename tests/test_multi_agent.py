@@ -215,3 +215,21 @@ def test_two_policies_train_each_on_its_own_roles_samples(tmp_path) -> None:
         assert r["policy/default/version"] == r["policy/checker/version"] == r["step"]
         assert r["policy/default/trained_tokens"] > 0 and r["policy/checker/trained_tokens"] > 0
     assert 0.0 <= summary["eval"][-1]["eval_accuracy"] <= 1.0
+
+
+def test_two_adapters_of_one_base_train_each_on_its_own_roles_samples(tmp_path) -> None:
+    summary, rows = _run(
+        tmp_path,
+        "schedule=sync",
+        "lora.rank=4",
+        "multi_agent.policies=[{name: checker, kind: adapter}]",
+        "run.checkpoint_every=3",
+    )
+    books = summary["accounting"]
+    assert books["reconciles"] and books["trained"] == 9
+    for r in rows:
+        assert r["policy/default/version"] == r["policy/checker/version"] == r["step"]
+        assert r["policy/default/trained_tokens"] > 0 and r["policy/checker/trained_tokens"] > 0
+    # Each adapter's own gradient: the two policies' updates differ.
+    assert rows[0]["policy/default/grad_norm"] != rows[0]["policy/checker/grad_norm"]
+    assert 0.0 <= summary["eval"][-1]["eval_accuracy"] <= 1.0

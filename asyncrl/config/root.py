@@ -175,7 +175,7 @@ class Config(Section):
             if policy.kind == "adapter" and not self.lora.enabled:
                 raise ValueError(
                     f"multi_agent.policies: policy {policy.name!r} has kind=adapter, a LoRA adapter over the run's "
-                    "base model: set lora.enabled=true (or kind=model)"
+                    "base model: set lora.rank > 0 (or kind=model)"
                 )
             if policy.kind == "adapter" and policy.model is not None:
                 raise ValueError(

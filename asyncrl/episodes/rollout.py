@@ -102,10 +102,12 @@ class EpisodeRollout(Rollout):
         engines: dict[str, object] | None = None,
         team_weight: float = 1.0,
         role_weight: float = 0.0,
+        adapters: list[str] | None = None,
     ) -> None:
         """``tool_threads``: threads for blocking environment calls (tools), shared by all episodes.
         ``roles``: a multi-agent episode's (see the module doc); ``engines``: the engine of each
-        policy a role names (default: ``engine`` for all)."""
+        policy a role names (default: ``engine`` for all); ``adapters``: the policies served as
+        adapters of their engine (a turn's request names its policy's adapter)."""
         super().__init__(group_size, EpisodeStats())
         self.engine = engine
         self.roles = list(roles or [])
@@ -113,6 +115,7 @@ class EpisodeRollout(Rollout):
         for role in self.roles:
             self.engines.setdefault(role.policy, engine)
         self.team_weight, self.role_weight = team_weight, role_weight
+        self.adapters = set(adapters or [])
         self.tokenizer = tokenizer
         self.episode = episode
         self.sampling = sampling
@@ -337,7 +340,8 @@ class EpisodeRollout(Rollout):
         seed = (client.seed * 1_000_003 + turn) % (1 << 62)
         request_id = f"{client.name}/{turn}"
         future = self._loop.create_future()
-        request = GenerationRequest(request_id, context, sampling, seed=seed)
+        adapter = client.policy if client.policy in self.adapters else None
+        request = GenerationRequest(request_id, context, sampling, seed=seed, adapter=adapter)
         self._requests.put(
             (request_id, request, _Turn(client, future, sampling, self._engine_of(client.policy)))
         )

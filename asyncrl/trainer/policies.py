@@ -27,6 +27,7 @@ import torch
 
 from asyncrl.config import DEFAULT_POLICY
 from asyncrl.models.loading import Policy
+from asyncrl.models.lora import active_adapter
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.trainer import Trainer
 from asyncrl.types import Sample
@@ -63,12 +64,18 @@ def split_published(
 
 @dataclass
 class PolicyMember:
-    """One policy of the set: its model and tokenizer, its trainer, whether it is trained."""
+    """One policy of the set: its model and tokenizer, its trainer, whether it is trained, and
+    whether it is a LoRA adapter of a model that carries others (then made active around every
+    call on its trainer)."""
 
     name: str
     policy: Policy
     trainer: Trainer
     train: bool = True
+    adapter: bool = False
+
+    def active(self) -> contextlib.AbstractContextManager:
+        return active_adapter(self.policy.model, self.name) if self.adapter else contextlib.nullcontext()
 
 
 class PolicySet:
@@ -131,7 +138,9 @@ class PolicySet:
             member = self.members[name]
             if not member.train or not by_policy.get(name):
                 continue
-            for mb in member.trainer.prepare(by_policy[name]):
+            with member.active():
+                prepared = member.trainer.prepare(by_policy[name])
+            for mb in prepared:
                 mb.policy = name
                 batches.append(mb)
         return batches
@@ -142,7 +151,9 @@ class PolicySet:
             own = [mb for mb in batches if mb.policy == name]
             if own:
                 self._stepping.add(name)
-                total += self.members[name].trainer.accumulate(own, stop=stop)
+                member = self.members[name]
+                with member.active():
+                    total += member.trainer.accumulate(own, stop=stop)
         return total
 
     def finish_step(self, divisor: float | Mapping[str, float]) -> dict[str, float]:
@@ -152,7 +163,8 @@ class PolicySet:
         for name in self.order:
             if name in self._stepping:
                 own = divisor[name] if isinstance(divisor, Mapping) else divisor
-                metrics[name] = self.members[name].trainer.finish_step(own)
+                with self.members[name].active():
+                    metrics[name] = self.members[name].trainer.finish_step(own)
         self._stepping = set()
         self.version += 1
         return self._merged(metrics)
@@ -175,7 +187,8 @@ class PolicySet:
                 own = [mb for mb in batches if mb.policy == name]
                 if own:
                     d = divisor[name] if isinstance(divisor, Mapping) else divisor
-                    (metrics[name],) = self.members[name].trainer.train_batch(own, d, 1)
+                    with self.members[name].active():
+                        (metrics[name],) = self.members[name].trainer.train_batch(own, d, 1)
             self.version += 1
             steps.append(self._merged(metrics))
         return steps
@@ -212,12 +225,13 @@ class PolicySet:
         return self.synced_weights()
 
     def checkpoint_state(self) -> dict:
-        """The run's version and each policy's trainer state; a policy other than the primary
-        also keeps its trained weights here (the primary's are saved as a single policy's)."""
+        """The run's version and each policy's trainer state; a policy other than the primary, and
+        every adapter, also keeps its trained weights here (the primary's model is saved as a
+        single policy's)."""
         policies = {}
         for name, member in self.members.items():
             state = member.trainer.checkpoint_state()
-            if name != self.order[0]:
+            if name != self.order[0] or member.adapter:  # (adapters share the model saved as the primary)
                 state["weights"] = {n: t.detach().clone() for n, t in member.trainer.named_weights()}
             policies[name] = state
         return {"version": self.version, "policies": policies}
@@ -230,8 +244,6 @@ class PolicySet:
             )
         for name, member in self.members.items():
             own = dict(saved[name])
-            member.trainer.load_checkpoint_state(
-                weights if name == self.order[0] else own.pop("weights"), own
-            )
+            member.trainer.load_checkpoint_state(own.pop("weights", weights), own)
         self.version = int(state["version"])
         return self.version

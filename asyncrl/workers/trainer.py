@@ -20,6 +20,7 @@ import torch
 from asyncrl.config import DEFAULT_POLICY, Config
 from asyncrl.control import checkpoints as checkpoint
 from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.multi_lora import MultiLora
 from asyncrl.engine.types import GenerationStopped
 from asyncrl.models.loading import Policy, resolve_device, save_policy
 from asyncrl.models.lora import published_weights, synced_parameters
@@ -61,6 +62,7 @@ from asyncrl.workers.messages import (
     StepDone,
     Stop,
 )
+from asyncrl.workers.policy_engines import evaluation_engines, refresh_adapters
 
 Command = Accumulate | FinishStep | ContinueBatch | Evaluate | SaveModel | SaveCheckpoint | Restore | Discard
 
@@ -165,6 +167,7 @@ class TrainerWorker:
         # Evaluations (rank 0): the run's rollout, greedy, on an engine over the trainer's own model.
         self._eval_rollout: Rollout | None = None
         self._eval_prompts: list = []
+        self._eval_engines: dict[str, EmbeddedEngine] = {}
         self._gathered_policy: Policy | None = None
 
     @property
@@ -385,15 +388,18 @@ class TrainerWorker:
             engine = self._eval_engine(policy)
             engines = None
             if self.policies is not None:
-                engines = {n: self._eval_engine(m.policy) for n, m in self.policies.members.items()}
+                members = {n: m.policy for n, m in self.policies.members.items()}
+                engines = evaluation_engines(self.cfg, members, self._eval_engine)
                 engine = engines.get(DEFAULT_POLICY, engines[self.policies.order[0]])
             self._eval_rollout = build_rollout(self.cfg, policy, engine, greedy=True, engines=engines)
+            self._eval_engines = engines or {}
             self._eval_prompts = eval_prompts(self.cfg, policy)
-        models = (
-            [m.policy.model for m in self.policies.members.values()]
-            if self.policies is not None
-            else [policy.model]
-        )
+        models = [policy.model]
+        if self.policies is not None:
+            models = list(
+                {id(m.policy.model): m.policy.model for m in self.policies.members.values()}.values()
+            )
+            refresh_adapters(self._eval_engines, self.policies)
         was_training = [model.training for model in models]
         for model in models:
             model.eval()
@@ -407,13 +413,14 @@ class TrainerWorker:
                 model.train(mode)
         return [Span(self.name, "eval", start, time.time()), EvalDone(self.name, command.step, accuracy)]
 
-    def _eval_engine(self, policy: Policy) -> EmbeddedEngine:
+    def _eval_engine(self, policy: Policy, adapters: MultiLora | None = None) -> EmbeddedEngine:
         return EmbeddedEngine(
             policy.model,
             pad_token_id=policy.pad_token_id,
             max_batch_size=self.cfg.rollout.max_batch_size,
-            owns_model=False,
+            owns_model=adapters is not None,  # a copy of the base of its own
             cuda_graphs=False,
+            adapters=adapters,
         )
 
     def _accumulate(self, command: Accumulate) -> list:
