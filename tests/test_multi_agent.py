@@ -233,3 +233,84 @@ def test_two_adapters_of_one_base_train_each_on_its_own_roles_samples(tmp_path) 
     # Each adapter's own gradient: the two policies' updates differ.
     assert rows[0]["policy/default/grad_norm"] != rows[0]["policy/checker/grad_norm"]
     assert 0.0 <= summary["eval"][-1]["eval_accuracy"] <= 1.0
+
+
+def _two_policy_config(*extra: str):
+    from asyncrl.config import load_config
+
+    return load_config(
+        None,
+        [
+            "episode.environment=tests.test_multi_agent:solve_and_check",
+            "multi_agent.roles=[{name: solver}, {name: checker, policy: checker}]",
+            "multi_agent.policies=[{name: checker, kind: model}]",
+            "algorithm.advantage_scale=none",
+            *extra,
+        ],
+    )
+
+
+def _group_of(policy_name: str, tokens: list[list[int]], rewards: list[float]) -> Group:
+    samples = [
+        Sample(
+            completion_ids=ids,
+            logprobs=[-1.0] * len(ids),
+            versions=[0] * len(ids),
+            prompt_id="p",
+            group_id=0,
+            prompt_ids=[5, 6, 7],
+            loss_mask=[1] * len(ids),
+            finish_reason="stop",
+            reward=r,
+            policy=policy_name,
+        )
+        for ids, r in zip(tokens, rewards, strict=True)
+    ]
+    group = Group(0, Prompt("p", "x"), samples)
+    assign_advantages([group], "none")
+    return group
+
+
+@pytest.mark.parametrize(
+    "extra", [[], ["lora.rank=4", "multi_agent.policies=[{name: checker, kind: adapter}]"]]
+)
+def test_a_policy_without_samples_keeps_its_clock_and_its_engines_weights(extra) -> None:
+    """Only the trained policy steps: the clocks part, the publication carries both, and a
+    generator's engines load only the policy whose clock moved."""
+    from asyncrl.trainer.policies import CLOCKS
+    from asyncrl.workers import build
+    from asyncrl.workers.policy_engines import PolicyEngines, policy_engine
+
+    cfg = _two_policy_config(*extra)
+    policies = build.build_policy_set(cfg, torch.device("cpu"))
+    group = _group_of("checker", [[10, 11, 12], [13, 14]], [1.0, 0.0])
+    policies.begin_step()
+    policies.accumulate(policies.prepare(group.samples))
+    metrics = policies.finish_step({"checker": 5.0})
+    assert policies.version == 1 and policies.clocks == {"default": 0, "checker": 1}
+    assert metrics["policy/checker/version"] == 1.0 and "policy/default/loss" not in metrics
+    published = dict(policies.synced_weights())
+    assert published[CLOCKS].tolist() == [0, 1]
+
+    made = {}
+
+    def make(name):
+        made[name] = policy_engine(build.policy_config(cfg, name), seed=0)
+        return made[name]
+
+    default = policy_engine(cfg, 0, cfg.multi_agent.adapter_policies)
+    engines = PolicyEngines(cfg, default[1], default[2], make)
+    assert [s.name for s in engines.layout.specs] == list(published)
+    before = {n: p.clone() for n, p in default[1].model.named_parameters()}
+    engines.load(published, 1)
+    assert engines.version == 1 and engines.clocks == {"default": 0, "checker": 1}
+    checker_engine = engines.members["checker"].engine
+    if "checker" in made:  # a model of its own: it holds the trainer's weights now
+        trained = dict(policies.members["checker"].trainer.named_weights())
+        assert all(torch.equal(p, trained[n]) for n, p in checker_engine.model.named_parameters())
+    else:  # an adapter of the default's engine: the checker adapter is the trainer's
+        assert checker_engine is default[1]
+        assert checker_engine.adapters.versions == {"default": 0, "checker": 1}
+    assert all(torch.equal(p, before[n]) for n, p in default[1].model.named_parameters())
+    with pytest.raises(Exception, match="behind"):
+        engines.load({**published, CLOCKS: torch.tensor([0, 0])}, 2)

@@ -14,10 +14,6 @@ import time
 from collections.abc import Callable
 
 from asyncrl.config import Config
-from asyncrl.engine.embedded import EmbeddedEngine
-from asyncrl.engine.lora import MergedLora
-from asyncrl.engine.multi_lora import MultiLora
-from asyncrl.models.loading import Policy
 from asyncrl.rewards.scoring import ScoringStopped
 from asyncrl.rollout.base import Rollout
 from asyncrl.rollout.build import build_rollout
@@ -43,7 +39,7 @@ from asyncrl.workers.messages import (
     Submit,
     WeightsLoaded,
 )
-from asyncrl.workers.policy_engines import PolicyEngines
+from asyncrl.workers.policy_engines import PolicyEngines, policy_engine
 
 SPAN_FLUSH_S = 0.25  # long generation periods are reported in slices so the timeline stays live
 
@@ -89,16 +85,15 @@ class GeneratorWorker:
         self.name = name
         self.cfg = cfg
         self.regroups = regroups
-        self._seed = seed
         # Several policies (multi-agent roles): an engine each, at its policy's own clock; the
         # adapter policies are adapters of this worker's own engine.
         adapters = cfg.multi_agent.adapter_policies
-        policy, self.engine, self.lora = self._policy_engine(cfg, adapters)
+        policy, self.engine, self.lora = policy_engine(cfg, seed, adapters)
         layout = self.lora.layout if self.lora else WeightLayout.of(policy.model.named_parameters())
         self.policies: PolicyEngines | None = None
         if build.several_policies(cfg):
             self.policies = PolicyEngines(
-                cfg, self.engine, self.lora, lambda n: self._policy_engine(build.policy_config(cfg, n))
+                cfg, self.engine, self.lora, lambda n: policy_engine(build.policy_config(cfg, n), seed)
             )
             layout = self.policies.layout
         self.receiver = receiver_factory(layout)
@@ -117,30 +112,6 @@ class GeneratorWorker:
         self._next_receiver: tuple[Callable[[WeightLayout], WeightReceiver], int] | None = None
         self._moving = threading.Event()  # set by join_group until the move is made
         self._rejoin_version: int | None = None
-
-    def _policy_engine(
-        self, cfg: Config, adapters: list[str] | None = None
-    ) -> tuple[Policy, EmbeddedEngine, MergedLora | None]:
-        """The policy ``cfg`` names, an engine over it, and with LoRA the merge of its adapter
-        (``adapters``: the engine serves these adapters instead, unmerged)."""
-        policy = build.build_policy(cfg)
-        # Built before the engine's first update: it keeps the base weights it merges into.
-        lora = MergedLora(policy.model, cfg.lora) if cfg.lora.enabled and not adapters else None
-        served = MultiLora(policy.model, cfg.lora, adapters) if adapters else None
-        engine = EmbeddedEngine(
-            policy.model,
-            pad_token_id=policy.pad_token_id,
-            max_batch_size=cfg.rollout.max_batch_size,
-            max_tokens_in_flight=cfg.rollout.max_tokens_in_flight,
-            max_seq_len=cfg.rollout.max_seq_len,
-            kv_cache_gb=cfg.rollout.kv_cache_gb,
-            kv_cache_fraction=cfg.rollout.kv_cache_fraction,
-            cuda_graphs=cfg.rollout.cuda_graphs,
-            seed=self._seed,
-            decode=lambda ids: policy.tokenizer.decode(ids, skip_special_tokens=True),
-            adapters=served,
-        )
-        return policy, engine, lora
 
     @property
     def version(self) -> int:

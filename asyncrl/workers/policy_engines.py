@@ -26,6 +26,31 @@ from asyncrl.transports.weights.base import TensorSpec, WeightLayout, WeightSync
 from asyncrl.workers import build
 
 
+def policy_engine(
+    cfg: Config, seed: int, adapters: list[str] | None = None
+) -> tuple[Policy, EmbeddedEngine, MergedLora | None]:
+    """A generator's policy as ``cfg`` names it, an engine over it, and with LoRA the merge of its
+    adapter (``adapters``: the engine serves these adapters instead, unmerged)."""
+    policy = build.build_policy(cfg)
+    # Built before the engine's first update: it keeps the base weights it merges into.
+    lora = MergedLora(policy.model, cfg.lora) if cfg.lora.enabled and not adapters else None
+    served = MultiLora(policy.model, cfg.lora, adapters) if adapters else None
+    engine = EmbeddedEngine(
+        policy.model,
+        pad_token_id=policy.pad_token_id,
+        max_batch_size=cfg.rollout.max_batch_size,
+        max_tokens_in_flight=cfg.rollout.max_tokens_in_flight,
+        max_seq_len=cfg.rollout.max_seq_len,
+        kv_cache_gb=cfg.rollout.kv_cache_gb,
+        kv_cache_fraction=cfg.rollout.kv_cache_fraction,
+        cuda_graphs=cfg.rollout.cuda_graphs,
+        seed=seed,
+        decode=lambda ids: policy.tokenizer.decode(ids, skip_special_tokens=True),
+        adapters=served,
+    )
+    return policy, engine, lora
+
+
 class PolicyEngine:
     """One policy's engine: a model of its own (with LoRA, the merge of its adapters into the
     engine's base), or one adapter of an engine that serves several (``adapter``)."""
