@@ -314,3 +314,49 @@ def test_a_policy_without_samples_keeps_its_clock_and_its_engines_weights(extra)
     assert all(torch.equal(p, before[n]) for n, p in default[1].model.named_parameters())
     with pytest.raises(Exception, match="behind"):
         engines.load({**published, CLOCKS: torch.tensor([0, 0])}, 2)
+
+
+TWO_POLICIES = [
+    "episode.environment=tests.test_multi_agent:solve_and_check",
+    "multi_agent.roles=[{name: solver, prompt: 'S:'}, {name: checker, prompt: 'C:', policy: checker}]",
+    "rollout.prompts_per_step=3",
+    "rollout.group_size=3",
+    "rollout.max_new_tokens=4",
+    "run.steps=4",
+    "run.eval_every=0",
+    "run.progress=false",
+    "run.checkpoint_every=1",
+    "schedule=sync",
+]
+
+
+@pytest.mark.slow  # three subprocess runs; the policies' checkpoint state: test_a_policy_without_samples...
+@pytest.mark.multiprocess
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize(
+    "policies",
+    [
+        ["multi_agent.policies=[{name: checker, kind: model, lr: 3e-4}]"],
+        ["lora.rank=4", "multi_agent.policies=[{name: checker, kind: adapter}]"],
+    ],
+    ids=["model", "adapter"],
+)
+def test_a_stopped_two_policy_run_resumes_exactly(tmp_path, policies) -> None:
+    """SIGTERM after two of four steps, --resume: every policy's weights, optimizer and clock are
+    in the checkpoint, so the resumed run ends where the uninterrupted one does."""
+    import json
+
+    from tests.helpers import final_weights, max_abs_diff, straight_and_stopped, train_to_end
+
+    overrides = [*TWO_POLICIES, *policies]
+    saved = straight_and_stopped(tmp_path / "a", tmp_path / "b", overrides, 2, timeout=300)
+    assert saved is not None
+    train_to_end("--resume", str(tmp_path / "b"), timeout=300)
+    name = "adapter_model.safetensors" if "lora.rank=4" in policies else "model.safetensors"
+    assert max_abs_diff(final_weights(tmp_path / "a", name), final_weights(tmp_path / "b", name)) == 0.0
+    if "lora.rank=4" not in policies:
+        checker = f"policies/checker/{name}"
+        assert max_abs_diff(final_weights(tmp_path / "a", checker), final_weights(tmp_path / "b", checker)) == 0.0
+    rows = [[json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in "ab"]
+    for key in ("reward_mean", "policy/default/grad_norm", "policy/checker/grad_norm", "policy/checker/version"):
+        assert [r[key] for r in rows[0]] == [r[key] for r in rows[1]], key

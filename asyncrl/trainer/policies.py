@@ -230,7 +230,8 @@ class PolicySet:
         single policy's)."""
         policies = {}
         for name, member in self.members.items():
-            state = member.trainer.checkpoint_state()
+            with member.active():
+                state = member.trainer.checkpoint_state()
             if name != self.order[0] or member.adapter:  # (adapters share the model saved as the primary)
                 state["weights"] = {n: t.detach().clone() for n, t in member.trainer.named_weights()}
             policies[name] = state
@@ -244,6 +245,7 @@ class PolicySet:
             )
         for name, member in self.members.items():
             own = dict(saved[name])
-            member.trainer.load_checkpoint_state(own.pop("weights", weights), own)
+            with member.active():  # the optimizer's state is matched to the parameters that require grad
+                member.trainer.load_checkpoint_state(own.pop("weights", weights), own)
         self.version = int(state["version"])
         return self.version
