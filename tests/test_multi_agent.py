@@ -356,7 +356,44 @@ def test_a_stopped_two_policy_run_resumes_exactly(tmp_path, policies) -> None:
     assert max_abs_diff(final_weights(tmp_path / "a", name), final_weights(tmp_path / "b", name)) == 0.0
     if "lora.rank=4" not in policies:
         checker = f"policies/checker/{name}"
-        assert max_abs_diff(final_weights(tmp_path / "a", checker), final_weights(tmp_path / "b", checker)) == 0.0
+        assert (
+            max_abs_diff(final_weights(tmp_path / "a", checker), final_weights(tmp_path / "b", checker))
+            == 0.0
+        )
     rows = [[json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in "ab"]
-    for key in ("reward_mean", "policy/default/grad_norm", "policy/checker/grad_norm", "policy/checker/version"):
+    for key in (
+        "reward_mean",
+        "policy/default/grad_norm",
+        "policy/checker/grad_norm",
+        "policy/checker/version",
+    ):
         assert [r[key] for r in rows[0]] == [r[key] for r in rows[1]], key
+
+
+def test_a_frozen_policy_generates_and_keeps_its_clock(tmp_path) -> None:
+    _, rows = _run(
+        tmp_path, "schedule=sync", "multi_agent.policies=[{name: checker, kind: model, train: false}]"
+    )
+    for r in rows:
+        assert r["policy/default/version"] == r["step"] and r["policy/checker/version"] == 0
+        assert "policy/checker/loss" not in r
+
+
+@pytest.mark.slow  # local processes; the bounds by hand: tests/test_policy_books.py
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_async_two_policies_hold_each_ones_staleness_bound(tmp_path) -> None:
+    summary, rows = _run(
+        tmp_path,
+        "schedule=async",
+        "schedule.max_staleness=2",
+        "schedule.reject=token",  # a checker token older than its bound is masked, the group trains
+        "run.steps=6",
+        "multi_agent.policies=[{name: checker, kind: model, max_staleness: 0}]",
+    )
+    books = summary["accounting"]
+    assert books["reconciles"] and books["policies_reconcile"] and books["prompts_trained_twice"] == 0
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert all(r["policy/checker/staleness_max"] == 0 for r in rows)
+    assert all(r["policy/default/staleness_max"] <= 2 for r in rows)
+    assert max(r["policy/default/staleness_max"] for r in rows) >= 1  # the run was asynchronous

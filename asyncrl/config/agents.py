@@ -98,6 +98,12 @@ class MultiAgentConfig(Section):
         return [n for n in [DEFAULT_POLICY, *(p.name for p in self.policies)] if n in used]
 
     @property
+    def several_policies(self) -> bool:
+        """Whether the roles are served by more than the run's own policy (then each policy keeps
+        its own trainer, clock and books)."""
+        return self.policy_names != [DEFAULT_POLICY]
+
+    @property
     def adapter_policies(self) -> list[str]:
         """The policies served as LoRA adapters of the run's base model (one engine serves them
         all): every kind=adapter policy a role uses, and then the run's own too (its adapter

@@ -27,13 +27,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from asyncrl.config import DEFAULT_POLICY, Config
+from asyncrl.config import Config
 from asyncrl.types import Oldest
-
-
-def several_policies(cfg: Config) -> bool:
-    """Whether the run's roles are served by more than the run's own policy."""
-    return cfg.multi_agent.policy_names != [DEFAULT_POLICY]
 
 
 class PolicyClocks:
@@ -47,7 +42,7 @@ class PolicyClocks:
 
     def __init__(self, cfg: Config) -> None:
         agents = cfg.multi_agent
-        self.several = several_policies(cfg)
+        self.several = cfg.multi_agent.several_policies
         self.max_staleness = cfg.schedule.max_staleness
         self.names = agents.policy_names
         specs = {name: agents.policy(name) for name in self.names}

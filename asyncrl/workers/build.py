@@ -10,7 +10,7 @@ import random
 
 import torch
 
-from asyncrl.config import DEFAULT_POLICY, Config
+from asyncrl.config import Config
 from asyncrl.models.loading import DTYPES, Policy, load_policy, resolve_device, resolve_dtype
 from asyncrl.models.lora import active_adapter, add_adapters, apply_lora
 from asyncrl.trainer.distributed import RankGroup
@@ -90,11 +90,6 @@ def build_trainer(
         with active_adapter(policy.model, adapter):  # its optimizer holds that adapter's parameters only
             return Trainer(policy.model, adapter=adapter, **kwargs)
     return DistributedTrainer(policy.model, ranks=ranks, parallel=cfg.trainer.parallel, **kwargs)
-
-
-def several_policies(cfg: Config) -> bool:
-    """Whether the run's roles are served by more than the run's own policy."""
-    return cfg.multi_agent.policy_names != [DEFAULT_POLICY]
 
 
 def policy_config(cfg: Config, name: str) -> Config:

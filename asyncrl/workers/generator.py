@@ -91,7 +91,7 @@ class GeneratorWorker:
         policy, self.engine, self.lora = policy_engine(cfg, seed, adapters)
         layout = self.lora.layout if self.lora else WeightLayout.of(policy.model.named_parameters())
         self.policies: PolicyEngines | None = None
-        if build.several_policies(cfg):
+        if cfg.multi_agent.several_policies:
             self.policies = PolicyEngines(
                 cfg, self.engine, self.lora, lambda n: policy_engine(build.policy_config(cfg, n), seed)
             )

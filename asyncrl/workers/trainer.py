@@ -141,7 +141,7 @@ class TrainerWorker:
             self.ranks = RankGroup(spec, device)
         # Several policies (multi-agent roles): one trainer each, driven as one (PolicySet).
         self.policies: PolicySet | None = None
-        if build.several_policies(cfg):
+        if cfg.multi_agent.several_policies:
             self.policies = build.build_policy_set(cfg, device)
             self.policy = self.policies.primary.policy
             layout = WeightLayout.of(self.policies.synced_weights())
