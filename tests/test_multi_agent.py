@@ -397,3 +397,39 @@ def test_async_two_policies_hold_each_ones_staleness_bound(tmp_path) -> None:
     assert all(r["policy/checker/staleness_max"] == 0 for r in rows)
     assert all(r["policy/default/staleness_max"] <= 2 for r in rows)
     assert max(r["policy/default/staleness_max"] for r in rows) >= 1  # the run was asynchronous
+
+
+def test_a_run_of_roles_on_one_policy_reports_each_roles_reward(tmp_path) -> None:
+    _, rows = _run(
+        tmp_path, "schedule=sync", "multi_agent.roles=[{name: solver}, {name: checker}]", "run.steps=2"
+    )
+    for r in rows:
+        assert 0.0 <= r["role/solver/reward_mean"] <= 1.0 and 0.0 <= r["role/checker/reward_mean"] <= 1.0
+        assert "policy/default/version" not in r  # one policy: its clock is the run's version
+
+
+@pytest.mark.slow  # two subprocess runs; exact resumption: test_a_stopped_two_policy_run_resumes_exactly
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_an_async_two_policy_run_stopped_by_sigterm_resumes_with_every_policys_books(tmp_path) -> None:
+    import json
+    import signal
+
+    from tests.helpers import stop_after_steps, train_to_end
+
+    overrides = [
+        *[o for o in TWO_POLICIES if not o.startswith("schedule=")],
+        "schedule=async",
+        "run.steps=6",
+        "multi_agent.policies=[{name: checker, kind: model}]",
+    ]
+    code, err = stop_after_steps(tmp_path / "run", overrides, 2, signal.SIGTERM, timeout=300)
+    assert code == 128 + signal.SIGTERM.value, err
+    assert len([line for line in err.splitlines() if line.strip()]) == 1, err  # one line, no traceback
+    train_to_end("--resume", str(tmp_path / "run"), timeout=300)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    books = summary["accounting"]
+    assert books["reconciles"] and books["policies_reconcile"] and books["prompts_trained_twice"] == 0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows][-1] == 6
+    assert rows[-1]["policy/default/version"] == rows[-1]["policy/checker/version"] == 6

@@ -47,7 +47,7 @@ from asyncrl.control.buffer import AdmissionControl, RolloutBuffer
 from asyncrl.control.liveness import Watchdog, waiting_for
 from asyncrl.control.membership import TRAINER, Generators
 from asyncrl.control.pivoting import BranchBook
-from asyncrl.control.policy_books import PolicyBooks
+from asyncrl.control.policy_books import PolicyBooks, role_rewards
 from asyncrl.control.preemption import Preemption, carry_over
 from asyncrl.control.records import StepRecorder, loop_figures
 from asyncrl.control.saving import SaveProtocol
@@ -344,7 +344,8 @@ class Controller:
         """The step's metrics.jsonl row: the trainer's metrics, the batch's, and the loop's own;
         with several policies, each policy's and role's (``trained_by``: the clocks that trained it)."""
         extra = loop_figures(self.books, self.buffer, self.teacher_queue, self.generators)
-        if self.books.policies is None:
+        if self.books.policies is None:  # one policy; with roles, each one's reward
+            extra |= role_rewards(groups, [r.name for r in self.cfg.multi_agent.roles]) if groups else {}
             return self.recorder.record(event, groups, self.generators.names, extra)
         extra |= self.books.policies.step_metrics(groups, trained_by, self.clocks.confirmed)
         return self.recorder.record(event, groups, self.generators.names, extra, trained_by)

@@ -214,14 +214,17 @@ class PolicyBooks:
                 ),
                 default=0,
             )
-        rewards: dict[str, list[float]] = {r: [] for r in self.roles}
-        for h in groups:
-            for role, reward in zip(h.roles or [""] * h.size, h.rewards, strict=True):
-                if role and reward is not None:
-                    rewards.setdefault(role, []).append(reward)
-        for role, values in rewards.items():
-            out[f"role/{role}/reward_mean"] = statistics.fmean(values) if values else float("nan")
-        return out
+        return out | role_rewards(groups, self.roles)
+
+
+def role_rewards(groups: list[GroupHeader], roles: list[str]) -> dict[str, float]:
+    """``role/<name>/reward_mean``: each role's mean reward over the samples of ``groups``."""
+    rewards: dict[str, list[float]] = {r: [] for r in roles}
+    for h in groups:
+        for role, reward in zip(h.roles or [""] * h.size, h.rewards, strict=True):
+            if role and reward is not None:
+                rewards.setdefault(role, []).append(reward)
+    return {f"role/{r}/reward_mean": statistics.fmean(v) if v else float("nan") for r, v in rewards.items()}
 
 
 def _add(
