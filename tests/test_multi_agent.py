@@ -206,7 +206,7 @@ def _run(tmp_path, *extra: str):
 
 
 def test_two_policies_train_each_on_its_own_roles_samples(tmp_path) -> None:
-    summary, rows = _run(tmp_path, "schedule=sync")
+    summary, rows = _run(tmp_path, "schedule=sync", "runtime.verify_weight_sync=true")
     books = summary["accounting"]
     assert books["reconciles"] and books["trained"] == 9 and books["prompts_trained_twice"] == 0
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -224,6 +224,7 @@ def test_two_adapters_of_one_base_train_each_on_its_own_roles_samples(tmp_path) 
         "lora.rank=4",
         "multi_agent.policies=[{name: checker, kind: adapter}]",
         "run.checkpoint_every=3",
+        "runtime.verify_weight_sync=true",
     )
     books = summary["accounting"]
     assert books["reconciles"] and books["trained"] == 9
