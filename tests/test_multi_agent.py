@@ -371,6 +371,7 @@ def test_a_stopped_two_policy_run_resumes_exactly(tmp_path, policies) -> None:
         assert [r[key] for r in rows[0]] == [r[key] for r in rows[1]], key
 
 
+@pytest.mark.slow  # a frozen policy's bounds: test_policy_books; clocks apart: test_a_policy_without_samples...
 def test_a_frozen_policy_generates_and_keeps_its_clock(tmp_path) -> None:
     _, rows = _run(
         tmp_path, "schedule=sync", "multi_agent.policies=[{name: checker, kind: model, train: false}]"
@@ -400,6 +401,7 @@ def test_async_two_policies_hold_each_ones_staleness_bound(tmp_path) -> None:
     assert max(r["policy/default/staleness_max"] for r in rows) >= 1  # the run was asynchronous
 
 
+@pytest.mark.slow  # role_rewards: test_policy_books' metrics; roles on one policy: the rollout tests above
 def test_a_run_of_roles_on_one_policy_reports_each_roles_reward(tmp_path) -> None:
     _, rows = _run(
         tmp_path, "schedule=sync", "multi_agent.roles=[{name: solver}, {name: checker}]", "run.steps=2"
