@@ -47,8 +47,16 @@ def run(model: torch.nn.Module, mb: MicroBatch, chunk: int) -> tuple[torch.Tenso
     return (logp * mb.mask).detach(), grads, forward_bytes, len(calls)
 
 
-@pytest.mark.parametrize("path", ["tiny:1m", "tiny:1m:llama"])
-@pytest.mark.parametrize("chunk", [0, 5])
+@pytest.mark.parametrize(
+    ("chunk", "path"),
+    # Each architecture once and each chunk size once in the quick tier; the other two are slow.
+    [
+        (0, "tiny:1m"),
+        pytest.param(0, "tiny:1m:llama", marks=pytest.mark.slow),
+        pytest.param(5, "tiny:1m", marks=pytest.mark.slow),
+        (5, "tiny:1m:llama"),
+    ],
+)
 def test_checkpointing_gives_the_same_logprobs_and_gradients(path: str, chunk: int, make_sample) -> None:
     """Both layouts: equal log-probs and gradients; each layer runs twice (forward, replay); less is saved."""
     policy = load_policy(path, device="cpu", dtype="float32", seed=0)

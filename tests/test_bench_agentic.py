@@ -28,7 +28,7 @@ def weighted_step_fraction(rows: list[dict], key: str) -> float:
     return sum(d * f for d, f in spans) / sum(d for d, _ in spans)
 
 
-@pytest.mark.slow  # episodes while tools wait: test_the_engine_decodes_other_episodes_while_one_waits_on_its_environment; a run of them: test_train_on_the_guessing_game; busy fractions: test_timeline
+@pytest.mark.slow  # episodes while tools wait: test_the_engine_decodes_other_episodes_while_one_waits_on_its_environment; a run of them: test_scripted_episodes' test_example_config_trains_its_warm_start[guess]; busy fractions: test_timeline
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_agentic_bench_short_form(tmp_path: Path) -> None:

@@ -148,6 +148,7 @@ def test_full_disk_at_a_checkpoint_fails_clearly_and_keeps_the_previous_one(
     assert summary["steps"] == 6 and summary["accounting"]["reconciles"]
 
 
+@pytest.mark.slow  # a temporary directory a crash left, discarded: test_checkpoints_are_periodic_complete_and_pruned; a run resumed from its checkpoint: test_full_disk_at_a_checkpoint_fails_clearly_and_keeps_the_previous_one
 def test_a_resume_discards_the_temporary_directory_a_kill_left_mid_write(tmp_path: Path) -> None:
     """A run killed while writing the checkpoint of step 3 leaves ``.tmp-step-000003`` half written;
     the resumed run writes that checkpoint again, and it must hold nothing of the killed write."""

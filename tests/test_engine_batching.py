@@ -193,6 +193,7 @@ def test_continuous_batching_admits_into_free_slots_and_matches_running_alone(so
         assert_same_completion(res, alone(policy, req))
 
 
+@pytest.mark.slow  # admission held back by the token budget: test_engine_parts' test_admission_stops_at_the_token_budget_and_the_free_slots; admission into free slots, equal to running alone: test_continuous_batching_...[tiny:1m]
 def test_token_budget_bounds_reserved_tokens_and_refuses_oversized_requests() -> None:
     """With max_tokens_in_flight=40 the reserved prompt + budget tokens never exceed 40 (the budget, not the
     slots, holds requests back), results still equal running alone, and a request needing 41 is refused."""
@@ -247,6 +248,7 @@ def test_logprob_parity_with_trainer_under_staggered_admission(source: str) -> N
 # -- stop strings ------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the engine's stop strings, one and two characters and a list: test_server's test_stop_strings_cut_the_text_streamed_or_not
 def test_stop_strings_end_the_completion_at_the_token_that_completes_them() -> None:
     """A one-, two- or three-character stop string ends the completion right after the token completing it."""
     policy = policy_for()
@@ -311,8 +313,18 @@ SAMPLINGS = {
 }
 
 
-@pytest.mark.parametrize("sampling", list(SAMPLINGS))
-@pytest.mark.parametrize("abort_after", [1, 3, 6])
+# The quick tier aborts each sampling once, each after another number of steps; the other 6 are slow.
+QUICK_ABORTS = {(1, "greedy"), (3, "t1"), (6, "t1-top5-kept")}
+
+
+@pytest.mark.parametrize(
+    ("abort_after", "sampling"),
+    [
+        pytest.param(n, s, id=f"{n}-{s}", marks=() if (n, s) in QUICK_ABORTS else pytest.mark.slow)
+        for n in [1, 3, 6]
+        for s in SAMPLINGS
+    ],
+)
 def test_abort_then_resume_equals_the_uninterrupted_completion(sampling: str, abort_after: int) -> None:
     """Aborting everything after n steps returns the first n tokens; resuming them finishes exactly as if
     never interrupted (tokens and supports equal, log-probs within 1e-5, seeds carried)."""

@@ -299,7 +299,12 @@ def test_calculator_and_guessing_game_rules() -> None:
     assert game.step("9") == StepResult(reward=1.0 - 3 / 4, done=True)
 
 
-@pytest.mark.parametrize("schedule", ["sync", pytest.param("async", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "schedule",
+    # sync: the same run on examples/guess.yaml, test_scripted_episodes' test_example_config_trains_its_warm_start[guess];
+    # episodes in an async run on worker processes: test_stops' [episodes-async-local].
+    [pytest.param("sync", marks=pytest.mark.slow), pytest.param("async", marks=pytest.mark.slow)],
+)
 def test_train_on_the_guessing_game(tmp_path, schedule: str) -> None:
     """``asyncrl train`` on episodes: every group trained once, books reconcile, evaluation
     plays greedy episodes; the async schedule runs generators in their own processes."""

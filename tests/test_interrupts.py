@@ -210,6 +210,7 @@ def run_two_groups(interrupt_at: int | None) -> tuple[dict[int, Group], list]:
     return ready(events), events
 
 
+@pytest.mark.slow  # abort then resume equal to the uninterrupted completion: test_engine_batching's test_abort_then_resume_...; abort mode in the generator: test_abort_keeps_each_prefix_and_resumes_it_under_the_new_weights
 def test_abort_under_unchanged_weights_reproduces_the_uninterrupted_samples() -> None:
     """abort with the same weights as v1 mid-generation: token ids equal an uninterrupted run's; log-probs within 1e-5."""
     interrupted, events = run_two_groups(interrupt_at=INTERRUPT_AT)
@@ -224,6 +225,7 @@ def test_abort_under_unchanged_weights_reproduces_the_uninterrupted_samples() ->
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-5
 
 
+@pytest.mark.slow  # the continuation of an aborted sequence under new weights: test_abort_keeps_each_prefix_and_resumes_it_under_the_new_weights
 def test_abort_under_new_weights_changes_the_continuation() -> None:
     """Control for the equality above: with perturbed v1 weights the continuations differ from the uninterrupted ones."""
     plain, _ = run_two_groups(interrupt_at=None)
@@ -490,7 +492,8 @@ def test_a_new_group_is_joined_by_taking_its_first_publication() -> None:
     assert worker.engine.version == 4
 
 
-@pytest.mark.parametrize("interrupt", ["never", "abort"])
+# never: the same wait given up and the update taken from the new group, in the abort case.
+@pytest.mark.parametrize("interrupt", [pytest.param("never", marks=pytest.mark.slow), "abort"])
 def test_a_wait_on_a_group_being_replaced_is_given_up_and_the_update_comes_from_the_new_one(
     interrupt: str,
 ) -> None:

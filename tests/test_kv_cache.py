@@ -110,7 +110,11 @@ def test_rows_joining_and_leaving_leave_other_slots_untouched() -> None:
     assert len(seen) >= 10
 
 
-@pytest.mark.parametrize("source", ["tiny:1m", "tiny:1m:llama"])
+@pytest.mark.parametrize(
+    "source",
+    # The Llama layout's cache: test_tokens_and_logprobs_equal_a_forward_without_cache[tiny:1m:llama].
+    ["tiny:1m", pytest.param("tiny:1m:llama", marks=pytest.mark.slow)],
+)
 def test_group_of_identical_prompts_is_prefilled_once(source: str) -> None:
     """G = 4 requests with one prompt: its tokens are prefilled once and copied to the other three
     slots, and each completion equals the same request run alone, token for token."""
@@ -131,6 +135,7 @@ def test_group_of_identical_prompts_is_prefilled_once(source: str) -> None:
         )
 
 
+@pytest.mark.slow  # prefixes copied from a newcomer and from running rows of the current weights only: test_engine_parts' test_identical_contexts_are_prefilled_once_and_shared_prefixes_copied_from_a_newcomer and test_shared_prefixes_are_copied_from_running_rows_of_the_current_weights_only; a copied prefix's completions equal to running alone: test_group_of_identical_prompts_is_prefilled_once[tiny:1m]
 def test_shared_prefix_is_prefilled_once_with_newcomers_and_running_rows() -> None:
     """Prompts sharing a 20-token system prompt: within one admission the first is prefilled whole and
     the others only past the shared part; a later request copies the prefix from a running row; after

@@ -285,7 +285,17 @@ def _deliver(transport: str, layout: WeightLayout, named: list[tuple[str, torch.
     return got["result"]
 
 
-@pytest.mark.parametrize("transport", ["inprocess", "files", "shm", "broadcast"])
+@pytest.mark.parametrize(
+    "transport",
+    # files and shm: adapters are tensors like any other on those transports (test_weight_sync);
+    # the adapters into the engine: the inprocess and broadcast cases.
+    [
+        "inprocess",
+        pytest.param("files", marks=pytest.mark.slow),
+        pytest.param("shm", marks=pytest.mark.slow),
+        "broadcast",
+    ],
+)
 def test_every_transport_carries_the_adapters_into_the_engine(
     tmp_path: Path, make_sample, transport: str
 ) -> None:

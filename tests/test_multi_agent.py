@@ -175,3 +175,264 @@ def test_advantages_by_turn_compare_the_episodes_that_reached_the_turn() -> None
     assert samples[2].token_advantages == pytest.approx([-1 / 3, 0.0, -0.5])
     with pytest.raises(ValueError, match="group or none"):
         turn_advantages(rewards, [1, 1, 1], "batch")
+
+
+def _run(tmp_path, *extra: str):
+    import json
+
+    from asyncrl.config import load_config
+    from asyncrl.control.run import train
+
+    cfg = load_config(
+        None,
+        [
+            "episode.environment=tests.test_multi_agent:solve_and_check",
+            "multi_agent.roles=[{name: solver, prompt: 'S:'}, {name: checker, prompt: 'C:', policy: checker}]",
+            "multi_agent.policies=[{name: checker, kind: model}]",
+            "run.steps=3",
+            "rollout.prompts_per_step=3",
+            "rollout.group_size=3",
+            "rollout.max_new_tokens=4",
+            "run.eval_every=3",
+            "run.eval_prompts=4",
+            "run.progress=false",
+            "run.checkpoint_every=0",
+            *extra,
+        ],
+    )
+    summary = train(cfg, tmp_path / "run")
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return summary, rows
+
+
+def test_two_policies_train_each_on_its_own_roles_samples(tmp_path) -> None:
+    summary, rows = _run(tmp_path, "schedule=sync", "runtime.verify_weight_sync=true")
+    books = summary["accounting"]
+    assert books["reconciles"] and books["trained"] == 9 and books["prompts_trained_twice"] == 0
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # Both policies trained every step: their clocks advance with the run's version.
+    for r in rows:
+        assert r["policy/default/version"] == r["policy/checker/version"] == r["step"]
+        assert r["policy/default/trained_tokens"] > 0 and r["policy/checker/trained_tokens"] > 0
+    assert 0.0 <= summary["eval"][-1]["eval_accuracy"] <= 1.0
+
+
+def test_two_adapters_of_one_base_train_each_on_its_own_roles_samples(tmp_path) -> None:
+    summary, rows = _run(
+        tmp_path,
+        "schedule=sync",
+        "lora.rank=4",
+        "multi_agent.policies=[{name: checker, kind: adapter}]",
+        "run.checkpoint_every=3",
+        "runtime.verify_weight_sync=true",
+    )
+    books = summary["accounting"]
+    assert books["reconciles"] and books["trained"] == 9
+    for r in rows:
+        assert r["policy/default/version"] == r["policy/checker/version"] == r["step"]
+        assert r["policy/default/trained_tokens"] > 0 and r["policy/checker/trained_tokens"] > 0
+    # Each adapter's own gradient: the two policies' updates differ.
+    assert rows[0]["policy/default/grad_norm"] != rows[0]["policy/checker/grad_norm"]
+    assert 0.0 <= summary["eval"][-1]["eval_accuracy"] <= 1.0
+
+
+def _two_policy_config(*extra: str):
+    from asyncrl.config import load_config
+
+    return load_config(
+        None,
+        [
+            "episode.environment=tests.test_multi_agent:solve_and_check",
+            "multi_agent.roles=[{name: solver}, {name: checker, policy: checker}]",
+            "multi_agent.policies=[{name: checker, kind: model}]",
+            "algorithm.advantage_scale=none",
+            *extra,
+        ],
+    )
+
+
+def _group_of(policy_name: str, tokens: list[list[int]], rewards: list[float]) -> Group:
+    samples = [
+        Sample(
+            completion_ids=ids,
+            logprobs=[-1.0] * len(ids),
+            versions=[0] * len(ids),
+            prompt_id="p",
+            group_id=0,
+            prompt_ids=[5, 6, 7],
+            loss_mask=[1] * len(ids),
+            finish_reason="stop",
+            reward=r,
+            policy=policy_name,
+        )
+        for ids, r in zip(tokens, rewards, strict=True)
+    ]
+    group = Group(0, Prompt("p", "x"), samples)
+    assign_advantages([group], "none")
+    return group
+
+
+@pytest.mark.parametrize(
+    "extra", [[], ["lora.rank=4", "multi_agent.policies=[{name: checker, kind: adapter}]"]]
+)
+def test_a_policy_without_samples_keeps_its_clock_and_its_engines_weights(extra) -> None:
+    """Only the trained policy steps: the clocks part, the publication carries both, and a
+    generator's engines load only the policy whose clock moved."""
+    from asyncrl.trainer.policies import CLOCKS
+    from asyncrl.workers import build
+    from asyncrl.workers.policy_engines import PolicyEngines, policy_engine
+
+    cfg = _two_policy_config(*extra)
+    policies = build.build_policy_set(cfg, torch.device("cpu"))
+    group = _group_of("checker", [[10, 11, 12], [13, 14]], [1.0, 0.0])
+    policies.begin_step()
+    policies.accumulate(policies.prepare(group.samples))
+    metrics = policies.finish_step({"checker": 5.0})
+    assert policies.version == 1 and policies.clocks == {"default": 0, "checker": 1}
+    assert metrics["policy/checker/version"] == 1.0 and "policy/default/loss" not in metrics
+    published = dict(policies.synced_weights())
+    assert published[CLOCKS].tolist() == [0, 1]
+
+    made = {}
+
+    def make(name):
+        made[name] = policy_engine(build.policy_config(cfg, name), seed=0)
+        return made[name]
+
+    default = policy_engine(cfg, 0, cfg.multi_agent.adapter_policies)
+    engines = PolicyEngines(cfg, default[1], default[2], make)
+    assert [s.name for s in engines.layout.specs] == list(published)
+    before = {n: p.clone() for n, p in default[1].model.named_parameters()}
+    engines.load(published, 1)
+    assert engines.version == 1 and engines.clocks == {"default": 0, "checker": 1}
+    checker_engine = engines.members["checker"].engine
+    if "checker" in made:  # a model of its own: it holds the trainer's weights now
+        trained = dict(policies.members["checker"].trainer.named_weights())
+        assert all(torch.equal(p, trained[n]) for n, p in checker_engine.model.named_parameters())
+    else:  # an adapter of the default's engine: the checker adapter is the trainer's
+        assert checker_engine is default[1]
+        assert checker_engine.adapters.versions == {"default": 0, "checker": 1}
+    assert all(torch.equal(p, before[n]) for n, p in default[1].model.named_parameters())
+    with pytest.raises(Exception, match="behind"):
+        engines.load({**published, CLOCKS: torch.tensor([0, 0])}, 2)
+
+
+TWO_POLICIES = [
+    "episode.environment=tests.test_multi_agent:solve_and_check",
+    "multi_agent.roles=[{name: solver, prompt: 'S:'}, {name: checker, prompt: 'C:', policy: checker}]",
+    "rollout.prompts_per_step=3",
+    "rollout.group_size=3",
+    "rollout.max_new_tokens=4",
+    "run.steps=4",
+    "run.eval_every=0",
+    "run.progress=false",
+    "run.checkpoint_every=1",
+    "schedule=sync",
+]
+
+
+@pytest.mark.slow  # three subprocess runs; the policies' checkpoint state: test_a_policy_without_samples...
+@pytest.mark.multiprocess
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize(
+    "policies",
+    [
+        ["multi_agent.policies=[{name: checker, kind: model, lr: 3e-4}]"],
+        ["lora.rank=4", "multi_agent.policies=[{name: checker, kind: adapter}]"],
+    ],
+    ids=["model", "adapter"],
+)
+def test_a_stopped_two_policy_run_resumes_exactly(tmp_path, policies) -> None:
+    """SIGTERM after two of four steps, --resume: every policy's weights, optimizer and clock are
+    in the checkpoint, so the resumed run ends where the uninterrupted one does."""
+    import json
+
+    from tests.helpers import final_weights, max_abs_diff, straight_and_stopped, train_to_end
+
+    overrides = [*TWO_POLICIES, *policies]
+    saved = straight_and_stopped(tmp_path / "a", tmp_path / "b", overrides, 2, timeout=300)
+    assert saved is not None
+    train_to_end("--resume", str(tmp_path / "b"), timeout=300)
+    name = "adapter_model.safetensors" if "lora.rank=4" in policies else "model.safetensors"
+    assert max_abs_diff(final_weights(tmp_path / "a", name), final_weights(tmp_path / "b", name)) == 0.0
+    if "lora.rank=4" not in policies:
+        checker = f"policies/checker/{name}"
+        assert (
+            max_abs_diff(final_weights(tmp_path / "a", checker), final_weights(tmp_path / "b", checker))
+            == 0.0
+        )
+    rows = [[json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in "ab"]
+    for key in (
+        "reward_mean",
+        "policy/default/grad_norm",
+        "policy/checker/grad_norm",
+        "policy/checker/version",
+    ):
+        assert [r[key] for r in rows[0]] == [r[key] for r in rows[1]], key
+
+
+@pytest.mark.slow  # a frozen policy's bounds: test_policy_books; clocks apart: test_a_policy_without_samples...
+def test_a_frozen_policy_generates_and_keeps_its_clock(tmp_path) -> None:
+    _, rows = _run(
+        tmp_path, "schedule=sync", "multi_agent.policies=[{name: checker, kind: model, train: false}]"
+    )
+    for r in rows:
+        assert r["policy/default/version"] == r["step"] and r["policy/checker/version"] == 0
+        assert "policy/checker/loss" not in r
+
+
+@pytest.mark.slow  # local processes; the bounds by hand: tests/test_policy_books.py
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_async_two_policies_hold_each_ones_staleness_bound(tmp_path) -> None:
+    summary, rows = _run(
+        tmp_path,
+        "schedule=async",
+        "schedule.max_staleness=2",
+        "schedule.reject=token",  # a checker token older than its bound is masked, the group trains
+        "run.steps=6",
+        "multi_agent.policies=[{name: checker, kind: model, max_staleness: 0}]",
+    )
+    books = summary["accounting"]
+    assert books["reconciles"] and books["policies_reconcile"] and books["prompts_trained_twice"] == 0
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert all(r["policy/checker/staleness_max"] == 0 for r in rows)
+    assert all(r["policy/default/staleness_max"] <= 2 for r in rows)
+    assert max(r["policy/default/staleness_max"] for r in rows) >= 1  # the run was asynchronous
+
+
+@pytest.mark.slow  # role_rewards: test_policy_books' metrics; roles on one policy: the rollout tests above
+def test_a_run_of_roles_on_one_policy_reports_each_roles_reward(tmp_path) -> None:
+    _, rows = _run(
+        tmp_path, "schedule=sync", "multi_agent.roles=[{name: solver}, {name: checker}]", "run.steps=2"
+    )
+    for r in rows:
+        assert 0.0 <= r["role/solver/reward_mean"] <= 1.0 and 0.0 <= r["role/checker/reward_mean"] <= 1.0
+        assert "policy/default/version" not in r  # one policy: its clock is the run's version
+
+
+@pytest.mark.slow  # two subprocess runs; exact resumption: test_a_stopped_two_policy_run_resumes_exactly
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_an_async_two_policy_run_stopped_by_sigterm_resumes_with_every_policys_books(tmp_path) -> None:
+    import json
+    import signal
+
+    from tests.helpers import stop_after_steps, train_to_end
+
+    overrides = [
+        *[o for o in TWO_POLICIES if not o.startswith("schedule=")],
+        "schedule=async",
+        "run.steps=6",
+        "multi_agent.policies=[{name: checker, kind: model}]",
+    ]
+    code, err = stop_after_steps(tmp_path / "run", overrides, 2, signal.SIGTERM, timeout=300)
+    assert code == 128 + signal.SIGTERM.value, err
+    assert len([line for line in err.splitlines() if line.strip()]) == 1, err  # one line, no traceback
+    train_to_end("--resume", str(tmp_path / "run"), timeout=300)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    books = summary["accounting"]
+    assert books["reconciles"] and books["policies_reconcile"] and books["prompts_trained_twice"] == 0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows][-1] == 6
+    assert rows[-1]["policy/default/version"] == rows[-1]["policy/checker/version"] == 6

@@ -31,7 +31,8 @@ from tests.helpers import tiny_lora_model
 
 TEMPERATURE = 0.8
 MAX_COMPLETION = 8
-ARCHITECTURES = ["tiny:1m", "tiny:1m:llama"]
+# Every mix packed on the Llama layout is slow; the quick tier's Llama tree: test_completion_logits_are_the_padded_layouts.
+ARCHITECTURES = ["tiny:1m", pytest.param("tiny:1m:llama", marks=pytest.mark.slow)]
 LOGPROB_BOUND = 1e-5  # max abs difference of per-token log-probs, float32
 GRAD_BOUND = 1e-4  # relative difference of gradients
 
@@ -467,7 +468,11 @@ def trainer_samples(make_sample) -> list[Sample]:
     return samples + multi_turn(make_sample, 13)
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+@pytest.mark.parametrize(
+    "loss_type",
+    # dapo's token sums packed: test_trimmed_loss_and_gradient_equal_the_full_sequence[tree-dapo] and [prompts-dapo].
+    [pytest.param("dapo", marks=pytest.mark.slow), "grpo"],
+)
 def test_trainer_gradient_is_the_same_with_and_without_packing(
     tiny_policy: Policy, make_sample, loss_type: str
 ) -> None:
@@ -501,7 +506,11 @@ def test_trainer_gradient_is_the_same_with_and_without_packing(
         assert rel_diff(grad, grad_off) <= GRAD_BOUND
 
 
-@pytest.mark.parametrize("packing", ["tree", "prompts"])
+@pytest.mark.parametrize(
+    "packing",
+    # The prompts layout's gradient: test_trainer_gradient_is_the_same_with_and_without_packing[grpo].
+    ["tree", pytest.param("prompts", marks=pytest.mark.slow)],
+)
 def test_trainer_step_gives_the_same_parameters_with_packing(
     tiny_policy: Policy, make_sample, packing: str
 ) -> None:

@@ -372,11 +372,16 @@ def test_a_sync_run_trains_branch_groups_and_its_books_reconcile(tmp_path: Path)
 @pytest.mark.parametrize(
     "schedule",
     [
-        ["schedule=periodic"],
-        ["schedule=one_step_off"],
+        # Slow: branch groups of an on-policy schedule: test_a_sync_run_trains_branch_groups_...;
+        # within a staleness bound: the async-abort case; the drain and batch interrupts and
+        # token rejection without pivots: test_interrupts, test_buffer, test_payload.
+        pytest.param(["schedule=periodic"], marks=pytest.mark.slow),
+        pytest.param(["schedule=one_step_off"], marks=pytest.mark.slow),
         ["schedule=async", "schedule.interrupt=abort"],
-        ["schedule=async", "schedule.interrupt=drain", "schedule.reject=token"],
-        ["schedule=async", "schedule.interrupt=batch"],
+        pytest.param(
+            ["schedule=async", "schedule.interrupt=drain", "schedule.reject=token"], marks=pytest.mark.slow
+        ),
+        pytest.param(["schedule=async", "schedule.interrupt=batch"], marks=pytest.mark.slow),
         # interrupt=never with the local runtime: test_a_stopped_async_run_keeps_its_pivots_...
     ],
     ids=["periodic", "one_step_off", "async-abort", "async-drain-token", "async-batch"],

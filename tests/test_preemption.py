@@ -73,6 +73,7 @@ def run_until_ready(worker: GeneratorWorker) -> Group:
 PROMPT = Prompt("p0", "3+4=", "7", {"max_new_tokens": BUDGETS})
 
 
+@pytest.mark.slow  # prefixes preempted, checkpointed and continued: test_a_stopped_async_run_resumes_without_generating_anything_again[True]; a continuation equal to the uninterrupted one: test_engine_batching's test_abort_then_resume_...
 def test_a_preempted_group_continues_from_its_prefixes_on_another_generator() -> None:
     """Preempted after 8 steps: 2 finished completions and 2 prefixes of 8 tokens; another generator
     continues them to the same tokens as an uninterrupted generation (log-probs within 1e-5)."""
@@ -396,6 +397,7 @@ def test_a_stopped_sync_run_carries_its_groups_and_resumes_bit_exactly(
     assert max_abs_diff(final_weights(tmp_path / "straight"), final_weights(tmp_path / "stopped")) == 0.0
 
 
+@pytest.mark.slow  # carried groups and prefixes at a resume: test_a_stopped_async_run_resumes_without_generating_anything_again; stale groups dropped at the buffer: test_buffer, test_schedules' staleness bounds
 def test_rollouts_older_than_the_staleness_bound_at_the_resume_are_generated_afresh_and_counted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -425,6 +427,7 @@ def test_rollouts_older_than_the_staleness_bound_at_the_resume_are_generated_afr
     assert acc["trained"] == STEPS * PROMPTS and acc["reconciles"] and acc["prompts_trained_twice"] == 0
 
 
+@pytest.mark.slow  # a stop's checkpoint with the prefixes: test_a_stopped_async_run_resumes_without_generating_anything_again[True]; interval checkpoints: test_checkpoint's test_checkpoints_are_periodic_complete_and_pruned
 def test_a_stop_during_an_interval_checkpoint_is_followed_by_its_own_with_the_prefixes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

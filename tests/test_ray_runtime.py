@@ -477,3 +477,46 @@ def test_a_lost_generators_branch_groups_go_back_to_their_pivots(tmp_path: Path)
     assert acc["generators_lost"] == 1 and acc["branches_reissued"] >= 1
     assert acc["trained"] == steps * PROMPTS and acc["reconciles"] and acc["branches_reconcile"]
     assert acc["branches_trained"] > 0
+
+
+@pytest.mark.ray
+@pytest.mark.multiprocess
+def test_a_lost_generators_episodes_of_two_policies_are_issued_again(tmp_path: Path) -> None:
+    """Multi-agent episodes with two policies on Ray: a generator killed with episodes in flight is
+    replaced, its groups are issued again, and every policy's books reconcile (no sample or turn
+    of either policy lost or trained twice)."""
+    steps = 8
+    cfg = load_config(
+        None,
+        [
+            *BASE,
+            "schedule=async",
+            "runtime.kind=ray",
+            "runtime.ray.generator.num_cpus=1",
+            f"run.steps={steps}",
+            "episode.environment=tests.test_multi_agent:solve_and_check",
+            "multi_agent.roles=[{name: solver}, {name: checker, policy: checker}]",
+            "multi_agent.policies=[{name: checker, kind: model}]",
+        ],
+    )
+    killed: dict = {}
+
+    def kill_with_episodes_in_flight(runtime: RayRuntime, controller: Controller, events: list) -> None:
+        if killed or not 1 <= controller.steps_done < steps - 3:
+            return
+        for victim in controller.generators.names:
+            done = {ended_group(e) for e in events if is_group_end(e, victim)}
+            in_flight = set(controller.generators.in_flight(victim)) - done
+            if in_flight:
+                killed.update(victim=victim, ids=in_flight)
+                ray.kill(runtime.actor(victim))
+                return
+
+    acc, _, _ = run_with_hook(cfg, tmp_path, kill_with_episodes_in_flight)
+    assert killed, "no episode was ever in flight"
+    assert acc["generators_lost"] == 1 and acc["lost_in_flight"] >= 1
+    assert acc["trained"] == steps * PROMPTS and acc["prompts_trained_twice"] == 0 and acc["reconciles"]
+    assert acc["policies_reconcile"]
+    for policy in ("default", "checker"):
+        books = acc["policies"][policy]
+        assert books["samples_trained"] == steps * PROMPTS * cfg.rollout.group_size, books  # one role each

@@ -313,6 +313,7 @@ def test_radix_select_keeps_exactly_what_sorting_keeps(monkeypatch) -> None:
     assert kept[6] > 1 and kept[8 + 6] == 1  # top-p 0.01: a flat row needs several tokens, a peaked one
 
 
+@pytest.mark.slow  # the radix path's kept sets: test_radix_select_keeps_exactly_what_sorting_keeps; draws from a kept set: test_sampled_frequencies_match_the_exact_restricted_distribution
 def test_large_flat_vocabulary_draws_follow_the_restricted_distribution() -> None:
     """Radix path, top-p 0.95 over a flat 3,048-token row (2,779 kept): 4,000 draws never leave the kept
     set, and grouped into 10 bins of equal expected mass their chi-square is under the 0.999 quantile."""

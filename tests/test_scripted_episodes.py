@@ -246,7 +246,10 @@ def test_sft_rows_train_only_the_teachers_turns() -> None:
 @pytest.mark.parametrize(
     "task",
     [
-        "calculator",
+        # Two SFT runs; an SFT run and its determinism: test_cli's test_sft_is_deterministic; the
+        # episodes' SFT rows: test_sft_rows_train_only_the_teachers_turns; the calculator's greedy
+        # episodes evaluated: test_shipped_warm_starts_earn_some_reward_but_not_all[calculator].
+        pytest.param("calculator", marks=pytest.mark.slow),
         # SFT on episodes: calculator; the guessing game's episodes as RL records them:
         # test_scripted_episodes_are_token_for_token_what_rl_records[guess].
         pytest.param("guess", marks=pytest.mark.slow),

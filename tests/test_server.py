@@ -228,6 +228,7 @@ def arithmetic_prompts(n: int = 20):
     return [task.get(i) for i in range(n)]
 
 
+@pytest.mark.slow  # the same 20 greedy requests served: test_concurrent_requests_all_complete_with_the_sequential_answers; the model's greedy accuracy: test_models' test_builtin_arith_answers_most_additions[arith-0.72]
 def test_greedy_answers_most_arithmetic_prompts(server: Server) -> None:
     """temperature 0 on 20 prompts of the built-in task: >= 13 right (measured 15; the model is ~80% greedy)."""
     correct = 0
@@ -303,7 +304,9 @@ def streamed_completion(server: Server, **kwargs) -> tuple[str, list[float], str
     return text, logprobs, finish
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize(
+    "seed", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)]
+)  # seeds 2 and 3: the same check on other draws
 def test_streamed_completion_equals_the_unstreamed_one(server: Server, seed: int) -> None:
     """stream=True: the concatenated text deltas and log-probs equal the non-streamed response of the same seed."""
     kwargs = dict(prompt="33+48=", max_tokens=10, temperature=1.0, seed=seed, logprobs=1)

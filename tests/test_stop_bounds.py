@@ -157,7 +157,11 @@ SYNC = [
 @pytest.mark.parametrize(
     "keep",
     [
-        True,
+        # A stop inside a training step of an inline sync run, resumed to the straight run:
+        # test_a_stop_between_a_batchs_optimizer_steps_...; a sync stop's carried groups, resumed
+        # bit-exactly: test_preemption's test_a_stopped_sync_run_carries_its_groups_...; the trainer
+        # giving the step up and saving where it is: test_a_stopping_trainer_gives_the_step_up_...
+        pytest.param(True, marks=pytest.mark.slow),
         # Without run.checkpoint_rollouts, stopped rollouts are issued again: test_preemption's
         # test_a_stopped_async_run_resumes_without_generating_anything_again[False].
         pytest.param(False, marks=pytest.mark.slow),

@@ -439,6 +439,7 @@ def test_an_in_process_reward_call_that_hangs_fails_an_inline_run_within_the_sta
     assert list((run_dir / "checkpoints").iterdir()) == []
 
 
+@pytest.mark.slow  # a child armed with the lifeline ending with its killed parent: test_lifeline; a killed parent's reward workers: test_reward_pool's test_a_killed_run_leaves_no_reward_worker_behind; reward processes killed at a stop: test_stop_abandons_the_batch_in_progress_and_kills_its_processes
 def test_killed_parent_leaves_no_reward_process_alive(tmp_path: Path, reward_spec: str) -> None:
     script = tmp_path / "parent.py"
     script.write_text(
@@ -467,7 +468,7 @@ def test_killed_parent_leaves_no_reward_process_alive(tmp_path: Path, reward_spe
             os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.slow  # reward processes of a killed parent: test_killed_parent_leaves_no_reward_process_alive; a worker's lifeline: test_lifeline
+@pytest.mark.slow  # reward processes of a killed parent: test_killed_parent_leaves_no_reward_process_alive (slow too); a worker's lifeline: test_lifeline; a killed parent's reward workers: test_reward_pool's test_a_killed_run_leaves_no_reward_worker_behind
 @pytest.mark.parametrize("runtime", ["inline", "local"])
 def test_a_killed_run_leaves_no_process_behind(tmp_path: Path, reward_spec: str, runtime: str) -> None:
     """SIGKILL of ``asyncrl train`` while a generator waits on hanging reward calls: its workers

@@ -127,6 +127,7 @@ def test_a_checkpoint_the_trainer_never_writes_fails_the_run_within_checkpoint_t
     assert 1.0 <= time.monotonic() - asked < 60
 
 
+@pytest.mark.slow  # run.checkpoint_timeout_s bounding a stop's wait: test_a_checkpoint_the_trainer_never_writes_fails_the_run_within_checkpoint_timeout; a stop preempting generators: test_preemption's test_a_stopped_async_run_resumes_without_generating_anything_again
 def test_a_generator_that_never_answers_a_preempt_is_given_up_after_checkpoint_timeout(
     tmp_path: Path,
 ) -> None:
@@ -140,6 +141,7 @@ def test_a_generator_that_never_answers_a_preempt_is_given_up_after_checkpoint_t
     assert "did not write the checkpoint" in str(error)
 
 
+@pytest.mark.slow  # the stall watchdog naming what the run waits for: test_resume's test_a_loop_with_no_progress_fails_within_the_stall_timeout_naming_what_it_waits_for; a resume's Restore: test_checkpoint's resumed runs
 def test_a_restore_the_trainer_never_answers_fails_the_resumed_run_within_the_stall_timeout(
     tmp_path: Path,
 ) -> None:
@@ -166,6 +168,7 @@ def test_a_restore_the_trainer_never_answers_fails_the_resumed_run_within_the_st
     assert 1.0 <= time.monotonic() - t0 < 30
 
 
+@pytest.mark.slow  # a failed controller write keeping the previous checkpoint: test_checkpoint's test_full_disk_at_a_checkpoint_fails_clearly_and_keeps_the_previous_one; run.checkpoint_timeout_s firing: test_a_checkpoint_the_trainer_never_writes_fails_the_run_within_checkpoint_timeout
 def test_a_checkpoint_write_the_filesystem_never_finishes_fails_within_checkpoint_timeout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -455,6 +458,7 @@ group.close()
 """
 
 
+@pytest.mark.slow  # a trainer rank in a child Python; the stop handshake of two ranks: test_distributed's test_two_ranks_give_a_stopped_step_up_together; a rank group's wait ending at its bound: test_trainer_ranks_that_do_not_all_join_fail_within_the_init_timeout
 @pytest.mark.multiprocess
 def test_rank_zero_waits_for_a_follower_that_never_acknowledges_the_stop_at_most_stop_wait(
     monkeypatch: pytest.MonkeyPatch,
@@ -505,6 +509,7 @@ sys.stdin.read()  # posts no command: the test kills this process
 """
 
 
+@pytest.mark.slow  # a trainer rank in a child Python; a follower's next_command: test_distributed's two-rank tests; a rank group's wait ending at its bound: test_trainer_ranks_that_do_not_all_join_fail_within_the_init_timeout
 @pytest.mark.multiprocess
 def test_a_follower_waiting_for_its_next_command_fails_at_once_when_rank_zero_dies() -> None:
     """RankGroup.next_command has no bound while rank 0 lives; rank 0 killed (taking its store with
@@ -598,7 +603,7 @@ def test_a_publication_whose_receivers_never_join_holds_the_next_one_at_most_the
     assert sender.published == [1]
 
 
-@pytest.mark.slow  # the broadcast group's bounded waits: test_weight_sync's test_broadcast_receive_of_unpublished_version_times_out and test_broadcast_sender_whose_receivers_never_join_fails_within_its_timeout
+@pytest.mark.slow  # the broadcast group's bounded waits: test_weight_sync's test_broadcast_sender_whose_receivers_never_join_fails_within_its_timeout (and, slow, test_broadcast_receive_of_unpublished_version_times_out)
 def test_broadcast_plane_lookups_end_at_the_group_timeout() -> None:
     """The same-host plane's two store waits are bounded by each end's group timeout_s: a receiver
     whose sender never names a segment (2 s), and a sender one of whose receivers never reports
@@ -687,6 +692,7 @@ def test_closing_an_episode_worker_gives_up_an_episode_that_ignores_cancellation
     assert [t.name for t in set(threading.enumerate()) - threads_before if t.name == "asyncrl-episodes"] == []
 
 
+@pytest.mark.slow  # rollout.CLOSE_TIMEOUT_S bounding close(): test_closing_an_episode_worker_gives_up_an_episode_that_ignores_cancellation
 def test_closing_an_episode_worker_whose_loop_is_blocked_leaves_the_thread_after_close_timeout(
     tiny_policy, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -411,6 +411,7 @@ def _shm_receive_job(rank: int, report: Callable, *, name: str, versions: list[i
             report({"version": version, "tensors": pack(tensors)})
 
 
+@pytest.mark.slow  # a generator process receiving every version over shm: test_schedules' test_the_async_run_publishes_every_step_over_shm_and_leaves_nothing_behind
 @pytest.mark.multiprocess
 def test_shm_child_process_receives_two_successive_versions(
     helpers: Helpers, shm_sender: SharedMemorySender
@@ -748,6 +749,7 @@ def test_broadcast_receiver_asking_older_version_gets_the_latest(helpers: Helper
     assert_received(results, 4)
 
 
+@pytest.mark.slow  # a broadcast group's bound firing: test_broadcast_sender_whose_receivers_never_join_fails_within_its_timeout; a receiver's wait ended: test_interrupt_ends_a_receivers_wait_at_once; a receive timing out: test_shm_/test_files_receive_of_unpublished_version_times_out
 @pytest.mark.multiprocess
 def test_broadcast_receive_of_unpublished_version_times_out(helpers: Helpers) -> None:
     """Receivers waiting for a version nobody publishes fail within about the group timeout, naming the peer."""
@@ -944,6 +946,7 @@ def test_publisher_regroup_publishes_the_newest_weights_to_the_new_group_first(
         publisher.close()
 
 
+@pytest.mark.slow  # an elastic publisher's regroup: test_publisher_regroup_publishes_the_newest_weights_to_the_new_group_first; a lost member without elastic: test_a_publisher_without_elastic_reports_a_lost_member
 @pytest.mark.multiprocess
 def test_elastic_publisher_waits_for_the_regroup_after_a_member_is_lost(
     helpers: Helpers, tmp_path: Path

@@ -36,12 +36,12 @@ class PolicySpec(Section):
     kind: Literal["adapter", "model"] = Field(
         "model",
         description="'adapter': its own LoRA adapter over the run's base model, served by the same engine "
-        "(needs lora.enabled); 'model': a model of its own (model below), with its own engine and trainer.",
+        "(needs lora.rank > 0); 'model': a model of its own (model below), with its own engine and trainer.",
     )
     model: str | None = Field(
         None,
         description="kind=model: a local Hugging Face directory or a built-in name ('builtin:...', 'tiny:...'); "
-        "null = a copy of model.name.",
+        "null = a copy of model.path.",
     )
     max_staleness: int | None = Field(
         None,
@@ -96,6 +96,23 @@ class MultiAgentConfig(Section):
         """Every policy a role uses, 'default' first if used, then in multi_agent.policies' order."""
         used = {r.policy for r in self.roles} or {DEFAULT_POLICY}
         return [n for n in [DEFAULT_POLICY, *(p.name for p in self.policies)] if n in used]
+
+    @property
+    def several_policies(self) -> bool:
+        """Whether the roles are served by more than the run's own policy (then each policy keeps
+        its own trainer, clock and books)."""
+        return self.policy_names != [DEFAULT_POLICY]
+
+    @property
+    def adapter_policies(self) -> list[str]:
+        """The policies served as LoRA adapters of the run's base model (one engine serves them
+        all): every kind=adapter policy a role uses, and then the run's own too (its adapter
+        'default'); empty when no role uses an adapter policy."""
+        used = self.policy_names
+        named = [p.name for p in self.policies if p.kind == "adapter" and p.name in used]
+        if not named:
+            return []
+        return ([DEFAULT_POLICY] if DEFAULT_POLICY in used else []) + named
 
     @model_validator(mode="after")
     def _names(self) -> MultiAgentConfig:

@@ -166,16 +166,21 @@ class Config(Section):
                 "multi_agent.roles needs episode.environment: an `async def episode(team, task)` function "
                 "(or a built-in multi-agent environment) that plays the roles"
             )
+        if agents.policy_names != ["default"] and self.trainer.ranks > 1:
+            raise ValueError(
+                f"several policies (multi_agent.policies, used by roles) train in one trainer process; "
+                f"trainer.ranks={self.trainer.ranks} is not supported with them (use trainer.ranks=1)"
+            )
         for policy in agents.policies:
             if policy.kind == "adapter" and not self.lora.enabled:
                 raise ValueError(
                     f"multi_agent.policies: policy {policy.name!r} has kind=adapter, a LoRA adapter over the run's "
-                    "base model: set lora.enabled=true (or kind=model)"
+                    "base model: set lora.rank > 0 (or kind=model)"
                 )
             if policy.kind == "adapter" and policy.model is not None:
                 raise ValueError(
                     f"multi_agent.policies: policy {policy.name!r} has kind=adapter over the run's model "
-                    f"(model.name) and model={policy.model!r}: an adapter has no model of its own (use kind=model)"
+                    f"(model.path) and model={policy.model!r}: an adapter has no model of its own (use kind=model)"
                 )
 
     @property

@@ -6,7 +6,9 @@ is a *group* with a new group id. The books hold the :class:`~asyncrl.control.li
 — every group not yet trained or discarded, with its ticket, prompt and state — the tickets
 trained and dropped, and the counts behind the accounting invariant (see
 :meth:`Books.accounting`): every prompt issued is trained, dropped with a reason, or still
-pending, none is trained twice and none goes missing.
+pending, none is trained twice and none goes missing. With several policies (multi-agent
+roles), the policy books (:mod:`asyncrl.control.policy_books`, :attr:`Books.policies`) prove the
+same of each policy's samples and model turns.
 
 **Checkpoints.** :meth:`Books.state_dict` describes the books at a trainer version V (every
 step sent to the trainer so far included): the batches the trainer will have stepped on are
@@ -37,8 +39,9 @@ from typing import Any
 
 from asyncrl.control.lifecycle import GroupLedger, GroupRecord
 from asyncrl.control.pivoting import BranchBook
+from asyncrl.control.policy_books import PolicyBooks
 from asyncrl.prompts.base import PromptStream
-from asyncrl.types import GroupState, Prompt
+from asyncrl.types import GroupHeader, GroupState, Prompt
 
 FORMAT = 2  # 2: carried groups and partial pending groups (1 is read too)
 FORMATS = (1, 2)
@@ -62,6 +65,8 @@ class Books:
     admission_blocked_s: float = 0.0
     # Pivot resampling: the pivots and branch groups (a control.pivoting.BranchBook), or None.
     branches: BranchBook | None = None
+    # Several policies (multi-agent roles): each one's samples and turns (control.policy_books), or None.
+    policies: PolicyBooks | None = None
 
     # -- issuing ------------------------------------------------------------------------------
 
@@ -98,24 +103,38 @@ class Books:
         record = self.groups.move(group_id, GroupState.DISCARDED)
         self.requeued.append((record.ticket, record.prompt))
 
-    def carry(self, group_id: int, prompt: Prompt) -> GroupRecord:
-        """After a resume: a generated group the checkpoint carries, back in the ledger (carried)."""
+    def carry(self, group_id: int, prompt: Prompt, header: GroupHeader | None = None) -> GroupRecord:
+        """After a resume: a generated group the checkpoint carries, back in the ledger (carried);
+        ``header``: its header, for the policy books."""
         record = self.groups.add(group_id, self.carried_tickets.pop(group_id), prompt, GroupState.CARRIED)
         record.carried_over = True
+        if self.policies is not None and header is not None:
+            self.policies.delivered(header, carried_in=True)
         return record
 
     # -- outcomes -----------------------------------------------------------------------------
 
-    def generated(self, group_id: int) -> None:
-        """A group came back from its generator (delivered to the trainer) and goes to the buffer."""
+    def generated(self, group_id: int, header: GroupHeader | None = None) -> None:
+        """A group came back from its generator (delivered to the trainer) and goes to the buffer;
+        ``header``: its header, for the policy books."""
         self.groups.move(group_id, GroupState.DELIVERED)
         self.counts["generated"] += 1
         self.accepted += 1
+        if self.policies is not None and header is not None:
+            self.policies.delivered(header)
+
+    def late(self, header: GroupHeader) -> None:
+        """The header of a group no longer in flight where it came from (a late duplicate; the
+        trainer frees the group): only the policy books count it, delivered and discarded."""
+        if self.policies is not None:
+            self.policies.late(header)
 
     def dropped_stale(self, group_id: int, reason: str) -> None:
         """A generated group dropped for staleness before training: its prompt is issued again."""
         self.accepted -= 1
         self.counts[f"dropped_{reason}"] += 1
+        if self.policies is not None:
+            self.policies.discarded(group_id, reason)
         self.reissue(group_id)
 
     def dropped(self, group_id: int, reason: str) -> None:
@@ -131,6 +150,8 @@ class Books:
         for group_id in group_ids:
             self.counts["trained"] += 1
             self.trained_tickets[self.groups.move(group_id, GroupState.TRAINED).ticket] += 1
+            if self.policies is not None:
+                self.policies.trained(group_id)
 
     @property
     def dropped_total(self) -> int:
@@ -164,6 +185,7 @@ class Books:
         # Preemption: what resumes carried over, and what was thrown away and generated again.
         carried = {k: v for k, v in counts.items() if k.startswith(("carried_", "discarded_"))}
         branches = self.branches.accounting() if self.branches is not None else {}
+        policies = self.policies.accounting(in_flight) if self.policies is not None else {}
         issued, trained = counts.get("issued", 0), counts.get("trained", 0)
         return {
             "issued": issued,
@@ -180,10 +202,12 @@ class Books:
             **membership,
             **carried,
             **branches,
+            **policies,
             "reconciles": issued == trained + self.dropped_total + cancelled + lost + in_flight + buffered
             and trained_twice == 0
             and missing == 0
-            and branches.get("branches_reconcile", True),
+            and branches.get("branches_reconcile", True)
+            and policies.get("policies_reconcile", True),
         }
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -207,9 +231,11 @@ class Books:
         state includes them); ``carried``: group ids of the generated groups the checkpoint
         holds; ``partial``: the pending groups that continue from a prefix; ``branches_trained``:
         the branch groups of the steps the trainer state includes (pivot resampling: every other
-        branch group's pivot is kept, to be expanded again).
+        branch group's pivot is kept, to be expanded again). With several policies, the policy
+        books' counts of that moment go with them (:meth:`PolicyBooks.state_dict
+        <asyncrl.control.policy_books.PolicyBooks.state_dict>`).
         """
-        partial = set(partial)
+        partial, carried = set(partial), list(carried)
         trained = Counter(self.trained_tickets)
         for group_id in in_steps:
             trained[self.groups.get(group_id).ticket] += 1
@@ -242,6 +268,7 @@ class Books:
             "accepted": self.accepted - generated_pending,
             "admission_blocked_s": self.admission_blocked_s,
             **({"branches": self.branches.state_dict(list(branches_trained))} if self.branches else {}),
+            **({"policies": self.policies.state_dict(in_steps, carried)} if self.policies else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> tuple[int, int]:
@@ -266,4 +293,6 @@ class Books:
         self.admission_blocked_s = float(state["admission_blocked_s"])
         if self.branches is not None:
             self.branches.load_state_dict(state.get("branches"))
+        if self.policies is not None:
+            self.policies.load_state_dict(state.get("policies"))
         return int(state["version"]), int(state["batches_handed"])

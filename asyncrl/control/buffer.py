@@ -12,11 +12,14 @@ Staleness is bounded by two tools that work together:
   trainer takes it: a group whose oldest trained token is more than η versions behind is
   dropped (``reject="group"``), or just those tokens are masked out (``reject="token"``).
   Every drop is counted by reason and handed to ``on_drop`` so that its prompt can be
-  issued again.
+  issued again. With several policies, each token is judged on its own policy's clock and
+  bound η_p (``oldest``: :meth:`~asyncrl.control.clocks.PolicyClocks.oldest`); the depth
+  bound stays the run's.
 
 Invariants (asserted by tests): the buffer never holds more than ``capacity`` groups; a
 group is handed out at most once; no token handed out is older than η versions relative
-to the ``trainer_version`` passed to :meth:`RolloutBuffer.take`.
+to the ``trainer_version`` passed to :meth:`RolloutBuffer.take` (with ``oldest``: older than
+the bound it gives for that version, per policy).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from asyncrl.control.lifecycle import GroupLedger
-from asyncrl.types import GroupState
+from asyncrl.types import GroupState, Oldest
 
 
 class Buffered(Protocol):
@@ -40,9 +43,9 @@ class Buffered(Protocol):
     @property
     def num_trained_tokens(self) -> int: ...
 
-    def stale_trained_tokens(self, oldest: int) -> int: ...
+    def stale_trained_tokens(self, oldest: Oldest) -> int: ...
 
-    def mask_older_than(self, oldest: int) -> int: ...
+    def mask_older_than(self, oldest: Oldest) -> int: ...
 
 
 class AdmissionControl:
@@ -89,7 +92,8 @@ class RolloutBuffer:
     trainer's inbox); a buffer of whole groups works the same way. With a ``ledger`` (the
     controller's :class:`~asyncrl.control.lifecycle.GroupLedger`), a group put here is
     *buffered* there; it stays so until step assembly sends it to the trainer, or ``on_drop``
-    discards it.
+    discards it. ``oldest``: the oldest version the step that ``trainer_version`` makes may
+    train (default ``trainer_version - max_staleness``; per policy with several).
     """
 
     def __init__(
@@ -99,6 +103,7 @@ class RolloutBuffer:
         reject: str = "group",
         on_drop: Callable[[Buffered, str], None] | None = None,
         ledger: GroupLedger | None = None,
+        oldest: Callable[[int], Oldest] | None = None,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"buffer capacity must be >= 1 group, got {capacity}")
@@ -109,6 +114,7 @@ class RolloutBuffer:
         self.reject = reject
         self.on_drop = on_drop
         self.ledger = ledger
+        self.oldest = oldest if oldest is not None else lambda version: version - self.max_staleness
         self.stats = BufferStats()
         self._groups: deque[Buffered] = deque()
         self._cond = threading.Condition()
@@ -158,7 +164,7 @@ class RolloutBuffer:
         return out
 
     def _admit(self, group: Buffered, trainer_version: int) -> bool:
-        oldest = trainer_version - self.max_staleness
+        oldest = self.oldest(trainer_version)
         if self.reject == "token":
             self.stats.masked_tokens += group.mask_older_than(oldest)
             if group.num_trained_tokens:

@@ -28,7 +28,9 @@ checkpoint carries (``SaveCheckpoint``); the prompts it issued it keeps itself.
 
 Accounting invariant (checked at the end of every run, see :meth:`Books.accounting`): every
 prompt issued is trained, dropped with a reason, or still in flight / buffered when the run
-stopped; none is trained twice and none goes missing.
+stopped; none is trained twice and none goes missing. Several policies (multi-agent roles):
+each keeps a version clock of its own, which sets its tokens' staleness bound (:mod:`.clocks`),
+and the policy books prove the same of each policy's samples and turns (:mod:`.policy_books`).
 
 Lossless preemption, what a stop keeps and what a resume carries over: :mod:`.preemption`.
 """
@@ -45,8 +47,9 @@ from asyncrl.control.buffer import AdmissionControl, RolloutBuffer
 from asyncrl.control.liveness import Watchdog, waiting_for
 from asyncrl.control.membership import TRAINER, Generators
 from asyncrl.control.pivoting import BranchBook
+from asyncrl.control.policy_books import PolicyBooks, role_rewards
 from asyncrl.control.preemption import Preemption, carry_over
-from asyncrl.control.records import StepRecorder
+from asyncrl.control.records import StepRecorder, loop_figures
 from asyncrl.control.saving import SaveProtocol
 from asyncrl.control.session import RunSession
 from asyncrl.control.steps import StepAssembly
@@ -102,6 +105,9 @@ class Controller:
         self.steps = StepAssembly(cfg, lambda command: self._send(TRAINER, command), self.books.groups)
         if cfg.pivot.enabled:  # pivot resampling's branch groups (control/pivoting.py)
             self.books.branches = self.steps.branches = BranchBook(cfg, self.books.groups)
+        self.clocks = self.steps.clocks  # every policy's version clock (control/clocks.py)
+        if self.clocks.several:  # each policy's samples and turns (control/policy_books.py)
+            self.books.policies = PolicyBooks(cfg)
         self.admission = AdmissionControl(self.B, sched.max_staleness, versions_per_step=self.steps.iters)
         rollouts = (checkpoint.read_rollouts(resume_from) if resume_from is not None else None) or {}
         # A resume reads the carried groups' headers here; the trainer loads the groups (Restore).
@@ -114,6 +120,7 @@ class Controller:
             reject=sched.reject,
             on_drop=self._on_drop,
             ledger=self.books.groups,
+            oldest=self.clocks.oldest,
         )
         self.published_version = 0
         self.published_checksums: dict[str, float] | None = None
@@ -134,16 +141,20 @@ class Controller:
         self.saving.waiting_for_teacher = (
             self.teacher_queue.headers if self.teacher_queue is not None else list
         )
+        self.saving.clocks = self.clocks
         # After a resume: the partial groups to continue.
         self.partials: dict[int, PartialGroup] = {}
         self.resume_from = resume_from
         if resume_from is not None:
-            version, handed = self.books.load_state_dict(checkpoint.read_controller_state(resume_from))
+            state = checkpoint.read_controller_state(resume_from)
+            version, handed = self.books.load_state_dict(state)
             self.trainer_version = self.steps.planned_version = self.steps_done = version
             self.steps.handed = handed
+            self.clocks.load_state_dict(version, state.get("policy_clocks"))
             partials = [PartialGroup.from_dict(p) for p in rollouts.get("partial", [])]
+            oldest = self.clocks.oldest(version)  # what the resumed generators' weights may continue
             self.partials = carry_over(
-                cfg, carried, partials, version, self.buffer, self.books, session.log, self.teacher_queue
+                cfg, carried, partials, oldest, self.buffer, self.books, session.log, self.teacher_queue
             )
 
     def _on_drop(self, group: GroupHeader, reason: str) -> None:
@@ -254,11 +265,12 @@ class Controller:
             header = event.header
             prompt = gens.finished(event.worker, header.group_id)
             if prompt is None:
+                books.late(header)
                 self._send(TRAINER, Discard([header.group_id]))  # its prompt was issued again
             elif header.pivot is not None:
                 books.branches.delivered(header)
             else:
-                books.generated(header.group_id)
+                books.generated(header.group_id, header)
                 self.recorder.on_generated(header.num_completion_tokens)
                 if self.teacher_queue is None or self.teacher_queue.wait(header):  # True: already scored
                     self.buffer.put(header, timeout=0.0)
@@ -304,6 +316,7 @@ class Controller:
 
     def _on_step(self, event: StepDone) -> None:
         self.trainer_version = event.version
+        trained_by = self.clocks.update(event.version, event.policy_versions)
         groups = self.steps.confirmed(event.version)
         self.books.trained(g.group_id for g in groups)
         if self.books.branches is not None:
@@ -311,7 +324,7 @@ class Controller:
             event.metrics.update(
                 self.books.branches.step_metrics(self.steps.confirmed_branches, event.version)
             )
-        step = self.steps_done = self.session.record_step(self._step_record(event, groups))
+        step = self.steps_done = self.session.record_step(self._step_record(event, groups, trained_by))
         if event.published:
             self.published_version, self.published_checksums = event.version, event.checksums
         if event.published and step < self.cfg.run.steps:
@@ -327,27 +340,15 @@ class Controller:
             self._send(TRAINER, SaveModel(str(self.session.run_dir / "final")))
             self.final_save_requested = True
 
-    def _step_record(self, event: StepDone, groups: list[GroupHeader]) -> dict:
-        """The step's metrics.jsonl row: the trainer's metrics, the batch's, and the loop's own."""
-        counts = self.books.counts
-        return self.recorder.record(
-            event,
-            groups,
-            self.generators.names,
-            {
-                "dropped": self.books.dropped_total,
-                "buffer_depth": len(self.buffer),
-                **(
-                    {"teacher_queue": len(self.teacher_queue), "teacher_full_s": self.teacher_queue.full_s}
-                    if self.teacher_queue is not None
-                    else {}
-                ),
-                "admission_blocked_s": self.books.admission_blocked_s,
-                "gen_version_min": min(self.generators.version.values(), default=-1),  # -1: none right now
-                # After a resume: what it carried over, and what was generated again instead.
-                **{k: v for k, v in counts.items() if k.startswith(("carried_", "discarded_"))},
-            },
-        )
+    def _step_record(self, event: StepDone, groups: list[GroupHeader], trained_by: dict[str, int]) -> dict:
+        """The step's metrics.jsonl row: the trainer's metrics, the batch's, and the loop's own;
+        with several policies, each policy's and role's (``trained_by``: the clocks that trained it)."""
+        extra = loop_figures(self.books, self.buffer, self.teacher_queue, self.generators)
+        if self.books.policies is None:  # one policy; with roles, each one's reward
+            extra |= role_rewards(groups, [r.name for r in self.cfg.multi_agent.roles]) if groups else {}
+            return self.recorder.record(event, groups, self.generators.names, extra)
+        extra |= self.books.policies.step_metrics(groups, trained_by, self.clocks.confirmed)
+        return self.recorder.record(event, groups, self.generators.names, extra, trained_by)
 
     # -- stops --------------------------------------------------------------------------------
 

@@ -7,7 +7,8 @@ flight, which come back as finished completions and prefixes and are written bes
 into the buffer with their versions (the buffer's staleness check applies against the
 resumed trainer version) and the partial groups, issued first under their own ids, continue
 from their prefixes; a partial group whose oldest token is already more than η versions
-behind the resumed trainer is generated afresh instead, counted in ``discarded_stale_*``.
+behind the resumed trainer (on its policy's clock, with several) is generated afresh
+instead, counted in ``discarded_stale_*``.
 On-policy schedules (η = 0) do not preempt: their groups in flight are regenerated exactly
 under their group ids, which a re-prefilled prefix would not guarantee (its later log-probs
 differ in the last bits). Interval checkpoints carry the generated groups too (a copy; the
@@ -24,7 +25,7 @@ from asyncrl.control.books import Books
 from asyncrl.control.buffer import RolloutBuffer
 from asyncrl.control.membership import Generators
 from asyncrl.control.teaching import TeacherQueue
-from asyncrl.types import Group, GroupState, PartialGroup, PartialHeader, Prompt
+from asyncrl.types import Group, GroupState, Oldest, PartialGroup, PartialHeader, Prompt, oldest_for
 from asyncrl.workers.messages import Preempt, Preempted
 
 
@@ -79,7 +80,7 @@ def carry_over(
     cfg: Config,
     groups: list[Group],
     partials: list[PartialGroup],
-    version: int,
+    oldest: Oldest,
     buffer: RolloutBuffer,
     books: Books,
     log: Callable[[str], None],
@@ -90,24 +91,28 @@ def carry_over(
     issue them again first, under their own ids).
 
     The groups keep their versions: the buffer checks them against the version that will
-    train them, as before the stop. A partial group whose oldest token is more than η
-    versions behind ``version`` (the resumed generators' weights) would be cancelled at
-    once (``reject=group``): it starts afresh, counted as discarded. With a teacher
-    (``teacher_queue``), a group the teacher had not scored waits for it again.
+    train them, as before the stop. A partial group with a token older than ``oldest`` (the
+    bound set by the resumed trainer version V, whose weights the generators resume with:
+    V - η, or per policy on its clock, :meth:`~asyncrl.control.clocks.PolicyClocks.oldest`)
+    would be cancelled at once (``reject=group``): it starts afresh, counted as discarded. With a teacher (``teacher_queue``), a group the teacher had not scored waits for
+    it again.
     """
-    eta, counts = cfg.schedule.max_staleness, books.counts
+    counts = books.counts
     for group in groups:
-        books.carry(group.group_id, group.prompt)
+        header = group.header()
+        books.carry(group.group_id, group.prompt, header)
         if teacher_queue is not None and not group.taught:
             teacher_queue.carry(group)
         else:
-            buffer.put(group.header(), timeout=0.0)
+            buffer.put(header, timeout=0.0)
         counts["carried_groups"] += 1
         counts["carried_group_tokens"] += group.num_completion_tokens
     kept: dict[int, PartialGroup] = {}
     for partial in partials:
-        oldest = partial.oldest_version
-        if cfg.schedule.reject == "group" and oldest is not None and version - oldest > eta:
+        stale = any(
+            s.versions and min(s.versions) < oldest_for(oldest, s.policy) for s in partial.samples.values()
+        )
+        if cfg.schedule.reject == "group" and stale:
             counts["discarded_stale_rollouts"] += len(partial.samples)
             counts["discarded_stale_tokens"] += partial.num_completion_tokens
         else:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Mapping
 
-from asyncrl.control.membership import TRAINER
+from asyncrl.control.books import Books
+from asyncrl.control.buffer import RolloutBuffer
+from asyncrl.control.membership import TRAINER, Generators
+from asyncrl.control.teaching import TeacherQueue
 from asyncrl.reports.timeline import busy_fractions
 from asyncrl.types import GroupHeader
 from asyncrl.workers.messages import Span, StepDone, WeightsLoaded
@@ -13,15 +17,24 @@ from asyncrl.workers.messages import Span, StepDone, WeightsLoaded
 SPAN_MEMORY_S = 60.0  # spans older than this are forgotten (a step's window is shorter)
 
 
-def batch_metrics(groups: list[GroupHeader], trainer_version: int) -> dict[str, float]:
+def batch_metrics(groups: list[GroupHeader], trainer_version: int | Mapping[str, int]) -> dict[str, float]:
     """Reward and staleness statistics of the groups trained in one step, from their headers.
 
     Staleness of a token is ``trainer_version - versions[t]``: how many optimizer steps the
-    policy took between sampling the token and training on it (trained tokens only).
+    policy took between sampling the token and training on it (trained tokens only). With
+    several policies ``trainer_version`` is each trained policy's clock that trained the step
+    (a frozen policy's tokens, never trained, are left out).
     """
     rewards = [r for g in groups for r in g.rewards if r is not None]
     lags = [
-        (trainer_version - v, n) for g in groups for counts in g.trained_versions for v, n in counts.items()
+        (by - v, n)
+        for g in groups
+        for i, counts in enumerate(g.trained_versions)
+        for by in [
+            trainer_version if isinstance(trainer_version, int) else trainer_version.get(g.policy_of(i))
+        ]
+        if by is not None
+        for v, n in counts.items()
     ]
     trained = sum(n for _, n in lags)
     lengths = [n for g in groups for n in g.lengths]
@@ -70,15 +83,29 @@ class StepRecorder:
     def on_loaded(self, event: WeightsLoaded) -> None:
         self.sync_load_s.setdefault(event.version, []).append(event.seconds)
 
-    def record(self, event: StepDone, groups: list[GroupHeader], generators: list[str], extra: dict) -> dict:
-        """The step's metrics.jsonl row: the batch's metrics, the trainer's, the loop's own, then ``extra``."""
+    def record(
+        self,
+        event: StepDone,
+        groups: list[GroupHeader],
+        generators: list[str],
+        extra: dict,
+        trained_by: Mapping[str, int] | None = None,
+    ) -> dict:
+        """The step's metrics.jsonl row: the batch's metrics, the trainer's, the loop's own, then ``extra``.
+
+        ``trained_by``: with several policies, the clocks that trained the step (see :func:`batch_metrics`).
+        """
         now = time.time()
         busy = busy_fractions([s.__dict__ for s in self.spans], self.last_step_end, now) if self.spans else {}
         gen_busy = [busy.get(g, 0.0) for g in generators]
         self.spans = [s for s in self.spans if s.end > now - SPAN_MEMORY_S]
         elapsed = max(now - self.last_step_end, 1e-9)
         record = {
-            **(batch_metrics(groups, event.version - 1) if groups else {}),
+            **(
+                batch_metrics(groups, event.version - 1 if trained_by is None else trained_by)
+                if groups
+                else {}
+            ),
             **event.metrics,
             "policy_version": event.version,
             "trainer_busy_frac": busy.get(TRAINER, 0.0),
@@ -90,3 +117,24 @@ class StepRecorder:
         self.tokens_since_step = 0
         self.last_step_end = now
         return record
+
+
+def loop_figures(
+    books: Books, buffer: RolloutBuffer, teacher_queue: TeacherQueue | None, generators: Generators
+) -> dict[str, float]:
+    """The controller loop's own figures of a step record: drops, the buffer's depth, the teacher's
+    queue, time blocked by admission, the oldest weights a generator holds, what a resume carried."""
+    counts = books.counts
+    return {
+        "dropped": books.dropped_total,
+        "buffer_depth": len(buffer),
+        **(
+            {"teacher_queue": len(teacher_queue), "teacher_full_s": teacher_queue.full_s}
+            if teacher_queue is not None
+            else {}
+        ),
+        "admission_blocked_s": books.admission_blocked_s,
+        "gen_version_min": min(generators.version.values(), default=-1),  # -1: none right now
+        # After a resume: what it carried over, and what was generated again instead.
+        **{k: v for k, v in counts.items() if k.startswith(("carried_", "discarded_"))},
+    }

@@ -25,6 +25,7 @@ from asyncrl.config import Config
 from asyncrl.control import checkpoints
 from asyncrl.control.books import Books
 from asyncrl.control.buffer import RolloutBuffer
+from asyncrl.control.clocks import PolicyClocks
 from asyncrl.control.membership import TRAINER, Generators
 from asyncrl.control.preemption import Preemption
 from asyncrl.control.session import RunSession
@@ -112,6 +113,8 @@ class SaveProtocol:
         self.cfg, self.session, self.send = cfg, session, send
         # On-policy distillation: the generated groups the teacher has not scored (the controller's).
         self.waiting_for_teacher: Callable[[], list[GroupHeader]] = list
+        # Several policies: their clocks, saved with the books of the version the trainer saved at.
+        self.clocks: PolicyClocks | None = None
         self.books, self.steps, self.buffer = books, steps, buffer
         self.generators, self.preemption = generators, preemption
         self.pending: PendingCheckpoint | None = None  # asked of the trainer, not yet written
@@ -158,6 +161,8 @@ class SaveProtocol:
                 f"the trainer saved version {event.version} carrying groups {sorted(event.carried)}; expected "
                 f"version {asked} (or an older one, if it gave steps up at a stop) and the groups the books carry"
             )
+        if self.clocks is not None and self.clocks.several:
+            books = {**books, "policy_clocks": self.clocks.state_at(version)}
         try:
             path = checkpoints.commit_within(
                 self.cfg.run.checkpoint_timeout_s,

@@ -6,7 +6,9 @@ here and sent at once, in group-id order, so the step's arithmetic does not depe
 order they arrived in. With ``schedule.reproducible`` a streaming step is sent in fixed
 chunks of the lowest group ids (see :attr:`StepAssembly.canonical`). Once a step's B groups
 are with the trainer, ``FinishStep`` carries the batch divisor and whether the step
-publishes weights (``sync_every``).
+publishes weights (``sync_every``). With several policies (multi-agent roles) the staleness bound
+of ``Accumulate.min_version`` is per policy, on each one's clock (:mod:`.clocks`), and
+``FinishStep.policy_divisors`` gives each trained policy the divisor of its own samples.
 
 Everything here works on group headers: the trainer takes the groups themselves from its
 inbox by the ids an ``Accumulate`` names.
@@ -20,8 +22,10 @@ from collections.abc import Callable, Iterable
 from asyncrl.algorithms.losses import batch_divisor
 from asyncrl.config import Config
 from asyncrl.control.buffer import RolloutBuffer
+from asyncrl.control.clocks import PolicyClocks
 from asyncrl.control.lifecycle import GroupLedger
 from asyncrl.control.pivoting import BranchBook
+from asyncrl.control.policy_books import policy_divisors
 from asyncrl.types import GroupHeader, GroupState
 from asyncrl.workers.messages import Accumulate, ContinueBatch, Discard, FinishStep
 
@@ -33,7 +37,8 @@ class StepAssembly:
 
     ``planned_version`` is the version that will train the next group sent; ``handed`` counts
     the batches sent whole (FinishStep sent); ``unconfirmed`` holds their groups until the
-    trainer's ``StepDone``.
+    trainer's ``StepDone``; ``clocks`` are the policies' confirmed clocks (the controller updates
+    them from each StepDone), which set the staleness bound of what is sent.
     """
 
     def __init__(self, cfg: Config, send: Callable[[object], None], ledger: GroupLedger) -> None:
@@ -52,6 +57,7 @@ class StepAssembly:
         self.confirmed_branches: list[GroupHeader] = []  # of the last step confirmed
         self.planned_version = 0
         self.handed = 0
+        self.clocks = PolicyClocks(cfg)
 
     @property
     def canonical(self) -> bool:
@@ -98,9 +104,10 @@ class StepAssembly:
         """Send the groups to the trainer for the step being assembled, by id.
 
         The buffer admitted them for ``planned_version`` (masking, with ``reject=token``, what
-        is older than ``planned_version - max_staleness``); the trainer masks the groups the same way.
+        is older than ``planned_version - max_staleness``, or per policy: :meth:`PolicyClocks.oldest`);
+        the trainer masks the groups the same way.
         """
-        min_version = self.planned_version - self.cfg.schedule.max_staleness
+        min_version = self.clocks.oldest(self.planned_version)
         self.send(Accumulate([g.group_id for g in groups], min_version, mergeable=mergeable))
         for group in groups:
             self.ledger.move(group.group_id, GroupState.ACCUMULATED)
@@ -125,6 +132,11 @@ class StepAssembly:
         last = self.planned_version >= self.rounds * self.iters
         publish = not last and self.planned_version % self.cfg.schedule.sync_every == 0
         finish = FinishStep(divisor, publish)
+        if self.clocks.several:
+            cfg = self.cfg
+            finish.policy_divisors = policy_divisors(
+                cfg.algorithm.loss_type, self.step_groups, cfg.rollout.max_new_tokens, self.clocks.trained
+            )
         if branches:
             finish.branches = [g.group_id for g in branches]
             finish.branch_divisor = self.branches.divisor(branches)

@@ -39,6 +39,15 @@ the weights that computed the logits it was drawn from — the first token after
 still comes from the old weights), or running sequences may be aborted and later resumed
 from their prefix (:meth:`abort`). A load bumps ``weights_epoch``: a cache prefilled under an
 older epoch is not shared with newcomers.
+
+**Several adapters** (``adapters``, a :class:`~asyncrl.engine.multi_lora.MultiLora`). The
+engine then serves several LoRA policies over its base weights at once: a request names its
+adapter (:attr:`GenerationRequest.adapter`; None: the base alone), every row of every
+forward adds its own adapter's delta, and :meth:`EmbeddedEngine.load_adapter` replaces one
+adapter's tensors under that adapter's own version. A request's tokens record its adapter's
+version (the base's ``version`` for a request without one); a cache is shared only between
+rows of one adapter, prefilled since that adapter's last load and the base's. A request
+naming an adapter the engine does not serve is refused when it is added, naming it.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ import torch
 from transformers import PreTrainedModel
 
 from asyncrl.engine.kv_cache import free_memory_bytes, kv_bytes_per_token
+from asyncrl.engine.multi_lora import MultiLora
 from asyncrl.engine.plans import PrefillPlan
 from asyncrl.engine.runner import Runner, static_layout
 from asyncrl.engine.sampling import SamplingParams
@@ -77,6 +87,7 @@ class EmbeddedEngine:
         owns_model: bool = True,
         decode: Callable[[list[int]], str] | None = None,
         cuda_graphs: bool = True,
+        adapters: MultiLora | None = None,
     ) -> None:
         # An engine that owns its model keeps it in eval mode without gradients; one that
         # borrows a model (e.g. the trainer's, for evaluation) leaves its state alone.
@@ -112,6 +123,10 @@ class EmbeddedEngine:
                 )
         # Bumped by every weight load: a cache prefilled under an older epoch is not shared.
         self.weights_epoch = 0
+        self._base_epoch = 0  # weights_epoch at the last load of the base weights
+        # The adapters served (asyncrl.engine.multi_lora), and weights_epoch at each one's last load.
+        self.adapters = adapters
+        self._adapter_epochs = dict.fromkeys(adapters.names, 0) if adapters is not None else {}
         self.stats = {
             "steps": 0,
             "tokens_generated": 0,
@@ -169,12 +184,40 @@ class EmbeddedEngine:
                 params[name].copy_(tensor)
         self.version = version
         self.weights_epoch += 1
+        self._base_epoch = self.weights_epoch
+
+    def load_adapter(self, name: str, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Replace adapter ``name``'s tensors (named as a single-adapter policy publishes them)
+        and adopt ``version`` for it; the other adapters and the base keep theirs. Its
+        sequences in flight keep their KV cache and their later tokens record the new version;
+        its cache computed before is no longer shared with newcomers."""
+        if self.adapters is None:
+            raise ValueError(f"adapter {name!r}: this engine serves no adapters (built without adapters=)")
+        self.adapters.load(name, tensors, version)
+        self.weights_epoch += 1
+        self._adapter_epochs[name] = self.weights_epoch
+
+    def adapter_clock(self) -> dict[str, tuple[int, int]] | None:
+        """Each adapter's (policy version, weights epoch): the epoch changes when the adapter
+        or the base under it is loaded. None for an engine without adapters."""
+        if self.adapters is None:
+            return None
+        return {
+            name: (self.adapters.versions[name], max(epoch, self._base_epoch))
+            for name, epoch in self._adapter_epochs.items()
+        }
 
     # -- requests -----------------------------------------------------------------------
 
     def _validate(self, request: GenerationRequest) -> None:
         if not request.prompt_ids:
             raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if request.adapter is not None and request.adapter not in self._adapter_epochs:
+            serves = f"it serves {self.adapters.names}" if self.adapters is not None else "it serves none"
+            raise ValueError(
+                f"request {request.request_id!r} names adapter {request.adapter!r}, which this engine "
+                f"does not serve ({serves})"
+            )
         done = len(request.prefix.completion_ids) if request.prefix else 0
         need = len(request.prompt_ids) + request.sampling.max_new_tokens
         if need > self.max_positions:
@@ -250,7 +293,8 @@ class EmbeddedEngine:
         every running sequence, and return the sequences that finished."""
         t0 = time.perf_counter()
         scheduler = self._scheduler
-        prefill = scheduler.admit(self.version, self.weights_epoch) if admit else None
+        clock = self.adapter_clock()
+        prefill = scheduler.admit(self.version, self._base_epoch, clock) if admit else None
         if prefill is not None:
             self._prefill(prefill)
         if not scheduler.num_running:
@@ -259,7 +303,7 @@ class EmbeddedEngine:
         finished = scheduler.postprocess(draw, self._runner.draw(draw), self.decode)
         self._attach_routes()
         self.stats["tokens_generated"] += len(draw.slots)
-        decode = scheduler.schedule_decode(refill=admit, version=self.version)
+        decode = scheduler.schedule_decode(refill=admit, version=self.version, adapters=clock)
         if decode is not None:
             self._runner.decode(decode)
             self.stats["peak_cache_tokens"] = max(
@@ -278,6 +322,7 @@ class EmbeddedEngine:
                 pad_token_id=self.pad_token_id,
                 static=self._scheduler.static,
                 cuda_graphs=self.cuda_graphs,
+                adapters=self.adapters,
             )
         self._runner.prefill(plan)
         self.stats["prefills"] += 1
@@ -335,5 +380,7 @@ class EmbeddedEngine:
 
 
 def resume_request(result: GenerationResult, sampling: SamplingParams) -> GenerationRequest:
-    """The request that continues an aborted one after its prefix, with the same seed."""
-    return GenerationRequest(result.request_id, result.prompt_ids, sampling, result.seed, result.tokens())
+    """The request that continues an aborted one after its prefix, with the same seed and adapter."""
+    return GenerationRequest(
+        result.request_id, result.prompt_ids, sampling, result.seed, result.tokens(), adapter=result.adapter
+    )

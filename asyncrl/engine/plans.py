@@ -13,7 +13,7 @@ scheduler that writes them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from asyncrl.engine.sampling import SamplingParams
 
@@ -51,6 +51,9 @@ class PrefillPlan:
     twins: list[tuple[int, int, int]]
     # (slot, sampling parameters, seed) of every newcomer, for the runner's per-slot tensors.
     sampling: list[tuple[int, SamplingParams, int]]
+    # (slot, adapter) of every newcomer: the adapter its rows use in every forward, on an
+    # engine serving several (asyncrl.engine.multi_lora); written before the first round.
+    adapters: list[tuple[int, str | None]] = field(default_factory=list)
 
     @property
     def prefill_tokens(self) -> int:

@@ -30,6 +30,13 @@ routes' twin of the KV cache, ``(slots, slot_len, layers, k)`` int16, written at
 when it leaves (:meth:`Runner.routes_of`). The routers write into a static buffer and the
 scatter into ``slot_routes`` is part of the step, so a replayed decode graph records too.
 
+**Several adapters** (:mod:`asyncrl.engine.multi_lora`). With an adapter bank, every slot's
+adapter index lives in ``slot_adapter``, a static buffer written in place when a newcomer
+takes the slot (before its prefill) and moved with compaction; every forward runs within
+:meth:`MultiLora.rows <asyncrl.engine.multi_lora.MultiLora.rows>` over the forward's slots
+(a view of that buffer for a decode step), so each row adds its own adapter's delta and a
+replayed decode graph reads the slots' adapters as they are at replay.
+
 **One transfer per step.** A draw copies from the device once: the drawn tokens over their
 log-probs, packed into one float64 tensor; nothing on the step asks the device a question
 (``.item()``, ``bool()``). Rows that record their kept set (``keep_support``) draw eagerly,
@@ -38,11 +45,14 @@ since kept sets are variable-length lists.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import PreTrainedModel
 
 from asyncrl.engine.graphs import StepRunner
 from asyncrl.engine.kv_cache import SlotKVCache, length_mask
+from asyncrl.engine.multi_lora import BASE, MultiLora
 from asyncrl.engine.plans import DecodePlan, Drawn, DrawPlan, PrefillPlan, PrefillRound
 from asyncrl.engine.sampling import sample_tokens
 from asyncrl.models.forward import with_cache
@@ -67,6 +77,7 @@ class Runner:
         pad_token_id: int,
         static: bool,
         cuda_graphs: bool,
+        adapters: MultiLora | None = None,
     ) -> None:
         dev, n = next(model.parameters()).device, num_slots
         self.model = model
@@ -85,6 +96,11 @@ class Runner:
         self.ids_in = torch.zeros(n, 1, dtype=torch.long, device=dev)
         self.starts_in = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions_in = torch.zeros(n, dtype=torch.long, device=dev)
+        # Each slot's adapter (an index into the bank's stacks), with a bank of adapters.
+        self.adapters = adapters
+        self.slot_adapter = None
+        if adapters is not None:
+            self.slot_adapter = torch.full((n,), BASE, dtype=torch.long, device=dev)
         self.graphs = StepRunner(dev, capture=cuda_graphs)
         if self.graphs.capture:
             use_capturable_experts(model)  # a mixture of experts' default experts forward cannot be captured
@@ -116,6 +132,10 @@ class Runner:
         """Fill the newcomers' slots with their contexts' KV and set their logits and sampling
         tensors: each round copies its shared prefixes and prefills the rest in one forward;
         then identical contexts copy their twin's columns and logits."""
+        if self.adapters is not None and plan.adapters:
+            slots = torch.tensor([slot for slot, _ in plan.adapters], dtype=torch.long, device=self.device)
+            index = [self.adapters.index(adapter) for _, adapter in plan.adapters]
+            self.slot_adapter[slots] = torch.tensor(index, dtype=torch.long, device=self.device)
         for batch in plan.rounds:
             self._prefill_round(batch)
         for source, target, columns in plan.twins:
@@ -223,6 +243,7 @@ class Runner:
                 self.min_p,
                 self.keep_support,
                 self.seeds,
+                *([] if self.slot_adapter is None else [self.slot_adapter]),
             ):
                 buf[target] = buf[source]
         dev, width, length = self.device, plan.rows, plan.length
@@ -273,16 +294,20 @@ class Runner:
         # mask into an additive one in each layer).
         mask = length_mask(starts, width, length, dtype, boolean=False)
         routes = None if self.routing is None else self.routing.record_into(input_ids.numel())
+        adapters = (
+            contextlib.nullcontext() if self.adapters is None else self.adapters.rows(self.slot_adapter[rows])
+        )
         try:
-            out = with_cache(
-                self.model,
-                self.cache,
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=positions.clamp(min=0),
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            with adapters:
+                out = with_cache(
+                    self.model,
+                    self.cache,
+                    input_ids=input_ids,
+                    attention_mask=mask,
+                    position_ids=positions.clamp(min=0),
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
         finally:
             if self.routing is not None:
                 self.routing.stop_recording()

@@ -26,6 +26,14 @@ the rest — but only from a cache the current weights computed (the engine's
 ``weights_epoch`` when the row was prefilled). Newcomers that copy from newcomers are
 prefilled in a later round of the same admission, after their source.
 
+**Adapters.** On an engine serving several LoRA adapters (:mod:`asyncrl.engine.multi_lora`)
+each request names its adapter, and each adapter has its own policy version and weights
+epoch (the ``adapters`` clock: name -> (version, epoch); a request without an adapter uses
+the engine's ``version`` and ``weights_epoch``). A row records its adapter's version as the
+version of its logits, and its cache is shared only with newcomers of the same adapter —
+identical contexts of two adapters are two prefills — and only while that adapter's epoch
+is the one it was prefilled in.
+
 **Compaction.** The decode batch spans slots ``0..highest``; when finished rows leave holes
 in it, the highest rows are moved down into them — the only copy of a running row's cache,
 one row at a time: on the CPU into every hole the next admission will not fill (the batch
@@ -42,13 +50,28 @@ attends over exactly its longest row and its batch is exactly slots ``0..highest
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from asyncrl.engine.plans import DecodePlan, Drawn, DrawPlan, Prefill, PrefillPlan, PrefillRound
 from asyncrl.engine.types import GenerationRequest, GenerationResult
 from asyncrl.types import Tokens
 
 MIN_SHARED_PREFIX = 8  # shorter shared prefixes are prefilled again rather than copied
+
+# Each adapter's (policy version, weights epoch), for an engine serving several adapters.
+AdapterClock = Mapping[str, tuple[int, int]]
+
+
+def clock_of(
+    adapter: str | None, version: int, weights_epoch: int, adapters: AdapterClock | None
+) -> tuple[int, int]:
+    """The (policy version, weights epoch) that computes a row of ``adapter`` (None: the
+    engine's own weights)."""
+    if adapter is None:
+        return version, weights_epoch
+    if adapters is None or adapter not in adapters:
+        raise ValueError(f"a row of adapter {adapter!r}, which the engine does not serve")
+    return adapters[adapter]
 
 
 def reserve(request: GenerationRequest) -> int:
@@ -64,6 +87,7 @@ def result_of(req: GenerationRequest, generated: Tokens, finish: str) -> Generat
         finish_reason=finish,
         seed=req.seed,
         prompt_ids=list(req.prompt_ids),
+        adapter=req.adapter,
     )
 
 
@@ -174,26 +198,33 @@ class Scheduler:
 
     # -- admission ----------------------------------------------------------------------
 
-    def admit(self, version: int, weights_epoch: int) -> PrefillPlan | None:
+    def admit(
+        self, version: int, weights_epoch: int, adapters: AdapterClock | None = None
+    ) -> PrefillPlan | None:
         """Admit what fits: give each newcomer the lowest free slot and plan its prefill
         (None when nothing is admitted). A context identical to an earlier newcomer's is not
         prefilled but copied from it (the plan's twins); the others copy their longest shared
         prefix from a donor (:meth:`_donors`) and prefill the rest. ``version`` is the policy
         version of the weights that will prefill them, ``weights_epoch`` the engine's count of
         weight loads (a running row's cache is shared only if it was prefilled in the same
-        epoch)."""
+        epoch); ``adapters`` gives both for each adapter a request may name (module docstring)."""
         requests = self.waiting[: self.admissible()]
         if not requests:
             return None
         del self.waiting[: len(requests)]
         slots = [s for s, row in enumerate(self.rows) if row is None][: len(requests)]
         contexts = [r.prompt_ids + (r.prefix.completion_ids if r.prefix else []) for r in requests]
+        clocks = [clock_of(r.adapter, version, weights_epoch, adapters) for r in requests]
         twin_of: dict[int, int] = {}
-        first: dict[tuple[int, ...], int] = {}
-        for i, ctx in enumerate(contexts):
-            twin_of[i] = first.setdefault(tuple(ctx), i)
+        first: dict[tuple[str | None, tuple[int, ...]], int] = {}
+        for i, (req, ctx) in enumerate(zip(requests, contexts, strict=True)):
+            twin_of[i] = first.setdefault((req.adapter, tuple(ctx)), i)
         leaders = [i for i in range(len(requests)) if twin_of[i] == i]
-        found = self._donors([contexts[i] for i in leaders], weights_epoch)
+        found = self._donors(
+            [contexts[i] for i in leaders],
+            [requests[i].adapter for i in leaders],
+            lambda adapter: clock_of(adapter, version, weights_epoch, adapters)[1],
+        )
         rounds: dict[int, list[Prefill]] = {}
         round_of: dict[int, int] = {}
         for k, i in enumerate(leaders):
@@ -214,32 +245,42 @@ class Scheduler:
             ],
             twins=[(slots[lead], slots[i], len(contexts[i])) for i, lead in twin_of.items() if i != lead],
             sampling=[(slot, r.sampling, r.seed) for r, slot in zip(requests, slots, strict=True)],
+            adapters=[(slot, r.adapter) for r, slot in zip(requests, slots, strict=True)],
         )
-        for req, slot, ctx in zip(requests, slots, contexts, strict=True):
-            self.rows[slot] = Row(req, version, weights_epoch, ctx[:MIN_SHARED_PREFIX])
+        for req, slot, ctx, (row_version, epoch) in zip(requests, slots, contexts, clocks, strict=True):
+            self.rows[slot] = Row(req, row_version, epoch, ctx[:MIN_SHARED_PREFIX])
             self.lengths[slot] = len(ctx)
         return plan
 
-    def _donors(self, contexts: list[list[int]], weights_epoch: int) -> list[tuple[int | str | None, int]]:
-        """For each context: where to copy its longest shared prefix from and how long it is.
+    def _donors(
+        self,
+        contexts: list[list[int]],
+        adapters: list[str | None],
+        epoch_of: Callable[[str | None], int],
+    ) -> list[tuple[int | str | None, int]]:
+        """For each context (of ``adapters[k]``): where to copy its longest shared prefix from
+        and how long it is.
 
         The source is a running row's slot (an int), an earlier context of the list (its index
-        as a str), or None. Sequences are bucketed by their first ``MIN_SHARED_PREFIX`` tokens and
-        sorted within a bucket, so that a context's longest common prefix is with a neighbour.
+        as a str), or None. Sequences are bucketed by their adapter and their first
+        ``MIN_SHARED_PREFIX`` tokens and sorted within a bucket, so that a context's longest
+        common prefix is with a neighbour; a running row is a donor only while its cache is of
+        its adapter's current epoch (``epoch_of``).
         """
         out: list[tuple[int | str | None, int]] = [(None, 0)] * len(contexts)
-        buckets: dict[tuple[int, ...], list[tuple[list[int], int | str]]] = {}
-        for k, ctx in enumerate(contexts):
+        buckets: dict[tuple[str | None, tuple[int, ...]], list[tuple[list[int], int | str]]] = {}
+        for k, (ctx, adapter) in enumerate(zip(contexts, adapters, strict=True)):
             if len(ctx) > MIN_SHARED_PREFIX:
-                buckets.setdefault(tuple(ctx[:MIN_SHARED_PREFIX]), []).append((ctx, str(k)))
+                buckets.setdefault((adapter, tuple(ctx[:MIN_SHARED_PREFIX])), []).append((ctx, str(k)))
         if not buckets:
             return out
         for slot, row in enumerate(self.rows):
-            if row is None or row.kv_epoch != weights_epoch:
+            if row is None or (row.request.adapter, row.head) not in buckets:
+                continue
+            if row.kv_epoch != epoch_of(row.request.adapter):
                 continue  # a cache computed by older weights is not the current policy's
-            if row.head in buckets:
-                cached = row.request.prompt_ids + row.generated.completion_ids
-                buckets[row.head].append((cached[: self.lengths[slot]], slot))
+            cached = row.request.prompt_ids + row.generated.completion_ids
+            buckets[row.request.adapter, row.head].append((cached[: self.lengths[slot]], slot))
         for members in buckets.values():
             if len(members) < 2:
                 continue
@@ -296,11 +337,14 @@ class Scheduler:
             self._free(slot)
         return finished
 
-    def schedule_decode(self, refill: bool, version: int) -> DecodePlan | None:
+    def schedule_decode(
+        self, refill: bool, version: int, adapters: AdapterClock | None = None
+    ) -> DecodePlan | None:
         """Plan the decode forward that follows a draw (None when no row is left): every running
         row feeds the token it just drew. Compacts first (``refill``: whether the next step
         admits newcomers into the lowest free slots), and records the forward in the rows:
-        one more cached token each, and logits of ``version``'s weights to draw from next."""
+        one more cached token each, and logits of ``version``'s weights (a row of an adapter:
+        that adapter's version in ``adapters``) to draw from next."""
         next_token = {
             s: row.generated.completion_ids[-1] for s, row in enumerate(self.rows) if row is not None
         }
@@ -311,8 +355,9 @@ class Scheduler:
         length = self.attend_length(max(self.lengths[s] for s in next_token) + 1, decode=True)
         plan = DecodePlan(moves, next_token, rows, self.lengths[:rows], length)
         for slot in next_token:
+            row = self.rows[slot]
             self.lengths[slot] += 1
-            self.rows[slot].logits_version = version
+            row.logits_version = clock_of(row.request.adapter, version, 0, adapters)[0]
         return plan
 
     def _compact(self, next_token: dict[int, int], refill: int) -> list[tuple[int, int, int]]:

@@ -22,6 +22,9 @@ class GenerationRequest:
     sampling: SamplingParams
     seed: int | None = None  # None: drawn from the engine's seed when the request is added
     prefix: Prefix | None = None
+    # The LoRA adapter (policy) that samples it, on an engine serving several
+    # (asyncrl.engine.multi_lora); None: the engine's own weights.
+    adapter: str | None = None
 
 
 @dataclass
@@ -36,6 +39,7 @@ class GenerationResult(Tokens):
     # A mixture-of-experts engine's routes of the prompt (and of a resumed prefix's context),
     # as the request's last prefill computed them (pack_routes bytes).
     prompt_routes: bytes | None = None
+    adapter: str | None = None  # the request's adapter: its tokens record that adapter's versions
 
     def _label(self) -> str:
         return f"result of request {self.request_id!r}"

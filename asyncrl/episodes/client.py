@@ -22,8 +22,10 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from transformers import PreTrainedTokenizerBase
+
 from asyncrl.engine.types import GenerationResult
-from asyncrl.types import Tokens
+from asyncrl.types import Prompt, Tokens
 
 
 class EpisodeTruncated(Exception):
@@ -133,3 +135,24 @@ class EpisodeClient:
             raise ValueError("a step reward before the first model turn has no turn to go to")
         previous = self.record.turn_rewards[-1]
         self.record.turn_rewards[-1] = reward if previous is None else previous + reward
+
+
+def observation_ids(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, text: str) -> list[int]:
+    """An observation's tokens: for a conversational task, a user turn in the chat
+    template's format (what the template puts between an assistant turn and the next
+    generation prompt); otherwise the text itself."""
+    if prompt.messages is None:
+        return tokenizer(text, add_special_tokens=False).input_ids
+    before = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
+    head = tokenizer.apply_chat_template(before, tokenize=False)
+    full = tokenizer.apply_chat_template(
+        [*before, {"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+    if not full.startswith(head):
+        raise ValueError("the chat template renders a conversation differently once it goes on")
+    turn = full[len(head) :]
+    # The model's own turn already ended with its end-of-turn token (sampled, trained).
+    eos = tokenizer.eos_token
+    if eos and head.rstrip().endswith(eos) and turn.startswith("\n"):
+        turn = turn[1:]
+    return tokenizer(turn, add_special_tokens=False).input_ids

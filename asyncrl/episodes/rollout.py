@@ -35,7 +35,7 @@ from transformers import PreTrainedTokenizerBase
 from asyncrl.engine.embedded import resume_request
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest, GenerationResult
-from asyncrl.episodes.client import EpisodeClient, EpisodeRecord, EpisodeTruncated
+from asyncrl.episodes.client import EpisodeClient, EpisodeRecord, EpisodeTruncated, observation_ids
 from asyncrl.episodes.environment import EpisodeFunction
 from asyncrl.episodes.team import Role, Team, role_prompt
 from asyncrl.prompts.chat import encode_prompt
@@ -102,10 +102,12 @@ class EpisodeRollout(Rollout):
         engines: dict[str, object] | None = None,
         team_weight: float = 1.0,
         role_weight: float = 0.0,
+        adapters: list[str] | None = None,
     ) -> None:
         """``tool_threads``: threads for blocking environment calls (tools), shared by all episodes.
         ``roles``: a multi-agent episode's (see the module doc); ``engines``: the engine of each
-        policy a role names (default: ``engine`` for all)."""
+        policy a role names (default: ``engine`` for all); ``adapters``: the policies served as
+        adapters of their engine (a turn's request names its policy's adapter)."""
         super().__init__(group_size, EpisodeStats())
         self.engine = engine
         self.roles = list(roles or [])
@@ -113,6 +115,7 @@ class EpisodeRollout(Rollout):
         for role in self.roles:
             self.engines.setdefault(role.policy, engine)
         self.team_weight, self.role_weight = team_weight, role_weight
+        self.adapters = set(adapters or [])
         self.tokenizer = tokenizer
         self.episode = episode
         self.sampling = sampling
@@ -268,17 +271,35 @@ class EpisodeRollout(Rollout):
             self._cancel(group_id)
         return partials
 
-    def cancel_stale(self, version: int, max_staleness: int) -> Work:
-        """Cancel groups holding a token more than ``max_staleness`` versions behind ``version``."""
+    def cancel_stale(self, version: int | dict[str, int], max_staleness: int | dict[str, int]) -> Work:
+        """Cancel groups holding a token more than ``max_staleness`` versions behind ``version``;
+        with several policies both are per policy (each one's clock; a policy without a bound
+        is never stale)."""
         self._take_requests()
-        running = {r: v for engine in self._all_engines for r, v in engine.oldest_versions().items()}
+
+        def limit(policy: str) -> int | None:
+            if isinstance(version, int) and isinstance(max_staleness, int):
+                return version - max_staleness
+            if policy not in max_staleness or policy not in version:  # type: ignore[operator]
+                return None
+            return version[policy] - max_staleness[policy]  # type: ignore[index]
+
         cancelled = []
+        running = [
+            (request_id, self._turns[request_id].client.policy, v)
+            for engine in self._all_engines
+            for request_id, v in engine.oldest_versions().items()
+            if request_id in self._turns
+        ]
         for group_id, pending in list(self._pending.items()):
-            versions = [v for r, v in running.items() if r.startswith(f"{group_id}/")]
-            for client in pending.episode_clients():
-                versions += client.record.tokens.versions[:1]
-            versions += [min(s.versions) for s in pending.samples.values() if s.versions]
-            if versions and version - min(versions) > max_staleness:
+            versions = [(p, v) for r, p, v in running if r.startswith(f"{group_id}/")]
+            versions += [
+                (c.policy, c.record.tokens.versions[0])
+                for c in pending.episode_clients()
+                if c.record.tokens.versions
+            ]
+            versions += [(s.policy, min(s.versions)) for s in pending.samples.values() if s.versions]
+            if any((bound := limit(p)) is not None and v < bound for p, v in versions):
                 self._cancel(group_id)
                 cancelled.append((group_id, pending.prompt))
         return cancelled
@@ -319,7 +340,8 @@ class EpisodeRollout(Rollout):
         seed = (client.seed * 1_000_003 + turn) % (1 << 62)
         request_id = f"{client.name}/{turn}"
         future = self._loop.create_future()
-        request = GenerationRequest(request_id, context, sampling, seed=seed)
+        adapter = client.policy if client.policy in self.adapters else None
+        request = GenerationRequest(request_id, context, sampling, seed=seed, adapter=adapter)
         self._requests.put(
             (request_id, request, _Turn(client, future, sampling, self._engine_of(client.policy)))
         )
@@ -455,27 +477,6 @@ class EpisodeRollout(Rollout):
         if not self.roles:
             return super().outcomes(group)
         return [s.team_reward or 0.0 for s in group.samples[:: len(self.roles)]]
-
-
-def observation_ids(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, text: str) -> list[int]:
-    """An observation's tokens: for a conversational task, a user turn in the chat
-    template's format (what the template puts between an assistant turn and the next
-    generation prompt); otherwise the text itself."""
-    if prompt.messages is None:
-        return tokenizer(text, add_special_tokens=False).input_ids
-    before = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
-    head = tokenizer.apply_chat_template(before, tokenize=False)
-    full = tokenizer.apply_chat_template(
-        [*before, {"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-    )
-    if not full.startswith(head):
-        raise ValueError("the chat template renders a conversation differently once it goes on")
-    turn = full[len(head) :]
-    # The model's own turn already ended with its end-of-turn token (sampled, trained).
-    eos = tokenizer.eos_token
-    if eos and head.rstrip().endswith(eos) and turn.startswith("\n"):
-        turn = turn[1:]
-    return tokenizer(turn, add_special_tokens=False).input_ids
 
 
 def _resolve(future: asyncio.Future, result: GenerationResult) -> None:

@@ -11,12 +11,22 @@ A generator keeps a plain model and merges adapters into it (see
 memory, which weights the adapters of a given config touch, how (shapes, scaling) and under
 which names they arrive: it applies the same peft config to a skeleton of the model on the
 ``meta`` device.
+
+**Several adapters over one base** (the policies of a multi-agent run, one per role):
+:func:`add_adapters` wraps the model with one adapter per name, all with the same config;
+:func:`active_adapter` makes one of them the adapter a forward uses and the only one whose
+parameters require gradients; ``published_weights(model, adapter=name)`` is that adapter's
+tensors under the names a single-adapter policy publishes, so an engine loads each adapter
+with the same layout (:mod:`asyncrl.engine.multi_lora` serves them all at once).
 """
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -62,14 +72,70 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig, seed: int) -> PeftModel:
     return wrapped
 
 
-def _wrap(model: PreTrainedModel, cfg: LoraConfig) -> PeftModel:
+def _wrap(model: PreTrainedModel, cfg: LoraConfig, names: Sequence[str] = (ADAPTER,)) -> PeftModel:
     try:
         with warnings.catch_warnings():
             # peft asks transformers about gradient checkpointing through a deprecated name.
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-            return get_peft_model(model, peft_config(cfg))
+            wrapped = get_peft_model(model, peft_config(cfg), adapter_name=names[0])
+            for name in names[1:]:
+                wrapped.add_adapter(name, peft_config(cfg))
+            return wrapped
     except ValueError as exc:  # peft names the modules it could not find
         raise ConfigError("lora.target_modules", cfg.target_modules, str(exc)) from None
+
+
+def check_adapter_names(names: Sequence[str]) -> list[str]:
+    """``names`` as a list, refused unless non-empty, distinct and usable as module keys."""
+    names = list(names)
+    if not names:
+        raise ValueError("several adapters need at least one name")
+    for name in names:
+        if not isinstance(name, str) or not name or "." in name:
+            raise ValueError(f"adapter name {name!r}: a non-empty string without '.' is needed")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"adapter names {repeated} are given more than once")
+    return names
+
+
+def add_adapters(model: PreTrainedModel, cfg: LoraConfig, names: Sequence[str], seed: int) -> PeftModel:
+    """``model`` with one fresh adapter per name, all of ``cfg``: A random, B zero, the first active.
+
+    The A matrices are drawn in the order of ``names`` from one stream seeded by ``seed``, so
+    the first adapter is exactly the one :func:`apply_lora` would make with that seed. Only
+    the active adapter's parameters require gradients (:func:`active_adapter` switches).
+    """
+    names = check_adapter_names(names)
+    device = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        wrapped = _wrap(model, cfg, names)
+    check_targets(wrapped, cfg)
+    return wrapped
+
+
+def adapter_names(model: PeftModel) -> list[str]:
+    """The adapters a peft model carries, in the order they were added."""
+    return list(model.peft_config)
+
+
+@contextmanager
+def active_adapter(model: PeftModel, name: str) -> Iterator[PeftModel]:
+    """Within the block, forwards of ``model`` use adapter ``name``, and only its parameters
+    require gradients (a backward leaves the other adapters' gradients untouched). The
+    adapter active before and every adapter parameter's ``requires_grad`` are restored after."""
+    if name not in model.peft_config:
+        raise ValueError(f"unknown adapter {name!r}; the model carries {adapter_names(model)}")
+    previous = model.active_adapter
+    flags = [(p, p.requires_grad) for n, p in model.named_parameters() if ".lora_" in n]
+    model.set_adapter(name)
+    try:
+        yield model
+    finally:
+        model.set_adapter(previous)
+        for p, flag in flags:
+            p.requires_grad_(flag)
 
 
 def check_targets(model: PeftModel, cfg: LoraConfig) -> None:
@@ -98,34 +164,56 @@ def check_targets(model: PeftModel, cfg: LoraConfig) -> None:
             )
 
 
-def adapter_parameters(model: PeftModel) -> list[tuple[str, torch.nn.Parameter]]:
-    """The adapter parameters in module order, named as in ``adapter_model.safetensors``."""
-    marker = f".{ADAPTER}."
-    return [
-        (name.replace(f".{ADAPTER}", "", 1), p)
-        for name, p in model.named_parameters()
-        if ".lora_" in name and marker in name
-    ]
+def _saved_name(name: str, adapter: str) -> str | None:
+    """A peft parameter name of ``adapter`` as in ``adapter_model.safetensors`` (the adapter
+    name left out), or None for a parameter of no adapter or of another one."""
+    saved, found = re.subn(rf"\.(lora_[A-Za-z_]+)\.{re.escape(adapter)}(?=\.|$)", r".\1", name, count=1)
+    return saved if found else None
 
 
-def adapter_fqns(model: PeftModel) -> dict[str, str]:
+def adapter_parameters(model: PeftModel, adapter: str = ADAPTER) -> list[tuple[str, torch.nn.Parameter]]:
+    """One adapter's parameters in module order, named as in ``adapter_model.safetensors``."""
+    out = []
+    for name, p in model.named_parameters():
+        saved = _saved_name(name, adapter)
+        if saved is not None:
+            out.append((saved, p))
+    return out
+
+
+def adapter_fqns(model: PeftModel, adapter: str = ADAPTER) -> dict[str, str]:
     """Saved-format adapter name -> the parameter's name in ``model`` (for checkpoint state dicts)."""
-    marker = f".{ADAPTER}."
-    return {
-        name.replace(f".{ADAPTER}", "", 1): name
-        for name, _ in model.named_parameters()
-        if ".lora_" in name and marker in name
-    }
+    out = {}
+    for name, _ in model.named_parameters():
+        saved = _saved_name(name, adapter)
+        if saved is not None:
+            out[saved] = name
+    return out
 
 
 def synced_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    """The parameters a weight sync moves, by their sync names: a LoRA policy's adapters, else all."""
-    return adapter_parameters(model) if is_lora(model) else list(model.named_parameters())
+    """The parameters a weight sync moves, by their sync names: a LoRA policy's adapters, else all.
+
+    A model carrying several named adapters (:func:`add_adapters`) has no one set to sync:
+    name the adapter (:func:`published_weights` with ``adapter=``)."""
+    if not is_lora(model):
+        return list(model.named_parameters())
+    if ADAPTER not in model.peft_config:
+        raise ValueError(
+            f"the model carries adapters {adapter_names(model)}: name the one to publish (adapter=...)"
+        )
+    return adapter_parameters(model)
 
 
-def published_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The tensors of :func:`synced_parameters`, detached."""
-    return [(name, p.detach()) for name, p in synced_parameters(model)]
+def published_weights(model: torch.nn.Module, adapter: str | None = None) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of :func:`synced_parameters`, detached; with ``adapter``, that adapter's
+    tensors of a model carrying several (:func:`add_adapters`), named as a single adapter's."""
+    if adapter is None:
+        return [(name, p.detach()) for name, p in synced_parameters(model)]
+    if not is_lora(model) or adapter not in model.peft_config:
+        carried = adapter_names(model) if is_lora(model) else []
+        raise ValueError(f"unknown adapter {adapter!r}; the model carries {carried}")
+    return [(name, p.detach()) for name, p in adapter_parameters(model, adapter)]
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ def build_rollout(
             engines=engines,
             team_weight=cfg.multi_agent.team_weight,
             role_weight=cfg.multi_agent.role_weight,
+            adapters=cfg.multi_agent.adapter_policies,
         )
     return CompletionRollout(
         engine,

@@ -81,6 +81,7 @@ class MicroBatch:
     # On this micro-batch's undivided loss: 1, or for a step's branch groups (pivot resampling)
     # lambda x the step's divisor / the branch groups' own divisor.
     scale: float = 1.0
+    policy: str = "default"  # whose samples (a multi-agent run trains each policy on its own)
     has_support: torch.Tensor | None = None  # (B, R) bool: the position has a recorded support
     # Filled by the trainer before the first update on this batch, when needed.
     old_logprobs: torch.Tensor | None = None

@@ -45,7 +45,7 @@ from asyncrl.algorithms.advantages import (
 )
 from asyncrl.config import AlgorithmConfig, TrainerConfig, old_logprob_mode
 from asyncrl.models.activation_checkpointing import enable_activation_checkpointing
-from asyncrl.models.lora import adapter_fqns, is_lora, published_weights
+from asyncrl.models.lora import ADAPTER, adapter_fqns, is_lora, published_weights
 from asyncrl.models.routing import route_bytes, routing_of
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.logprobs import completion_logprobs
@@ -179,8 +179,13 @@ class Trainer:
         total_steps: int,
         old_logprobs: str | None = None,
         compute_dtype: torch.dtype | None = None,
+        adapter: str | None = None,
     ) -> None:
+        """``adapter``: the one LoRA adapter this trainer trains, of a model carrying several
+        (a multi-agent run's policies, :mod:`asyncrl.trainer.policies`, which makes it active
+        around every call); None: the model's only adapter, or no LoRA."""
         self.model = model
+        self.adapter = adapter
         self.pad_token_id = pad_token_id
         self.cfg = trainer_cfg
         self.algo = algo_cfg
@@ -536,7 +541,7 @@ class Trainer:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         if self.lora:
-            fqns = adapter_fqns(self.model)
+            fqns = adapter_fqns(self.model, self.adapter or ADAPTER)
             weights = {fqns[n]: t for n, t in weights.items() if n in fqns}
             expected = list(fqns.values())
         else:
@@ -558,7 +563,7 @@ class Trainer:
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """The trained weights in the master dtype: with LoRA the adapters (saved-format names), else every parameter."""
-        return published_weights(self.model)
+        return published_weights(self.model, adapter=self.adapter)
 
     @property
     def sync_dtype(self) -> torch.dtype:

@@ -12,9 +12,10 @@ import torch
 
 from asyncrl.config import Config
 from asyncrl.models.loading import DTYPES, Policy, load_policy, resolve_device, resolve_dtype
-from asyncrl.models.lora import apply_lora
+from asyncrl.models.lora import active_adapter, add_adapters, apply_lora
 from asyncrl.trainer.distributed import RankGroup
 from asyncrl.trainer.parallel import DistributedTrainer
+from asyncrl.trainer.policies import PolicyMember, PolicySet
 from asyncrl.trainer.trainer import Trainer
 
 
@@ -28,14 +29,21 @@ def compute_dtype(cfg: Config, device: torch.device | None = None) -> torch.dtyp
     return resolve_dtype(cfg.model.dtype, device if device is not None else resolve_device(cfg.model.device))
 
 
-def build_policy(cfg: Config, device: torch.device | None = None, *, trainable: bool = False) -> Policy:
+def build_policy(
+    cfg: Config,
+    device: torch.device | None = None,
+    *,
+    trainable: bool = False,
+    adapters: list[str] | None = None,
+) -> Policy:
     """The configured policy, on ``device`` when given (a trainer rank's own GPU), else ``model.device``.
 
     A generator's policy is held in the compute dtype (``model.dtype``). ``trainable``: the
     trainer's policy, held in ``trainer.master_dtype`` (it computes in ``model.dtype`` under
     autocast); with ``lora.rank`` > 0 it carries fresh LoRA adapters in the master dtype on a
     frozen base kept in the compute dtype (generators keep the plain model and merge the
-    adapters they receive).
+    adapters they receive). ``adapters``: a trainable model carrying one fresh adapter per
+    name (the adapter policies of a multi-agent run, :func:`asyncrl.models.lora.add_adapters`).
     """
     where = resolve_device(str(device) if device is not None else cfg.model.device)
     compute = compute_dtype(cfg, where)
@@ -49,15 +57,21 @@ def build_policy(cfg: Config, device: torch.device | None = None, *, trainable: 
         chat_template=cfg.model.chat_template,
     )
     if trainable and cfg.lora.enabled:
-        policy.model = apply_lora(policy.model, cfg.lora, seed=cfg.run.seed)
-        for p in policy.model.parameters():
-            if p.requires_grad:
+        if adapters:
+            policy.model = add_adapters(policy.model, cfg.lora, adapters, seed=cfg.run.seed)
+        else:
+            policy.model = apply_lora(policy.model, cfg.lora, seed=cfg.run.seed)
+        for name, p in policy.model.named_parameters():
+            if p.requires_grad or ".lora_" in name:
                 p.data = p.data.to(master)
     return policy
 
 
-def build_trainer(cfg: Config, policy: Policy, ranks: RankGroup | None = None) -> Trainer:
-    """The single-process trainer, or with ``ranks`` this rank of a ``trainer.parallel`` trainer."""
+def build_trainer(
+    cfg: Config, policy: Policy, ranks: RankGroup | None = None, adapter: str | None = None
+) -> Trainer:
+    """The single-process trainer, or with ``ranks`` this rank of a ``trainer.parallel`` trainer;
+    ``adapter``: the one it trains of a model carrying several."""
     kwargs = dict(
         pad_token_id=policy.pad_token_id,
         trainer_cfg=cfg.trainer,
@@ -71,5 +85,43 @@ def build_trainer(cfg: Config, policy: Policy, ranks: RankGroup | None = None) -
         compute_dtype=compute_dtype(cfg, next(policy.model.parameters()).device),
     )
     if ranks is None:
-        return Trainer(policy.model, **kwargs)
+        if adapter is None:
+            return Trainer(policy.model, **kwargs)
+        with active_adapter(policy.model, adapter):  # its optimizer holds that adapter's parameters only
+            return Trainer(policy.model, adapter=adapter, **kwargs)
     return DistributedTrainer(policy.model, ranks=ranks, parallel=cfg.trainer.parallel, **kwargs)
+
+
+def policy_config(cfg: Config, name: str) -> Config:
+    """The config policy ``name`` is built and trained by: the run's, with a model of its own
+    (kind=model) and its own learning rate."""
+    spec = cfg.multi_agent.policy(name)
+    if spec is None:
+        return cfg
+    own = cfg.model_copy(deep=True)
+    if spec.kind == "model" and spec.model is not None:
+        own.model.path = spec.model
+    if spec.lr is not None:
+        own.trainer.lr = spec.lr
+    return own
+
+
+def build_policy_set(cfg: Config, device: torch.device) -> PolicySet:
+    """A trainer for every policy a role uses (see :mod:`asyncrl.trainer.policies`): the
+    adapter policies share one base model carrying an adapter each; a kind=model policy has
+    a model of its own."""
+    adapters = cfg.multi_agent.adapter_policies
+    shared = build_policy(cfg, device, trainable=True, adapters=adapters) if adapters else None
+    members = []
+    for name in cfg.multi_agent.policy_names:
+        spec = cfg.multi_agent.policy(name)
+        own = policy_config(cfg, name)
+        if shared is not None and name in adapters:
+            policy, trainer = shared, build_trainer(own, shared, adapter=name)
+        else:
+            policy = build_policy(own, device, trainable=True)
+            trainer = build_trainer(own, policy)
+        members.append(
+            PolicyMember(name, policy, trainer, train=spec is None or spec.train, adapter=name in adapters)
+        )
+    return PolicySet(members)

@@ -14,8 +14,6 @@ import time
 from collections.abc import Callable
 
 from asyncrl.config import Config
-from asyncrl.engine.embedded import EmbeddedEngine
-from asyncrl.engine.lora import MergedLora
 from asyncrl.rewards.scoring import ScoringStopped
 from asyncrl.rollout.base import Rollout
 from asyncrl.rollout.build import build_rollout
@@ -41,6 +39,7 @@ from asyncrl.workers.messages import (
     Submit,
     WeightsLoaded,
 )
+from asyncrl.workers.policy_engines import PolicyEngines, policy_engine
 
 SPAN_FLUSH_S = 0.25  # long generation periods are reported in slices so the timeline stays live
 
@@ -86,25 +85,21 @@ class GeneratorWorker:
         self.name = name
         self.cfg = cfg
         self.regroups = regroups
-        policy = build.build_policy(cfg)
-        # Built before the engine's first update: it keeps the base weights it merges into.
-        self.lora = MergedLora(policy.model, cfg.lora) if cfg.lora.enabled else None
+        # Several policies (multi-agent roles): an engine each, at its policy's own clock; the
+        # adapter policies are adapters of this worker's own engine.
+        adapters = cfg.multi_agent.adapter_policies
+        policy, self.engine, self.lora = policy_engine(cfg, seed, adapters)
         layout = self.lora.layout if self.lora else WeightLayout.of(policy.model.named_parameters())
+        self.policies: PolicyEngines | None = None
+        if cfg.multi_agent.several_policies:
+            self.policies = PolicyEngines(
+                cfg, self.engine, self.lora, lambda n: policy_engine(build.policy_config(cfg, n), seed)
+            )
+            layout = self.policies.layout
         self.receiver = receiver_factory(layout)
         self._checksums: dict[int, dict[str, float]] = {}  # the trainer's, by version, until checked
-        self.engine = EmbeddedEngine(
-            policy.model,
-            pad_token_id=policy.pad_token_id,
-            max_batch_size=cfg.rollout.max_batch_size,
-            max_tokens_in_flight=cfg.rollout.max_tokens_in_flight,
-            max_seq_len=cfg.rollout.max_seq_len,
-            kv_cache_gb=cfg.rollout.kv_cache_gb,
-            kv_cache_fraction=cfg.rollout.kv_cache_fraction,
-            cuda_graphs=cfg.rollout.cuda_graphs,
-            seed=seed,
-            decode=lambda ids: policy.tokenizer.decode(ids, skip_special_tokens=True),
-        )
-        self.rollout: Rollout = build_rollout(cfg, policy, self.engine)
+        engines = self.policies.engines if self.policies is not None else None
+        self.rollout: Rollout = build_rollout(cfg, policy, self.engine, engines=engines)
         self.interrupt = cfg.schedule.interrupt
         self.pivot_model: tuple[float, float, bool] = (0.0, 0.0, False)  # the controller's, as last sent
         self.pending_version: int | None = None
@@ -120,7 +115,8 @@ class GeneratorWorker:
 
     @property
     def version(self) -> int:
-        return self.engine.version
+        """The version of the weights the engines hold (the run's, with several policies)."""
+        return self.policies.version if self.policies is not None else self.engine.version
 
     @property
     def owes_preempt(self) -> bool:
@@ -142,7 +138,7 @@ class GeneratorWorker:
             if command.checksums is not None:
                 self._checksums[command.version] = command.checksums
                 self._verify_engine()  # the engine may already hold this version (a receiver returns the latest)
-            if command.version > self.engine.version:
+            if command.version > self.version:
                 self.pending_version = max(command.version, self.pending_version or 0)
         else:
             raise TypeError(f"generator cannot handle {type(command).__name__}")
@@ -230,7 +226,7 @@ class GeneratorWorker:
         received: dict = {}
 
         def load() -> None:
-            before = self.engine.version
+            before = self.version
             # After a move to a new group, its first publication, whatever version it carries.
             ask = self.pending_version if self._rejoin_version is None else self._rejoin_version
             version, tensors = self.receiver.receive(ask, timeout=self.cfg.runtime.stall_timeout_s)
@@ -238,14 +234,16 @@ class GeneratorWorker:
             received["version"] = version
             if rejoined and version == before:
                 return  # the group's first publication: weights this engine already holds
-            if self.lora is not None:
+            if self.policies is not None:
+                self.policies.load(tensors, version)
+            elif self.lora is not None:
                 self.lora.load(self.engine, tensors, version)
             else:
                 self.engine.load_weights(tensors, version)
-            if self.engine.version != version or version <= before:
+            if self.version != version or version <= before:
                 raise WeightSyncError(
                     f"{self.name}: the weight update to version {version} did not change the engine's "
-                    f"version (it was {before}, it is {self.engine.version})"
+                    f"version (it was {before}, it is {self.version})"
                 )
             self._verify_engine()
 
@@ -272,20 +270,26 @@ class GeneratorWorker:
         )
         events.append(WeightsLoaded(self.name, version, time.perf_counter() - t0))
         if self.cfg.schedule.reject == "group":  # with reject=token the fresh tokens are still trained
-            for group_id, prompt in self.rollout.cancel_stale(version, self.cfg.schedule.max_staleness):
+            if self.policies is not None:  # each policy's tokens by its own clock and bound
+                stale = self.rollout.cancel_stale(self.policies.clocks, self.policies.bounds)
+            else:
+                stale = self.rollout.cancel_stale(version, self.cfg.schedule.max_staleness)
+            for group_id, prompt in stale:
                 events.append(GroupCancelled(self.name, group_id, prompt))
         return events
 
     def _verify_engine(self) -> None:
         """Check the engine's weights against the trainer's checksums of its version, once both are here."""
-        version = self.engine.version
+        version = self.version
         expected = self._checksums.pop(version, None)
         for old in [v for v in self._checksums if v < version]:
             del self._checksums[old]  # superseded before it was loaded
         if expected is None:
             return
         where = f"{self.name}'s engine"
-        if self.lora is not None:
+        if self.policies is not None:
+            self.policies.verify(expected, version, where)
+        elif self.lora is not None:
             self.lora.verify(self.engine, expected, version, where)
         else:
             check_checksums(dict(self.engine.model.named_parameters()), expected, version, where)
@@ -297,7 +301,7 @@ class GeneratorWorker:
     def _flush_span(self) -> list:
         if self._busy_since is None:
             return []
-        span = Span(self.name, "generate", self._busy_since, time.time(), {"version": self.engine.version})
+        span = Span(self.name, "generate", self._busy_since, time.time(), {"version": self.version})
         self._busy_since = None
         return [span]
 

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.config import Config
+from asyncrl.config import DEFAULT_POLICY, Config
 from asyncrl.control import checkpoints as checkpoint
 from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.multi_lora import MultiLora
 from asyncrl.engine.types import GenerationStopped
 from asyncrl.models.loading import Policy, resolve_device, save_policy
 from asyncrl.models.lora import published_weights, synced_parameters
@@ -31,7 +32,8 @@ from asyncrl.rollout.build import build_rollout
 from asyncrl.rollout.evaluation import evaluate
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.distributed import RankGroup, RankSpec, rank_device
-from asyncrl.trainer.trainer import assign_advantages, distill_metrics, sync_dtype
+from asyncrl.trainer.policies import PolicySet
+from asyncrl.trainer.trainer import Trainer, assign_advantages, distill_metrics, sync_dtype
 from asyncrl.transports.groups.base import Delivery
 from asyncrl.transports.groups.inbox import Inbox
 from asyncrl.transports.weights.base import (
@@ -60,6 +62,7 @@ from asyncrl.workers.messages import (
     StepDone,
     Stop,
 )
+from asyncrl.workers.policy_engines import evaluation_engines, refresh_adapters
 
 Command = Accumulate | FinishStep | ContinueBatch | Evaluate | SaveModel | SaveCheckpoint | Restore | Discard
 
@@ -75,7 +78,7 @@ class BatchInProgress:
 
     micro_batches: list[MicroBatch]
     iterations: int  # optimizer steps still to take
-    divisor: float
+    divisor: float | dict[str, float]  # per policy, for several
     publish: bool  # publish the weights after the last of them
 
     def state_dict(self) -> dict:
@@ -136,14 +139,23 @@ class TrainerWorker:
                 timeout_s=cfg.runtime.stall_timeout_s,
             )
             self.ranks = RankGroup(spec, device)
-        self.policy = build.build_policy(cfg, device, trainable=True)
-        # What the sync moves (the whole model, or with LoRA the adapters), read before any sharding,
-        # in the dtype it travels in.
-        dtype = sync_dtype(cfg.lora.enabled, build.compute_dtype(cfg, device))
-        layout = WeightLayout.of((n, t.to(dtype)) for n, t in published_weights(self.policy.model))
+        # Several policies (multi-agent roles): one trainer each, driven as one (PolicySet).
+        self.policies: PolicySet | None = None
+        if cfg.multi_agent.several_policies:
+            self.policies = build.build_policy_set(cfg, device)
+            self.policy = self.policies.primary.policy
+            layout = WeightLayout.of(self.policies.synced_weights())
+        else:
+            self.policy = build.build_policy(cfg, device, trainable=True)
+            # What the sync moves (the whole model, or with LoRA the adapters), read before any
+            # sharding, in the dtype it travels in.
+            dtype = sync_dtype(cfg.lora.enabled, build.compute_dtype(cfg, device))
+            layout = WeightLayout.of((n, t.to(dtype)) for n, t in published_weights(self.policy.model))
         self._layout = layout
         self.sender = sender_factory(layout) if sender_factory is not None else None
-        self.trainer = build.build_trainer(cfg, self.policy, self.ranks)
+        self.trainer: Trainer | PolicySet = (
+            self.policies if self.policies is not None else build.build_trainer(cfg, self.policy, self.ranks)
+        )
         self.inbox = inbox if inbox is not None else Inbox()
         # Taken from the inbox for the open step (and, once the run is stopping, for every step
         # given up since the last one finished).
@@ -155,6 +167,7 @@ class TrainerWorker:
         # Evaluations (rank 0): the run's rollout, greedy, on an engine over the trainer's own model.
         self._eval_rollout: Rollout | None = None
         self._eval_prompts: list = []
+        self._eval_engines: dict[str, EmbeddedEngine] = {}
         self._gathered_policy: Policy | None = None
 
     @property
@@ -242,6 +255,9 @@ class TrainerWorker:
         if policy is None:
             return []
         save_policy(policy, Path(command.path))
+        if self.policies is not None:  # the other policies beside the primary, each in a folder of its own
+            for name in self.policies.order[1:]:
+                save_policy(self.policies.members[name].policy, Path(command.path) / "policies" / name)
         return [Saved(self.name, command.path)]
 
     def _resolve(self, command: Accumulate) -> Accumulate:
@@ -367,28 +383,45 @@ class TrainerWorker:
         if policy is None:
             return []
         if self._eval_rollout is None:
-            engine = EmbeddedEngine(
-                policy.model,
-                pad_token_id=policy.pad_token_id,
-                max_batch_size=self.cfg.rollout.max_batch_size,
-                owns_model=False,
-                # The borrowed model's parameters may be re-materialised between evaluations
-                # (compute-dtype copies, FSDP2 gathers): a graph would keep reading the old ones.
-                cuda_graphs=False,
-            )
-            self._eval_rollout = build_rollout(self.cfg, policy, engine, greedy=True)
+            # The borrowed models' parameters may be re-materialised between evaluations
+            # (compute-dtype copies, FSDP2 gathers): a graph would keep reading the old ones.
+            engine = self._eval_engine(policy)
+            engines = None
+            if self.policies is not None:
+                members = {n: m.policy for n, m in self.policies.members.items()}
+                engines = evaluation_engines(self.cfg, members, self._eval_engine)
+                engine = engines.get(DEFAULT_POLICY, engines[self.policies.order[0]])
+            self._eval_rollout = build_rollout(self.cfg, policy, engine, greedy=True, engines=engines)
+            self._eval_engines = engines or {}
             self._eval_prompts = eval_prompts(self.cfg, policy)
-        model = policy.model
-        was_training = model.training
-        model.eval()
+        models = [policy.model]
+        if self.policies is not None:
+            models = list(
+                {id(m.policy.model): m.policy.model for m in self.policies.members.values()}.values()
+            )
+            refresh_adapters(self._eval_engines, self.policies)
+        was_training = [model.training for model in models]
+        for model in models:
+            model.eval()
         try:
             with self.trainer.compute():
                 accuracy = evaluate(self._eval_rollout, self._eval_prompts, stop=self._stopping.is_set)
         except (ScoringStopped, GenerationStopped):
             return []  # the run is stopping: the evaluation is given up
         finally:
-            model.train(was_training)
+            for model, mode in zip(models, was_training, strict=True):
+                model.train(mode)
         return [Span(self.name, "eval", start, time.time()), EvalDone(self.name, command.step, accuracy)]
+
+    def _eval_engine(self, policy: Policy, adapters: MultiLora | None = None) -> EmbeddedEngine:
+        return EmbeddedEngine(
+            policy.model,
+            pad_token_id=policy.pad_token_id,
+            max_batch_size=self.cfg.rollout.max_batch_size,
+            owns_model=adapters is not None,  # a copy of the base of its own
+            cuda_graphs=False,
+            adapters=adapters,
+        )
 
     def _accumulate(self, command: Accumulate) -> list:
         start = time.time()
@@ -412,9 +445,10 @@ class TrainerWorker:
         if not self._step_open:
             raise RuntimeError("FinishStep without any accumulated group")
         start = time.time()
-        steps = [self.trainer.finish_step(command.divisor)]
+        divisor = command.divisor if self.policies is None else command.policy_divisors or command.divisor
+        steps = [self.trainer.finish_step(divisor)]
         iterations = self.cfg.algorithm.num_iterations - 1
-        steps += self._iterate(self._step_batches, iterations, command.divisor, command.publish)
+        steps += self._iterate(self._step_batches, iterations, divisor, command.publish)
         if self.cfg.distill.enabled:
             distilled = distill_metrics([s for g in self._step_groups.values() for s in g.samples])
             for metrics in steps:
@@ -437,7 +471,7 @@ class TrainerWorker:
         return self._step_events(steps, start, batch.publish and self._in_progress is None)
 
     def _iterate(
-        self, batches: list[MicroBatch], iterations: int, divisor: float, publish: bool
+        self, batches: list[MicroBatch], iterations: int, divisor: float | dict[str, float], publish: bool
     ) -> list[dict]:
         """Up to ``iterations`` more optimizer steps on a batch's micro-batches (PPO epochs).
 
@@ -478,9 +512,16 @@ class TrainerWorker:
                     published=last and publish,
                     publish_s=publish_s if last else 0.0,
                     checksums=checksums if last else None,
+                    policy_versions=self._clocks_at(metrics),
                 )
             )
         return events
+
+    def _clocks_at(self, metrics: dict[str, float]) -> dict[str, int] | None:
+        """Several policies: each one's clock after the step these metrics are of."""
+        if self.policies is None:
+            return None
+        return {name: int(metrics[f"policy/{name}/version"]) for name in self.policies.order}
 
     def close(self) -> None:
         """Rank 0: release the other ranks from :func:`run_follower` first. Every rank: leave the group."""
