@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from asyncrl.errors import ConfigError
 
-TASKS = ("arithmetic", "chain", "calculator", "guess")
+TASKS = ("arithmetic", "chain", "calculator", "guess", "verify")
 LEARN_SCHEDULES = ("constant", "cosine")
 
 
@@ -38,11 +38,21 @@ class SFTConfig:
     eval_seed: int = 999
     task: str = "arithmetic"
     terms: int = 4  # task chain: task.chain.terms (ops and digits as above)
-    # Scripted episodes (task calculator or guess); these match the RL config's episode.* keys.
+    # Scripted episodes (task calculator, guess or verify); these match the RL config's episode.*
+    # keys (for verify, per role: max_turns is also the most answers the solver gives).
     guess_max: int = 16  # task.guess_max
     max_turns: int = 4  # episode.max_turns (the guessing game's reward counts turns out of it)
     max_episode_tokens: int = 64  # episode.max_episode_tokens
     max_turn_tokens: int = 8  # rollout.max_new_tokens
+    # Task verify: the share of near misses among the answers in the episodes the verifier's
+    # transcripts come from (so it sees wrong answers to reject while the solver is clean).
+    verify_wrong: float = 0.5
+    # Task verify: the blur phase's verifier teacher flips its verdicts this often (None:
+    # answer_noise, as often as its solver teacher answers wrong).
+    verdict_noise: float | None = None
+    # Task verify: the learn phase's first steps train on the solver's transcripts alone (a
+    # verifier cannot learn to check sums before the model can do them).
+    solver_first_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -90,6 +100,24 @@ TASK_DEFAULTS: dict[str, dict] = {
         blur_steps=300,
         answer_noise=0.5,
         eval_every=100,
+        eval_prompts=200,
+    ),
+    # Both roles of the verify task: the solver's arithmetic first, then both transcripts for
+    # a learn phase of a fixed length (the verifier goes on improving once the team's greedy
+    # reward is high; only a perfect one stops it early), then a blur that leaves the verifier
+    # its signal: answers wrong 0.4 of the time, verdicts flipped 0.1.
+    "verify": dict(
+        ops=["+"],
+        max_turns=2,
+        max_episode_tokens=24,
+        max_turn_tokens=5,
+        solver_first_steps=1000,
+        max_learn_steps=4000,
+        learn_accuracy=1.0,
+        blur_steps=300,
+        answer_noise=0.4,
+        verdict_noise=0.1,
+        eval_every=250,
         eval_prompts=200,
     ),
 }

@@ -37,6 +37,8 @@ BUILTIN_MODELS = {
     "chain": SHIPPED_DIR / "tiny-chain",
     "calculator": SHIPPED_DIR / "tiny-calculator",
     "guess": SHIPPED_DIR / "tiny-guess",
+    # Both roles of the two-role verify task (asyncrl.builtin.verify), solver and verifier.
+    "verify": SHIPPED_DIR / "tiny-verify",
     # tiny:moe warm-started on arithmetic like builtin:arith (`asyncrl sft --model tiny:moe`).
     "moe": SHIPPED_DIR / "tiny-moe",
     # builtin:arith trained further by RL (400 steps of the default example): the teacher of

@@ -29,11 +29,12 @@ their episodes as RL records the model's).
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from asyncrl.builtin.arithmetic import near_miss
 from asyncrl.builtin.scripted import Teacher
 from asyncrl.episodes.team import Role, Team
-from asyncrl.types import Prompt
+from asyncrl.types import Prompt, Sample
 
 SOLVER, VERIFIER = "solver", "verifier"
 SOLVER_PROMPT = "solve:"  # before the question in the solver's transcript
@@ -111,6 +112,18 @@ class VerifierTeacher:
         if self.rng.random() < self.noise:
             right = not right
         return ACCEPT if right else REJECT
+
+
+def verdicts(sample: Sample, decode: Callable[[list[int]], str]) -> list[tuple[str, bool]]:
+    """What the verifier's transcript ``sample`` holds: per verdict, the answer it was shown
+    (without the question mark) and whether it accepted it (read as the episode reads it).
+    ``decode``: token ids to text, stop tokens left out, as the rollout decodes a turn."""
+    ids, out, seen_from = sample.completion_ids, [], 0
+    for start, end in sample.turn_spans:
+        shown = decode(ids[seen_from:start]).strip().removesuffix(ASKED)
+        out.append((shown, decode(ids[start:end]).strip() == ACCEPT))
+        seen_from = end
+    return out
 
 
 def teachers(

@@ -8,7 +8,7 @@ shows nothing from one that is already perfect. The warm start runs in two phase
 2. *blur*: continue for ``blur_steps`` on a noisy teacher, wrong with probability
    ``answer_noise``.
 
-Four tasks (``task``):
+Five tasks (``task``):
 
 * ``arithmetic``: ``prompt + answer + EOS`` (loss on the answer and EOS only); the noisy
   teacher's answer is a near miss (off by a little, or one digit changed). The result
@@ -24,10 +24,15 @@ Four tasks (``task``):
   environment of that name, rendered token for token as RL renders them, the loss on the
   teacher's turns only (:mod:`asyncrl.builtin.scripted`: the teachers and their noise).
   Accuracy is then the mean episode reward, as in RL's evaluation.
+* ``verify``: two roles, a solver and a verifier (:mod:`asyncrl.builtin.verify`), both learned
+  by the one model from the scripted teachers' episodes, each role's transcript rendered as
+  RL's multi-agent rollout records it (:func:`~asyncrl.builtin.scripted.render_team_episode`).
+  Accuracy is the mean team reward; its evaluations also report each role's (``solver_accuracy``,
+  ``verifier_accuracy``) and the share of right and of wrong answers the verifier accepts.
 
 Everything is seeded. The shipped checkpoints are ``asyncrl sft`` with a task's defaults
 (:data:`~asyncrl.builtin.sft_settings.TASK_DEFAULTS`): ``builtin:arith`` (``--task arithmetic``, the default),
-``builtin:chain``, ``builtin:calculator`` and ``builtin:guess``.
+``builtin:chain``, ``builtin:calculator``, ``builtin:guess`` and ``builtin:verify``.
 """
 
 from __future__ import annotations
@@ -46,8 +51,10 @@ import torch
 from asyncrl.builtin.arithmetic import ArithmeticTask, near_miss
 from asyncrl.builtin.chains import ChainTask, fails_late, late_slip, max_answer_chars
 from asyncrl.builtin.games import GuessTask
-from asyncrl.builtin.scripted import CalculatorTeacher, GuessTeacher, render_episode
+from asyncrl.builtin.scripted import CalculatorTeacher, GuessTeacher, render_episode, render_team_episode
 from asyncrl.builtin.sft_settings import SFTConfig
+from asyncrl.builtin.verify import SOLVER, VERIFIER, VERIFY_ROLES, verdicts, verify_episode
+from asyncrl.builtin.verify import teachers as verify_teachers
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.episodes.environment import environment_episode
@@ -173,13 +180,107 @@ class _Episodes:
         )
 
 
-def _accuracy(data: _Answers | _Episodes, model: torch.nn.Module, cfg: SFTConfig) -> dict[str, float]:
+class _Team:
+    """The verify task (:mod:`asyncrl.builtin.verify`): one model learns both roles, whose
+    transcripts differ by their role prompts. Rows alternate: the solver's transcript of an
+    episode both teachers play with the noise, then the verifier's transcript of an episode
+    whose solver answers a near miss ``verify_wrong`` of the time (else a verifier trained
+    while the solver is clean would only ever see right answers), its verdicts with the noise
+    (``verdict_noise`` in the blur phase, if set). The first ``solver_first_steps`` steps
+    train the solver's transcripts only: checking a sum needs the sums first (measured: from
+    a random model, with both roles from the start, the verifier still accepted right and
+    wrong answers alike after 3,000 steps, the solver right 0.45 greedy)."""
+
+    def __init__(self, cfg: SFTConfig, policy: Policy) -> None:
+        self.cfg, self.policy = cfg, policy
+        self.train = PromptStream(ArithmeticTask(cfg.ops, cfg.min_digits, cfg.max_digits, seed=cfg.data_seed))
+        held_out = ArithmeticTask(cfg.ops, cfg.min_digits, cfg.max_digits, seed=cfg.eval_seed)
+        self.held_out = PromptStream(held_out).take(cfg.eval_prompts)
+        # One solver answer a turn: the turn budget bounds the answers.
+        self.episode = functools.partial(verify_episode, attempts=cfg.max_turns)
+        self.steps = 0  # rows() is called once a training step
+
+    def rows(self, n: int, noise: float, rng: random.Random) -> list[Row]:
+        cfg = self.cfg
+        self.steps += 1
+        roles = [SOLVER] if self.steps <= cfg.solver_first_steps else [r.name for r in VERIFY_ROLES]
+        # The blur phase (noise > 0) flips verdicts at verdict_noise, if set.
+        verdict_noise = noise if noise == 0 or cfg.verdict_noise is None else cfg.verdict_noise
+        start = self.train.position
+        rows = []
+        for i, task in enumerate(self.train.take(n)):
+            role = roles[i % len(roles)]
+            wrong = noise if role == SOLVER else cfg.verify_wrong
+            played = render_team_episode(
+                self.episode,
+                VERIFY_ROLES,
+                verify_teachers(task, rng, wrong, verdict_noise),
+                task,
+                self.policy.tokenizer,
+                seed=start + i,
+                max_turns=cfg.max_turns,
+                max_episode_tokens=cfg.max_episode_tokens,
+                max_turn_tokens=cfg.max_turn_tokens,
+            )
+            rows.append(played.roles[role].sft_row())
+        return rows
+
+    def rollout(self, engine: EmbeddedEngine, sampling: SamplingParams) -> Rollout:
+        """One episode per held-out task, both roles played by the model; scored by the team reward."""
+        cfg = self.cfg
+        return EpisodeRollout(
+            engine,
+            self.policy.tokenizer,
+            self.episode,
+            sampling,
+            1,
+            max_turns=cfg.max_turns,
+            max_episode_tokens=cfg.max_episode_tokens,
+            seed=cfg.seed,
+            roles=VERIFY_ROLES,
+        )
+
+    def roles(self, rollout: Rollout) -> dict[str, float]:
+        """The roles on the held-out tasks: ``solver_accuracy`` and ``verifier_accuracy``, the
+        mean of the role's own reward (the share of its answers, of its verdicts, that were
+        right), and ``verifier_accepts_right`` / ``verifier_accepts_wrong``, the share of right
+        and of wrong answers the verifier accepted (a verifier with no signal accepts both
+        alike). The rollout's per-request seeds make these the episodes an evaluation just scored."""
+        groups = rollout.generate_groups(self.held_out, first_group_id=0)
+        samples = [s for g in groups for s in g.samples]
+        answers = {p.prompt_id: p.answer for p in self.held_out}
+        eos = self.policy.eos_token_id
+
+        def decode(ids: list[int]) -> str:
+            return self.policy.tokenizer.decode([t for t in ids if t != eos], skip_special_tokens=True)
+
+        judged = {True: [], False: []}  # answer right -> accepted, per verdict
+        for s in samples:
+            if s.role == VERIFIER:
+                for shown, accepted in verdicts(s, decode):
+                    judged[shown == answers[s.prompt_id]].append(accepted)
+        figures = {
+            f"{role.name}_accuracy": _mean(
+                [s.reward_components.get("role") or 0.0 for s in samples if s.role == role.name]
+            )
+            for role in VERIFY_ROLES
+        }
+        figures["verifier_accepts_right"] = _mean(judged[True])
+        figures["verifier_accepts_wrong"] = _mean(judged[False])
+        return figures
+
+
+def _mean(values: list) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _accuracy(data: _Answers | _Episodes | _Team, model: torch.nn.Module, cfg: SFTConfig) -> dict[str, float]:
     """``accuracy_sampled`` (temperature 1) and ``accuracy_greedy``: the mean reward on the
     held-out prompts, one completion or episode each, through the task's rollout, as RL
     evaluates; for chains also ``failures_late`` of the sampled completions."""
     policy = data.policy
     engine = EmbeddedEngine(copy.deepcopy(model), pad_token_id=policy.pad_token_id, seed=cfg.seed)
-    budget = cfg.max_turn_tokens if isinstance(data, _Episodes) else data.budget
+    budget = cfg.max_turn_tokens if isinstance(data, _Episodes | _Team) else data.budget
     figures = {}
     for name, temperature in (("accuracy_sampled", 1.0), ("accuracy_greedy", 0.0)):
         sampling = SamplingParams(budget, temperature=temperature, stop_token_ids=(policy.eos_token_id,))
@@ -188,6 +289,9 @@ def _accuracy(data: _Answers | _Episodes, model: torch.nn.Module, cfg: SFTConfig
             figures[name] = evaluate(rollout, data.held_out)
             if temperature > 0 and isinstance(data, _Chains):
                 figures["failures_late"] = data.failures_late(rollout)
+            if isinstance(data, _Team):
+                suffix = name.removeprefix("accuracy")
+                figures.update({k + suffix: v for k, v in data.roles(rollout).items()})
         finally:
             rollout.close()
     return figures
@@ -220,7 +324,7 @@ def run_sft(cfg: SFTConfig, out_dir: Path, log=print) -> dict:
     torch.manual_seed(cfg.seed)
     policy = load_policy(cfg.model, device="cpu", seed=cfg.seed)
     model = policy.model
-    tasks = {"arithmetic": _Answers, "chain": _Chains}
+    tasks = {"arithmetic": _Answers, "chain": _Chains, "verify": _Team}
     data = tasks.get(cfg.task, _Episodes)(cfg, policy)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     noise_rng = random.Random(cfg.data_seed)
