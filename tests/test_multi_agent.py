@@ -436,3 +436,44 @@ def test_an_async_two_policy_run_stopped_by_sigterm_resumes_with_every_policys_b
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows][-1] == 6
     assert rows[-1]["policy/default/version"] == rows[-1]["policy/checker/version"] == 6
+
+
+def test_multi_agent_settings_are_checked_by_name() -> None:
+    from asyncrl.config import load_config
+    from asyncrl.errors import ConfigError
+
+    cfg = load_config(None, ["episode.environment=verify"])  # the built-in team, on the one policy
+    assert [(r.name, r.prompt, r.policy) for r in cfg.multi_agent.roles] == [
+        ("solver", "solve:", "default"),
+        ("verifier", "check:", "default"),
+    ]
+    assert not cfg.multi_agent.several_policies
+    cases = [
+        (["multi_agent.roles=[{name: a}]"], "episode function that plays roles"),
+        (["episode.environment=verify", "task.name=chain"], "needs task.name=arithmetic"),
+        (["episode.environment=verify", "multi_agent.roles=[{name: a}, {name: a}]"], "unique"),
+        (["episode.environment=verify", "multi_agent.roles=[{name: a, policy: b}]"], "'b'"),
+        (
+            [
+                "episode.environment=verify",
+                "multi_agent.roles=[{name: a, policy: b}]",
+                "multi_agent.policies=[{name: b, kind: adapter}]",
+            ],
+            "lora.rank",
+        ),
+        (
+            [
+                "episode.environment=verify",
+                "multi_agent.roles=[{name: a, policy: b}]",
+                "multi_agent.policies=[{name: b}]",
+                "trainer.ranks=2",
+                "runtime.kind=local",
+            ],
+            "trainer.ranks=2",
+        ),
+        (["episode.environment=verify", "multi_agent.team_weight=0"], "both 0"),
+        (["episode.environment=verify", "multi_agent.advantage=turn"], "multi_agent.advantage"),
+    ]
+    for overrides, needle in cases:
+        with pytest.raises(ConfigError, match=needle):
+            load_config(None, overrides)

@@ -33,12 +33,13 @@ from collections.abc import Callable
 
 from asyncrl.builtin.arithmetic import near_miss
 from asyncrl.builtin.scripted import Teacher
+from asyncrl.config.agents import BUILTIN_TEAMS
 from asyncrl.episodes.team import Role, Team
 from asyncrl.types import Prompt, Sample
 
-SOLVER, VERIFIER = "solver", "verifier"
-SOLVER_PROMPT = "solve:"  # before the question in the solver's transcript
-VERIFIER_PROMPT = "check:"  # before the question in the verifier's transcript
+# The roles and their prompts (before the question in each role's transcript) are the config's,
+# which gives them to a run that sets episode.environment=verify and no multi_agent.roles.
+(SOLVER, SOLVER_PROMPT), (VERIFIER, VERIFIER_PROMPT) = BUILTIN_TEAMS["verify"]
 VERIFY_ROLES: list[Role] = [Role(SOLVER, SOLVER_PROMPT), Role(VERIFIER, VERIFIER_PROMPT)]
 ACCEPT, REJECT = "y", "n"  # the verifier's verdicts
 REJECTED = "no;"  # what the solver is shown after a rejection, before it answers again

@@ -11,6 +11,10 @@ from asyncrl.config.base import Section
 
 DEFAULT_POLICY = "default"
 
+# The roles of the built-in multi-agent environments, (name, prompt) in order: a run that names
+# one in episode.environment and sets no multi_agent.roles plays them on its one policy.
+BUILTIN_TEAMS = {"verify": (("solver", "solve:"), ("verifier", "check:"))}
+
 
 class RoleSpec(Section):
     """One role of a multi-agent episode."""

@@ -209,9 +209,10 @@ class EpisodeConfig(Section):
     environment: str | None = Field(
         None,
         description="null = single-turn completions. A built-in ('calculator' on the arithmetic task, 'guess' "
-        "on task.name=guess) or 'module:name' of an environment class (built as cls(task, seed), with reset "
-        "and step) or of an `async def episode(client, task)` function. The episode's reward replaces "
-        "task.reward.",
+        "on task.name=guess, 'verify': a solver and a verifier on the arithmetic task, see multi_agent) or "
+        "'module:name' of an environment class (built as cls(task, seed), with reset and step) or of an "
+        "`async def episode(client, task)` function (`async def episode(team, task)` with multi_agent.roles). "
+        "The episode's reward replaces task.reward.",
     )
     max_turns: int = Field(4, ge=1, description="Most model turns per episode; more truncates it.")
     step_timeout_s: float | None = Field(

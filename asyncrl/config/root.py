@@ -6,7 +6,7 @@ import os
 
 from pydantic import Field, model_validator
 
-from asyncrl.config.agents import MultiAgentConfig
+from asyncrl.config.agents import BUILTIN_TEAMS, MultiAgentConfig, RoleSpec
 from asyncrl.config.base import Section
 from asyncrl.config.data import EpisodeConfig, JudgeConfig, ModelConfig, TaskConfig
 from asyncrl.config.pivots import PivotConfig
@@ -155,17 +155,24 @@ class Config(Section):
 
     def _multi_agent_combinations(self) -> None:
         agents = self.multi_agent
+        env = self.episode.environment
+        if env in BUILTIN_TEAMS:
+            if self.task.name != "arithmetic":
+                raise ValueError(
+                    f"episode.environment={env} needs task.name=arithmetic, not {self.task.name}"
+                )
+            if not agents.roles:
+                agents.roles = [RoleSpec(name=name, prompt=prompt) for name, prompt in BUILTIN_TEAMS[env]]
+        elif env in (None, "calculator", "guess") and agents.roles:
+            raise ValueError(
+                f"multi_agent.roles needs an episode function that plays roles; episode.environment={env} does not"
+            )
         if not agents.enabled:
             if agents.policies:
                 raise ValueError(
                     "multi_agent.policies is set but multi_agent.roles is empty: no role uses them"
                 )
             return
-        if self.episode.environment is None:
-            raise ValueError(
-                "multi_agent.roles needs episode.environment: an `async def episode(team, task)` function "
-                "(or a built-in multi-agent environment) that plays the roles"
-            )
         if agents.policy_names != ["default"] and self.trainer.ranks > 1:
             raise ValueError(
                 f"several policies (multi_agent.policies, used by roles) train in one trainer process; "

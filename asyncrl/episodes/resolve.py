@@ -6,12 +6,13 @@ import functools
 import inspect
 
 from asyncrl.builtin.games import Calculator, GuessingGame
+from asyncrl.builtin.verify import verify_episode
 from asyncrl.config.user_code import import_named
 from asyncrl.episodes.environment import EnvironmentFactory, EpisodeFunction, environment_episode
 from asyncrl.errors import ConfigError
 
 KEY = "episode.environment"
-BUILTINS = ("calculator", "guess")
+BUILTINS = ("calculator", "guess", "verify")
 
 
 def builtin_environment(name: str, max_turns: int) -> EnvironmentFactory:
@@ -25,10 +26,12 @@ def builtin_environment(name: str, max_turns: int) -> EnvironmentFactory:
 
 def resolve_episode(spec: str, max_turns: int, step_timeout_s: float | None = None) -> EpisodeFunction:
     """The episode function ``spec`` names (see :class:`asyncrl.config.EpisodeConfig`)."""
+    if spec == "verify":  # two roles, solver and verifier (multi_agent.roles)
+        return verify_episode
     if spec in BUILTINS:
         return environment_episode(builtin_environment(spec, max_turns), step_timeout_s)
     if ":" not in spec:
-        raise ConfigError(KEY, spec, "not a built-in ('calculator', 'guess') nor 'module:name'")
+        raise ConfigError(KEY, spec, f"not a built-in ({', '.join(map(repr, BUILTINS))}) nor 'module:name'")
     target = import_named(spec, KEY)
     module_name, _, attr = spec.partition(":")
     if inspect.iscoroutinefunction(target):
