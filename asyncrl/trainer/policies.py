@@ -41,6 +41,14 @@ def published_name(policy: str, name: str) -> str:
     return name if policy == DEFAULT_POLICY else f"policy/{policy}/{name}"
 
 
+def owner(name: str) -> tuple[str, str]:
+    """(policy, the tensor's own name) of a tensor as a weight sync names it (:func:`published_name`)."""
+    if name.startswith("policy/"):
+        _, policy, inner = name.split("/", 2)
+        return policy, inner
+    return DEFAULT_POLICY, name
+
+
 def split_published(
     named: Mapping[str, torch.Tensor], policies: list[str]
 ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, int]]:
@@ -52,13 +60,9 @@ def split_published(
         )
     parts: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
     for name, tensor in named.items():
-        if name == CLOCKS:
-            continue
-        if name.startswith("policy/"):
-            _, policy, inner = name.split("/", 2)
-        else:
-            policy, inner = DEFAULT_POLICY, name
-        parts[policy][inner] = tensor
+        if name != CLOCKS:
+            policy, inner = owner(name)
+            parts[policy][inner] = tensor
     return dict(parts), dict(zip(policies, (int(c) for c in clocks), strict=True))
 
 

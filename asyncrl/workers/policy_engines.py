@@ -21,7 +21,7 @@ from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.lora import MergedLora
 from asyncrl.engine.multi_lora import MultiLora
 from asyncrl.models.loading import Policy
-from asyncrl.trainer.policies import CLOCKS, PolicySet, published_name, split_published
+from asyncrl.trainer.policies import CLOCKS, PolicySet, owner, published_name, split_published
 from asyncrl.transports.weights.base import TensorSpec, WeightLayout, WeightSyncError, check_checksums
 from asyncrl.workers import build
 
@@ -174,13 +174,9 @@ class PolicyEngines:
         check_checksums({CLOCKS: clocks}, {CLOCKS: expected[CLOCKS]}, version, where)
         parts: dict[str, dict[str, float]] = {name: {} for name in self.order}
         for tensor_name, value in expected.items():
-            if tensor_name == CLOCKS:
-                continue
-            if tensor_name.startswith("policy/"):
-                _, name, inner = tensor_name.split("/", 2)
-            else:
-                name, inner = DEFAULT_POLICY, tensor_name
-            parts[name][inner] = value
+            if tensor_name != CLOCKS:
+                name, inner = owner(tensor_name)
+                parts[name][inner] = value
         for name in self.order:
             if self.members[name].trained:
                 self.members[name].verify(parts[name], version, where)
