@@ -9,6 +9,7 @@ import json
 import random
 import re
 from dataclasses import asdict
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -39,6 +40,7 @@ from asyncrl.rollout.evaluation import evaluate
 from asyncrl.types import Prompt
 from tests.test_scripted_episodes import ReplayEngine
 
+REPO = Path(__file__).resolve().parent.parent
 TOKENIZER = build_char_tokenizer()
 EOS = TOKENIZER.eos_token_id
 TASK = Prompt("t", "12+34=", answer="46")
@@ -349,3 +351,24 @@ def test_shipped_warm_start_plays_both_roles() -> None:
     assert greedy >= 0.85
     assert 0.25 <= sampled <= 0.7
     assert accepts_right - accepts_wrong >= 0.2
+
+
+def test_example_config_plays_the_warm_start_with_its_budgets() -> None:
+    """examples/verify.yaml plays builtin:verify with the role prompts and the episode budgets
+    its warm start was made with (a run of two roles and two policies: tests/test_multi_agent.py)."""
+    from asyncrl.config import load_config
+
+    cfg = load_config(REPO / "examples" / "verify.yaml")
+    sft = sft_config("verify")
+    assert cfg.model.path == "builtin:verify" and cfg.task.name == "arithmetic"
+    assert list(cfg.task.arithmetic.ops) == sft.ops
+    assert (cfg.task.arithmetic.min_digits, cfg.task.arithmetic.max_digits) == (
+        sft.min_digits,
+        sft.max_digits,
+    )
+    assert [(r.name, r.prompt) for r in cfg.multi_agent.roles] == [(r.name, r.prompt) for r in VERIFY_ROLES]
+    assert (cfg.episode.max_turns, cfg.episode.max_episode_tokens, cfg.rollout.max_new_tokens) == (
+        sft.max_turns,
+        sft.max_episode_tokens,
+        sft.max_turn_tokens,
+    )
