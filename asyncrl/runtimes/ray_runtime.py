@@ -304,10 +304,16 @@ class RayRuntime:
         ]
         # The weight-sync group's store and the trainer ranks' store live with rank 0: its
         # node's address, and ports free there.
-        where, sync_port, rank_port = self.ray.get(
-            [ranks[0].where.remote(), ranks[0].free_port.remote(), ranks[0].free_port.remote()],
-            timeout=self._start_s,
-        )
+        try:
+            where, sync_port, rank_port = self.ray.get(
+                [ranks[0].where.remote(), ranks[0].free_port.remote(), ranks[0].free_port.remote()],
+                timeout=self._start_s,
+            )
+        except self.ray.exceptions.GetTimeoutError:
+            raise WorkerError(
+                f"[{self.trainer_names[0]!r}] did not start within {self._start_s:g}s (runtime.start_timeout_s): "
+                "its actor was not placed or did not answer"
+            ) from None
         host = self.rcfg.master_addr or where["ip"]
         if self._spec.kind == "broadcast":
             self._spec = self._spec.replace(host=host, port=sync_port)
