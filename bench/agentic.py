@@ -86,6 +86,18 @@ def steady_window(run_dir: Path, warmup: int) -> dict:
     }
 
 
+def latency_figures(log: Path) -> dict:
+    """Median, p99, max and count of the latencies (seconds, one per line) a run's log holds."""
+    latencies = sorted(float(x) for x in log.read_text().split())
+    quantile = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))]  # noqa: E731
+    return {
+        "median": round(quantile(0.5), 4),
+        "p99": round(quantile(0.99), 4),
+        "max": round(latencies[-1], 4),
+        "calls": len(latencies),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=12)
@@ -124,8 +136,6 @@ def main() -> None:
         run_dir = work / name
         train(load_config(None, [*base, *extra]), run_dir)
         results[name] = steady_window(run_dir, args.warmup)
-    latencies = sorted(float(x) for x in log.read_text().split())
-    quantile = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))]  # noqa: E731
     print(
         json.dumps(
             {
@@ -133,12 +143,7 @@ def main() -> None:
                     "tasks_per_step": args.prompts,
                     "episodes_per_task": args.group,
                     "turns": args.turns,
-                    "tool_latency_s": {
-                        "median": round(quantile(0.5), 4),
-                        "p99": round(quantile(0.99), 4),
-                        "max": round(latencies[-1], 4),
-                        "calls": len(latencies),
-                    },
+                    "tool_latency_s": latency_figures(log),
                     "cores": len(os.sched_getaffinity(0)),
                 },
                 "schedules": results,

@@ -32,7 +32,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from overlap import steady_window as overlap_window  # bench/ is this script's directory
+from agentic import latency_figures  # bench/ is this script's directory
+from agentic import steady_window as agentic_window
 
 from asyncrl.config import load_config
 from asyncrl.control.run import train
@@ -91,14 +92,10 @@ async def episode(team, task):
 
 
 def steady_window(run_dir: Path, warmup: int) -> dict:
-    """bench/overlap.py's steady-state window (after ``warmup`` steps), rounded, with rewards and staleness."""
-    window = overlap_window(run_dir, warmup)
+    """bench/agentic.py's steady-state figures, with the team reward and each policy's staleness and clock."""
     rows = read_jsonl(run_dir / "metrics.jsonl")
     return {
-        "steps": len(rows),
-        "s_per_step": round(window["s_per_step"], 4),
-        "trainer_busy_frac": round(window["trainer_busy_frac"], 3),
-        "generator_busy_frac": round(window["generator_busy_frac"], 3),
+        **agentic_window(run_dir, warmup),
         "team_reward_mean": round(statistics.fmean(r["reward/team"] for r in rows), 4),
         "staleness_max": {
             p: max(r.get(f"policy/{p}/staleness_max", 0) for r in rows) for p in ("default", "verifier")
@@ -147,8 +144,6 @@ def main() -> None:
         run_dir = work / name
         train(load_config(Path(base[0]), [*base[1:], *extra]), run_dir)
         results[name] = steady_window(run_dir, args.warmup)
-    latencies = sorted(float(x) for x in log.read_text().split())
-    quantile = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))]  # noqa: E731
     print(
         json.dumps(
             {
@@ -156,12 +151,7 @@ def main() -> None:
                     "tasks_per_step": args.prompts,
                     "episodes_per_task": args.group,
                     "policies": ["default (solver)", "verifier (kind=model)"],
-                    "verifier_latency_s": {
-                        "median": round(quantile(0.5), 4),
-                        "p99": round(quantile(0.99), 4),
-                        "max": round(latencies[-1], 4),
-                        "calls": len(latencies),
-                    },
+                    "verifier_latency_s": latency_figures(log),
                 },
                 **results,
                 "async_speedup": round(results["sync"]["s_per_step"] / results["async"]["s_per_step"], 2),

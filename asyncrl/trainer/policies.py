@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -224,9 +224,6 @@ class PolicySet:
             for n, t in self.members[name].trainer.synced_weights()
         ]
         return [*named, (CLOCKS, self.clocks_tensor())]
-
-    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        return self.synced_weights()
 
     def checkpoint_state(self) -> dict:
         """The run's version and each policy's trainer state; a policy other than the primary, and
