@@ -456,6 +456,7 @@ def test_a_lost_generators_branch_groups_go_back_to_their_pivots(tmp_path: Path)
             f"run.steps={steps}",
             "pivot.branches=4",
             "pivot.every_tokens=1",
+            "runtime.stall_timeout_s=100",  # a stall fails with the watchdog's account, not the test's timeout
         ],
     )
     killed: dict = {}
@@ -499,6 +500,7 @@ def test_a_lost_generators_episodes_of_two_policies_are_issued_again(tmp_path: P
             "episode.environment=tests.test_multi_agent:solve_and_check",
             "multi_agent.roles=[{name: solver}, {name: checker, policy: checker}]",
             "multi_agent.policies=[{name: checker, kind: model}]",
+            "runtime.stall_timeout_s=100",  # a stall fails with the watchdog's account, not the test's timeout
         ],
     )
     killed: dict = {}
