@@ -178,7 +178,11 @@ def profile_ops(trainer: Trainer, batches: list[list[Group]], steps: int, top: i
     return {
         "aten_calls_per_step": round(calls / steps),
         "top_self_cpu": [
-            {"op": e.key, "calls_per_step": round(e.count / steps, 1), "ms_per_step": round(e.self_cpu_time_total / 1e3 / steps, 2)}
+            {
+                "op": e.key,
+                "calls_per_step": round(e.count / steps, 1),
+                "ms_per_step": round(e.self_cpu_time_total / 1e3 / steps, 2),
+            }
             for e in ordered[:top]
         ],
     }
@@ -210,7 +214,12 @@ def main(argv: list[str] | None = None) -> dict:
             for p, v in times.items():
                 per_part[p].append(v)
     result = {
-        "machine": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__, "loadavg": [round(x, 2) for x in os.getloadavg()]},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "loadavg": [round(x, 2) for x in os.getloadavg()],
+        },
         "workload": {
             "model": cfg.model.path,
             "samples_per_step": cfg.rollout.prompts_per_step * cfg.rollout.group_size,

@@ -215,17 +215,17 @@ def run_ranks(
 
 
 @pytest.fixture(scope="module")
-def single_process() -> Callable[[str], dict]:
+def single_process() -> Callable[..., dict]:
     """The one-process result per model, made on first request: published weights, metrics, initial weights."""
     results: dict[str, dict] = {}
 
-    def get(model: str) -> dict:
-        if model not in results:
+    def get(model: str, extra: tuple[str, ...] = ()) -> dict:
+        if (model, extra) not in results:
             channel = InProcessChannel()
-            worker = TrainerWorker("trainer", rank_config(1, "ddp", model), lambda layout: channel)
+            worker = TrainerWorker("trainer", rank_config(1, "ddp", model, extra), lambda layout: channel)
             initial = {n: p.detach().clone() for n, p in worker.policy.model.named_parameters()}
-            results[model] = {**drive(worker, channel), "initial": initial}
-        return results[model]
+            results[model, extra] = {**drive(worker, channel), "initial": initial}
+        return results[model, extra]
 
     return get
 
@@ -241,19 +241,25 @@ def fsdp2_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    ("parallel", "model"),
+    ("parallel", "model", "extra"),
     [
-        pytest.param("ddp", "tiny:1m", marks=pytest.mark.slow),  # fsdp2 below: the same exchange, sharded
-        ("fsdp2", "tiny:1m"),
-        pytest.param("ddp", "tiny:1m:llama", marks=pytest.mark.slow),
-        pytest.param("fsdp2", "tiny:1m:llama", marks=pytest.mark.slow),
+        # Without the KL term zero-advantage samples are skipped: left out before the split, counted once.
+        ("ddp", "tiny:1m", ("algorithm.beta=0",)),
+        ("fsdp2", "tiny:1m", ()),
+        pytest.param("ddp", "tiny:1m:llama", (), marks=pytest.mark.slow),
+        pytest.param("fsdp2", "tiny:1m:llama", (), marks=pytest.mark.slow),
         # Keep Routing: every rank forces its share's recorded experts (tests/test_routing.py).
-        pytest.param("ddp", "tiny:moe", marks=pytest.mark.slow),
-        pytest.param("fsdp2", "tiny:moe", marks=pytest.mark.slow),
+        pytest.param("ddp", "tiny:moe", (), marks=pytest.mark.slow),
+        pytest.param("fsdp2", "tiny:moe", (), marks=pytest.mark.slow),
     ],
 )
 def test_two_ranks_match_one_process(
-    single_process, request: pytest.FixtureRequest, tmp_path: Path, parallel: str, model: str
+    single_process,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    parallel: str,
+    model: str,
+    extra: tuple[str, ...],
 ) -> None:
     """2 ranks (DDP, FSDP2) publish the single process's weights after 2 steps: max |diff| <= 1e-5."""
     if (parallel, model) == ("fsdp2", "tiny:1m"):
@@ -261,9 +267,9 @@ def test_two_ranks_match_one_process(
         got, seconds = ranks["steps"], ranks["seconds"]
     else:
         t0 = time.monotonic()
-        got = run_ranks(2, parallel, model, tmp_path / "rank0.pt")
+        got = run_ranks(2, parallel, model, tmp_path / "rank0.pt", extra=extra)
         seconds = time.monotonic() - t0
-    reference = single_process(model)
+    reference = single_process(model, extra)
     ref, initial = reference["weights"], reference["initial"]
     assert got["weights"].keys() == ref.keys()
     max_diff = max(float((got["weights"][n] - ref[n]).abs().max()) for n in ref)
@@ -279,6 +285,8 @@ def test_two_ranks_match_one_process(
         # Sums over the batch: rank 0 reports global numbers, not its share.
         assert got_m["trained_tokens"] == ref_m["trained_tokens"]
         assert got_m["parity_tokens"] == ref_m["parity_tokens"]
+        # Zero-advantage samples are left out before the split and counted once.
+        assert got_m["skipped_samples"] == ref_m["skipped_samples"]
         assert got_m["logprob_diff_max"] == pytest.approx(ref_m["logprob_diff_max"], abs=1e-5)
         for key in ("loss", "grad_norm", "kl_ref", "entropy", "clip_frac", "ratio_mean"):
             assert got_m[key] == pytest.approx(ref_m[key], rel=1e-4, abs=1e-6), key
@@ -290,6 +298,8 @@ def test_two_ranks_match_one_process(
             assert got_m["routing_mismatch_frac"] == ref_m["routing_mismatch_frac"] == 0.0
             assert got_m["routing_drift_frac"] > 0.5 and ref_m["routing_drift_frac"] > 0.5
     assert max(m["grad_norm"] for m in got["metrics"]) > 0.5  # clipping was active
+    if extra:  # beta 0: a group of one, or of equal rewards, teaches nothing and is skipped
+        assert sum(m["skipped_samples"] for m in got["metrics"]) > 0
 
 
 @pytest.mark.multiprocess

@@ -79,7 +79,11 @@ def test_batch_metrics_from_headers_equal_the_per_token_definition() -> None:
     lags = [3 - v for g in groups for s in g.samples for v in s.versions]
     assert m["staleness_mean"] == sum(lags) / len(lags) and m["staleness_max"] == max(lags) == 3
     assert m["samples"] == 4 and m["tokens_generated"] == 8 and m["truncated_frac"] == 0.5
-    assert m["solve_all_frac"] == 0.5 and m["reward/exact"] == pytest.approx(0.25)
+    assert (
+        m["any_solved_frac"] == 0.5
+        and m["all_solved_frac"] == 0.0
+        and m["reward/exact"] == pytest.approx(0.25)
+    )
     assert m["reward/format"] == 1.0  # the None of completion 0 does not count
 
 

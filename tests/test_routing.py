@@ -377,6 +377,7 @@ def test_a_run_reports_routing_mismatch_and_drift(tmp_path, replay: str) -> None
         "schedule=async",
         "schedule.max_staleness=1",
         "trainer.packing=off",  # route staleness is counted in the padded layout
+        "trainer.skip_zero_advantage=false",  # every sample compared, whatever its rewards
         f"trainer.routing_replay={replay}",
     ]
     assert main(["train", *sets(overrides), "--run-dir", str(tmp_path / "run")]) == 0

@@ -39,7 +39,7 @@ def batch_metrics(groups: list[GroupHeader], trainer_version: int | Mapping[str,
     trained = sum(n for _, n in lags)
     lengths = [n for g in groups for n in g.lengths]
     reasons = [r for g in groups for r in g.finish_reasons]
-    solved = [any((r or 0) > 0 for r in g.rewards) for g in groups]
+    solved = [[(r or 0) > 0 for r in g.rewards] for g in groups]
     return {
         "reward_mean": statistics.fmean(rewards) if rewards else float("nan"),
         "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
@@ -49,7 +49,9 @@ def batch_metrics(groups: list[GroupHeader], trainer_version: int | Mapping[str,
         "completion_len_mean": statistics.fmean(lengths) if lengths else 0.0,
         "truncated_frac": sum(r == "length" for r in reasons) / max(len(reasons), 1),
         "reward_errors": sum(g.reward_errors for g in groups),
-        "solve_all_frac": sum(solved) / max(len(groups), 1),
+        # Groups with at least one sample rewarded above 0, and with every sample so rewarded.
+        "any_solved_frac": sum(any(g) for g in solved) / max(len(groups), 1),
+        "all_solved_frac": sum(all(g) for g in solved if g) / max(len(groups), 1),
         "staleness_mean": sum(lag * n for lag, n in lags) / trained if trained else 0.0,
         "staleness_max": max((lag for lag, n in lags if n), default=0),
         **reward_components(groups),

@@ -19,6 +19,7 @@ Which layout a micro-batch gets and how samples are cut into micro-batches:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -137,6 +138,25 @@ def trained_span(sample: Sample) -> int:
     return min(1, len(mask))
 
 
+def ragged_rows(
+    rows: list[list], width: int, fill: float, dtype: torch.dtype, align: str = "left"
+) -> torch.Tensor:
+    """Lists of values as one ``(len(rows), width)`` tensor, each row's values at its start
+    (``align="left"``) or end (``"right"``) and ``fill`` elsewhere.
+
+    One conversion for the whole batch: a tensor built row by row costs several operator
+    calls per sample (the collation of a 256-sample step was most of its operator calls).
+    """
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    values = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.float64, count=int(lengths.sum()))
+    columns = np.arange(width)
+    where = columns < lengths[:, None] if align == "left" else columns >= width - lengths[:, None]
+    out = torch.full((len(rows), width), fill, dtype=dtype)
+    # Boolean indexing walks rows in order, so the concatenated values land row by row.
+    out.numpy()[where] = values
+    return out
+
+
 def per_token_tensors(samples: list[Sample], pad_token_id: int) -> dict[str, torch.Tensor]:
     """The completion-aligned (B, R) tensors every layout carries."""
     if any(not s.completion_ids for s in samples):
@@ -146,26 +166,25 @@ def per_token_tensors(samples: list[Sample], pad_token_id: int) -> dict[str, tor
         raise ValueError("cannot train on a sample with an empty prompt")
     if any(s.advantage is None for s in samples):
         raise ValueError("samples must have advantages before they are collated")
-    b, r = len(samples), max(trained_span(s) for s in samples)
+    spans = [trained_span(s) for s in samples]
+    r = max(spans)
+
+    def rows(name: str) -> list[list]:
+        return [getattr(s, name)[:n] for s, n in zip(samples, spans, strict=True)]
+
     out = {
-        "completion_ids": torch.full((b, r), pad_token_id, dtype=torch.long),
-        "mask": torch.zeros((b, r), dtype=torch.float32),
-        "behaviour_logprobs": torch.zeros((b, r), dtype=torch.float32),
-        "versions": torch.zeros((b, r), dtype=torch.long),
+        "completion_ids": ragged_rows(rows("completion_ids"), r, pad_token_id, torch.long),
+        "mask": ragged_rows(rows("loss_mask"), r, 0, torch.float32),
+        "behaviour_logprobs": ragged_rows(rows("logprobs"), r, 0, torch.float32),
+        "versions": ragged_rows(rows("versions"), r, 0, torch.long),
     }
-    for i, s in enumerate(samples):
-        n = trained_span(s)
-        out["completion_ids"][i, :n] = torch.tensor(s.completion_ids[:n])
-        out["mask"][i, :n] = torch.tensor(s.loss_mask[:n], dtype=torch.float32)
-        out["behaviour_logprobs"][i, :n] = torch.tensor(s.logprobs[:n], dtype=torch.float32)
-        out["versions"][i, :n] = torch.tensor(s.versions[:n])
     if any(s.token_advantages is not None for s in samples):
         # Step rewards: advantages per token, (B, R); the other rows repeat their own.
-        out["advantages"] = torch.zeros((b, r), dtype=torch.float32)
-        for i, s in enumerate(samples):
-            n = trained_span(s)
-            values = s.token_advantages[:n] if s.token_advantages is not None else [s.advantage] * n
-            out["advantages"][i, :n] = torch.tensor(values, dtype=torch.float32)
+        per_token = [
+            s.token_advantages[:n] if s.token_advantages is not None else [s.advantage] * n
+            for s, n in zip(samples, spans, strict=True)
+        ]
+        out["advantages"] = ragged_rows(per_token, r, 0, torch.float32)
     else:
         out["advantages"] = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     if any(s.supports is not None for s in samples):
@@ -235,21 +254,26 @@ def routes_tensor(rows: list[np.ndarray | None], width: int, align_right: list[i
 def collate(samples: list[Sample], pad_token_id: int) -> MicroBatch:
     """The padded layout: one row of prompt + completion per sample."""
     per_token = per_token_tensors(samples, pad_token_id)
-    b = len(samples)
     p = max(len(s.prompt_ids) for s in samples)
     r = per_token["completion_ids"].shape[1]
     width = p + r - 1
-    input_ids = torch.full((b, width), pad_token_id, dtype=torch.long)
-    attention = torch.zeros((b, width), dtype=torch.long)
-    for i, s in enumerate(samples):
-        lp, lc = len(s.prompt_ids), trained_span(s)
-        input_ids[i, p - lp : p] = torch.tensor(s.prompt_ids)
-        input_ids[i, p : p + lc - 1] = torch.tensor(s.completion_ids[: lc - 1])
-        attention[i, p - lp : p + lc - 1] = 1
+    spans = [trained_span(s) for s in samples]
+    # Prompts end at column p and completions start there: left-pad the prompts, right-pad the rest.
+    prompts = ragged_rows([s.prompt_ids for s in samples], p, pad_token_id, torch.long, align="right")
+    fed = ragged_rows(
+        [s.completion_ids[: n - 1] for s, n in zip(samples, spans, strict=True)],
+        r - 1,
+        pad_token_id,
+        torch.long,
+    )
+    input_ids = torch.cat([prompts, fed], dim=1)
+    lengths = torch.tensor([[len(s.prompt_ids), n - 1] for s, n in zip(samples, spans, strict=True)])
+    columns = torch.arange(width)
+    attention = ((columns >= p - lengths[:, :1]) & (columns < p + lengths[:, 1:])).long()
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    routes = [input_routes(s, len(s.prompt_ids) + trained_span(s) - 1) for s in samples]
+    routes = [input_routes(s, len(s.prompt_ids) + n - 1) for s, n in zip(samples, spans, strict=True)]
     # Row i's input starts at column p - len(prompt): its routes end where its input does.
-    ends = [p + trained_span(s) - 1 for s in samples]
+    ends = [p + n - 1 for n in spans]
     return MicroBatch(
         samples,
         **per_token,

@@ -9,7 +9,9 @@ log-probs of the tokens the chunk predicts and its entropies, then drops them. B
 recomputes each chunk's logits from the saved hidden states (one more LM-head matmul per
 chunk, the price of the memory), forms the gradient of the logits of that chunk in closed
 form, and turns it into the chunk's rows of the hidden states' gradient and a float32
-running sum of the weight's (and bias') gradient. Peak memory of the vocabulary side is so
+running sum of the weight's (and bias') gradient. A micro-batch of at most ``chunk_tokens``
+rows is one chunk: its log-softmax is kept from forward to backward instead (no more memory
+than a chunk, and no second matmul). Peak memory of the vocabulary side is so
 a few (chunk × vocabulary) tensors plus one (vocabulary × H) float32 gradient, whatever
 the micro-batch's size (measured in docs/trainer_memory.md).
 
@@ -82,6 +84,7 @@ class ChunkedLogprobs(torch.autograd.Function):
         logp = torch.empty(rows.shape, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         w, b = _cast(weight, bias, dtype)
+        kept = None
         with torch.autocast(hidden.device.type, enabled=False):
             for i, start in enumerate(range(0, n, chunk)):
                 stop = min(start + chunk, n)
@@ -98,9 +101,13 @@ class ChunkedLogprobs(torch.autograd.Function):
                     logp[sup] = renormalised
                 if with_entropy:
                     entropy[start:stop] = entropy_from_logprobs(full)
+                # A micro-batch that fits in one chunk keeps its log-softmax for backward instead
+                # of computing it again there: no more memory than one chunk, one matmul less.
+                kept = full if n <= chunk and support is None else None
                 del full
         ctx.save_for_backward(hidden, weight, bias, rows, tokens, support, has_support, order, entropy)
         ctx.config = (temperature, chunk, dtype, bounds, entropy_grad)
+        ctx.kept = kept
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -124,15 +131,18 @@ class ChunkedLogprobs(torch.autograd.Function):
             for i, start in enumerate(range(0, n, chunk)):
                 stop = min(start + chunk, n)
                 h = hidden[start:stop].to(dtype)
-                z = _scaled_logits(h, w, b, dtype, temperature)
                 pairs = order[bounds[i] : bounds[i + 1]]
                 r, t, g = rows[pairs] - start, tokens[pairs], grad_logp[pairs].float()
-                if support is not None:
-                    sup = has_support[pairs]
-                    rs, ss = r[sup], support[pairs[sup]]
-                    q = _support_logprob(z, rs, t[sup], ss)[1]
-                full = torch.log_softmax(z, dim=-1)
-                del z
+                if ctx.kept is not None:  # the only chunk, kept by forward (never with a support)
+                    full, ctx.kept = ctx.kept, None
+                else:
+                    z = _scaled_logits(h, w, b, dtype, temperature)
+                    if support is not None:
+                        sup = has_support[pairs]
+                        rs, ss = r[sup], support[pairs[sup]]
+                        q = _support_logprob(z, rs, t[sup], ss)[1]
+                    full = torch.log_softmax(z, dim=-1)
+                    del z
                 # d logp[t] / dz = onehot(t) - softmax(z), or - softmax over the support where recorded.
                 on_full = g if support is None else torch.where(sup, 0.0, g)
                 row_grad = torch.zeros(stop - start, dtype=torch.float32, device=h.device).index_add_(

@@ -35,6 +35,7 @@ from asyncrl.trainer.batching import (
     input_routes,
     padded_cost,
     per_token_tensors,
+    ragged_rows,
     routes_tensor,
     trained_span,
 )
@@ -113,14 +114,13 @@ def collate_tree(samples: list[Sample], pad_token_id: int, tree: PrefixTree | No
     mask_above = torch.zeros((0, 0), dtype=torch.long)
     for rows in tree.levels:
         width = max(len(seg) for seg in rows)
-        input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-        own_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        positions = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, seg in enumerate(rows):
-            n = len(seg)
-            input_ids[r, width - n :] = torch.tensor(seg.tokens)
-            own_mask[r, width - n :] = 1
-            positions[r, width - n :] = torch.arange(seg.start, seg.start + n)
+        input_ids = ragged_rows([seg.tokens for seg in rows], width, pad_token_id, torch.long, align="right")
+        # Segments are left-padded: column c of a row of n tokens holds path position start + c - (width - n).
+        lengths = torch.tensor([len(seg) for seg in rows])
+        starts = torch.tensor([seg.start for seg in rows])
+        columns = torch.arange(width)
+        own_mask = (columns >= width - lengths[:, None]).long()
+        positions = ((starts - width + lengths)[:, None] + columns) * own_mask
         parent = torch.tensor([seg.parent.row for seg in rows if seg.level > 0], dtype=torch.long)
         mask = torch.cat([mask_above[parent], own_mask], dim=1) if len(parent) else own_mask
         keep = max((len(seg) - need_from[id(seg)] for seg in rows if id(seg) in need_from), default=0)
@@ -131,13 +131,14 @@ def collate_tree(samples: list[Sample], pad_token_id: int, tree: PrefixTree | No
     base = [0]
     for rows, keep in zip(tree.levels, keeps, strict=True):
         base.append(base[-1] + len(rows) * keep)
-    logit_index = torch.zeros(per_token["completion_ids"].shape, dtype=torch.long)
+    # Filled in numpy, a slice per span, and converted once.
+    logit_index = np.zeros(tuple(per_token["completion_ids"].shape), dtype=np.int64)
     for i, seg, lo, hi in spans:
         # Column of path position j in the kept logits of its row: keep - len(seg) + (j - start).
         first = base[seg.level] + seg.row * keeps[seg.level] + keeps[seg.level] - len(seg) - seg.start
         t0 = lo - (len(samples[i].prompt_ids) - 1)
-        logit_index[i, t0 : t0 + hi - lo] = torch.arange(first + lo, first + hi)
-    return MicroBatch(samples, **per_token, tree=TreeInputs(levels, logit_index))
+        logit_index[i, t0 : t0 + hi - lo] = np.arange(first + lo, first + hi)
+    return MicroBatch(samples, **per_token, tree=TreeInputs(levels, torch.from_numpy(logit_index)))
 
 
 @dataclass(frozen=True)
@@ -160,11 +161,11 @@ def choose_layout(samples: list[Sample], packing: Packing, token_budget: int | N
     A tree is so taken only when the tokens it saves outweigh its extra passes: tiny or
     unique prompts stay padded. Candidates: padded; the tree that branches at prompt ends;
     with ``tree`` also the full prefix tree (which can pad its levels more than the other).
-    A tree of one level shares nothing and is not a candidate. When ``token_budget`` is
-    given, layouts within it are preferred, and if none of these fits, the trees that keep
-    every shared prefix (merge threshold 0: fewest tokens, more passes) are candidates too —
-    the planner admits a micro-batch by the size of its smallest layout, and this is how it
-    gets that layout. Ties go to the padded layout, then to the tree branching at prompt ends.
+    A tree of one level shares nothing and is not a candidate. Each tree is built with the
+    merge rule's threshold and with threshold 0 (every shared prefix kept: fewest tokens,
+    perhaps more passes). When ``token_budget`` is given, layouts within it are preferred —
+    the planner admits a micro-batch by the size of its smallest layout. Ties go to the padded
+    layout, then to the tree branching at prompt ends, then to the merge rule's trees.
     """
     if packing not in PACKINGS:
         raise ValueError(f"packing must be one of {', '.join(PACKINGS)}; got {packing!r}")
@@ -180,8 +181,11 @@ def choose_layout(samples: list[Sample], packing: Packing, token_budget: int | N
                 candidates.append(Layout(tree, tree.tokens, tree.passes))
 
     add_trees(MICRO_BATCH_OVERHEAD_TOKENS)
-    if token_budget is not None and all(c.tokens > token_budget for c in candidates):
-        add_trees(0)
+    # The merge rule weighs a prefix's saving against a pass per node, but a pass is paid once
+    # per level, by all its nodes together: a 6-token prompt shared by 8 samples saves 42
+    # tokens, under one node's threshold, yet 32 such groups save 1,344 in one extra pass.
+    # So the trees keeping every shared prefix are always candidates, priced as a whole.
+    add_trees(0)
     fitting = [c for c in candidates if token_budget is None or c.tokens <= token_budget]
     return min(fitting or candidates, key=lambda c: c.cost)
 

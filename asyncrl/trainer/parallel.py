@@ -47,6 +47,8 @@ reference is the policy with its adapters switched off).
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -158,13 +160,19 @@ class DistributedTrainer(Trainer):
     # -- the step -------------------------------------------------------------------------
 
     def prepare(self, samples: list[Sample]) -> list[MicroBatch]:
-        """Micro-batches of this rank's share of ``samples`` (see :func:`split_samples`)."""
-        share = split_samples(samples, self.ranks.world_size, self.packing)[self.ranks.rank]
+        """Micro-batches of this rank's share of ``samples`` (see :func:`split_samples`).
+
+        Samples that cannot move the weights are left out before the split, so the ranks share
+        the computed ones evenly; rank 0 counts them (step metrics are summed over ranks).
+        """
+        computed = self._computed(samples, record=self.ranks.is_leader)
+        share = split_samples(computed, self.ranks.world_size, self.packing)[self.ranks.rank]
         runs_policy = self.old_logprob_mode == "recompute" or (self.lora and self.algo.beta > 0)
-        if not runs_policy:  # no forward of the policy: nothing to gather
-            return super().prepare(share)
-        with self._gathered():
-            return super().prepare(share)
+        start = time.perf_counter()
+        with self._gathered() if runs_policy else contextlib.nullcontext():  # else nothing to gather
+            batches = self._micro_batches(share)
+        self._busy_s += time.perf_counter() - start
+        return batches
 
     def accumulate(self, batches: list[MicroBatch]) -> float:
         with self._gathered():

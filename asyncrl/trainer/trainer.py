@@ -47,9 +47,10 @@ from asyncrl.config import AlgorithmConfig, TrainerConfig, old_logprob_mode
 from asyncrl.models.activation_checkpointing import enable_activation_checkpointing
 from asyncrl.models.lora import ADAPTER, adapter_fqns, is_lora, published_weights
 from asyncrl.models.routing import route_bytes, routing_of
-from asyncrl.trainer.batching import MicroBatch
+from asyncrl.trainer.batching import MicroBatch, trained_span
 from asyncrl.trainer.logprobs import completion_logprobs
 from asyncrl.trainer.memory import resolve_micro_batch_tokens
+from asyncrl.trainer.optimizer import adamw, clip_gradients, divide_gradients, total_norm
 from asyncrl.trainer.packing import packing_for
 from asyncrl.trainer.planning import collate_layout, plan_layouts
 from asyncrl.trainer.routing_metrics import drift_by_lag, routing_step_metrics
@@ -139,6 +140,26 @@ def distill_metrics(samples: list[Sample]) -> dict[str, float]:
     if not gaps:
         return {}
     return {"distill_reverse_kl": sum(gaps) / len(gaps), "teacher_logprob_mean": sum(teacher) / len(teacher)}
+
+
+def moves_weights(sample: Sample) -> bool:
+    """Whether the policy-gradient loss gives the sample any gradient: some trained token has a
+    non-zero advantage (a NaN advantage counts: it must reach the loss as it would unskipped)."""
+    if sample.token_advantages is None:
+        return sample.advantage != 0 and any(sample.loss_mask)
+    return any(a != 0 for a, m in zip(sample.token_advantages, sample.loss_mask, strict=False) if m)
+
+
+def zero_advantage_frac(groups: list[Group]) -> float:
+    """The fraction of groups whose every sample has advantage 0 on every token (all rewards equal,
+    and no per-token signal): without a KL or entropy term they teach nothing."""
+
+    def zero(sample: Sample) -> bool:
+        if sample.token_advantages is None:
+            return sample.advantage == 0
+        return all(a == 0 for a in sample.token_advantages)
+
+    return sum(all(zero(s) for s in g.samples) for g in groups) / max(len(groups), 1)
 
 
 def sync_dtype(lora: bool, compute_dtype: torch.dtype) -> torch.dtype:
@@ -235,17 +256,21 @@ class Trainer:
         # After the reference copy (it stays whole) and before the optimizer sees the parameters.
         self._parallelize()
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params,
-            lr=trainer_cfg.lr,
-            betas=trainer_cfg.adam_betas,
-            weight_decay=trainer_cfg.weight_decay,
-        )
+        self.optimizer = adamw(self.params, trainer_cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(trainer_cfg.lr_schedule, trainer_cfg.warmup_steps, total_steps)
         )
         self._stats: dict[str, float] = defaultdict(float)
         self._busy_s = 0.0
+        # trainer.skip_zero_advantage, where the loss has no term a zero advantage leaves standing.
+        self.skips_zero_advantage = (
+            trainer_cfg.skip_zero_advantage and algo_cfg.beta == 0 and not algo_cfg.entropy_coef
+        )
+        # (tokens, samples) skipped by prepare since the last optimizer step, and in the last step
+        # (a batch's later optimizer steps reuse its micro-batches, and so its skips).
+        self._skipped_pending: tuple[float, int] | None = None
+        self._step_skipped: tuple[float, int] = (0.0, 0)
+        self._computed_in_step = False
         # Recorded route bytes and samples prepared since the last optimizer step, and of the last one.
         self._route_bytes = self._step_route_bytes = (0.0, 0)
         # Called before every micro-batch forward/backward (e.g. to resize the thread pool).
@@ -257,6 +282,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self._stats = defaultdict(float)
         self._busy_s = 0.0
+        self._computed_in_step = False
 
     def prepare(self, samples: list[Sample]) -> list[MicroBatch]:
         """Micro-batches for these samples, with old-policy and reference log-probs attached.
@@ -265,6 +291,34 @@ class Trainer:
         of the weights at that moment.
         """
         t0 = time.perf_counter()
+        batches = self._micro_batches(self._computed(samples))
+        self._busy_s += time.perf_counter() - t0
+        return batches
+
+    def _computed(self, samples: list[Sample], record: bool = True) -> list[Sample]:
+        """The samples whose forward and backward can change the gradient (see
+        ``trainer.skip_zero_advantage``); ``record``: count the others in the step's metrics."""
+        if not self.skips_zero_advantage:
+            return samples
+        kept = [s for s in samples if moves_weights(s)]
+        if samples and not kept and not self._computed_in_step:
+            # A step computes at least one sample, its cheapest: with it every parameter of a dense
+            # model (or of experts stored as one tensor, as transformers does) gets a gradient,
+            # zeros here, and AdamW moves it by its momentum as it would unskipped; and a policy
+            # of a multi-policy run steps (its clock advances) whenever it had samples.
+            kept = [min(samples, key=lambda s: len(s.prompt_ids) + trained_span(s))]
+        self._computed_in_step |= bool(kept)
+        if record:
+            tokens, count = self._skipped_pending or (0.0, 0)
+            skipped = len(samples) - len(kept)
+            self._skipped_pending = (
+                tokens + sum(s.num_trained_tokens for s in samples) - sum(s.num_trained_tokens for s in kept),
+                count + skipped,
+            )
+        return kept
+
+    def _micro_batches(self, samples: list[Sample]) -> list[MicroBatch]:
+        """Samples planned into micro-batches, with old-policy and reference log-probs attached."""
         batches = [
             collate_layout(chunk, layout, self.pad_token_id).to(self.device)
             for chunk, layout in plan_layouts(samples, self.micro_batch_tokens, self.packing)
@@ -283,7 +337,6 @@ class Trainer:
                     mb.old_logprobs = mb.behaviour_logprobs
                 if self.algo.beta > 0:
                     mb.ref_logprobs = self._reference_logprobs(mb)
-        self._busy_s += time.perf_counter() - t0
         return batches
 
     def compute(self) -> contextlib.AbstractContextManager:
@@ -343,18 +396,20 @@ class Trainer:
         """Divide the summed gradients by the batch divisor, clip, step; returns step metrics."""
         t0 = time.perf_counter()
         self._reduce_gradients()
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.div_(divisor)
-        norm = self._total_grad_norm([p.grad for p in self.params if p.grad is not None])
+        if self._skipped_pending is not None:
+            self._step_skipped, self._skipped_pending = self._skipped_pending, None
+        grads = [p.grad for p in self.params if p.grad is not None]
+        divide_gradients(grads, divisor)
+        norm = self._total_grad_norm(grads)
         if self.cfg.max_grad_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.max_grad_norm, norm)
+            clip_gradients(self.params, grads, self.cfg.max_grad_norm, norm)
         grad_norm = float(norm)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.version += 1
         self._busy_s += time.perf_counter() - t0
+        self._stats["skipped_tokens"], self._stats["skipped_samples"] = self._step_skipped
         if self.routing is not None:  # summed across ranks with the other step sums
             self._stats.update({f"routing_{k}": v for k, v in self.routing.take_totals().items()})
             # The samples prepared for this step (a batch's later optimizer steps repeat its first's).
@@ -376,7 +431,10 @@ class Trainer:
             "logprob_diff_max": s["parity_abs_max"],
             "mismatch_kl": s["mismatch_kl_sum"] / max(s["parity_tokens"], 1.0),
             "parity_tokens": s["parity_tokens"],
-            "trained_tokens": s["tokens"],
+            # Skipped samples' tokens are trained too: in the divisor, with a gradient of exactly 0.
+            "trained_tokens": s["tokens"] + s["skipped_tokens"],
+            "skipped_tokens": s["skipped_tokens"],
+            "skipped_samples": s["skipped_samples"],
             **self._correction_metrics(s, tokens),
             **(routing_step_metrics(s) if self.routing is not None else {}),
             "train_s": self._busy_s,
@@ -438,7 +496,7 @@ class Trainer:
         """Sum the gradients of every rank into each rank's; a single process has them all."""
 
     def _total_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        return torch.nn.utils.get_total_norm(grads)
+        return total_norm(grads)
 
     def _step_stats(self) -> dict[str, float]:
         """The step's loss and diagnostic sums (and ``*_max`` maxima) over the whole batch."""
@@ -460,6 +518,9 @@ class Trainer:
         stats: dict[str, float] = {}
         if self.routing is not None and mb.input_routes is not None:
             stats.update(drift_by_lag(self.routing, mb, self.version))
+        # Diagnostic sums as 0-d tensors, read in one transfer at the end (a read per figure
+        # would be a device synchronisation each on a GPU).
+        sums: dict[str, torch.Tensor] = {}
         mask = mb.mask
         old = logp.detach() if mb.old_logprobs is None else mb.old_logprobs
         log_ratio = losses.log_importance_ratio(logp, old, mask, algo.ratio_level)
@@ -471,16 +532,16 @@ class Trainer:
                 logp, mb.behaviour_logprobs, mb.advantages, mask, algo.opsm_delta
             )
             per_token = per_token * keep
-            stats["opsm_masked_seqs"] = float((keep == 0).sum())
+            sums["opsm_masked_seqs"] = (keep == 0).sum()
         is_weights = corrections.importance_weights(
             old, mb.behaviour_logprobs, mask, algo.is_level, algo.is_mode, algo.is_cap, algo.is_low
         )
         if is_weights is not None:
             per_token = per_token * is_weights.weights
             w, raw = is_weights.weights.expand_as(mask), is_weights.raw.expand_as(mask)
-            stats["is_weight_sum"] = float((w * mask).sum())
-            stats["is_ratio_max"] = float((raw * mask).max()) if mask.any() else 0.0
-            stats["is_clipped_sum"] = float(((w != raw).to(mask.dtype) * mask).sum())
+            sums["is_weight_sum"] = (w * mask).sum()
+            sums["is_ratio_max"] = (raw * mask).max()  # ratios are positive: 0 where masked
+            sums["is_clipped_sum"] = ((w != raw).to(mask.dtype) * mask).sum()
         kl = None
         if mb.ref_logprobs is not None:
             kl = losses.kl_penalty(logp, mb.ref_logprobs, algo.kl_estimator)
@@ -498,19 +559,23 @@ class Trainer:
             # Engine/trainer parity on tokens sampled by exactly these weights.
             on_policy = mask * (mb.versions == self.version).to(mask.dtype)
             gap = logp.detach() - mb.behaviour_logprobs
-            stats["parity_tokens"] = float(on_policy.sum())
-            stats["parity_abs_sum"] = float((gap.abs() * on_policy).sum())
-            stats["parity_abs_max"] = float((gap.abs() * on_policy).max()) if on_policy.any() else 0.0
-            stats["mismatch_kl_sum"] = float(((torch.exp(gap) - gap - 1) * on_policy).sum())
-            stats.update(
-                loss_sum=float(loss_sum),
-                tokens=float(mask.sum()),
-                entropy_sum=float((entropy * mask).sum()),
-                clipped_sum=float((clipped.expand_as(mask) * mask).sum()),
-                ratio_sum=float((ratio * mask).sum()),
-                kl_sum=float((kl * mask).sum()) if kl is not None else 0.0,
-                old_behav_gap_sum=float(behav_gap.sum()),
+            sums.update(
+                parity_tokens=on_policy.sum(),
+                parity_abs_sum=(gap.abs() * on_policy).sum(),
+                parity_abs_max=(gap.abs() * on_policy).max(),  # 0 without on-policy tokens
+                mismatch_kl_sum=((torch.exp(gap) - gap - 1) * on_policy).sum(),
+                loss_sum=loss_sum.detach(),
+                tokens=mask.sum(),
+                entropy_sum=(entropy * mask).sum(),
+                clipped_sum=(clipped.expand_as(mask) * mask).sum(),
+                ratio_sum=(ratio * mask).sum(),
+                old_behav_gap_sum=behav_gap.sum(),
             )
+            if kl is not None:
+                sums["kl_sum"] = (kl * mask).sum()
+            values = torch.stack([v.float() for v in sums.values()]).tolist()
+        stats.update(zip(sums, values, strict=True))
+        stats.setdefault("kl_sum", 0.0)
         return loss_sum, stats
 
     # -- checkpoints -------------------------------------------------------------------------

@@ -33,7 +33,13 @@ from asyncrl.rollout.evaluation import evaluate
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.distributed import RankGroup, RankSpec, rank_device
 from asyncrl.trainer.policies import PolicySet
-from asyncrl.trainer.trainer import Trainer, assign_advantages, distill_metrics, sync_dtype
+from asyncrl.trainer.trainer import (
+    Trainer,
+    assign_advantages,
+    distill_metrics,
+    sync_dtype,
+    zero_advantage_frac,
+)
 from asyncrl.transports.groups.base import Delivery
 from asyncrl.transports.groups.inbox import Inbox
 from asyncrl.transports.weights.base import (
@@ -449,10 +455,11 @@ class TrainerWorker:
         steps = [self.trainer.finish_step(divisor)]
         iterations = self.cfg.algorithm.num_iterations - 1
         steps += self._iterate(self._step_batches, iterations, divisor, command.publish)
+        shared = {"zero_advantage_frac": zero_advantage_frac(list(self._step_groups.values()))}
         if self.cfg.distill.enabled:
-            distilled = distill_metrics([s for g in self._step_groups.values() for s in g.samples])
-            for metrics in steps:
-                metrics.update(distilled)
+            shared.update(distill_metrics([s for g in self._step_groups.values() for s in g.samples]))
+        for metrics in steps:
+            metrics.update(shared)
         self._step_open = False
         self._step_batches = []
         self._step_groups = {}
