@@ -23,10 +23,11 @@ _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _plain(tensors: list[torch.Tensor]) -> bool:
-    """Plain tensors on one device: what the multi-tensor calls take as a list."""
+    """Plain tensors (or parameters) on one device, not DTensor shards: what the multi-tensor
+    calls take as a list."""
     return (
         bool(tensors)
-        and all(type(t) is torch.Tensor for t in tensors)
+        and all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
         and len({t.device for t in tensors}) == 1
     )
 
