@@ -52,7 +52,7 @@ from asyncrl.trainer.logprobs import completion_logprobs
 from asyncrl.trainer.memory import resolve_micro_batch_tokens
 from asyncrl.trainer.optimizer import adamw, clip_gradients, divide_gradients, total_norm
 from asyncrl.trainer.packing import packing_for
-from asyncrl.trainer.planning import collate_layout, plan_layouts
+from asyncrl.trainer.planning import collate_layout, collection_paused, plan_layouts
 from asyncrl.trainer.routing_metrics import drift_by_lag, routing_step_metrics
 from asyncrl.types import Group, Sample
 
@@ -319,10 +319,11 @@ class Trainer:
 
     def _micro_batches(self, samples: list[Sample]) -> list[MicroBatch]:
         """Samples planned into micro-batches, with old-policy and reference log-probs attached."""
-        batches = [
-            collate_layout(chunk, layout, self.pad_token_id).to(self.device)
-            for chunk, layout in plan_layouts(samples, self.micro_batch_tokens, self.packing)
-        ]
+        with collection_paused():
+            batches = [
+                collate_layout(chunk, layout, self.pad_token_id).to(self.device)
+                for chunk, layout in plan_layouts(samples, self.micro_batch_tokens, self.packing)
+            ]
         if self.routing is not None:
             total, count = self._route_bytes
             self._route_bytes = (total + sum(route_bytes(s) for s in samples), count + len(samples))
