@@ -12,10 +12,17 @@ from pathlib import Path
 from asyncrl.errors import AsyncRLError
 
 
+def _quiet_transformers() -> None:
+    """No download progress bars from transformers: called by the commands that load a model,
+    only once their arguments are checked (importing transformers takes about a second)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def _train(args: argparse.Namespace) -> int:
     from asyncrl.config import load_config
-    from asyncrl.control.run import RunComplete, train
-    from asyncrl.control.saving import RunInterrupted
+    from asyncrl.models.directories import check_model_directory, is_directory_source
 
     if args.resume:
         if args.config or args.run_dir:
@@ -30,6 +37,13 @@ def _train(args: argparse.Namespace) -> int:
     else:
         run_dir = Path(args.run_dir) if args.run_dir else None
         cfg = load_config(args.config, args.set)
+    # A bad config or model directory is refused before the seconds torch and transformers take.
+    if is_directory_source(cfg.model.path):
+        check_model_directory(Path(cfg.model.path), cfg.model.path)
+    _quiet_transformers()
+    from asyncrl.control.run import RunComplete, train
+    from asyncrl.control.saving import RunInterrupted
+
     try:
         summary = train(cfg, run_dir, resume=bool(args.resume))
     except RunComplete as exc:
@@ -44,7 +58,6 @@ def _train(args: argparse.Namespace) -> int:
 
 def _sft(args: argparse.Namespace) -> int:
     from asyncrl.builtin.sft_settings import sft_config
-    from asyncrl.builtin.warm_start import run_sft
 
     given = {"blur_steps": args.blur_steps, "answer_noise": args.answer_noise}
     cfg = sft_config(
@@ -53,6 +66,9 @@ def _sft(args: argparse.Namespace) -> int:
         seed=args.seed,
         **{k: v for k, v in given.items() if v is not None},  # else the task's default
     )
+    _quiet_transformers()
+    from asyncrl.builtin.warm_start import run_sft
+
     summary = run_sft(cfg, Path(args.out))
     print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
     return 0
@@ -85,7 +101,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _scale(args: argparse.Namespace) -> int:
-    from asyncrl.control.membership import write_control
+    from asyncrl.control.scaling import write_control
 
     run_dir = Path(args.run_dir)
     if not (run_dir / "config.yaml").is_file():
@@ -105,6 +121,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     if is_directory_source(args.model):  # a wrong directory is refused before the heavy imports
         check_model_directory(Path(args.model), args.model)
+    _quiet_transformers()
     from asyncrl.models.loading import load_policy
     from asyncrl.server.app import OpenAIServer
 
@@ -227,9 +244,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
     try:
         return args.func(args)
     except AsyncRLError as exc:

@@ -22,8 +22,8 @@ import ray
 from asyncrl.cli import main as cli_main
 from asyncrl.config import load_config
 from asyncrl.control.controller import Controller
-from asyncrl.control.membership import write_control
 from asyncrl.control.run import train
+from asyncrl.control.scaling import write_control
 from asyncrl.control.session import RunSession
 from asyncrl.prompts.build import task_prompts
 from asyncrl.runtimes.ray_runtime import RayRuntime

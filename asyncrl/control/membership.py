@@ -17,22 +17,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from asyncrl.control.books import Books
+from asyncrl.control.scaling import CONTROL_FILE
 from asyncrl.runtimes.base import ElasticRuntime, Runtime, is_generator
 from asyncrl.types import GroupState, Prompt
 from asyncrl.workers.messages import LoadWeights, WorkerError, WorkerLost
 
 TRAINER = "trainer"
-CONTROL_FILE = "control.json"  # written by `asyncrl scale`; read by the controller about once a second
 CONTROL_POLL_S = 1.0
-
-
-def write_control(run_dir: Path, generators: int) -> None:
-    """Ask a running controller to change its number of generators (atomic write)."""
-    if generators < 1:
-        raise ValueError(f"generators must be >= 1, got {generators}")
-    tmp = run_dir / f".{CONTROL_FILE}.tmp"
-    tmp.write_text(json.dumps({"generators": generators}))
-    tmp.replace(run_dir / CONTROL_FILE)
 
 
 class Generators:
@@ -145,7 +136,7 @@ class Generators:
     # -- scaling ------------------------------------------------------------------------------
 
     def check_control(self, run_dir: Path) -> None:
-        """Apply a changed generator count from control.json (see :func:`write_control`)."""
+        """Apply a changed generator count from control.json (see :func:`asyncrl.control.scaling.write_control`)."""
         now = time.monotonic()
         if now < self.next_control_check:
             return

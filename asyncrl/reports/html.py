@@ -129,6 +129,13 @@ def _slug(name: str) -> str:
 
 def write_report(run_dirs: list[Path], out: Path, *, names: list[str] | None = None) -> dict:
     """Draw the panels and timelines of ``run_dirs`` next to ``out`` and write the HTML page ``out``."""
+    if not run_dirs:
+        raise AsyncRLError("asyncrl report needs at least one run directory")
+    names = names or [p.resolve().name for p in run_dirs]
+    if len(set(names)) != len(names):  # two runs of one name: tell them apart by position
+        names = [f"{i + 1}:{n}" for i, n in enumerate(names)]
+    runs = [Run.load(Path(p), n) for p, n in zip(run_dirs, names, strict=True)]
+    # After the runs are read, so that a wrong directory is refused without matplotlib's import.
     import matplotlib
 
     matplotlib.use("Agg")
@@ -136,12 +143,6 @@ def write_report(run_dirs: list[Path], out: Path, *, names: list[str] | None = N
 
     from asyncrl.reports.timeline import plot_timeline
 
-    if not run_dirs:
-        raise AsyncRLError("asyncrl report needs at least one run directory")
-    names = names or [p.resolve().name for p in run_dirs]
-    if len(set(names)) != len(names):  # two runs of one name: tell them apart by position
-        names = [f"{i + 1}:{n}" for i, n in enumerate(names)]
-    runs = [Run.load(Path(p), n) for p, n in zip(run_dirs, names, strict=True)]
     figures = out.parent / f"{out.stem}-figures"
     figures.mkdir(parents=True, exist_ok=True)
 
