@@ -67,7 +67,8 @@ def _no_leftovers():
 
 @pytest.mark.ray
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("schedule", ["sync", "periodic", "one_step_off", "async"])
+# sync: test_ray_sync_equals_inline_sync, which also checks the books
+@pytest.mark.parametrize("schedule", ["periodic", "one_step_off", "async"])
 def test_every_schedule_runs_on_ray(tmp_path: Path, schedule: str) -> None:
     overrides = ["runtime=ray", *BASE, f"schedule={schedule}"]  # the issue's literal `--set runtime=ray`
     cfg = load_config(None, overrides)
@@ -103,6 +104,9 @@ def test_ray_sync_equals_inline_sync(tmp_path: Path) -> None:
     ]
     assert rewards[0] == rewards[1]
     assert inline["tokens_generated"] == on_ray["tokens_generated"]
+    acc = on_ray["accounting"]
+    assert on_ray["runtime"] == "ray" and acc["trained"] == STEPS * PROMPTS and acc["reconciles"]
+    assert acc["prompts_trained_twice"] == 0 and acc["prompts_missing"] == 0
     assert max_abs_diff(final_weights(tmp_path / "inline"), final_weights(tmp_path / "ray")) <= 1e-5
 
 
@@ -170,7 +174,9 @@ def run_with_hook(cfg, run_dir: Path, hook) -> tuple[dict, RayRuntime, Controlle
 
 @pytest.mark.ray
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("weight_sync", "generators"), [("shm", 1), ("broadcast", 1), ("broadcast", 2)])
+# (broadcast, 1) adds nothing the two cases miss: a lone generator's restart rejoining (shm, 1)
+# and the broadcast group re-formed without the victim and again with its replacement (broadcast, 2).
+@pytest.mark.parametrize(("weight_sync", "generators"), [("shm", 1), ("broadcast", 2)])
 def test_killed_generator_is_restarted_and_nothing_is_lost_or_trained_twice(
     tmp_path: Path, weight_sync: str, generators: int
 ) -> None:
@@ -259,7 +265,9 @@ def test_killed_generator_is_restarted_and_nothing_is_lost_or_trained_twice(
 
 @pytest.mark.ray
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("weight_sync", ["shm", "broadcast"])
+# broadcast only: joining and leaving re-form its group; an shm newcomer takes weights as the
+# replacement in test_killed_generator_is_restarted_and_nothing_is_lost_or_trained_twice[shm-1] does.
+@pytest.mark.parametrize("weight_sync", ["broadcast"])
 def test_generators_join_and_leave_during_a_run(tmp_path: Path, weight_sync: str) -> None:
     steps = 16
     cfg = load_config(
@@ -417,27 +425,28 @@ def test_scale_command_rejects_bad_input(tmp_path: Path, capsys) -> None:
 @pytest.mark.ray
 @pytest.mark.multiprocess
 def test_actors_the_cluster_cannot_place_fail_the_start_within_start_timeout(tmp_path: Path) -> None:
-    """A generator asking for a GPU on this CPU instance is never placed: the start ends after
-    runtime.start_timeout_s naming it and the resources. (The reward workers start beside the
-    generators the same way, under the same bound.)"""
+    """A trainer asking for a GPU on this CPU instance is never placed: the start ends after
+    runtime.start_timeout_s naming it. (A generator or reward worker that cannot be placed ends
+    the start the same way, under the same bound: tests/test_waits.py.) The trainer starts
+    first, so the bound measured here does not include any other actor's start, however
+    loaded the machine."""
     cfg = load_config(
         None,
         [
             *short_run(1),
             "runtime.kind=ray",
             "runtime.ray.num_cpus=4",
-            # Long enough for the trainer's actor to start on a loaded machine (once, under load, it
-            # took over 15 s), so that what times out is the generator that cannot be placed.
-            "runtime.start_timeout_s=40",
-            "runtime.ray.generator.num_gpus=1",
+            "runtime.start_timeout_s=20",  # also the bound of Ray's own start, on a loaded machine
+            "runtime.ray.trainer.num_gpus=1",
         ],
     )
     t0 = time.monotonic()
     with pytest.raises(
-        WorkerError, match=r"\['generator-0'\] did not start within 40s \(runtime\.start_timeout_s\)"
+        WorkerError,
+        match=r"\['trainer'\] did not start within 20s \(runtime\.start_timeout_s\): its actor was not placed",
     ):
         train(cfg, tmp_path / "run")  # (the fixture checks that no process is left)
-    assert 40.0 <= time.monotonic() - t0 < 150
+    assert 20.0 <= time.monotonic() - t0 < 120
 
 
 @pytest.mark.ray
