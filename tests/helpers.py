@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import json
 import os
 import signal
@@ -240,13 +241,20 @@ def run_bench(name: str, *args: str, timeout: float = 600) -> list[dict]:
 
 
 @contextlib.contextmanager
-def bench_script(name: str):
+def bench_script(name: str, module_name: str | None = None):
     """The benchmark ``bench/<name>.py`` imported as the top-level module ``name`` (spawned
-    processes unpickle its functions by that name, from the directory put on ``sys.path``)."""
+    processes unpickle its functions by that name, from the directory put on ``sys.path``), or
+    as ``module_name`` where ``name`` is another package's (bench/trl.py: TRL's is ``trl``)."""
     path = str(REPO / "bench")
     sys.path.insert(0, path)
     try:
-        yield importlib.import_module(name)
+        if module_name is None:
+            yield importlib.import_module(name)
+        else:
+            spec = importlib.util.spec_from_file_location(module_name, REPO / "bench" / f"{name}.py")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            yield module
     finally:
         sys.path.remove(path)
 
