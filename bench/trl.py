@@ -2,9 +2,11 @@
 
     python bench/trl.py [--steps 150] [--target 0.7] [--only {asyncrl,trl}] [--json-out PATH]
                         [--prompts 32] [--group-size 8] [--trl-micro-batch N]
+                        [--schedules sync [async ...]]
 
-Runs ``asyncrl train``'s default example (sync schedule, in this process), then TRL's
-``GRPOTrainer`` on the same workload, and prints one JSON object: the machine, the workload,
+Runs ``asyncrl train``'s default example (sync schedule, in this process; ``--schedules``
+adds the same run under other schedules, e.g. ``async``, whose generator and trainer overlap in
+processes of their own), then TRL's ``GRPOTrainer`` on the same workload, and prints one JSON object: the machine, the workload,
 and per framework the steady seconds per optimizer step (the median step after the first
 ``WARMUP_STEPS``), the wall time, the first and last 10-step mean rewards, the reward curve
 (10-step means), and the time and step at which the 10-step mean reward first reaches
@@ -82,6 +84,7 @@ from asyncrl.rewards.registry import resolve_reward
 
 WARMUP_STEPS = 5  # left out of s_per_step: first-call costs (allocator growth, kernel selection)
 FRAMEWORKS = ("asyncrl", "trl")
+SCHEDULES = ("sync", "periodic", "one_step_off", "async")
 
 
 def import_trl():
@@ -101,10 +104,11 @@ def import_trl():
     return trl
 
 
-def asyncrl_config(steps: int, prompts: int, group_size: int) -> Config:
+def asyncrl_config(steps: int, prompts: int, group_size: int, schedule: str = "sync") -> Config:
     return load_config(
         None,
         [
+            f"schedule={schedule}",
             f"run.steps={steps}",
             f"rollout.prompts_per_step={prompts}",
             f"rollout.group_size={group_size}",
@@ -287,6 +291,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--trl-micro-batch", type=int, help="TRL's per_device_train_batch_size (default: the whole B x G)"
     )
+    parser.add_argument(
+        "--schedules",
+        nargs="+",
+        default=["sync"],
+        choices=SCHEDULES,
+        help="asyncrl's schedules to run: sync (the default example's) is reported as 'asyncrl', "
+        "another as 'asyncrl/<schedule>', with its own speedup in speedup_per_step_by_schedule",
+    )
     parser.add_argument("--json-out", type=Path, help="also write the JSON here")
     args = parser.parse_args(argv)
     cfg = asyncrl_config(args.steps, args.prompts, args.group_size)
@@ -298,13 +310,22 @@ def main(argv: list[str] | None = None) -> dict:
         for name in frameworks:
             torch.set_num_threads(threads)  # both start from torch's default, whatever the run before left
             if name == "asyncrl":
-                result = run_asyncrl(cfg, Path(tmp) / "asyncrl")
-            else:
-                result = run_trl(
-                    cfg, Path(tmp) / "trl", args.trl_micro_batch or args.prompts * args.group_size
-                )
+                for schedule in args.schedules:
+                    key = name if schedule == "sync" else f"{name}/{schedule}"
+                    run_cfg = asyncrl_config(args.steps, args.prompts, args.group_size, schedule)
+                    out[key] = figures(run_asyncrl(run_cfg, Path(tmp) / key.replace("/", "-")), args.target)
+                    torch.set_num_threads(threads)
+                continue
+            result = run_trl(cfg, Path(tmp) / "trl", args.trl_micro_batch or args.prompts * args.group_size)
             out[name] = figures(result, args.target)
     trl_version = import_trl().__version__ if "trl" in out else None
+    # TRL's seconds per step over asyncrl's, per schedule run (sync: the default example's).
+    speedups = {
+        schedule: round(out["trl"]["s_per_step"] / out[key]["s_per_step"], 3)
+        for schedule in args.schedules
+        for key in ["asyncrl" if schedule == "sync" else f"asyncrl/{schedule}"]
+        if "trl" in out and key in out and out[key]["s_per_step"] and out["trl"]["s_per_step"]
+    }
     report = {
         "machine": {
             "cores": os.cpu_count(),
@@ -334,11 +355,8 @@ def main(argv: list[str] | None = None) -> dict:
             "warmup_steps": WARMUP_STEPS,
         },
         "frameworks": out,
-        "speedup_per_step": (
-            round(out["trl"]["s_per_step"] / out["asyncrl"]["s_per_step"], 3)
-            if len(out) == 2 and out["asyncrl"]["s_per_step"] and out["trl"]["s_per_step"]
-            else None
-        ),
+        "speedup_per_step": speedups.get("sync"),
+        "speedup_per_step_by_schedule": speedups,
     }
     text = json.dumps(report)
     if args.json_out:

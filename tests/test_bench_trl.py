@@ -88,6 +88,7 @@ def test_both_frameworks_ran_the_same_workload(short_report) -> None:
     assert report["speedup_per_step"] == pytest.approx(
         frameworks["trl"]["s_per_step"] / frameworks["asyncrl"]["s_per_step"], abs=1e-3
     )
+    assert report["speedup_per_step_by_schedule"] == {"sync": report["speedup_per_step"]}
 
 
 def test_trl_trains_on_the_prompts_asyncrl_draws_in_order(short_report) -> None:

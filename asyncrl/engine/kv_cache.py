@@ -137,8 +137,10 @@ class SlotKVCache(Cache):
             out.append(buf[plan.rows, :, : plan.length])
         return out[0], out[1]
 
-    def copy_prefix(self, source: int, target: int, length: int) -> None:
-        """Copy the first ``length`` columns of slot ``source`` into slot ``target`` (every layer)."""
+    def copy_prefix(self, source: int | torch.Tensor, target: int | torch.Tensor, length: int) -> None:
+        """Copy the first ``length`` columns of slot ``source`` into slot ``target`` (every layer);
+        or of each slot of a ``source`` index tensor into the slot at the same place of ``target``
+        (no target among the sources), one copy per buffer for all of them."""
         for buf in (*self.keys, *self.values):
             buf[target, :, :length] = buf[source, :, :length]
 

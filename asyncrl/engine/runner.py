@@ -111,8 +111,9 @@ class Runner:
             self.slot_routes = torch.full((n, slot_len, r.layers, r.top_k), -1, dtype=torch.int16, device=dev)
             r.allocate_recording(n, dev)  # a decode step's tokens: one per slot at most
 
-    def _copy_columns(self, source: int, target: int, columns: int) -> None:
-        """A slot's first ``columns`` cached tokens, keys, values and routes, copied to another slot."""
+    def _copy_columns(self, source: int | torch.Tensor, target: int | torch.Tensor, columns: int) -> None:
+        """A slot's first ``columns`` cached tokens, keys, values and routes, copied to another slot
+        (or each of a tensor of slots to the one at the same place of another)."""
         self.cache.copy_prefix(source, target, columns)
         if self.slot_routes is not None:
             self.slot_routes[target, :columns] = self.slot_routes[source, :columns]
@@ -138,9 +139,16 @@ class Runner:
             self.slot_adapter[slots] = torch.tensor(index, dtype=torch.long, device=self.device)
         for batch in plan.rounds:
             self._prefill_round(batch)
+        # Twins copy from prefilled slots only: all of one length move in one copy per buffer
+        # (a step's 32 groups of 8 were 224 copies of every layer's keys and values).
+        by_length: dict[int, list[tuple[int, int]]] = {}
         for source, target, columns in plan.twins:
-            self._copy_columns(source, target, columns)
-            self.logits[target] = self.logits[source]
+            by_length.setdefault(columns, []).append((source, target))
+        for columns, pairs in by_length.items():
+            sources = torch.tensor([source for source, _ in pairs], dtype=torch.long, device=self.device)
+            targets = torch.tensor([target for _, target in pairs], dtype=torch.long, device=self.device)
+            self._copy_columns(sources, targets, columns)
+            self.logits[targets] = self.logits[sources]
         dev = self.device
         index = torch.tensor([slot for slot, _, _ in plan.sampling], dtype=torch.long, device=dev)
         params = [p for _, p, _ in plan.sampling]
