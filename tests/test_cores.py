@@ -88,7 +88,9 @@ def test_before_micro_batch_runs_once_per_micro_batch(
 ) -> None:
     """The trainer calls before_micro_batch before each micro-batch, across accumulate calls."""
     samples = [
-        make_sample([5 + i, 6, 7], [10 + i, 11, 12], logprobs=[-4.0] * 3, advantage=1.0 - 0.5 * i, group_id=i)
+        make_sample(
+            [5 + i, 6, 7], [10 + i, 11, 12], logprobs=[-4.0] * 3, advantage=1.0 - 0.3 * i, group_id=i
+        )  # none 0: all computed
         for i in range(5)
     ]
     trainer = Trainer(
