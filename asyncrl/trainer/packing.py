@@ -161,9 +161,9 @@ def choose_layout(samples: list[Sample], packing: Packing, token_budget: int | N
     A tree is so taken only when the tokens it saves outweigh its extra passes: tiny or
     unique prompts stay padded. Candidates: padded; the tree that branches at prompt ends;
     with ``tree`` also the full prefix tree (which can pad its levels more than the other).
-    A tree of one level shares nothing and is not a candidate. Each tree is built with the
-    merge rule's threshold and with threshold 0 (every shared prefix kept: fewest tokens,
-    perhaps more passes). When ``token_budget`` is given, layouts within it are preferred —
+    A tree of one level shares nothing and is not a candidate. Each tree is built with
+    threshold 0 (every shared prefix kept: fewest tokens, perhaps more passes) and, where that
+    gives more than two passes, with the merge rule's threshold. When ``token_budget`` is given, layouts within it are preferred —
     the planner admits a micro-batch by the size of its smallest layout. Ties go to the padded
     layout, then to the tree branching at prompt ends, then to the merge rule's trees.
     """
@@ -174,18 +174,23 @@ def choose_layout(samples: list[Sample], packing: Packing, token_budget: int | N
     candidates = [Layout(None, padded_cost(p, r, len(samples)), 1)]
     branches = {"off": (), "prompts": ("prompts",), "tree": ("prompts", "tree")}[packing]
 
-    def add_trees(threshold: int) -> None:
-        for branch in branches:
-            tree = build_tree(samples, branch, threshold)
-            if tree.passes > 1:
-                candidates.append(Layout(tree, tree.tokens, tree.passes))
-
-    add_trees(MICRO_BATCH_OVERHEAD_TOKENS)
     # The merge rule weighs a prefix's saving against a pass per node, but a pass is paid once
     # per level, by all its nodes together: a 6-token prompt shared by 8 samples saves 42
     # tokens, under one node's threshold, yet 32 such groups save 1,344 in one extra pass.
     # So the trees keeping every shared prefix are always candidates, priced as a whole.
-    add_trees(0)
+    # When the full tree has two passes (the fewest a tree has), the merge rule's tree has as
+    # many or one (no tree), and merging copies a prefix into each child: it is not built. (It
+    # could pad a level less in a contrived batch; the planning time saved is worth more.)
+    merged, full = [], []
+    for branch in branches:
+        every_prefix = build_tree(samples, branch, 0)
+        if every_prefix.passes > 2:
+            tree = build_tree(samples, branch, MICRO_BATCH_OVERHEAD_TOKENS)
+            if tree.passes > 1:
+                merged.append(Layout(tree, tree.tokens, tree.passes))
+        if every_prefix.passes > 1:
+            full.append(Layout(every_prefix, every_prefix.tokens, every_prefix.passes))
+    candidates += merged + full
     fitting = [c for c in candidates if token_budget is None or c.tokens <= token_budget]
     return min(fitting or candidates, key=lambda c: c.cost)
 
