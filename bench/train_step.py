@@ -4,7 +4,8 @@
                                [--set trainer.packing=off ...]
 
 Builds the default run's trainer (``builtin:arith``, 32 prompts x 8 completions, 8 new
-tokens, dapo, lr 1e-4, the sync schedule's old log-probs) and ``--batches`` batches sampled
+tokens, dapo, lr 1e-4, the sync schedule's old log-probs; on ``model.device``, with float32
+master weights and ``model.dtype`` compute, as a run does) and ``--batches`` batches sampled
 by the engine from the warm start, then takes ``--steps`` optimizer steps on them in turn,
 the three calls the trainer worker makes (``prepare``: planning, collation and old
 log-probs; ``accumulate``: forward and backward; ``finish_step``: clipping and AdamW). It
@@ -35,7 +36,7 @@ from asyncrl.builtin.arithmetic import ArithmeticTask
 from asyncrl.config import load_config, old_logprob_mode
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.sampling import SamplingParams
-from asyncrl.models.loading import load_policy
+from asyncrl.models.loading import load_policy, resolve_device, resolve_dtype
 from asyncrl.prompts.base import PromptStream
 from asyncrl.rewards.registry import resolve_reward
 from asyncrl.rollout.completions import CompletionRollout
@@ -47,9 +48,10 @@ PARTS = ("prepare", "accumulate", "finish")
 
 def sample_batches(cfg, batches: int, seed: int) -> tuple[list[list[Group]], object]:
     """``batches`` batches of scored groups from the warm start, with advantages."""
-    policy = load_policy(cfg.model.path, device="cpu", dtype="float32")
+    # The trainer's weights in the master dtype, the engine's in the compute dtype (model.dtype).
+    policy = load_policy(cfg.model.path, device=cfg.model.device, dtype=cfg.trainer.master_dtype)
     engine = EmbeddedEngine(
-        load_policy(cfg.model.path, device="cpu", dtype="float32").model,
+        load_policy(cfg.model.path, device=cfg.model.device, dtype=cfg.model.dtype).model,
         pad_token_id=policy.pad_token_id,
         seed=seed,
     )
@@ -81,6 +83,7 @@ def build_trainer(cfg, policy, steps: int) -> Trainer:
         max_completion_length=cfg.rollout.max_new_tokens,
         total_steps=steps,
         old_logprobs=old_logprob_mode(cfg.algorithm, cfg.schedule.max_staleness),
+        compute_dtype=resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device)),
     )
 
 

@@ -1,0 +1,43 @@
+"""bench/train_step.py's short form: the default step timed part by part, its layout, its operator
+calls and the stack sampler's shares, consistent with one another."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+
+from tests.helpers import bench_script
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    with bench_script("train_step") as bench, contextlib.redirect_stdout(io.StringIO()):
+        return bench.main(["--steps", "2", "--warmup", "1", "--batches", "2", "--profile", "--sample"])
+
+
+def test_the_parts_of_a_step_and_its_layout(report: dict) -> None:
+    parts = report["parts_s"]
+    assert set(parts) == {"prepare", "accumulate", "finish"} and min(parts.values()) > 0
+    # Medians of parts and of whole steps: each part fits in the slowest step they come from.
+    assert max(parts.values()) < report["s_per_step"] * 2
+    assert report["workload"]["samples_per_step"] == 256 and report["workload"]["packing"] == "tree"
+    # 256 samples of a handful of tokens: one micro-batch, the prompts forwarded once (two passes).
+    assert report["micro_batches"] >= 1 and report["forward_passes"] >= report["micro_batches"]
+    assert 0 < report["tokens_forwarded"] < 256 * 16
+    assert 0.0 <= report["zero_advantage_frac"] <= 1.0
+
+
+def test_the_profile_counts_operator_calls_and_the_sampler_shares_wall_time(report: dict) -> None:
+    profile = report["profile"]
+    assert profile["aten_calls_per_step"] > 100
+    top = profile["top_self_cpu"]
+    assert top and all(row["calls_per_step"] > 0 and row["ms_per_step"] >= 0 for row in top)
+    assert [row["ms_per_step"] for row in top] == sorted((row["ms_per_step"] for row in top), reverse=True)
+    sampler = report["python_sampler"]
+    assert sampler["samples"] > 0
+    shares = [share for _, share in sampler["self"]]
+    assert all(0 < s <= 1 for s in shares) and sum(shares) <= 1.0 + 1e-6
+    # The trainer's own calls are on the stack of what was sampled.
+    assert any("asyncrl/trainer/trainer.py:accumulate" in where for where, _ in sampler["inclusive_asyncrl"])
