@@ -138,17 +138,15 @@ def _plan(units: list[list[Sample]], token_budget: int, packed: bool) -> tuple[l
     prompt-branching tree, with the merge rule or keeping every shared prompt; otherwise
     every range is priced padded.
     """
-    order = sorted(
-        units,
-        key=lambda u: (
-            len(u[0].prompt_ids) + max(trained_span(s) for s in u),
-            max(trained_span(s) for s in u),
-        ),
+    unit_spans = [[trained_span(s) for s in u] for u in units]
+    ranked = sorted(
+        zip(units, unit_spans, strict=True),
+        key=lambda pair: (len(pair[0][0].prompt_ids) + max(pair[1]), max(pair[1])),
         reverse=True,
     )
+    order = [u for u, _ in ranked]
     stats = []
-    for u in order:
-        spans = [trained_span(s) for s in u]
+    for u, spans in ranked:
         shapes = [_unit_shape(len(u[0].prompt_ids), spans, t) for t in THRESHOLDS] if packed else []
         stats.append((len(u[0].prompt_ids), max(spans), len(u), shapes))
     n = len(order)
@@ -209,21 +207,22 @@ def _prompt_units(samples: list[Sample], token_budget: int) -> list[list[Sample]
         by_prompt.setdefault(tuple(s.prompt_ids), []).append(s)
     units = []
     for group in by_prompt.values():
-        group = sorted(group, key=lambda s: trained_span(s), reverse=True)
+        ranked = sorted(((trained_span(s), s) for s in group), key=lambda pair: pair[0], reverse=True)
+        p = len(group[0].prompt_ids)
         unit: list[Sample] = []
-        for s in group:
-            if unit and _unit_tokens([*unit, s]) > token_budget:
+        spans: list[int] = []
+        for span, s in ranked:
+            if unit and _unit_tokens(p, [*spans, span]) > token_budget:
                 units.append(unit)
-                unit = []
+                unit, spans = [], []
             unit.append(s)
+            spans.append(span)
         units.append(unit)
     return units
 
 
-def _unit_tokens(unit: list[Sample]) -> int:
-    """Tokens of a one-prompt unit in its smallest layout."""
-    spans = [trained_span(s) for s in unit]
-    p = len(unit[0].prompt_ids)
-    rows0, w0, rows1, w1 = _unit_shape(p, spans, 0)
-    padded = padded_cost(p, max(spans), len(unit))
+def _unit_tokens(prompt_len: int, spans: list[int]) -> int:
+    """Tokens of a one-prompt unit (its samples' trained spans) in its smallest layout."""
+    rows0, w0, rows1, w1 = _unit_shape(prompt_len, spans, 0)
+    padded = padded_cost(prompt_len, max(spans), len(spans))
     return min(padded, rows0 * w0 + rows1 * w1) if rows1 else padded
