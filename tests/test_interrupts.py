@@ -428,11 +428,17 @@ def test_async_run_with_interrupt_completes_and_reconciles(tmp_path: Path, inter
 
 @pytest.mark.slow  # cancelling stale groups: test_group_with_v0_tokens_is_cancelled_... and test_only_the_group_older_than_...
 @pytest.mark.multiprocess
-def test_stragglers_are_cancelled_in_flight_and_every_trained_token_is_fresh_enough(tmp_path: Path) -> None:
-    """max_staleness 1, streaming, never, straggler completions: cancelled_stale > 0, reconciles, staleness <= 1."""
+def test_stale_stragglers_are_stopped_and_every_trained_token_is_fresh_enough(tmp_path: Path) -> None:
+    """max_staleness 1, streaming, never, straggler completions: stale stragglers are cancelled in
+    flight or dropped at the buffer (> 0), the books reconcile, staleness <= 1."""
     # max_staleness 1, not 0: with 0, admission lets a generator at version w start only the
-    # groups of step w+1, which all finish before v(w+1) exists, so nothing can be cancelled.
+    # groups of step w+1, which all finish before v(w+1) exists, so nothing can be stale.
     # With 1, short groups started later overtake a straggler, and it ages past the bound.
+    # Whether a stale straggler is cancelled in flight or dropped when it reaches the buffer
+    # depends on how fast the generator decodes against how fast the trainer steps (both
+    # happened here: a faster engine turned every cancellation of this run into a drop), so
+    # this run asserts that staleness control stopped it, and the two tests named above that
+    # cancellation in flight happens, step by step.
     cfg = load_config(
         None,
         [
@@ -441,15 +447,12 @@ def test_stragglers_are_cancelled_in_flight_and_every_trained_token_is_fresh_eno
             "schedule.streaming=true",
             "schedule.interrupt=never",
             "schedule.max_staleness=1",
-            # Stragglers twice as long as elsewhere: on a loaded machine a 160-token straggler
-            # sometimes finished before two newer versions existed (then it is dropped at the
-            # buffer instead of cancelled in flight).
             *straggler_overrides(tmp_path, straggler=2 * STRAGGLER),
         ],
     )
     summary = train(cfg, tmp_path / "run")
     accounting = summary["accounting"]
-    assert accounting["cancelled_stale"] > 0, accounting
+    assert accounting["cancelled_stale"] + accounting["dropped_stale"] > 0, accounting
     assert_reconciles(accounting)
     metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert len(metrics) == STEPS
