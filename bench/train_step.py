@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import statistics
@@ -40,7 +41,7 @@ from asyncrl.models.loading import load_policy, resolve_device, resolve_dtype
 from asyncrl.prompts.base import PromptStream
 from asyncrl.rewards.registry import resolve_reward
 from asyncrl.rollout.completions import CompletionRollout
-from asyncrl.trainer.trainer import Trainer, assign_advantages
+from asyncrl.trainer.trainer import Trainer, assign_advantages, zero_advantage_frac
 from asyncrl.types import Group
 
 PARTS = ("prepare", "accumulate", "finish")
@@ -106,12 +107,6 @@ def one_step(trainer: Trainer, groups: list[Group]) -> tuple[dict[str, float], d
         "metrics": metrics,
     }
     return times, shape
-
-
-def zero_advantage_frac(batches: list[list[Group]]) -> float:
-    groups = [g for b in batches for g in b]
-    flat = sum(1 for g in groups if all(s.advantage == 0 for s in g.samples))
-    return flat / len(groups)
 
 
 class StackSampler:
@@ -211,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
     per_part: dict[str, list[float]] = {p: [] for p in (*PARTS, "step")}
     shape: dict = {}
     sampler = StackSampler() if args.sample else None
-    with sampler or _null():
+    with sampler or contextlib.nullcontext():
         for k in range(args.steps):
             times, shape = one_step(trainer, batches[k % len(batches)])
             for p, v in times.items():
@@ -236,7 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
         "micro_batches": shape["micro_batches"],
         "forward_passes": shape["forward_passes"],
         "tokens_forwarded": shape["tokens_forwarded"],
-        "zero_advantage_frac": round(zero_advantage_frac(batches), 4),
+        "zero_advantage_frac": round(zero_advantage_frac([g for b in batches for g in b]), 4),
     }
     if sampler is not None:
         result["python_sampler"] = sampler.report(args.top)
@@ -244,14 +239,6 @@ def main(argv: list[str] | None = None) -> dict:
         result["profile"] = profile_ops(trainer, batches, min(args.steps, 5), args.top)
     print(json.dumps(result, indent=1))
     return result
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 if __name__ == "__main__":
