@@ -5,6 +5,10 @@ Every test here is marked ``gpu``: ``python -m pytest -m gpu`` runs them on a CU
 ``ASYNCRL_GPU_TESTS_ON_CPU=1`` they run on the CPU instead (``model.device=cpu``, float32,
 CUDA IPC left out), which checks the tests' own logic on machines without a GPU.
 
+The file runs last on CUDA (tests/conftest.py), and in this order: the tests a GPU check has
+not yet seen pass (one rank of FSDP2 on torch 2.11, the stop and resume) before the whole runs
+(12 to 23 s each), so that a check's time limit cuts tests that have passed there before.
+
 Bounds marked "set before a GPU run" were chosen without a measurement on a GPU; each test
 prints what it measured (``pytest -s``) so that a run can record it in docs/gpu.md.
 """
@@ -112,56 +116,6 @@ def test_engine_and_trainer_log_probs_agree(dtype: str) -> None:
         assert float(gap.max()) <= 1.0
 
 
-# -- whole runs -----------------------------------------------------------------------------------
-
-
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("schedule", ["sync", "periodic", "one_step_off", "async"])
-def test_every_schedule_runs_to_the_end(tmp_path: Path, schedule: str) -> None:
-    run = _reconciled(
-        Path(train(load_config(overrides=[*SHORT_RUN, f"schedule={schedule}"]), tmp_path)["run_dir"]),
-        6,
-    )
-    sync_bytes = [r["weight_sync_bytes"] for r in run["rows"] if r["weight_sync_bytes"]]
-    _report(f"schedule {schedule}", s_per_step=run["summary"]["wall_s"] / 6, sync_bytes=sync_bytes[:1])
-    if not ON_CPU:  # bfloat16 on CUDA: half the bytes of the float32 master weights
-        master = sum(t.numel() * 4 for t in load_file(str(tmp_path / "final" / "model.safetensors")).values())
-        assert sync_bytes and all(b * 2 == master for b in sync_bytes)
-
-
-TRANSPORTS = ["shm", "files", "broadcast"] + ([] if ON_CPU else ["cuda_ipc"])
-
-
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_every_weight_transport_delivers_to_a_generator_on_the_gpu(tmp_path: Path, transport: str) -> None:
-    """Async on the local runtime, each generator's weights checked against the trainer's checksums."""
-    overrides = [
-        *SHORT_RUN,
-        "schedule=async",
-        "runtime.kind=local",
-        f"runtime.weight_sync={transport}",
-        "runtime.verify_weight_sync=true",
-    ]
-    if transport == "broadcast":
-        overrides.append("runtime.generators=2")
-    run = _reconciled(Path(train(load_config(overrides=overrides), tmp_path)["run_dir"]), 6)
-    sync_s = [r["weight_sync_s"] for r in run["rows"]]
-    _report(f"transport {transport}", weight_sync_s_median=sorted(sync_s)[len(sync_s) // 2])
-
-
-def test_lora_trains_on_the_gpu(tmp_path: Path) -> None:
-    run = _reconciled(
-        Path(
-            train(load_config(overrides=[*SHORT_RUN, "lora.rank=8", "trainer.lr=1e-3"]), tmp_path)["run_dir"]
-        ),
-        6,
-    )
-    rows = run["rows"]
-    assert all(r["weight_sync_bytes"] < 1_000_000 for r in rows if r["weight_sync_bytes"])  # adapters only
-    _report("lora", parity_max=max(r["logprob_diff_max"] for r in rows))
-
-
 # -- DDP and FSDP2 with one rank --------------------------------------------------------------------
 
 
@@ -236,3 +190,53 @@ def test_straight_and_stopped_run_continues_from_float32_master_weights(tmp_path
     diff = max_abs_diff(final_weights(tmp_path / "a"), final_weights(tmp_path / "b"))
     _report("resume", max_abs_param_diff=diff)
     assert diff <= (0.0 if ON_CPU else 1e-3)
+
+
+# -- whole runs -----------------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule", ["sync", "periodic", "one_step_off", "async"])
+def test_every_schedule_runs_to_the_end(tmp_path: Path, schedule: str) -> None:
+    run = _reconciled(
+        Path(train(load_config(overrides=[*SHORT_RUN, f"schedule={schedule}"]), tmp_path)["run_dir"]),
+        6,
+    )
+    sync_bytes = [r["weight_sync_bytes"] for r in run["rows"] if r["weight_sync_bytes"]]
+    _report(f"schedule {schedule}", s_per_step=run["summary"]["wall_s"] / 6, sync_bytes=sync_bytes[:1])
+    if not ON_CPU:  # bfloat16 on CUDA: half the bytes of the float32 master weights
+        master = sum(t.numel() * 4 for t in load_file(str(tmp_path / "final" / "model.safetensors")).values())
+        assert sync_bytes and all(b * 2 == master for b in sync_bytes)
+
+
+TRANSPORTS = ["shm", "files", "broadcast"] + ([] if ON_CPU else ["cuda_ipc"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_every_weight_transport_delivers_to_a_generator_on_the_gpu(tmp_path: Path, transport: str) -> None:
+    """Async on the local runtime, each generator's weights checked against the trainer's checksums."""
+    overrides = [
+        *SHORT_RUN,
+        "schedule=async",
+        "runtime.kind=local",
+        f"runtime.weight_sync={transport}",
+        "runtime.verify_weight_sync=true",
+    ]
+    if transport == "broadcast":
+        overrides.append("runtime.generators=2")
+    run = _reconciled(Path(train(load_config(overrides=overrides), tmp_path)["run_dir"]), 6)
+    sync_s = [r["weight_sync_s"] for r in run["rows"]]
+    _report(f"transport {transport}", weight_sync_s_median=sorted(sync_s)[len(sync_s) // 2])
+
+
+def test_lora_trains_on_the_gpu(tmp_path: Path) -> None:
+    run = _reconciled(
+        Path(
+            train(load_config(overrides=[*SHORT_RUN, "lora.rank=8", "trainer.lr=1e-3"]), tmp_path)["run_dir"]
+        ),
+        6,
+    )
+    rows = run["rows"]
+    assert all(r["weight_sync_bytes"] < 1_000_000 for r in rows if r["weight_sync_bytes"])  # adapters only
+    _report("lora", parity_max=max(r["logprob_diff_max"] for r in rows))

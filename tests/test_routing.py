@@ -451,7 +451,6 @@ def test_a_mixture_of_experts_whose_router_cannot_be_hooked_is_refused_by_class_
         routing_of(model, required_by="trainer.routing_replay=rollout")
 
 
-@pytest.mark.gpu
 def assert_same_tokens_and_routes(first: list, second: list) -> None:
     """Two engines' results of the same requests: the same tokens, and the same experts for each."""
     for a, b in zip(first, second, strict=True):
@@ -479,6 +478,7 @@ def test_the_capturable_experts_forward_chooses_the_same_routes_and_tokens(moe: 
     assert not use_capturable_experts(dense.model)  # a dense model has no experts to switch
 
 
+@pytest.mark.gpu
 def test_a_decode_step_replayed_as_a_cuda_graph_records_routes(moe: Policy) -> None:
     """On CUDA, decode steps replay as CUDA graphs; the routes they record equal an eager engine's."""
     if not torch.cuda.is_available():
