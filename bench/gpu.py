@@ -22,8 +22,8 @@ result). It holds the device's name and, per part:
   credited only with each row's own budget;
 * ``trainer``: one optimizer step of the trainer on that model (float32 master weights,
   bfloat16 compute, 4 groups x 8 samples of 256 prompt + 512 completion tokens): tokens/s,
-  MFU (6 x parameters x tokens against the GPU's dense bfloat16 peak, when known) and peak
-  GPU memory;
+  MFU (6 x parameters x tokens against the GPU's dense bfloat16 peak, when known), the
+  median seconds of the step's parts (prepare, accumulate, finish) and peak GPU memory;
 * ``loop``: ``asyncrl train`` on the 0.5B shape with a synthetic task (random prompts of
   256 tokens, 4 groups x 8 completions of 512 tokens, a cheap regex reward), generator and
   trainer sharing the GPU: sync vs periodic vs async seconds per step after the first, and
@@ -248,28 +248,30 @@ def run_generate(model, prompts, budgets, in_flight, device, static: bool) -> di
 
 
 def engine_part(device: torch.device, quick: bool, out: dict, emit) -> None:
-    """The engine first (with and without CUDA graphs), then the ``generate`` baselines, the
-    static-cache one last: it compiles, and a time limit should cut the baselines, not asyncrl."""
+    """The fixed workload first, then the long-tailed one; on each the engine (with and without
+    CUDA graphs), then ``generate`` in eager mode; the static-cache ``generate`` of both last (it
+    compiles). A time limit then cuts the slow long-tailed runs, not the fixed workload's
+    comparison with ``generate`` (the eager engine alone takes about 70 s of the long-tailed
+    workload on an H100 or H200)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(quick, device, dtype).eval().requires_grad_(False)
     vocab = model.config.vocab_size
     out.update(model="qwen2-tiny" if quick else "qwen2-0.5b-shape", dtype=str(dtype).removeprefix("torch."))
     workloads = engine_workloads(quick, vocab)
-    runs = [("engine", lambda w: run_engine(model, *w, device))]
+    runs = {"engine": lambda w: run_engine(model, *w, device)}
     if device.type == "cuda":  # the same without CUDA graphs (rollout.cuda_graphs=false)
-        runs.append(("engine_eager", lambda w: run_engine(model, *w, device, cuda_graphs=False)))
+        runs["engine_eager"] = lambda w: run_engine(model, *w, device, cuda_graphs=False)
     # The engine stops a request at its budget only: random weights rarely sample EOS (0).
-    runs.append(("generate_eager", lambda w: run_generate(model, *w, device, static=False)))
-    runs.append(("generate_static", lambda w: run_generate_or_error(model, *w, device, static=True)))
-    for name, run in runs:
-        for case, workload in workloads.items():
-            row = out.setdefault(case, {})
-            row[name] = run(workload)
-            if name.startswith("generate") and "tokens_per_s" in row[name]:
-                row[f"speedup_vs_{name}"] = round(
-                    row["engine"]["tokens_per_s"] / row[name]["tokens_per_s"], 3
-                )
-            emit()
+    runs["generate_eager"] = lambda w: run_generate(model, *w, device, static=False)
+    runs["generate_static"] = lambda w: run_generate_or_error(model, *w, device, static=True)
+    order = [(case, name) for case in workloads for name in runs if name != "generate_static"]
+    order += [(case, "generate_static") for case in workloads]
+    for case, name in order:
+        row = out.setdefault(case, {})
+        row[name] = runs[name](workloads[case])
+        if name.startswith("generate") and "tokens_per_s" in row[name]:
+            row[f"speedup_vs_{name}"] = round(row["engine"]["tokens_per_s"] / row[name]["tokens_per_s"], 3)
+        emit()
 
 
 def run_generate_or_error(model, prompts, budgets, in_flight, device, static: bool) -> dict:
@@ -323,16 +325,30 @@ def trainer_part(device: torch.device, quick: bool, out: dict, emit) -> None:
                 )
             )
 
+    parts: dict[str, list[float]] = {"prepare": [], "accumulate": [], "finish": []}
+
     def step() -> float:
+        """One optimizer step, timed as a whole and by part (planning, collation and recomputed
+        old log-probs; forward and backward; clipping and AdamW), each ended by a device sync."""
         sync(device)
         t0 = time.perf_counter()
         trainer.begin_step()
-        trainer.accumulate(trainer.prepare(samples))
+        batches = trainer.prepare(samples)
+        sync(device)
+        t1 = time.perf_counter()
+        trainer.accumulate(batches)
+        sync(device)
+        t2 = time.perf_counter()
         trainer.finish_step(trainer.batch_divisor(samples))
         sync(device)
-        return time.perf_counter() - t0
+        t3 = time.perf_counter()
+        for name, seconds in zip(parts, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+            parts[name].append(seconds)
+        return t3 - t0
 
     step()  # warm-up
+    for times in parts.values():
+        times.clear()
     reset_peak(device)
     seconds = statistics.median(step() for _ in range(1 if quick else 3))
     tokens = len(samples) * (prompt_len + completion_len)
@@ -347,6 +363,7 @@ def trainer_part(device: torch.device, quick: bool, out: dict, emit) -> None:
             "compute_dtype": str(compute).removeprefix("torch."),
             "packing": trainer.cfg.packing,
             "s_per_step": round(seconds, 4),
+            "part_s_median": {name: round(statistics.median(t), 4) for name, t in parts.items()},
             "tokens_per_s": round(tokens / seconds, 1),
             "mfu": round(6 * params * tokens / seconds / flops, 4) if flops else None,
             "peak_gb": peak_gb(device),
@@ -454,53 +471,77 @@ def _receiver(spec, layout, device: str, versions: int, results) -> None:
 
 def weight_sync_part(device: torch.device, quick: bool, out: dict, emit) -> None:
     """Per transport, the one a single GPU uses first (CUDA IPC), then shared memory, the
-    broadcast and files: a time limit cuts the least used."""
+    broadcast and files: a time limit cuts the least used. Every receiver process starts at
+    once, before the sender's model is built, so that their start-ups (a spawned interpreter,
+    torch, CUDA) overlap instead of adding up; each waits for its sender, idle."""
     from asyncrl.transports.weights.base import WeightLayout
-    from asyncrl.transports.weights.factory import TransportSpec, free_port, make_sender
+    from asyncrl.transports.weights.factory import TransportSpec, free_port
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_model(quick, device, dtype)
-    named = [(n, p.detach()) for n, p in model.named_parameters()]
-    layout = WeightLayout.of(named)
+    # The layout alone (names, shapes, dtypes) is what a receiver needs: from a model on the meta device.
+    layout = WeightLayout.of(list(build_model(quick, torch.device("meta"), dtype).named_parameters()))
     versions = 3 if quick else 5
     transports = (["cuda_ipc"] if device.type == "cuda" else []) + ["shm", "broadcast", "files"]
     out.update(bytes=layout.nbytes, dtype=str(dtype).removeprefix("torch."), versions=versions)
     ctx = mp.get_context("spawn")
-    for kind in transports:
-        with tempfile.TemporaryDirectory() as tmp:
-            spec = TransportSpec(kind, name=f"asyncrl-bench-{os.getpid()}-{kind}", dir=tmp)
-            if kind == "broadcast":
-                spec = spec.replace(port=free_port(), world=2, bucket_bytes=64 << 20)
-            results = ctx.Queue()
-            proc = ctx.Process(target=_receiver, args=(spec, layout, str(device), versions, results))
-            proc.start()
-            sender = None
-            try:
-                sender = make_sender(spec, layout, 120.0, device)
-                seconds = []
-                # Version 0 is not timed: it waits for the receiver's start and pays first-touch costs.
-                for v in range(versions + 1):
-                    t0 = time.time()
-                    sender.publish(named, v)
-                    got, when = results.get(timeout=300)
-                    if got != v:
-                        raise RuntimeError(f"{kind}: the receiver reported {when}")
-                    seconds.append(when - t0)
-                median = statistics.median(seconds[1:])
-                out[kind] = {
-                    "s_median": round(median, 4),
-                    "s_min": round(min(seconds[1:]), 4),
-                    "gb_per_s": round(layout.nbytes / median / 1e9, 2),
-                }
-            except Exception as exc:
-                out[kind] = {"error": f"{type(exc).__name__}: {exc}"}
-            finally:
-                if sender is not None:
-                    sender.close()
-                proc.join(timeout=60)
+    with tempfile.TemporaryDirectory() as tmp:
+        specs, results, procs = {}, {}, {}
+        try:
+            for kind in transports:
+                (Path(tmp) / kind).mkdir()
+                spec = TransportSpec(
+                    kind, name=f"asyncrl-bench-{os.getpid()}-{kind}", dir=str(Path(tmp) / kind)
+                )
+                if kind == "broadcast":
+                    spec = spec.replace(port=free_port(), world=2, bucket_bytes=64 << 20)
+                specs[kind], results[kind] = spec, ctx.Queue()
+                procs[kind] = ctx.Process(
+                    target=_receiver, args=(spec, layout, str(device), versions, results[kind])
+                )
+                procs[kind].start()
+            model = build_model(quick, device, dtype)
+            named = [(n, p.detach()) for n, p in model.named_parameters()]
+            assert WeightLayout.of(named).nbytes == layout.nbytes
+            for kind in transports:
+                t_part = time.perf_counter()
+                out[kind] = _time_transport(specs[kind], layout, named, versions, results[kind], device)
+                out[kind]["part_s"] = round(time.perf_counter() - t_part, 1)
+                procs[kind].join(timeout=60)
+                emit()
+        finally:
+            for proc in procs.values():
                 if proc.is_alive():
                     proc.kill()
-            emit()
+                proc.join(timeout=10)
+
+
+def _time_transport(spec, layout, named, versions: int, results, device: torch.device) -> dict:
+    """Seconds from a publication's start until the receiver holds the version on its device."""
+    from asyncrl.transports.weights.factory import make_sender
+
+    sender = None
+    try:
+        sender = make_sender(spec, layout, 120.0, device)
+        seconds = []
+        # Version 0 is not timed: it waits for the receiver's start and pays first-touch costs.
+        for v in range(versions + 1):
+            t0 = time.time()
+            sender.publish(named, v)
+            got, when = results.get(timeout=300)
+            if got != v:
+                raise RuntimeError(f"{spec.kind}: the receiver reported {when}")
+            seconds.append(when - t0)
+        median = statistics.median(seconds[1:])
+        return {
+            "s_median": round(median, 4),
+            "s_min": round(min(seconds[1:]), 4),
+            "gb_per_s": round(layout.nbytes / median / 1e9, 2),
+        }
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        if sender is not None:
+            sender.close()
 
 
 # Each part fills its own dict of the result and calls emit() after every measurement.
