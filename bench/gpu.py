@@ -455,10 +455,12 @@ def _receiver(spec, layout, device: str, versions: int, results) -> None:
 
     dev = torch.device(device)
     engine_weights = {s.name: torch.empty(s.shape, dtype=s.dtype, device=dev) for s in layout.specs}
-    receiver = make_receiver(spec, layout, 1, 120.0, dev)
+    # Started with every other transport's receiver, this one may wait for its sender while the
+    # transports before it are measured: generous bounds for joining and for the first version.
+    receiver = make_receiver(spec, layout, 1, 600.0, dev)
     try:
         for v in range(versions + 1):
-            _, tensors = receiver.receive(v, 120.0)
+            _, tensors = receiver.receive(v, 600.0 if v == 0 else 120.0)
             for name, t in tensors.items():
                 engine_weights[name].copy_(t, non_blocking=True)
             sync(dev)
