@@ -38,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from asyncrl.reports.jsonl import read_jsonl
+
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 600
 MARK = "startup-mark"
@@ -104,10 +106,8 @@ def train_moments(overrides: list[str], cwd: Path) -> dict[str, float]:
     if done.returncode != 0:
         raise SystemExit(f"bench/startup.py: asyncrl train failed:\n{done.stderr[-2000:]}")
     marks = dict(line.split()[1:] for line in done.stderr.splitlines() if line.startswith(MARK))
-    step_1 = json.loads((run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()[0])
-    spans = [
-        json.loads(line) for line in (run_dir / "timeline.jsonl").read_text(encoding="utf-8").splitlines()
-    ]
+    step_1 = read_jsonl(run_dir / "metrics.jsonl")[0]
+    spans = read_jsonl(run_dir / "timeline.jsonl")
     moments = {
         "config_validated": float(marks["config_validated"]),
         "run_started": step_1["wall_time"] - step_1["time_s"],

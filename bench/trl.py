@@ -104,6 +104,11 @@ def import_trl():
     return trl
 
 
+def asyncrl_key(schedule: str) -> str:
+    """A schedule's run in the report: the default example's (sync) is plain ``asyncrl``."""
+    return "asyncrl" if schedule == "sync" else f"asyncrl/{schedule}"
+
+
 def asyncrl_config(steps: int, prompts: int, group_size: int, schedule: str = "sync") -> Config:
     return load_config(
         None,
@@ -311,7 +316,7 @@ def main(argv: list[str] | None = None) -> dict:
             torch.set_num_threads(threads)  # both start from torch's default, whatever the run before left
             if name == "asyncrl":
                 for schedule in args.schedules:
-                    key = name if schedule == "sync" else f"{name}/{schedule}"
+                    key = asyncrl_key(schedule)
                     run_cfg = asyncrl_config(args.steps, args.prompts, args.group_size, schedule)
                     out[key] = figures(run_asyncrl(run_cfg, Path(tmp) / key.replace("/", "-")), args.target)
                     torch.set_num_threads(threads)
@@ -321,10 +326,12 @@ def main(argv: list[str] | None = None) -> dict:
     trl_version = import_trl().__version__ if "trl" in out else None
     # TRL's seconds per step over asyncrl's, per schedule run (sync: the default example's).
     speedups = {
-        schedule: round(out["trl"]["s_per_step"] / out[key]["s_per_step"], 3)
+        schedule: round(out["trl"]["s_per_step"] / out[asyncrl_key(schedule)]["s_per_step"], 3)
         for schedule in args.schedules
-        for key in ["asyncrl" if schedule == "sync" else f"asyncrl/{schedule}"]
-        if "trl" in out and key in out and out[key]["s_per_step"] and out["trl"]["s_per_step"]
+        if "trl" in out
+        and asyncrl_key(schedule) in out
+        and out[asyncrl_key(schedule)]["s_per_step"]
+        and out["trl"]["s_per_step"]
     }
     report = {
         "machine": {

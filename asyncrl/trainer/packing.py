@@ -163,8 +163,9 @@ def choose_layout(samples: list[Sample], packing: Packing, token_budget: int | N
     with ``tree`` also the full prefix tree (which can pad its levels more than the other).
     A tree of one level shares nothing and is not a candidate. Each tree is built with
     threshold 0 (every shared prefix kept: fewest tokens, perhaps more passes) and, where that
-    gives more than two passes, with the merge rule's threshold. When ``token_budget`` is given, layouts within it are preferred —
-    the planner admits a micro-batch by the size of its smallest layout. Ties go to the padded
+    gives more than two passes, with the merge rule's threshold. When ``token_budget`` is
+    given, layouts within it are preferred — the planner admits a micro-batch by the size of
+    its smallest layout. Ties go to the padded
     layout, then to the tree branching at prompt ends, then to the merge rule's trees.
     """
     if packing not in PACKINGS:
