@@ -10,7 +10,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from asyncrl.engine.embedded import EmbeddedEngine, resume_request
+from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.interface import resume_request
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest, GenerationResult
 from asyncrl.models.loading import Policy, load_policy

@@ -17,7 +17,8 @@ import torch
 
 from asyncrl.config import LoraConfig
 from asyncrl.engine import embedded
-from asyncrl.engine.embedded import EmbeddedEngine, resume_request
+from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.interface import resume_request
 from asyncrl.engine.lora import MergedLora
 from asyncrl.engine.multi_lora import MultiLora
 from asyncrl.engine.sampling import SamplingParams

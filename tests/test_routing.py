@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from asyncrl.cli import main
-from asyncrl.engine.embedded import EmbeddedEngine, resume_request
+from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.interface import resume_request
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest
 from asyncrl.models.activation_checkpointing import enable_activation_checkpointing

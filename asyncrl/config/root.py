@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from asyncrl.config.agents import BUILTIN_TEAMS, MultiAgentConfig, RoleSpec
 from asyncrl.config.base import Section
 from asyncrl.config.data import EpisodeConfig, JudgeConfig, ModelConfig, TaskConfig
+from asyncrl.config.engines import VllmConfig, engine_problems
 from asyncrl.config.pivots import PivotConfig
 from asyncrl.config.running import RunConfig, RuntimeConfig, ScheduleConfig
 from asyncrl.config.training import AlgorithmConfig, DistillConfig, LoraConfig, RolloutConfig, TrainerConfig
@@ -20,6 +21,7 @@ class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    vllm: VllmConfig = Field(default_factory=VllmConfig)
     episode: EpisodeConfig = Field(default_factory=EpisodeConfig)
     multi_agent: MultiAgentConfig = Field(default_factory=MultiAgentConfig)
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
@@ -119,6 +121,9 @@ class Config(Section):
             )
         self._pivot_combinations()
         self._multi_agent_combinations()
+        problems = engine_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
         if self.schedule.streaming and self.algorithm.advantage_scale == "batch":
             raise ValueError(
                 "algorithm.advantage_scale=batch needs the whole batch before training; it cannot be used "

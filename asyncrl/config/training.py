@@ -13,6 +13,12 @@ from asyncrl.config.base import Section
 class RolloutConfig(Section):
     """Generation: how many completions per prompt, and how they are sampled."""
 
+    engine: Literal["embedded", "vllm"] = Field(
+        "embedded",
+        description="The generators' engine: 'embedded' (asyncrl's own PyTorch engine on the Hugging Face "
+        "model; CPU or GPU) or 'vllm' (one vLLM engine in each generator's process; its settings in the "
+        "vllm section, docs/vllm.md). Both implement asyncrl.engine.interface.Engine.",
+    )
     group_size: int = Field(8, ge=1, description="Completions per prompt (G).")
     prompts_per_step: int = Field(32, ge=1, description="Prompts per optimizer step (batch = prompts x G).")
     max_new_tokens: int = Field(

@@ -14,7 +14,8 @@ from asyncrl.control import checkpoints as checkpoint
 from asyncrl.control.controller import Controller
 from asyncrl.control.session import RunSession, default_run_dir
 from asyncrl.distill.teacher import check_teacher
-from asyncrl.errors import AsyncRLError
+from asyncrl.engine.vllm_engine import INSTALL_HINT, vllm_installed
+from asyncrl.errors import AsyncRLError, ConfigError
 from asyncrl.models.loading import load_model_config
 from asyncrl.models.routing import check_routing_replay
 from asyncrl.prompts.base import PromptSource
@@ -52,6 +53,8 @@ def train(cfg: Config, run_dir: Path | None = None, *, resume: bool = False) -> 
     if cfg.trainer.routing_replay == "rollout":
         check_routing_replay(load_model_config(cfg.model.path), cfg.model.path)
     build_episode(cfg)  # as does a bad episode.environment
+    if cfg.rollout.engine == "vllm" and not vllm_installed():
+        raise ConfigError("rollout.engine", "vllm", INSTALL_HINT)
     if cfg.distill.enabled:
         check_teacher(cfg)  # and a teacher that is missing or uses another tokenizer
     run_dir = run_dir or default_run_dir()

@@ -59,18 +59,19 @@ from dataclasses import replace
 import torch
 from transformers import PreTrainedModel
 
+from asyncrl.engine.interface import Engine
 from asyncrl.engine.kv_cache import free_memory_bytes, kv_bytes_per_token
 from asyncrl.engine.multi_lora import MultiLora
 from asyncrl.engine.plans import PrefillPlan
 from asyncrl.engine.runner import Runner, static_layout
-from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.scheduler import Scheduler
-from asyncrl.engine.types import GenerationRequest, GenerationResult, GenerationStopped
+from asyncrl.engine.types import GenerationRequest, GenerationResult
 from asyncrl.models.routing import pack_routes
+from asyncrl.transports.weights.base import check_checksums
 
 
-class EmbeddedEngine:
-    """Generates completions for requests with one in-process model."""
+class EmbeddedEngine(Engine):
+    """Generates completions for requests with one in-process model (the :class:`Engine` contract)."""
 
     def __init__(
         self,
@@ -207,9 +208,13 @@ class EmbeddedEngine:
             for name, epoch in self._adapter_epochs.items()
         }
 
+    def verify_weights(self, expected: Mapping[str, float], version: int, where: str) -> None:
+        """Its model's parameters against the trainer's per-tensor checksums of ``version``."""
+        check_checksums(dict(self.model.named_parameters()), expected, version, where)
+
     # -- requests -----------------------------------------------------------------------
 
-    def _validate(self, request: GenerationRequest) -> None:
+    def validate(self, request: GenerationRequest) -> None:
         if not request.prompt_ids:
             raise ValueError(f"request {request.request_id!r} has an empty prompt")
         if request.adapter is not None and request.adapter not in self._adapter_epochs:
@@ -242,7 +247,7 @@ class EmbeddedEngine:
 
     def add_request(self, request: GenerationRequest) -> None:
         """Queue a request; it joins the running batch at the next step with room for it."""
-        self._validate(request)
+        self.validate(request)
         self._scheduler.waiting.append(self._with_seed(request))
 
     def _with_seed(self, request: GenerationRequest) -> GenerationRequest:
@@ -352,35 +357,3 @@ class EmbeddedEngine:
             prompt = len(result.prompt_ids)
             result.prompt_routes = pack_routes(cached[:prompt])
             result.set_routes(0, [pack_routes(route) for route in cached[prompt:]])
-
-    def generate(
-        self, requests: list[GenerationRequest], stop: Callable[[], bool] | None = None
-    ) -> list[GenerationResult]:
-        """Run requests to completion; results in request order.
-
-        ``stop`` is asked before every engine step; True aborts the requests and raises
-        :class:`GenerationStopped`.
-        """
-        if self.has_work:
-            raise RuntimeError("generate() needs an idle engine; use add_request/step to mix with other work")
-        for r in requests:  # all or nothing: a bad request leaves nothing queued
-            self._validate(r)
-        for r in requests:
-            self.add_request(r)
-        results: dict[str, GenerationResult] = {}
-        while self.has_work:
-            if stop is not None and stop():
-                self.abort()
-                raise GenerationStopped(
-                    f"generation of {len(requests)} requests given up: the run is stopping"
-                )
-            for res in self.step():
-                results[res.request_id] = res
-        return [results[r.request_id] for r in requests]
-
-
-def resume_request(result: GenerationResult, sampling: SamplingParams) -> GenerationRequest:
-    """The request that continues an aborted one after its prefix, with the same seed and adapter."""
-    return GenerationRequest(
-        result.request_id, result.prompt_ids, sampling, result.seed, result.tokens(), adapter=result.adapter
-    )

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 
 from transformers import PreTrainedTokenizerBase
 
-from asyncrl.engine.embedded import resume_request
+from asyncrl.engine.interface import resume_request
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest, GenerationResult
 from asyncrl.episodes.client import EpisodeClient, EpisodeRecord, EpisodeTruncated, observation_ids

@@ -134,6 +134,11 @@ def load_model_config(source: str) -> PretrainedConfig:
     return AutoConfig.from_pretrained(_directory(source), local_files_only=True)
 
 
+def local_directory(source: str) -> Path | None:
+    """The directory a model source loads from (None for a ``tiny:`` model, built in memory)."""
+    return None if source.startswith("tiny:") else _directory(source)
+
+
 def _directory(source: str) -> Path:
     if not source.startswith("builtin:"):
         return Path(source)

@@ -46,7 +46,7 @@ class EngineLoop:
         self._thread.join(timeout)
 
     def submit(self, request: GenerationRequest) -> Ticket:
-        self.engine._validate(request)  # a bad request fails in the caller's thread, with its message
+        self.engine.validate(request)  # a bad request fails in the caller's thread, with its message
         ticket = Ticket(request)
         self._inbox.put(("generate", ticket))
         return ticket

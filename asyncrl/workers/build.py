@@ -7,11 +7,22 @@
 from __future__ import annotations
 
 import random
+import tempfile
+from pathlib import Path
 
 import torch
 
 from asyncrl.config import Config
-from asyncrl.models.loading import DTYPES, Policy, load_policy, resolve_device, resolve_dtype
+from asyncrl.engine.vllm_engine import VllmEngine, VllmSettings
+from asyncrl.models.loading import (
+    DTYPES,
+    Policy,
+    load_policy,
+    local_directory,
+    resolve_device,
+    resolve_dtype,
+    save_policy,
+)
 from asyncrl.models.lora import active_adapter, add_adapters, apply_lora
 from asyncrl.trainer.distributed import RankGroup
 from asyncrl.trainer.parallel import DistributedTrainer
@@ -65,6 +76,39 @@ def build_policy(
             if p.requires_grad or ".lora_" in name:
                 p.data = p.data.to(master)
     return policy
+
+
+def vllm_engine(cfg: Config, policy: Policy, seed: int) -> VllmEngine:
+    """A vLLM engine over the configured model (``rollout.engine=vllm``), in this process.
+
+    vLLM loads the model from its directory; a ``tiny:`` model, built in memory, is saved to a
+    temporary one first. The generator's own copy of the weights is then dropped (moved to the
+    meta device): it keeps only their names, shapes and dtypes, for its weight receiver.
+    """
+    directory = local_directory(cfg.model.path)
+    scratch = None
+    if directory is None:
+        scratch = tempfile.TemporaryDirectory(prefix="asyncrl-vllm-")
+        save_policy(policy, Path(scratch.name))
+        directory = Path(scratch.name)
+    dtype = str(next(policy.model.parameters()).dtype).removeprefix("torch.")
+    settings = VllmSettings(
+        model_path=str(directory),
+        dtype=dtype,
+        max_model_len=min(cfg.rollout.max_seq_len or policy.max_positions, policy.max_positions),
+        max_num_seqs=cfg.rollout.max_batch_size,
+        seed=seed,
+        kv_cache_gb=cfg.rollout.kv_cache_gb,
+        gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
+        enforce_eager=cfg.vllm.enforce_eager,
+        enable_prefix_caching=cfg.vllm.enable_prefix_caching,
+        engine_args=tuple(sorted(cfg.vllm.engine_args.items())),
+    )
+    tokenizer = policy.tokenizer
+    engine = VllmEngine(settings, decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    engine.scratch = scratch  # the saved tiny model lives as long as the engine
+    policy.model.to("meta")
+    return engine
 
 
 def build_trainer(

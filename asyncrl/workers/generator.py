@@ -24,7 +24,6 @@ from asyncrl.transports.weights.base import (
     WeightLayout,
     WeightReceiver,
     WeightSyncError,
-    check_checksums,
 )
 from asyncrl.workers import build
 from asyncrl.workers.messages import (
@@ -292,11 +291,12 @@ class GeneratorWorker:
         elif self.lora is not None:
             self.lora.verify(self.engine, expected, version, where)
         else:
-            check_checksums(dict(self.engine.model.named_parameters()), expected, version, where)
+            self.engine.verify_weights(expected, version, where)
 
     def close(self) -> None:
-        """Release what outlives a step: the rollout's threads and processes."""
+        """Release what outlives a step: the rollout's threads and processes, and the engine's."""
         self.rollout.close()
+        self.engine.close()
 
     def _flush_span(self) -> list:
         if self._busy_since is None:

@@ -18,6 +18,7 @@ import torch
 
 from asyncrl.config import DEFAULT_POLICY, Config
 from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.interface import Engine
 from asyncrl.engine.lora import MergedLora
 from asyncrl.engine.multi_lora import MultiLora
 from asyncrl.models.loading import Policy
@@ -28,10 +29,12 @@ from asyncrl.workers import build
 
 def policy_engine(
     cfg: Config, seed: int, adapters: list[str] | None = None
-) -> tuple[Policy, EmbeddedEngine, MergedLora | None]:
-    """A generator's policy as ``cfg`` names it, an engine over it, and with LoRA the merge of its
-    adapter (``adapters``: the engine serves these adapters instead, unmerged)."""
+) -> tuple[Policy, Engine, MergedLora | None]:
+    """A generator's policy as ``cfg`` names it, an engine over it (``rollout.engine``), and with
+    LoRA the merge of its adapter (``adapters``: the engine serves these adapters instead, unmerged)."""
     policy = build.build_policy(cfg)
+    if cfg.rollout.engine == "vllm":
+        return policy, build.vllm_engine(cfg, policy, seed), None
     # Built before the engine's first update: it keeps the base weights it merges into.
     lora = MergedLora(policy.model, cfg.lora) if cfg.lora.enabled and not adapters else None
     served = MultiLora(policy.model, cfg.lora, adapters) if adapters else None
@@ -90,7 +93,7 @@ class PolicyEngine:
         elif self.lora is not None:
             self.lora.verify(self.engine, expected, self.engine.version, where)
         else:
-            check_checksums(dict(self.engine.model.named_parameters()), expected, version, where)
+            self.engine.verify_weights(expected, version, where)
 
 
 class PolicyEngines:

@@ -1,0 +1,97 @@
+"""The ``vllm`` section: vLLM's own settings when ``rollout.engine=vllm``, and what a run on vLLM refuses.
+
+asyncrl sets vLLM's model, dtype, context length, batch size, seed, KV-cache size and
+log-prob mode from its own keys (``model.*``, ``rollout.*``, ``run.seed``); ``vllm.engine_args``
+passes any other of vLLM's ``EngineArgs`` through, and naming one of the keys asyncrl sets is
+an error naming both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from asyncrl.config.base import Section
+
+# vLLM's EngineArgs that asyncrl sets itself, and the asyncrl key each one comes from.
+OWNED_ENGINE_ARGS = {
+    "model": "model.path",
+    "tokenizer": "model.path",
+    "skip_tokenizer_init": "(asyncrl passes token ids)",
+    "dtype": "model.dtype",
+    "max_model_len": "rollout.max_seq_len",
+    "max_num_seqs": "rollout.max_batch_size",
+    "seed": "run.seed",
+    "logprobs_mode": "(asyncrl records processed log-probs)",
+    "async_scheduling": "(asyncrl records each token's version at its step)",
+    "kv_cache_memory_bytes": "rollout.kv_cache_gb",
+    "gpu_memory_utilization": "vllm.gpu_memory_utilization",
+    "enforce_eager": "vllm.enforce_eager",
+    "enable_prefix_caching": "vllm.enable_prefix_caching",
+    "disable_log_stats": "(asyncrl logs its own metrics)",
+}
+
+
+class VllmConfig(Section):
+    """vLLM's settings for ``rollout.engine=vllm``: one vLLM engine in each generator, in its process."""
+
+    enforce_eager: bool = Field(
+        True,
+        description="Run vLLM's model eagerly: no torch.compile and no CUDA graphs (start-up 3-5 s on the "
+        "CPU instead of about a minute). false lets vLLM compile and capture graphs, for long GPU runs.",
+    )
+    enable_prefix_caching: bool = Field(
+        True,
+        description="vLLM's prefix cache: the G completions of a prompt share its prefill (reset at every "
+        "weight load, so no block computed by older weights serves a new request).",
+    )
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Fraction of the GPU's memory vLLM may take (null: vLLM's default, 0.9). With trainer "
+        "and generators on one GPU, set it well below 1. Ignored on the CPU (rollout.kv_cache_gb sizes "
+        "the cache there).",
+    )
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Any other field of vLLM's EngineArgs, passed as given (e.g. tensor_parallel_size, "
+        "block_size). Keys asyncrl sets from its own config are refused, naming the asyncrl key.",
+    )
+
+
+def engine_problems(cfg: Any) -> list[str]:
+    """What a run with ``rollout.engine=vllm`` cannot do, each naming the keys (empty: none)."""
+    if cfg.rollout.engine != "vllm":
+        return []
+    r = cfg.rollout
+    problems = [
+        f"vllm.engine_args.{key} is set by asyncrl from {OWNED_ENGINE_ARGS[key]}: set that instead"
+        for key in cfg.vllm.engine_args
+        if key in OWNED_ENGINE_ARGS
+    ]
+    why = "with rollout.engine=vllm"
+    if r.keep_sampling_mask:
+        problems.append(
+            f"rollout.keep_sampling_mask {why}: vLLM does not report the kept set of a sampled token"
+        )
+    if r.top_k or r.top_p < 1 or r.min_p:
+        problems.append(
+            f"rollout.top_k/top_p/min_p {why} (top_k={r.top_k}, top_p={r.top_p}, min_p={r.min_p}): vLLM's "
+            "log-probs are then renormalised over the kept tokens, not the distribution the trainer "
+            "recomputes; leave them off"
+        )
+    if r.kv_cache_fraction is not None:
+        problems.append(
+            f"rollout.kv_cache_fraction {why}: size vLLM's cache with vllm.gpu_memory_utilization"
+        )
+    if cfg.lora.enabled:
+        problems.append(f"lora.rank={cfg.lora.rank} {why}: adapter updates into vLLM are not supported yet")
+    if cfg.multi_agent.several_policies:
+        problems.append(f"multi_agent.policies {why}: one vLLM engine per policy is not supported yet")
+    if cfg.trainer.routing_replay != "off":
+        problems.append(
+            f"trainer.routing_replay={cfg.trainer.routing_replay} {why}: expert routes from vLLM are not recorded yet"
+        )
+    return problems

