@@ -3,6 +3,7 @@ fork server started with the session, GPU skips, and test outcomes printed as th
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing.forkserver
 import os
 from collections.abc import Callable, Iterator
@@ -23,12 +24,20 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``gpu`` are skipped, with the reason, where no CUDA device is visible
-    (``ASYNCRL_GPU_TESTS_ON_CPU=1`` runs them on the CPU instead, see tests/test_gpu.py).
+    """Tests marked ``vllm`` are skipped, with the reason, where vLLM is not installed (the vLLM
+    tier installs it). Tests marked ``gpu`` are skipped, with the reason, where no CUDA device is
+    visible (``ASYNCRL_GPU_TESTS_ON_CPU=1`` runs them on the CPU instead, see tests/test_gpu.py).
 
     On CUDA, tests/test_gpu.py's end-to-end runs (12 to 19 s each, mostly process start-up) go
     after every other test: a GPU check with a time limit then cuts them, not the short tests of
     the other files (an H100 check ran out of time inside test_gpu.py before reaching them)."""
+    if importlib.util.find_spec("vllm") is None:
+        no_vllm = pytest.mark.skip(
+            reason="needs vLLM (not installed); the vLLM tier's command is in the README"
+        )
+        for item in items:
+            if "vllm" in item.keywords:
+                item.add_marker(no_vllm)
     if torch.cuda.is_available():
         items.sort(key=lambda item: item.path.name == "test_gpu.py")  # stable: order kept within
     if torch.cuda.is_available() or os.environ.get("ASYNCRL_GPU_TESTS_ON_CPU") == "1":
