@@ -86,8 +86,6 @@ def engine_problems(cfg: Any) -> list[str]:
         problems.append(
             f"rollout.kv_cache_fraction {why}: size vLLM's cache with vllm.gpu_memory_utilization"
         )
-    if cfg.lora.enabled:
-        problems.append(f"lora.rank={cfg.lora.rank} {why}: adapter updates into vLLM are not supported yet")
     if cfg.multi_agent.several_policies:
         problems.append(f"multi_agent.policies {why}: one vLLM engine per policy is not supported yet")
     if cfg.trainer.routing_replay != "off":

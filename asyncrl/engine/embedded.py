@@ -208,9 +208,12 @@ class EmbeddedEngine(Engine):
             for name, epoch in self._adapter_epochs.items()
         }
 
+    def held_weights(self) -> dict[str, torch.Tensor]:
+        return dict(self.model.named_parameters())
+
     def verify_weights(self, expected: Mapping[str, float], version: int, where: str) -> None:
         """Its model's parameters against the trainer's per-tensor checksums of ``version``."""
-        check_checksums(dict(self.model.named_parameters()), expected, version, where)
+        check_checksums(self.held_weights(), expected, version, where)
 
     # -- requests -----------------------------------------------------------------------
 

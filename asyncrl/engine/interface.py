@@ -75,6 +75,10 @@ class Engine(ABC):
         raise ValueError(f"adapter {name!r}: {type(self).__name__} serves no adapters")
 
     @abstractmethod
+    def held_weights(self) -> dict[str, torch.Tensor]:
+        """The weights the engine computes with, by the trainer's (Hugging Face) names."""
+
+    @abstractmethod
     def verify_weights(self, expected: Mapping[str, float], version: int, where: str) -> None:
         """Raise :class:`~asyncrl.transports.weights.base.WeightSyncError`, naming ``where``, if
         the engine does not compute with the weights the trainer published as ``version``

