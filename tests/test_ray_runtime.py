@@ -176,9 +176,17 @@ def run_with_hook(cfg, run_dir: Path, hook) -> tuple[dict, RayRuntime, Controlle
 @pytest.mark.multiprocess
 # (broadcast, 1) adds nothing the two cases miss: a lone generator's restart rejoining (shm, 1)
 # and the broadcast group re-formed without the victim and again with its replacement (broadcast, 2).
-@pytest.mark.parametrize(("weight_sync", "generators"), [("shm", 1), ("broadcast", 2)])
+# (shm, 2, vllm): two vLLM generators (the vLLM tier), one killed.
+@pytest.mark.parametrize(
+    ("weight_sync", "generators", "engine"),
+    [
+        ("shm", 1, "embedded"),
+        ("broadcast", 2, "embedded"),
+        pytest.param("shm", 2, "vllm", marks=[pytest.mark.vllm, pytest.mark.timeout(600)]),
+    ],
+)
 def test_killed_generator_is_restarted_and_nothing_is_lost_or_trained_twice(
-    tmp_path: Path, weight_sync: str, generators: int
+    tmp_path: Path, weight_sync: str, generators: int, engine: str
 ) -> None:
     """A generator killed with groups in flight is replaced and its groups are issued again. Alone, the
     run can only finish if its restart rejoins (with broadcast: a group of the trainer alone, then one
@@ -193,6 +201,7 @@ def test_killed_generator_is_restarted_and_nothing_is_lost_or_trained_twice(
             "runtime.kind=ray",
             f"runtime.weight_sync={weight_sync}",
             f"runtime.generators={generators}",
+            f"rollout.engine={engine}",
             "runtime.ray.generator.num_cpus=1",
             "rollout.max_new_tokens=24",
             "rollout.ignore_eos=true",  # long enough generations that the victim has work in flight
@@ -244,7 +253,10 @@ def test_killed_generator_is_restarted_and_nothing_is_lost_or_trained_twice(
     victim = killed["victim"]
     joined = acc.get("generators_joined", 0)
     assert acc["generators_lost"] == 1 and joined == (1 if generators == 1 else joined)
-    assert acc["lost_in_flight"] + killed["finished_after"] == killed["in_flight"]
+    # Groups sent to the victim after the kill, before its loss is seen, are lost with it too (a
+    # vLLM generator's death took longer to be reported, so more were sent).
+    lost = acc["lost_in_flight"] + killed["finished_after"]
+    assert lost == killed["in_flight"] if engine == "embedded" else lost >= killed["in_flight"]
     assert acc["trained"] == steps * PROMPTS
     assert acc["prompts_trained_twice"] == 0 and acc["prompts_missing"] == 0 and acc["reconciles"]
     assert acc["issued"] == acc["trained"] + acc["lost_in_flight"] + acc["in_flight"] + acc["buffered"] + sum(
@@ -266,7 +278,7 @@ def test_killed_generator_is_restarted_and_nothing_is_lost_or_trained_twice(
 @pytest.mark.ray
 @pytest.mark.multiprocess
 # broadcast only: joining and leaving re-form its group; an shm newcomer takes weights as the
-# replacement in test_killed_generator_is_restarted_and_nothing_is_lost_or_trained_twice[shm-1] does.
+# replacement in test_killed_generator_is_restarted_and_nothing_is_lost_or_trained_twice[shm-1-embedded] does.
 @pytest.mark.parametrize("weight_sync", ["broadcast"])
 def test_generators_join_and_leave_during_a_run(tmp_path: Path, weight_sync: str) -> None:
     steps = 16

@@ -62,11 +62,15 @@ class VllmConfig(Section):
 
 
 def engine_problems(cfg: Any) -> list[str]:
-    """What a run with ``rollout.engine=vllm`` cannot do, each naming the keys (empty: none)."""
+    """What a run with ``rollout.engine=vllm`` (or ``distill.engine=vllm``) cannot do, each naming
+    the keys (empty: none)."""
+    problems = []
+    if cfg.distill.engine == "vllm" and cfg.distill.url is not None:
+        problems.append("distill.engine=vllm scores with a local teacher (distill.teacher), not distill.url")
     if cfg.rollout.engine != "vllm":
-        return []
+        return problems
     r = cfg.rollout
-    problems = [
+    problems += [
         f"vllm.engine_args.{key} is set by asyncrl from {OWNED_ENGINE_ARGS[key]}: set that instead"
         for key in cfg.vllm.engine_args
         if key in OWNED_ENGINE_ARGS

@@ -226,6 +226,12 @@ class DistillConfig(Section):
         "0: one step's groups (rollout.prompts_per_step).",
     )
     batch_groups: int = Field(4, ge=1, description="Most groups the teacher scores in one call.")
+    engine: Literal["embedded", "vllm"] = Field(
+        "embedded",
+        description="How a local teacher (distill.teacher) scores: 'embedded' runs its Hugging Face model's "
+        "forward; 'vllm' asks a vLLM engine in the teacher's process for the prompt log-probs of the "
+        "student's tokens (the vllm section's settings apply; docs/vllm.md).",
+    )
     device: str = Field(
         "auto",
         description="Where a local teacher runs ('auto': CUDA when a GPU is visible; 'cpu', 'cuda:1').",

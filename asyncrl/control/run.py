@@ -53,8 +53,9 @@ def train(cfg: Config, run_dir: Path | None = None, *, resume: bool = False) -> 
     if cfg.trainer.routing_replay == "rollout":
         check_routing_replay(load_model_config(cfg.model.path), cfg.model.path)
     build_episode(cfg)  # as does a bad episode.environment
-    if cfg.rollout.engine == "vllm" and not vllm_installed():
-        raise ConfigError("rollout.engine", "vllm", INSTALL_HINT)
+    for key, engine in (("rollout.engine", cfg.rollout.engine), ("distill.engine", cfg.distill.engine)):
+        if engine == "vllm" and not vllm_installed():
+            raise ConfigError(key, "vllm", INSTALL_HINT)
     if cfg.distill.enabled:
         check_teacher(cfg)  # and a teacher that is missing or uses another tokenizer
     run_dir = run_dir or default_run_dir()

@@ -11,15 +11,23 @@ from __future__ import annotations
 
 import contextlib
 import json
+import tempfile
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from asyncrl.config import Config
 from asyncrl.errors import AsyncRLError, ConfigError
-from asyncrl.models.loading import load_policy, load_tokenizer, resolve_device, tokenizer_fingerprint
+from asyncrl.models.loading import (
+    load_policy,
+    load_tokenizer,
+    local_directory,
+    resolve_device,
+    tokenizer_fingerprint,
+)
 from asyncrl.server.scoring import ScoringRequest, token_logprobs
 from asyncrl.types import Group, TeacherScores
 
@@ -196,6 +204,49 @@ def check_teacher(cfg: Config) -> None:
     check_same_tokenizer(cfg, tokenizer_fingerprint(tokenizer), describe_tokenizer(tokenizer))
 
 
+class VllmTeacher(LocalTeacher):
+    """A local teacher scored by vLLM (``distill.engine=vllm``): its prompt log-probs of the
+    student's tokens, from a vLLM engine in this process over the teacher's model."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__(cfg)  # loads and checks the teacher as a local one does, then hands it to vLLM
+        from asyncrl.engine.vllm_engine import VllmEngine, VllmSettings
+
+        source = cfg.model.path if cfg.distill.self_distillation else cfg.distill.teacher
+        directory = local_directory(source)
+        self._scratch = None
+        if directory is None:  # a tiny: teacher, built in memory
+            self._scratch = tempfile.TemporaryDirectory(prefix="asyncrl-teacher-")
+            self.model.save_pretrained(self._scratch.name, safe_serialization=True)
+            load_tokenizer(source)[0].save_pretrained(self._scratch.name)
+            directory = Path(self._scratch.name)
+        settings = VllmSettings(
+            model_path=str(directory),
+            dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."),
+            max_model_len=int(getattr(self.model.config, "max_position_embeddings", 4096)),
+            max_num_seqs=max(1, cfg.distill.batch_groups * cfg.rollout.group_size),
+            seed=cfg.run.seed,
+            enforce_eager=cfg.vllm.enforce_eager,
+            gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
+            engine_args=tuple(sorted(cfg.vllm.engine_args.items())),
+        )
+        self.engine = VllmEngine(settings)
+        self.model.to("meta")  # vLLM holds the weights now
+        self._version = 0
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._version += 1
+        self.engine.load_weights(tensors, self._version)
+
+    def score(self, groups: list[Group]) -> list[TeacherScores]:
+        if not groups:
+            return []
+        rows = _rows(groups)
+        return _per_group(
+            groups, self.engine.prompt_logprobs(list(zip(rows.prompts, rows.completions, strict=True)))
+        )
+
+
 def load_teacher(cfg: Config) -> Teacher:
     """The teacher ``distill.*`` names, loaded (or reached) and checked."""
     if cfg.distill.url is not None:
@@ -204,4 +255,6 @@ def load_teacher(cfg: Config) -> Teacher:
         raise ConfigError(
             "distill.teacher", None, "no teacher configured (set distill.teacher or distill.url)"
         )
+    if cfg.distill.engine == "vllm":
+        return VllmTeacher(cfg)
     return LocalTeacher(cfg)

@@ -112,6 +112,10 @@ class VllmEngine(Engine):
         extra = dict(settings.engine_args)
         if settings.gpu_memory_utilization is not None:
             extra["gpu_memory_utilization"] = settings.gpu_memory_utilization
+        if extra.get("tensor_parallel_size", 1) * extra.get("pipeline_parallel_size", 1) == 1:
+            # One worker, in this process: inside a Ray actor vLLM would otherwise start its own
+            # Ray workers in the actor's placement group.
+            extra.setdefault("distributed_executor_backend", "uni")
         args = EngineArgs(
             model=settings.model_path,
             skip_tokenizer_init=True,
@@ -288,6 +292,36 @@ class VllmEngine(Engine):
             r.request.request_id: (list(r.generated.completion_ids), list(r.generated.logprobs))
             for r in self._running.values()
         }
+
+    def prompt_logprobs(self, rows: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        """For each (prompt, completion), the log-prob of every completion token given the tokens
+        before it, at temperature 1 (vLLM's prompt log-probs): a teacher scoring a student's tokens.
+        Needs an idle engine; the rows run as one batch."""
+        from vllm import SamplingParams as VllmSampling
+        from vllm.inputs import TokensPrompt
+
+        if self.has_work:
+            raise RuntimeError("prompt_logprobs() needs an idle engine")
+        params = VllmSampling(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        ids = []
+        for prompt, completion in rows:
+            if not prompt or len(prompt) + len(completion) >= self.max_positions:
+                raise ValueError(
+                    f"a row of {len(prompt)} prompt and {len(completion)} completion tokens does not fit "
+                    f"the engine's {self.max_positions} positions (or has no prompt)"
+                )
+            ids.append(f"score#{next(self._ids)}")
+            self._llm.add_request(ids[-1], TokensPrompt(prompt_token_ids=[*prompt, *completion]), params)
+        done: dict[str, list] = {}
+        while len(done) < len(ids):
+            for out in self._llm.step():
+                if out.finished:
+                    done[out.request_id] = out.prompt_logprobs
+        scores = []
+        for request_id, (prompt, completion) in zip(ids, rows, strict=True):
+            per_token = done[request_id][len(prompt) :]
+            scores.append([entry[token].logprob for entry, token in zip(per_token, completion, strict=True)])
+        return scores
 
     # -- stepping -----------------------------------------------------------------------
 
