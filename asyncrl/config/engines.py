@@ -94,6 +94,7 @@ def engine_problems(cfg: Any) -> list[str]:
         problems.append(f"multi_agent.policies {why}: one vLLM engine per policy is not supported yet")
     if cfg.trainer.routing_replay != "off":
         problems.append(
-            f"trainer.routing_replay={cfg.trainer.routing_replay} {why}: expert routes from vLLM are not recorded yet"
+            f"trainer.routing_replay={cfg.trainer.routing_replay} {why}: vLLM returns expert routes only from its "
+            "model runner V2, which its CPU build cannot run (it needs Triton); set trainer.routing_replay=off"
         )
     return problems

@@ -14,7 +14,7 @@ from asyncrl.control import checkpoints as checkpoint
 from asyncrl.control.controller import Controller
 from asyncrl.control.session import RunSession, default_run_dir
 from asyncrl.distill.teacher import check_teacher
-from asyncrl.engine.vllm_engine import INSTALL_HINT, vllm_installed
+from asyncrl.engine.vllm_engine import INSTALL_HINT, unsupported_model, vllm_installed
 from asyncrl.errors import AsyncRLError, ConfigError
 from asyncrl.models.loading import load_model_config
 from asyncrl.models.routing import check_routing_replay
@@ -56,6 +56,8 @@ def train(cfg: Config, run_dir: Path | None = None, *, resume: bool = False) -> 
     for key, engine in (("rollout.engine", cfg.rollout.engine), ("distill.engine", cfg.distill.engine)):
         if engine == "vllm" and not vllm_installed():
             raise ConfigError(key, "vllm", INSTALL_HINT)
+    if cfg.rollout.engine == "vllm" and (why := unsupported_model(load_model_config(cfg.model.path))):
+        raise ConfigError("model.path", cfg.model.path, f"with rollout.engine=vllm: {why}")
     if cfg.distill.enabled:
         check_teacher(cfg)  # and a teacher that is missing or uses another tokenizer
     run_dir = run_dir or default_run_dir()
