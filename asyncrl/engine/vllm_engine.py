@@ -121,6 +121,11 @@ class VllmEngine(Engine):
         if settings.kv_cache_gb is not None:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gb)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        # vLLM logs to standard output by default, where asyncrl prints its results (a run's
+        # summary, a bench's JSON): its warnings go to standard error instead, its INFO lines
+        # only when asked for (VLLM_LOGGING_LEVEL=INFO).
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
