@@ -59,7 +59,7 @@ from dataclasses import replace
 import torch
 from transformers import PreTrainedModel
 
-from asyncrl.engine.interface import Engine
+from asyncrl.engine.interface import Engine, check_fits
 from asyncrl.engine.kv_cache import free_memory_bytes, kv_bytes_per_token
 from asyncrl.engine.multi_lora import MultiLora
 from asyncrl.engine.plans import PrefillPlan
@@ -218,24 +218,12 @@ class EmbeddedEngine(Engine):
     # -- requests -----------------------------------------------------------------------
 
     def validate(self, request: GenerationRequest) -> None:
-        if not request.prompt_ids:
-            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        need = check_fits(request, self.max_positions)
         if request.adapter is not None and request.adapter not in self._adapter_epochs:
             serves = f"it serves {self.adapters.names}" if self.adapters is not None else "it serves none"
             raise ValueError(
                 f"request {request.request_id!r} names adapter {request.adapter!r}, which this engine "
                 f"does not serve ({serves})"
-            )
-        done = len(request.prefix.completion_ids) if request.prefix else 0
-        need = len(request.prompt_ids) + request.sampling.max_new_tokens
-        if need > self.max_positions:
-            raise ValueError(
-                f"request {request.request_id!r}: prompt ({len(request.prompt_ids)} tokens) + max_new_tokens "
-                f"({request.sampling.max_new_tokens}) exceeds the model's {self.max_positions} positions"
-            )
-        if done >= request.sampling.max_new_tokens:
-            raise ValueError(
-                f"request {request.request_id!r}: its prefix already uses the whole token budget"
             )
         if self.max_tokens_in_flight is not None and need > self.max_tokens_in_flight:
             raise ValueError(

@@ -155,6 +155,23 @@ class Engine(ABC):
         return [results[r.request_id] for r in requests]
 
 
+def check_fits(request: GenerationRequest, max_positions: int) -> int:
+    """What every engine refuses of a request, naming it: an empty prompt, a prompt and token budget
+    longer than ``max_positions``, a prefix that already spends the budget. Returns the positions
+    the request needs (prompt + budget)."""
+    if not request.prompt_ids:
+        raise ValueError(f"request {request.request_id!r} has an empty prompt")
+    need = len(request.prompt_ids) + request.sampling.max_new_tokens
+    if need > max_positions:
+        raise ValueError(
+            f"request {request.request_id!r}: prompt ({len(request.prompt_ids)} tokens) + max_new_tokens "
+            f"({request.sampling.max_new_tokens}) exceeds the engine's {max_positions} positions"
+        )
+    if request.prefix and len(request.prefix.completion_ids) >= request.sampling.max_new_tokens:
+        raise ValueError(f"request {request.request_id!r}: its prefix already uses the whole token budget")
+    return need
+
+
 def resume_request(result: GenerationResult, sampling: SamplingParams) -> GenerationRequest:
     """The request that continues an aborted one after its prefix, with the same seed and adapter."""
     return GenerationRequest(

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncrl.engine.interface import Engine
+from asyncrl.engine.interface import Engine, check_fits
 from asyncrl.engine.scheduler import result_of
 from asyncrl.engine.types import GenerationRequest, GenerationResult
 from asyncrl.transports.weights.base import WeightSyncError, check_checksums
@@ -227,8 +227,7 @@ class VllmEngine(Engine):
     # -- requests -----------------------------------------------------------------------
 
     def validate(self, request: GenerationRequest) -> None:
-        if not request.prompt_ids:
-            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        check_fits(request, self.max_positions)
         if request.adapter is not None:
             raise ValueError(
                 f"request {request.request_id!r} names adapter {request.adapter!r}; the vLLM engine serves none"
@@ -237,17 +236,6 @@ class VllmEngine(Engine):
             raise ValueError(
                 f"request {request.request_id!r} asks for its sampling support (Keep Sampling Mask), "
                 "which vLLM does not report"
-            )
-        done = len(request.prefix.completion_ids) if request.prefix else 0
-        need = len(request.prompt_ids) + request.sampling.max_new_tokens
-        if need > self.max_positions:
-            raise ValueError(
-                f"request {request.request_id!r}: prompt ({len(request.prompt_ids)} tokens) + max_new_tokens "
-                f"({request.sampling.max_new_tokens}) exceeds the engine's {self.max_positions} positions"
-            )
-        if done >= request.sampling.max_new_tokens:
-            raise ValueError(
-                f"request {request.request_id!r}: its prefix already uses the whole token budget"
             )
 
     def add_request(self, request: GenerationRequest) -> None:
