@@ -40,6 +40,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import os
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -113,7 +114,10 @@ class VllmEngine(Engine):
         *,
         version: int = 0,
         decode: Callable[[list[int]], str] | None = None,
+        scratch: tempfile.TemporaryDirectory | None = None,
     ) -> None:
+        """``decode``: token ids to text, for stop strings. ``scratch``: the temporary directory the
+        model was saved to for vLLM to load (a model built in memory), removed at :meth:`close`."""
         if not vllm_installed():
             raise ImportError(INSTALL_HINT)
         # The engine core in this process: start-up in seconds, Python objects passed directly.
@@ -156,6 +160,7 @@ class VllmEngine(Engine):
         except Exception as exc:
             raise RuntimeError(f"vLLM could not load the model at {settings.model_path}: {exc}") from exc
         self.settings = settings
+        self.scratch = scratch
         self.version = version
         self.decode = decode
         self.max_positions = settings.max_model_len
@@ -402,6 +407,8 @@ class VllmEngine(Engine):
         self._llm.engine_core.shutdown()
         self._llm = None
         cleanup_dist_env_and_memory()
+        if self.scratch is not None:
+            self.scratch.cleanup()
 
 
 _HEAD_KEY = "<output layer>"

@@ -105,8 +105,9 @@ def vllm_engine(cfg: Config, policy: Policy, seed: int) -> VllmEngine:
         engine_args=tuple(sorted(cfg.vllm.engine_args.items())),
     )
     tokenizer = policy.tokenizer
-    engine = VllmEngine(settings, decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-    engine.scratch = scratch  # the saved tiny model lives as long as the engine
+    engine = VllmEngine(
+        settings, decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), scratch=scratch
+    )
     policy.model.to("meta")
     policy.model.tie_weights()  # the move unties a tied output layer; the layout must name it once
     return engine
