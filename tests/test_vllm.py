@@ -5,6 +5,7 @@ refuses and how a missing install is reported."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import signal
 import subprocess
@@ -336,11 +337,9 @@ def test_a_mixture_of_experts_on_vllms_cpu_build_is_refused_at_start(tmp_path: P
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.multiprocess
 def test_vllm_not_installed_is_one_line(tmp_path: Path) -> None:
     """Where vLLM is missing, a run on it fails at start with one line saying how to install it."""
-    pytest.importorskip("asyncrl")
-    import importlib.util
-
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here")
     done = subprocess.run(
