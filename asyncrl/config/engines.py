@@ -38,7 +38,7 @@ class VllmConfig(Section):
 
     enforce_eager: bool = Field(
         True,
-        description="Run vLLM's model eagerly: no torch.compile and no CUDA graphs (start-up 3-5 s on the "
+        description="Run vLLM's model eagerly: no torch.compile and no CUDA graphs (start-up 3.5-7 s on the "
         "CPU instead of about a minute). false lets vLLM compile and capture graphs, for long GPU runs.",
     )
     enable_prefix_caching: bool = Field(
