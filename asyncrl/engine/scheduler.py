@@ -79,6 +79,20 @@ def reserve(request: GenerationRequest) -> int:
     return len(request.prompt_ids) + request.sampling.max_new_tokens
 
 
+def abort_waiting(
+    waiting: list[GenerationRequest], wanted: set[str] | None
+) -> tuple[list[GenerationResult], list[GenerationRequest]]:
+    """The wanted requests of a waiting queue (all when None) aborted — each returns its resumed
+    prefix, or nothing — and the requests that stay queued."""
+    out, keep = [], []
+    for req in waiting:
+        if wanted is None or req.request_id in wanted:
+            out.append(result_of(req, req.prefix.tokens() if req.prefix else Tokens.empty(), "abort"))
+        else:
+            keep.append(req)
+    return out, keep
+
+
 def result_of(req: GenerationRequest, generated: Tokens, finish: str) -> GenerationResult:
     """A request's result: everything it generated (a resumed prefix included) and how it ended."""
     return GenerationResult(
@@ -394,15 +408,8 @@ class Scheduler:
     def abort(self, wanted: set[str] | None) -> list[GenerationResult]:
         """Remove the wanted requests (all when None): the waiting ones, then the running ones
         by slot, each returning what it generated (a resumed prefix included)."""
-        out: list[GenerationResult] = []
         self.left = []
-        keep_waiting = []
-        for req in self.waiting:
-            if wanted is None or req.request_id in wanted:
-                out.append(result_of(req, req.prefix.tokens() if req.prefix else Tokens.empty(), "abort"))
-            else:
-                keep_waiting.append(req)
-        self.waiting = keep_waiting
+        out, self.waiting = abort_waiting(self.waiting, wanted)
         for slot, row in enumerate(self.rows):
             if row is not None and (wanted is None or row.request.request_id in wanted):
                 out.append(row.result("abort"))

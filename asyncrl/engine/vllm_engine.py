@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncrl.engine.interface import Engine, check_fits
-from asyncrl.engine.scheduler import result_of
+from asyncrl.engine.scheduler import abort_waiting, result_of
 from asyncrl.engine.types import GenerationRequest, GenerationResult
 from asyncrl.transports.weights.base import WeightSyncError, check_checksums
 from asyncrl.types import Tokens
@@ -380,14 +380,7 @@ class VllmEngine(Engine):
 
     def abort(self, request_ids: Iterable[str] | None = None) -> list[GenerationResult]:
         wanted = None if request_ids is None else set(request_ids)
-        out: list[GenerationResult] = []
-        keep = []
-        for req in self._waiting:
-            if wanted is None or req.request_id in wanted:
-                out.append(result_of(req, req.prefix.tokens() if req.prefix else Tokens.empty(), "abort"))
-            else:
-                keep.append(req)
-        self._waiting = keep
+        out, self._waiting = abort_waiting(self._waiting, wanted)
         gone = [vid for vid, r in self._running.items() if wanted is None or r.request.request_id in wanted]
         if gone:
             self._llm.abort_request(gone)
