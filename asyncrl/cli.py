@@ -126,8 +126,9 @@ def _serve(args: argparse.Namespace) -> int:
     from asyncrl.server.app import OpenAIServer
 
     if args.exit_with_parent:  # a run's judge: it ends with the run, however the run ends
-        from asyncrl.runtimes.lifeline import exit_with_parent
+        from asyncrl.runtimes.lifeline import exit_with_parent, ignore_stop_signals
 
+        ignore_stop_signals()  # the run stops it by closing its stdin; a signal to the group is the run's
         exit_with_parent(os.getppid())
     policy = load_policy(args.model, device=args.device, seed=args.seed)
     server = OpenAIServer(
@@ -136,8 +137,13 @@ def _serve(args: argparse.Namespace) -> int:
     host, port = server.start(args.host, args.port)
     print(json.dumps({"listening": f"http://{host}:{port}", "model": server.model_name}), flush=True)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    if args.exit_with_parent:
+        threading.Thread(
+            target=lambda: (sys.stdin.read(), stop.set()), name="owner-stdin", daemon=True
+        ).start()
+    else:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     server.stop()
     return 0
@@ -257,10 +263,16 @@ def main(argv: list[str] | None = None) -> int:
 def run() -> None:
     """The ``asyncrl`` program: :func:`main`, then an exit that skips the last garbage collection.
 
+    User code a config names as ``module:name`` (a reward, an episode function) is imported as
+    ``python -m`` would: from the working directory first, which a console script leaves off
+    ``sys.path``.
+
     At exit the interpreter collects every object torch and transformers created at import
     (over a second on a small CPU); nothing it would free outlives the process anyway, so
     they are frozen out of that collection. Files are still closed and ``atexit`` still runs.
     """
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     code = main()
     gc.freeze()
     sys.exit(code)

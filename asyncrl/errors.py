@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sysconfig
+import traceback
+from pathlib import Path
+
 
 class AsyncRLError(Exception):
     """An error caused by the user's input or environment, with a message that says how to fix it."""
@@ -27,3 +33,45 @@ class RewardError(AsyncRLError):
 
 class RewardFailing(RewardError):
     """A reward function that failed on ``task.reward_max_consecutive_failures`` calls in a row."""
+
+
+class UserCodeFailing(AsyncRLError):
+    """User code (an episode function, an environment, a team episode) that failed on
+    ``task.reward_max_consecutive_failures`` episodes in a row: the run stops naming it."""
+
+
+# Frames in these folders are not the user's: asyncrl's own (its built-in tasks and environments
+# excepted: they are plugins written as a user's would be) and Python's and the installed packages'.
+_ASYNCRL = Path(__file__).resolve().parent
+_LIBRARIES = tuple(
+    Path(p).resolve()
+    for key in ("stdlib", "platstdlib", "purelib", "platlib")
+    if (p := sysconfig.get_path(key))
+)
+
+
+def _not_users(filename: str) -> bool:
+    path = Path(filename).resolve()
+    if path.is_relative_to(_ASYNCRL):
+        return not path.is_relative_to(_ASYNCRL / "builtin")
+    return filename.startswith("<") or any(path.is_relative_to(lib) for lib in _LIBRARIES)
+
+
+def describe_user_error(exc: BaseException) -> str:
+    """``Type: message (file:line in function)``: the exception a user's code raised and the line
+    of the user's code it came from — the innermost frame of its traceback that is neither
+    asyncrl's nor a library's (the innermost frame when all are)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    users = [f for f in frames if not _not_users(f.filename)]
+    frame = (users or frames or [None])[-1]
+    message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if frame is None:
+        return message
+    return f"{message} ({_shown(frame.filename)}:{frame.lineno} in {frame.name})"
+
+
+def _shown(filename: str) -> str:
+    """A path relative to the working directory when it lies inside it, else as it is."""
+    with contextlib.suppress(ValueError):
+        return os.path.relpath(filename) if Path(filename).resolve().is_relative_to(Path.cwd()) else filename
+    return filename

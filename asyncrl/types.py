@@ -376,6 +376,7 @@ class Group:
             turns=[len(s.turn_spans or ()) for s in self.samples]
             if any(s.role for s in self.samples)
             else None,
+            first_error=next((s.reward_error for s in self.samples if s.reward_error), None),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -500,6 +501,7 @@ class GroupHeader:
     policies: list[str] | None = None
     roles: list[str] | None = None
     turns: list[int] | None = None
+    first_error: str | None = None  # the first sample's reward (or episode) error, for the run's notice
 
     def policy_of(self, index: int) -> str:
         return "default" if self.policies is None else self.policies[index]

@@ -104,19 +104,37 @@ def wait_dead(pids: set[int] | list[int], timeout: float = 15) -> list[int]:
         time.sleep(0.05)
 
 
+# How a stop reaches a run (stop_after_steps): its main process alone; its whole process group
+# (``kill -TERM -PGID``, Slurm, systemd); each of its processes one by one, workers first, the
+# main process last; or coreutils ``timeout`` (it signals its child, then the child's group).
+SENDS = ("process", "group", "each", "timeout")
+
+
 def stop_after_steps(
-    run_dir: Path, overrides: list[str], steps: int, sig: signal.Signals, timeout: float = 120
+    run_dir: Path,
+    overrides: list[str],
+    steps: int,
+    sig: signal.Signals,
+    timeout: float = 120,
+    send: str = "process",
 ) -> tuple[int, str]:
-    """Start ``asyncrl train`` as a child, send it ``sig`` once metrics.jsonl has ``steps`` lines.
+    """Start ``asyncrl train`` as a child, send it ``sig`` once metrics.jsonl has ``steps`` lines,
+    the way ``send`` names (:data:`SENDS`; ``timeout``: the child runs under coreutils ``timeout``,
+    which is sent ``sig`` and passes it on as it would at its deadline).
 
     Returns (exit code, stderr); asserts that the run's worker processes are gone after it.
     """
+    assert send in SENDS, send
+    command = cli("train", *sets(overrides), "--run-dir", str(run_dir))
+    if send == "timeout":
+        command = ["timeout", "-s", sig.name, str(int(timeout) * 4), *command]
     proc = subprocess.Popen(
-        cli("train", *sets(overrides), "--run-dir", str(run_dir)),
+        command,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=child_env(),
+        start_new_session=True,  # its own process group, as a scheduler's job has
     )
     try:
         metrics = run_dir / "metrics.jsonl"
@@ -126,14 +144,23 @@ def stop_after_steps(
                 break
             time.sleep(0.01)
         descendants = psutil.Process(proc.pid).children(recursive=True)  # the run's worker processes
-        proc.send_signal(sig)
+        if send == "group":
+            os.killpg(proc.pid, sig)
+        elif send == "each":
+            for child in reversed(descendants):  # the deepest first, the run's own process last
+                with contextlib.suppress(psutil.Error):
+                    child.send_signal(sig)
+            proc.send_signal(sig)
+        else:
+            proc.send_signal(sig)
         _, err = proc.communicate(timeout=timeout)
         # Orphans would be re-parented away from this test, so look for the ones seen before the stop.
         _, alive = psutil.wait_procs(descendants, timeout=15)
         assert not alive, f"left behind after the stop: {[p.pid for p in alive]}"
     finally:
         if proc.poll() is None:
-            proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
     return proc.returncode, err
 

@@ -104,8 +104,13 @@ def test_an_unknown_role_is_an_episode_error_naming_it(policy) -> None:
         await team("critic").generate()
 
     groups = run(make_rollout(policy, bad, group_size=2), TASKS[:1])
-    errors = {s.reward_error for s in groups[0].samples}
-    assert len(errors) == 1 and "critic" in errors.pop() and groups[0].samples[0].reward == 0.0
+    errors = [s.reward_error for s in groups[0].samples]  # the team's error, on each role's sample
+    assert errors[0] == errors[1] != errors[2] == errors[3]  # episodes 0 and 1, each named by its place
+    assert all(
+        "no role 'critic'" in e and f"on prompt 'a' (group 0, episode {i // 2})" in e
+        for i, e in enumerate(errors)
+    )
+    assert groups[0].samples[0].reward == 0.0
 
 
 def test_an_evaluation_scores_each_episode_by_its_team_reward(policy) -> None:

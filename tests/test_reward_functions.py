@@ -89,7 +89,10 @@ def test_none_means_not_applicable_and_errors_are_per_sample() -> None:
     def boom(completions, **_):
         raise ValueError("no judge")
 
-    assert {s.error for s in scored(RewardSet.of(boom))} == {"raised ValueError: no judge"}
+    line = boom.__code__.co_firstlineno + 1
+    assert {s.error for s in scored(RewardSet.of(boom))} == {
+        f"raised ValueError: no judge (tests/test_reward_functions.py:{line} in boom)"
+    }
     short = RewardSet.of(lambda completions, **_: [1.0])
     assert {s.error for s in scored(short)} == {"returned 1 rewards for 4 completions"}
     assert {s.error for s in scored(RewardSet.of(lambda completions, **_: 1.0))} == {

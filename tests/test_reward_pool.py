@@ -21,7 +21,7 @@ from asyncrl.rewards.pool_service import local_reward_pool
 from asyncrl.rewards.scoring import ScoringStopped
 from asyncrl.types import Prompt
 from tests.helpers import child_pids, short_run, survivors_of_a_killed_parent, wait_dead
-from tests.pool_rewards import PIDS_DIR, wait_for
+from tests.pool_rewards import PIDS_DIR, failing_reward, wait_for
 
 
 def pool_config(tmp_path: Path, *more: str):
@@ -68,7 +68,12 @@ def test_a_failing_function_stops_scoring_from_the_pool_naming_it(tmp_path: Path
     with local_reward_pool(cfg, 120):
         pooled = build_reward(cfg)
         (scored,) = pooled.score_groups(GROUPS[1:])
-        assert scored[0].error == "raised ValueError: cannot parse '5'"  # 2 failures so far
+        line = failing_reward.__code__.co_firstlineno + 1
+        # 2 failures so far; the user's line is named
+        assert (
+            scored[0].error
+            == f"raised ValueError: cannot parse '5' (tests/pool_rewards.py:{line} in failing_reward)"
+        )
         with pytest.raises(
             RewardFailing, match=r"'tests\.pool_rewards:failing_reward' failed on 3 consecutive"
         ):

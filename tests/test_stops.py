@@ -76,24 +76,29 @@ def stop_and_resume(
     schedule: str,
     runtime: str,
     capsys: pytest.CaptureFixture[str] | None = None,
+    send: str = "process",
+    sig: signal.Signals = signal.SIGTERM,
+    extra: tuple[str, ...] = (),
 ) -> None:
-    """The stop and the resume as child processes, or in this process given ``capsys``."""
+    """The stop and the resume as child processes (``sig`` sent as ``send`` says, see
+    :data:`tests.helpers.SENDS`), or in this process given ``capsys``."""
     overrides = [
         *short_run(STEPS, prompts=2, group_size=2),
         *RUNS[work],
         *SCHEDULES[schedule],
         *RUNTIMES[runtime],
+        *extra,
     ]
     if capsys is None:
-        code, err = stop_after_steps(run_dir, overrides, STOP_AT, signal.SIGTERM, timeout=WAIT_S)
+        code, err = stop_after_steps(run_dir, overrides, STOP_AT, sig, timeout=WAIT_S, send=send)
     else:
         code, err = stop_in_this_process(run_dir, overrides, capsys)
     lines = [line for line in err.splitlines() if line.strip()]
     if runtime == "ray":  # Ray logs its own notices when it starts the run's instance
         lines = [line for line in lines if "ray" not in line.lower() or line.startswith("asyncrl:")]
-    assert code == 128 + signal.SIGTERM.value, err
+    assert code == 128 + sig.value, err
     assert "Traceback" not in err, err
-    assert len(lines) == 1 and lines[0].startswith("asyncrl: stopped by SIGTERM at step"), err
+    assert len(lines) == 1 and lines[0].startswith(f"asyncrl: stopped by {sig.name} at step"), err
     saved = checkpoints.latest(run_dir)
     assert saved is not None and f"--resume {run_dir}" in lines[0]
     stopped_at = checkpoints.read_controller_state(saved)["version"]
@@ -176,3 +181,45 @@ def test_a_stopped_run_as_a_program_exits_with_one_line_and_resumes(tmp_path: Pa
 @pytest.mark.parametrize("schedule", ["sync", "async"])
 def test_a_stopped_ray_run_exits_with_one_line_and_resumes(tmp_path: Path, work: str, schedule: str) -> None:
     stop_and_resume(tmp_path / "run", work, schedule, "ray")
+
+
+# A scheduler's stop: the signal reaches every process of the run, workers and helpers included
+# (it once killed the local runtime's fork server, and with it the run: "trainer exited
+# unexpectedly with code 255", no checkpoint). Each runtime with its helper processes: the inline
+# one with a time-limited reward's process, the local one with a reward pool, Ray with its own.
+GROUP_STOPS = {
+    "inline": ("completions", "sync", ("task.reward_timeout_s=60",)),
+    "local": ("completions", "async", ("task.reward_workers=1",)),
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("runtime", ["inline", pytest.param("local", marks=pytest.mark.slow)])
+def test_a_stop_sent_to_the_whole_process_group_is_clean_and_resumes(tmp_path: Path, runtime: str) -> None:
+    work, schedule, extra = GROUP_STOPS[runtime]
+    stop_and_resume(tmp_path / "run", work, schedule, runtime, send="group", extra=extra)
+
+
+@pytest.mark.ray
+@pytest.mark.multiprocess
+def test_a_stop_sent_to_a_ray_runs_process_group_is_clean_and_resumes(tmp_path: Path) -> None:
+    """Ray's own processes (its GCS, raylet, the actors' workers) are in the run's group too."""
+    stop_and_resume(tmp_path / "run", "completions", "async", "ray", send="group")
+
+
+@pytest.mark.multiprocess
+def test_a_run_under_timeout_stops_cleanly_and_resumes(tmp_path: Path) -> None:
+    """coreutils ``timeout`` signals the run's process, then its whole group: the same signal
+    twice, one stop (not the "second signal" that stops at once)."""
+    stop_and_resume(tmp_path / "run", "episodes", "async", "local", send="timeout")
+
+
+@pytest.mark.slow  # the group stop of a local run: test_a_run_under_timeout_stops_cleanly_and_resumes
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("send", "sig"), [("each", signal.SIGTERM), ("group", signal.SIGHUP), ("group", signal.SIGINT)]
+)
+def test_every_way_a_local_run_is_stopped_is_clean(tmp_path: Path, send: str, sig: signal.Signals) -> None:
+    """Each of its processes signalled one by one, the run's own last; a closed terminal's SIGHUP
+    and a Ctrl-C (SIGINT to the foreground group)."""
+    stop_and_resume(tmp_path / "run", "completions", "sync", "local", send=send, sig=sig)

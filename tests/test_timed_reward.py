@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -28,6 +29,7 @@ from tests.helpers import REPO, child_env, child_pids, cli, sets, short_run, sig
 
 pytestmark = pytest.mark.multiprocess  # every reward call here runs in the reward's own process
 
+MODULE_NAME = "asyncrl_test_timed"
 MODULE = """
 import math, os, time
 from pathlib import Path
@@ -91,12 +93,20 @@ PROMPT = Prompt("p:0", "1+1=", "2")
 
 @pytest.fixture
 def reward_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    (tmp_path / "asyncrl_test_timed.py").write_text(textwrap.dedent(MODULE), encoding="utf-8")
+    (tmp_path / f"{MODULE_NAME}.py").write_text(textwrap.dedent(MODULE), encoding="utf-8")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("ASYNCRL_TEST_MARKER", str(tmp_path / "marker"))
     (tmp_path / "calls").mkdir()
     monkeypatch.setenv("ASYNCRL_TEST_CALLS", str(tmp_path / "calls"))
     return "asyncrl_test_timed:reward"
+
+
+def where(text: str, function: str) -> str:
+    """``file:line in function`` of the line of the reward module that holds ``text``, as an
+    error names the user's code (the module lies outside the working directory: its whole path)."""
+    origin = importlib.util.find_spec(MODULE_NAME).origin
+    line = 1 + next(i for i, row in enumerate(Path(origin).read_text().splitlines()) if text in row)
+    return f"{origin}:{line} in {function}"
 
 
 def start_train(tmp_path: Path, overrides: list[str], run_dir: Path) -> subprocess.Popen:
@@ -150,7 +160,10 @@ def test_a_hanging_call_is_cut_off_and_the_next_call_works(reward_spec: str) -> 
 def test_errors_in_the_child_keep_their_type_and_bad_values_are_recorded(reward_spec: str) -> None:
     fn = TimedReward(reward_spec, timeout_s=5)
     try:
-        assert call(fn, "raise") == (None, "raised ZeroDivisionError: bad row")
+        assert call(fn, "raise") == (
+            None,
+            f"raised ZeroDivisionError: bad row ({where('bad row', 'reward')})",
+        )
         assert call(fn, "nan") == (None, "returned a non-finite value nan")
         pid = call(fn, "pid")[0]
         assert call(fn, "unreadable") == (
@@ -269,7 +282,8 @@ def test_consecutive_failures_of_one_function_stop_scoring_naming_it(reward_spec
         rewards.score(PROMPT, ["2"] * 4, [[0]] * 4)
     assert str(info.value) == (
         f"reward function '{module}:always_raises' failed on 6 consecutive calls "
-        "(task.reward_max_consecutive_failures=6); the last: raised ValueError: cannot parse '2'"
+        "(task.reward_max_consecutive_failures=6); the last: raised ValueError: cannot parse '2' "
+        f"({where('cannot parse', 'always_raises')})"
     )
     # A success resets the count; a batched function fails once per call (one call per group).
     flaky = RewardSet([RewardTerm("r", resolve_reward(f"{module}:reward"))], max_consecutive_failures=3)

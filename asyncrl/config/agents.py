@@ -134,6 +134,15 @@ class MultiAgentConfig(Section):
                     f"multi_agent.roles: role {role.name!r} names policy {role.policy!r}, which is neither "
                     f"{DEFAULT_POLICY!r} nor in multi_agent.policies ({policies})"
                 )
+        used = {role.policy for role in self.roles}
+        for policy in self.policies:
+            if policy.name not in used:
+                # Its clock would never advance: a trained one's bounds would hold every group back.
+                raise ValueError(
+                    f"multi_agent.policies: policy {policy.name!r} is named by no role "
+                    f"(multi_agent.roles: {[f'{r.name}: {r.policy}' for r in self.roles]}); "
+                    "give it a role or remove it"
+                )
         if self.roles and self.team_weight == 0 and self.role_weight == 0:
             raise ValueError(
                 "multi_agent.team_weight and multi_agent.role_weight are both 0: no reward is left"

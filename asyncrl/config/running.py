@@ -27,6 +27,14 @@ class RunConfig(Section):
         "`asyncrl train --resume RUN_DIR` continues from the newest.",
     )
     keep_checkpoints: int = Field(2, ge=1, description="How many of the newest checkpoints to keep.")
+    max_dropped_batches: int = Field(
+        20,
+        ge=0,
+        description="Stop the run with an error, naming the reasons and the settings involved, when this "
+        "many steps' worth of groups (x rollout.prompts_per_step) in a row end untrained (dropped as "
+        "stale, cancelled, dropped for a reward error or with nothing to train) while no step completes; "
+        "a notice says why at a tenth of it. 0 = never stop (the notice still comes).",
+    )
     checkpoint_timeout_s: float = Field(
         600.0,
         gt=0,

@@ -46,6 +46,7 @@ from asyncrl.control.books import Books
 from asyncrl.control.buffer import AdmissionControl, RolloutBuffer
 from asyncrl.control.liveness import Watchdog, waiting_for
 from asyncrl.control.membership import TRAINER, Generators
+from asyncrl.control.notices import DropWatch, ErrorNotices
 from asyncrl.control.pivoting import BranchBook
 from asyncrl.control.policy_books import PolicyBooks, role_rewards
 from asyncrl.control.preemption import Preemption, carry_over
@@ -134,6 +135,9 @@ class Controller:
         self.teacher_queue = teacher_queue(cfg, self.books.groups, session.record_level)
         self._loop_t = time.monotonic()
         self.watchdog = Watchdog(cfg.runtime.stall_timeout_s, lambda: waiting_for(self))
+        # Sample errors and groups that end untrained, told to the user as they come (control/notices.py).
+        self.error_notices = ErrorNotices(cfg, session.warn)
+        self.drop_watch = DropWatch(cfg, lambda: self.books.counts, session.warn)
         self.preemption = Preemption(sched.max_staleness > 0, cfg.run.checkpoint_timeout_s)
         self.saving = SaveProtocol(
             cfg, session, self.books, self.steps, self.buffer, self.generators, self.preemption, self._send
@@ -263,6 +267,7 @@ class Controller:
             self.session.record_span(event)
         elif isinstance(event, GroupReady):
             header = event.header
+            self.error_notices.trained(header)
             prompt = gens.finished(event.worker, header.group_id)
             if prompt is None:
                 books.late(header)
@@ -284,6 +289,8 @@ class Controller:
                 books.counts["cancelled_stale"] += not books.groups.get(event.group_id).branch
                 books.reissue(event.group_id)
         elif isinstance(event, GroupDropped):
+            self.error_notices.dropped(event)
+            self.drop_watch.last_error = event.error or self.drop_watch.last_error
             if gens.finished(event.worker, event.group_id) is not None:
                 books.dropped(event.group_id, event.reason)
         elif isinstance(event, WeightsLoaded):
@@ -315,6 +322,7 @@ class Controller:
             raise TypeError(f"unexpected event {event!r}")
 
     def _on_step(self, event: StepDone) -> None:
+        self.drop_watch.stepped()
         self.trainer_version = event.version
         trained_by = self.clocks.update(event.version, event.policy_versions)
         groups = self.steps.confirmed(event.version)
@@ -372,6 +380,8 @@ class Controller:
 
     def _watchdog(self) -> None:
         self.saving.check_deadline()
+        if self.stop_signal is None:
+            self.drop_watch.check()
         overdue = self.teacher_queue.overdue() if self.teacher_queue is not None else None
         if overdue is not None:
             raise WorkerError(overdue)

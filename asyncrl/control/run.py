@@ -17,6 +17,7 @@ from asyncrl.distill.teacher import check_teacher
 from asyncrl.engine.vllm_engine import INSTALL_HINT, unsupported_model, vllm_installed
 from asyncrl.errors import AsyncRLError, ConfigError
 from asyncrl.models.loading import load_model_config
+from asyncrl.models.lora import check_lora_fits
 from asyncrl.models.routing import check_routing_replay
 from asyncrl.prompts.base import PromptSource
 from asyncrl.prompts.build import task_prompts
@@ -25,6 +26,7 @@ from asyncrl.rewards.pool_service import local_reward_pool
 from asyncrl.rollout.build import build_episode
 from asyncrl.runtimes.base import Runtime
 from asyncrl.runtimes.inline import InlineRuntime
+from asyncrl.runtimes.lifeline import STOP_SIGNALS
 from asyncrl.workers.build import seed_everything
 from asyncrl.workers.messages import WorkerError
 
@@ -52,6 +54,8 @@ def train(cfg: Config, run_dir: Path | None = None, *, resume: bool = False) -> 
     prompts = task_prompts(cfg)  # a bad model path or dataset fails here, before a run directory is made
     if cfg.trainer.routing_replay == "rollout":
         check_routing_replay(load_model_config(cfg.model.path), cfg.model.path)
+    if cfg.lora.enabled:  # adapters the model's layers cannot carry, refused before any process starts
+        check_lora_fits(load_model_config(cfg.model.path), cfg.lora)
     build_episode(cfg)  # as does a bad episode.environment
     for key, engine in (("rollout.engine", cfg.rollout.engine), ("distill.engine", cfg.distill.engine)):
         if engine == "vllm" and not vllm_installed():
@@ -110,7 +114,9 @@ def run_controller(
 
 @contextlib.contextmanager
 def stop_on_signals(controller: Controller):
-    """SIGINT and SIGTERM ask the controller to stop (with a checkpoint); a second one stops at once.
+    """SIGINT, SIGTERM and SIGHUP (its terminal closed) ask the controller to stop (with a
+    checkpoint); a second one stops at once. The run's other processes ignore them
+    (:mod:`asyncrl.runtimes.lifeline`), so a stop sent to the whole process group is this one.
 
     Only the main thread may install handlers; elsewhere (a run inside a library's thread)
     signals keep their previous behaviour.
@@ -122,7 +128,7 @@ def stop_on_signals(controller: Controller):
     def handler(signum, frame) -> None:
         controller.request_stop(signal.Signals(signum).name, 128 + signum)
 
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
     try:
         yield
     finally:

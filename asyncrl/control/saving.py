@@ -34,6 +34,11 @@ from asyncrl.errors import AsyncRLError
 from asyncrl.types import GroupHeader, GroupState, Prompt
 from asyncrl.workers.messages import CheckpointSaved, SaveCheckpoint, WorkerError
 
+# A stop can reach the run's process twice: coreutils ``timeout`` signals its child, then the
+# child's whole process group. The same signal again within this time is that one stop; a
+# second signal later (a user pressing Ctrl-C again) stops at once.
+REPEATED_SIGNAL_S = 1.0
+
 
 class RunInterrupted(AsyncRLError):
     """The run stopped on a signal after writing a checkpoint; ``exit_code`` is 128 + the signal."""
@@ -121,6 +126,7 @@ class SaveProtocol:
         self.last: Path | None = None  # the newest checkpoint written
         self.stop_signal: str | None = None
         self.stop_exit_code = 1
+        self._stop_requested_at = 0.0
 
     def request(self, trainer_version: int, stop: bool = False) -> None:
         """Ask the trainer to save at the version every FinishStep sent so far leads to (the books
@@ -190,10 +196,15 @@ class SaveProtocol:
             )
 
     def request_stop(self, signal_name: str, exit_code: int) -> None:
-        """First call: stop cleanly with a checkpoint. Second call: stop at once."""
+        """First call: stop cleanly with a checkpoint. A second signal stops at once, unless it
+        repeats the first within ``REPEATED_SIGNAL_S`` (the same stop delivered twice)."""
+        now = time.monotonic()
         if self.stop_signal is not None:
+            if signal_name == self.stop_signal and now - self._stop_requested_at < REPEATED_SIGNAL_S:
+                return
             raise RunInterrupted(f"stopped at once by a second {signal_name}", exit_code)
         self.stop_signal, self.stop_exit_code = signal_name, exit_code
+        self._stop_requested_at = now
 
     def stop_step(self, trainer_version: int) -> None:
         """One turn of a stop: the preemption asked (once), then, when it is answered, the checkpoint.

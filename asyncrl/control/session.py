@@ -106,6 +106,12 @@ class RunSession:
             fh.write(json.dumps({"time_s": round(self.elapsed(), 4), "message": message}) + "\n")
         self.progress.note(message)
 
+    def warn(self, message: str) -> None:
+        """A warning the user reads whether or not the progress display is on (events.jsonl too)."""
+        with (self.run_dir / "events.jsonl").open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps({"time_s": round(self.elapsed(), 4), "warning": message}) + "\n")
+        self.progress.warn(message)
+
     def record_eval(self, step: int, accuracy: float) -> None:
         entry = {"step": step, "time_s": round(self.elapsed(), 4), "eval_accuracy": accuracy}
         self.evals.append(entry)

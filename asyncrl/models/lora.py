@@ -34,7 +34,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.lora import LoraLayer
-from transformers import PreTrainedModel
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from asyncrl.config import LoraConfig
 from asyncrl.errors import ConfigError
@@ -70,6 +70,18 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig, seed: int) -> PeftModel:
         wrapped = _wrap(model, cfg)
     check_targets(wrapped, cfg)
     return wrapped
+
+
+def check_lora_fits(model_config: PretrainedConfig, cfg: LoraConfig) -> None:
+    """Refuse, from the model's config alone, adapters its layers cannot carry (see
+    :func:`check_targets`): the adapters are put on a skeleton on the meta device (no weights, no
+    memory), at the start of a run, before any worker or run directory. peft's warnings about
+    the layers it wraps are the trainer's to show, once it wraps them for real."""
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(model_config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        check_targets(_wrap(skeleton, cfg), cfg)
 
 
 def _wrap(model: PreTrainedModel, cfg: LoraConfig, names: Sequence[str] = (ADAPTER,)) -> PeftModel:

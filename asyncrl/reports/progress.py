@@ -53,6 +53,10 @@ class ProgressDisplay:
             self._last_plain = time.monotonic()
             self.console.print(f"step {record['step']}  {stats}", highlight=False)
 
+    def warn(self, message: str) -> None:
+        """A warning line, printed even with the display off (above the live bar when it is on)."""
+        self.console.print(f"asyncrl: warning: {message}", highlight=False, markup=False, soft_wrap=True)
+
     def note(self, message: str) -> None:
         """A one-line notice (a generator lost or added) above the live bar."""
         if self.enabled:

@@ -6,6 +6,10 @@ workers as a process pool (the least busy one takes the next batch); on Ray it i
 reward functions with :func:`~asyncrl.rewards.build.reward_set` — the functions themselves,
 time-limited in their own processes as usual with ``task.reward_timeout_s`` — and scores the
 batches generators send it (:mod:`asyncrl.rewards.pool`, the client).
+
+The local pool ignores the stop signals (a scheduler's stop to the whole process group is the
+run's to handle, :mod:`asyncrl.runtimes.lifeline`): it ends when the run closes its end of the
+start pipe, or with the run's process.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import os
 import secrets
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from multiprocessing.connection import Connection, Listener
 
 from asyncrl.config import Config
@@ -25,7 +29,7 @@ from asyncrl.rewards.build import reward_set
 from asyncrl.rewards.pool import ENV, RewardPoolError
 from asyncrl.rewards.scoring import RewardSet, Scored
 from asyncrl.rewards.services import announced
-from asyncrl.runtimes.lifeline import exit_with_parent
+from asyncrl.runtimes.lifeline import exit_with_parent, ignore_stop_signals, stop_signals_held
 
 STOP_TIMEOUT_S = 10.0
 
@@ -35,6 +39,7 @@ _worker_rewards: RewardSet | None = None  # in a pool worker process
 
 def _init_worker(cfg_json: str, parent: int) -> None:
     global _worker_rewards
+    ignore_stop_signals()
     exit_with_parent(parent)
     _worker_rewards = reward_set(Config.model_validate_json(cfg_json))
 
@@ -61,7 +66,9 @@ def _serve_connection(conn: Connection, pool: concurrent.futures.Executor) -> No
 
 
 def _serve_pool(cfg_json: str, workers: int, authkey: bytes, ready: Connection) -> None:
-    """The pool process: workers first (each builds the reward functions), then connections."""
+    """The pool process: workers first (each builds the reward functions), then connections,
+    until the run closes its end of ``ready``."""
+    ignore_stop_signals()
     exit_with_parent(os.getppid())
     context = multiprocessing.get_context("spawn")
     pool = concurrent.futures.ProcessPoolExecutor(
@@ -74,6 +81,15 @@ def _serve_pool(cfg_json: str, workers: int, authkey: bytes, ready: Connection) 
         raise SystemExit(1) from None
     listener = Listener(("127.0.0.1", 0), authkey=authkey)
     ready.send(("ok", listener.address))
+    threading.Thread(target=_accept, args=(listener, pool), name="reward-accept", daemon=True).start()
+    with suppress(EOFError, OSError):
+        ready.recv()  # returns when the run closes its end: the run's stop
+    # Workers exit between batches; exiting normally releases the pool's semaphores (a killed
+    # pool leaves them to the resource tracker, which warns on stderr).
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _accept(listener: Listener, pool: concurrent.futures.Executor) -> None:
     while True:
         conn = listener.accept()
         threading.Thread(target=_serve_connection, args=(conn, pool), name="reward-conn", daemon=True).start()
@@ -98,7 +114,8 @@ def local_reward_pool(cfg: Config, start_timeout_s: float) -> Iterator[dict | No
         name="asyncrl-reward-pool",
         daemon=False,
     )
-    process.start()
+    with stop_signals_held():  # until the pool ignores them itself
+        process.start()
     theirs.close()
     try:
         if not ours.poll(start_timeout_s):
@@ -116,8 +133,7 @@ def local_reward_pool(cfg: Config, start_timeout_s: float) -> Iterator[dict | No
         with announced(ENV, json.dumps(spec)):
             yield spec
     finally:
-        ours.close()
-        process.terminate()
+        ours.close()  # the pool's signal to end (it ignores SIGTERM)
         process.join(STOP_TIMEOUT_S)
         if process.is_alive():
             process.kill()

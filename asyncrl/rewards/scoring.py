@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrl.errors import RewardFailing
+from asyncrl.errors import RewardFailing, describe_user_error
 from asyncrl.prompts.chat import reward_prompt
 from asyncrl.rewards.registry import RewardFn, is_batched
 from asyncrl.rewards.step_rewards import StepRewards, parse_step_rewards, weighted_steps
@@ -76,7 +76,7 @@ async def _call_async(fn: RewardFn, kwargs: dict[str, Any]) -> tuple[Any, str | 
     try:
         return await fn(**kwargs), None
     except Exception as exc:  # as in _call: recorded for the sample
-        return None, f"raised {type(exc).__name__}: {exc}"
+        return None, f"raised {describe_user_error(exc)}"
 
 
 async def _gather(fn: RewardFn, calls: list[dict[str, Any]]) -> list[tuple[Any, str | None]]:
@@ -91,7 +91,7 @@ def _call(fn: RewardFn, kwargs: dict[str, Any]) -> tuple[Any, str | None]:
     except RewardCallError as exc:  # timed out, or raised in the reward's own process
         return None, exc.recorded
     except Exception as exc:  # a user's reward function may raise anything; it is recorded, not fatal
-        return None, f"raised {type(exc).__name__}: {exc}"
+        return None, f"raised {describe_user_error(exc)}"
 
 
 def score(

@@ -20,11 +20,11 @@ from __future__ import annotations
 import collections
 import multiprocessing as mp
 import os
-import signal
 import time
 from multiprocessing.connection import wait
 from typing import Any
 
+from asyncrl.errors import describe_user_error
 from asyncrl.rewards.registry import resolve_reward
 from asyncrl.rewards.scoring import RewardCallError, ScoringStopped, resolved
 
@@ -46,9 +46,9 @@ class RewardRaised(RewardCallError):
 
 
 def _child(spec: str, conn, parent: int) -> None:
-    from asyncrl.runtimes.lifeline import exit_with_parent
+    from asyncrl.runtimes.lifeline import exit_with_parent, ignore_stop_signals
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ignore_stop_signals()  # the run stops it (kill) or its lifeline does
     exit_with_parent(parent)
     try:
         fn = resolve_reward(spec)
@@ -64,7 +64,7 @@ def _child(spec: str, conn, parent: int) -> None:
         try:
             conn.send(("ok", resolved(fn(**kwargs))))
         except Exception as exc:  # reported to the caller, who records it for the sample
-            conn.send(("raised", f"{type(exc).__name__}: {exc}"))
+            conn.send(("raised", describe_user_error(exc)))
 
 
 class _Child:
@@ -75,7 +75,10 @@ class _Child:
         self.proc = ctx.Process(
             target=_child, args=(spec, child_conn, os.getpid()), name="asyncrl-reward", daemon=True
         )
-        self.proc.start()
+        from asyncrl.runtimes.lifeline import stop_signals_held
+
+        with stop_signals_held():  # until the child ignores them itself
+            self.proc.start()
         child_conn.close()
         self.since = time.monotonic()  # when it started, then when its current call started
 

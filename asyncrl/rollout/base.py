@@ -59,6 +59,13 @@ class RolloutStats:
         return ready, dropped
 
 
+def nothing_to_train(group: Group) -> bool:
+    """A group with a sample that has no completion token (an episode whose code failed before
+    the model's first turn, a role that never acted): the trainer cannot train it, so a generator
+    drops it (an evaluation still scores it)."""
+    return any(not s.completion_ids for s in group.samples)
+
+
 class Rollout(ABC):
     """Turns (group id, prompt) pairs into scored groups of ``group_size`` samples on an engine.
 

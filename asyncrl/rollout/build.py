@@ -62,6 +62,8 @@ def build_rollout(
             team_weight=cfg.multi_agent.team_weight,
             role_weight=cfg.multi_agent.role_weight,
             adapters=cfg.multi_agent.adapter_policies,
+            max_consecutive_failures=cfg.task.reward_max_consecutive_failures,
+            name=cfg.episode.environment,
         )
     return CompletionRollout(
         engine,

@@ -16,10 +16,22 @@ The owner need not be the parent: a local worker forked from the fork server
 for as long as any of its children does, so such a worker watches the run's process itself
 (:class:`Owner`: its pid and, on Linux, its start time, so a recycled pid is not taken for
 it, nor a dead one that is not yet reaped).
+
+Stop signals: a scheduler stops a job by signalling every process of it (``timeout`` and
+``kill -TERM -PGID`` the process group, Slurm and systemd every process of the job, a closed
+terminal sends SIGHUP to its foreground group). Only the run's own process decides how the run
+stops (with a checkpoint, then by telling its processes), so every process the run starts
+ignores the stop signals (:func:`ignore_stop_signals`) and ends by its owner's command or by
+the guards above. Between its birth and that call a child still has the default disposition,
+which would kill it: the parent starts children with the stop signals blocked
+(:func:`stop_signals_held`), a mask the child inherits across fork and exec; the child unblocks
+them once it ignores them. The parent's own signals wait, blocked, and reach its handlers when
+the block ends: none is lost.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -27,8 +39,13 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+# What schedulers, terminals and users send to stop a job (SIGHUP: its terminal was closed).
+STOP_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
 WATCH_S = 0.2  # how often the watcher thread looks at the parent pid
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -116,3 +133,32 @@ def exit_with_parent(parent: int, grace_s: float = 0.0) -> None:
     if os.getppid() != parent:  # died before the guards were in place
         os._exit(1)
     exit_with_owner(Owner(parent), grace_s)
+
+
+@contextlib.contextmanager
+def stop_signals_held() -> Iterator[None]:
+    """Block the stop signals in this thread while the block runs (start child processes in it).
+
+    A child started meanwhile is born with them blocked, so a signal to the whole process group
+    cannot kill it before it ignores them (:func:`ignore_stop_signals`); signals that reach this
+    process meanwhile wait and are handled when the block ends. Without ``pthread_sigmask``
+    (Windows) the block does nothing.
+    """
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def ignore_stop_signals() -> None:
+    """In a process the run started: ignore the stop signals, then unblock the ones its parent
+    held while starting it (:func:`stop_signals_held`); pending ones are discarded. The run's own
+    process stops it, and its owner's command or lifeline ends this one. Main thread only."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)

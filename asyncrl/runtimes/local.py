@@ -8,10 +8,12 @@ through one more (the group transport's queue, :mod:`asyncrl.transports.groups`)
 
 Liveness: every wait has a deadline. A worker that raises reports the error before it
 exits; one that dies without a word is noticed by its exit code at the next poll, and the
-error names it. Children ignore SIGINT (the controller decides how to stop), exit by
+error names it. Children ignore the stop signals, however they are sent (to the process group
+by a scheduler, or to each process; see :mod:`asyncrl.runtimes.lifeline`): the controller
+decides how to stop and tells them. They exit by
 themselves if the controller process disappears (between commands at once, in the middle of
-one after ``LIFELINE_GRACE_S``; see :mod:`asyncrl.runtimes.lifeline`), and are terminated, then
-killed, if they do not exit within ``runtime.stop_timeout_s`` of a stop. A stop first sets
+one after ``LIFELINE_GRACE_S``), and are killed if they do not exit within
+``runtime.stop_timeout_s`` of a stop. A stop first sets
 a shared flag that makes every worker abandon the reward scoring it is in (within
 ``INTERRUPT_CHECK_S``), so a reward that hangs does not hold the stop's checkpoint or the
 workers' exit back. The flag is plain shared memory: the controller sets it from its signal
@@ -23,7 +25,6 @@ resume, removes it (``transport.claim_segment``).
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -35,7 +36,8 @@ from asyncrl.config import Config
 from asyncrl.models.loading import resolve_device
 from asyncrl.runtimes.base import generator_name
 from asyncrl.runtimes.cores import CoreShare, available_cores
-from asyncrl.runtimes.processes import adopt_environment, worker_context
+from asyncrl.runtimes.lifeline import Owner, exit_with_owner, ignore_stop_signals, stop_signals_held
+from asyncrl.runtimes.processes import adopt_environment, start_process_helpers, worker_context
 from asyncrl.runtimes.serving import (
     GENERATOR,
     TRAINER,
@@ -95,14 +97,12 @@ def _worker_main(
     ``environ``: the run's environment when the worker was started; ``owner_pid``: the run's
     process (not the parent when the worker was forked from the fork server).
     """
+    ignore_stop_signals()
     adopt_environment(environ)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Python refuses children to a daemonic process, which it would leave orphaned when it ends
     # the process; a reward function's processes (task.reward_timeout_s) end with it by themselves.
     mp.current_process().daemon = False
     from transformers.utils import logging as hf_logging
-
-    from asyncrl.runtimes.lifeline import Owner, exit_with_owner
 
     hf_logging.disable_progress_bar()
     owner = Owner(owner_pid)
@@ -190,6 +190,7 @@ class LocalRuntime:
         self.trainer_names = [trainer_rank_name(r) for r in range(cfg.trainer.ranks)]
         on_cuda = resolve_device(cfg.model.device).type == "cuda"
         self._ctx = worker_context(cfg.runtime.start_method, on_cuda)
+        start_process_helpers(self._ctx)  # before the queues: their semaphores use the resource tracker
         self._events = self._ctx.Queue()
         self._payloads = self._ctx.Queue()  # generators -> trainer: the groups themselves
         # generators -> the teacher stage (on-policy distillation): a copy of every finished group
@@ -247,7 +248,8 @@ class LocalRuntime:
                     os.getpid(),
                 ),
             )
-            proc.start()
+            with stop_signals_held():  # until the worker ignores them itself
+                proc.start()
             self._procs[name] = proc
         self._wait_ready()
 
@@ -322,7 +324,8 @@ class LocalRuntime:
                 raise WorkerError(f"{name} (pid {proc.pid}) exited unexpectedly with code {proc.exitcode}")
 
     def stop(self) -> None:
-        """Ask every worker to stop, wait the grace period, then terminate and kill what is left."""
+        """Ask every worker to stop, wait the grace period, then kill what is left (workers ignore
+        SIGTERM: a scheduler's stop to the process group must not end them before the checkpoint)."""
         self._stopping = True
         self._interrupt.value = 1
         for name, proc in self._procs.items():
@@ -331,12 +334,11 @@ class LocalRuntime:
         deadline = time.monotonic() + self.cfg.runtime.stop_timeout_s
         while any(p.is_alive() for p in self._procs.values()) and time.monotonic() < deadline:
             self._drain(0.05)  # keep the event pipe flowing so no worker blocks on a full pipe
-        for sig_method in ("terminate", "kill"):
-            for proc in self._procs.values():
-                if proc.is_alive():
-                    getattr(proc, sig_method)()
-            for proc in self._procs.values():
-                proc.join(timeout=5)
+        for proc in self._procs.values():
+            if proc.is_alive():
+                proc.kill()
+        for proc in self._procs.values():
+            proc.join(timeout=5)
         for q in [*self._commands.values(), self._events, self._payloads, *filter(None, [self._to_teacher])]:
             q.cancel_join_thread()
             q.close()

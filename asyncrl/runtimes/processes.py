@@ -17,6 +17,12 @@ as it is when the worker starts (the server's is the one of its own start), and,
 the process that started it (Python ends it when that process exits) and is shared by
 every later run of that process: like Python's resource tracker, it is the interpreter's
 helper, not a process of the run.
+
+Both helpers must outlive a stop signal sent to the whole process group: a worker's exit status
+reaches the run through the fork server (with the server gone, a live worker reads as exited
+with code 255), and the resource tracker that dies is relaunched with a warning on stderr. So
+they are started, once, with the stop signals blocked (:func:`start_process_helpers`), which
+they keep.
 """
 
 from __future__ import annotations
@@ -44,6 +50,23 @@ def worker_context(method: StartMethod, on_cuda: bool = False):
         context.set_forkserver_preload(PRELOAD)
         return context
     return mp.get_context("spawn")
+
+
+def start_process_helpers(context) -> None:
+    """Start the interpreter's process helpers the workers need, unless running: Python's
+    resource tracker and, for a ``forkserver`` context, the fork server. Started inside
+    :func:`~asyncrl.runtimes.lifeline.stop_signals_held`, they are born with the stop signals
+    blocked and keep them so (the fork server never unblocks them; the resource tracker ignores
+    SIGINT and SIGTERM by itself)."""
+    from multiprocessing import forkserver, resource_tracker
+
+    from asyncrl.runtimes.lifeline import stop_signals_held
+
+    with stop_signals_held():  # SIGHUP; the tracker unblocks the two it ignores as it starts
+        resource_tracker.ensure_running()
+    if context.get_start_method() == "forkserver":
+        with stop_signals_held():  # the tracker runs: the server's start no longer touches the mask
+            forkserver.ensure_running()
 
 
 def adopt_environment(environ: dict[str, str]) -> None:

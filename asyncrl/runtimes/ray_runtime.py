@@ -54,6 +54,7 @@ from asyncrl.rewards.pool import ENV as POOL_ENV
 from asyncrl.rewards.pool_service import RewardActor
 from asyncrl.runtimes.base import generator_name, is_generator
 from asyncrl.runtimes.cores import available_cores
+from asyncrl.runtimes.lifeline import stop_signals_held
 from asyncrl.runtimes.serving import (
     TRAINER,
     TRAINER_RANK,
@@ -349,7 +350,10 @@ class RayRuntime:
 
         def own() -> None:
             try:
-                self.ray.init(**kwargs)
+                # Ray's processes (its GCS, raylet and the actors' workers) are born with the stop
+                # signals blocked: a stop sent to the run's process group is the run's to handle.
+                with stop_signals_held():
+                    self.ray.init(**kwargs)
             except BaseException as exc:  # handed to the waiting thread, which raises it
                 failure.append(exc)
             with handoff:

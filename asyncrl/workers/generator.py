@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from asyncrl.config import Config
 from asyncrl.rewards.scoring import ScoringStopped
-from asyncrl.rollout.base import Rollout
+from asyncrl.rollout.base import Rollout, nothing_to_train
 from asyncrl.rollout.build import build_rollout
 from asyncrl.rollout.pivots import find_pivots
 from asyncrl.transports.weights.base import (
@@ -207,6 +207,9 @@ class GeneratorWorker:
             ready, dropped = self.rollout.step(admit=not draining)
         except ScoringStopped:
             return self._flush_span()
+        # A group the trainer could not train never reaches it.
+        empty = [g for g in ready if nothing_to_train(g)]
+        ready = [g for g in ready if not nothing_to_train(g)]
         events: list = [GroupReady.of(self.name, g) for g in ready]
         if self.cfg.pivot.enabled:
             found = [
@@ -214,7 +217,12 @@ class GeneratorWorker:
             ]
             if found:
                 events.append(PivotsFound(self.name, found))
-        events += [GroupDropped(self.name, g.group_id, "reward_error") for g in dropped]
+        events += [
+            GroupDropped(self.name, g.group_id, "reward_error", g.header().first_error) for g in dropped
+        ]
+        events += [
+            GroupDropped(self.name, g.group_id, "nothing_to_train", g.header().first_error) for g in empty
+        ]
         if not self.rollout.has_work or time.time() - self._busy_since > SPAN_FLUSH_S:
             events += self._flush_span()
         return events

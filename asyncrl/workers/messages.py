@@ -198,11 +198,13 @@ class GroupReady:
 
 @dataclass
 class GroupDropped:
-    """A finished group that cannot be trained (e.g. its reward function failed under drop_group)."""
+    """A finished group that cannot be trained (its reward function failed under drop_group, or a
+    sample has nothing to train); ``error``: its first sample error, for the run's notice."""
 
     worker: str
     group_id: int
     reason: str
+    error: str | None = None
 
 
 @dataclass

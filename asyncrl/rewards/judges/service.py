@@ -10,6 +10,7 @@ bad ``judge.yes`` fails the run at once rather than every reward call.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import subprocess
@@ -22,6 +23,7 @@ from pathlib import Path
 from asyncrl.config import JudgeConfig
 from asyncrl.rewards.judges.client import ENV, JudgeClient, JudgeError
 from asyncrl.rewards.services import announced
+from asyncrl.runtimes.lifeline import stop_signals_held
 
 STOP_TIMEOUT_S = 10.0
 
@@ -56,8 +58,10 @@ def _start(cfg: JudgeConfig, log_path: Path, timeout_s: float) -> tuple[subproce
         "--exit-with-parent",
     ]  # fmt: skip
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("ab") as log:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL)
+    # The judge ignores the stop signals (a stop sent to the run's process group is the run's to
+    # handle) and ends when its stdin closes (_stop) or with the run's process.
+    with log_path.open("ab") as log, stop_signals_held():
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.PIPE)
     lines: queue.Queue = queue.Queue()
     threading.Thread(
         target=lambda: lines.put(process.stdout.readline()), name="judge-start", daemon=True
@@ -89,7 +93,8 @@ def _probe(client: JudgeClient) -> None:
 
 
 def _stop(process: subprocess.Popen) -> None:
-    process.terminate()
+    with contextlib.suppress(OSError):
+        process.stdin.close()  # the judge's signal to end
     try:
         process.wait(STOP_TIMEOUT_S)
     except subprocess.TimeoutExpired:

@@ -10,6 +10,7 @@ so a torn read is retried, never used.
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import time
 from collections.abc import Iterable
@@ -86,7 +87,9 @@ class SharedMemorySender:
 
     def close(self) -> None:
         self._seg.close()
-        self._shm.unlink()
+        # At a stop at once the run's process may remove the segment first (runtime.stop).
+        with contextlib.suppress(FileNotFoundError):
+            self._shm.unlink()
 
 
 class SharedMemoryReceiver:
