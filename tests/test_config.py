@@ -320,3 +320,32 @@ def test_trainer_ranks_combinations_name_their_keys() -> None:
         load_config(None, ["trainer.ranks=2", "model.device=cuda", "trainer.parallel=fsdp2"]).trainer.ranks
         == 2
     )
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("run.steps=yes", "run.steps=yes: expected a number, got a boolean"),
+        ("trainer.lr=on", "trainer.lr=on: expected a number, got a boolean"),
+        ("rollout.group_size=~", "rollout.group_size=~: Input should be a valid integer"),
+        ("run.progress=~", "run.progress=~: Input should be a valid boolean"),
+    ],
+)
+def test_a_value_yaml_converted_is_shown_as_written_and_no_boolean_passes_for_a_number(
+    tmp_path: Path, override: str, message: str
+) -> None:
+    """YAML reads yes/on as true and ~ as null: the error shows what the user wrote, from --set and
+    from a file, and a boolean is never taken for 1 (run.steps=yes once ran one step)."""
+    assert str(config_error(override)).startswith(message)
+    key, value = override.split("=")
+    section, name = key.split(".")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\n  {name}: {value}\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(message)
+
+
+def test_a_misspelled_key_inside_a_list_item_lists_the_items_keys() -> None:
+    message = str(config_error("multi_agent.roles=[{name: a, prompt: x}, {name: b, promt: y}]"))
+    assert message == "multi_agent.roles.1.promt='y': unknown key; allowed keys here: name, policy, prompt"

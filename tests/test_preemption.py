@@ -487,3 +487,38 @@ def test_a_sigterm_stopped_async_run_on_worker_processes_carries_its_groups_and_
     # Only staleness drops and cancellations (the schedule's own rules) issue a prompt again.
     assert acc["issued"] == acc["trained"] + acc.get("dropped_stale", 0) + acc["cancelled_stale"]
     assert not wait_gone(child_pids() - before, timeout=10)
+
+
+def test_pending_groups_a_short_resume_never_issued_are_waiting_then_kept_by_its_checkpoint() -> None:
+    """A resume whose run.steps ends before it issues the checkpoint's pending groups: they are
+    counted as waiting, not missing, and its own checkpoint keeps them, first in line, so that the
+    next resume issues them (afresh: their prefixes went back with the first resume's trainer)."""
+    before = books_with_four_groups()
+    pending = [(2, Prompt("a", "1+1=")), (3, Prompt("b", "1+2="))]
+    state = before.state_dict(0, 0, pending, 0, [], carried=[0, 1], partial=[3])
+    short = Books(PromptStream(ArithmeticTask(["+"], 1, 2, seed=0), seed=0))
+    short.load_state_dict(json.loads(json.dumps(state)))
+    for group_id in (0, 1):  # carried, then trained; groups 2 and 3 are never issued again
+        short.carry(group_id, Prompt(str(group_id), "1+1="))
+        short.groups.move(group_id, GroupState.BUFFERED)
+    for group_id in (0, 1):
+        short.groups.move(group_id, GroupState.ACCUMULATED)
+    short.trained([0, 1])
+    acc = short.accounting()
+    assert (acc["prompts_waiting"], acc["prompts_missing"], acc["trained"]) == (2, 0, 2) and acc["reconciles"]
+
+    kept = short.state_dict(1, 1, [], 0, [], carried=[], partial=[])
+    assert [item["ticket"] for item in kept["requeued"]] == [2, 3]  # first in line, with their tickets
+    after = Books(PromptStream(ArithmeticTask(["+"], 1, 2, seed=0), seed=0))
+    after.load_state_dict(json.loads(json.dumps(kept)))
+    issued = [after.issue() for _ in range(3)]
+    assert [p.text for _, p in issued[:2]] == ["1+1=", "1+2="] and after.next_ticket == 5
+    for group_id, _ in issued:
+        after.groups.move(group_id, GroupState.GENERATING, generator="generator-0")
+        after.generated(group_id)
+        after.groups.move(group_id, GroupState.BUFFERED)
+        after.groups.move(group_id, GroupState.ACCUMULATED)
+    after.trained([g for g, _ in issued])
+    acc = after.accounting()
+    assert acc["reconciles"] and acc["prompts_missing"] == 0 and acc["prompts_trained_twice"] == 0
+    assert acc["trained"] == 5 and acc["prompts_drawn"] == 5

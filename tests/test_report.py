@@ -46,6 +46,28 @@ def fake_run(root: Path, name: str, slope: float, *, with_is: bool = False, step
             "generator_busy_frac": 0.9 - slope,
             "trainer_busy_frac": 0.6 - slope,
             "old_logprobs_source": "current",
+            "trained_tokens_per_s": 250 + step * slope * 80,
+            "dropped": step * slope * 10,
+            "buffer_depth": 4 + slope * 100,
+            # Each feature's figures (a real run logs only its own features').
+            "distill_reverse_kl": 1.0 - slope * step,
+            "teacher_queue": slope * 200,
+            "teacher_full_s": slope * 10,
+            "branch_reward_mean": r / 2,
+            "pivot_depth_mean": 0.3 + slope,
+            "branch_groups": 2 + slope * 100,
+            "pivots_pending": 5 + slope * 100,
+            "pivot_lag_max": 1 + slope * 50,
+            "routing_mismatch_frac": slope,
+            "routing_drift_frac": slope / 2,
+            "routing_drift_frac_lag0": slope / 4,
+            "routing_drift_frac_lag1": slope / 3,
+            "policy/verifier/version": step * (1 + slope * 20),
+            "policy/verifier/loss": -slope,
+            "policy/verifier/staleness_max": 1.0 + slope * 20,
+            "policy/verifier/trained_tokens": 100 + slope * step,
+            "role/solver/reward_mean": r,
+            "role/verifier/reward_mean": r / 3,
         }
         if with_is:
             record |= {"is_weight_mean": 1.0, "is_weight_max": 1.5, "is_clipped_frac": 0.02}
@@ -132,6 +154,21 @@ def test_missing_panels_are_listed_not_drawn(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize("metrics", ["empty", "absent"])
+def test_a_run_with_no_finished_step_is_reported_as_such(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], metrics: str
+) -> None:
+    """A run stopped (or failed) before its first step: metrics.jsonl is empty, or not written."""
+    run = tmp_path / "early"
+    run.mkdir()
+    (run / "config.yaml").write_text("run: {steps: 3}\n")
+    if metrics == "empty":
+        (run / "metrics.jsonl").write_text("")
+    assert main(["report", str(run), "-o", str(tmp_path / "r.html")]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["panels"] == []
+    assert "No step finished in these runs" in (tmp_path / "r.html").read_text()
+
+
 def test_not_a_run_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["report", str(tmp_path), "-o", str(tmp_path / "r.html")]) == 2
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
@@ -168,3 +205,28 @@ def test_page_renders_in_a_headless_browser(tmp_path: Path) -> None:
     assert image.shape[:2] == (6000, 1400)
     assert colour_pixels(image, RUN_COLORS[0]) > 2000 and colour_pixels(image, RUN_COLORS[1]) > 2000
     assert colour_pixels(image, "#4C72B0") > 2000  # the timelines' generate bars
+
+
+def test_without_a_terminal_the_last_step_is_always_printed_with_both_throughputs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Plain lines come at most every 5 s; the newest step is printed at the end all the same
+    (the run's last step, or the last before a stop)."""
+    from asyncrl.reports.progress import ProgressDisplay
+
+    def record(step: int) -> dict:
+        return {"step": step, "reward_mean": 0.5, "loss": 0.1, "tokens_per_s": 0.0,
+                "trained_tokens_per_s": 512.0, "policy_version": step}  # fmt: skip
+
+    finished = ProgressDisplay(total_steps=3)
+    for step in (1, 2, 3):
+        finished.update(record(step))
+    finished.close()
+    stopped = ProgressDisplay(total_steps=10)
+    for step in (1, 2):
+        stopped.update(record(step))
+    stopped.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split()[1] for line in lines] == ["1", "3", "1", "2"]
+    # Generation over, the trainer still trains what is buffered: both are shown.
+    assert all("gen 0 tok/s  train 512 tok/s" in line for line in lines), lines

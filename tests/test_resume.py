@@ -7,12 +7,14 @@ import json
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from asyncrl.builtin.arithmetic import ArithmeticTask
 from asyncrl.config import load_config
 from asyncrl.control.controller import Controller
+from asyncrl.control.run import explain_untrained
 from asyncrl.control.session import RunSession
 from asyncrl.workers.messages import WorkerError
 from tests.helpers import child_env, cli, sets, short_run
@@ -100,3 +102,16 @@ def test_a_loop_with_no_progress_fails_within_the_stall_timeout_naming_what_it_w
     assert "waiting for step 1 of 2: 4 groups in flight on ['generator-0']" in message
     assert "the final model, which was never requested" in message
     assert ("generator-0", "Submit") in runtime.sent
+
+
+def test_a_resume_that_ends_before_training_what_it_carried_says_so(tmp_path: Path) -> None:
+    logged: list[str] = []
+    session = SimpleNamespace(run_dir=tmp_path, log=logged.append)
+    cfg = load_config(None, ["run.steps=4"])
+    explain_untrained({"buffered": 3, "in_flight": 0, "prompts_waiting": 2}, cfg, session)
+    explain_untrained({"buffered": 0, "in_flight": 0, "prompts_waiting": 0}, cfg, session)  # nothing to say
+    assert logged == [
+        "run.steps=4 reached with 5 prompts drawn and not trained (3 generated, 2 waiting to be issued "
+        f"again); the final checkpoint keeps them: asyncrl train --resume {tmp_path} --set run.steps=<more> "
+        "trains them"
+    ]

@@ -316,10 +316,13 @@ def boom(**_: object) -> float:
     raise ZeroDivisionError("division by zero")
 
 
+BOOM_LINE = boom.__code__.co_firstlineno + 1  # the user's line an error names
+
+
 @pytest.mark.parametrize(
     ("fn", "message"),
     [
-        (boom, "raised ZeroDivisionError: division by zero"),
+        (boom, f"raised ZeroDivisionError: division by zero (tests/test_tasks.py:{BOOM_LINE} in boom)"),
         (lambda **_: math.nan, "returned a non-finite value nan"),
         (lambda **_: -math.inf, "returned a non-finite value -inf"),
         (lambda **_: "1.0", "returned a non-numeric str: '1.0'"),
@@ -463,7 +466,10 @@ def test_reward_error_scores_zero_and_is_recorded(char_tokenizer) -> None:
     assert len(groups) == 3
     bad = groups[1]
     assert bad.rewards == [0.0] * 4
-    assert {s.reward_error for s in bad.samples} == {"raised KeyError: 'lookup failed'"}
+    line = fails_on_one_prompt.__code__.co_firstlineno + 2
+    assert {s.reward_error for s in bad.samples} == {
+        f"raised KeyError: 'lookup failed' (tests/test_tasks.py:{line} in fails_on_one_prompt)"
+    }
     assert sorted(groups[0].rewards) == [0.0, 0.0, 0.0, 1.0]
     assert all(s.reward_error is None for g in (groups[0], groups[2]) for s in g.samples)
     assert (worker.stats.reward_errors, worker.stats.dropped_groups, worker.stats.groups) == (4, 0, 3)

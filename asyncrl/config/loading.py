@@ -5,7 +5,8 @@ the key and what is allowed; and the resolved config written back as YAML."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
 import yaml
 from pydantic import AliasChoices, BaseModel, ValidationError
@@ -67,12 +68,15 @@ def _names_of(parts: list[str]) -> list[str]:
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Build a validated :class:`Config` from a YAML file and ``key=value`` overrides."""
     data: dict[str, Any] = {}
+    written: dict[str, str] = {}  # key -> the text the user wrote, for YAML's bools and nulls
     if path is not None:
         p = Path(path)
         if not p.is_file():
             raise AsyncRLError(f"config file {str(p)!r} does not exist")
         try:
-            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+            text = p.read_text(encoding="utf-8")
+            loaded = yaml.safe_load(text)
+            _written_scalars(yaml.compose(text), [], written)
         except (yaml.YAMLError, UnicodeDecodeError) as exc:
             raise AsyncRLError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
         if loaded is not None and not isinstance(loaded, dict):
@@ -83,14 +87,45 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for text in overrides:
         parts, value = parse_override(text)
         _set_nested(data, parts, value)
-    return validate_config(data)
+        key = ".".join(parts)
+        written = {k: v for k, v in written.items() if k != key and not k.startswith(key + ".")}
+        if isinstance(value, bool) or value is None:
+            written[key] = text.split("=", 1)[1].strip()
+    return validate_config(data, written)
 
 
-def validate_config(data: dict[str, Any]) -> Config:
+class AsWritten(str):
+    """A value shown in an error as the user wrote it: YAML reads ``yes``, ``on`` and ``True`` as
+    true and ``~`` as null, and showing the parsed value would name a value nobody wrote."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _written_scalars(node: yaml.Node | None, path: list[str], out: dict[str, str]) -> None:
+    """The source text of every bool and null scalar of a YAML document, by dotted key."""
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            _written_scalars(value, [*path, str(key.value)], out)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, value in enumerate(node.value):
+            _written_scalars(value, [*path, str(i)], out)
+    elif isinstance(node, yaml.ScalarNode) and node.tag in (
+        "tag:yaml.org,2002:bool",
+        "tag:yaml.org,2002:null",
+    ):
+        out[".".join(path)] = node.value
+
+
+def validate_config(data: dict[str, Any], written: dict[str, str] | None = None) -> Config:
+    """``written``: the source text of values YAML converted (see :class:`AsWritten`), by key."""
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(*_describe(exc.errors()[0])) from None
+        key, value, problem = _describe(exc.errors()[0])
+        if written and key in written and (isinstance(value, bool) or value is None):
+            value = AsWritten(written[key])
+        raise ConfigError(key, value, problem) from None
 
 
 def _describe(err: dict[str, Any]) -> tuple[str, object, str]:
@@ -111,17 +146,28 @@ def _describe(err: dict[str, Any]) -> tuple[str, object, str]:
 
 
 def _section_at(loc: list[str]) -> type[BaseModel] | None:
-    cls: type[BaseModel] = Config
+    """The section (a model) at the dotted key ``loc``, through lists and dicts of sections
+    (``multi_agent.roles.1``: a role) and optional ones; None where a key names no section."""
+    annotation: Any = Config
     for part in loc:
-        field = cls.model_fields.get(part)
-        if (
-            field is None
-            or not isinstance(field.annotation, type)
-            or not issubclass(field.annotation, BaseModel)
-        ):
+        origin, args = get_origin(annotation), get_args(annotation)
+        if origin in (list, tuple, dict) and args:
+            annotation = args[-1]  # an item of a list or a value of a dict, whatever its key
+            continue
+        model = _model_in(annotation)
+        field = model.model_fields.get(part) if model is not None else None
+        if field is None:
             return None
-        cls = field.annotation
-    return cls
+        annotation = field.annotation
+    return _model_in(annotation)
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The model an annotation names, alone or in a union with None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    models = [a for a in get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+    return models[0] if len(models) == 1 and get_origin(annotation) in (Union, UnionType) else None
 
 
 def dump_config(cfg: Config) -> str:

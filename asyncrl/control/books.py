@@ -175,7 +175,10 @@ class Books:
         cancelled = counts.get("cancelled_stale", 0)  # abandoned in flight; their prompts were issued again
         lost = counts.get("lost_in_flight", 0)  # in flight on a lost generator; issued again
         trained_twice = sum(1 for n in self.trained_tickets.values() if n > 1)
-        pending = set(self.groups.tickets()) | {t for t, _ in self.requeued}
+        # Waiting to be issued: re-issued prompts, and a resume's pending groups not yet issued again
+        # (a resume with fewer steps than its checkpoint carries may end before it issues them).
+        waiting = {t for t, _ in self.requeued} | {t for _, t, _ in self.reissue_exact}
+        pending = set(self.groups.tickets()) | waiting
         missing = self.next_ticket - len(set(self.trained_tickets) | self.dropped_tickets | pending)
         membership = {
             k: counts[k]
@@ -197,6 +200,7 @@ class Books:
             "in_flight": in_flight,
             "buffered": buffered,
             "prompts_drawn": self.next_ticket,
+            "prompts_waiting": len(waiting),
             "prompts_trained_twice": trained_twice,
             "prompts_missing": missing,
             **membership,
@@ -261,7 +265,12 @@ class Books:
                 for gid, p in pending
             ],
             "carried": [{"group_id": gid, "ticket": self.groups.get(gid).ticket} for gid in sorted(carried)],
-            "requeued": [{"ticket": t, "prompt": asdict(p)} for t, p in self.requeued],
+            # A resume's pending groups not issued again yet (the run ended first) wait first in
+            # line, to start afresh: their prefixes went back with the trainer's state of that resume.
+            "requeued": [
+                {"ticket": t, "prompt": asdict(p)}
+                for t, p in [*((t, p) for _, t, p in self.reissue_exact), *self.requeued]
+            ],
             "trained_tickets": sorted(trained.items()),
             "dropped_tickets": sorted(self.dropped_tickets),
             "counts": dict(counts),

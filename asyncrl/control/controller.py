@@ -46,7 +46,7 @@ from asyncrl.control.books import Books
 from asyncrl.control.buffer import AdmissionControl, RolloutBuffer
 from asyncrl.control.liveness import Watchdog, waiting_for
 from asyncrl.control.membership import TRAINER, Generators
-from asyncrl.control.notices import DropWatch, ErrorNotices
+from asyncrl.control.notices import RunNotices
 from asyncrl.control.pivoting import BranchBook
 from asyncrl.control.policy_books import PolicyBooks, role_rewards
 from asyncrl.control.preemption import Preemption, carry_over
@@ -135,9 +135,9 @@ class Controller:
         self.teacher_queue = teacher_queue(cfg, self.books.groups, session.record_level)
         self._loop_t = time.monotonic()
         self.watchdog = Watchdog(cfg.runtime.stall_timeout_s, lambda: waiting_for(self))
-        # Sample errors and groups that end untrained, told to the user as they come (control/notices.py).
-        self.error_notices = ErrorNotices(cfg, session.warn)
-        self.drop_watch = DropWatch(cfg, lambda: self.books.counts, session.warn)
+        self.notices = RunNotices(
+            cfg, lambda: self.books.counts, session.warn
+        )  # errors, drops: told as they come
         self.preemption = Preemption(sched.max_staleness > 0, cfg.run.checkpoint_timeout_s)
         self.saving = SaveProtocol(
             cfg, session, self.books, self.steps, self.buffer, self.generators, self.preemption, self._send
@@ -151,9 +151,8 @@ class Controller:
         self.resume_from = resume_from
         if resume_from is not None:
             state = checkpoint.read_controller_state(resume_from)
-            version, handed = self.books.load_state_dict(state)
+            version, self.steps.handed = self.books.load_state_dict(state)
             self.trainer_version = self.steps.planned_version = self.steps_done = version
-            self.steps.handed = handed
             self.clocks.load_state_dict(version, state.get("policy_clocks"))
             partials = [PartialGroup.from_dict(p) for p in rollouts.get("partial", [])]
             oldest = self.clocks.oldest(version)  # what the resumed generators' weights may continue
@@ -267,7 +266,7 @@ class Controller:
             self.session.record_span(event)
         elif isinstance(event, GroupReady):
             header = event.header
-            self.error_notices.trained(header)
+            self.notices.ready(header)
             prompt = gens.finished(event.worker, header.group_id)
             if prompt is None:
                 books.late(header)
@@ -289,8 +288,7 @@ class Controller:
                 books.counts["cancelled_stale"] += not books.groups.get(event.group_id).branch
                 books.reissue(event.group_id)
         elif isinstance(event, GroupDropped):
-            self.error_notices.dropped(event)
-            self.drop_watch.last_error = event.error or self.drop_watch.last_error
+            self.notices.dropped(event)
             if gens.finished(event.worker, event.group_id) is not None:
                 books.dropped(event.group_id, event.reason)
         elif isinstance(event, WeightsLoaded):
@@ -322,16 +320,14 @@ class Controller:
             raise TypeError(f"unexpected event {event!r}")
 
     def _on_step(self, event: StepDone) -> None:
-        self.drop_watch.stepped()
+        self.notices.stepped()
         self.trainer_version = event.version
         trained_by = self.clocks.update(event.version, event.policy_versions)
         groups = self.steps.confirmed(event.version)
         self.books.trained(g.group_id for g in groups)
-        if self.books.branches is not None:
-            self.books.branches.trained([g.group_id for g in self.steps.confirmed_branches])
-            event.metrics.update(
-                self.books.branches.step_metrics(self.steps.confirmed_branches, event.version)
-            )
+        if (branches := self.books.branches) is not None:
+            branches.trained([g.group_id for g in self.steps.confirmed_branches])
+            event.metrics.update(branches.step_metrics(self.steps.confirmed_branches, event.version))
         step = self.steps_done = self.session.record_step(self._step_record(event, groups, trained_by))
         if event.published:
             self.published_version, self.published_checksums = event.version, event.checksums
@@ -380,10 +376,8 @@ class Controller:
 
     def _watchdog(self) -> None:
         self.saving.check_deadline()
-        if self.stop_signal is None:
-            self.drop_watch.check()
-        overdue = self.teacher_queue.overdue() if self.teacher_queue is not None else None
-        if overdue is not None:
+        self.notices.check(stopping=self.stop_signal is not None)
+        if self.teacher_queue is not None and (overdue := self.teacher_queue.overdue()) is not None:
             raise WorkerError(overdue)
         if self.watchdog.stall() is not None:
             raise WorkerError(self.watchdog.stalled)

@@ -141,3 +141,28 @@ class DropWatch:
         if not self._noticed:
             self._noticed = True
             self.warn(f"no step for {total} groups in a row, each ended untrained: {why}")
+
+
+class RunNotices:
+    """The controller's one handle on both (see the module doc)."""
+
+    def __init__(
+        self, cfg: Config, counts: Callable[[], Mapping[str, int]], warn: Callable[[str], None]
+    ) -> None:
+        self.errors = ErrorNotices(cfg, warn)
+        self.drops = DropWatch(cfg, counts, warn)
+
+    def ready(self, header: GroupHeader) -> None:
+        self.errors.trained(header)
+
+    def dropped(self, event: GroupDropped) -> None:
+        self.errors.dropped(event)
+        self.drops.last_error = event.error or self.drops.last_error
+
+    def stepped(self) -> None:
+        self.drops.stepped()
+
+    def check(self, stopping: bool) -> None:
+        """Between events: a run that cannot advance says why, then stops (not while it stops anyway)."""
+        if not stopping:
+            self.drops.check()

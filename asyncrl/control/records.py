@@ -113,9 +113,10 @@ class StepRecorder:
             "trainer_busy_frac": busy.get(TRAINER, 0.0),
             "generator_busy_frac": sum(gen_busy) / max(len(gen_busy), 1),
             "weight_sync_s": event.publish_s + max(self.sync_load_s.get(event.version - 1, [0.0])),
-            "tokens_per_s": self.tokens_since_step / elapsed,
+            "tokens_per_s": self.tokens_since_step / elapsed,  # generated since the last step
             **extra,
         }
+        record["trained_tokens_per_s"] = record.get("trained_tokens", 0) / elapsed
         self.tokens_since_step = 0
         self.last_step_end = now
         return record

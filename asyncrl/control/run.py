@@ -99,7 +99,10 @@ def run_controller(
     controller = Controller(cfg, runtime, session, prompts, resume_from=resume_from)
     try:
         with stop_on_signals(controller), stall_alarm(controller, runtime):
-            return controller.run()
+            accounting = controller.run()
+        if resume_from is not None:
+            explain_untrained(accounting, cfg, session)
+        return accounting
     except WorkerError as exc:
         if controller.last_checkpoint is None:
             raise
@@ -110,6 +113,20 @@ def run_controller(
     finally:
         runtime.stop()
         session.accounting = controller.accounting()
+
+
+def explain_untrained(accounting: dict, cfg: Config, session: RunSession) -> None:
+    """A resumed run that reaches run.steps before it trains what its checkpoint carried says so:
+    the prompts are not lost, the final checkpoint keeps them (the accounting's ``buffered`` and
+    ``prompts_waiting``) for a resume with more steps."""
+    left = accounting["buffered"] + accounting["in_flight"] + accounting["prompts_waiting"]
+    if left:
+        session.log(
+            f"run.steps={cfg.run.steps} reached with {left} prompts drawn and not trained "
+            f"({accounting['buffered']} generated, {accounting['prompts_waiting']} waiting to be issued "
+            f"again); the final checkpoint keeps them: asyncrl train --resume {session.run_dir} "
+            f"--set run.steps=<more> trains them"
+        )
 
 
 @contextlib.contextmanager

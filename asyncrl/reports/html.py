@@ -12,6 +12,7 @@ A panel whose metrics no run logged is listed as absent, not drawn empty.
 from __future__ import annotations
 
 import base64
+import fnmatch
 import html
 import json
 import re
@@ -30,7 +31,7 @@ SMOOTH_FROM = 20  # with at least this many points, a moving average is drawn ov
 class Panel:
     slug: str
     title: str
-    keys: tuple[str, ...]  # metric names; "reward/*" stands for every reward function's
+    keys: tuple[str, ...]  # metric names; a pattern with "*" (fnmatch) stands for every name it matches
     ylabel: str = ""
     source: str = "metrics"  # or "eval"
 
@@ -47,11 +48,31 @@ PANELS = (
     Panel(
         "is_weights", "Importance-sampling weights", ("is_weight_mean", "is_weight_max", "is_clipped_frac")
     ),
-    Panel("tokens_per_s", "Generated tokens/s", ("tokens_per_s",), "tokens/s"),
+    Panel("tokens_per_s", "Tokens/s: generated, trained", ("tokens_per_s", "trained_tokens_per_s"), "tokens/s"),
     Panel(
         "busy", "Generator / trainer busy", ("generator_busy_frac", "trainer_busy_frac"), "fraction of time"
     ),
-)
+    Panel("dropped", "Groups dropped (in all) and buffered", ("dropped", "buffer_depth"), "groups"),
+    # Features: drawn when a run used them.
+    Panel("distill", "On-policy distillation: reverse KL to the teacher", ("distill_reverse_kl",), "nats/token"),
+    Panel(
+        "teacher_queue", "Teacher stage: groups waiting, generators held", ("teacher_queue", "teacher_full_s"),
+        "groups / seconds",
+    ),
+    Panel("pivots", "Pivot resampling: branch reward, pivot depth", ("branch_reward_mean", "pivot_depth_mean")),
+    Panel("branches", "Pivot resampling: branch groups, pivots pending", ("branch_groups", "pivots_pending"), "groups"),
+    Panel("pivot_lag", "Pivot resampling: pivot lag", ("pivot_lag_max",), "policy versions"),
+    Panel(
+        "routing", "MoE routing: replayed routes that differ", ("routing_mismatch_frac", "routing_drift_frac"),
+        "fraction of decisions",
+    ),
+    Panel("route_staleness", "MoE routing: drift by route age", ("routing_drift_frac_lag*",), "fraction of decisions"),
+    Panel("policy_versions", "Policies: versions", ("policy/*/version",), "policy version"),
+    Panel("policy_loss", "Policies: loss", ("policy/*/loss",)),
+    Panel("policy_staleness", "Policies: staleness", ("policy/*/staleness_max",), "own versions"),
+    Panel("policy_tokens", "Policies: trained tokens", ("policy/*/trained_tokens",), "tokens"),
+    Panel("role_reward", "Reward per role", ("role/*/reward_mean",), "reward"),
+)  # fmt: skip
 
 
 @dataclass
@@ -64,18 +85,20 @@ class Run:
     @classmethod
     def load(cls, path: Path, name: str) -> Run:
         metrics_file = path / "metrics.jsonl"
-        if not metrics_file.is_file():
+        if not metrics_file.is_file() and not (path / "config.yaml").is_file():
             raise AsyncRLError(f"{metrics_file} does not exist: is {str(path)!r} a run directory?")
+        # A run that ended before its first step has a config and no (or an empty) metrics.jsonl.
+        metrics = read_jsonl(metrics_file) if metrics_file.is_file() else []
         evals = read_jsonl(path / "eval.jsonl") if (path / "eval.jsonl").is_file() else []
-        return cls(name, path, read_jsonl(metrics_file), evals)
+        return cls(name, path, metrics, evals)
 
     def keys(self, panel: Panel) -> list[str]:
         rows = self.evals if panel.source == "eval" else self.metrics
         present = {k for r in rows for k, v in r.items() if isinstance(v, int | float) and v is not None}
         out = []
         for key in panel.keys:
-            if key.endswith("/*"):
-                out += sorted(k for k in present if k.startswith(key[:-1]))
+            if "*" in key:
+                out += sorted(k for k in present if fnmatch.fnmatchcase(k, key))
             elif key in present:
                 out.append(key)
         return out
@@ -159,18 +182,18 @@ def write_report(run_dirs: list[Path], out: Path, *, names: list[str] | None = N
         plt.close(fig)
 
     drawn = [p for p in PANELS if p.slug in pngs]
-    cols = 3
-    rows = -(-len(drawn) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.3 * rows), squeeze=False)
-    for ax, panel in zip(axes.flat, drawn, strict=False):
-        _draw(ax, runs, panel)
-    for ax in list(axes.flat)[len(drawn) :]:
-        ax.axis("off")
-    fig.suptitle(" vs ".join(r.name for r in runs), fontsize=11)
-    fig.tight_layout()
-    overview = figures / "overview.png"
-    fig.savefig(overview, dpi=90)
-    plt.close(fig)
+    if drawn:  # a run stopped before its first step has none
+        cols = 3
+        rows = -(-len(drawn) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.3 * rows), squeeze=False)
+        for ax, panel in zip(axes.flat, drawn, strict=False):
+            _draw(ax, runs, panel)
+        for ax in list(axes.flat)[len(drawn) :]:
+            ax.axis("off")
+        fig.suptitle(" vs ".join(r.name for r in runs), fontsize=11)
+        fig.tight_layout()
+        fig.savefig(figures / "overview.png", dpi=90)
+        plt.close(fig)
 
     timelines: dict[str, Path] = {}
     for run in runs:
@@ -221,6 +244,8 @@ def _html(runs, drawn, pngs, timelines, absent) -> str:
         for n, path in timelines.items()
     )
     missing = f"<p>Not logged by these runs: {html.escape(', '.join(absent))}.</p>" if absent else ""
+    if not any(run.metrics for run in runs):
+        missing = "<p>No step finished in these runs: nothing to draw yet.</p>"
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>

@@ -20,6 +20,8 @@ from rich.progress import (
 class ProgressDisplay:
     def __init__(self, total_steps: int, enabled: bool = True) -> None:
         self.enabled = enabled
+        self.total = total_steps
+        self._unprinted: str | None = None  # the newest plain line, when it was not printed
         self.console = Console(stderr=True)
         self._live = enabled and sys.stderr.isatty()
         self._last_plain = 0.0
@@ -41,17 +43,31 @@ class ProgressDisplay:
     def update(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        # Throughput of both sides: after generation ends, the trainer still trains what is buffered.
         stats = (
             f"reward {record.get('reward_mean', float('nan')):.3f}  loss {record['loss']:+.4f}  "
-            f"{record['tokens_per_s']:.0f} tok/s  v{record['policy_version']}"
+            f"gen {record['tokens_per_s']:.0f} tok/s  train {record.get('trained_tokens_per_s', 0.0):.0f} tok/s  "
+            f"v{record['policy_version']}"
         )
         if "eval_accuracy" in record:
             stats += f"  eval {record['eval_accuracy']:.3f}"
         if self._progress is not None:
             self._progress.update(self._task, completed=record["step"], stats=stats)
-        elif time.monotonic() - self._last_plain > 5 or "eval_accuracy" in record:
+            return
+        line = f"step {record['step']}  {stats}"
+        if (
+            time.monotonic() - self._last_plain > 5
+            or "eval_accuracy" in record
+            or record["step"] >= self.total
+        ):
             self._last_plain = time.monotonic()
-            self.console.print(f"step {record['step']}  {stats}", highlight=False)
+            self._print_plain(line)
+            self._unprinted = None
+        else:
+            self._unprinted = line  # printed at close if no later line is: the last step always shows
+
+    def _print_plain(self, line: str) -> None:
+        self.console.print(line, highlight=False, markup=False)
 
     def warn(self, message: str) -> None:
         """A warning line, printed even with the display off (above the live bar when it is on)."""
@@ -65,3 +81,6 @@ class ProgressDisplay:
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
+        elif self._unprinted is not None:
+            self._print_plain(self._unprinted)
+            self._unprinted = None
