@@ -248,8 +248,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Stopped(BaseException):
+    """SIGTERM or SIGHUP to a command that has no stop of its own (``train`` and ``serve`` do)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, frame) -> None:
+    raise _Stopped(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; a bad input is one line and exit 2, a stop one line and 128 + the signal."""
+    import signal
+    import threading
+
     args = build_parser().parse_args(argv)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        # As Ctrl-C does for every command; train and serve put their own handlers over these.
+        stops = [getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n)]
+        previous = {sig: signal.signal(sig, _raise_stopped) for sig in stops}
     try:
         return args.func(args)
     except AsyncRLError as exc:
@@ -258,6 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("asyncrl: interrupted", file=sys.stderr)
         return 130
+    except _Stopped as stop:
+        print(f"asyncrl: stopped by {signal.Signals(stop.signum).name}", file=sys.stderr)
+        return 128 + stop.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def run() -> None:

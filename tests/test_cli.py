@@ -5,8 +5,11 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import signal
 import subprocess
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -335,3 +338,22 @@ def test_sft_command_line_picks_the_tasks_defaults(tmp_path: Path, monkeypatch, 
     with pytest.raises(SystemExit) as exit_info:
         main(["sft", "--task", "chess", "--out", str(tmp_path)])
     assert exit_info.value.code == 2 and "--task: invalid choice: 'chess'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_command_without_a_stop_of_its_own_stops_with_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], sig: signal.Signals
+) -> None:
+    """``asyncrl sft`` (and report, timeline, config) stop on SIGTERM and SIGHUP as on Ctrl-C:
+    one line, exit 128 + the signal, the handlers of before put back."""
+    before = signal.getsignal(sig)
+
+    def signalled_while_training(cfg, out, **_):
+        os.kill(os.getpid(), sig)
+        time.sleep(60)  # the handler ends the sleep at once
+        raise AssertionError("the signal did not stop the command")
+
+    monkeypatch.setattr("asyncrl.builtin.warm_start.run_sft", signalled_while_training)
+    assert main(["sft", "--task", "arithmetic", "--out", str(tmp_path / "sft")]) == 128 + sig.value
+    assert capsys.readouterr().err == f"asyncrl: stopped by {sig.name}\n"
+    assert signal.getsignal(sig) is before
