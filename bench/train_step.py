@@ -24,15 +24,18 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import json
 import os
 import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 
+import asyncrl
 from asyncrl.builtin.arithmetic import ArithmeticTask
 from asyncrl.config import load_config, old_logprob_mode
 from asyncrl.engine.embedded import EmbeddedEngine
@@ -150,18 +153,30 @@ class StackSampler:
             "samples": self.samples,
             "self": [[k, round(v / n, 4)] for k, v in self.counts.most_common(top)],
             "inclusive_asyncrl": [
-                [k, round(v / n, 4)] for k, v in self.inclusive.most_common() if "asyncrl" in k
+                [k, round(v / n, 4)] for k, v in self.inclusive.most_common() if k.startswith("asyncrl/")
             ][:top],
         }
 
 
+PACKAGE = Path(asyncrl.__file__).resolve().parent  # the project's own files, wherever they lie
+
+
+@functools.lru_cache(maxsize=4096)
+def _shown(filename: str) -> str:
+    """``asyncrl/...`` for a file of the package itself, found by its place, not by a name in its
+    path: a checkout or an environment whose folder is named ``asyncrl...`` holds other files too
+    (pytest's, the standard library's), which would crowd the project's own out of the report."""
+    path = Path(filename).resolve()
+    if path.is_relative_to(PACKAGE):
+        return "asyncrl/" + path.relative_to(PACKAGE).as_posix()
+    for marker in ("transformers/", "torch/"):
+        if marker in filename:
+            return marker + filename.split(marker, 1)[1]
+    return filename
+
+
 def _where(frame) -> str:
-    path = frame.f_code.co_filename
-    for marker in ("asyncrl/", "transformers/", "torch/"):
-        if marker in path:
-            path = marker + path.split(marker, 1)[1]
-            break
-    return f"{path}:{frame.f_code.co_name}"
+    return f"{_shown(frame.f_code.co_filename)}:{frame.f_code.co_name}"
 
 
 def profile_ops(trainer: Trainer, batches: list[list[Group]], steps: int, top: int) -> dict:

@@ -41,3 +41,20 @@ def test_the_profile_counts_operator_calls_and_the_sampler_shares_wall_time(repo
     assert all(0 < s <= 1 for s in shares) and sum(shares) <= 1.0 + 1e-6
     # The trainer's own calls are on the stack of what was sampled.
     assert any("asyncrl/trainer/trainer.py:accumulate" in where for where, _ in sampler["inclusive_asyncrl"])
+
+
+def test_the_projects_own_frames_are_known_by_the_package_not_by_a_name_in_the_path(tmp_path) -> None:
+    """An environment or checkout folder named ``asyncrl-...`` holds pytest's and the standard
+    library's files: they are not the project's (they once filled ``inclusive_asyncrl``, leaving
+    the trainer's calls out of it, in every run of that environment)."""
+    import asyncrl.trainer.trainer as trainer_module
+
+    with bench_script("train_step") as bench:
+        assert bench._shown(trainer_module.__file__) == "asyncrl/trainer/trainer.py"
+        foreign = tmp_path / "asyncrl-env" / "lib" / "python3.11" / "site-packages" / "_pytest" / "python.py"
+        assert not bench._shown(str(foreign)).startswith("asyncrl/")
+        sampler = bench.StackSampler()
+        sampler.samples = 2
+        sampler.inclusive.update({f"{bench._shown(str(foreign))}:pytest_pyfunc_call": 2,
+                                  "asyncrl/trainer/trainer.py:accumulate": 1})  # fmt: skip
+        assert sampler.report(top=5)["inclusive_asyncrl"] == [["asyncrl/trainer/trainer.py:accumulate", 0.5]]

@@ -507,3 +507,20 @@ def test_checksums_arriving_after_a_newer_load_are_checked_then(right: bool) -> 
             WeightSyncError, match=r"version 2, base_model\.model\.model\.layers\.0\.self_attn"
         ):
             worker.handle(announced)
+
+
+def test_adapters_the_model_cannot_carry_are_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """LoRA on a mixture of experts' fused expert weights: refused from the model's config alone
+    (a skeleton on the meta device), before a worker or the run directory; it was refused only
+    once the trainer process had loaded the model, after peft's warnings."""
+    from asyncrl.cli import main
+
+    config = Path(__file__).resolve().parent.parent / "examples" / "moe.yaml"
+    run_dir = tmp_path / "run"
+    assert main(["train", str(config), "--set", "lora.rank=8", "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("asyncrl: error: lora.target_modules='all-linear': model.layers.0.mlp.experts is ")
+    assert "only linear layers can carry adapters" in err and len(err.strip().splitlines()) == 1, err
+    assert not run_dir.exists()

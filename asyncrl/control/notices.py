@@ -2,9 +2,9 @@
 
 * :class:`ErrorNotices` — a sample whose reward function, episode function or environment failed
   is trained by ``task.reward_on_error`` (scored 0, or its group dropped) and the run goes on,
-  so the user would read of it only in samples.jsonl. The first such error is printed at once
-  as a warning line (the user's exception, file and line, and where it ran: the generators name
-  it, see :func:`asyncrl.errors.describe_user_error`), later ones at most every
+  so the user would read of it only as a count (``reward_errors`` in metrics.jsonl). The first
+  such error is printed at once as a warning line (the user's exception, file and line, and
+  where it ran: see :func:`asyncrl.errors.describe_user_error`), later ones at most every
   ``NOTICE_EVERY_S`` with their count. Too many in a row stop the run where they happen (the
   reward set's or the episode rollout's bound, ``task.reward_max_consecutive_failures``).
 * :class:`DropWatch` — groups can end untrained (too stale, failed, with nothing to train) faster
@@ -32,7 +32,6 @@ class ErrorNotices:
     def __init__(self, cfg: Config, warn: Callable[[str], None]) -> None:
         self.rule = cfg.task.reward_on_error
         self.warn = warn
-        self.seen = 0  # sample errors in all
         self._unreported = 0
         self._last_notice: float | None = None
 
@@ -47,7 +46,7 @@ class ErrorNotices:
             )
 
     def dropped(self, event: GroupDropped) -> None:
-        """A group its generator dropped (see rollout.base.why_dropped)."""
+        """A group its generator dropped (a reward error under drop_group, or nothing to train)."""
         error = _placed(event.error, f"group {event.group_id}")
         if event.reason == "nothing_to_train":
             self._note(1, error, "its group dropped: a sample with no model turn has nothing to train")
@@ -55,7 +54,6 @@ class ErrorNotices:
             self._note(1, error, f"its group dropped (task.reward_on_error={self.rule})")
 
     def _note(self, count: int, error: str | None, outcome: str) -> None:
-        self.seen += count
         self._unreported += count
         now = time.monotonic()
         if self._last_notice is not None and now - self._last_notice < NOTICE_EVERY_S:
