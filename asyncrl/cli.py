@@ -128,8 +128,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.exit_with_parent:  # a run's judge: it ends with the run, however the run ends
         from asyncrl.runtimes.lifeline import exit_with_parent, ignore_stop_signals
 
-        ignore_stop_signals()  # the run stops it by closing its stdin; a signal to the group is the run's
         exit_with_parent(os.getppid())
+        ignore_stop_signals()  # the run stops it by closing its stdin; a signal to the group is the run's
     policy = load_policy(args.model, device=args.device, seed=args.seed)
     server = OpenAIServer(
         policy, model_name=args.name or args.model, max_batch_size=args.max_batch_size, seed=args.seed

@@ -52,8 +52,8 @@ import asyncrl.config.loading as loading
 validate = loading.validate_config
 
 
-def marked(data):
-    cfg = validate(data)
+def marked(*args, **kwargs):
+    cfg = validate(*args, **kwargs)
     print("{MARK} config_validated", time.time(), file=sys.stderr, flush=True)
     return cfg
 

@@ -409,7 +409,11 @@ def test_async_two_policies_hold_each_ones_staleness_bound(tmp_path) -> None:
 @pytest.mark.slow  # role_rewards: test_policy_books' metrics; roles on one policy: the rollout tests above
 def test_a_run_of_roles_on_one_policy_reports_each_roles_reward(tmp_path) -> None:
     _, rows = _run(
-        tmp_path, "schedule=sync", "multi_agent.roles=[{name: solver}, {name: checker}]", "run.steps=2"
+        tmp_path,
+        "schedule=sync",
+        "multi_agent.roles=[{name: solver}, {name: checker}]",
+        "multi_agent.policies=[]",  # a policy no role names is refused
+        "run.steps=2",
     )
     for r in rows:
         assert 0.0 <= r["role/solver/reward_mean"] <= 1.0 and 0.0 <= r["role/checker/reward_mean"] <= 1.0

@@ -331,6 +331,9 @@ class EpisodeRollout(Rollout):
         """Cancel the episodes still running and stop their event loop."""
         if not self._thread.is_alive():
             return
+        # The event loop holds its tasks weakly: an episode waiting on its own objects, its group
+        # cancelled, could be collected before the loop cancels it. Held here until the loop ends.
+        cancelled = list(self._pending.values())
         for group_id in list(self._pending):
             self._cancel(group_id)
         # An episode that ignores cancellation is left to the daemon thread.
@@ -338,6 +341,7 @@ class EpisodeRollout(Rollout):
             asyncio.run_coroutine_threadsafe(_cancel_tasks(), self._loop).result(timeout=CLOSE_TIMEOUT_S)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=CLOSE_TIMEOUT_S)
+        del cancelled
         if not self._thread.is_alive():
             self._loop.close()  # else the loop still runs in the blocked thread: left to it
         self._tools.shutdown(wait=False, cancel_futures=True)

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.interface import Engine
 from asyncrl.engine.types import GenerationRequest, GenerationResult
 
 POLL_S = 0.005  # how long the idle loop waits for new work
@@ -30,7 +30,7 @@ class Ticket:
 
 
 class EngineLoop:
-    def __init__(self, engine: EmbeddedEngine) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._inbox: queue.Queue = queue.Queue()
         self._tickets: dict[str, Ticket] = {}
@@ -51,7 +51,7 @@ class EngineLoop:
         self._inbox.put(("generate", ticket))
         return ticket
 
-    def call(self, fn: Callable[[EmbeddedEngine], object], timeout: float) -> object:
+    def call(self, fn: Callable[[Engine], object], timeout: float) -> object:
         """Run ``fn(engine)`` on the engine thread between two steps and return its result."""
         reply: queue.Queue = queue.Queue()
         self._inbox.put(("call", (fn, reply)))
