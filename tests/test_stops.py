@@ -194,7 +194,14 @@ GROUP_STOPS = {
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("runtime", ["inline", pytest.param("local", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "runtime",
+    [
+        # a stop to the whole group, with the run's helper processes in it: test_a_run_under_timeout_stops_cleanly_and_resumes
+        pytest.param("inline", marks=pytest.mark.slow),
+        pytest.param("local", marks=pytest.mark.slow),
+    ],
+)
 def test_a_stop_sent_to_the_whole_process_group_is_clean_and_resumes(tmp_path: Path, runtime: str) -> None:
     work, schedule, extra = GROUP_STOPS[runtime]
     stop_and_resume(tmp_path / "run", work, schedule, runtime, send="group", extra=extra)
