@@ -298,8 +298,12 @@ def run() -> None:
     (over a second on a small CPU); nothing it would free outlives the process anyway, so
     they are frozen out of that collection. Files are still closed and ``atexit`` still runs.
     """
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    try:
+        here = os.getcwd()
+    except OSError:  # a working directory that was removed: nothing to import from it
+        here = None
+    if here is not None and "" not in sys.path and here not in sys.path:
+        sys.path.insert(0, here)
     code = main()
     gc.freeze()
     sys.exit(code)

@@ -72,6 +72,6 @@ def describe_user_error(exc: BaseException) -> str:
 
 def _shown(filename: str) -> str:
     """A path relative to the working directory when it lies inside it, else as it is."""
-    with contextlib.suppress(ValueError):
+    with contextlib.suppress(ValueError, OSError):  # another drive (Windows); no working directory
         return os.path.relpath(filename) if Path(filename).resolve().is_relative_to(Path.cwd()) else filename
     return filename
