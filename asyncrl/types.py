@@ -357,6 +357,11 @@ class Group:
             s.loss_mask = keep
         return masked
 
+    @property
+    def first_error(self) -> str | None:
+        """The first sample's reward (or episode) error, for the run's notice."""
+        return next((s.reward_error for s in self.samples if s.reward_error), None)
+
     def header(self) -> GroupHeader:
         """What the controller needs to know of this group (see :class:`GroupHeader`)."""
         return GroupHeader(
@@ -376,7 +381,7 @@ class Group:
             turns=[len(s.turn_spans or ()) for s in self.samples]
             if any(s.role for s in self.samples)
             else None,
-            first_error=next((s.reward_error for s in self.samples if s.reward_error), None),
+            first_error=self.first_error,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -4,6 +4,7 @@ errors), write the summary."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import threading
 from pathlib import Path
@@ -52,15 +53,16 @@ def train(cfg: Config, run_dir: Path | None = None, *, resume: bool = False) -> 
     """Run training; with ``resume``, continue ``run_dir`` from its newest checkpoint."""
     seed_everything(cfg.run.seed)
     prompts = task_prompts(cfg)  # a bad model path or dataset fails here, before a run directory is made
+    model_config = functools.cache(lambda: load_model_config(cfg.model.path))  # read once, if at all
     if cfg.trainer.routing_replay == "rollout":
-        check_routing_replay(load_model_config(cfg.model.path), cfg.model.path)
+        check_routing_replay(model_config(), cfg.model.path)
     if cfg.lora.enabled:  # adapters the model's layers cannot carry, refused before any process starts
-        check_lora_fits(load_model_config(cfg.model.path), cfg.lora)
+        check_lora_fits(model_config(), cfg.lora)
     build_episode(cfg)  # as does a bad episode.environment
     for key, engine in (("rollout.engine", cfg.rollout.engine), ("distill.engine", cfg.distill.engine)):
         if engine == "vllm" and not vllm_installed():
             raise ConfigError(key, "vllm", INSTALL_HINT)
-    if cfg.rollout.engine == "vllm" and (why := unsupported_model(load_model_config(cfg.model.path))):
+    if cfg.rollout.engine == "vllm" and (why := unsupported_model(model_config())):
         raise ConfigError("model.path", cfg.model.path, f"with rollout.engine=vllm: {why}")
     if cfg.distill.enabled:
         check_teacher(cfg)  # and a teacher that is missing or uses another tokenizer

@@ -208,8 +208,9 @@ class GeneratorWorker:
         except ScoringStopped:
             return self._flush_span()
         # A group the trainer could not train never reaches it.
-        empty = [g for g in ready if nothing_to_train(g)]
-        ready = [g for g in ready if not nothing_to_train(g)]
+        groups, ready, empty = ready, [], []
+        for g in groups:
+            (empty if nothing_to_train(g) else ready).append(g)
         events: list = [GroupReady.of(self.name, g) for g in ready]
         if self.cfg.pivot.enabled:
             found = [
@@ -217,12 +218,8 @@ class GeneratorWorker:
             ]
             if found:
                 events.append(PivotsFound(self.name, found))
-        events += [
-            GroupDropped(self.name, g.group_id, "reward_error", g.header().first_error) for g in dropped
-        ]
-        events += [
-            GroupDropped(self.name, g.group_id, "nothing_to_train", g.header().first_error) for g in empty
-        ]
+        events += [GroupDropped(self.name, g.group_id, "reward_error", g.first_error) for g in dropped]
+        events += [GroupDropped(self.name, g.group_id, "nothing_to_train", g.first_error) for g in empty]
         if not self.rollout.has_work or time.time() - self._busy_since > SPAN_FLUSH_S:
             events += self._flush_span()
         return events
