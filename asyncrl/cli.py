@@ -126,7 +126,7 @@ def _serve(args: argparse.Namespace) -> int:
     from asyncrl.server.app import OpenAIServer
 
     if args.exit_with_parent:  # a run's judge: it ends with the run, however the run ends
-        from asyncrl.runtimes.lifeline import exit_with_parent, ignore_stop_signals
+        from asyncrl.lifeline import exit_with_parent, ignore_stop_signals
 
         exit_with_parent(os.getppid())
         ignore_stop_signals()  # the run stops it by closing its stdin; a signal to the group is the run's

@@ -391,9 +391,9 @@ def loop_part(device: torch.device, quick: bool, steps: int, out: dict, emit) ->
     """
     import yaml
 
-    from asyncrl.builtin.tokenizer import build_char_tokenizer
     from asyncrl.config import load_config
     from asyncrl.control.run import train
+    from asyncrl.models.char_tokenizer import build_char_tokenizer
 
     prompt_len, new_tokens = (32, 48) if quick else (256, 512)
     groups, group_size = (2, 4) if quick else (4, 8)

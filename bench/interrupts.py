@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from asyncrl.config import load_config
+from asyncrl.messages import GroupReady, LoadWeights, Submit, WeightsLoaded
 from asyncrl.transports.weights.inprocess import InProcessChannel
 from asyncrl.types import Prompt
 from asyncrl.workers.generator import GeneratorWorker
-from asyncrl.workers.messages import GroupReady, LoadWeights, Submit, WeightsLoaded
 
 BUDGETS = [12, 20, 28, 36]
 LATE_BUDGETS = [10, 10]

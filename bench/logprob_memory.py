@@ -37,8 +37,8 @@ def resident_bytes() -> int:
 
 
 def one_setting(args: argparse.Namespace, chunk: int) -> dict:
-    from asyncrl.builtin.tiny import build_tiny_model, tiny_config
     from asyncrl.models.activation_checkpointing import enable_activation_checkpointing
+    from asyncrl.models.tiny import build_tiny_model, tiny_config
     from asyncrl.trainer.batching import collate
     from asyncrl.trainer.logprobs import completion_logprobs
     from asyncrl.types import Sample

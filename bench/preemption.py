@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from asyncrl.control import checkpoints as checkpoint  # noqa: E402
+from asyncrl import checkpoints as checkpoint  # noqa: E402
 
 GROUP = 4
 

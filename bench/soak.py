@@ -79,10 +79,10 @@ def run_soak(work: Path, steps: int, kill_every: int, hang_every: int, generator
     from asyncrl.config import load_config
     from asyncrl.control.controller import Controller
     from asyncrl.control.session import RunSession
+    from asyncrl.messages import StepDone
     from asyncrl.prompts.build import task_prompts
     from asyncrl.runtimes.ray_runtime import RayRuntime
     from asyncrl.workers.build import seed_everything
-    from asyncrl.workers.messages import StepDone
 
     work.mkdir(parents=True, exist_ok=True)
     module = work / "asyncrl_soak_reward.py"
@@ -378,7 +378,7 @@ def run_kill_soak(
     Raises :class:`SoakFailure` when an invariant does not hold. Every process started is
     killed and waited for, whatever happens.
     """
-    from asyncrl.control import checkpoints as checkpoint
+    from asyncrl import checkpoints as checkpoint
 
     steps = steps or 8 * kills + 10  # each cycle advances a few steps at most
     rng = random.Random(seed)

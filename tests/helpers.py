@@ -217,7 +217,7 @@ def straight_and_stopped(
 ) -> Path:
     """An uninterrupted run in ``straight_dir``; the same run in ``stopped_dir`` stopped by SIGTERM once
     ``steps`` steps are logged. Returns the checkpoint the stop wrote (resume with ``train_to_end``)."""
-    from asyncrl.control import checkpoints as checkpoint
+    from asyncrl import checkpoints as checkpoint
 
     train_to_end(*sets(overrides), "--run-dir", str(straight_dir), timeout=timeout)
     code, _ = stop_after_steps(stopped_dir, overrides, steps, signal.SIGTERM, timeout=timeout)

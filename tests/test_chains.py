@@ -8,19 +8,27 @@ import re
 
 import pytest
 
-from asyncrl.builtin.chains import ChainTask, fails_late, first_error, late_slip, max_answer_chars, results_of
+from asyncrl.builtin.chains import (
+    ChainTask,
+    chain_match,
+    fails_late,
+    first_error,
+    late_slip,
+    max_answer_chars,
+    results_of,
+)
+from asyncrl.builtin.register import BUILTIN_MODELS
 from asyncrl.builtin.sft_settings import TASK_DEFAULTS, sft_config
-from asyncrl.builtin.tiny import BUILTIN_MODELS
-from asyncrl.builtin.tokenizer import build_char_tokenizer
 from asyncrl.builtin.warm_start import _Chains, _learn_lr, run_sft
 from asyncrl.config import load_config
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.errors import ConfigError
+from asyncrl.models.char_tokenizer import build_char_tokenizer
 from asyncrl.models.loading import load_policy
 from asyncrl.prompts.base import PromptStream
 from asyncrl.prompts.build import EVAL_SEED_OFFSET, prompt_source, task_prompts
-from asyncrl.rewards.registry import chain_match, exact_match, resolve_reward
+from asyncrl.rewards.registry import exact_match, resolve_reward
 from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.rollout.evaluation import evaluate
 

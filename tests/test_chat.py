@@ -11,9 +11,9 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from asyncrl.builtin.tokenizer import CHAT_TEMPLATE, build_char_tokenizer
 from asyncrl.config import load_config
 from asyncrl.errors import ConfigError
+from asyncrl.models.char_tokenizer import CHAT_TEMPLATE, build_char_tokenizer
 from asyncrl.models.loading import load_tokenizer
 from asyncrl.prompts.chat import encode_prompt, make_prompt, render_prompt
 from asyncrl.types import Prompt

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import queue
 
+from asyncrl.messages import Accumulate, Discard, Evaluate, FinishStep, LoadWeights, Stop
 from asyncrl.runtimes.serving import coalesced as _coalesced
 from asyncrl.types import Group, Prompt
-from asyncrl.workers.messages import Accumulate, Discard, Evaluate, FinishStep, LoadWeights, Stop
 
 
 def group(gid: int) -> Group:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.builtin.tokenizer import build_char_tokenizer
 from asyncrl.config import load_config
 from asyncrl.errors import DatasetError
+from asyncrl.models.char_tokenizer import build_char_tokenizer
 from asyncrl.prompts.build import prompt_source
 from asyncrl.prompts.hf_dataset import HFDataset, hold_out, load_rows
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncrl import checkpoints
 from asyncrl.algorithms.advantages import distill_advantages, group_advantages
 from asyncrl.cli import main
 from asyncrl.config import DistillConfig, load_config
-from asyncrl.control import checkpoints
 from asyncrl.control import teaching as teaching_module
 from asyncrl.control.lifecycle import GroupLedger, LifecycleError
 from asyncrl.control.teaching import TeacherQueue
@@ -31,13 +31,13 @@ from asyncrl.distill.teacher import LocalTeacher, ServedTeacher, TeacherError, c
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.types import GenerationRequest, SamplingParams
 from asyncrl.errors import ConfigError
+from asyncrl.messages import WorkerError
 from asyncrl.models.loading import load_policy
 from asyncrl.server.app import OpenAIServer
 from asyncrl.trainer.trainer import assign_advantages, distill_metrics
 from asyncrl.transports.groups.base import Delivery
 from asyncrl.transports.groups.inbox import Inbox
 from asyncrl.types import Group, GroupState, Prompt, Sample, TeacherScores
-from asyncrl.workers.messages import WorkerError
 from asyncrl.workers.teacher import TeacherWorker
 from tests.helpers import ONE_THREAD_EACH, sets, short_run, signalled_when
 
@@ -420,9 +420,9 @@ def test_a_teacher_that_dies_stops_the_run_naming_it_and_keeps_the_checkpoint(tm
 
     from asyncrl.control.run import run_controller, train
     from asyncrl.control.session import RunSession
+    from asyncrl.messages import CheckpointSaved
     from asyncrl.prompts.build import task_prompts
     from asyncrl.runtimes.local import LocalRuntime
-    from asyncrl.workers.messages import CheckpointSaved
 
     overrides = [*short_run(6), f"distill.teacher={STUDENT}", *RUNS["local"]]
     cfg = load_config(None, [*overrides, "run.checkpoint_every=1", "run.steps=40"])
@@ -589,9 +589,9 @@ def test_a_teacher_actor_that_dies_stops_a_ray_run_naming_it(tmp_path: Path) -> 
 
     from asyncrl.control.run import run_controller
     from asyncrl.control.session import RunSession
+    from asyncrl.messages import StepDone
     from asyncrl.prompts.build import task_prompts
     from asyncrl.runtimes.ray_runtime import RayRuntime
-    from asyncrl.workers.messages import StepDone
 
     overrides = [
         *short_run(20),

@@ -20,13 +20,13 @@ import torch
 import torch.multiprocessing as mp
 
 from asyncrl.config import Config, load_config
+from asyncrl.messages import Accumulate, FinishStep, Restore, SaveCheckpoint, StepDone
 from asyncrl.runtimes.processes import worker_context
 from asyncrl.trainer.batching import trained_span
 from asyncrl.trainer.distributed import reduce_step_stats, split_samples
 from asyncrl.transports.weights.factory import free_port
 from asyncrl.transports.weights.inprocess import InProcessChannel
 from asyncrl.types import Group, Prompt, Sample
-from asyncrl.workers.messages import Accumulate, FinishStep, Restore, SaveCheckpoint, StepDone
 from asyncrl.workers.trainer import TrainerWorker, run_follower
 
 RANK_TIMEOUT_S = 120.0

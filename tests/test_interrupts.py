@@ -21,13 +21,7 @@ import torch
 
 from asyncrl.config import load_config
 from asyncrl.control.run import train
-from asyncrl.reports.jsonl import read_jsonl
-from asyncrl.transports.weights.base import WeightSyncError
-from asyncrl.transports.weights.broadcast import UnjoinedReceiver
-from asyncrl.transports.weights.inprocess import InProcessChannel
-from asyncrl.types import Group, Prompt
-from asyncrl.workers.generator import GeneratorWorker
-from asyncrl.workers.messages import (
+from asyncrl.messages import (
     GroupCancelled,
     GroupDropped,
     GroupReady,
@@ -36,6 +30,12 @@ from asyncrl.workers.messages import (
     Submit,
     WeightsLoaded,
 )
+from asyncrl.reports.jsonl import read_jsonl
+from asyncrl.transports.weights.base import WeightSyncError
+from asyncrl.transports.weights.broadcast import UnjoinedReceiver
+from asyncrl.transports.weights.inprocess import InProcessChannel
+from asyncrl.types import Group, Prompt
+from asyncrl.workers.generator import GeneratorWorker
 from tests.helpers import ONE_THREAD_EACH, short_run
 
 GROUP = 2

@@ -227,8 +227,8 @@ def test_a_runs_judge_process_arms_its_lifeline_before_it_loads_the_model(
     """The run starts its judge as ``asyncrl serve ... --exit-with-parent``, and that command arms
     the lifeline (test_lifeline: a child so armed ends when its parent is killed) on its parent
     before anything else: the judge of a killed run cannot outlive it."""
+    import asyncrl.lifeline as lifeline
     import asyncrl.rewards.judges.service as service
-    import asyncrl.runtimes.lifeline as lifeline
     from asyncrl.cli import main
 
     commands: list[list[str]] = []

@@ -1,6 +1,7 @@
 """The layout's rules, checked on the source: the layers show, and nothing reaches around them.
 
-No import cycle (imports inside functions count too); at most eight modules at the package's
+No import cycle (imports inside functions count too); every import points down the declared
+order of layers (:data:`LAYERS`); at most eight modules at the package's
 top level; package ``__init__`` files are docstrings only (but the config's, which is its
 public face); a module over 500 lines says why in
 its docstring; the controller stays under 400 lines; and every caller of a rollout uses only
@@ -21,6 +22,35 @@ from asyncrl.rollout.base import Rollout
 from asyncrl.rollout.completions import CompletionRollout
 
 PACKAGE = Path(__file__).resolve().parent.parent / "asyncrl"
+
+# The layers, bottom first: a module may import its own layer's modules and any layer below,
+# never one above (a prefix names a package or a module). The bottom holds what every layer
+# needs; the application (the built-in toy world, which trains its warm starts, and the
+# command line) sits on top. Lower layers reach the built-in tasks, rewards, environments and
+# models through their registries (asyncrl/plugins.py), never by importing them.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("asyncrl.errors", "asyncrl.lifeline", "asyncrl.plugins"),
+    ("asyncrl.types",),
+    ("asyncrl.config",),
+    ("asyncrl.messages", "asyncrl.reports"),
+    ("asyncrl.algorithms",),
+    ("asyncrl.models",),
+    ("asyncrl.checkpoints",),
+    ("asyncrl.prompts",),
+    ("asyncrl.trainer",),
+    ("asyncrl.transports",),
+    ("asyncrl.engine",),
+    ("asyncrl.rewards",),
+    ("asyncrl.rollout",),
+    ("asyncrl.episodes",),
+    ("asyncrl.server",),
+    ("asyncrl.distill",),
+    ("asyncrl.workers",),
+    ("asyncrl.runtimes",),
+    ("asyncrl.control",),
+    ("asyncrl.builtin",),
+    ("asyncrl.cli", "asyncrl"),
+)
 
 
 def modules() -> dict[str, Path]:
@@ -44,7 +74,8 @@ def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor) + (f".{base}" if base else "")
-            candidates = [base, *(f"{base}.{a.name}" for a in node.names)]
+            # ``from package import module`` imports the module; ``from module import name`` the module
+            candidates = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
         else:
             continue
         for candidate in candidates:
@@ -73,6 +104,35 @@ def test_no_module_imports_itself_around_a_cycle() -> None:
         if name in reach(name):
             cycles.append(name)
     assert cycles == [], f"modules on an import cycle: {sorted(cycles)}"
+
+
+def layer_of(name: str) -> int:
+    """The index in :data:`LAYERS` of the longest prefix naming ``name``."""
+    best, depth = None, -1
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (name == prefix or name.startswith(prefix + ".")) and prefix.count(".") > depth:
+                best, depth = index, prefix.count(".")
+    assert best is not None, f"{name} is in no layer: add it to LAYERS"
+    return best
+
+
+def test_every_import_points_down_the_layers() -> None:
+    known = modules()
+    upward = sorted(
+        f"{name} -> {target}"
+        for name, path in known.items()
+        for target in imported(name, path, known)
+        if layer_of(target) > layer_of(name)
+    )
+    assert upward == [], "imports from a lower layer to a higher one:\n" + "\n".join(upward)
+
+
+def test_the_layer_check_sees_an_upward_import() -> None:
+    """The check itself: a low module importing a high one is caught, a function-level import too."""
+    assert layer_of("asyncrl.types") < layer_of("asyncrl.engine.runner") < layer_of("asyncrl.control.run")
+    assert layer_of("asyncrl.cli") == layer_of("asyncrl") == len(LAYERS) - 1
+    assert all(layer_of(name) >= 0 for name in modules())
 
 
 def test_the_package_top_level_is_small_and_its_inits_are_docstrings() -> None:

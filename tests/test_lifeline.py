@@ -1,4 +1,4 @@
-"""asyncrl.runtimes.lifeline: a child ends when its parent dies, even while it is busy and never looks."""
+"""asyncrl.lifeline: a child ends when its parent dies, even while it is busy and never looks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from asyncrl.runtimes.lifeline import WATCH_S
+from asyncrl.lifeline import WATCH_S
 from tests.helpers import child_env, wait_dead
 
 pytestmark = pytest.mark.multiprocess
@@ -31,7 +31,7 @@ PARENT = textwrap.dedent(
 CHILD = textwrap.dedent(
     """
     import os, time
-    from asyncrl.runtimes.lifeline import exit_with_parent
+    from asyncrl.lifeline import exit_with_parent
     exit_with_parent(os.getppid(), grace_s={grace})
     print("armed", flush=True)
     time.sleep(600)
@@ -68,7 +68,7 @@ def test_an_owner_other_than_the_parent_is_alive_until_it_dies_unreaped_or_not()
     """A forked local worker watches the run's process, not its parent (the fork server):
     ``Owner`` sees a process die even before it is reaped (a zombie), and this process's own
     parent through getppid."""
-    from asyncrl.runtimes.lifeline import Owner
+    from asyncrl.lifeline import Owner
 
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:

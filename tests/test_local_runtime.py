@@ -27,8 +27,8 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.control.run import train
+from asyncrl.messages import WorkerError
 from asyncrl.reports.jsonl import read_jsonl
-from asyncrl.workers.messages import WorkerError
 from tests.helpers import ONE_THREAD_EACH, child_pids, short_run
 
 STEPS = 5

@@ -23,6 +23,7 @@ from asyncrl.engine.lora import MergedLora
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest
 from asyncrl.errors import ConfigError
+from asyncrl.messages import LoadWeights, WeightsLoaded
 from asyncrl.models.loading import Policy, load_policy, save_policy
 from asyncrl.models.lora import apply_lora, is_lora, lora_targets, published_weights
 from asyncrl.trainer.batching import collate
@@ -36,7 +37,6 @@ from asyncrl.transports.weights.shm import SharedMemoryReceiver, SharedMemorySen
 from asyncrl.types import Group, Prompt, Sample
 from asyncrl.workers import build
 from asyncrl.workers.generator import GeneratorWorker
-from asyncrl.workers.messages import LoadWeights, WeightsLoaded
 from tests.helpers import train_groups
 
 LORA = LoraConfig(rank=8)  # alpha 16: the delta is 2 * B @ A

@@ -17,8 +17,8 @@ import pytest
 import torch
 from peft import PeftModel
 
+from asyncrl import checkpoints as checkpoint
 from asyncrl.config import load_config
-from asyncrl.control import checkpoints as checkpoint
 from asyncrl.control.run import train
 from asyncrl.models.loading import load_policy
 from asyncrl.reports.jsonl import read_jsonl

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from asyncrl import checkpoints as checkpoint
 from asyncrl.config import AlgorithmConfig, TrainerConfig, load_config
-from asyncrl.control import checkpoints as checkpoint
 from asyncrl.errors import ConfigError
 from asyncrl.models.loading import load_policy
 from asyncrl.trainer.trainer import Trainer, sync_dtype

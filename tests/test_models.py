@@ -12,12 +12,13 @@ import torch
 from transformers import AutoTokenizer
 
 from asyncrl.builtin.arithmetic import ArithmeticTask
-from asyncrl.builtin.tiny import BUILTIN_MODELS, build_tiny_model, tiny_config
-from asyncrl.builtin.tokenizer import CHARACTERS, build_char_tokenizer
+from asyncrl.builtin.register import BUILTIN_MODELS
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.errors import ConfigError
+from asyncrl.models.char_tokenizer import CHARACTERS, build_char_tokenizer
 from asyncrl.models.loading import Policy, load_policy, save_policy
+from asyncrl.models.tiny import build_tiny_model, tiny_config
 from asyncrl.prompts.base import PromptStream
 from asyncrl.rewards.registry import exact_match
 from asyncrl.rollout.completions import CompletionRollout

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from asyncrl.algorithms import losses
-from asyncrl.builtin.tiny import tiny_config
 from asyncrl.config import AlgorithmConfig, TrainerConfig
 from asyncrl.models.loading import Policy, load_policy
+from asyncrl.models.tiny import tiny_config
 from asyncrl.trainer.batching import (
     MICRO_BATCH_OVERHEAD_TOKENS,
     MicroBatch,

@@ -19,12 +19,12 @@ from asyncrl.config import load_config
 from asyncrl.control import run as run_module
 from asyncrl.control.records import batch_metrics
 from asyncrl.control.run import train
+from asyncrl.messages import Accumulate, GroupReady, Preempted, Span, WorkerError
 from asyncrl.runtimes.inline import InlineRuntime
 from asyncrl.transports.groups.base import Delivery, GroupSender, detach_payloads
 from asyncrl.transports.groups.factory import make_group_sender, make_inbox
 from asyncrl.transports.groups.inbox import Inbox
 from asyncrl.types import Group, PartialGroup, Prompt, Sample
-from asyncrl.workers.messages import Accumulate, GroupReady, Preempted, Span, WorkerError
 from tests.helpers import short_run
 
 HEADER_BYTES = 1024  # the bound on what the controller receives per group

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncrl import checkpoints as checkpoint
 from asyncrl.algorithms.pivots import (
     SuccessModel,
     candidate_positions,
@@ -22,13 +23,13 @@ from asyncrl.algorithms.pivots import (
     pivot_weights,
 )
 from asyncrl.config import load_config
-from asyncrl.control import checkpoints as checkpoint
 from asyncrl.control.lifecycle import GroupLedger
 from asyncrl.control.pivoting import BranchBook
 from asyncrl.control.run import train
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.errors import ConfigError
+from asyncrl.messages import Accumulate, FinishStep
 from asyncrl.models.loading import load_policy
 from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.rollout.pivots import find_pivots
@@ -36,7 +37,6 @@ from asyncrl.trainer.trainer import assign_advantages
 from asyncrl.transports.groups.base import Delivery
 from asyncrl.transports.weights.inprocess import InProcessChannel
 from asyncrl.types import FoundPivot, Group, GroupHeader, GroupState, Pivot, Prompt, Sample
-from asyncrl.workers.messages import Accumulate, FinishStep
 from asyncrl.workers.trainer import TrainerWorker
 from tests.helpers import child_env, cli, short_run, stop_after_steps
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl import checkpoints as checkpoint
 from asyncrl.algorithms.losses import batch_divisor
 from asyncrl.builtin.arithmetic import ArithmeticTask
 from asyncrl.config import Config, load_config
-from asyncrl.control import checkpoints as checkpoint
 from asyncrl.control.books import Books
 from asyncrl.control.buffer import RolloutBuffer
 from asyncrl.control.clocks import PolicyClocks
@@ -25,9 +25,7 @@ from asyncrl.control.policy_books import PolicyBooks, policy_divisors
 from asyncrl.control.records import batch_metrics
 from asyncrl.control.session import RunSession
 from asyncrl.control.steps import StepAssembly
-from asyncrl.prompts.base import PromptStream
-from asyncrl.types import Group, GroupHeader, GroupState, Prompt, Sample
-from asyncrl.workers.messages import (
+from asyncrl.messages import (
     Accumulate,
     CheckpointSaved,
     Discard,
@@ -43,6 +41,8 @@ from asyncrl.workers.messages import (
     Submit,
     WeightsLoaded,
 )
+from asyncrl.prompts.base import PromptStream
+from asyncrl.types import Group, GroupHeader, GroupState, Prompt, Sample
 
 # solver on the run's own policy; checker on 'critic' (its own bound, 0); watcher on 'judge' (frozen)
 ROLES = [("solver", "default"), ("checker", "critic"), ("watcher", "judge")]

@@ -15,19 +15,19 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl import checkpoints as checkpoint
 from asyncrl.builtin.arithmetic import ArithmeticTask
 from asyncrl.config import load_config
-from asyncrl.control import checkpoints as checkpoint
 from asyncrl.control import run as run_module
 from asyncrl.control.books import Books
 from asyncrl.control.run import train
 from asyncrl.control.saving import RunInterrupted
+from asyncrl.messages import GroupReady, Preempt, Preempted, SaveCheckpoint, StepDone, Submit
 from asyncrl.prompts.base import PromptStream
 from asyncrl.runtimes.inline import InlineRuntime
 from asyncrl.transports.weights.inprocess import InProcessChannel
 from asyncrl.types import Group, GroupState, PartialGroup, Prompt
 from asyncrl.workers.generator import GeneratorWorker
-from asyncrl.workers.messages import GroupReady, Preempt, Preempted, SaveCheckpoint, StepDone, Submit
 from tests.helpers import (
     ONE_THREAD_EACH,
     child_pids,

@@ -25,11 +25,7 @@ from asyncrl.control.controller import Controller
 from asyncrl.control.run import train
 from asyncrl.control.scaling import write_control
 from asyncrl.control.session import RunSession
-from asyncrl.prompts.build import task_prompts
-from asyncrl.runtimes.ray_runtime import RayRuntime
-from asyncrl.transports.weights.factory import free_port
-from asyncrl.workers.build import seed_everything
-from asyncrl.workers.messages import (
+from asyncrl.messages import (
     GroupCancelled,
     GroupDropped,
     GroupReady,
@@ -37,6 +33,10 @@ from asyncrl.workers.messages import (
     WorkerError,
     WorkerLost,
 )
+from asyncrl.prompts.build import task_prompts
+from asyncrl.runtimes.ray_runtime import RayRuntime
+from asyncrl.transports.weights.factory import free_port
+from asyncrl.workers.build import seed_everything
 from tests.helpers import (
     child_env,
     child_pids,

@@ -8,19 +8,19 @@ from pathlib import Path
 import pytest
 
 from asyncrl.builtin.arithmetic import ArithmeticTask
-from asyncrl.builtin.tokenizer import build_char_tokenizer
 from asyncrl.config import Config, load_config
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest, GenerationResult
 from asyncrl.errors import DatasetError
+from asyncrl.models.char_tokenizer import build_char_tokenizer
 from asyncrl.models.loading import Policy, load_policy
 from asyncrl.prompts.jsonl import JsonlDataset
 from asyncrl.rewards.registry import exact_match
-from asyncrl.rollout.build import build_rollout, sampling_params
 from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.rollout.evaluation import evaluate
 from asyncrl.types import Group, Prompt
+from asyncrl.workers.rollouts import build_rollout, sampling_params
 
 GROUP = 4
 CAP = 10

@@ -13,13 +13,13 @@ from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationStopped
 from asyncrl.episodes.environment import StepResult, environment_episode
 from asyncrl.episodes.rollout import EpisodeRollout
+from asyncrl.messages import Preempt, Preempted, Submit
 from asyncrl.models.loading import load_policy
 from asyncrl.rollout.base import Rollout
 from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.transports.weights.inprocess import InProcessChannel
 from asyncrl.types import Prompt
 from asyncrl.workers.generator import GeneratorWorker
-from asyncrl.workers.messages import Preempt, Preempted, Submit
 from tests.helpers import short_run
 
 TASKS = [Prompt("a", "12+3=", "15"), Prompt("b", "7*8=", "56")]

@@ -512,7 +512,7 @@ def family_checkpoint(directory, family: str) -> str:
         Qwen3MoeConfig,
     )
 
-    from asyncrl.builtin.tiny import BUILTIN_MODELS
+    from asyncrl.builtin.register import BUILTIN_MODELS
 
     common = dict(
         vocab_size=99,
@@ -607,7 +607,7 @@ def test_routes_cross_processes_and_a_checkpoint_and_replay_after_the_resume(
     import json
     import signal
 
-    from asyncrl.control import checkpoints
+    from asyncrl import checkpoints
     from asyncrl.types import Group, PartialGroup
     from tests.helpers import ONE_THREAD_EACH, signalled_when
 
@@ -702,11 +702,11 @@ def test_a_checkpoint_whose_carried_routes_do_not_fit_the_model_fails_at_load_na
     """Carried groups come back from a checkpoint with their routes; recorded by another mixture
     of experts (16 expert ids per token, where tiny:moe routes 4 layers x top-2 = 8), the restore
     refuses them, naming the checkpoint, the sample and both shapes."""
+    from asyncrl import checkpoints
+    from asyncrl.checkpoints import CheckpointError
     from asyncrl.config import load_config
-    from asyncrl.control import checkpoints
-    from asyncrl.control.checkpoints import CheckpointError
+    from asyncrl.messages import Restore, SaveCheckpoint
     from asyncrl.transports.weights.inprocess import InProcessChannel
-    from asyncrl.workers.messages import Restore, SaveCheckpoint
     from asyncrl.workers.trainer import TrainerWorker
 
     cfg = load_config(None, ["model.path=tiny:moe", "model.device=cpu", "trainer.routing_replay=rollout"])

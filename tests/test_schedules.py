@@ -30,14 +30,7 @@ from asyncrl.control.run import train
 from asyncrl.control.session import RunSession
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationResult
-from asyncrl.models.loading import load_policy, load_tokenizer
-from asyncrl.prompts.jsonl import JsonlDataset
-from asyncrl.reports.jsonl import read_jsonl
-from asyncrl.rewards.registry import resolve_reward
-from asyncrl.rollout.completions import CompletionRollout
-from asyncrl.transports.weights.factory import weight_sync_kind
-from asyncrl.types import Group, Prompt, Sample
-from asyncrl.workers.messages import (
+from asyncrl.messages import (
     Accumulate,
     CheckpointSaved,
     Discard,
@@ -51,6 +44,13 @@ from asyncrl.workers.messages import (
     Submit,
     WeightsLoaded,
 )
+from asyncrl.models.loading import load_policy, load_tokenizer
+from asyncrl.prompts.jsonl import JsonlDataset
+from asyncrl.reports.jsonl import read_jsonl
+from asyncrl.rewards.registry import resolve_reward
+from asyncrl.rollout.completions import CompletionRollout
+from asyncrl.transports.weights.factory import weight_sync_kind
+from asyncrl.types import Group, Prompt, Sample
 from tests.helpers import ONE_THREAD_EACH, child_pids, final_weights, max_abs_diff, short_run
 
 STEPS = 5

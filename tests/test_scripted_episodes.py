@@ -15,10 +15,9 @@ import torch
 
 from asyncrl.builtin.arithmetic import ArithmeticTask
 from asyncrl.builtin.games import GuessTask
+from asyncrl.builtin.register import BUILTIN_MODELS
 from asyncrl.builtin.scripted import CalculatorTeacher, GuessTeacher, ScriptedEpisode, render_episode
 from asyncrl.builtin.sft_settings import SFTConfig, sft_config
-from asyncrl.builtin.tiny import BUILTIN_MODELS
-from asyncrl.builtin.tokenizer import build_char_tokenizer
 from asyncrl.builtin.warm_start import run_sft
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.sampling import SamplingParams
@@ -27,6 +26,7 @@ from asyncrl.episodes.environment import environment_episode
 from asyncrl.episodes.resolve import builtin_environment
 from asyncrl.episodes.rollout import EpisodeRollout
 from asyncrl.errors import ConfigError
+from asyncrl.models.char_tokenizer import build_char_tokenizer
 from asyncrl.models.loading import load_policy
 from asyncrl.rollout.evaluation import evaluate
 from asyncrl.types import Prompt

@@ -17,21 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncrl import checkpoints as checkpoint
 from asyncrl.config import load_config
-from asyncrl.control import checkpoints as checkpoint
 from asyncrl.control import run as run_module
 from asyncrl.control.run import train
 from asyncrl.control.saving import RunInterrupted
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest, GenerationStopped
-from asyncrl.rollout.completions import CompletionRollout
-from asyncrl.rollout.evaluation import evaluate
-from asyncrl.runtimes.inline import InlineRuntime
-from asyncrl.trainer.trainer import assign_advantages
-from asyncrl.transports.weights.inprocess import InProcessChannel
-from asyncrl.types import Group, Prompt
-from asyncrl.workers.messages import (
+from asyncrl.messages import (
     Accumulate,
     CheckpointSaved,
     ContinueBatch,
@@ -40,6 +34,12 @@ from asyncrl.workers.messages import (
     SaveCheckpoint,
     StepDone,
 )
+from asyncrl.rollout.completions import CompletionRollout
+from asyncrl.rollout.evaluation import evaluate
+from asyncrl.runtimes.inline import InlineRuntime
+from asyncrl.trainer.trainer import assign_advantages
+from asyncrl.transports.weights.inprocess import InProcessChannel
+from asyncrl.types import Group, Prompt
 from asyncrl.workers.trainer import TrainerWorker
 from tests.helpers import final_weights, max_abs_diff, short_run
 from tests.test_distributed import make_groups, rank_config

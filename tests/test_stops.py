@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl import checkpoints
 from asyncrl.cli import main
-from asyncrl.control import checkpoints
 from tests.helpers import ONE_THREAD_EACH, sets, short_run, signalled_when, stop_after_steps, train_to_end
 
 STEPS = 3

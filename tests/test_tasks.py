@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from asyncrl.builtin.arithmetic import ArithmeticTask
-from asyncrl.builtin.tokenizer import build_char_tokenizer
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest, GenerationResult
 from asyncrl.errors import ConfigError, DatasetError
+from asyncrl.models.char_tokenizer import build_char_tokenizer
 from asyncrl.prompts.base import PromptStream
 from asyncrl.prompts.jsonl import JsonlDataset
 from asyncrl.rewards.registry import exact_match, numeric_match, resolve_reward

@@ -17,9 +17,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from asyncrl import checkpoints as checkpoint
 from asyncrl.cli import main
 from asyncrl.config import load_config
-from asyncrl.control import checkpoints as checkpoint
 from asyncrl.control.run import train
 from asyncrl.errors import RewardFailing
 from asyncrl.rewards.scoring import RewardSet, RewardTerm, ScoringStopped, score

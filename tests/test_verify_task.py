@@ -15,10 +15,9 @@ from types import SimpleNamespace
 import pytest
 
 from asyncrl.builtin.arithmetic import ArithmeticTask
+from asyncrl.builtin.register import BUILTIN_MODELS
 from asyncrl.builtin.scripted import render_team_episode
 from asyncrl.builtin.sft_settings import sft_config
-from asyncrl.builtin.tiny import BUILTIN_MODELS
-from asyncrl.builtin.tokenizer import build_char_tokenizer
 from asyncrl.builtin.verify import (
     REJECTED,
     SOLVER,
@@ -35,6 +34,7 @@ from asyncrl.engine.sampling import SamplingParams
 from asyncrl.episodes.client import EpisodeTruncated
 from asyncrl.episodes.rollout import EpisodeRollout
 from asyncrl.episodes.team import Team
+from asyncrl.models.char_tokenizer import build_char_tokenizer
 from asyncrl.models.loading import load_policy
 from asyncrl.rollout.evaluation import evaluate
 from asyncrl.types import Prompt

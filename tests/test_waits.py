@@ -27,14 +27,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from asyncrl import checkpoints as checkpoint
 from asyncrl.builtin.arithmetic import ArithmeticTask
 from asyncrl.config import load_config
-from asyncrl.control import checkpoints as checkpoint
 from asyncrl.control.controller import Controller
 from asyncrl.control.run import train
 from asyncrl.control.session import RunSession
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest
+from asyncrl.messages import WorkerError
 from asyncrl.prompts.build import task_prompts
 from asyncrl.runtimes.local import LocalRuntime
 from asyncrl.trainer.distributed import RankGroup, RankSpec
@@ -47,7 +48,6 @@ from asyncrl.transports.weights.broadcast import (
 )
 from asyncrl.transports.weights.factory import free_port
 from asyncrl.types import Prompt
-from asyncrl.workers.messages import WorkerError
 from tests.helpers import ONE_THREAD_EACH, child_env, child_pids, short_run, wait_dead
 
 pytestmark = pytest.mark.timeout(120)

@@ -64,6 +64,13 @@ def results_of(text: str) -> list[str]:
     return [part.strip() for part in text.strip().split(SEPARATOR)]
 
 
+def chain_match(completion: str, answer: str | None, **_: object) -> float:
+    """The chain task's reward: 1.0 when the completion writes every running result right
+    (``17,22,31``), whitespace around the results ignored; one wrong result, a missing one or an
+    extra one scores 0, so a late slip costs the whole reward."""
+    return float(answer is not None and results_of(completion) == results_of(answer))
+
+
 def first_error(completion: str, answer: str) -> int | None:
     """The position in ``answer`` of the completion's first wrong character (whitespace around
     the results ignored), or None when the completion is the answer. A completion that stops

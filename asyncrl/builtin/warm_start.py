@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from asyncrl.builtin.arithmetic import ArithmeticTask, near_miss
-from asyncrl.builtin.chains import ChainTask, fails_late, late_slip, max_answer_chars
+from asyncrl.builtin.chains import ChainTask, chain_match, fails_late, late_slip, max_answer_chars
 from asyncrl.builtin.games import GuessTask
 from asyncrl.builtin.scripted import CalculatorTeacher, GuessTeacher, render_episode, render_team_episode
 from asyncrl.builtin.sft_settings import SFTConfig
@@ -62,7 +62,7 @@ from asyncrl.episodes.resolve import builtin_environment
 from asyncrl.episodes.rollout import EpisodeRollout
 from asyncrl.models.loading import Policy, load_policy, save_policy
 from asyncrl.prompts.base import PromptSource, PromptStream
-from asyncrl.rewards.registry import RewardFn, chain_match, exact_match
+from asyncrl.rewards.registry import RewardFn, exact_match
 from asyncrl.rollout.base import Rollout
 from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.rollout.evaluation import evaluate

@@ -40,8 +40,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from asyncrl import checkpoints as checkpoint
 from asyncrl.config import Config
-from asyncrl.control import checkpoints as checkpoint
 from asyncrl.control.books import Books
 from asyncrl.control.buffer import AdmissionControl, RolloutBuffer
 from asyncrl.control.liveness import Watchdog, waiting_for
@@ -55,10 +55,7 @@ from asyncrl.control.saving import SaveProtocol
 from asyncrl.control.session import RunSession
 from asyncrl.control.steps import StepAssembly
 from asyncrl.control.teaching import teacher_queue
-from asyncrl.prompts.base import PromptSource, PromptStream
-from asyncrl.runtimes.base import InterruptibleRuntime, Runtime
-from asyncrl.types import Group, GroupHeader, PartialGroup
-from asyncrl.workers.messages import (
+from asyncrl.messages import (
     CheckpointSaved,
     Discard,
     EvalDone,
@@ -84,6 +81,9 @@ from asyncrl.workers.messages import (
     WorkerFailed,
     WorkerLost,
 )
+from asyncrl.prompts.base import PromptSource, PromptStream
+from asyncrl.runtimes.base import InterruptibleRuntime, Runtime
+from asyncrl.types import Group, GroupHeader, PartialGroup
 from asyncrl.workers.teacher import TEACHER
 
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from asyncrl.control.books import Books
 from asyncrl.control.scaling import CONTROL_FILE
+from asyncrl.messages import LoadWeights, WorkerError, WorkerLost
 from asyncrl.runtimes.base import ElasticRuntime, Runtime, is_generator
 from asyncrl.types import GroupState, Prompt
-from asyncrl.workers.messages import LoadWeights, WorkerError, WorkerLost
 
 TRAINER = "trainer"
 CONTROL_POLL_S = 1.0

@@ -37,8 +37,8 @@ from asyncrl.algorithms.losses import batch_divisor
 from asyncrl.algorithms.pivots import SuccessModel
 from asyncrl.config import Config
 from asyncrl.control.lifecycle import GroupLedger
+from asyncrl.messages import Submit
 from asyncrl.types import FoundPivot, GroupHeader, GroupState, Prompt
-from asyncrl.workers.messages import Submit
 
 S = GroupState
 DEPTH_BINS = 10

@@ -25,8 +25,8 @@ from asyncrl.control.books import Books
 from asyncrl.control.buffer import RolloutBuffer
 from asyncrl.control.membership import Generators
 from asyncrl.control.teaching import TeacherQueue
+from asyncrl.messages import Preempt, Preempted
 from asyncrl.types import Group, GroupState, Oldest, PartialGroup, PartialHeader, Prompt, oldest_for
-from asyncrl.workers.messages import Preempt, Preempted
 
 
 class Preemption:

@@ -10,13 +10,15 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from asyncrl import checkpoints as checkpoint
 from asyncrl.config import Config
-from asyncrl.control import checkpoints as checkpoint
 from asyncrl.control.controller import Controller
 from asyncrl.control.session import RunSession, default_run_dir
 from asyncrl.distill.teacher import check_teacher
 from asyncrl.engine.vllm_engine import INSTALL_HINT, unsupported_model, vllm_installed
 from asyncrl.errors import AsyncRLError, ConfigError
+from asyncrl.lifeline import STOP_SIGNALS
+from asyncrl.messages import WorkerError
 from asyncrl.models.loading import load_model_config
 from asyncrl.models.lora import check_lora_fits
 from asyncrl.models.routing import check_routing_replay
@@ -24,12 +26,10 @@ from asyncrl.prompts.base import PromptSource
 from asyncrl.prompts.build import task_prompts
 from asyncrl.rewards.judges.service import served_judge
 from asyncrl.rewards.pool_service import local_reward_pool
-from asyncrl.rollout.build import build_episode
 from asyncrl.runtimes.base import Runtime
 from asyncrl.runtimes.inline import InlineRuntime
-from asyncrl.runtimes.lifeline import STOP_SIGNALS
 from asyncrl.workers.build import seed_everything
-from asyncrl.workers.messages import WorkerError
+from asyncrl.workers.rollouts import build_episode
 
 
 class RunComplete(AsyncRLError):
@@ -135,7 +135,7 @@ def explain_untrained(accounting: dict, cfg: Config, session: RunSession) -> Non
 def stop_on_signals(controller: Controller):
     """SIGINT, SIGTERM and SIGHUP (its terminal closed) ask the controller to stop (with a
     checkpoint); a second one stops at once. The run's other processes ignore them
-    (:mod:`asyncrl.runtimes.lifeline`), so a stop sent to the whole process group is this one.
+    (:mod:`asyncrl.lifeline`), so a stop sent to the whole process group is this one.
 
     Only the main thread may install handlers; elsewhere (a run inside a library's thread)
     signals keep their previous behaviour.

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+from asyncrl import checkpoints
 from asyncrl.config import Config
-from asyncrl.control import checkpoints
 from asyncrl.control.books import Books
 from asyncrl.control.buffer import RolloutBuffer
 from asyncrl.control.clocks import PolicyClocks
@@ -31,8 +31,8 @@ from asyncrl.control.preemption import Preemption
 from asyncrl.control.session import RunSession
 from asyncrl.control.steps import StepAssembly
 from asyncrl.errors import AsyncRLError
+from asyncrl.messages import CheckpointSaved, SaveCheckpoint, WorkerError
 from asyncrl.types import GroupHeader, GroupState, Prompt
-from asyncrl.workers.messages import CheckpointSaved, SaveCheckpoint, WorkerError
 
 # A stop can reach the run's process twice: coreutils ``timeout`` signals its child, then the
 # child's whole process group. The same signal again within this time is that one stop; a

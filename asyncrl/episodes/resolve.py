@@ -2,36 +2,46 @@
 
 from __future__ import annotations
 
-import functools
 import inspect
+from collections.abc import Callable
 
-from asyncrl.builtin.games import Calculator, GuessingGame
-from asyncrl.builtin.verify import verify_episode
 from asyncrl.config.user_code import import_named
 from asyncrl.episodes.environment import EnvironmentFactory, EpisodeFunction, environment_episode
 from asyncrl.errors import ConfigError
+from asyncrl.plugins import Registry
 
 KEY = "episode.environment"
-BUILTINS = ("calculator", "guess", "verify")
+
+# Named environments: the turn budget -> the environment class (asyncrl's own games, calculator
+# and guess, are registered by asyncrl.builtin.register).
+ENVIRONMENTS: Registry[Callable[[int], EnvironmentFactory]] = Registry("built-in environment")
+# Named episode functions (asyncrl's own: verify, a solver and a verifier; see multi_agent.roles).
+EPISODES: Registry[EpisodeFunction] = Registry("built-in episode")
+
+
+def builtin_names() -> list[str]:
+    return sorted(ENVIRONMENTS.names() + EPISODES.names())
 
 
 def builtin_environment(name: str, max_turns: int) -> EnvironmentFactory:
     """The environment class of a built-in game, bound to the episode's turn budget."""
-    if name == "calculator":
-        return Calculator
-    if name == "guess":
-        return functools.partial(GuessingGame, max_turns=max_turns)
-    raise ConfigError(KEY, name, f"not a built-in environment; allowed: {list(BUILTINS)}")
+    make = ENVIRONMENTS.get(name)
+    if make is None:
+        raise ConfigError(KEY, name, f"not a built-in environment; allowed: {ENVIRONMENTS.names()}")
+    return make(max_turns)
 
 
 def resolve_episode(spec: str, max_turns: int, step_timeout_s: float | None = None) -> EpisodeFunction:
     """The episode function ``spec`` names (see :class:`asyncrl.config.EpisodeConfig`)."""
-    if spec == "verify":  # two roles, solver and verifier (multi_agent.roles)
-        return verify_episode
-    if spec in BUILTINS:
+    episode = EPISODES.get(spec)
+    if episode is not None:
+        return episode
+    if spec in ENVIRONMENTS:
         return environment_episode(builtin_environment(spec, max_turns), step_timeout_s)
     if ":" not in spec:
-        raise ConfigError(KEY, spec, f"not a built-in ({', '.join(map(repr, BUILTINS))}) nor 'module:name'")
+        raise ConfigError(
+            KEY, spec, f"not a built-in ({', '.join(map(repr, builtin_names()))}) nor 'module:name'"
+        )
     target = import_named(spec, KEY)
     module_name, _, attr = spec.partition(":")
     if inspect.iscoroutinefunction(target):

@@ -30,13 +30,16 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from asyncrl.builtin.tiny import BUILTIN_MODELS, TINY_ARCHITECTURES, TINY_SIZES, build_tiny_model, tiny_config
-from asyncrl.builtin.tokenizer import build_char_tokenizer
 from asyncrl.errors import ConfigError
+from asyncrl.models.char_tokenizer import build_char_tokenizer
 from asyncrl.models.directories import check_model_directory
-from asyncrl.prompts.chat import apply_chat_template_override
+from asyncrl.models.tiny import TINY_ARCHITECTURES, TINY_SIZES, build_tiny_model, tiny_config
+from asyncrl.plugins import Registry
 
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+# ``builtin:NAME``: model directories a plugin ships (asyncrl's own warm starts: asyncrl.builtin.register).
+SHIPPED_MODELS: Registry[Path] = Registry("built-in model")
 
 
 @dataclass
@@ -142,12 +145,12 @@ def local_directory(source: str) -> Path | None:
 def _directory(source: str) -> Path:
     if not source.startswith("builtin:"):
         return Path(source)
-    path = BUILTIN_MODELS.get(source.removeprefix("builtin:"))
+    path = SHIPPED_MODELS.get(source.removeprefix("builtin:"))
     if path is None:
         raise ConfigError(
             "model.path",
             source,
-            f"unknown built-in model; allowed: {sorted('builtin:' + k for k in BUILTIN_MODELS)}",
+            f"unknown built-in model; allowed: {['builtin:' + k for k in SHIPPED_MODELS.names()]}",
         )
     return path
 
@@ -222,3 +225,19 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     vocab = sorted(tokenizer.get_vocab().items())
     specials = [tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id]
     return hashlib.sha256(json.dumps([vocab, specials]).encode()).hexdigest()[:16]
+
+
+def load_chat_template(spec: str) -> str:
+    """``model.chat_template``: a path to a template file, or the Jinja template itself."""
+    if "{" not in spec:
+        path = Path(spec)
+        if not path.is_file():
+            raise ConfigError("model.chat_template", spec, "not a file, and not a template (no '{' in it)")
+        return path.read_text(encoding="utf-8")
+    return spec
+
+
+def apply_chat_template_override(tokenizer, spec: str | None) -> None:
+    """Replace the tokenizer's chat template with ``model.chat_template`` when it is set."""
+    if spec is not None:
+        tokenizer.chat_template = load_chat_template(spec)

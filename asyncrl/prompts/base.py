@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import random
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
+from asyncrl.plugins import Registry
 from asyncrl.types import Prompt
 
 
@@ -17,6 +19,11 @@ class PromptSource(Protocol):
     def size(self) -> int | None: ...
 
     def get(self, index: int) -> Prompt: ...
+
+
+# task.name -> a generated task's prompt source, made from the task section and a seed
+# (asyncrl's own: arithmetic, chain, guess; registered by asyncrl.builtin.register).
+GENERATED_TASKS: Registry[Callable[[Any, int], PromptSource]] = Registry("generated task")
 
 
 class PromptStream:

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from asyncrl.builtin.arithmetic import ArithmeticTask
-from asyncrl.builtin.chains import ChainTask
-from asyncrl.builtin.games import GuessTask
 from asyncrl.config import Config
 from asyncrl.models.loading import Policy, load_tokenizer
-from asyncrl.prompts.base import PromptSource, PromptStream
+from asyncrl.prompts.base import GENERATED_TASKS, PromptSource, PromptStream
 from asyncrl.prompts.chat import render_prompt
 from asyncrl.prompts.hf_dataset import hold_out, load_rows
 from asyncrl.prompts.jsonl import JsonlDataset
@@ -21,16 +18,9 @@ def prompt_source(
 ) -> PromptSource:
     """The training prompts, or with ``evaluation`` the held-out ones (see :func:`eval_prompts`)."""
     t = cfg.task
-    if t.name == "guess":
-        return GuessTask(t.guess_max, seed=t.seed + seed_offset + (EVAL_SEED_OFFSET if evaluation else 0))
-    if t.name == "arithmetic":
-        a = t.arithmetic
-        offset = seed_offset + (EVAL_SEED_OFFSET if evaluation else 0)
-        return ArithmeticTask(list(a.ops), a.min_digits, a.max_digits, seed=t.seed + offset)
-    if t.name == "chain":
-        c = t.chain
-        offset = seed_offset + (EVAL_SEED_OFFSET if evaluation else 0)
-        return ChainTask(c.terms, list(c.ops), c.min_digits, c.max_digits, seed=t.seed + offset)
+    generated = GENERATED_TASKS.get(t.name)
+    if generated is not None:
+        return generated(t, t.seed + seed_offset + (EVAL_SEED_OFFSET if evaluation else 0))
     options = dict(
         prompt_field=t.prompt_field,
         answer_field=t.answer_field,
@@ -62,6 +52,6 @@ def task_prompts(cfg: Config) -> PromptSource:
     """The training prompt source, validated against the model's tokenizer without loading weights."""
     tokenizer, max_positions = load_tokenizer(cfg.model.path, cfg.model.chat_template)
     source = prompt_source(cfg, tokenizer, max_positions)
-    if cfg.task.name not in ("arithmetic", "chain", "guess"):  # generated: no eval split to check
+    if cfg.task.name not in GENERATED_TASKS:  # generated: no eval split to check
         prompt_source(cfg, tokenizer, max_positions, evaluation=True)  # a bad eval split fails here too
     return source

@@ -11,7 +11,6 @@ itself).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from asyncrl.errors import ConfigError
@@ -84,18 +83,3 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
 def reward_prompt(prompt: Prompt) -> str | list[dict[str, str]]:
     """What reward functions receive as the prompt: the string, or the message list."""
     return prompt.text if prompt.messages is None else prompt.messages
-
-
-def load_chat_template(spec: str) -> str:
-    """``model.chat_template``: a path to a template file, or the Jinja template itself."""
-    if "{" not in spec:
-        path = Path(spec)
-        if not path.is_file():
-            raise ConfigError("model.chat_template", spec, "not a file, and not a template (no '{' in it)")
-        return path.read_text(encoding="utf-8")
-    return spec
-
-
-def apply_chat_template_override(tokenizer, spec: str | None) -> None:
-    if spec is not None:
-        tokenizer.chat_template = load_chat_template(spec)

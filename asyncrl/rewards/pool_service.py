@@ -8,7 +8,7 @@ time-limited in their own processes as usual with ``task.reward_timeout_s`` — 
 batches generators send it (:mod:`asyncrl.rewards.pool`, the client).
 
 The local pool ignores the stop signals (a scheduler's stop to the whole process group is the
-run's to handle, :mod:`asyncrl.runtimes.lifeline`): it ends when the run closes its end of the
+run's to handle, :mod:`asyncrl.lifeline`): it ends when the run closes its end of the
 start pipe, or with the run's process.
 """
 
@@ -25,11 +25,11 @@ from contextlib import contextmanager, suppress
 from multiprocessing.connection import Connection, Listener
 
 from asyncrl.config import Config
+from asyncrl.lifeline import exit_with_parent, ignore_stop_signals, stop_signals_held
 from asyncrl.rewards.build import reward_set
 from asyncrl.rewards.pool import ENV, RewardPoolError
 from asyncrl.rewards.scoring import RewardSet, Scored
 from asyncrl.rewards.services import announced
-from asyncrl.runtimes.lifeline import exit_with_parent, ignore_stop_signals, stop_signals_held
 
 STOP_TIMEOUT_S = 10.0
 

@@ -29,20 +29,21 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from asyncrl.builtin.chains import results_of
 from asyncrl.config.user_code import import_named
 from asyncrl.errors import ConfigError
+from asyncrl.plugins import Registry
 from asyncrl.rewards.judges.reward import judge_reward
 from asyncrl.rewards.library import format_regex, math_verify, overlong_penalty
 
 RewardFn = Callable[..., Any]
-_REGISTRY: dict[str, RewardFn] = {}
+# The named reward functions: the general ones below, and a plugin's own (the chain task's
+# chain_match, registered by asyncrl.builtin.register).
+REWARDS: Registry[RewardFn] = Registry("reward")
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     def wrap(fn: RewardFn) -> RewardFn:
-        _REGISTRY[name] = fn
-        return fn
+        return REWARDS.register(name, fn)
 
     return wrap
 
@@ -51,14 +52,6 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
 def exact_match(completion: str, answer: str | None, **_: object) -> float:
     """1.0 when the completion, stripped of surrounding whitespace, equals the answer."""
     return float(answer is not None and completion.strip() == answer.strip())
-
-
-@register_reward("chain_match")
-def chain_match(completion: str, answer: str | None, **_: object) -> float:
-    """1.0 when the completion writes every running result of the chain task right (``17,22,31``),
-    whitespace around the results ignored; one wrong result, a missing one or an extra one
-    scores 0, so a late slip costs the whole reward."""
-    return float(answer is not None and results_of(completion) == results_of(answer))
 
 
 @register_reward("numeric_match")
@@ -82,7 +75,7 @@ for _name, _fn in (
 
 
 def registered_rewards() -> list[str]:
-    return sorted(_REGISTRY)
+    return REWARDS.names()
 
 
 def is_batched(fn: RewardFn) -> bool:
@@ -92,8 +85,9 @@ def is_batched(fn: RewardFn) -> bool:
 
 def resolve_reward(spec: str, key: str = "task.reward") -> RewardFn:
     """A registered name, or ``package.module:function`` importable from the current environment."""
-    if spec in _REGISTRY:
-        return _REGISTRY[spec]
+    registered = REWARDS.get(spec)
+    if registered is not None:
+        return registered
     if ":" not in spec:
         raise ConfigError(
             key, spec, f"not a registered reward ({registered_rewards()}) nor 'module:function'"

@@ -12,7 +12,7 @@ killed; a replacement starts when a call needs one.
 The waits are cut into slices of ``STOP_CHECK_S``: after :meth:`TimedReward.stop` (the run
 is stopping) the batch in progress is abandoned with :class:`ScoringStopped` within one
 slice, and its processes are killed. A child ignores SIGINT (the run decides how to stop)
-and dies with its parent, even in the middle of a call (:mod:`asyncrl.runtimes.lifeline`).
+and dies with its parent, even in the middle of a call (:mod:`asyncrl.lifeline`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class RewardRaised(RewardCallError):
 
 
 def _child(spec: str, conn, parent: int) -> None:
-    from asyncrl.runtimes.lifeline import exit_with_parent, ignore_stop_signals
+    from asyncrl.lifeline import exit_with_parent, ignore_stop_signals
 
     ignore_stop_signals()  # the run stops it (kill) or its lifeline does
     exit_with_parent(parent)
@@ -75,7 +75,7 @@ class _Child:
         self.proc = ctx.Process(
             target=_child, args=(spec, child_conn, os.getpid()), name="asyncrl-reward", daemon=True
         )
-        from asyncrl.runtimes.lifeline import stop_signals_held
+        from asyncrl.lifeline import stop_signals_held
 
         with stop_signals_held():  # until the child ignores them itself
             self.proc.start()

@@ -9,7 +9,7 @@ through one more (the group transport's queue, :mod:`asyncrl.transports.groups`)
 Liveness: every wait has a deadline. A worker that raises reports the error before it
 exits; one that dies without a word is noticed by its exit code at the next poll, and the
 error names it. Children ignore the stop signals, however they are sent (to the process group
-by a scheduler, or to each process; see :mod:`asyncrl.runtimes.lifeline`): the controller
+by a scheduler, or to each process; see :mod:`asyncrl.lifeline`): the controller
 decides how to stop and tells them. They exit by
 themselves if the controller process disappears (between commands at once, in the middle of
 one after ``LIFELINE_GRACE_S``), and are killed if they do not exit within
@@ -33,10 +33,11 @@ import torch
 import torch.multiprocessing as mp
 
 from asyncrl.config import Config
+from asyncrl.lifeline import Owner, exit_with_owner, ignore_stop_signals, stop_signals_held
+from asyncrl.messages import Ready, Stop, WorkerError, WorkerFailed
 from asyncrl.models.loading import resolve_device
 from asyncrl.runtimes.base import generator_name
 from asyncrl.runtimes.cores import CoreShare, available_cores
-from asyncrl.runtimes.lifeline import Owner, exit_with_owner, ignore_stop_signals, stop_signals_held
 from asyncrl.runtimes.processes import adopt_environment, start_process_helpers, worker_context
 from asyncrl.runtimes.serving import (
     GENERATOR,
@@ -59,7 +60,6 @@ from asyncrl.transports.weights.factory import (
     transport_spec,
     unlink_segment,
 )
-from asyncrl.workers.messages import Ready, Stop, WorkerError, WorkerFailed
 from asyncrl.workers.teacher import TEACHER
 
 RANK_FAILURE_GRACE_S = 1.0  # how long a trainer rank's failure waits for a sibling rank's exit to show

@@ -55,12 +55,12 @@ def worker_context(method: StartMethod, on_cuda: bool = False):
 def start_process_helpers(context) -> None:
     """Start the interpreter's process helpers the workers need, unless running: Python's
     resource tracker and, for a ``forkserver`` context, the fork server. Started inside
-    :func:`~asyncrl.runtimes.lifeline.stop_signals_held`, they are born with the stop signals
+    :func:`~asyncrl.lifeline.stop_signals_held`, they are born with the stop signals
     blocked and keep them so (the fork server never unblocks them; the resource tracker ignores
     SIGINT and SIGTERM by itself)."""
     from multiprocessing import forkserver, resource_tracker
 
-    from asyncrl.runtimes.lifeline import stop_signals_held
+    from asyncrl.lifeline import stop_signals_held
 
     with stop_signals_held():  # SIGHUP; the tracker unblocks the two it ignores as it starts
         resource_tracker.ensure_running()

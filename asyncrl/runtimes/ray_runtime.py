@@ -49,12 +49,21 @@ from pathlib import Path
 
 from asyncrl.config import Config
 from asyncrl.errors import AsyncRLError
+from asyncrl.lifeline import stop_signals_held
+from asyncrl.messages import (
+    Ready,
+    Restored,
+    StepDone,
+    Stop,
+    WorkerError,
+    WorkerFailed,
+    WorkerLost,
+)
 from asyncrl.rewards.judges.client import ENV as JUDGE_ENV
 from asyncrl.rewards.pool import ENV as POOL_ENV
 from asyncrl.rewards.pool_service import RewardActor
 from asyncrl.runtimes.base import generator_name, is_generator
 from asyncrl.runtimes.cores import available_cores
-from asyncrl.runtimes.lifeline import stop_signals_held
 from asyncrl.runtimes.serving import (
     TRAINER,
     TRAINER_RANK,
@@ -75,15 +84,6 @@ from asyncrl.transports.weights.factory import (
     make_receiver,
     transport_spec,
     unlink_segment,
-)
-from asyncrl.workers.messages import (
-    Ready,
-    Restored,
-    StepDone,
-    Stop,
-    WorkerError,
-    WorkerFailed,
-    WorkerLost,
 )
 from asyncrl.workers.teacher import TEACHER
 

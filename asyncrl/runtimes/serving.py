@@ -23,12 +23,12 @@ import torch
 
 from asyncrl.config import Config
 from asyncrl.errors import AsyncRLError
+from asyncrl.messages import Accumulate, Discard, Ready, Stop, WorkerFailed
 from asyncrl.models.loading import resolve_device
 from asyncrl.transports.groups.base import GroupSender, detach_payloads
 from asyncrl.transports.groups.inbox import Inbox
 from asyncrl.transports.weights.factory import TransportSpec, make_receiver, make_sender, weights_device
 from asyncrl.workers.generator import GeneratorWorker
-from asyncrl.workers.messages import Accumulate, Discard, Ready, Stop, WorkerFailed
 from asyncrl.workers.teacher import TEACHER, TeacherWorker
 from asyncrl.workers.trainer import TrainerWorker, run_follower
 

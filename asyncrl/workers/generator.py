@@ -14,19 +14,7 @@ import time
 from collections.abc import Callable
 
 from asyncrl.config import Config
-from asyncrl.rewards.scoring import ScoringStopped
-from asyncrl.rollout.base import Rollout, nothing_to_train
-from asyncrl.rollout.build import build_rollout
-from asyncrl.rollout.pivots import find_pivots
-from asyncrl.transports.weights.base import (
-    InterruptibleReceiver,
-    SyncInterrupted,
-    WeightLayout,
-    WeightReceiver,
-    WeightSyncError,
-)
-from asyncrl.workers import build
-from asyncrl.workers.messages import (
+from asyncrl.messages import (
     GroupCancelled,
     GroupDropped,
     GroupReady,
@@ -38,7 +26,19 @@ from asyncrl.workers.messages import (
     Submit,
     WeightsLoaded,
 )
+from asyncrl.rewards.scoring import ScoringStopped
+from asyncrl.rollout.base import Rollout, nothing_to_train
+from asyncrl.rollout.pivots import find_pivots
+from asyncrl.transports.weights.base import (
+    InterruptibleReceiver,
+    SyncInterrupted,
+    WeightLayout,
+    WeightReceiver,
+    WeightSyncError,
+)
+from asyncrl.workers import build
 from asyncrl.workers.policy_engines import PolicyEngines, policy_engine
+from asyncrl.workers.rollouts import build_rollout
 
 SPAN_FLUSH_S = 0.25  # long generation periods are reported in slices so the timeline stays live
 

@@ -23,10 +23,10 @@ from collections.abc import Callable
 
 from asyncrl.config import Config
 from asyncrl.distill.teacher import Teacher, load_teacher
+from asyncrl.messages import LoadWeights, Span, Taught, Teach
 from asyncrl.transports.groups.base import Delivery
 from asyncrl.transports.groups.inbox import Inbox
 from asyncrl.transports.weights.base import WeightLayout, WeightReceiver
-from asyncrl.workers.messages import LoadWeights, Span, Taught, Teach
 
 TEACHER = "teacher"
 

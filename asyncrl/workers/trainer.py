@@ -17,18 +17,34 @@ from pathlib import Path
 
 import torch
 
+from asyncrl import checkpoints as checkpoint
 from asyncrl.config import DEFAULT_POLICY, Config
-from asyncrl.control import checkpoints as checkpoint
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.multi_lora import MultiLora
 from asyncrl.engine.types import GenerationStopped
+from asyncrl.messages import (
+    Accumulate,
+    CheckpointSaved,
+    ContinueBatch,
+    Discard,
+    EvalDone,
+    Evaluate,
+    FinishStep,
+    Restore,
+    Restored,
+    SaveCheckpoint,
+    Saved,
+    SaveModel,
+    Span,
+    StepDone,
+    Stop,
+)
 from asyncrl.models.loading import Policy, resolve_device, save_policy
 from asyncrl.models.lora import published_weights, synced_parameters
 from asyncrl.models.routing import mismatched_routes
 from asyncrl.prompts.build import eval_prompts
 from asyncrl.rewards.scoring import ScoringStopped
 from asyncrl.rollout.base import Rollout
-from asyncrl.rollout.build import build_rollout
 from asyncrl.rollout.evaluation import evaluate
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.distributed import RankGroup, RankSpec, rank_device
@@ -51,24 +67,8 @@ from asyncrl.transports.weights.base import (
 )
 from asyncrl.types import Group, PartialGroup
 from asyncrl.workers import build
-from asyncrl.workers.messages import (
-    Accumulate,
-    CheckpointSaved,
-    ContinueBatch,
-    Discard,
-    EvalDone,
-    Evaluate,
-    FinishStep,
-    Restore,
-    Restored,
-    SaveCheckpoint,
-    Saved,
-    SaveModel,
-    Span,
-    StepDone,
-    Stop,
-)
 from asyncrl.workers.policy_engines import evaluation_engines, refresh_adapters
+from asyncrl.workers.rollouts import build_rollout
 
 Command = Accumulate | FinishStep | ContinueBatch | Evaluate | SaveModel | SaveCheckpoint | Restore | Discard
 

@@ -21,9 +21,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from asyncrl.config import JudgeConfig
+from asyncrl.lifeline import stop_signals_held
 from asyncrl.rewards.judges.client import ENV, JudgeClient, JudgeError
 from asyncrl.rewards.services import announced
-from asyncrl.runtimes.lifeline import stop_signals_held
 
 STOP_TIMEOUT_S = 10.0
 

@@ -23,8 +23,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
+from asyncrl.messages import GroupReady, Preempted, Taught
 from asyncrl.types import Group, PartialGroup, TeacherScores
-from asyncrl.workers.messages import GroupReady, Preempted, Taught
 
 
 @dataclass

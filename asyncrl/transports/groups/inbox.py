@@ -6,9 +6,9 @@ import queue
 import threading
 from collections.abc import Iterable
 
+from asyncrl.messages import WorkerError
 from asyncrl.transports.groups.base import Delivery
 from asyncrl.types import Group, PartialGroup, TeacherScores
-from asyncrl.workers.messages import WorkerError
 
 FEED_WAIT_S = 0.5  # how often the feeding thread looks whether the inbox is closed
 

@@ -14,7 +14,6 @@ the routing record and replay (:mod:`asyncrl.models.routing`) are tested and mea
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from transformers import (
@@ -27,24 +26,6 @@ from transformers import (
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
-
-# The shipped warm starts (``builtin:NAME``), each made by ``asyncrl sft --task ...``
-# (:mod:`asyncrl.builtin.warm_start`).
-SHIPPED_DIR = Path(__file__).resolve().parent / "models"
-BUILTIN_MODELS = {
-    "arith": SHIPPED_DIR / "tiny-arith",
-    # The chain task's (asyncrl.builtin.chains): its sampled failures come late in a completion.
-    "chain": SHIPPED_DIR / "tiny-chain",
-    "calculator": SHIPPED_DIR / "tiny-calculator",
-    "guess": SHIPPED_DIR / "tiny-guess",
-    # Both roles of the two-role verify task (asyncrl.builtin.verify), solver and verifier.
-    "verify": SHIPPED_DIR / "tiny-verify",
-    # tiny:moe warm-started on arithmetic like builtin:arith (`asyncrl sft --model tiny:moe`).
-    "moe": SHIPPED_DIR / "tiny-moe",
-    # builtin:arith trained further by RL (400 steps of the default example): the teacher of
-    # on-policy distillation's example and measurements (bench/distill.py made it).
-    "arith-teacher": SHIPPED_DIR / "tiny-arith-teacher",
-}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,64 @@
+"""Plugins: the modules that add named tasks, reward functions, environments and models.
+
+A lower layer never imports the toy world that names things in it: it keeps a
+:class:`Registry`, and the first lookup of any registry imports the plugins, which register
+their entries. asyncrl's own toy world (``asyncrl.builtin``: the arithmetic, chain and guessing
+tasks, the calculator and guessing games, the two-role verify episode, the shipped warm-started
+models, the chain task's reward) is the one plugin; a user's own task, reward or environment is
+named by ``module:name`` in the config instead (:mod:`asyncrl.config.user_code`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Iterator
+from typing import Generic, TypeVar
+
+PLUGINS = ("asyncrl.builtin.register",)
+
+T = TypeVar("T")
+
+_lock = threading.RLock()
+_loaded = False
+
+
+def load_plugins() -> None:
+    """Import every plugin once (each registers its entries as it is imported)."""
+    global _loaded
+    with _lock:
+        if _loaded:
+            return
+        _loaded = True  # first: a plugin that looks a name up while registering does not recurse
+        for module in PLUGINS:
+            importlib.import_module(module)
+
+
+class Registry(Generic[T]):
+    """Named entries of one kind (``what`` names the kind in errors), filled by plugins."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._entries: dict[str, T] = {}
+
+    def register(self, name: str, entry: T) -> T:
+        """Add ``entry`` under ``name``; a second, different entry under one name is refused."""
+        if name in self._entries and self._entries[name] is not entry:
+            raise ValueError(f"{self.what} {name!r} is registered twice")
+        self._entries[name] = entry
+        return entry
+
+    def get(self, name: str) -> T | None:
+        load_plugins()
+        return self._entries.get(name)
+
+    def __contains__(self, name: object) -> bool:
+        load_plugins()
+        return name in self._entries
+
+    def names(self) -> list[str]:
+        load_plugins()
+        return sorted(self._entries)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
