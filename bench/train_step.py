@@ -30,6 +30,7 @@ import os
 import statistics
 import sys
 import threading
+import types
 import time
 from pathlib import Path
 
@@ -135,17 +136,20 @@ class StackSampler:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             frame = sys._current_frames().get(self._main)
-            if frame is None:
-                continue
-            self.samples += 1
-            self.counts[_where(frame)] += 1
-            seen = set()
-            while frame is not None:
-                key = _where(frame)
-                if key not in seen:
-                    self.inclusive[key] += 1
-                    seen.add(key)
-                frame = frame.f_back
+            if frame is not None:
+                self.record(frame)
+
+    def record(self, frame: types.FrameType) -> None:
+        """Count one sample: ``frame`` itself, and once each the places on its stack."""
+        self.samples += 1
+        self.counts[_where(frame)] += 1
+        seen = set()
+        while frame is not None:
+            key = _where(frame)
+            if key not in seen:
+                self.inclusive[key] += 1
+                seen.add(key)
+            frame = frame.f_back
 
     def report(self, top: int) -> dict:
         n = max(self.samples, 1)

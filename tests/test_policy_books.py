@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from asyncrl import checkpoints as checkpoint
-from asyncrl.algorithms.losses import batch_divisor
 from asyncrl.builtin.arithmetic import ArithmeticTask
 from asyncrl.config import Config, load_config
 from asyncrl.control.books import Books
@@ -445,16 +444,23 @@ class TwoPolicyRuntime:
                         self.too_old.append((s.group_id, policy, self.clocks[policy] - v))
             if tokens:
                 stepping.append(policy)
+        # Each policy's divisor by its definition (asyncrl/algorithms/losses.py docstring), counted here from the
+        # samples the trainer holds, not by the production function: per sequence (grpo), per
+        # trained token (bnpo, dapo), or per sequence times the completion budget (dr_grpo).
         loss, max_new = self.cfg.algorithm.loss_type, self.cfg.rollout.max_new_tokens
-        self.expected_divisors.append(
-            {
-                p: batch_divisor(
-                    loss, n, sum(s.num_trained_tokens for s in samples if s.policy == p), max_new
-                )
-                for p in self.eta
-                if (n := sum(s.policy == p for s in samples))
-            }
-        )
+        expected = {}
+        for p in self.eta:
+            own = [s for s in samples if s.policy == p]
+            if not own:
+                continue
+            tokens = sum(sum(1 for m in s.loss_mask if m) for s in own)
+            expected[p] = {
+                "grpo": float(len(own)),
+                "bnpo": float(max(tokens, 1)),
+                "dapo": float(max(tokens, 1)),
+                "dr_grpo": float(len(own) * max_new),
+            }[loss]
+        self.expected_divisors.append(expected)
         self.finishes.append(command)
         self.trained += self.step
         self.step = []
