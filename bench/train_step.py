@@ -30,8 +30,8 @@ import os
 import statistics
 import sys
 import threading
-import types
 import time
+import types
 from pathlib import Path
 
 import torch
