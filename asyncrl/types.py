@@ -8,13 +8,10 @@ the unit of admission into a training batch, and each carries its prompt id end 
 completions are never paired with prompts by order.
 
 The records hold plain Python lists so that they pickle cheaply across processes and
-serialise to JSON for recording and replay. A :class:`GroupHeader` is what the controller
-knows of a generated group — ids, token counts per policy version, rewards, finish reasons —
-while the group itself goes from its generator straight to the trainer (the payload plane,
-``transports/groups/base.py``); its size does not grow with the completions' length.
-
-(Over 500 lines on purpose: every record that crosses a process boundary is declared here, so
-that one module says what travels; pivot resampling's records joined them.)
+serialise to JSON for recording and replay. A group's header
+(:class:`~asyncrl.protocol.headers.GroupHeader`) is what the controller knows of it — ids,
+token counts per policy version, rewards, finish reasons — while the group itself goes from
+its generator straight to the trainer (the payload plane, ``transports/groups/base.py``).
 """
 
 from __future__ import annotations
@@ -362,28 +359,6 @@ class Group:
         """The first sample's reward (or episode) error, for the run's notice."""
         return next((s.reward_error for s in self.samples if s.reward_error), None)
 
-    def header(self) -> GroupHeader:
-        """What the controller needs to know of this group (see :class:`GroupHeader`)."""
-        return GroupHeader(
-            group_id=self.group_id,
-            prompt_id=self.prompt.prompt_id,
-            rewards=[s.reward for s in self.samples],
-            reward_errors=sum(s.reward_error is not None for s in self.samples),
-            reward_components=_components_by_label(self.samples),
-            finish_reasons=[s.finish_reason for s in self.samples],
-            lengths=[s.num_completion_tokens for s in self.samples],
-            trained_versions=[_trained_versions(s) for s in self.samples],
-            pivot=self.pivot,
-            policies=[s.policy for s in self.samples]
-            if any(s.policy != "default" for s in self.samples)
-            else None,
-            roles=[s.role or "" for s in self.samples] if any(s.role for s in self.samples) else None,
-            turns=[len(s.turn_spans or ()) for s in self.samples]
-            if any(s.role for s in self.samples)
-            else None,
-            first_error=self.first_error,
-        )
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -466,94 +441,6 @@ def oldest_for(oldest: Oldest, policy: str) -> int:
     return oldest.get(policy, -(1 << 62))
 
 
-def _trained_versions(sample: Sample) -> dict[int, int]:
-    counts: dict[int, int] = {}
-    for m, v in zip(sample.loss_mask, sample.versions, strict=True):
-        if m:
-            counts[v] = counts.get(v, 0) + 1
-    return counts
-
-
-def _components_by_label(samples: list[Sample]) -> dict[str, list[float | None]]:
-    """Each reward function's value per sample, by label (None where it did not apply or failed)."""
-    labels = sorted({label for s in samples for label in (s.reward_components or {})})
-    return {label: [(s.reward_components or {}).get(label) for s in samples] for label in labels}
-
-
-@dataclass
-class GroupHeader:
-    """What the controller reads of a generated group: enough for admission, staleness, accounting,
-    the batch divisor, the step's metrics and checkpoints — never the tokens.
-
-    Per sample: reward, finish reason, completion length, and ``trained_versions``, the number
-    of trained tokens (loss mask 1) sampled by each policy version. Staleness decisions need no
-    more: a group is too old when a trained token's version is, and masking too-old tokens
-    (``schedule.reject=token``) removes whole version counts. The trainer applies the same
-    decisions to the group itself (``Group.mask_older_than``).
-    """
-
-    group_id: int
-    prompt_id: str
-    rewards: list[float | None]
-    reward_errors: int
-    reward_components: dict[str, list[float | None]]
-    finish_reasons: list[str]
-    lengths: list[int]
-    trained_versions: list[dict[int, int]]
-    pivot: Pivot | None = None  # a branch group's (see Group)
-    # Multi-agent groups: each sample's policy (None: all 'default'), whose clock its versions
-    # count, and each sample's role and model turns (None: not an episode of roles).
-    policies: list[str] | None = None
-    roles: list[str] | None = None
-    turns: list[int] | None = None
-    first_error: str | None = None  # the first sample's reward (or episode) error, for the run's notice
-
-    def policy_of(self, index: int) -> str:
-        return "default" if self.policies is None else self.policies[index]
-
-    @property
-    def size(self) -> int:
-        return len(self.rewards)
-
-    @property
-    def num_completion_tokens(self) -> int:
-        return sum(self.lengths)
-
-    @property
-    def num_trained_tokens(self) -> int:
-        return sum(n for counts in self.trained_versions for n in counts.values())
-
-    @property
-    def oldest_version(self) -> int | None:
-        return min((v for counts in self.trained_versions for v in counts), default=None)
-
-    def stale_trained_tokens(self, oldest: Oldest) -> int:
-        return sum(
-            n
-            for i, counts in enumerate(self.trained_versions)
-            for v, n in counts.items()
-            if v < oldest_for(oldest, self.policy_of(i))
-        )
-
-    def mask_older_than(self, oldest: Oldest) -> int:
-        masked = self.stale_trained_tokens(oldest)
-        self.trained_versions = [
-            {v: n for v, n in c.items() if v >= oldest_for(oldest, self.policy_of(i))}
-            for i, c in enumerate(self.trained_versions)
-        ]
-        return masked
-
-
-@dataclass
-class PartialHeader:
-    """What the controller reads of a :class:`PartialGroup` (the group itself goes to the trainer)."""
-
-    group_id: int
-    completions: int  # completions with tokens (finished or prefixes)
-    num_completion_tokens: int
-    oldest_version: int | None
-
-
 @dataclass
 class PartialGroup:
     """A group stopped mid-generation (a run preempted by a stop), to be continued after a resume.
@@ -584,11 +471,6 @@ class PartialGroup:
     def oldest_version(self) -> int | None:
         versions = [s.oldest_version for s in self.samples.values() if s.oldest_version is not None]
         return min(versions) if versions else None
-
-    def header(self) -> PartialHeader:
-        return PartialHeader(
-            self.group_id, len(self.samples), self.num_completion_tokens, self.oldest_version
-        )
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from asyncrl.config import load_config
-from asyncrl.messages import GroupReady, LoadWeights, Submit, WeightsLoaded
+from asyncrl.protocol.messages import GroupReady, LoadWeights, Submit, WeightsLoaded
 from asyncrl.transports.weights.inprocess import InProcessChannel
 from asyncrl.types import Prompt
 from asyncrl.workers.generator import GeneratorWorker

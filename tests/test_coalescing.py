@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import queue
 
-from asyncrl.messages import Accumulate, Discard, Evaluate, FinishStep, LoadWeights, Stop
+from asyncrl.protocol.messages import Accumulate, Discard, Evaluate, FinishStep, LoadWeights, Stop
 from asyncrl.runtimes.serving import coalesced as _coalesced
 from asyncrl.types import Group, Prompt
 

@@ -31,8 +31,9 @@ from asyncrl.distill.teacher import LocalTeacher, ServedTeacher, TeacherError, c
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.types import GenerationRequest, SamplingParams
 from asyncrl.errors import ConfigError
-from asyncrl.messages import WorkerError
 from asyncrl.models.loading import load_policy
+from asyncrl.protocol.headers import group_header
+from asyncrl.protocol.messages import WorkerError
 from asyncrl.server.app import OpenAIServer
 from asyncrl.trainer.trainer import assign_advantages, distill_metrics
 from asyncrl.transports.groups.base import Delivery
@@ -154,7 +155,7 @@ def test_the_teacher_queue_bounds_dispatch_and_the_wait(monkeypatch: pytest.Monk
         ledger.add(gid, gid, Prompt(f"p{gid}", "x"))
         ledger.move(gid, GroupState.GENERATING, generator="generator-0")
         ledger.move(gid, GroupState.DELIVERED)
-        headers.append(group(gid, [sample(gid, [-1.0], 1.0)]).header())
+        headers.append(group_header(group(gid, [sample(gid, [-1.0], 1.0)])))
     now = [100.0]
     monkeypatch.setattr(teaching_module.time, "monotonic", lambda: now[0])
     queue.wait(headers[0])
@@ -420,8 +421,8 @@ def test_a_teacher_that_dies_stops_the_run_naming_it_and_keeps_the_checkpoint(tm
 
     from asyncrl.control.run import run_controller, train
     from asyncrl.control.session import RunSession
-    from asyncrl.messages import CheckpointSaved
     from asyncrl.prompts.build import task_prompts
+    from asyncrl.protocol.messages import CheckpointSaved
     from asyncrl.runtimes.local import LocalRuntime
 
     overrides = [*short_run(6), f"distill.teacher={STUDENT}", *RUNS["local"]]
@@ -528,10 +529,10 @@ def test_scores_reported_before_their_group_let_it_into_the_buffer_at_once() -> 
         ledger.move(gid, GroupState.GENERATING, generator="generator-0")
     assert queue.taught([7]) == []  # before the controller heard of group 7
     ledger.move(7, GroupState.DELIVERED)
-    assert queue.wait(group(7, [sample(7, [-1.0], 1.0)]).header()) is True
+    assert queue.wait(group_header(group(7, [sample(7, [-1.0], 1.0)]))) is True
     assert len(queue) == 0 and queue.taught_groups == 1
     ledger.move(8, GroupState.DELIVERED)
-    assert queue.wait(group(8, [sample(8, [-1.0], 1.0)]).header()) is False  # the usual order
+    assert queue.wait(group_header(group(8, [sample(8, [-1.0], 1.0)]))) is False  # the usual order
     assert [h.group_id for h in queue.taught([8])] == [8]
     assert queue.taught([99]) == [] and queue._early == set()  # a group no longer known is ignored
 
@@ -589,8 +590,8 @@ def test_a_teacher_actor_that_dies_stops_a_ray_run_naming_it(tmp_path: Path) -> 
 
     from asyncrl.control.run import run_controller
     from asyncrl.control.session import RunSession
-    from asyncrl.messages import StepDone
     from asyncrl.prompts.build import task_prompts
+    from asyncrl.protocol.messages import StepDone
     from asyncrl.runtimes.ray_runtime import RayRuntime
 
     overrides = [

@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from asyncrl.config import Config, load_config
-from asyncrl.messages import Accumulate, FinishStep, Restore, SaveCheckpoint, StepDone
+from asyncrl.protocol.messages import Accumulate, FinishStep, Restore, SaveCheckpoint, StepDone
 from asyncrl.runtimes.processes import worker_context
 from asyncrl.trainer.batching import trained_span
 from asyncrl.trainer.distributed import reduce_step_stats, split_samples

@@ -21,7 +21,7 @@ import torch
 
 from asyncrl.config import load_config
 from asyncrl.control.run import train
-from asyncrl.messages import (
+from asyncrl.protocol.messages import (
     GroupCancelled,
     GroupDropped,
     GroupReady,

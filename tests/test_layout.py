@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("asyncrl.errors", "asyncrl.lifeline", "asyncrl.plugins"),
     ("asyncrl.types",),
     ("asyncrl.config",),
-    ("asyncrl.messages", "asyncrl.reports"),
+    ("asyncrl.protocol", "asyncrl.reports"),
     ("asyncrl.algorithms",),
     ("asyncrl.models",),
     ("asyncrl.checkpoints",),

@@ -27,7 +27,7 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.control.run import train
-from asyncrl.messages import WorkerError
+from asyncrl.protocol.messages import WorkerError
 from asyncrl.reports.jsonl import read_jsonl
 from tests.helpers import ONE_THREAD_EACH, child_pids, short_run
 

@@ -23,9 +23,9 @@ from asyncrl.engine.lora import MergedLora
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest
 from asyncrl.errors import ConfigError
-from asyncrl.messages import LoadWeights, WeightsLoaded
 from asyncrl.models.loading import Policy, load_policy, save_policy
 from asyncrl.models.lora import apply_lora, is_lora, lora_targets, published_weights
+from asyncrl.protocol.messages import LoadWeights, WeightsLoaded
 from asyncrl.trainer.batching import collate
 from asyncrl.trainer.logprobs import completion_logprobs
 from asyncrl.trainer.trainer import Trainer

@@ -19,7 +19,8 @@ from asyncrl.config import load_config
 from asyncrl.control import run as run_module
 from asyncrl.control.records import batch_metrics
 from asyncrl.control.run import train
-from asyncrl.messages import Accumulate, GroupReady, Preempted, Span, WorkerError
+from asyncrl.protocol.headers import group_header
+from asyncrl.protocol.messages import Accumulate, GroupReady, Preempted, Span, WorkerError
 from asyncrl.runtimes.inline import InlineRuntime
 from asyncrl.transports.groups.base import Delivery, GroupSender, detach_payloads
 from asyncrl.transports.groups.factory import make_group_sender, make_inbox
@@ -55,7 +56,7 @@ def group(gid: int, versions: list[list[int]], length: int | None = None, reward
 
 def test_header_counts_match_the_group() -> None:
     g = group(3, [[0, 1, 1], [2, 2], [1]])
-    h = g.header()
+    h = group_header(g)
     assert (h.group_id, h.size, h.num_completion_tokens, h.num_trained_tokens) == (3, 3, 6, 6)
     assert h.trained_versions == [{0: 1, 1: 2}, {2: 2}, {1: 1}]
     assert h.oldest_version == 0 and h.rewards == [0.0, 1.0, 2.0] and h.finish_reasons[0] == "length"
@@ -66,16 +67,16 @@ def test_header_counts_match_the_group() -> None:
 def test_header_and_group_agree_on_staleness_and_masking(oldest: int) -> None:
     """The controller decides on the header, the trainer acts on the group: the same counts come out."""
     g = group(1, [[0, 1, 2, 1], [2, 2, 0], [1, 0]])
-    h = g.header()
+    h = group_header(g)
     assert h.stale_trained_tokens(oldest) == g.stale_trained_tokens(oldest)
     assert h.mask_older_than(oldest) == g.mask_older_than(oldest)
     assert h.num_trained_tokens == g.num_trained_tokens
-    assert h.trained_versions == g.header().trained_versions
+    assert h.trained_versions == group_header(g).trained_versions
 
 
 def test_batch_metrics_from_headers_equal_the_per_token_definition() -> None:
     groups = [group(0, [[0, 1], [1, 1, 1]]), group(1, [[2], [0, 2]], reward=0.0)]
-    m = batch_metrics([g.header() for g in groups], trainer_version=3)
+    m = batch_metrics([group_header(g) for g in groups], trainer_version=3)
     lags = [3 - v for g in groups for s in g.samples for v in s.versions]
     assert m["staleness_mean"] == sum(lags) / len(lags) and m["staleness_max"] == max(lags) == 3
     assert m["samples"] == 4 and m["tokens_generated"] == 8 and m["truncated_frac"] == 0.5
@@ -91,7 +92,7 @@ def test_a_header_stays_small_whatever_the_completions_length() -> None:
     """Headers of 8 completions of 16 and of 4,096 tokens each: under 1 KB, apart by the counts' wider
     integers only (2 bytes each); the groups themselves grow with their tokens."""
     short, long = group(7, [[0]] * 8, length=16), group(7, [[0]] * 8, length=4096)
-    sizes = [len(pickle.dumps(GroupReady("generator-0", g.header()))) for g in (short, long)]
+    sizes = [len(pickle.dumps(GroupReady("generator-0", group_header(g)))) for g in (short, long)]
     assert max(sizes) <= HEADER_BYTES and sizes[1] - sizes[0] <= 2 * 8
     assert len(pickle.dumps(long)) > 100 * sizes[1]
 

@@ -29,14 +29,15 @@ from asyncrl.control.run import train
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.errors import ConfigError
-from asyncrl.messages import Accumulate, FinishStep
 from asyncrl.models.loading import load_policy
+from asyncrl.protocol.headers import GroupHeader, group_header
+from asyncrl.protocol.messages import Accumulate, FinishStep
 from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.rollout.pivots import find_pivots
 from asyncrl.trainer.trainer import assign_advantages
 from asyncrl.transports.groups.base import Delivery
 from asyncrl.transports.weights.inprocess import InProcessChannel
-from asyncrl.types import FoundPivot, Group, GroupHeader, GroupState, Pivot, Prompt, Sample
+from asyncrl.types import FoundPivot, Group, GroupState, Pivot, Prompt, Sample
 from asyncrl.workers.trainer import TrainerWorker
 from tests.helpers import child_env, cli, short_run, stop_after_steps
 
@@ -206,7 +207,7 @@ def test_a_branch_group_prefills_the_prefix_once_and_trains_only_its_continuatio
         assert sample.loss_mask[:p] == [0] * p and all(sample.loss_mask[p:])
         continuations.add(tuple(sample.completion_ids[p:]))
     assert len(continuations) > 1  # each continuation samples with its own seed
-    header = group.header()
+    header = group_header(group)
     assert header.pivot == pivot.pivot
     assert header.num_trained_tokens == sum(len(s.completion_ids) - p for s in group.samples)
 

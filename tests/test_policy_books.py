@@ -24,7 +24,9 @@ from asyncrl.control.policy_books import PolicyBooks, policy_divisors
 from asyncrl.control.records import batch_metrics
 from asyncrl.control.session import RunSession
 from asyncrl.control.steps import StepAssembly
-from asyncrl.messages import (
+from asyncrl.prompts.base import PromptStream
+from asyncrl.protocol.headers import GroupHeader, group_header
+from asyncrl.protocol.messages import (
     Accumulate,
     CheckpointSaved,
     Discard,
@@ -40,8 +42,7 @@ from asyncrl.messages import (
     Submit,
     WeightsLoaded,
 )
-from asyncrl.prompts.base import PromptStream
-from asyncrl.types import Group, GroupHeader, GroupState, Prompt, Sample
+from asyncrl.types import Group, GroupState, Prompt, Sample
 
 # solver on the run's own policy; checker on 'critic' (its own bound, 0); watcher on 'judge' (frozen)
 ROLES = [("solver", "default"), ("checker", "critic"), ("watcher", "judge")]
@@ -401,7 +402,7 @@ class TwoPolicyRuntime:
             for group_id, prompt in command.work:
                 group = self._group(group_id, prompt, self.clocks_at[self.gen_version[worker]])
                 self.made[group_id] = group
-                self.delayed.append([3 if group_id % 4 == 1 else 0, GroupReady(worker, group.header())])
+                self.delayed.append([3 if group_id % 4 == 1 else 0, GroupReady(worker, group_header(group))])
         elif isinstance(command, LoadWeights):
             self.gen_version[worker] = command.version
             self.events.append(WeightsLoaded(worker, command.version, 0.0))

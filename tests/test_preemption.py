@@ -22,8 +22,8 @@ from asyncrl.control import run as run_module
 from asyncrl.control.books import Books
 from asyncrl.control.run import train
 from asyncrl.control.saving import RunInterrupted
-from asyncrl.messages import GroupReady, Preempt, Preempted, SaveCheckpoint, StepDone, Submit
 from asyncrl.prompts.base import PromptStream
+from asyncrl.protocol.messages import GroupReady, Preempt, Preempted, SaveCheckpoint, StepDone, Submit
 from asyncrl.runtimes.inline import InlineRuntime
 from asyncrl.transports.weights.inprocess import InProcessChannel
 from asyncrl.types import Group, GroupState, PartialGroup, Prompt

@@ -25,7 +25,8 @@ from asyncrl.control.controller import Controller
 from asyncrl.control.run import train
 from asyncrl.control.scaling import write_control
 from asyncrl.control.session import RunSession
-from asyncrl.messages import (
+from asyncrl.prompts.build import task_prompts
+from asyncrl.protocol.messages import (
     GroupCancelled,
     GroupDropped,
     GroupReady,
@@ -33,7 +34,6 @@ from asyncrl.messages import (
     WorkerError,
     WorkerLost,
 )
-from asyncrl.prompts.build import task_prompts
 from asyncrl.runtimes.ray_runtime import RayRuntime
 from asyncrl.transports.weights.factory import free_port
 from asyncrl.workers.build import seed_everything

@@ -16,7 +16,7 @@ from asyncrl.config import load_config
 from asyncrl.control.controller import Controller
 from asyncrl.control.run import explain_untrained
 from asyncrl.control.session import RunSession
-from asyncrl.messages import WorkerError
+from asyncrl.protocol.messages import WorkerError
 from tests.helpers import child_env, cli, sets, short_run
 
 RUN = short_run(steps=2)

@@ -13,8 +13,8 @@ from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationStopped
 from asyncrl.episodes.environment import StepResult, environment_episode
 from asyncrl.episodes.rollout import EpisodeRollout
-from asyncrl.messages import Preempt, Preempted, Submit
 from asyncrl.models.loading import load_policy
+from asyncrl.protocol.messages import Preempt, Preempted, Submit
 from asyncrl.rollout.base import Rollout
 from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.transports.weights.inprocess import InProcessChannel

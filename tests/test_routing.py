@@ -705,7 +705,7 @@ def test_a_checkpoint_whose_carried_routes_do_not_fit_the_model_fails_at_load_na
     from asyncrl import checkpoints
     from asyncrl.checkpoints import CheckpointError
     from asyncrl.config import load_config
-    from asyncrl.messages import Restore, SaveCheckpoint
+    from asyncrl.protocol.messages import Restore, SaveCheckpoint
     from asyncrl.transports.weights.inprocess import InProcessChannel
     from asyncrl.workers.trainer import TrainerWorker
 

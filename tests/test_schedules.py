@@ -30,7 +30,10 @@ from asyncrl.control.run import train
 from asyncrl.control.session import RunSession
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationResult
-from asyncrl.messages import (
+from asyncrl.models.loading import load_policy, load_tokenizer
+from asyncrl.prompts.jsonl import JsonlDataset
+from asyncrl.protocol.headers import group_header
+from asyncrl.protocol.messages import (
     Accumulate,
     CheckpointSaved,
     Discard,
@@ -44,8 +47,6 @@ from asyncrl.messages import (
     Submit,
     WeightsLoaded,
 )
-from asyncrl.models.loading import load_policy, load_tokenizer
-from asyncrl.prompts.jsonl import JsonlDataset
 from asyncrl.reports.jsonl import read_jsonl
 from asyncrl.rewards.registry import resolve_reward
 from asyncrl.rollout.completions import CompletionRollout
@@ -451,7 +452,7 @@ class ShufflingRuntime:
                 self.submitted[group_id] = prompt
                 group = self._group(group_id, prompt, self.gen_version[worker])
                 self.made[group_id] = group  # the payload stays here; the controller gets the header
-                self.pending.append(GroupReady(worker, group.header()))
+                self.pending.append(GroupReady(worker, group_header(group)))
         elif isinstance(command, LoadWeights):
             self.gen_version[worker] = command.version
             self.events.append(WeightsLoaded(worker, command.version, 0.0))

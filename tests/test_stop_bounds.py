@@ -25,7 +25,7 @@ from asyncrl.control.saving import RunInterrupted
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest, GenerationStopped
-from asyncrl.messages import (
+from asyncrl.protocol.messages import (
     Accumulate,
     CheckpointSaved,
     ContinueBatch,

@@ -35,8 +35,8 @@ from asyncrl.control.run import train
 from asyncrl.control.session import RunSession
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest
-from asyncrl.messages import WorkerError
 from asyncrl.prompts.build import task_prompts
+from asyncrl.protocol.messages import WorkerError
 from asyncrl.runtimes.local import LocalRuntime
 from asyncrl.trainer.distributed import RankGroup, RankSpec
 from asyncrl.transports.weights.base import SyncInterrupted, WeightLayout, WeightSyncError

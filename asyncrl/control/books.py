@@ -41,7 +41,8 @@ from asyncrl.control.lifecycle import GroupLedger, GroupRecord
 from asyncrl.control.pivoting import BranchBook
 from asyncrl.control.policy_books import PolicyBooks
 from asyncrl.prompts.base import PromptStream
-from asyncrl.types import GroupHeader, GroupState, Prompt
+from asyncrl.protocol.headers import GroupHeader
+from asyncrl.types import GroupState, Prompt
 
 FORMAT = 2  # 2: carried groups and partial pending groups (1 is read too)
 FORMATS = (1, 2)

@@ -55,7 +55,9 @@ from asyncrl.control.saving import SaveProtocol
 from asyncrl.control.session import RunSession
 from asyncrl.control.steps import StepAssembly
 from asyncrl.control.teaching import teacher_queue
-from asyncrl.messages import (
+from asyncrl.prompts.base import PromptSource, PromptStream
+from asyncrl.protocol.headers import GroupHeader
+from asyncrl.protocol.messages import (
     CheckpointSaved,
     Discard,
     EvalDone,
@@ -81,9 +83,8 @@ from asyncrl.messages import (
     WorkerFailed,
     WorkerLost,
 )
-from asyncrl.prompts.base import PromptSource, PromptStream
 from asyncrl.runtimes.base import InterruptibleRuntime, Runtime
-from asyncrl.types import Group, GroupHeader, PartialGroup
+from asyncrl.types import Group, PartialGroup
 from asyncrl.workers.teacher import TEACHER
 
 
@@ -135,9 +136,8 @@ class Controller:
         self.teacher_queue = teacher_queue(cfg, self.books.groups, session.record_level)
         self._loop_t = time.monotonic()
         self.watchdog = Watchdog(cfg.runtime.stall_timeout_s, lambda: waiting_for(self))
-        self.notices = RunNotices(
-            cfg, lambda: self.books.counts, session.warn
-        )  # errors, drops: told as they come
+        # Failing user code and dropped groups, told as they come.
+        self.notices = RunNotices(cfg, lambda: self.books.counts, session.warn)
         self.preemption = Preemption(sched.max_staleness > 0, cfg.run.checkpoint_timeout_s)
         self.saving = SaveProtocol(
             cfg, session, self.books, self.steps, self.buffer, self.generators, self.preemption, self._send

@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable, Mapping
 
 from asyncrl.config import Config
-from asyncrl.messages import GroupDropped, WorkerError
-from asyncrl.types import GroupHeader
+from asyncrl.protocol.headers import GroupHeader
+from asyncrl.protocol.messages import GroupDropped, WorkerError
 
 NOTICE_EVERY_S = 60.0  # the least time between two notices of sample errors
 

@@ -37,8 +37,9 @@ from asyncrl.algorithms.losses import batch_divisor
 from asyncrl.algorithms.pivots import SuccessModel
 from asyncrl.config import Config
 from asyncrl.control.lifecycle import GroupLedger
-from asyncrl.messages import Submit
-from asyncrl.types import FoundPivot, GroupHeader, GroupState, Prompt
+from asyncrl.protocol.headers import GroupHeader
+from asyncrl.protocol.messages import Submit
+from asyncrl.types import FoundPivot, GroupState, Prompt
 
 S = GroupState
 DEPTH_BINS = 10

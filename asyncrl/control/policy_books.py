@@ -40,7 +40,7 @@ from typing import Any
 
 from asyncrl.algorithms.losses import LossType, batch_divisor
 from asyncrl.config import Config
-from asyncrl.types import GroupHeader
+from asyncrl.protocol.headers import GroupHeader
 
 OUTCOMES = ("delivered", "carried_in", "trained", "discarded_stale", "discarded_late", "carried_out", "held")
 

@@ -25,8 +25,9 @@ from asyncrl.control.books import Books
 from asyncrl.control.buffer import RolloutBuffer
 from asyncrl.control.membership import Generators
 from asyncrl.control.teaching import TeacherQueue
-from asyncrl.messages import Preempt, Preempted
-from asyncrl.types import Group, GroupState, Oldest, PartialGroup, PartialHeader, Prompt, oldest_for
+from asyncrl.protocol.headers import PartialHeader, group_header
+from asyncrl.protocol.messages import Preempt, Preempted
+from asyncrl.types import Group, GroupState, Oldest, PartialGroup, Prompt, oldest_for
 
 
 class Preemption:
@@ -99,7 +100,7 @@ def carry_over(
     """
     counts = books.counts
     for group in groups:
-        header = group.header()
+        header = group_header(group)
         books.carry(group.group_id, group.prompt, header)
         if teacher_queue is not None and not group.taught:
             teacher_queue.carry(group)

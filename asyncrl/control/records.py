@@ -10,9 +10,9 @@ from asyncrl.control.books import Books
 from asyncrl.control.buffer import RolloutBuffer
 from asyncrl.control.membership import TRAINER, Generators
 from asyncrl.control.teaching import TeacherQueue
-from asyncrl.messages import Span, StepDone, WeightsLoaded
+from asyncrl.protocol.headers import GroupHeader
+from asyncrl.protocol.messages import Span, StepDone, WeightsLoaded
 from asyncrl.reports.timeline import busy_fractions
-from asyncrl.types import GroupHeader
 
 SPAN_MEMORY_S = 60.0  # spans older than this are forgotten (a step's window is shorter)
 

@@ -18,12 +18,12 @@ from asyncrl.distill.teacher import check_teacher
 from asyncrl.engine.vllm_engine import INSTALL_HINT, unsupported_model, vllm_installed
 from asyncrl.errors import AsyncRLError, ConfigError
 from asyncrl.lifeline import STOP_SIGNALS
-from asyncrl.messages import WorkerError
 from asyncrl.models.loading import load_model_config
 from asyncrl.models.lora import check_lora_fits
 from asyncrl.models.routing import check_routing_replay
 from asyncrl.prompts.base import PromptSource
 from asyncrl.prompts.build import task_prompts
+from asyncrl.protocol.messages import WorkerError
 from asyncrl.rewards.judges.service import served_judge
 from asyncrl.rewards.pool_service import local_reward_pool
 from asyncrl.runtimes.base import Runtime

@@ -26,8 +26,9 @@ from asyncrl.control.clocks import PolicyClocks
 from asyncrl.control.lifecycle import GroupLedger
 from asyncrl.control.pivoting import BranchBook
 from asyncrl.control.policy_books import policy_divisors
-from asyncrl.messages import Accumulate, ContinueBatch, Discard, FinishStep
-from asyncrl.types import GroupHeader, GroupState
+from asyncrl.protocol.headers import GroupHeader
+from asyncrl.protocol.messages import Accumulate, ContinueBatch, Discard, FinishStep
+from asyncrl.types import GroupState
 
 CANONICAL_CHUNKS = 4  # a reproducible streaming step is sent in this many fixed chunks
 

@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 from asyncrl.config import Config, DistillConfig
 from asyncrl.control.lifecycle import GroupLedger
-from asyncrl.types import Group, GroupHeader, GroupState
+from asyncrl.protocol.headers import GroupHeader, group_header
+from asyncrl.types import Group, GroupState
 
 
 class TeacherQueue:
@@ -60,7 +61,7 @@ class TeacherQueue:
 
     def carry(self, group: Group) -> None:
         """A group a checkpoint carried unscored: it waits for the teacher again, which is sent it."""
-        self.wait(group.header())
+        self.wait(group_header(group))
         self.carried.append(group)
 
     def take_carried(self) -> list[Group]:

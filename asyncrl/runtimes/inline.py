@@ -7,7 +7,7 @@ import time
 import torch
 
 from asyncrl.config import Config
-from asyncrl.messages import LoadWeights, Preempt, Ready, Submit, Teach
+from asyncrl.protocol.messages import LoadWeights, Preempt, Ready, Submit, Teach
 from asyncrl.rewards.scoring import ScoringStopped
 from asyncrl.runtimes.base import generator_name
 from asyncrl.transports.groups.base import FanOut, GroupSender, detach_payloads

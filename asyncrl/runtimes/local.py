@@ -34,8 +34,8 @@ import torch.multiprocessing as mp
 
 from asyncrl.config import Config
 from asyncrl.lifeline import Owner, exit_with_owner, ignore_stop_signals, stop_signals_held
-from asyncrl.messages import Ready, Stop, WorkerError, WorkerFailed
 from asyncrl.models.loading import resolve_device
+from asyncrl.protocol.messages import Ready, Stop, WorkerError, WorkerFailed
 from asyncrl.runtimes.base import generator_name
 from asyncrl.runtimes.cores import CoreShare, available_cores
 from asyncrl.runtimes.processes import adopt_environment, start_process_helpers, worker_context

@@ -50,7 +50,7 @@ from pathlib import Path
 from asyncrl.config import Config
 from asyncrl.errors import AsyncRLError
 from asyncrl.lifeline import stop_signals_held
-from asyncrl.messages import (
+from asyncrl.protocol.messages import (
     Ready,
     Restored,
     StepDone,

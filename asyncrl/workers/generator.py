@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from asyncrl.config import Config
-from asyncrl.messages import (
+from asyncrl.protocol.messages import (
     GroupCancelled,
     GroupDropped,
     GroupReady,

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from asyncrl.config import Config
 from asyncrl.distill.teacher import Teacher, load_teacher
-from asyncrl.messages import LoadWeights, Span, Taught, Teach
+from asyncrl.protocol.messages import LoadWeights, Span, Taught, Teach
 from asyncrl.transports.groups.base import Delivery
 from asyncrl.transports.groups.inbox import Inbox
 from asyncrl.transports.weights.base import WeightLayout, WeightReceiver

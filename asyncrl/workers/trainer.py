@@ -22,7 +22,11 @@ from asyncrl.config import DEFAULT_POLICY, Config
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.multi_lora import MultiLora
 from asyncrl.engine.types import GenerationStopped
-from asyncrl.messages import (
+from asyncrl.models.loading import Policy, resolve_device, save_policy
+from asyncrl.models.lora import published_weights, synced_parameters
+from asyncrl.models.routing import mismatched_routes
+from asyncrl.prompts.build import eval_prompts
+from asyncrl.protocol.messages import (
     Accumulate,
     CheckpointSaved,
     ContinueBatch,
@@ -39,10 +43,6 @@ from asyncrl.messages import (
     StepDone,
     Stop,
 )
-from asyncrl.models.loading import Policy, resolve_device, save_policy
-from asyncrl.models.lora import published_weights, synced_parameters
-from asyncrl.models.routing import mismatched_routes
-from asyncrl.prompts.build import eval_prompts
 from asyncrl.rewards.scoring import ScoringStopped
 from asyncrl.rollout.base import Rollout
 from asyncrl.rollout.evaluation import evaluate

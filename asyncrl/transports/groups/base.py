@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from asyncrl.messages import GroupReady, Preempted, Taught
+from asyncrl.protocol.messages import GroupReady, Preempted, Taught
 from asyncrl.types import Group, PartialGroup, TeacherScores
 
 

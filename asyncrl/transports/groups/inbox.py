@@ -6,7 +6,7 @@ import queue
 import threading
 from collections.abc import Iterable
 
-from asyncrl.messages import WorkerError
+from asyncrl.protocol.messages import WorkerError
 from asyncrl.transports.groups.base import Delivery
 from asyncrl.types import Group, PartialGroup, TeacherScores
 

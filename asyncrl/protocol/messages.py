@@ -17,16 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.errors import AsyncRLError
-from asyncrl.types import (
-    FoundPivot,
-    Group,
-    GroupHeader,
-    Oldest,
-    PartialGroup,
-    PartialHeader,
-    Prompt,
-    TeacherScores,
-)
+from asyncrl.protocol.headers import GroupHeader, PartialHeader, group_header, partial_header
+from asyncrl.types import FoundPivot, Group, Oldest, PartialGroup, Prompt, TeacherScores
 
 # -- commands ---------------------------------------------------------------------------
 
@@ -193,7 +185,7 @@ class GroupReady:
 
     @classmethod
     def of(cls, worker: str, group: Group) -> GroupReady:
-        return cls(worker, group.header(), group)
+        return cls(worker, group_header(group), group)
 
 
 @dataclass
@@ -230,7 +222,7 @@ class Preempted:
 
     @classmethod
     def of(cls, worker: str, partials: list[PartialGroup]) -> Preempted:
-        return cls(worker, [p.header() for p in partials], partials)
+        return cls(worker, [partial_header(p) for p in partials], partials)
 
 
 @dataclass
