@@ -45,7 +45,8 @@ from asyncrl.models.loading import load_policy, resolve_device, resolve_dtype
 from asyncrl.prompts.base import PromptStream
 from asyncrl.rewards.registry import resolve_reward
 from asyncrl.rollout.completions import CompletionRollout
-from asyncrl.trainer.trainer import Trainer, assign_advantages, zero_advantage_frac
+from asyncrl.trainer.advantages import assign_advantages, zero_advantage_frac
+from asyncrl.trainer.trainer import Trainer
 from asyncrl.types import Group
 
 PARTS = ("prepare", "accumulate", "finish")

@@ -28,7 +28,8 @@ from asyncrl.models.loading import load_policy
 from asyncrl.prompts.base import PromptStream
 from asyncrl.rewards.registry import resolve_reward
 from asyncrl.rollout.completions import CompletionRollout
-from asyncrl.trainer.trainer import Trainer, assign_advantages
+from asyncrl.trainer.advantages import assign_advantages
+from asyncrl.trainer.trainer import Trainer
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -313,7 +313,7 @@ def train_groups(trainer, groups: list) -> list[dict]:
     """A whole batch through ``trainer`` as the trainer worker trains it: advantages from the
     groups, old and reference log-probs prepared once, then ``algorithm.num_iterations``
     optimizer steps (``Trainer.train_batch``); one metrics dict per step."""
-    from asyncrl.trainer.trainer import assign_advantages
+    from asyncrl.trainer.advantages import assign_advantages
 
     assign_advantages(groups, trainer.algo.advantage_scale, trainer.algo.step_rewards)
     samples = [s for g in groups for s in g.samples]

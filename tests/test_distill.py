@@ -35,7 +35,7 @@ from asyncrl.models.loading import load_policy
 from asyncrl.protocol.headers import group_header
 from asyncrl.protocol.messages import WorkerError
 from asyncrl.server.app import OpenAIServer
-from asyncrl.trainer.trainer import assign_advantages, distill_metrics
+from asyncrl.trainer.advantages import assign_advantages, distill_metrics
 from asyncrl.transports.groups.base import Delivery
 from asyncrl.transports.groups.inbox import Inbox
 from asyncrl.types import Group, GroupState, Prompt, Sample, TeacherScores

@@ -16,7 +16,7 @@ from asyncrl.episodes.team import Role, role_prompt
 from asyncrl.models.loading import load_policy
 from asyncrl.prompts.chat import encode_prompt
 from asyncrl.rollout.evaluation import evaluate
-from asyncrl.trainer.trainer import assign_advantages
+from asyncrl.trainer.advantages import assign_advantages
 from asyncrl.types import Group, Prompt, Sample
 
 TASKS = [Prompt("a", "12+3=", answer="15"), Prompt("b", "7+8=", answer="15")]

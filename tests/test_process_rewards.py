@@ -20,7 +20,7 @@ from asyncrl.models.loading import Policy
 from asyncrl.rewards.scoring import RewardSet, RewardTerm
 from asyncrl.rewards.step_rewards import StepRewards, cut_steps, step_spans
 from asyncrl.rollout.completions import CompletionRollout
-from asyncrl.trainer.trainer import assign_advantages
+from asyncrl.trainer.advantages import assign_advantages
 from asyncrl.types import Group, Prompt
 from tests.helpers import short_run
 from tests.test_trainer import flat_grad, make_trainer

@@ -37,7 +37,7 @@ from asyncrl.protocol.messages import (
 from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.rollout.evaluation import evaluate
 from asyncrl.runtimes.inline import InlineRuntime
-from asyncrl.trainer.trainer import assign_advantages
+from asyncrl.trainer.advantages import assign_advantages
 from asyncrl.transports.weights.inprocess import InProcessChannel
 from asyncrl.types import Group, Prompt
 from asyncrl.workers.trainer import TrainerWorker

@@ -13,10 +13,12 @@ import torch
 from asyncrl.algorithms import losses
 from asyncrl.config import AlgorithmConfig, TrainerConfig
 from asyncrl.models.loading import Policy
+from asyncrl.trainer.advantages import assign_advantages
 from asyncrl.trainer.batching import collate, padded_cost, trained_span
 from asyncrl.trainer.logprobs import completion_logprobs
+from asyncrl.trainer.optimizer import lr_lambda
 from asyncrl.trainer.planning import plan_micro_batches
-from asyncrl.trainer.trainer import Trainer, assign_advantages, lr_lambda
+from asyncrl.trainer.trainer import Trainer
 from asyncrl.types import Group, Prompt, Sample
 from tests.helpers import train_groups
 

@@ -37,7 +37,8 @@ import transformers
 
 from asyncrl.config import AlgorithmConfig, TrainerConfig
 from asyncrl.models.loading import load_policy, save_policy
-from asyncrl.trainer.trainer import Trainer, assign_advantages
+from asyncrl.trainer.advantages import assign_advantages
+from asyncrl.trainer.trainer import Trainer
 from asyncrl.types import Group, Prompt, Sample
 
 trl = pytest.importorskip("trl", reason="TRL is the reference implementation for these parity tests")

@@ -10,8 +10,8 @@ import torch
 
 from asyncrl.algorithms import losses
 from asyncrl.models.loading import Policy
+from asyncrl.trainer.advantages import assign_advantages, moves_weights, zero_advantage_frac
 from asyncrl.trainer.batching import trained_span
-from asyncrl.trainer.trainer import assign_advantages, moves_weights, zero_advantage_frac
 from asyncrl.types import Group, Prompt
 from tests.test_trainer import flat_grad, make_groups, make_trainer, rel_diff, with_behaviour_near_policy
 

@@ -15,6 +15,8 @@ utilities, which know how to reduce their norms.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from asyncrl.config import TrainerConfig
@@ -73,3 +75,17 @@ def clip_gradients(
         torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
         return
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
+    def factor(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        if schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor

@@ -89,6 +89,8 @@ class DistributedTrainer(Trainer):
     rank must join).
     """
 
+    ranked = True  # a checkpoint's full state is gathered to rank 0 only, on the CPU
+
     def __init__(self, model: torch.nn.Module, *, ranks: RankGroup, parallel: str, **trainer_kwargs) -> None:
         if parallel not in PARALLEL_MODES:
             raise ValueError(f"parallel must be one of {PARALLEL_MODES}, got {parallel!r}")
@@ -197,12 +199,6 @@ class DistributedTrainer(Trainer):
 
     def _step_stats(self) -> dict[str, float]:
         return reduce_step_stats(self.ranks.gather(dict(self._stats)))
-
-    def _state_dict_options(self, loading: bool):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-        # Saving: the full tensors, gathered to rank 0 only and on the CPU.
-        return StateDictOptions(full_state_dict=True, cpu_offload=not loading, strict=not self.lora)
 
     def load_checkpoint_state(self, weights: dict[str, torch.Tensor], state: dict) -> int:
         """Rank 0 passes what it read and sends it to every rank; each rank keeps its own shard.

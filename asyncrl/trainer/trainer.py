@@ -18,15 +18,14 @@ the initial policy: with LoRA (``model`` a ``peft.PeftModel``) that is ``model``
 adapters switched off, so no second model is held; otherwise a frozen copy made at start.
 With LoRA only the adapters are trained, and only they are published and checkpointed.
 
-(Over 400 lines on purpose: the three-call step, its metrics and the checkpoint state share
-the optimizer's bookkeeping; batching, packing, log-probs and ranks live in their own modules.)
+A step's samples get their advantages before (:mod:`asyncrl.trainer.advantages`); batching,
+packing, log-probs, the optimizer and ranks live in their own modules.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -36,130 +35,20 @@ import torch
 from transformers import PreTrainedModel
 
 from asyncrl.algorithms import corrections, losses
-from asyncrl.algorithms.advantages import (
-    distill_advantages,
-    group_advantages,
-    role_subgroups,
-    step_advantages,
-    turn_advantages,
-)
 from asyncrl.config import AlgorithmConfig, TrainerConfig, old_logprob_mode
 from asyncrl.models.activation_checkpointing import enable_activation_checkpointing
-from asyncrl.models.lora import ADAPTER, adapter_fqns, is_lora, published_weights
+from asyncrl.models.lora import ADAPTER, is_lora, published_weights
 from asyncrl.models.routing import route_bytes, routing_of
+from asyncrl.trainer.advantages import moves_weights
 from asyncrl.trainer.batching import MicroBatch, trained_span
 from asyncrl.trainer.logprobs import completion_logprobs
 from asyncrl.trainer.memory import resolve_micro_batch_tokens
-from asyncrl.trainer.optimizer import adamw, clip_gradients, divide_gradients, total_norm
+from asyncrl.trainer.optimizer import adamw, clip_gradients, divide_gradients, lr_lambda, total_norm
 from asyncrl.trainer.packing import packing_for
 from asyncrl.trainer.planning import collate_layout, collection_paused, plan_layouts
 from asyncrl.trainer.routing_metrics import drift_by_lag, routing_step_metrics
-from asyncrl.types import Group, Sample
-
-
-def assign_advantages(
-    groups: list[Group],
-    scale: str,
-    step_rewards: str = "ignore",
-    distill: str | None = None,
-    distill_weight: float = 1.0,
-    by_turn: bool = False,
-) -> None:
-    """Set ``sample.advantage`` for every sample, from its group's rewards (None counts as NaN).
-
-    The samples of a multi-agent group are normalised role by role (``Sample.role``); with
-    ``by_turn`` each turn of a role gets its own advantage, normalised over the samples of
-    that role holding that turn (``token_advantages``, see
-    :func:`asyncrl.algorithms.advantages.turn_advantages`).
-
-    With ``step_rewards="return_to_go"``, samples of groups that hold step rewards (multi-turn
-    episodes, ``Sample.turn_rewards``) also get ``token_advantages``: the outcome advantage
-    plus, on each turn's tokens, that turn's step advantage (see
-    :func:`asyncrl.algorithms.advantages.step_advantages`).
-
-    ``distill``: with ``"add"`` every token's advantage also gets the teacher's signal
-    (:func:`asyncrl.algorithms.advantages.distill_advantages`, times ``distill_weight``); with
-    ``"alone"`` that signal is the whole advantage. The samples must hold ``teacher_logprobs``.
-    """
-    subgroups = [
-        [group.samples[i] for i in indices]
-        for group in groups
-        for indices in role_subgroups([s.role for s in group.samples])
-    ]
-    rewards = [
-        torch.tensor([float("nan") if s.reward is None else s.reward for s in samples], dtype=torch.float64)
-        for samples in subgroups
-    ]
-    for samples, adv, reward in zip(subgroups, group_advantages(rewards, scale), rewards, strict=True):  # type: ignore[arg-type]
-        for sample, a in zip(samples, adv.tolist(), strict=True):
-            sample.advantage = a
-            sample.token_advantages = None
-        if by_turn:
-            per_turn = turn_advantages(reward, [len(s.turn_spans or ()) for s in samples], scale)  # type: ignore[arg-type]
-            for sample, turns in zip(samples, per_turn, strict=True):
-                tokens = [0.0] * len(sample.completion_ids)  # observations: not trained
-                for (start, end), a in zip(sample.turn_spans or [], turns, strict=True):
-                    tokens[start:end] = [a] * (end - start)
-                sample.token_advantages = tokens
-        if step_rewards == "return_to_go" and any(
-            r is not None for s in samples for r in (s.turn_rewards or ())
-        ):
-            per_step = step_advantages([s.turn_rewards or [] for s in samples])
-            for sample, steps in zip(samples, per_step, strict=True):
-                tokens = sample.token_advantages or [sample.advantage] * len(sample.completion_ids)
-                for (start, end), a in zip(sample.turn_spans or [], steps, strict=True):
-                    tokens[start:end] = [t + a for t in tokens[start:end]]
-                sample.token_advantages = tokens
-    for group in groups:
-        if distill is not None:
-            for sample in group.samples:
-                if sample.teacher_logprobs is None:
-                    raise ValueError(
-                        f"{sample._label()} of group {group.group_id} has no teacher log-probs to distill from"
-                    )
-                signal = distill_advantages(sample.teacher_logprobs, sample.logprobs, distill_weight)
-                if distill == "alone":
-                    sample.advantage, sample.token_advantages = 0.0, signal
-                else:
-                    base = sample.token_advantages or [sample.advantage] * len(signal)
-                    sample.token_advantages = [a + d for a, d in zip(base, signal, strict=True)]
-
-
-def distill_metrics(samples: list[Sample]) -> dict[str, float]:
-    """A step's distillation figures over its trained tokens: the student's reverse KL to the teacher
-    on its own samples (the mean of behaviour - teacher log-prob, the estimate whose negative
-    is the advantage) and the teacher's mean log-prob of the sampled tokens."""
-    gaps, teacher = [], []
-    for s in samples:
-        if s.teacher_logprobs is None:
-            continue
-        for lp, tlp, m in zip(s.logprobs, s.teacher_logprobs, s.loss_mask, strict=True):
-            if m:
-                gaps.append(lp - tlp)
-                teacher.append(tlp)
-    if not gaps:
-        return {}
-    return {"distill_reverse_kl": sum(gaps) / len(gaps), "teacher_logprob_mean": sum(teacher) / len(teacher)}
-
-
-def moves_weights(sample: Sample) -> bool:
-    """Whether the policy-gradient loss gives the sample any gradient: some trained token has a
-    non-zero advantage (a NaN advantage counts: it must reach the loss as it would unskipped)."""
-    if sample.token_advantages is None:
-        return sample.advantage != 0 and any(sample.loss_mask)
-    return any(a != 0 for a, m in zip(sample.token_advantages, sample.loss_mask, strict=False) if m)
-
-
-def zero_advantage_frac(groups: list[Group]) -> float:
-    """The fraction of groups whose every sample has advantage 0 on every token (all rewards equal,
-    and no per-token signal): without a KL or entropy term they teach nothing."""
-
-    def zero(sample: Sample) -> bool:
-        if sample.token_advantages is None:
-            return sample.advantage == 0
-        return all(a == 0 for a in sample.token_advantages)
-
-    return sum(all(zero(s) for s in g.samples) for g in groups) / max(len(groups), 1)
+from asyncrl.trainer.state import optimizer_state, restore_state
+from asyncrl.types import Sample
 
 
 def sync_dtype(lora: bool, compute_dtype: torch.dtype) -> torch.dtype:
@@ -169,24 +58,12 @@ def sync_dtype(lora: bool, compute_dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if lora else compute_dtype
 
 
-def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
-    def factor(step: int) -> float:
-        if warmup_steps and step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        if schedule == "linear":
-            return 1.0 - progress
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
-
-
 class Trainer:
     # Whether the weights are split across processes between calls (FSDP2): then only a
     # collective gather (``named_weights`` on every rank) yields them whole.
     sharded = False
+    # Whether this trainer is one of several data-parallel ranks (DistributedTrainer).
+    ranked = False
 
     def __init__(
         self,
@@ -581,22 +458,10 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------
 
-    def _state_dict_options(self, loading: bool):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-        # With LoRA the model state loaded is the adapters only; the base comes from model.path.
-        return StateDictOptions(full_state_dict=True, strict=not self.lora)
-
     def checkpoint_state(self) -> dict:
         """Optimizer (keyed by parameter name), scheduler and version; the weights are saved apart
-        (with LoRA only the adapters, as peft saves them).
-
-        Uses torch.distributed.checkpoint's full state dicts, so the same code serves a
-        single process, DDP and FSDP2 (where it is a gather every rank joins).
-        """
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        _, optim = get_state_dict(self.model, self.optimizer, options=self._state_dict_options(False))
+        (with LoRA only the adapters, as peft saves them; see :mod:`asyncrl.trainer.state`)."""
+        optim = optimizer_state(self.model, self.optimizer, lora=self.lora, ranks=self.ranked)
         return {"optimizer": optim, "scheduler": self.scheduler.state_dict(), "version": self.version}
 
     def load_checkpoint_state(self, weights: dict[str, torch.Tensor], state: dict) -> int:
@@ -604,25 +469,8 @@ class Trainer:
 
         With LoRA, ``weights`` are the adapters under their saved-format names.
         """
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        if self.lora:
-            fqns = adapter_fqns(self.model, self.adapter or ADAPTER)
-            weights = {fqns[n]: t for n, t in weights.items() if n in fqns}
-            expected = list(fqns.values())
-        else:
-            expected = [n for n, _ in self.model.named_parameters()]
-        missing = [n for n in expected if n not in weights]
-        if missing:
-            raise ValueError(f"the checkpoint does not match this model (missing {missing[:3]})")
-        model_state = {n: weights[n] for n in self.model.state_dict() if n in weights}
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=model_state,
-            optim_state_dict=state["optimizer"],
-            options=self._state_dict_options(True),
-        )
+        adapter = (self.adapter or ADAPTER) if self.lora else None
+        restore_state(self.model, self.optimizer, weights, state["optimizer"], adapter=adapter)
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
         return self.version

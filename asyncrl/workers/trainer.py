@@ -46,16 +46,11 @@ from asyncrl.protocol.messages import (
 from asyncrl.rewards.scoring import ScoringStopped
 from asyncrl.rollout.base import Rollout
 from asyncrl.rollout.evaluation import evaluate
+from asyncrl.trainer.advantages import assign_advantages, distill_metrics, zero_advantage_frac
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.distributed import RankGroup, RankSpec, rank_device
 from asyncrl.trainer.policies import PolicySet
-from asyncrl.trainer.trainer import (
-    Trainer,
-    assign_advantages,
-    distill_metrics,
-    sync_dtype,
-    zero_advantage_frac,
-)
+from asyncrl.trainer.trainer import Trainer, sync_dtype
 from asyncrl.transports.groups.base import Delivery
 from asyncrl.transports.groups.inbox import Inbox
 from asyncrl.transports.weights.base import (

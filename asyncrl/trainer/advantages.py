@@ -1,0 +1,126 @@
+"""The advantages a step assigns to its samples, and what the trainer reads of them.
+
+:func:`assign_advantages` gives every sample of a batch its advantage (or per-token
+advantages) from its group: group-normalised rewards, step rewards, per-turn and per-role
+subgroups of multi-agent episodes, on-policy distillation's per-token teacher gaps.
+:func:`moves_weights` tells the samples the loss gives a gradient (the others are skipped,
+``trainer.skip_zero_advantage``), :func:`zero_advantage_frac` the groups that teach nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from asyncrl.algorithms.advantages import (
+    distill_advantages,
+    group_advantages,
+    role_subgroups,
+    step_advantages,
+    turn_advantages,
+)
+from asyncrl.types import Group, Sample
+
+
+def assign_advantages(
+    groups: list[Group],
+    scale: str,
+    step_rewards: str = "ignore",
+    distill: str | None = None,
+    distill_weight: float = 1.0,
+    by_turn: bool = False,
+) -> None:
+    """Set ``sample.advantage`` for every sample, from its group's rewards (None counts as NaN).
+
+    The samples of a multi-agent group are normalised role by role (``Sample.role``); with
+    ``by_turn`` each turn of a role gets its own advantage, normalised over the samples of
+    that role holding that turn (``token_advantages``, see
+    :func:`asyncrl.algorithms.advantages.turn_advantages`).
+
+    With ``step_rewards="return_to_go"``, samples of groups that hold step rewards (multi-turn
+    episodes, ``Sample.turn_rewards``) also get ``token_advantages``: the outcome advantage
+    plus, on each turn's tokens, that turn's step advantage (see
+    :func:`asyncrl.algorithms.advantages.step_advantages`).
+
+    ``distill``: with ``"add"`` every token's advantage also gets the teacher's signal
+    (:func:`asyncrl.algorithms.advantages.distill_advantages`, times ``distill_weight``); with
+    ``"alone"`` that signal is the whole advantage. The samples must hold ``teacher_logprobs``.
+    """
+    subgroups = [
+        [group.samples[i] for i in indices]
+        for group in groups
+        for indices in role_subgroups([s.role for s in group.samples])
+    ]
+    rewards = [
+        torch.tensor([float("nan") if s.reward is None else s.reward for s in samples], dtype=torch.float64)
+        for samples in subgroups
+    ]
+    for samples, adv, reward in zip(subgroups, group_advantages(rewards, scale), rewards, strict=True):  # type: ignore[arg-type]
+        for sample, a in zip(samples, adv.tolist(), strict=True):
+            sample.advantage = a
+            sample.token_advantages = None
+        if by_turn:
+            per_turn = turn_advantages(reward, [len(s.turn_spans or ()) for s in samples], scale)  # type: ignore[arg-type]
+            for sample, turns in zip(samples, per_turn, strict=True):
+                tokens = [0.0] * len(sample.completion_ids)  # observations: not trained
+                for (start, end), a in zip(sample.turn_spans or [], turns, strict=True):
+                    tokens[start:end] = [a] * (end - start)
+                sample.token_advantages = tokens
+        if step_rewards == "return_to_go" and any(
+            r is not None for s in samples for r in (s.turn_rewards or ())
+        ):
+            per_step = step_advantages([s.turn_rewards or [] for s in samples])
+            for sample, steps in zip(samples, per_step, strict=True):
+                tokens = sample.token_advantages or [sample.advantage] * len(sample.completion_ids)
+                for (start, end), a in zip(sample.turn_spans or [], steps, strict=True):
+                    tokens[start:end] = [t + a for t in tokens[start:end]]
+                sample.token_advantages = tokens
+    for group in groups:
+        if distill is not None:
+            for sample in group.samples:
+                if sample.teacher_logprobs is None:
+                    raise ValueError(
+                        f"{sample._label()} of group {group.group_id} has no teacher log-probs to distill from"
+                    )
+                signal = distill_advantages(sample.teacher_logprobs, sample.logprobs, distill_weight)
+                if distill == "alone":
+                    sample.advantage, sample.token_advantages = 0.0, signal
+                else:
+                    base = sample.token_advantages or [sample.advantage] * len(signal)
+                    sample.token_advantages = [a + d for a, d in zip(base, signal, strict=True)]
+
+
+def distill_metrics(samples: list[Sample]) -> dict[str, float]:
+    """A step's distillation figures over its trained tokens: the student's reverse KL to the teacher
+    on its own samples (the mean of behaviour - teacher log-prob, the estimate whose negative
+    is the advantage) and the teacher's mean log-prob of the sampled tokens."""
+    gaps, teacher = [], []
+    for s in samples:
+        if s.teacher_logprobs is None:
+            continue
+        for lp, tlp, m in zip(s.logprobs, s.teacher_logprobs, s.loss_mask, strict=True):
+            if m:
+                gaps.append(lp - tlp)
+                teacher.append(tlp)
+    if not gaps:
+        return {}
+    return {"distill_reverse_kl": sum(gaps) / len(gaps), "teacher_logprob_mean": sum(teacher) / len(teacher)}
+
+
+def moves_weights(sample: Sample) -> bool:
+    """Whether the policy-gradient loss gives the sample any gradient: some trained token has a
+    non-zero advantage (a NaN advantage counts: it must reach the loss as it would unskipped)."""
+    if sample.token_advantages is None:
+        return sample.advantage != 0 and any(sample.loss_mask)
+    return any(a != 0 for a, m in zip(sample.token_advantages, sample.loss_mask, strict=False) if m)
+
+
+def zero_advantage_frac(groups: list[Group]) -> float:
+    """The fraction of groups whose every sample has advantage 0 on every token (all rewards equal,
+    and no per-token signal): without a KL or entropy term they teach nothing."""
+
+    def zero(sample: Sample) -> bool:
+        if sample.token_advantages is None:
+            return sample.advantage == 0
+        return all(a == 0 for a in sample.token_advantages)
+
+    return sum(all(zero(s) for s in g.samples) for g in groups) / max(len(groups), 1)
