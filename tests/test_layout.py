@@ -166,7 +166,7 @@ def rollout_interface() -> set[str]:
     ("module", "holder"),
     [
         ("workers/generator.py", "self.rollout"),
-        ("workers/trainer.py", "self._eval_rollout"),
+        ("workers/evaluation.py", "self.rollout"),
         ("rollout/evaluation.py", "rollout"),
         ("builtin/warm_start.py", "rollout"),
     ],

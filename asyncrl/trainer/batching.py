@@ -19,6 +19,7 @@ Which layout a micro-batch gets and how samples are cut into micro-batches:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -292,3 +293,26 @@ def padded_cost(prompt_width: int, completion_width: int, rows: int) -> int:
 # planner counts it as this many padded tokens when it weighs one more micro-batch against
 # more padding.
 MICRO_BATCH_OVERHEAD_TOKENS = 256
+
+
+@dataclasses.dataclass
+class BatchInProgress:
+    """A batch whose optimizer steps a stop interrupted after the first of them.
+
+    Its micro-batches are kept as the trainer prepared them — advantages, and the old and
+    reference log-probs of the weights the batch started from — so that the steps still to
+    take after a resume are the ones an uninterrupted run takes.
+    """
+
+    micro_batches: list[MicroBatch]
+    iterations: int  # optimizer steps still to take
+    divisor: float | dict[str, float]  # per policy, for several
+    publish: bool  # publish the weights after the last of them
+
+    def state_dict(self) -> dict:
+        """For ``trainer_state.pt`` (read back onto the CPU, whatever device wrote it)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict, device: torch.device) -> BatchInProgress:
+        return cls(**(state | {"micro_batches": [mb.to(device) for mb in state["micro_batches"]]}))

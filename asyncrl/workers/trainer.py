@@ -3,8 +3,7 @@
 It executes commands and returns events and knows nothing about processes, queues or Ray.
 Rank 0 holds the inbox the generators deliver their groups to (:mod:`asyncrl.transports.groups`); with
 ``trainer.ranks`` > 1 it forwards every command, groups resolved, to the other ranks
-(:func:`run_follower`). (Over 500 lines on purpose: the step, evaluation, checkpoint and restore
-commands share the open step's state and the stop rule, which read best together.)
+(:func:`run_follower`). Its evaluations are :mod:`asyncrl.workers.evaluation`'s.
 """
 
 from __future__ import annotations
@@ -18,14 +17,10 @@ from pathlib import Path
 import torch
 
 from asyncrl import checkpoints as checkpoint
-from asyncrl.config import DEFAULT_POLICY, Config
-from asyncrl.engine.embedded import EmbeddedEngine
-from asyncrl.engine.multi_lora import MultiLora
-from asyncrl.engine.types import GenerationStopped
+from asyncrl.config import Config
 from asyncrl.models.loading import Policy, resolve_device, save_policy
 from asyncrl.models.lora import published_weights, synced_parameters
 from asyncrl.models.routing import mismatched_routes
-from asyncrl.prompts.build import eval_prompts
 from asyncrl.protocol.messages import (
     Accumulate,
     CheckpointSaved,
@@ -43,11 +38,8 @@ from asyncrl.protocol.messages import (
     StepDone,
     Stop,
 )
-from asyncrl.rewards.scoring import ScoringStopped
-from asyncrl.rollout.base import Rollout
-from asyncrl.rollout.evaluation import evaluate
 from asyncrl.trainer.advantages import assign_advantages, distill_metrics, zero_advantage_frac
-from asyncrl.trainer.batching import MicroBatch
+from asyncrl.trainer.batching import BatchInProgress, MicroBatch
 from asyncrl.trainer.distributed import RankGroup, RankSpec, rank_device
 from asyncrl.trainer.policies import PolicySet
 from asyncrl.trainer.trainer import Trainer, sync_dtype
@@ -62,33 +54,9 @@ from asyncrl.transports.weights.base import (
 )
 from asyncrl.types import Group, PartialGroup
 from asyncrl.workers import build
-from asyncrl.workers.policy_engines import evaluation_engines, refresh_adapters
-from asyncrl.workers.rollouts import build_rollout
+from asyncrl.workers.evaluation import TrainerEvaluation
 
 Command = Accumulate | FinishStep | ContinueBatch | Evaluate | SaveModel | SaveCheckpoint | Restore | Discard
-
-
-@dataclasses.dataclass
-class BatchInProgress:
-    """A batch whose optimizer steps a stop interrupted after the first of them.
-
-    Its micro-batches are kept as the trainer prepared them — advantages, and the old and
-    reference log-probs of the weights the batch started from — so that the steps still to
-    take after a resume are the ones an uninterrupted run takes.
-    """
-
-    micro_batches: list[MicroBatch]
-    iterations: int  # optimizer steps still to take
-    divisor: float | dict[str, float]  # per policy, for several
-    publish: bool  # publish the weights after the last of them
-
-    def state_dict(self) -> dict:
-        """For ``trainer_state.pt`` (read back onto the CPU, whatever device wrote it)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-    @classmethod
-    def from_state_dict(cls, state: dict, device: torch.device) -> BatchInProgress:
-        return cls(**(state | {"micro_batches": [mb.to(device) for mb in state["micro_batches"]]}))
 
 
 class TrainerWorker:
@@ -166,9 +134,7 @@ class TrainerWorker:
         self._step_open = False
         self._in_progress: BatchInProgress | None = None  # a batch a stop interrupted between its steps
         # Evaluations (rank 0): the run's rollout, greedy, on an engine over the trainer's own model.
-        self._eval_rollout: Rollout | None = None
-        self._eval_prompts: list = []
-        self._eval_engines: dict[str, EmbeddedEngine] = {}
+        self.evaluation = TrainerEvaluation(cfg)
         self._gathered_policy: Policy | None = None
 
     @property
@@ -203,8 +169,7 @@ class TrainerWorker:
         kept for the stop's checkpoint, which is written at the version the trainer is at
         (:meth:`_save_checkpoint`)."""
         self._stopping.set()
-        if self._eval_rollout is not None:
-            self._eval_rollout.abandon()
+        self.evaluation.abandon()
 
     @property
     def stopping(self) -> bool:
@@ -378,51 +343,15 @@ class TrainerWorker:
         return tensor_checksums(named) if self.cfg.runtime.verify_weight_sync else None
 
     def _evaluate(self, command: Evaluate) -> list:
-        """Greedy accuracy of the current weights, generated on rank 0 with its own model (no copy but for FSDP2)."""
+        """Greedy accuracy of the current weights (:mod:`asyncrl.workers.evaluation`)."""
         start = time.time()
         policy = self._full_policy()
         if policy is None:
             return []
-        if self._eval_rollout is None:
-            # The borrowed models' parameters may be re-materialised between evaluations
-            # (compute-dtype copies, FSDP2 gathers): a graph would keep reading the old ones.
-            engine = self._eval_engine(policy)
-            engines = None
-            if self.policies is not None:
-                members = {n: m.policy for n, m in self.policies.members.items()}
-                engines = evaluation_engines(self.cfg, members, self._eval_engine)
-                engine = engines.get(DEFAULT_POLICY, engines[self.policies.order[0]])
-            self._eval_rollout = build_rollout(self.cfg, policy, engine, greedy=True, engines=engines)
-            self._eval_engines = engines or {}
-            self._eval_prompts = eval_prompts(self.cfg, policy)
-        models = [policy.model]
-        if self.policies is not None:
-            models = list(
-                {id(m.policy.model): m.policy.model for m in self.policies.members.values()}.values()
-            )
-            refresh_adapters(self._eval_engines, self.policies)
-        was_training = [model.training for model in models]
-        for model in models:
-            model.eval()
-        try:
-            with self.trainer.compute():
-                accuracy = evaluate(self._eval_rollout, self._eval_prompts, stop=self._stopping.is_set)
-        except (ScoringStopped, GenerationStopped):
-            return []  # the run is stopping: the evaluation is given up
-        finally:
-            for model, mode in zip(models, was_training, strict=True):
-                model.train(mode)
+        accuracy = self.evaluation.accuracy(policy, self.policies, self.trainer, self._stopping.is_set)
+        if accuracy is None:
+            return []
         return [Span(self.name, "eval", start, time.time()), EvalDone(self.name, command.step, accuracy)]
-
-    def _eval_engine(self, policy: Policy, adapters: MultiLora | None = None) -> EmbeddedEngine:
-        return EmbeddedEngine(
-            policy.model,
-            pad_token_id=policy.pad_token_id,
-            max_batch_size=self.cfg.rollout.max_batch_size,
-            owns_model=adapters is not None,  # a copy of the base of its own
-            cuda_graphs=False,
-            adapters=adapters,
-        )
 
     def _accumulate(self, command: Accumulate) -> list:
         start = time.time()
@@ -527,8 +456,7 @@ class TrainerWorker:
 
     def close(self) -> None:
         """Rank 0: release the other ranks from :func:`run_follower` first. Every rank: leave the group."""
-        if self._eval_rollout is not None:
-            self._eval_rollout.close()
+        self.evaluation.close()
         self.inbox.close()
         try:
             if self.ranks is not None and self.ranks.is_leader:

@@ -1,0 +1,82 @@
+"""The trainer's evaluations: greedy accuracy of the current weights on held-out prompts.
+
+Generated on trainer rank 0 with the trainer's own models (no copy but for FSDP2), on
+embedded engines without CUDA graphs: the borrowed models' parameters may be re-materialised
+between evaluations (compute-dtype copies, FSDP2 gathers), and a graph would keep reading the
+old ones. The rollout is the run's own, built greedily with one sample per prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from asyncrl.config import DEFAULT_POLICY, Config
+from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.multi_lora import MultiLora
+from asyncrl.engine.types import GenerationStopped
+from asyncrl.models.loading import Policy
+from asyncrl.prompts.build import eval_prompts
+from asyncrl.rewards.scoring import ScoringStopped
+from asyncrl.rollout.base import Rollout
+from asyncrl.rollout.evaluation import evaluate
+from asyncrl.trainer.policies import PolicySet
+from asyncrl.trainer.trainer import Trainer
+from asyncrl.workers.policy_engines import evaluation_engines, refresh_adapters
+from asyncrl.workers.rollouts import build_rollout
+
+
+class TrainerEvaluation:
+    """Built on the first evaluation; given up by :meth:`abandon` (any thread), released by :meth:`close`."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.rollout: Rollout | None = None
+        self._prompts: list = []
+        self._engines: dict[str, EmbeddedEngine] = {}
+
+    def accuracy(
+        self, policy: Policy, policies: PolicySet | None, trainer: Trainer, stop: Callable[[], bool]
+    ) -> float | None:
+        """Greedy accuracy of ``policy`` (and ``policies``' members); None when the run stops first."""
+        if self.rollout is None:
+            engine, engines = self._engine(policy), None
+            if policies is not None:
+                members = {n: m.policy for n, m in policies.members.items()}
+                engines = evaluation_engines(self.cfg, members, self._engine)
+                engine = engines.get(DEFAULT_POLICY, engines[policies.order[0]])
+            self.rollout = build_rollout(self.cfg, policy, engine, greedy=True, engines=engines)
+            self._engines = engines or {}
+            self._prompts = eval_prompts(self.cfg, policy)
+        models = [policy.model]
+        if policies is not None:
+            models = list({id(m.policy.model): m.policy.model for m in policies.members.values()}.values())
+            refresh_adapters(self._engines, policies)
+        was_training = [model.training for model in models]
+        for model in models:
+            model.eval()
+        try:
+            with trainer.compute():
+                return evaluate(self.rollout, self._prompts, stop=stop)
+        except (ScoringStopped, GenerationStopped):
+            return None  # the run is stopping: the evaluation is given up
+        finally:
+            for model, mode in zip(models, was_training, strict=True):
+                model.train(mode)
+
+    def _engine(self, policy: Policy, adapters: MultiLora | None = None) -> EmbeddedEngine:
+        return EmbeddedEngine(
+            policy.model,
+            pad_token_id=policy.pad_token_id,
+            max_batch_size=self.cfg.rollout.max_batch_size,
+            owns_model=adapters is not None,  # a copy of the base of its own
+            cuda_graphs=False,
+            adapters=adapters,
+        )
+
+    def abandon(self) -> None:
+        if self.rollout is not None:
+            self.rollout.abandon()
+
+    def close(self) -> None:
+        if self.rollout is not None:
+            self.rollout.close()
