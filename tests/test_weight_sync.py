@@ -36,21 +36,19 @@ from asyncrl.transports.weights.base import (
 from asyncrl.transports.weights.broadcast import (
     DIRECT_BYTES,
     PIECE_BYTES,
-    BackgroundPublisher,
     BroadcastReceiver,
     BroadcastSender,
-    Message,
     UnjoinedReceiver,
-    plan_buckets,
-    plan_messages,
 )
 from asyncrl.transports.weights.device_ipc import DeviceIpcReceiver, DeviceIpcSender, HostMemory
 from asyncrl.transports.weights.devices import HostStaging, backend_reason, choose_backend, device_identity
 from asyncrl.transports.weights.files import MARKER, FileReceiver, FileSender
 from asyncrl.transports.weights.inprocess import InProcessChannel
+from asyncrl.transports.weights.publisher import BackgroundPublisher
 from asyncrl.transports.weights.same_machine import host_identity, plane_refusal
 from asyncrl.transports.weights.segments import attach_segment
 from asyncrl.transports.weights.shm import SharedMemoryReceiver, SharedMemorySender
+from asyncrl.transports.weights.wire_plan import Message, plan_buckets, plan_messages
 
 HOST = "127.0.0.1"
 WORLD = 3  # the sender (rank 0) and two receivers

@@ -149,7 +149,7 @@ class TrainerWorker:
         """Publish to a new broadcast group from now on (its generators changed); any thread.
 
         The publication in flight is given up and the newest weights go to the new group
-        first (see :class:`~asyncrl.transports.weights.broadcast.BackgroundPublisher`).
+        first (see :class:`~asyncrl.transports.weights.publisher.BackgroundPublisher`).
         """
         if not isinstance(self.sender, RegroupingSender):
             raise WeightSyncError(f"{self.name}: its weight transport has no group to move ({self.sender!r})")

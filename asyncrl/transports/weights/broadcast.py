@@ -33,11 +33,8 @@ each receiver sums every tensor as soon as its last message has arrived. Every r
 call :meth:`BroadcastReceiver.receive` while the sender publishes; the group's timeout
 turns a missing peer into an error instead of a hang. A group whose members change is
 replaced, not repaired: ``interrupt`` gives up the waits of the old one, and
-:meth:`BackgroundPublisher.regroup` moves the trainer to the new one.
-
-(Over 400 lines on purpose: the wire protocol, both ends, the shared-memory fast path's
-hand-off and the background publisher that regroups share one set of message and timeout
-rules, which are easier to check side by side.)
+:meth:`~asyncrl.transports.weights.publisher.BackgroundPublisher.regroup` moves the trainer
+to the new one.
 """
 
 from __future__ import annotations
@@ -47,7 +44,6 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -67,6 +63,7 @@ from asyncrl.transports.weights.base import (
 )
 from asyncrl.transports.weights.devices import HostStaging, backend_reason, choose_backend, device_identity
 from asyncrl.transports.weights.same_machine import HostPlane, bucket_offsets, host_identity, plane_refusal
+from asyncrl.transports.weights.wire_plan import plan_buckets, plan_messages
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 DEFAULT_STREAMS = 4
@@ -75,71 +72,6 @@ PIECE_BYTES = 16 << 20
 PLANE_PIECE_BYTES = 4 << 20
 # A CPU group waits in slices this long, so that ``interrupt`` from another thread is seen.
 WAIT_SLICE = timedelta(seconds=0.25)
-
-
-def plan_buckets(layout: WeightLayout, bucket_bytes: int) -> list[list[int]]:
-    """Consecutive tensor indices per bucket; a bucket never mixes dtypes."""
-    buckets: list[list[int]] = []
-    size, dtype = 0, None
-    for i, spec in enumerate(layout.specs):
-        if buckets and bucket_bytes > 0 and spec.dtype == dtype and size + spec.nbytes <= bucket_bytes:
-            buckets[-1].append(i)
-            size += spec.nbytes
-        else:
-            buckets.append([i])
-            size, dtype = spec.nbytes, spec.dtype
-    return buckets
-
-
-@dataclass(frozen=True)
-class Message:
-    """One broadcast: elements ``[start, stop)`` of bucket ``bucket``.
-
-    ``tensors`` are the layout indices whose elements it carries. A message of one tensor
-    is sent from that tensor's memory (elements ``[offset, offset + stop - start)`` of it);
-    a message of several is packed into a staging buffer first.
-    """
-
-    bucket: int
-    start: int
-    stop: int
-    tensors: tuple[int, ...]
-    offset: int = 0
-
-
-def plan_messages(
-    layout: WeightLayout, buckets: list[list[int]], direct_bytes: int, piece_bytes: int
-) -> list[Message]:
-    """The broadcasts of one publication, in order; both ends derive the same list from the layout.
-
-    Within a bucket, a tensor of at least ``direct_bytes`` is its own message, cut into equal
-    pieces of at most ``piece_bytes`` (0: never cut); the tensors between two such are packed
-    into one message.
-    """
-    messages: list[Message] = []
-    for b, bucket in enumerate(buckets):
-        pos, run = 0, []
-        for i in [*bucket, None]:
-            spec = None if i is None else layout.specs[i]
-            if spec is not None and spec.nbytes < direct_bytes:
-                run.append(i)
-                pos += spec.numel
-                continue
-            if run:
-                size = sum(layout.specs[j].numel for j in run)
-                messages.append(Message(b, pos - size, pos, tuple(run)))
-                run = []
-            if spec is not None:
-                pieces = -(-spec.nbytes // piece_bytes) if piece_bytes > 0 else 1
-                # Pieces start on whole 64-bit words of the tensor, so their word sums add up
-                # to the tensor's (the same-host sender sums each piece as it writes it).
-                word = max(1, 8 // torch.empty((), dtype=spec.dtype).element_size())
-                per = -(-spec.numel // pieces // word) * word
-                for offset in range(0, spec.numel, per):
-                    n = min(per, spec.numel - offset)
-                    messages.append(Message(b, pos + offset, pos + offset + n, (i,), offset))
-                pos += spec.numel
-    return messages
 
 
 def negotiate_backend(store, rank: int, world_size: int, device: torch.device, timeout_s: float) -> str:
@@ -536,156 +468,3 @@ class UnjoinedReceiver:
 
     def close(self) -> None:
         pass
-
-
-class BackgroundPublisher:
-    """Publishes from a snapshot on a background thread, so the trainer keeps training.
-
-    A broadcast completes only when every receiver joins it, which a generator does between
-    batches; the trainer should not wait for that. Publications stay in order: a new one
-    first waits (up to ``timeout_s``) for the previous one to finish.
-
-    A broadcast group has fixed members. When a generator is lost, added or removed, the
-    runtime forms a new group and calls :meth:`regroup` with a function that builds this
-    end of it. The publication in flight on the old group is given up (a lost member will
-    never join it), the old group is closed, the new one formed, and the newest snapshot is
-    published to it: the first publication of every group carries the current weights, and
-    every member takes it, so survivors and newcomers start from the same version. With
-    ``elastic``, a publication that fails (a member died) does not fail the trainer at once:
-    the publisher waits up to ``timeout_s`` for the regroup the runtime starts when it
-    notices the loss, and only then reports the failure. The price of ``elastic``: the
-    newest snapshot is kept between publications (one more copy of the synced weights on
-    the trainer's device; without it the snapshot lives only while it is published).
-    """
-
-    def __init__(self, sender: BroadcastSender, timeout_s: float, elastic: bool = False) -> None:
-        self.sender: BroadcastSender | None = sender
-        self.layout = sender.layout
-        self.timeout_s = timeout_s
-        self.elastic = elastic
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._running = False  # a background thread is at work (or about to start)
-        self._error: BaseException | None = None
-        self._latest: tuple[list[tuple[str, torch.Tensor]], int] | None = None  # the newest publication
-        self._next_group: Callable[[], BroadcastSender | None] | None = None
-        self._regroup_pending = threading.Event()
-        self._closing = threading.Event()
-        self.regroups = 0  # groups formed after the first
-
-    @property
-    def where(self) -> str:
-        sender = self.sender
-        return sender.where if sender is not None else "broadcast weight sync (between groups)"
-
-    def _wait_previous(self) -> None:
-        thread = self._thread
-        if thread is not None:
-            thread.join(self.timeout_s)
-            if thread.is_alive():
-                raise WeightSyncError(
-                    f"{self.where}: the previous publication did not complete within {self.timeout_s:g}s "
-                    "(a receiver never joined it)"
-                )
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise WeightSyncError(f"{self.where}: background publication failed: {error}")
-
-    def publish(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
-        t0 = time.perf_counter()
-        snapshot = [(n, t.detach().clone()) for n, t in named]
-        while True:
-            self._wait_previous()
-            with self._lock:
-                if not self._running:  # else a regroup started meanwhile: wait for it too
-                    if self.elastic:  # kept for the next group's first publication
-                        self._latest = (snapshot, version)
-                    self._start((snapshot, version))
-                    break
-        return SyncStats(version, self.layout.nbytes, time.perf_counter() - t0)
-
-    def regroup(self, make_sender: Callable[[], BroadcastSender | None]) -> None:
-        """Move to a new group built by ``make_sender`` (None from it: no receivers for now).
-
-        Safe from any thread, also while the trainer's thread waits in :meth:`publish`. Only an
-        ``elastic`` publisher keeps the snapshot a new group needs.
-        """
-        if not self.elastic:
-            raise WeightSyncError(f"{self.where}: regroup needs a publisher made with elastic=True")
-        with self._lock:
-            self._next_group = make_sender
-            self._regroup_pending.set()
-            sender = self.sender
-            if not self._running:
-                self._start(None)
-        if sender is not None:
-            sender.interrupt()
-
-    def _start(self, job: tuple[list, int] | None) -> None:
-        """Start the background thread (with the lock held)."""
-        self._running = True
-        name = "publish-regroup" if job is None else f"publish-v{job[1]}"
-        self._thread = threading.Thread(target=self._run, args=(job,), name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self, job: tuple[list, int] | None) -> None:
-        while True:
-            if job is not None and self.sender is not None:
-                try:
-                    self.sender.publish(*job)
-                except SyncInterrupted:
-                    if self._closing.is_set():
-                        self._stop(None)
-                        return
-                    # else a regroup is pending; the new group gets the newest snapshot
-                except BaseException as exc:
-                    waited = self.elastic and self._regroup_pending.wait(self.timeout_s)
-                    if not waited or self._closing.is_set():
-                        self._stop(exc)
-                        return
-            with self._lock:
-                make, self._next_group = self._next_group, None
-                self._regroup_pending.clear()
-                if make is None or self._closing.is_set():
-                    self._running = False
-                    return
-                old, self.sender = self.sender, None
-            try:
-                if old is not None:
-                    old.close()
-                new = make()
-            except BaseException as exc:
-                if self._regroup_pending.is_set():
-                    job = None
-                    continue  # superseded by a newer group while this one formed
-                self._stop(exc)
-                return
-            with self._lock:
-                self.sender = new
-                self.regroups += 1
-                # A newer regroup that came while this group formed could not interrupt it.
-                job = None if self._regroup_pending.is_set() else self._latest
-
-    def _stop(self, error: BaseException | None) -> None:
-        with self._lock:
-            self._error = error
-            self._running = False
-
-    def stop_waiting(self) -> None:
-        """Give up a publication still waiting for receivers, or for a regroup (any thread): the run is
-        ending. What was given up is not reported as a failure; a failure before it still is."""
-        with self._lock:
-            self._closing.set()
-            self._regroup_pending.set()  # ends a wait for a regroup
-            sender = self.sender
-        if sender is not None:
-            sender.interrupt()
-
-    def close(self) -> None:
-        """Stop publishing (see :meth:`stop_waiting`; the last step of a run publishes nothing)."""
-        self.stop_waiting()
-        try:
-            self._wait_previous()
-        finally:
-            if self.sender is not None:
-                self.sender.close()

@@ -113,7 +113,7 @@ def make_sender(
         from asyncrl.transports.weights.device_ipc import DeviceIpcSender, memory_for
 
         return DeviceIpcSender(layout, spec.name, memory_for(device))
-    from asyncrl.transports.weights.broadcast import BackgroundPublisher
+    from asyncrl.transports.weights.publisher import BackgroundPublisher
 
     return BackgroundPublisher(make_broadcast_sender(spec, layout, timeout_s, device), timeout_s, elastic)
 
