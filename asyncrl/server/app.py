@@ -22,8 +22,7 @@ Endpoints:
 
 Requests from all connections share one continuously batched engine (see engine_loop.py).
 
-(Over 400 lines on purpose: the OpenAI wire formats of completions and chat, streamed and
-not, are one protocol best read together.)
+asyncrl's own endpoints (verdicts, log-probs, policy) are :mod:`.endpoints`'.
 """
 
 from __future__ import annotations
@@ -35,16 +34,14 @@ import time
 import uuid
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest
 from asyncrl.models.loading import Policy, tokenizer_fingerprint
-from asyncrl.rewards.judges.verdicts import candidate_ids, next_token_probs
+from asyncrl.server.endpoints import BadRequest, chat_prompt, load_policy, logprobs, verdicts
 from asyncrl.server.engine_loop import EngineLoop, Ticket
-from asyncrl.server.scoring import ScoringError, check_request, token_logprobs
 from asyncrl.transports.weights.base import WeightLayout
 
 REQUEST_TIMEOUT_S = 600.0
@@ -53,24 +50,6 @@ REQUEST_TIMEOUT_S = 600.0
 CONNECTION_IDLE_S = 60.0
 # How often the accept loop looks for a stop: a stopping server answers within this.
 SHUTDOWN_POLL_S = 0.05
-
-
-class BadRequest(ValueError):
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def chat_prompt(tokenizer, messages: list[dict]) -> str:
-    """The model's own chat template when it has one, otherwise 'role: content' lines."""
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty list", "messages")
-    for m in messages:
-        if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
-            raise BadRequest("each message needs a 'role' and a string 'content'", "messages")
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
 
 
 class OpenAIServer:
@@ -282,16 +261,17 @@ class _Handler(BaseHTTPRequestHandler):
         routes = {
             "/v1/completions": self._completions,
             "/v1/chat/completions": self._chat,
-            "/v1/policy": self._policy,
-            "/v1/verdicts": self._verdicts,
-            "/v1/logprobs": self._logprobs,
         }
+        own = {"/v1/policy": load_policy, "/v1/verdicts": verdicts, "/v1/logprobs": logprobs}
         route = routes.get(self.path)
-        if route is None:
+        if route is None and self.path not in own:
             self._error(404, f"no route POST {self.path}")
             return
         try:
-            route(self._body())
+            if route is not None:
+                route(self._body())
+            else:
+                self._json(200, own[self.path](self.app, self._body(), REQUEST_TIMEOUT_S))
         except BadRequest as exc:
             self._error(400, str(exc), exc.param)
         except (queue.Empty, RuntimeError) as exc:
@@ -457,76 +437,6 @@ class _Handler(BaseHTTPRequestHandler):
                 choice.update({"delta": {"content": delta}} if chat else {"text": delta})
                 self._sse({**head, "choices": [choice]})
         self._end_stream()
-
-    def _verdicts(self, body: dict) -> None:
-        app, tok = self.app, self.app.policy.tokenizer
-        if "messages" in body:
-            chats = body["messages"]
-            if not isinstance(chats, list) or not chats or not all(isinstance(c, list) for c in chats):
-                raise BadRequest(
-                    "'messages' must be a non-empty list of chats (lists of messages)", "messages"
-                )
-            prompts = [chat_prompt(tok, c) for c in chats]
-        else:
-            prompts = body.get("prompt")
-            prompts = [prompts] if isinstance(prompts, str) else prompts
-        if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) and p for p in prompts):
-            raise BadRequest("'prompt' must be a non-empty string or a list of them", "prompt")
-        tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not tokens:
-            raise BadRequest(
-                '\'tokens\' must be a non-empty list of candidate tokens, e.g. ["Yes", "No"]', "tokens"
-            )
-        try:
-            candidates = candidate_ids(tok, tokens)
-        except ValueError as exc:
-            raise BadRequest(str(exc), "tokens") from None
-        ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
-        limit = app.engine.max_positions
-        if max(len(i) for i in ids) > limit:
-            raise BadRequest(f"a prompt is longer than the judge's {limit} positions", "prompt")
-        probs = app.loop.call(
-            lambda engine: next_token_probs(engine.model, app.policy.pad_token_id, ids, candidates),
-            timeout=REQUEST_TIMEOUT_S,
-        )
-        self._json(200, {"object": "verdicts", "model": app.model_name, "tokens": tokens, "probs": probs})
-
-    def _logprobs(self, body: dict) -> None:
-        app = self.app
-        vocab = app.engine.model.get_output_embeddings().weight.shape[0]
-        try:
-            request = check_request(body, vocab, app.engine.max_positions)
-        except ScoringError as exc:
-            raise BadRequest(str(exc), exc.field) from None
-        # On the engine's thread, between two decode steps: the version is the one that scored.
-        scored, version = app.loop.call(
-            lambda engine: (token_logprobs(engine.model, app.policy.pad_token_id, request), engine.version),
-            timeout=REQUEST_TIMEOUT_S,
-        )
-        self._json(200, {"object": "logprobs", "model": app.model_name, "version": version, **scored})
-
-    def _policy(self, body: dict) -> None:
-        from asyncrl.transports.weights.files import FileReceiver
-
-        app = self.app
-        directory = body.get("weights_dir")
-        if not isinstance(directory, str) or not directory:
-            raise BadRequest(
-                "'weights_dir' must name a directory written by the files weight transport", "weights_dir"
-            )
-        if not Path(directory).is_dir():  # a typo is named now, not after waiting timeout_s for weights
-            raise BadRequest(f"cannot load weights from {directory!r}: no such directory", "weights_dir")
-        wanted = body.get("version", app.engine.version)
-        receiver = FileReceiver(directory, app.layout)
-        try:
-            version, tensors = receiver.receive(int(wanted), timeout=float(body.get("timeout_s", 30)))
-        except Exception as exc:  # a missing, torn or foreign update is the caller's error, named
-            raise BadRequest(f"cannot load weights from {directory!r}: {exc}", "weights_dir") from None
-        try:
-            app.loop.call(lambda engine: engine.load_weights(tensors, version), timeout=REQUEST_TIMEOUT_S)
-        except ValueError as exc:  # e.g. a version older than the one served
-            raise BadRequest(f"cannot load weights from {directory!r}: {exc}", "weights_dir") from None
-        self._json(200, {"model": app.model_name, "version": version})
 
 
 def _offsets(tokens: list[str]) -> list[int]:

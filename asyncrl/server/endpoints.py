@@ -1,0 +1,116 @@
+"""asyncrl's own endpoints beside OpenAI's: judges' verdicts, a teacher's token log-probs, and new
+weights for the policy served (see :mod:`.app` for the protocol); and the request error every
+endpoint answers 400 with.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.models.loading import Policy
+from asyncrl.rewards.judges.verdicts import candidate_ids, next_token_probs
+from asyncrl.server.engine_loop import EngineLoop
+from asyncrl.server.scoring import ScoringError, check_request, token_logprobs
+from asyncrl.transports.weights.base import WeightLayout
+
+
+class Served(Protocol):
+    """What these endpoints read of the server (:class:`~asyncrl.server.app.OpenAIServer`)."""
+
+    policy: Policy
+    engine: EmbeddedEngine
+    loop: EngineLoop
+    model_name: str
+    layout: WeightLayout
+
+
+class BadRequest(ValueError):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def chat_prompt(tokenizer, messages: list[dict]) -> str:
+    """The model's own chat template when it has one, otherwise 'role: content' lines."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list", "messages")
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
+            raise BadRequest("each message needs a 'role' and a string 'content'", "messages")
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+
+def verdicts(app: Served, body: dict, timeout: float) -> dict:
+    """``POST /v1/verdicts``: each prompt's next-token probability of each candidate token."""
+    tok = app.policy.tokenizer
+    if "messages" in body:
+        chats = body["messages"]
+        if not isinstance(chats, list) or not chats or not all(isinstance(c, list) for c in chats):
+            raise BadRequest("'messages' must be a non-empty list of chats (lists of messages)", "messages")
+        prompts = [chat_prompt(tok, c) for c in chats]
+    else:
+        prompts = body.get("prompt")
+        prompts = [prompts] if isinstance(prompts, str) else prompts
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) and p for p in prompts):
+        raise BadRequest("'prompt' must be a non-empty string or a list of them", "prompt")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not tokens:
+        raise BadRequest(
+            '\'tokens\' must be a non-empty list of candidate tokens, e.g. ["Yes", "No"]', "tokens"
+        )
+    try:
+        candidates = candidate_ids(tok, tokens)
+    except ValueError as exc:
+        raise BadRequest(str(exc), "tokens") from None
+    ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
+    limit = app.engine.max_positions
+    if max(len(i) for i in ids) > limit:
+        raise BadRequest(f"a prompt is longer than the judge's {limit} positions", "prompt")
+    probs = app.loop.call(
+        lambda engine: next_token_probs(engine.model, app.policy.pad_token_id, ids, candidates),
+        timeout=timeout,
+    )
+    return {"object": "verdicts", "model": app.model_name, "tokens": tokens, "probs": probs}
+
+
+def logprobs(app: Served, body: dict, timeout: float) -> dict:
+    """``POST /v1/logprobs``: each completion token's log-prob given its prompt and the tokens before it."""
+    vocab = app.engine.model.get_output_embeddings().weight.shape[0]
+    try:
+        request = check_request(body, vocab, app.engine.max_positions)
+    except ScoringError as exc:
+        raise BadRequest(str(exc), exc.field) from None
+    # On the engine's thread, between two decode steps: the version is the one that scored.
+    scored, version = app.loop.call(
+        lambda engine: (token_logprobs(engine.model, app.policy.pad_token_id, request), engine.version),
+        timeout=timeout,
+    )
+    return {"object": "logprobs", "model": app.model_name, "version": version, **scored}
+
+
+def load_policy(app: Served, body: dict, timeout: float) -> dict:
+    """``POST /v1/policy``: the newest weights the files transport published in ``weights_dir``."""
+    from asyncrl.transports.weights.files import FileReceiver
+
+    directory = body.get("weights_dir")
+    if not isinstance(directory, str) or not directory:
+        raise BadRequest(
+            "'weights_dir' must name a directory written by the files weight transport", "weights_dir"
+        )
+    if not Path(directory).is_dir():  # a typo is named now, not after waiting timeout_s for weights
+        raise BadRequest(f"cannot load weights from {directory!r}: no such directory", "weights_dir")
+    wanted = body.get("version", app.engine.version)
+    receiver = FileReceiver(directory, app.layout)
+    try:
+        version, tensors = receiver.receive(int(wanted), timeout=float(body.get("timeout_s", 30)))
+    except Exception as exc:  # a missing, torn or foreign update is the caller's error, named
+        raise BadRequest(f"cannot load weights from {directory!r}: {exc}", "weights_dir") from None
+    try:
+        app.loop.call(lambda engine: engine.load_weights(tensors, version), timeout=timeout)
+    except ValueError as exc:  # e.g. a version older than the one served
+        raise BadRequest(f"cannot load weights from {directory!r}: {exc}", "weights_dir") from None
+    return {"model": app.model_name, "version": version}
