@@ -32,7 +32,7 @@ is left.
     python bench/soak.py --kill-run                # 20 kills, about 3 minutes on 2 cores
     python bench/soak.py --kill-run --kills 40 --seed 1
 
-The short forms of both run in CI (tests/test_soak.py).
+The short forms of both run in CI (tests/control/test_soak.py).
 """
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ def _one_rank_step(parallel: str, port: int, device: str) -> float:
     from asyncrl.trainer.parallel import DistributedTrainer
     from asyncrl.trainer.trainer import Trainer
     from tests.conftest import build_sample
-    from tests.test_trainer import random_samples
+    from tests.trainer.test_trainer import random_samples
 
     torch.manual_seed(0)
     dev = torch.device(device, 0) if device == "cuda" else torch.device(device)

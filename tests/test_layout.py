@@ -136,6 +136,10 @@ def test_the_layer_check_sees_an_upward_import() -> None:
 def test_the_package_top_level_is_small_and_its_inits_are_docstrings() -> None:
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(top) <= 8, top
+    # A folder of modules without an __init__ is a namespace package, which the wheel leaves out
+    # (setuptools' find_packages): ``asyncrl serve`` once imported only from a checkout.
+    folders = {p.parent for p in PACKAGE.rglob("*.py")}
+    assert sorted(str(f.relative_to(PACKAGE)) for f in folders if not (f / "__init__.py").is_file()) == []
     for init in PACKAGE.rglob("__init__.py"):
         if init.parent.name == "config":
             continue  # the typed config's public face: ``from asyncrl.config import Config``
@@ -184,3 +188,16 @@ def test_callers_use_only_the_rollout_interface(module: str, holder: str) -> Non
 def test_every_rollout_implements_the_whole_interface(cls: type) -> None:
     assert issubclass(cls, Rollout) and not inspect.isabstract(cls)
     assert not Rollout.__abstractmethods__ - set(vars(cls)), "every abstract method is the class's own"
+
+
+def test_the_tests_are_laid_out_as_the_package_is() -> None:
+    """tests/<package>/ holds the tests of asyncrl/<package>/ (tests/bench/ the benchmarks' short
+    forms); only the tests of the package as a whole, and the shared helpers, sit at the top."""
+    tests = PACKAGE.parent / "tests"
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))}
+    assert folders <= packages | {"bench"}, sorted(folders - packages)
+    assert all((tests / folder / "__init__.py").is_file() for folder in folders)
+    top = sorted(p.stem for p in tests.glob("test_*.py"))
+    assert top == ["test_cli", "test_gpu", "test_layout", "test_markers", "test_user_code"]
+    assert all(p.name.startswith("test_bench_") for p in (tests / "bench").glob("test_*.py"))

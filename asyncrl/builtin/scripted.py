@@ -9,7 +9,7 @@ uses. An episode is rendered by the machinery of RL itself — an
 the teacher in the engine's place: each teacher turn is its text's tokens followed by EOS
 (what the engine samples, up to and including the stop token: loss mask 1), each
 observation the environment's text as RL encodes it (loss mask 0). So what SFT trains on
-is token for token what RL samples and trains on (``tests/test_scripted_episodes.py``
+is token for token what RL samples and trains on (``tests/episodes/test_scripted_episodes.py``
 replays them through an :class:`~asyncrl.episodes.EpisodeRollout`).
 
 A multi-agent episode function (:mod:`asyncrl.episodes.team`) is rendered the same way by

@@ -2,7 +2,7 @@
 
 Two engines implement it: the embedded PyTorch engine (:mod:`asyncrl.engine.embedded`, the
 default) and vLLM in the caller's process (:mod:`asyncrl.engine.vllm_engine`). One contract
-suite (``tests/test_engine_contract.py``) runs against every engine that is installed.
+suite (``tests/engine/test_engine_contract.py``) runs against every engine that is installed.
 
 **The contract.**
 

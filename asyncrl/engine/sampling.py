@@ -17,7 +17,7 @@ top_p of the mass: a selection problem, solved by radix select over the float bi
 and 10 bits, each a per-row histogram of (count, mass) and a cumulative sum over its bins.
 Rows of at most ``SORT_BELOW`` tokens sort instead: a few operations on a short row cost
 less than three histogram passes (the tiny CPU models have 99 tokens). Both give the same
-threshold (``tests/test_sampling.py``).
+threshold (``tests/engine/test_sampling.py``).
 
 Why not ``torch.topk`` with a candidate cap: whether a row's kept set fits under the cap
 depends on the logits, and a fixed-shape, sync-free step (what a CUDA graph captures)

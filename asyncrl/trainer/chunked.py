@@ -22,7 +22,7 @@ dtype when autocast is on for the device, else the weight's — and everything a
 the logits goes back to the compute dtype for the two backward matmuls, as autograd does for
 a ``Linear`` under autocast. Rows are independent, so forward values equal the unchunked
 ones up to the matmul's own blocking; the weight gradient is summed chunk by chunk, so it
-differs from one big matmul by float32 summation order (measured in tests/test_chunked.py).
+differs from one big matmul by float32 summation order (measured in tests/trainer/test_chunked.py).
 
 This is a plain PyTorch implementation, the same on CPU and GPU. The fused GPU kernels on
 PyPI compute a cross-entropy loss (the negative log-prob of a label), not what a policy

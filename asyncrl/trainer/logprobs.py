@@ -10,7 +10,7 @@ Two paths, chosen by ``chunk_tokens`` (``trainer.logprob_chunk_tokens``):
   adapter or wrapper on the head, soft-capped or scaled logits): the model's own logits of
   the predicting positions, one log-softmax over all of them.
 
-Both take the same positions in both layouts and give the same numbers (tests/test_chunked.py).
+Both take the same positions in both layouts and give the same numbers (tests/trainer/test_chunked.py).
 For a mixture-of-experts policy with recorded routes, every forward runs within
 :meth:`~asyncrl.models.routing.Routing.forcing` (:func:`_routed`): its routers compare their
 choices with the engine's and, with ``trainer.routing_replay=rollout``, use them.

@@ -1,0 +1,75 @@
+"""bench/gpu.py checked on the CPU in its quick mode: every part runs and reports its figures."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import child_env
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu.py"
+
+
+@pytest.mark.slow  # ~170 s; the engine, trainer, transports and loop it times are tested in test_engine*, test_trainer, test_bench_weight_sync, test_schedules
+@pytest.mark.timeout(600)
+@pytest.mark.multiprocess
+def test_gpu_bench_quick_mode_reports_every_part_on_the_cpu() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--device",
+            "cpu",
+            "--quick",
+            "--parts",
+            "engine",
+            "trainer",
+            "weight_sync",
+            "loop",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        env=child_env(),
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["device"] == "cpu" and result["quick"] is True
+    for case in ("fixed", "long_tailed"):
+        row = result["engine"][case]
+        # Each side is credited with the same tokens: every request's own budget.
+        assert row["engine"]["tokens"] == row["generate_eager"]["tokens"] > 0
+        assert row["engine"]["tokens_per_s"] > 0 and row["engine"]["ms_per_step"] > 0
+    trainer = result["trainer"]
+    assert trainer["tokens"] == trainer["samples"] * (32 + 64) and trainer["tokens_per_s"] > 0
+    assert trainer["mfu"] is None  # no peak to compare with on the CPU
+    sync = result["weight_sync"]
+    assert set(sync) >= {"shm", "files", "broadcast"}
+    for kind in ("shm", "files", "broadcast"):
+        assert "error" not in sync[kind], sync[kind]
+        assert 0 < sync[kind]["s_min"] <= sync[kind]["s_median"]
+    loop = result["loop"]
+    for schedule in ("sync", "periodic", "async"):
+        row = loop[schedule]
+        assert row["steps"] == 3 and row["s_per_step"] > 0
+        assert 0.0 < row["reward_mean"] < 1.0  # the regex reward has a spread
+        assert 0.0 <= row["trainer_busy_frac"] <= 1.0 and 0.0 <= row["generator_busy_frac"] <= 1.0
+
+
+def test_gpu_bench_without_cuda_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The script run as __main__ in this process (a child Python would spend over a second
+    importing torch): sys.exit with the message, which a program prints to stderr with status 1."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT)])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+    assert isinstance(exited.value.code, str)  # exit status 1, the message on stderr
+    assert "no CUDA device is visible" in exited.value.code
