@@ -334,9 +334,9 @@ class Group:
     def num_trained_tokens(self) -> int:
         return sum(s.num_trained_tokens for s in self.samples)
 
-    def stale_trained_tokens(self, oldest: Oldest) -> int:
-        """Trained tokens (loss mask 1) sampled by a version older than ``oldest`` (of the sample's
-        policy, when it is a mapping: see :data:`Oldest`)."""
+    def stale_trained_tokens(self, oldest: Versions) -> int:
+        """Trained tokens (loss mask 1) sampled by a version older than ``oldest`` of the sample's
+        policy (see :data:`Versions`)."""
         return sum(
             int(m and v < limit)
             for s in self.samples
@@ -344,7 +344,7 @@ class Group:
             for m, v in zip(s.loss_mask, s.versions, strict=True)
         )
 
-    def mask_older_than(self, oldest: Oldest) -> int:
+    def mask_older_than(self, oldest: Versions) -> int:
         """Take tokens sampled by versions older than ``oldest`` out of the loss; returns how many."""
         masked = 0
         for s in self.samples:
@@ -429,16 +429,17 @@ def _share_prompt_routes(samples: list[Sample]) -> None:
             s.prompt_routes = seen.setdefault(s.prompt_routes, s.prompt_routes)
 
 
-Oldest = int | Mapping[str, int]
-"""The oldest policy version still trained: one for every token, or one per policy (a multi-agent
-run's policies keep clocks of their own; a policy missing from the mapping has no bound)."""
+Versions = Mapping[str, int]
+"""Policy versions by policy name, the one version type: every policy keeps a clock of its own
+(``{"default": v}`` for a run of one policy), and the oldest version still trained is one per
+policy too. A policy missing from the oldest versions has no bound (a frozen one)."""
+
+NO_BOUND = -(1 << 62)
 
 
-def oldest_for(oldest: Oldest, policy: str) -> int:
-    """The bound of ``policy``'s tokens."""
-    if isinstance(oldest, int):
-        return oldest
-    return oldest.get(policy, -(1 << 62))
+def oldest_for(oldest: Versions, policy: str) -> int:
+    """The oldest version of ``policy``'s tokens still trained (:data:`NO_BOUND` when it has none)."""
+    return oldest.get(policy, NO_BOUND)
 
 
 @dataclass

@@ -31,8 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from asyncrl.config import DEFAULT_POLICY
 from asyncrl.control.lifecycle import GroupLedger
-from asyncrl.types import GroupState, Oldest
+from asyncrl.types import GroupState, Versions
 
 
 class Buffered(Protocol):
@@ -43,9 +44,9 @@ class Buffered(Protocol):
     @property
     def num_trained_tokens(self) -> int: ...
 
-    def stale_trained_tokens(self, oldest: Oldest) -> int: ...
+    def stale_trained_tokens(self, oldest: Versions) -> int: ...
 
-    def mask_older_than(self, oldest: Oldest) -> int: ...
+    def mask_older_than(self, oldest: Versions) -> int: ...
 
 
 class AdmissionControl:
@@ -93,7 +94,7 @@ class RolloutBuffer:
     controller's :class:`~asyncrl.control.lifecycle.GroupLedger`), a group put here is
     *buffered* there; it stays so until step assembly sends it to the trainer, or ``on_drop``
     discards it. ``oldest``: the oldest version the step that ``trainer_version`` makes may
-    train (default ``trainer_version - max_staleness``; per policy with several).
+    train, per policy (default ``{"default": trainer_version - max_staleness}``: one policy).
     """
 
     def __init__(
@@ -103,7 +104,7 @@ class RolloutBuffer:
         reject: str = "group",
         on_drop: Callable[[Buffered, str], None] | None = None,
         ledger: GroupLedger | None = None,
-        oldest: Callable[[int], Oldest] | None = None,
+        oldest: Callable[[int], Versions] | None = None,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"buffer capacity must be >= 1 group, got {capacity}")
@@ -114,10 +115,13 @@ class RolloutBuffer:
         self.reject = reject
         self.on_drop = on_drop
         self.ledger = ledger
-        self.oldest = oldest if oldest is not None else lambda version: version - self.max_staleness
+        self.oldest = oldest if oldest is not None else self._one_policy_oldest
         self.stats = BufferStats()
         self._groups: deque[Buffered] = deque()
         self._cond = threading.Condition()
+
+    def _one_policy_oldest(self, trainer_version: int) -> Versions:
+        return {DEFAULT_POLICY: trainer_version - self.max_staleness}
 
     def __len__(self) -> int:
         with self._cond:

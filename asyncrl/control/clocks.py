@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from asyncrl.config import Config
-from asyncrl.types import Oldest
+from asyncrl.types import Versions
 
 
 class PolicyClocks:
@@ -84,11 +84,9 @@ class PolicyClocks:
         """The clock ``policy`` will have (at most) when the step that makes ``planned_version + 1`` trains."""
         return self.confirmed[policy] + planned_version - self.version
 
-    def oldest(self, planned_version: int) -> Oldest:
-        """The oldest version still trained by the step being assembled: ``planned_version - η`` with one
-        policy; with several, {p: planned_p - η_p} for every trained policy (a frozen one has no bound)."""
-        if not self.several:
-            return planned_version - self.max_staleness
+    def oldest(self, planned_version: int) -> Versions:
+        """The oldest version still trained by the step being assembled: {p: planned_p - η_p} for every
+        trained policy (a frozen one has no bound); with one policy, {"default": planned_version - η}."""
         return {p: self.planned(p, planned_version) - self.eta[p] for p in self.trained}
 
     # -- checkpoints ------------------------------------------------------------------------

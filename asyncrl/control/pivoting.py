@@ -35,7 +35,7 @@ from typing import Any
 
 from asyncrl.algorithms.losses import batch_divisor
 from asyncrl.algorithms.pivots import SuccessModel
-from asyncrl.config import Config
+from asyncrl.config import DEFAULT_POLICY, Config
 from asyncrl.control.lifecycle import GroupLedger
 from asyncrl.protocol.headers import GroupHeader
 from asyncrl.protocol.messages import Submit
@@ -173,7 +173,7 @@ class BranchBook:
         if waiting:
             return None
         taken, self.discarded = [], []
-        oldest_token = planned_version - self.eta
+        oldest_token = {DEFAULT_POLICY: planned_version - self.eta}  # branch groups: one policy
         for header in self.ready:
             stale = header.pivot.version < planned_version - self.bound
             if not stale and self.reject == "token":

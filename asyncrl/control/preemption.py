@@ -27,7 +27,7 @@ from asyncrl.control.membership import Generators
 from asyncrl.control.teaching import TeacherQueue
 from asyncrl.protocol.headers import PartialHeader, group_header
 from asyncrl.protocol.messages import Preempt, Preempted
-from asyncrl.types import Group, GroupState, Oldest, PartialGroup, Prompt, oldest_for
+from asyncrl.types import Group, GroupState, PartialGroup, Prompt, Versions, oldest_for
 
 
 class Preemption:
@@ -81,7 +81,7 @@ def carry_over(
     cfg: Config,
     groups: list[Group],
     partials: list[PartialGroup],
-    oldest: Oldest,
+    oldest: Versions,
     buffer: RolloutBuffer,
     books: Books,
     log: Callable[[str], None],

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Mapping
 
+from asyncrl.config import DEFAULT_POLICY
 from asyncrl.control.books import Books
 from asyncrl.control.buffer import RolloutBuffer
 from asyncrl.control.membership import TRAINER, Generators
@@ -13,26 +13,25 @@ from asyncrl.control.teaching import TeacherQueue
 from asyncrl.protocol.headers import GroupHeader
 from asyncrl.protocol.messages import Span, StepDone, WeightsLoaded
 from asyncrl.reports.timeline import busy_fractions
+from asyncrl.types import Versions
 
 SPAN_MEMORY_S = 60.0  # spans older than this are forgotten (a step's window is shorter)
 
 
-def batch_metrics(groups: list[GroupHeader], trainer_version: int | Mapping[str, int]) -> dict[str, float]:
+def batch_metrics(groups: list[GroupHeader], trained_by: Versions) -> dict[str, float]:
     """Reward and staleness statistics of the groups trained in one step, from their headers.
 
-    Staleness of a token is ``trainer_version - versions[t]``: how many optimizer steps the
-    policy took between sampling the token and training on it (trained tokens only). With
-    several policies ``trainer_version`` is each trained policy's clock that trained the step
-    (a frozen policy's tokens, never trained, are left out).
+    Staleness of a token is ``trained_by[p] - versions[t]``: how many optimizer steps its policy
+    p took between sampling the token and training on it (trained tokens only), ``trained_by``
+    being each trained policy's clock that trained the step (a policy missing from it, frozen,
+    is left out).
     """
     rewards = [r for g in groups for r in g.rewards if r is not None]
     lags = [
         (by - v, n)
         for g in groups
         for i, counts in enumerate(g.trained_versions)
-        for by in [
-            trainer_version if isinstance(trainer_version, int) else trainer_version.get(g.policy_of(i))
-        ]
+        for by in [trained_by.get(g.policy_of(i))]
         if by is not None
         for v, n in counts.items()
     ]
@@ -91,7 +90,7 @@ class StepRecorder:
         groups: list[GroupHeader],
         generators: list[str],
         extra: dict,
-        trained_by: Mapping[str, int] | None = None,
+        trained_by: Versions | None = None,
     ) -> dict:
         """The step's metrics.jsonl row: the batch's metrics, the trainer's, the loop's own, then ``extra``.
 
@@ -104,7 +103,9 @@ class StepRecorder:
         elapsed = max(now - self.last_step_end, 1e-9)
         record = {
             **(
-                batch_metrics(groups, event.version - 1 if trained_by is None else trained_by)
+                batch_metrics(
+                    groups, {DEFAULT_POLICY: event.version - 1} if trained_by is None else trained_by
+                )
                 if groups
                 else {}
             ),

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from asyncrl.algorithms.losses import batch_divisor
-from asyncrl.config import Config
+from asyncrl.config import DEFAULT_POLICY, Config
 from asyncrl.control.buffer import RolloutBuffer
 from asyncrl.control.clocks import PolicyClocks
 from asyncrl.control.lifecycle import GroupLedger
@@ -142,7 +142,9 @@ class StepAssembly:
             finish.branches = [g.group_id for g in branches]
             finish.branch_divisor = self.branches.divisor(branches)
             finish.branch_weight = self.cfg.pivot.weight
-            finish.branch_min_version = self.planned_version - self.iters - self.cfg.schedule.max_staleness
+            # Branch groups are completions, of the one policy (pivots refuse episodes).
+            oldest = self.planned_version - self.iters - self.cfg.schedule.max_staleness
+            finish.branch_min_version = {DEFAULT_POLICY: oldest}
         self.send(finish)
         self.handed += 1
         self.unconfirmed.append(self.step_groups)

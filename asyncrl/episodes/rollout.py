@@ -47,7 +47,7 @@ from asyncrl.episodes.outcomes import EpisodeOutcomes
 from asyncrl.episodes.team import Role, Team, role_prompt
 from asyncrl.prompts.chat import encode_prompt
 from asyncrl.rollout.base import Rollout, RolloutStats, Work
-from asyncrl.types import Group, PartialGroup, Prompt, Sample
+from asyncrl.types import Group, PartialGroup, Prompt, Sample, Versions, oldest_for
 
 # Longest a step waits for an episode to do something when the engine has nothing to decode.
 IDLE_WAIT_S = 0.05
@@ -288,18 +288,10 @@ class EpisodeRollout(Rollout):
             self._cancel(group_id)
         return partials
 
-    def cancel_stale(self, version: int | dict[str, int], max_staleness: int | dict[str, int]) -> Work:
-        """Cancel groups holding a token more than ``max_staleness`` versions behind ``version``;
-        with several policies both are per policy (each one's clock; a policy without a bound
-        is never stale)."""
+    def cancel_stale(self, oldest: Versions) -> Work:
+        """Cancel groups holding a token older than ``oldest`` of its policy (each one's clock less its
+        bound; a policy without a bound is never stale)."""
         self._take_requests()
-
-        def limit(policy: str) -> int | None:
-            if isinstance(version, int) and isinstance(max_staleness, int):
-                return version - max_staleness
-            if policy not in max_staleness or policy not in version:  # type: ignore[operator]
-                return None
-            return version[policy] - max_staleness[policy]  # type: ignore[index]
 
         cancelled = []
         running = [
@@ -316,7 +308,7 @@ class EpisodeRollout(Rollout):
                 if c.record.tokens.versions
             ]
             versions += [(s.policy, min(s.versions)) for s in pending.samples.values() if s.versions]
-            if any((bound := limit(p)) is not None and v < bound for p, v in versions):
+            if any(v < oldest_for(oldest, p) for p, v in versions):
                 self._cancel(group_id)
                 cancelled.append((group_id, pending.prompt))
         return cancelled

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from asyncrl.types import Group, Oldest, PartialGroup, Pivot, Sample, oldest_for
+from asyncrl.types import Group, PartialGroup, Pivot, Sample, Versions, oldest_for
 
 
 def group_header(group: Group) -> GroupHeader:
@@ -101,7 +101,7 @@ class GroupHeader:
     def oldest_version(self) -> int | None:
         return min((v for counts in self.trained_versions for v in counts), default=None)
 
-    def stale_trained_tokens(self, oldest: Oldest) -> int:
+    def stale_trained_tokens(self, oldest: Versions) -> int:
         return sum(
             n
             for i, counts in enumerate(self.trained_versions)
@@ -109,7 +109,7 @@ class GroupHeader:
             if v < oldest_for(oldest, self.policy_of(i))
         )
 
-    def mask_older_than(self, oldest: Oldest) -> int:
+    def mask_older_than(self, oldest: Versions) -> int:
         masked = self.stale_trained_tokens(oldest)
         self.trained_versions = [
             {v: n for v, n in c.items() if v >= oldest_for(oldest, self.policy_of(i))}

@@ -18,7 +18,7 @@ from typing import Any
 
 from asyncrl.errors import AsyncRLError
 from asyncrl.protocol.headers import GroupHeader, PartialHeader, group_header, partial_header
-from asyncrl.types import FoundPivot, Group, Oldest, PartialGroup, Prompt, TeacherScores
+from asyncrl.types import FoundPivot, Group, PartialGroup, Prompt, TeacherScores, Versions
 
 # -- commands ---------------------------------------------------------------------------
 
@@ -63,7 +63,7 @@ class Accumulate:
     """
 
     group_ids: list[int]
-    min_version: Oldest | None = None  # one for all tokens, or per policy (a multi-agent run's clocks)
+    min_version: Versions | None = None  # per policy, on each one's clock
     mergeable: bool = True
     groups: list[Group] | None = None
     scale: float = 1.0  # on these groups' loss (a step's branch groups: lambda x divisor / branch divisor)
@@ -97,7 +97,7 @@ class FinishStep:
     branches: list[int] = field(default_factory=list)
     branch_divisor: float = 1.0
     branch_weight: float = 1.0
-    branch_min_version: int | None = None
+    branch_min_version: Versions | None = None
 
 
 @dataclass

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from asyncrl.engine.types import GenerationStopped
-from asyncrl.types import Group, PartialGroup, Prompt
+from asyncrl.types import Group, PartialGroup, Prompt, Versions
 
 Work = list[tuple[int, Prompt]]
 """(group id, prompt) pairs: the groups to generate."""
@@ -116,9 +116,10 @@ class Rollout(ABC):
         weights if ``before_resume`` raises."""
 
     @abstractmethod
-    def cancel_stale(self, version: int, max_staleness: int) -> Work:
-        """Forget the groups holding a token more than ``max_staleness`` versions behind ``version``;
-        returns their (group id, prompt), for the caller to issue again."""
+    def cancel_stale(self, oldest: Versions) -> Work:
+        """Forget the groups holding a token older than ``oldest`` of its policy (the clock less the
+        staleness bound; a policy missing there has none); returns their (group id, prompt), for
+        the caller to issue again."""
 
     @abstractmethod
     def preempt(self) -> list[PartialGroup]:

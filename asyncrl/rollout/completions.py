@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from transformers import PreTrainedTokenizerBase
 
+from asyncrl.config import DEFAULT_POLICY
 from asyncrl.engine.interface import resume_request
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest, GenerationResult
@@ -23,7 +24,7 @@ from asyncrl.rewards.registry import RewardFn
 from asyncrl.rewards.scoring import GroupToScore, RewardSet
 from asyncrl.rewards.step_rewards import cut_steps
 from asyncrl.rollout.base import Rollout, RolloutStats, Work
-from asyncrl.types import Group, GroupState, PartialGroup, Pivot, Prompt, Sample
+from asyncrl.types import Group, GroupState, PartialGroup, Pivot, Prompt, Sample, Versions, oldest_for
 
 SCORING_WAIT_S = 0.05  # longest a step waits for scoring when the engine has nothing to decode
 
@@ -312,8 +313,8 @@ class CompletionRollout(Rollout):
                 self.engine.add_request(resume_request(res, self._sampling[res.request_id]))
         return len(aborted)
 
-    def cancel_stale(self, version: int, max_staleness: int) -> Work:
-        """Cancel groups whose oldest token is more than ``max_staleness`` versions behind ``version``.
+    def cancel_stale(self, oldest: Versions) -> Work:
+        """Cancel groups whose oldest token is older than ``oldest`` (of the one policy completions have).
 
         Their requests leave the engine and the group is forgotten; the caller re-issues the
         returned prompts, so nothing is lost.
@@ -328,7 +329,7 @@ class CompletionRollout(Rollout):
             ids = [f"{group_id}/{k}" for k in range(pending.size)]
             versions = [running[r] for r in ids if r in running]
             versions += [min(s.versions) for s in pending.samples.values() if s.versions]
-            if versions and version - min(versions) > max_staleness:
+            if versions and min(versions) < oldest_for(oldest, DEFAULT_POLICY):
                 self.engine.abort(ids)
                 for r in ids:
                     self._sampling.pop(r, None)

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from asyncrl.config import Config
+from asyncrl.config import DEFAULT_POLICY, Config
 from asyncrl.protocol.messages import (
     GroupCancelled,
     GroupDropped,
@@ -275,9 +275,11 @@ class GeneratorWorker:
         events.append(WeightsLoaded(self.name, version, time.perf_counter() - t0))
         if self.cfg.schedule.reject == "group":  # with reject=token the fresh tokens are still trained
             if self.policies is not None:  # each policy's tokens by its own clock and bound
-                stale = self.rollout.cancel_stale(self.policies.clocks, self.policies.bounds)
+                clocks, bounds = self.policies.clocks, self.policies.bounds
+                oldest = {p: clocks[p] - bounds[p] for p in bounds if p in clocks}
             else:
-                stale = self.rollout.cancel_stale(version, self.cfg.schedule.max_staleness)
+                oldest = {DEFAULT_POLICY: version - self.cfg.schedule.max_staleness}
+            stale = self.rollout.cancel_stale(oldest)
             for group_id, prompt in stale:
                 events.append(GroupCancelled(self.name, group_id, prompt))
         return events

@@ -68,15 +68,16 @@ def test_header_and_group_agree_on_staleness_and_masking(oldest: int) -> None:
     """The controller decides on the header, the trainer acts on the group: the same counts come out."""
     g = group(1, [[0, 1, 2, 1], [2, 2, 0], [1, 0]])
     h = group_header(g)
-    assert h.stale_trained_tokens(oldest) == g.stale_trained_tokens(oldest)
-    assert h.mask_older_than(oldest) == g.mask_older_than(oldest)
+    bound = {"default": oldest}
+    assert h.stale_trained_tokens(bound) == g.stale_trained_tokens(bound)
+    assert h.mask_older_than(bound) == g.mask_older_than(bound)
     assert h.num_trained_tokens == g.num_trained_tokens
     assert h.trained_versions == group_header(g).trained_versions
 
 
 def test_batch_metrics_from_headers_equal_the_per_token_definition() -> None:
     groups = [group(0, [[0, 1], [1, 1, 1]]), group(1, [[2], [0, 2]], reward=0.0)]
-    m = batch_metrics([group_header(g) for g in groups], trainer_version=3)
+    m = batch_metrics([group_header(g) for g in groups], {"default": 3})
     lags = [3 - v for g in groups for s in g.samples for v in s.versions]
     assert m["staleness_mean"] == sum(lags) / len(lags) and m["staleness_max"] == max(lags) == 3
     assert m["samples"] == 4 and m["tokens_generated"] == 8 and m["truncated_frac"] == 0.5

@@ -117,9 +117,9 @@ def test_clocks_follow_step_done_and_plan_an_upper_bound() -> None:
 
 def test_one_policy_keeps_the_int_bound() -> None:
     clocks = PolicyClocks(config(policies=False))
-    assert not clocks.several and clocks.oldest(5) == 3
+    assert not clocks.several and clocks.oldest(5) == {"default": 3}
     clocks.update(1, None)
-    assert clocks.confirmed == {"default": 1} and clocks.oldest(1) == -1
+    assert clocks.confirmed == {"default": 1} and clocks.oldest(1) == {"default": -1}
 
 
 # -- staleness per policy: the buffer's admission and Accumulate.min_version -------------------
@@ -162,9 +162,10 @@ def test_the_buffer_admits_each_token_on_its_policys_clock_and_bound(reject: str
         assert buf.stats.masked_tokens == 2 + 1
         assert groups[1].trained_versions == [{2: 4}, {2: 1}, {0: 5}]
         assert groups[2].trained_versions == [{2: 3}, {}, {0: 5}]
-    # The run's one bound (3 - 2) would have let critic's clock-1 tokens through, and judged the
-    # frozen judge's tokens (its 5 are the only ones it finds stale).
-    assert three_groups()[1].stale_trained_tokens(3 - 2) == 5
+    # One bound (3 - 2) for every policy would have let critic's clock-1 tokens through, and judged
+    # the frozen judge's tokens (its 5 are the only ones it finds stale).
+    one_bound = dict.fromkeys(["default", "critic", "judge"], 3 - 2)
+    assert three_groups()[1].stale_trained_tokens(one_bound) == 5
 
 
 def buffered(ledger: GroupLedger, headers: list[GroupHeader]) -> RolloutBuffer:
@@ -252,9 +253,10 @@ def test_step_metrics_per_policy_and_role() -> None:
     }
     # The step's staleness on each policy's own clock (judge's never-trained tokens left out):
     # lags 1 x 4, 0 x 3 (critic), 2 x 1 and 0 x 3 (default) over 11 tokens.
-    stats = batch_metrics(groups, trainer_version=trained_by)
+    stats = batch_metrics(groups, trained_by)
     assert stats["staleness_max"] == 2 and stats["staleness_mean"] == pytest.approx(6 / 11)
-    assert batch_metrics(groups, trainer_version=2)["staleness_max"] == 2  # one clock: judge counts too
+    one_clock = dict.fromkeys(["default", "critic", "judge"], 2)
+    assert batch_metrics(groups, one_clock)["staleness_max"] == 2  # one clock for all: judge counts too
 
 
 # -- the books per policy ------------------------------------------------------------------------
@@ -572,7 +574,8 @@ def test_clocks_and_books_survive_a_checkpoint_and_a_resume(tmp_path: Path) -> N
 
 
 def test_a_run_of_one_policy_writes_what_it_always_did(tmp_path: Path) -> None:
-    """No per-policy key in the metrics, the accounting or controller.json; the bound is an int."""
+    """No per-policy key in the metrics, the accounting or controller.json; the bound is the one
+    policy's, on the one version type (a clock with one entry)."""
     cfg = config("run.steps=2", "run.checkpoint_every=1", policies=False)
     sent: list = []
 
@@ -583,7 +586,8 @@ def test_a_run_of_one_policy_writes_what_it_always_did(tmp_path: Path) -> None:
 
     runtime = OnePolicy(cfg)
     _, accounting, history = run_fake(cfg, tmp_path / "run", runtime)
-    assert all(type(c.min_version) is int for c in sent if isinstance(c, Accumulate))
+    bounds = [c.min_version for c in sent if isinstance(c, Accumulate)]
+    assert bounds and all(set(b) == {"default"} and type(b["default"]) is int for b in bounds)
     assert all(c.policy_divisors is None for c in sent if isinstance(c, FinishStep))
     assert not [k for r in history for k in r if k.startswith(("policy/", "role/"))]
     assert not [k for k in accounting if k.startswith("polic")] and accounting["reconciles"]

@@ -108,7 +108,7 @@ def test_batch_metrics_log_each_function() -> None:
     samples = [build_sample([1], [2], prompt_id="p:0", group_id=0) for _ in range(3)]
     for s, (a, b) in zip(samples, [(1.0, None), (0.0, 0.5), (1.0, 1.5)], strict=True):
         s.reward, s.reward_components = a + (b or 0), {"a": a, "b": b}
-    m = batch_metrics([group_header(Group(0, Prompt("p:0", "q"), samples))], trainer_version=0)
+    m = batch_metrics([group_header(Group(0, Prompt("p:0", "q"), samples))], {"default": 0})
     assert m["reward/a"] == pytest.approx(2 / 3) and m["reward/b"] == pytest.approx(1.0)
 
 

@@ -83,11 +83,11 @@ def test_accumulates_marked_unmergeable_stay_apart() -> None:
 
 def test_accumulates_of_different_staleness_floors_stay_apart() -> None:
     """Groups masked at different min_version (reject=token) are not merged into one command."""
-    first, second = Accumulate([0], min_version=2), Accumulate([1], min_version=3)
+    first, second = Accumulate([0], min_version={"default": 2}), Accumulate([1], min_version={"default": 3})
     assert _coalesced(first, queued(second)) == [first, second]
-    third = Accumulate([2], min_version=2)
+    third = Accumulate([2], min_version={"default": 2})
     [merged] = _coalesced(first, queued(third))
-    assert merged.group_ids == [0, 2] and merged.min_version == 2
+    assert merged.group_ids == [0, 2] and merged.min_version == {"default": 2}
 
 
 def test_accumulates_carrying_their_groups_merge_with_them() -> None:
