@@ -11,7 +11,7 @@ The records hold plain Python lists so that they pickle cheaply across processes
 serialise to JSON for recording and replay. A group's header
 (:class:`~asyncrl.protocol.headers.GroupHeader`) is what the controller knows of it — ids,
 token counts per policy version, rewards, finish reasons — while the group itself goes from
-its generator straight to the trainer (the payload plane, ``transports/groups/base.py``).
+its generator straight to the trainer (the payload plane, ``transports/groups/interface.py``).
 """
 
 from __future__ import annotations
@@ -449,7 +449,7 @@ class PartialGroup:
     ``samples`` maps completion index k to what completion k had when it stopped: a finished
     sample, or a prefix (``finish_reason="abort"``) whose tokens keep the log-probs and
     versions they were sampled with. Completions with no tokens yet are absent and start
-    afresh. A rollout continues the group from here (:meth:`~asyncrl.rollout.base.Rollout.submit`).
+    afresh. A rollout continues the group from here (:meth:`~asyncrl.rollout.interface.Rollout.submit`).
     """
 
     group_id: int

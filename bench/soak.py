@@ -79,10 +79,10 @@ def run_soak(work: Path, steps: int, kill_every: int, hang_every: int, generator
     from asyncrl.config import load_config
     from asyncrl.control.controller import Controller
     from asyncrl.control.session import RunSession
-    from asyncrl.prompts.build import task_prompts
+    from asyncrl.prompts.task_prompts import task_prompts
     from asyncrl.protocol.messages import StepDone
     from asyncrl.runtimes.ray_runtime import RayRuntime
-    from asyncrl.workers.build import seed_everything
+    from asyncrl.workers.assembly import seed_everything
 
     work.mkdir(parents=True, exist_ok=True)
     module = work / "asyncrl_soak_reward.py"

@@ -42,7 +42,7 @@ from asyncrl.config import load_config, old_logprob_mode
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.models.loading import load_policy, resolve_device, resolve_dtype
-from asyncrl.prompts.base import PromptStream
+from asyncrl.prompts.sources import PromptStream
 from asyncrl.rewards.registry import resolve_reward
 from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.trainer.advantages import assign_advantages, zero_advantage_frac

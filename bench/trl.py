@@ -77,8 +77,8 @@ from learning import WINDOW, time_to_target  # bench/ is this script's directory
 from asyncrl.config import Config, load_config
 from asyncrl.control.run import train
 from asyncrl.models.loading import load_policy
-from asyncrl.prompts.base import PromptStream
-from asyncrl.prompts.build import task_prompts
+from asyncrl.prompts.sources import PromptStream
+from asyncrl.prompts.task_prompts import task_prompts
 from asyncrl.reports.jsonl import read_jsonl
 from asyncrl.rewards.registry import resolve_reward
 

@@ -71,7 +71,6 @@ from dataclasses import dataclass
 import torch
 
 from asyncrl.runtimes.processes import worker_context
-from asyncrl.transports.weights.base import SyncStats, TensorSpec, WeightLayout
 from asyncrl.transports.weights.broadcast import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_STREAMS,
@@ -79,6 +78,7 @@ from asyncrl.transports.weights.broadcast import (
     BroadcastSender,
 )
 from asyncrl.transports.weights.files import FileReceiver, FileSender
+from asyncrl.transports.weights.interface import SyncStats, TensorSpec, WeightLayout
 from asyncrl.transports.weights.shm import SharedMemoryReceiver, SharedMemorySender
 
 HOST = "127.0.0.1"

@@ -25,7 +25,7 @@ from asyncrl.config import AlgorithmConfig, TrainerConfig
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.models.loading import load_policy
-from asyncrl.prompts.base import PromptStream
+from asyncrl.prompts.sources import PromptStream
 from asyncrl.rewards.registry import resolve_reward
 from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.trainer.advantages import assign_advantages

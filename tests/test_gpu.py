@@ -34,7 +34,7 @@ from asyncrl.engine.types import GenerationRequest
 from asyncrl.trainer.batching import collate
 from asyncrl.trainer.logprobs import completion_logprobs
 from asyncrl.types import Sample
-from asyncrl.workers import build
+from asyncrl.workers import assembly
 from tests.helpers import final_weights, max_abs_diff, straight_and_stopped, train_to_end
 
 ON_CPU = os.environ.get("ASYNCRL_GPU_TESTS_ON_CPU") == "1"
@@ -76,8 +76,8 @@ def test_engine_and_trainer_log_probs_agree(dtype: str) -> None:
     if ON_CPU and dtype == "bfloat16":
         pytest.skip("bfloat16 parity is a GPU figure")
     cfg = load_config(overrides=[f"model.device={DEVICE}", f"model.dtype={dtype}", "lora.rank=0"])
-    engine_policy = build.build_policy(cfg)
-    trainer = build.build_trainer(cfg, build.build_policy(cfg, trainable=True))
+    engine_policy = assembly.build_policy(cfg)
+    trainer = assembly.build_trainer(cfg, assembly.build_policy(cfg, trainable=True))
     engine = EmbeddedEngine(engine_policy.model, pad_token_id=engine_policy.pad_token_id, seed=0)
     tok = engine_policy.tokenizer
     prompts = [f"{a}+{b}=" for a in range(10, 90, 7) for b in (3, 41)]

@@ -4,7 +4,7 @@ No import cycle (imports inside functions count too); every import points down t
 order of layers (:data:`LAYERS`); at most eight modules at the package's top level; package
 ``__init__`` files are docstrings only (but the config's, which is its public face); no module
 is over 500 lines; the controller stays under 400 lines; and every caller of a rollout uses
-only the :class:`~asyncrl.rollout.base.Rollout` interface.
+only the :class:`~asyncrl.rollout.interface.Rollout` interface.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl.episodes.rollout import EpisodeRollout
-from asyncrl.rollout.base import Rollout
 from asyncrl.rollout.completions import CompletionRollout
+from asyncrl.rollout.interface import Rollout
 
 PACKAGE = Path(__file__).resolve().parent.parent / "asyncrl"
 
@@ -201,3 +201,10 @@ def test_the_tests_are_laid_out_as_the_package_is() -> None:
     top = sorted(p.stem for p in tests.glob("test_*.py"))
     assert top == ["test_cli", "test_gpu", "test_layout", "test_markers", "test_user_code"]
     assert all(p.name.startswith("test_bench_") for p in (tests / "bench").glob("test_*.py"))
+
+
+def test_modules_are_named_by_what_they_hold() -> None:
+    """No ``base.py`` or ``build.py``: a seam's contract is its ``interface.py``, and what builds a
+    run's parts from the config is named by what it builds (docs/design.md, Names)."""
+    vague = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if p.stem in ("base", "build"))
+    assert vague == []

@@ -20,7 +20,7 @@ import pytest
 from asyncrl.cli import main
 from asyncrl.config import user_code
 from asyncrl.errors import ConfigError, describe_user_error
-from asyncrl.rollout.base import nothing_to_train
+from asyncrl.rollout.interface import nothing_to_train
 from asyncrl.types import Group, Prompt, Sample
 from tests import user_code as user
 from tests.helpers import REPO, sets, short_run

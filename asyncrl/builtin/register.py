@@ -15,7 +15,7 @@ from asyncrl.builtin.games import Calculator, GuessingGame, GuessTask
 from asyncrl.builtin.verify import verify_episode
 from asyncrl.episodes.resolve import ENVIRONMENTS, EPISODES
 from asyncrl.models.loading import SHIPPED_MODELS
-from asyncrl.prompts.base import GENERATED_TASKS
+from asyncrl.prompts.sources import GENERATED_TASKS
 from asyncrl.rewards.registry import REWARDS
 
 # The shipped warm starts (``builtin:NAME``), each made by ``asyncrl sft --task ...``

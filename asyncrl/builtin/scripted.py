@@ -1,23 +1,23 @@
-"""Scripted episodes: a teacher plays a built-in environment, recorded as RL records episodes.
+"""Scripted episodes: a script plays a built-in environment, recorded as RL records episodes.
 
 The multi-turn warm starts (``asyncrl sft --task calculator`` or ``--task guess``) are
-trained on episodes a scripted policy, a *teacher*, plays against the very environment RL
+trained on episodes a scripted policy, a *script*, plays against the very environment RL
 uses. An episode is rendered by the machinery of RL itself — an
 :class:`~asyncrl.episodes.client.EpisodeClient` driven by
 :func:`~asyncrl.episodes.environment.environment_episode`, observations encoded by
 :func:`~asyncrl.episodes.rollout.observation_ids`, the same turn and token budgets — with
-the teacher in the engine's place: each teacher turn is its text's tokens followed by EOS
+the script in the engine's place: each script turn is its text's tokens followed by EOS
 (what the engine samples, up to and including the stop token: loss mask 1), each
 observation the environment's text as RL encodes it (loss mask 0). So what SFT trains on
 is token for token what RL samples and trains on (``tests/episodes/test_scripted_episodes.py``
 replays them through an :class:`~asyncrl.episodes.EpisodeRollout`).
 
 A multi-agent episode function (:mod:`asyncrl.episodes.team`) is rendered the same way by
-:func:`render_team_episode`, a teacher for every role: each role's transcript (its role prompt
+:func:`render_team_episode`, a script for every role: each role's transcript (its role prompt
 before the task, its turns, what the episode showed it) is one such record
 (``asyncrl sft --task verify``, :mod:`asyncrl.builtin.verify`).
 
-Teachers are imperfect on purpose, with probability ``noise``: RL learns nothing from a
+Scripts are imperfect on purpose, with probability ``noise``: RL learns nothing from a
 policy that never earns a reward and shows nothing from one that is already perfect.
 """
 
@@ -42,7 +42,7 @@ from asyncrl.prompts.chat import encode_prompt
 from asyncrl.types import Prompt
 
 
-class Teacher(Protocol):
+class Script(Protocol):
     """A scripted policy for one episode."""
 
     def turn(self, observation: str | None) -> str:
@@ -52,14 +52,14 @@ class Teacher(Protocol):
         ...
 
 
-TeacherFactory = Callable[[Prompt, random.Random, float], Teacher]
-"""Builds the teacher of one episode from the task, a random stream and the noise level."""
+ScriptFactory = Callable[[Prompt, random.Random, float], Script]
+"""Builds the script of one episode from the task, a random stream and the noise level."""
 
 TeamEpisodeFunction = Callable[[Team, Prompt], Coroutine[Any, Any, float | None]]
 """A multi-agent episode function (:mod:`asyncrl.episodes.team`)."""
 
 
-class CalculatorTeacher:
+class CalculatorScript:
     """Calls the calculator on the prompt's expression (``12*34=`` -> ``?12*34``), then
     answers with the result it gets back.
 
@@ -73,7 +73,7 @@ class CalculatorTeacher:
 
     def __init__(self, task: Prompt, rng: random.Random, noise: float) -> None:
         if task.answer is None or not task.text.endswith("="):
-            raise ValueError(f"calculator teacher: prompt {task.prompt_id} is not an arithmetic prompt")
+            raise ValueError(f"calculator script: prompt {task.prompt_id} is not an arithmetic prompt")
         self.expression, self.answer, self.rng = task.text.removesuffix("="), task.answer, rng
         self.mistake = rng.choice(self.MISTAKES) if rng.random() < noise else None
 
@@ -90,7 +90,7 @@ class CalculatorTeacher:
         return near_miss(result, self.rng) if self.mistake == "answer" else result
 
 
-class GuessTeacher:
+class GuessScript:
     """Bisection with noise: keeps the interval the feedback leaves (from ``1..guess_max``)
     and guesses its midpoint, which finds the secret in at most ``ceil(log2(guess_max + 1))``
     turns. Each turn, with probability ``noise``, it plays a cautious player's move instead:
@@ -125,14 +125,14 @@ def _miscopy(expression: str, rng: random.Random) -> str:
 
 @dataclass
 class ScriptedEpisode:
-    """One teacher episode, as RL records it: prompt tokens, then the episode's record."""
+    """One script episode, as RL records it: prompt tokens, then the episode's record."""
 
     prompt_ids: list[int]
     record: EpisodeRecord
     reward: float
 
     def sft_row(self) -> tuple[list[int], list[int]]:
-        """(input ids, labels) for supervised training: the loss on the teacher's turns only."""
+        """(input ids, labels) for supervised training: the loss on the script's turns only."""
         completion = self.record.tokens.completion_ids
         labels = [t if m else -100 for t, m in zip(completion, self.record.loss_mask, strict=True)]
         return self.prompt_ids + completion, [-100] * len(self.prompt_ids) + labels
@@ -155,7 +155,7 @@ class _Inline:
 def _scripted_client(
     name: str,
     task: Prompt,
-    teacher: Teacher,
+    script: Script,
     tokenizer: PreTrainedTokenizerBase,
     *,
     seed: int,
@@ -163,7 +163,7 @@ def _scripted_client(
     max_episode_tokens: int,
     max_turn_tokens: int,
 ) -> EpisodeClient:
-    """An episode client of ``task`` whose turns ``teacher`` plays: each turn its text's tokens
+    """An episode client of ``task`` whose turns ``script`` plays: each turn its text's tokens
     and EOS, cut to the turn's budget as the engine would cut it; observations encoded as the
     episode rollout encodes them."""
     eos = int(tokenizer.eos_token_id)
@@ -175,7 +175,7 @@ def _scripted_client(
         seen = tokenizer.decode(
             context[len(prompt_ids) + (spans[-1][1] if spans else 0) :], skip_special_tokens=True
         )
-        text = teacher.turn(seen if spans or seen else None)
+        text = script.turn(seen if spans or seen else None)
         ids = [*tokenizer(text, add_special_tokens=False).input_ids, eos]
         finish = "stop" if len(ids) <= budget else "length"
         ids = ids[:budget]
@@ -217,7 +217,7 @@ def _play(episode: Coroutine[Any, Any, float | None], what: str) -> tuple[float 
 
 def render_episode(
     environment: EnvironmentFactory,
-    teacher: Teacher,
+    script: Script,
     task: Prompt,
     tokenizer: PreTrainedTokenizerBase,
     *,
@@ -227,12 +227,12 @@ def render_episode(
     max_turn_tokens: int,
 ) -> ScriptedEpisode:
     """Play one episode of ``environment`` (a synchronous one, like the built-ins) with
-    ``teacher`` in the engine's place, under the budgets of ``episode.max_turns``,
+    ``script`` in the engine's place, under the budgets of ``episode.max_turns``,
     ``episode.max_episode_tokens`` and ``rollout.max_new_tokens`` (``max_turn_tokens``)."""
     budgets = dict(
         max_turns=max_turns, max_episode_tokens=max_episode_tokens, max_turn_tokens=max_turn_tokens
     )
-    client = _scripted_client(task.prompt_id, task, teacher, tokenizer, seed=seed, **budgets)
+    client = _scripted_client(task.prompt_id, task, script, tokenizer, seed=seed, **budgets)
     play = environment_episode(lambda t, s: _Inline(environment(t, s)))
     value, truncated = _play(play(client, task), task.prompt_id)
     reward = sum(r for r in client.record.turn_rewards if r is not None) if truncated else float(value)
@@ -241,7 +241,7 @@ def render_episode(
 
 @dataclass
 class ScriptedTeamEpisode:
-    """One multi-agent episode of teachers: each role's transcript, as RL records it, with the
+    """One multi-agent episode of scripts: each role's transcript, as RL records it, with the
     role's own reward (``team.reward_role``; 0 if none), and what the episode function returned,
     the team reward (None when a budget cut the episode: the rollout decides what that earns)."""
 
@@ -252,7 +252,7 @@ class ScriptedTeamEpisode:
 def render_team_episode(
     episode: TeamEpisodeFunction,
     roles: list[Role],
-    teachers: dict[str, Teacher],
+    scripts: dict[str, Script],
     task: Prompt,
     tokenizer: PreTrainedTokenizerBase,
     *,
@@ -261,7 +261,7 @@ def render_team_episode(
     max_episode_tokens: int,
     max_turn_tokens: int,
 ) -> ScriptedTeamEpisode:
-    """Play one episode of the multi-agent episode function ``episode`` with a teacher in the
+    """Play one episode of the multi-agent episode function ``episode`` with a script in the
     engine's place for every role: each role's client, made by a :class:`Team`, starts from the
     role's prompt before the task (:func:`role_prompt`) under the per-role budgets of
     ``episode.max_turns``, ``episode.max_episode_tokens`` and ``rollout.max_new_tokens``."""
@@ -273,7 +273,7 @@ def render_team_episode(
     def make_client(name: str) -> EpisodeClient:
         role_task = role_prompt(task, by_name[name].prompt)
         return _scripted_client(
-            f"{task.prompt_id}/{name}", role_task, teachers[name], tokenizer, seed=seed, **budgets
+            f"{task.prompt_id}/{name}", role_task, scripts[name], tokenizer, seed=seed, **budgets
         )
 
     team = Team(list(by_name), make_client)

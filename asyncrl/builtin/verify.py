@@ -21,7 +21,7 @@ answer (anything else is a wrong answer, shown to the verifier as it was written
 accepts only when, stripped, it is exactly ``y`` — anything else is a rejection, and a
 malformed verdict is never a right one.
 
-:class:`SolverTeacher` and :class:`VerifierTeacher` are the scripted players of the warm start
+:class:`SolverScript` and :class:`VerifierScript` are the scripted players of the warm start
 ``asyncrl sft --task verify`` (:func:`asyncrl.builtin.scripted.render_team_episode` records
 their episodes as RL records the model's).
 """
@@ -32,7 +32,7 @@ import random
 from collections.abc import Callable
 
 from asyncrl.builtin.arithmetic import near_miss
-from asyncrl.builtin.scripted import Teacher
+from asyncrl.builtin.scripted import Script
 from asyncrl.config.agents import BUILTIN_TEAMS
 from asyncrl.episodes.team import Role, Team
 from asyncrl.types import Prompt, Sample
@@ -89,7 +89,7 @@ async def verify_episode(team: Team, task: Prompt, attempts: int = ATTEMPTS) -> 
     return float(answers_right[-1])
 
 
-class SolverTeacher:
+class SolverScript:
     """A scripted solver: each answer is the right one, or with probability ``noise`` a near
     miss (:func:`~asyncrl.builtin.arithmetic.near_miss`), drawn afresh for every answer."""
 
@@ -100,7 +100,7 @@ class SolverTeacher:
         return near_miss(self.answer, self.rng) if self.rng.random() < self.noise else self.answer
 
 
-class VerifierTeacher:
+class VerifierScript:
     """A scripted verifier: the right verdict on the answer it is shown (``46?``), flipped with
     probability ``noise``."""
 
@@ -127,11 +127,11 @@ def verdicts(sample: Sample, decode: Callable[[list[int]], str]) -> list[tuple[s
     return out
 
 
-def teachers(
+def scripts(
     task: Prompt, rng: random.Random, solver_noise: float, verifier_noise: float
-) -> dict[str, Teacher]:
+) -> dict[str, Script]:
     """The scripted players of one episode, by role."""
     return {
-        SOLVER: SolverTeacher(task, rng, solver_noise),
-        VERIFIER: VerifierTeacher(task, rng, verifier_noise),
+        SOLVER: SolverScript(task, rng, solver_noise),
+        VERIFIER: VerifierScript(task, rng, verifier_noise),
     }

@@ -20,12 +20,12 @@ Five tasks (``task``):
   later one (:func:`~asyncrl.builtin.chains.late_slip`), so the model's sampled failures
   come late in the completion. Its evaluations also report ``failures_late``: the share of
   the failed sampled completions whose first wrong character comes after the first comma.
-* ``calculator`` and ``guess``: episodes a scripted teacher plays against the built-in
+* ``calculator`` and ``guess``: episodes a script plays against the built-in
   environment of that name, rendered token for token as RL renders them, the loss on the
-  teacher's turns only (:mod:`asyncrl.builtin.scripted`: the teachers and their noise).
+  teacher's turns only (:mod:`asyncrl.builtin.scripted`: the scripts and their noise).
   Accuracy is then the mean episode reward, as in RL's evaluation.
 * ``verify``: two roles, a solver and a verifier (:mod:`asyncrl.builtin.verify`), both learned
-  by the one model from the scripted teachers' episodes, each role's transcript rendered as
+  by the one model from the scripts' episodes, each role's transcript rendered as
   RL's multi-agent rollout records it (:func:`~asyncrl.builtin.scripted.render_team_episode`).
   Accuracy is the mean team reward; its evaluations also report each role's (``solver_accuracy``,
   ``verifier_accuracy``) and the share of right and of wrong answers the verifier accepts.
@@ -51,21 +51,21 @@ import torch
 from asyncrl.builtin.arithmetic import ArithmeticTask, near_miss
 from asyncrl.builtin.chains import ChainTask, chain_match, fails_late, late_slip, max_answer_chars
 from asyncrl.builtin.games import GuessTask
-from asyncrl.builtin.scripted import CalculatorTeacher, GuessTeacher, render_episode, render_team_episode
+from asyncrl.builtin.scripted import CalculatorScript, GuessScript, render_episode, render_team_episode
 from asyncrl.builtin.sft_settings import SFTConfig
 from asyncrl.builtin.verify import SOLVER, VERIFIER, VERIFY_ROLES, verdicts, verify_episode
-from asyncrl.builtin.verify import teachers as verify_teachers
+from asyncrl.builtin.verify import scripts as verify_scripts
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.episodes.environment import environment_episode
 from asyncrl.episodes.resolve import builtin_environment
 from asyncrl.episodes.rollout import EpisodeRollout
 from asyncrl.models.loading import Policy, load_policy, save_policy
-from asyncrl.prompts.base import PromptSource, PromptStream
+from asyncrl.prompts.sources import PromptSource, PromptStream
 from asyncrl.rewards.registry import RewardFn, exact_match
-from asyncrl.rollout.base import Rollout
 from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.rollout.evaluation import evaluate
+from asyncrl.rollout.interface import Rollout
 
 Row = tuple[list[int], list[int]]  # (input ids, labels: -100 where no loss)
 
@@ -132,16 +132,16 @@ class _Chains(_Answers):
 
 
 class _Episodes:
-    """A built-in multi-turn task: episodes of a scripted teacher (asyncrl.builtin.scripted)."""
+    """A built-in multi-turn task: episodes of a script (asyncrl.builtin.scripted)."""
 
     def __init__(self, cfg: SFTConfig, policy: Policy) -> None:
 
         self.cfg, self.policy = cfg, policy
         if cfg.task == "calculator":
-            self.teacher = CalculatorTeacher
+            self.script = CalculatorScript
             source = functools.partial(ArithmeticTask, cfg.ops, cfg.min_digits, cfg.max_digits)
         else:
-            self.teacher = functools.partial(GuessTeacher, guess_max=cfg.guess_max)
+            self.script = functools.partial(GuessScript, guess_max=cfg.guess_max)
             source = functools.partial(GuessTask, cfg.guess_max)
         self.environment = builtin_environment(cfg.task, cfg.max_turns)
         self.train = PromptStream(source(seed=cfg.data_seed))
@@ -154,7 +154,7 @@ class _Episodes:
         return [
             render_episode(
                 self.environment,
-                self.teacher(task, rng, noise),
+                self.script(task, rng, noise),
                 task,
                 self.policy.tokenizer,
                 seed=start + i,
@@ -183,7 +183,7 @@ class _Episodes:
 class _Team:
     """The verify task (:mod:`asyncrl.builtin.verify`): one model learns both roles, whose
     transcripts differ by their role prompts. Rows alternate: the solver's transcript of an
-    episode both teachers play with the noise, then the verifier's transcript of an episode
+    episode both scripts play with the noise, then the verifier's transcript of an episode
     whose solver answers a near miss ``verify_wrong`` of the time (else a verifier trained
     while the solver is clean would only ever see right answers), its verdicts with the noise
     (``verdict_noise`` in the blur phase, if set). The first ``solver_first_steps`` steps
@@ -214,7 +214,7 @@ class _Team:
             played = render_team_episode(
                 self.episode,
                 VERIFY_ROLES,
-                verify_teachers(task, rng, wrong, verdict_noise),
+                verify_scripts(task, rng, wrong, verdict_noise),
                 task,
                 self.policy.tokenizer,
                 seed=start + i,

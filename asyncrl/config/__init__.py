@@ -9,7 +9,7 @@ the key and what is allowed. ``asyncrl config --docs`` renders these classes int
 The sections live in modules by concern, and this package re-exports every public name
 (``from asyncrl.config import Config, load_config``):
 
-- :mod:`asyncrl.config.base`: :class:`Section`, the base of every section;
+- :mod:`asyncrl.config.section`: :class:`Section`, the base of every section;
 - :mod:`asyncrl.config.data`: the model, the task and its rewards, episodes, the judge;
 - :mod:`asyncrl.config.agents`: multi-agent episodes' roles and policies;
 - :mod:`asyncrl.config.training`: the rollout, the algorithm, the trainer, LoRA;
@@ -24,7 +24,6 @@ the package to be initialised first.
 from __future__ import annotations
 
 from asyncrl.config.agents import DEFAULT_POLICY, MultiAgentConfig, PolicySpec, RoleSpec
-from asyncrl.config.base import Section
 from asyncrl.config.data import (
     JUDGE_FIELDS,
     ArithmeticConfig,
@@ -51,6 +50,7 @@ from asyncrl.config.running import (
     RuntimeConfig,
     ScheduleConfig,
 )
+from asyncrl.config.section import Section
 from asyncrl.config.training import AlgorithmConfig, DistillConfig, LoraConfig, RolloutConfig, TrainerConfig
 
 __all__ = [

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import Field
 
-from asyncrl.config.base import Section
+from asyncrl.config.section import Section
 
 # vLLM's EngineArgs that asyncrl sets itself, and the asyncrl key each one comes from.
 OWNED_ENGINE_ARGS = {

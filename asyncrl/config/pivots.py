@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from asyncrl.config.base import Section
+from asyncrl.config.section import Section
 
 
 class PivotConfig(Section):

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
-from asyncrl.config.base import Section
+from asyncrl.config.section import Section
 
 
 class RolloutConfig(Section):

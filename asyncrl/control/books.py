@@ -40,7 +40,7 @@ from typing import Any
 from asyncrl.control.lifecycle import GroupLedger, GroupRecord
 from asyncrl.control.pivoting import BranchBook
 from asyncrl.control.policy_books import PolicyBooks
-from asyncrl.prompts.base import PromptStream
+from asyncrl.prompts.sources import PromptStream
 from asyncrl.protocol.headers import GroupHeader
 from asyncrl.types import GroupState, Prompt
 

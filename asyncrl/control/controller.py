@@ -50,12 +50,12 @@ from asyncrl.control.notices import RunNotices
 from asyncrl.control.pivoting import BranchBook
 from asyncrl.control.policy_books import PolicyBooks, role_rewards
 from asyncrl.control.preemption import Preemption, carry_over
-from asyncrl.control.records import StepRecorder, loop_figures
 from asyncrl.control.saving import SaveProtocol
 from asyncrl.control.session import RunSession
+from asyncrl.control.step_metrics import StepRecorder, loop_figures
 from asyncrl.control.steps import StepAssembly
 from asyncrl.control.teaching import teacher_queue
-from asyncrl.prompts.base import PromptSource, PromptStream
+from asyncrl.prompts.sources import PromptSource, PromptStream
 from asyncrl.protocol.headers import GroupHeader
 from asyncrl.protocol.messages import (
     CheckpointSaved,
@@ -83,7 +83,7 @@ from asyncrl.protocol.messages import (
     WorkerFailed,
     WorkerLost,
 )
-from asyncrl.runtimes.base import InterruptibleRuntime, Runtime
+from asyncrl.runtimes.interface import InterruptibleRuntime, Runtime
 from asyncrl.types import Group, PartialGroup
 from asyncrl.workers.teacher import TEACHER
 

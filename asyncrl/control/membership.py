@@ -19,7 +19,7 @@ from pathlib import Path
 from asyncrl.control.books import Books
 from asyncrl.control.scaling import CONTROL_FILE
 from asyncrl.protocol.messages import LoadWeights, WorkerError, WorkerLost
-from asyncrl.runtimes.base import ElasticRuntime, Runtime, is_generator
+from asyncrl.runtimes.interface import ElasticRuntime, Runtime, is_generator
 from asyncrl.types import GroupState, Prompt
 
 TRAINER = "trainer"

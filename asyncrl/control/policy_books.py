@@ -46,7 +46,7 @@ OUTCOMES = ("delivered", "carried_in", "trained", "discarded_stale", "discarded_
 
 
 @dataclass
-class Tally:
+class PolicyShare:
     """One policy's part of some groups."""
 
     samples: int = 0
@@ -54,12 +54,12 @@ class Tally:
     turns: int = 0
 
 
-def tally(headers: Iterable[GroupHeader]) -> dict[str, Tally]:
+def policy_shares(headers: Iterable[GroupHeader]) -> dict[str, PolicyShare]:
     """Per policy: the samples, trained tokens and model turns of ``headers`` (split per sample)."""
-    out: dict[str, Tally] = {}
+    out: dict[str, PolicyShare] = {}
     for header in headers:
         for i, counts in enumerate(header.trained_versions):
-            part = out.setdefault(header.policy_of(i), Tally())
+            part = out.setdefault(header.policy_of(i), PolicyShare())
             part.samples += 1
             part.trained_tokens += sum(counts.values())
             part.turns += header.turns[i] if header.turns is not None else 0
@@ -71,7 +71,7 @@ def policy_divisors(
 ) -> dict[str, float]:
     """``FinishStep.policy_divisors``: for each ``trained`` policy with samples in the step, the batch
     divisor over its own samples and trained tokens (a policy missing takes no optimizer step)."""
-    parts = tally(headers)
+    parts = policy_shares(headers)
     return {
         p: batch_divisor(loss_type, parts[p].samples, parts[p].trained_tokens, max_new_tokens)
         for p in trained
@@ -95,7 +95,7 @@ class PolicyBooks:
     # -- outcomes ---------------------------------------------------------------------------
 
     def _parts(self, header: GroupHeader) -> dict[str, tuple[int, int]]:
-        parts = {p: (t.samples, t.turns) for p, t in tally([header]).items()}
+        parts = {p: (t.samples, t.turns) for p, t in policy_shares([header]).items()}
         unknown = sorted(set(parts) - set(self.names))
         if unknown:
             raise ValueError(
@@ -196,9 +196,9 @@ class PolicyBooks:
         out: dict[str, float] = {f"policy/{p}/version": clocks[p] for p in self.names}
         if not groups:
             return out  # a batch's later optimizer steps train no new group
-        parts = tally(groups)
+        parts = policy_shares(groups)
         for p in self.names:
-            part = parts.get(p, Tally())
+            part = parts.get(p, PolicyShare())
             out[f"policy/{p}/samples"] = part.samples
             out[f"policy/{p}/trained_tokens"] = part.trained_tokens
             out[f"policy/{p}/turns"] = part.turns

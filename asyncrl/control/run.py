@@ -21,14 +21,14 @@ from asyncrl.lifeline import STOP_SIGNALS
 from asyncrl.models.loading import load_model_config
 from asyncrl.models.lora import check_lora_fits
 from asyncrl.models.routing import check_routing_replay
-from asyncrl.prompts.base import PromptSource
-from asyncrl.prompts.build import task_prompts
+from asyncrl.prompts.sources import PromptSource
+from asyncrl.prompts.task_prompts import task_prompts
 from asyncrl.protocol.messages import WorkerError
 from asyncrl.rewards.judges.service import served_judge
 from asyncrl.rewards.pool_service import local_reward_pool
-from asyncrl.runtimes.base import Runtime
 from asyncrl.runtimes.inline import InlineRuntime
-from asyncrl.workers.build import seed_everything
+from asyncrl.runtimes.interface import Runtime
+from asyncrl.workers.assembly import seed_everything
 from asyncrl.workers.rollouts import build_episode
 
 

@@ -28,7 +28,7 @@ from asyncrl.models.loading import (
     resolve_device,
     tokenizer_fingerprint,
 )
-from asyncrl.server.scoring import ScoringRequest, token_logprobs
+from asyncrl.server.token_logprobs import ScoringRequest, token_logprobs
 from asyncrl.types import Group, TeacherScores
 
 

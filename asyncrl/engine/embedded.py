@@ -67,7 +67,7 @@ from asyncrl.engine.runner import Runner, static_layout
 from asyncrl.engine.scheduler import Scheduler
 from asyncrl.engine.types import GenerationRequest, GenerationResult
 from asyncrl.models.routing import pack_routes
-from asyncrl.transports.weights.base import check_checksums
+from asyncrl.transports.weights.interface import check_checksums
 
 
 class EmbeddedEngine(Engine):

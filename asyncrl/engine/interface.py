@@ -80,9 +80,9 @@ class Engine(ABC):
 
     @abstractmethod
     def verify_weights(self, expected: Mapping[str, float], version: int, where: str) -> None:
-        """Raise :class:`~asyncrl.transports.weights.base.WeightSyncError`, naming ``where``, if
+        """Raise :class:`~asyncrl.transports.weights.interface.WeightSyncError`, naming ``where``, if
         the engine does not compute with the weights the trainer published as ``version``
-        (``expected``: :func:`~asyncrl.transports.weights.base.tensor_checksums` of them, by the
+        (``expected``: :func:`~asyncrl.transports.weights.interface.tensor_checksums` of them, by the
         trainer's names). What is checked is what the engine computes with, not a copy beside it."""
 
     # -- requests -----------------------------------------------------------------------

@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 from asyncrl.config import LoraConfig
 from asyncrl.engine.interface import Engine
 from asyncrl.models.lora import lora_targets
-from asyncrl.transports.weights.base import WeightLayout, WeightSyncError, check_checksums
+from asyncrl.transports.weights.interface import WeightLayout, WeightSyncError, check_checksums
 
 
 class MergedLora:

@@ -54,7 +54,7 @@ from transformers import PreTrainedModel
 
 from asyncrl.config import LoraConfig
 from asyncrl.models.lora import LoraTarget, check_adapter_names, lora_targets
-from asyncrl.transports.weights.base import WeightLayout, WeightSyncError, check_checksums
+from asyncrl.transports.weights.interface import WeightLayout, WeightSyncError, check_checksums
 
 BASE = -1  # the adapter index of a row without an adapter: it computes the base model
 

@@ -50,7 +50,7 @@ import torch
 from asyncrl.engine.interface import Engine, check_fits
 from asyncrl.engine.scheduler import abort_waiting, result_of
 from asyncrl.engine.types import GenerationRequest, GenerationResult
-from asyncrl.transports.weights.base import WeightSyncError, check_checksums
+from asyncrl.transports.weights.interface import WeightSyncError, check_checksums
 from asyncrl.types import Tokens
 
 INSTALL_HINT = (

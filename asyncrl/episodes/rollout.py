@@ -1,6 +1,6 @@
 """Rollout of multi-turn episodes: tasks in, scored groups of episodes out.
 
-:class:`EpisodeRollout` is a :class:`~asyncrl.rollout.base.Rollout`, so a generator runs
+:class:`EpisodeRollout` is a :class:`~asyncrl.rollout.interface.Rollout`, so a generator runs
 episodes exactly as it runs single-turn completions. For each task it runs G episodes; all
 episodes run at once as coroutines on one event loop in a background thread. An episode
 that asks for a model turn hands a request to the engine, which decodes it in its
@@ -23,7 +23,7 @@ rewarded ``team_weight x team reward + role_weight x its own``.
 or team episode that raises is named with the user's file and line and where it ran, and
 handled like a reward error. An episode that failed before the model's first turn
 (or a role that never acted) leaves a sample with nothing to train: the generator drops its
-group (:func:`~asyncrl.rollout.base.nothing_to_train`), never sending it to the trainer.
+group (:func:`~asyncrl.rollout.interface.nothing_to_train`), never sending it to the trainer.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from asyncrl.episodes.environment import EpisodeFunction
 from asyncrl.episodes.outcomes import EpisodeOutcomes
 from asyncrl.episodes.team import Role, Team, role_prompt
 from asyncrl.prompts.chat import encode_prompt
-from asyncrl.rollout.base import Rollout, RolloutStats, Work
+from asyncrl.rollout.interface import Rollout, RolloutStats, Work
 from asyncrl.types import Group, PartialGroup, Prompt, Sample, Versions, oldest_for
 
 # Longest a step waits for an episode to do something when the engine has nothing to decode.

@@ -9,7 +9,7 @@ is named by its split and index.
 
 Held-out rows: ``task.eval_split`` names another split; ``task.eval_fraction`` holds out
 that share of the training split, chosen by ``task.seed``. Training order is shuffled per
-epoch by :class:`~asyncrl.prompts.base.PromptStream`.
+epoch by :class:`~asyncrl.prompts.sources.PromptStream`.
 """
 
 from __future__ import annotations

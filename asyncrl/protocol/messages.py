@@ -7,7 +7,7 @@ runtime) or are passed by reference (inline runtime).
 Payload and control are separate: the controller reads and sends only headers and group
 ids. A generator's ``GroupReady`` and ``Preempted`` leave the worker with their groups
 attached; the process serving the worker delivers the groups to the trainer's inbox and strips them
-before the event goes on (:func:`asyncrl.transports.groups.base.detach_payloads`), and the
+before the event goes on (:func:`asyncrl.transports.groups.interface.detach_payloads`), and the
 trainer resolves an ``Accumulate``'s group ids from its inbox.
 """
 

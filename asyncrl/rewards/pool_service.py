@@ -3,7 +3,7 @@
 Locally the pool is one process that accepts connections on 127.0.0.1 and runs the
 workers as a process pool (the least busy one takes the next batch); on Ray it is N actors
 (:class:`RewardActor`, placed with ``runtime.ray.reward``). Each worker builds the task's
-reward functions with :func:`~asyncrl.rewards.build.reward_set` — the functions themselves,
+reward functions with :func:`~asyncrl.rewards.task_rewards.reward_set` — the functions themselves,
 time-limited in their own processes as usual with ``task.reward_timeout_s`` — and scores the
 batches generators send it (:mod:`asyncrl.rewards.pool`, the client).
 
@@ -26,10 +26,10 @@ from multiprocessing.connection import Connection, Listener
 
 from asyncrl.config import Config
 from asyncrl.lifeline import exit_with_parent, ignore_stop_signals, stop_signals_held
-from asyncrl.rewards.build import reward_set
 from asyncrl.rewards.pool import ENV, RewardPoolError
 from asyncrl.rewards.scoring import RewardSet, Scored
 from asyncrl.rewards.services import announced
+from asyncrl.rewards.task_rewards import reward_set
 
 STOP_TIMEOUT_S = 10.0
 

@@ -1,1 +1,1 @@
-"""Rollout: prompts into scored groups, on an engine (the :class:`~asyncrl.rollout.base.Rollout` seam)."""
+"""Rollout: prompts into scored groups, on an engine (the :class:`~asyncrl.rollout.interface.Rollout` seam)."""

@@ -3,7 +3,7 @@
 For each prompt the rollout asks the engine for G completions, decodes them, scores the
 group with the task's reward functions and returns it. Completions find their prompt
 through the request id (``group_id/k``), never by position. The seam it implements, and a
-group's life through it: :mod:`asyncrl.rollout.base`.
+group's life through it: :mod:`asyncrl.rollout.interface`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from asyncrl.prompts.chat import encode_prompt
 from asyncrl.rewards.registry import RewardFn
 from asyncrl.rewards.scoring import GroupToScore, RewardSet
 from asyncrl.rewards.step_rewards import cut_steps
-from asyncrl.rollout.base import Rollout, RolloutStats, Work
+from asyncrl.rollout.interface import Rollout, RolloutStats, Work
 from asyncrl.types import Group, GroupState, PartialGroup, Pivot, Prompt, Sample, Versions, oldest_for
 
 SCORING_WAIT_S = 0.05  # longest a step waits for scoring when the engine has nothing to decode

@@ -1,7 +1,7 @@
 """Accuracy of a policy on held-out prompts: the rollout the run trains with, run greedily.
 
-An evaluation is a :class:`~asyncrl.rollout.base.Rollout` of group size 1 with greedy
-sampling (:func:`asyncrl.workers.build.build_rollout` with ``greedy=True``): the same
+An evaluation is a :class:`~asyncrl.rollout.interface.Rollout` of group size 1 with greedy
+sampling (:func:`asyncrl.workers.assembly.build_rollout` with ``greedy=True``): the same
 prompt encoding, generation, answer cutting, step cutting and reward functions as training
 — or, for multi-turn tasks, the same episodes — and the mean reward of its samples.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from asyncrl.rollout.base import Rollout
+from asyncrl.rollout.interface import Rollout
 from asyncrl.types import Prompt
 
 

@@ -9,9 +9,9 @@ import torch
 from asyncrl.config import Config
 from asyncrl.protocol.messages import LoadWeights, Preempt, Ready, Submit, Teach
 from asyncrl.rewards.scoring import ScoringStopped
-from asyncrl.runtimes.base import generator_name
-from asyncrl.transports.groups.base import FanOut, GroupSender, detach_payloads
+from asyncrl.runtimes.interface import generator_name
 from asyncrl.transports.groups.factory import make_group_sender
+from asyncrl.transports.groups.interface import FanOut, GroupSender, detach_payloads
 from asyncrl.transports.weights.inprocess import InProcessChannel
 from asyncrl.workers.generator import GeneratorWorker
 from asyncrl.workers.teacher import TEACHER, TeacherWorker

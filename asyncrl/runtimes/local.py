@@ -36,8 +36,8 @@ from asyncrl.config import Config
 from asyncrl.lifeline import Owner, exit_with_owner, ignore_stop_signals, stop_signals_held
 from asyncrl.models.loading import resolve_device
 from asyncrl.protocol.messages import Ready, Stop, WorkerError, WorkerFailed
-from asyncrl.runtimes.base import generator_name
 from asyncrl.runtimes.cores import CoreShare, available_cores
+from asyncrl.runtimes.interface import generator_name
 from asyncrl.runtimes.processes import adopt_environment, start_process_helpers, worker_context
 from asyncrl.runtimes.serving import (
     GENERATOR,
@@ -50,8 +50,8 @@ from asyncrl.runtimes.serving import (
     serve_worker,
 )
 from asyncrl.trainer.distributed import trainer_rank_name
-from asyncrl.transports.groups.base import FanOut, GroupSender
 from asyncrl.transports.groups.factory import make_group_sender, make_inbox
+from asyncrl.transports.groups.interface import FanOut, GroupSender
 from asyncrl.transports.weights.factory import (
     SEGMENT_RECORD,
     TransportSpec,

@@ -17,8 +17,8 @@ import threading
 
 from asyncrl.protocol.messages import Stop
 from asyncrl.runtimes.serving import TRAINER, build_worker, drain, failed, ready, serve_worker
-from asyncrl.transports.groups.base import Delivery, FanOut
 from asyncrl.transports.groups.factory import make_group_sender
+from asyncrl.transports.groups.interface import Delivery, FanOut
 from asyncrl.transports.weights.factory import TransportSpec, free_port, make_broadcast_sender, make_receiver
 from asyncrl.workers.teacher import TEACHER
 

@@ -54,8 +54,8 @@ from asyncrl.protocol.messages import (
 from asyncrl.rewards.judges.client import ENV as JUDGE_ENV
 from asyncrl.rewards.pool import ENV as POOL_ENV
 from asyncrl.rewards.pool_service import RewardActor
-from asyncrl.runtimes.base import generator_name, is_generator
 from asyncrl.runtimes.cores import available_cores
+from asyncrl.runtimes.interface import generator_name, is_generator
 from asyncrl.runtimes.ray_actor import WorkerActor
 from asyncrl.runtimes.serving import (
     TRAINER,

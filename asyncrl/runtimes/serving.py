@@ -25,8 +25,8 @@ from asyncrl.config import Config
 from asyncrl.errors import AsyncRLError
 from asyncrl.models.loading import resolve_device
 from asyncrl.protocol.messages import Accumulate, Discard, Ready, Stop, WorkerFailed
-from asyncrl.transports.groups.base import GroupSender, detach_payloads
 from asyncrl.transports.groups.inbox import Inbox
+from asyncrl.transports.groups.interface import GroupSender, detach_payloads
 from asyncrl.transports.weights.factory import TransportSpec, make_receiver, make_sender, weights_device
 from asyncrl.workers.generator import GeneratorWorker
 from asyncrl.workers.teacher import TEACHER, TeacherWorker

@@ -14,7 +14,7 @@ Endpoints:
 * ``POST /v1/logprobs`` — ``{"prompt_ids": [[...]], "completion_ids": [[...]]}`` (token ids;
   ``temperature``, ``top_k`` optional): each completion token's log-prob given its prompt and
   the tokens before it, and the ``top_k`` most likely tokens there, for a distillation
-  teacher (:mod:`asyncrl.server.scoring`).
+  teacher (:mod:`asyncrl.server.token_logprobs`).
 * ``GET /v1/models``; ``GET /health``.
 * ``GET /v1/policy`` — the policy version being served; ``POST /v1/policy`` with
   ``{"weights_dir": DIR}`` loads the newest weights published there by the files transport
@@ -42,7 +42,7 @@ from asyncrl.engine.types import GenerationRequest
 from asyncrl.models.loading import Policy, tokenizer_fingerprint
 from asyncrl.server.endpoints import BadRequest, chat_prompt, load_policy, logprobs, verdicts
 from asyncrl.server.engine_loop import EngineLoop, Ticket
-from asyncrl.transports.weights.base import WeightLayout
+from asyncrl.transports.weights.interface import WeightLayout
 
 REQUEST_TIMEOUT_S = 600.0
 # Each socket read or write of a connection waits at most this long: a client that connects

@@ -12,8 +12,8 @@ from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.models.loading import Policy
 from asyncrl.rewards.judges.verdicts import candidate_ids, next_token_probs
 from asyncrl.server.engine_loop import EngineLoop
-from asyncrl.server.scoring import ScoringError, check_request, token_logprobs
-from asyncrl.transports.weights.base import WeightLayout
+from asyncrl.server.token_logprobs import LogprobRequestError, check_request, token_logprobs
+from asyncrl.transports.weights.interface import WeightLayout
 
 
 class Served(Protocol):
@@ -82,7 +82,7 @@ def logprobs(app: Served, body: dict, timeout: float) -> dict:
     vocab = app.engine.model.get_output_embeddings().weight.shape[0]
     try:
         request = check_request(body, vocab, app.engine.max_positions)
-    except ScoringError as exc:
+    except LogprobRequestError as exc:
         raise BadRequest(str(exc), exc.field) from None
     # On the engine's thread, between two decode steps: the version is the one that scored.
     scored, version = app.loop.call(

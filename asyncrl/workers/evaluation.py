@@ -15,10 +15,10 @@ from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.multi_lora import MultiLora
 from asyncrl.engine.types import GenerationStopped
 from asyncrl.models.loading import Policy
-from asyncrl.prompts.build import eval_prompts
+from asyncrl.prompts.task_prompts import eval_prompts
 from asyncrl.rewards.scoring import ScoringStopped
-from asyncrl.rollout.base import Rollout
 from asyncrl.rollout.evaluation import evaluate
+from asyncrl.rollout.interface import Rollout
 from asyncrl.trainer.policies import PolicySet
 from asyncrl.trainer.trainer import Trainer
 from asyncrl.workers.policy_engines import evaluation_engines, refresh_adapters

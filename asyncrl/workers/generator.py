@@ -3,7 +3,7 @@
 It executes commands and returns events and knows nothing about processes, queues or Ray:
 a runtime (or the process serving it, :mod:`asyncrl.runtimes.serving`) feeds it commands, delivers the groups it returns to the
 trainer (:mod:`asyncrl.transports.groups`) and forwards the events' headers to the controller.
-It drives its rollout only through the :class:`~asyncrl.rollout.base.Rollout` interface, so
+It drives its rollout only through the :class:`~asyncrl.rollout.interface.Rollout` interface, so
 completions and episodes (and any other rollout) run the same way.
 """
 
@@ -27,16 +27,16 @@ from asyncrl.protocol.messages import (
     WeightsLoaded,
 )
 from asyncrl.rewards.scoring import ScoringStopped
-from asyncrl.rollout.base import Rollout, nothing_to_train
+from asyncrl.rollout.interface import Rollout, nothing_to_train
 from asyncrl.rollout.pivots import find_pivots
-from asyncrl.transports.weights.base import (
+from asyncrl.transports.weights.interface import (
     InterruptibleReceiver,
     SyncInterrupted,
     WeightLayout,
     WeightReceiver,
     WeightSyncError,
 )
-from asyncrl.workers import build
+from asyncrl.workers import assembly
 from asyncrl.workers.policy_engines import PolicyEngines, policy_engine
 from asyncrl.workers.rollouts import build_rollout
 
@@ -92,7 +92,7 @@ class GeneratorWorker:
         self.policies: PolicyEngines | None = None
         if cfg.multi_agent.several_policies:
             self.policies = PolicyEngines(
-                cfg, self.engine, self.lora, lambda n: policy_engine(build.policy_config(cfg, n), seed)
+                cfg, self.engine, self.lora, lambda n: policy_engine(assembly.policy_config(cfg, n), seed)
             )
             layout = self.policies.layout
         self.receiver = receiver_factory(layout)

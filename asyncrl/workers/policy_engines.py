@@ -23,8 +23,8 @@ from asyncrl.engine.lora import MergedLora
 from asyncrl.engine.multi_lora import MultiLora
 from asyncrl.models.loading import Policy
 from asyncrl.trainer.policies import CLOCKS, PolicySet, owner, published_name, split_published
-from asyncrl.transports.weights.base import TensorSpec, WeightLayout, WeightSyncError, check_checksums
-from asyncrl.workers import build
+from asyncrl.transports.weights.interface import TensorSpec, WeightLayout, WeightSyncError, check_checksums
+from asyncrl.workers import assembly
 
 
 def policy_engine(
@@ -32,11 +32,11 @@ def policy_engine(
 ) -> tuple[Policy, Engine, MergedLora | None]:
     """A generator's policy as ``cfg`` names it, an engine over it (``rollout.engine``), and with
     LoRA the merge of its adapter (``adapters``: the engine serves these adapters instead, unmerged)."""
-    policy = build.build_policy(cfg)
+    policy = assembly.build_policy(cfg)
     # Built before the engine's first update: it keeps the base weights it merges into.
     lora = MergedLora(policy.model, cfg.lora) if cfg.lora.enabled and not adapters else None
     if cfg.rollout.engine == "vllm":
-        return policy, build.vllm_engine(cfg, policy, seed), lora
+        return policy, assembly.vllm_engine(cfg, policy, seed), lora
     served = MultiLora(policy.model, cfg.lora, adapters) if adapters else None
     engine = EmbeddedEngine(
         policy.model,
@@ -195,7 +195,7 @@ def evaluation_engines(
     adapters = cfg.multi_agent.adapter_policies
     engines = {name: make_engine(policy) for name, policy in members.items() if name not in adapters}
     if adapters:
-        from_base = build.build_policy(cfg)  # the base model, plain, in the compute dtype
+        from_base = assembly.build_policy(cfg)  # the base model, plain, in the compute dtype
         shared = make_engine(from_base, MultiLora(from_base.model, cfg.lora, adapters))
         engines.update(dict.fromkeys(adapters, shared))
     return engines

@@ -10,9 +10,9 @@ from asyncrl.episodes.resolve import resolve_episode
 from asyncrl.episodes.rollout import EpisodeRollout
 from asyncrl.episodes.team import Role
 from asyncrl.models.loading import Policy
-from asyncrl.rewards.build import build_reward
-from asyncrl.rollout.base import Rollout
+from asyncrl.rewards.task_rewards import build_reward
 from asyncrl.rollout.completions import CompletionRollout
+from asyncrl.rollout.interface import Rollout
 
 
 def sampling_params(cfg: Config, policy: Policy, *, greedy: bool = False) -> SamplingParams:

@@ -1,7 +1,7 @@
 """The teacher stage: a worker between the generators and the trainer (on-policy distillation).
 
 The generators deliver every finished group to the trainer and a copy to this worker's inbox
-(:class:`~asyncrl.transports.groups.base.FanOut`). The worker scores what arrives, oldest
+(:class:`~asyncrl.transports.groups.interface.FanOut`). The worker scores what arrives, oldest
 first and up to ``distill.batch_groups`` groups a call, with its teacher
 (:mod:`asyncrl.distill.teacher`), and reports ``Taught`` with the scores as payload: the process
 serving it delivers them to the trainer's inbox before the event reaches the controller,
@@ -24,9 +24,9 @@ from collections.abc import Callable
 from asyncrl.config import Config
 from asyncrl.distill.teacher import Teacher, load_teacher
 from asyncrl.protocol.messages import LoadWeights, Span, Taught, Teach
-from asyncrl.transports.groups.base import Delivery
 from asyncrl.transports.groups.inbox import Inbox
-from asyncrl.transports.weights.base import WeightLayout, WeightReceiver
+from asyncrl.transports.groups.interface import Delivery
+from asyncrl.transports.weights.interface import WeightLayout, WeightReceiver
 
 TEACHER = "teacher"
 

@@ -43,9 +43,9 @@ from asyncrl.trainer.batching import BatchInProgress, MicroBatch
 from asyncrl.trainer.distributed import RankGroup, RankSpec, rank_device
 from asyncrl.trainer.policies import PolicySet
 from asyncrl.trainer.trainer import Trainer, sync_dtype
-from asyncrl.transports.groups.base import Delivery
 from asyncrl.transports.groups.inbox import Inbox
-from asyncrl.transports.weights.base import (
+from asyncrl.transports.groups.interface import Delivery
+from asyncrl.transports.weights.interface import (
     RegroupingSender,
     WeightLayout,
     WeightSender,
@@ -53,7 +53,7 @@ from asyncrl.transports.weights.base import (
     tensor_checksums,
 )
 from asyncrl.types import Group, PartialGroup
-from asyncrl.workers import build
+from asyncrl.workers import assembly
 from asyncrl.workers.evaluation import TrainerEvaluation
 
 Command = Accumulate | FinishStep | ContinueBatch | Evaluate | SaveModel | SaveCheckpoint | Restore | Discard
@@ -111,19 +111,21 @@ class TrainerWorker:
         # Several policies (multi-agent roles): one trainer each, driven as one (PolicySet).
         self.policies: PolicySet | None = None
         if cfg.multi_agent.several_policies:
-            self.policies = build.build_policy_set(cfg, device)
+            self.policies = assembly.build_policy_set(cfg, device)
             self.policy = self.policies.primary.policy
             layout = WeightLayout.of(self.policies.synced_weights())
         else:
-            self.policy = build.build_policy(cfg, device, trainable=True)
+            self.policy = assembly.build_policy(cfg, device, trainable=True)
             # What the sync moves (the whole model, or with LoRA the adapters), read before any
             # sharding, in the dtype it travels in.
-            dtype = sync_dtype(cfg.lora.enabled, build.compute_dtype(cfg, device))
+            dtype = sync_dtype(cfg.lora.enabled, assembly.compute_dtype(cfg, device))
             layout = WeightLayout.of((n, t.to(dtype)) for n, t in published_weights(self.policy.model))
         self._layout = layout
         self.sender = sender_factory(layout) if sender_factory is not None else None
         self.trainer: Trainer | PolicySet = (
-            self.policies if self.policies is not None else build.build_trainer(cfg, self.policy, self.ranks)
+            self.policies
+            if self.policies is not None
+            else assembly.build_trainer(cfg, self.policy, self.ranks)
         )
         self.inbox = inbox if inbox is not None else Inbox()
         # Taken from the inbox for the open step (and, once the run is stopping, for every step
@@ -259,7 +261,7 @@ class TrainerWorker:
         if not self.is_leader:
             return None
         if self._gathered_policy is None:
-            self._gathered_policy = build.build_policy(self.cfg, self.trainer.device, trainable=True)
+            self._gathered_policy = assembly.build_policy(self.cfg, self.trainer.device, trainable=True)
             self._gathered_policy.model.requires_grad_(False)
         params = dict(synced_parameters(self._gathered_policy.model))
         with torch.no_grad():

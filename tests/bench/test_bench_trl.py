@@ -12,7 +12,7 @@ import statistics
 import pytest
 
 from asyncrl.builtin.arithmetic import ArithmeticTask
-from asyncrl.prompts.base import PromptStream
+from asyncrl.prompts.sources import PromptStream
 from tests.helpers import bench_script
 
 # TRL's package imported before bench/ (which holds trl.py) goes on sys.path.

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from asyncrl.models.loading import load_policy
-from asyncrl.transports.weights.base import WeightLayout
+from asyncrl.transports.weights.interface import WeightLayout
 from tests.helpers import REPO, bench_script
 
 MEASURED = REPO / "docs" / "measurements" / "weight_sync.json"  # the documented JSON

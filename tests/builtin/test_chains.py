@@ -26,8 +26,8 @@ from asyncrl.engine.sampling import SamplingParams
 from asyncrl.errors import ConfigError
 from asyncrl.models.char_tokenizer import build_char_tokenizer
 from asyncrl.models.loading import load_policy
-from asyncrl.prompts.base import PromptStream
-from asyncrl.prompts.build import EVAL_SEED_OFFSET, prompt_source, task_prompts
+from asyncrl.prompts.sources import PromptStream
+from asyncrl.prompts.task_prompts import EVAL_SEED_OFFSET, prompt_source, task_prompts
 from asyncrl.rewards.registry import exact_match, resolve_reward
 from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.rollout.evaluation import evaluate

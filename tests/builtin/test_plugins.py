@@ -17,7 +17,7 @@ from asyncrl.episodes.resolve import ENVIRONMENTS, EPISODES, builtin_environment
 from asyncrl.errors import ConfigError
 from asyncrl.models.loading import SHIPPED_MODELS, load_tokenizer
 from asyncrl.plugins import Registry
-from asyncrl.prompts.base import GENERATED_TASKS
+from asyncrl.prompts.sources import GENERATED_TASKS
 from asyncrl.rewards.registry import REWARDS, resolve_reward
 
 

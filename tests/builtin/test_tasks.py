@@ -16,8 +16,8 @@ from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest, GenerationResult
 from asyncrl.errors import ConfigError, DatasetError
 from asyncrl.models.char_tokenizer import build_char_tokenizer
-from asyncrl.prompts.base import PromptStream
 from asyncrl.prompts.jsonl import JsonlDataset
+from asyncrl.prompts.sources import PromptStream
 from asyncrl.rewards.registry import exact_match, numeric_match, resolve_reward
 from asyncrl.rewards.scoring import score
 from asyncrl.rollout.completions import CompletionRollout

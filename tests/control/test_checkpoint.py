@@ -219,10 +219,10 @@ def test_several_optimizer_steps_per_batch_checkpoint_and_summarise(tmp_path: Pa
 @pytest.mark.multiprocess
 def test_dead_trainer_ends_the_run_pointing_at_the_checkpoint_to_resume_from(tmp_path: Path) -> None:
     from asyncrl.control.run import run_controller
-    from asyncrl.prompts.build import task_prompts
+    from asyncrl.prompts.task_prompts import task_prompts
     from asyncrl.protocol.messages import CheckpointSaved, WorkerError
     from asyncrl.runtimes.local import LocalRuntime
-    from asyncrl.workers.build import seed_everything
+    from asyncrl.workers.assembly import seed_everything
 
     cfg = load_config(None, [*BASE, "schedule=async", "run.steps=40", "run.checkpoint_every=2"])
     seed_everything(cfg.run.seed)

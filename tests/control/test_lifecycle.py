@@ -13,8 +13,8 @@ from asyncrl.control.books import Books
 from asyncrl.control.controller import Controller
 from asyncrl.control.lifecycle import MOVES, TERMINAL, GroupLedger, LifecycleError
 from asyncrl.control.session import RunSession
-from asyncrl.prompts.base import PromptStream
-from asyncrl.prompts.build import task_prompts
+from asyncrl.prompts.sources import PromptStream
+from asyncrl.prompts.task_prompts import task_prompts
 from asyncrl.runtimes.inline import InlineRuntime
 from asyncrl.types import GroupState, Prompt
 from tests.helpers import short_run

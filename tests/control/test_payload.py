@@ -17,14 +17,14 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.control import run as run_module
-from asyncrl.control.records import batch_metrics
 from asyncrl.control.run import train
+from asyncrl.control.step_metrics import batch_metrics
 from asyncrl.protocol.headers import group_header
 from asyncrl.protocol.messages import Accumulate, GroupReady, Preempted, Span, WorkerError
 from asyncrl.runtimes.inline import InlineRuntime
-from asyncrl.transports.groups.base import Delivery, GroupSender, detach_payloads
 from asyncrl.transports.groups.factory import make_group_sender, make_inbox
 from asyncrl.transports.groups.inbox import Inbox
+from asyncrl.transports.groups.interface import Delivery, GroupSender, detach_payloads
 from asyncrl.types import Group, PartialGroup, Prompt, Sample
 from tests.helpers import short_run
 

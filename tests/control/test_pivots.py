@@ -35,7 +35,7 @@ from asyncrl.protocol.messages import Accumulate, FinishStep
 from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.rollout.pivots import find_pivots
 from asyncrl.trainer.advantages import assign_advantages
-from asyncrl.transports.groups.base import Delivery
+from asyncrl.transports.groups.interface import Delivery
 from asyncrl.transports.weights.inprocess import InProcessChannel
 from asyncrl.types import FoundPivot, Group, GroupState, Pivot, Prompt, Sample
 from asyncrl.workers.trainer import TrainerWorker

@@ -22,7 +22,7 @@ from asyncrl.control import run as run_module
 from asyncrl.control.books import Books
 from asyncrl.control.run import train
 from asyncrl.control.saving import RunInterrupted
-from asyncrl.prompts.base import PromptStream
+from asyncrl.prompts.sources import PromptStream
 from asyncrl.protocol.messages import GroupReady, Preempt, Preempted, SaveCheckpoint, StepDone, Submit
 from asyncrl.runtimes.inline import InlineRuntime
 from asyncrl.transports.weights.inprocess import InProcessChannel

@@ -4,7 +4,7 @@ Completions and episodes; sync and async; the inline, local and Ray runtimes. Ea
 with 128 + the signal and one line on stderr (no traceback), leaves a checkpoint and no
 process, and ``asyncrl train --resume`` continues the run to its last step with books that
 reconcile. The generator and trainer workers drive their rollouts only through the
-:class:`~asyncrl.rollout.base.Rollout` interface, so an episode run stops as a completion
+:class:`~asyncrl.rollout.interface.Rollout` interface, so an episode run stops as a completion
 run does (it once raised ``AttributeError`` inside the signal handler).
 
 The cases on the inline and local runtimes drive ``asyncrl train`` in this process through

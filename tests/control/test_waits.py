@@ -35,13 +35,13 @@ from asyncrl.control.run import train
 from asyncrl.control.session import RunSession
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest
-from asyncrl.prompts.build import task_prompts
+from asyncrl.prompts.task_prompts import task_prompts
 from asyncrl.protocol.messages import WorkerError
 from asyncrl.runtimes.local import LocalRuntime
 from asyncrl.trainer.distributed import RankGroup, RankSpec
-from asyncrl.transports.weights.base import SyncInterrupted, WeightLayout, WeightSyncError
 from asyncrl.transports.weights.broadcast import BroadcastReceiver, BroadcastSender, _BroadcastEnd
 from asyncrl.transports.weights.factory import free_port
+from asyncrl.transports.weights.interface import SyncInterrupted, WeightLayout, WeightSyncError
 from asyncrl.transports.weights.publisher import BackgroundPublisher
 from asyncrl.types import Prompt
 from tests.helpers import ONE_THREAD_EACH, child_env, child_pids, short_run, wait_dead

@@ -36,8 +36,8 @@ from asyncrl.protocol.headers import group_header
 from asyncrl.protocol.messages import WorkerError
 from asyncrl.server.app import OpenAIServer
 from asyncrl.trainer.advantages import assign_advantages, distill_metrics
-from asyncrl.transports.groups.base import Delivery
 from asyncrl.transports.groups.inbox import Inbox
+from asyncrl.transports.groups.interface import Delivery
 from asyncrl.types import Group, GroupState, Prompt, Sample, TeacherScores
 from asyncrl.workers.teacher import TeacherWorker
 from tests.helpers import ONE_THREAD_EACH, sets, short_run, signalled_when
@@ -421,7 +421,7 @@ def test_a_teacher_that_dies_stops_the_run_naming_it_and_keeps_the_checkpoint(tm
 
     from asyncrl.control.run import run_controller, train
     from asyncrl.control.session import RunSession
-    from asyncrl.prompts.build import task_prompts
+    from asyncrl.prompts.task_prompts import task_prompts
     from asyncrl.protocol.messages import CheckpointSaved
     from asyncrl.runtimes.local import LocalRuntime
 
@@ -501,7 +501,7 @@ def test_self_distillation_settings_are_checked() -> None:
 def test_scoring_in_forward_passes_of_any_size_keeps_each_rows_log_probs(student) -> None:
     """Rows go into forward passes by length (FORWARD_TOKENS); whatever the passes, each row gets
     its own log-probs, in the request's order."""
-    from asyncrl.server.scoring import ScoringRequest, token_logprobs
+    from asyncrl.server.token_logprobs import ScoringRequest, token_logprobs
 
     groups = engine_groups(student, n_groups=3, size=4)
     rows = [s for g in groups for s in g.samples]
@@ -590,7 +590,7 @@ def test_a_teacher_actor_that_dies_stops_a_ray_run_naming_it(tmp_path: Path) -> 
 
     from asyncrl.control.run import run_controller
     from asyncrl.control.session import RunSession
-    from asyncrl.prompts.build import task_prompts
+    from asyncrl.prompts.task_prompts import task_prompts
     from asyncrl.protocol.messages import StepDone
     from asyncrl.runtimes.ray_runtime import RayRuntime
 

@@ -16,7 +16,7 @@ from asyncrl.engine.interface import Engine, resume_request
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest, GenerationStopped
 from asyncrl.models.loading import Policy, load_policy, local_directory
-from asyncrl.transports.weights.base import WeightSyncError, tensor_checksums
+from asyncrl.transports.weights.interface import WeightSyncError, tensor_checksums
 
 MODEL = "builtin:arith"
 PROMPT = [5, 6, 7, 8, 9]

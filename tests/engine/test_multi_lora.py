@@ -34,7 +34,7 @@ from asyncrl.models.lora import (
 )
 from asyncrl.trainer.batching import collate
 from asyncrl.trainer.logprobs import completion_logprobs
-from asyncrl.transports.weights.base import WeightSyncError, tensor_checksums
+from asyncrl.transports.weights.interface import WeightSyncError, tensor_checksums
 
 LORA = LoraConfig(rank=8)  # alpha 16: the delta is 2 * B @ A
 NAMES = ("solver", "critic")

@@ -20,7 +20,7 @@ from asyncrl.engine.types import GenerationRequest
 from asyncrl.models.loading import load_policy, local_directory
 from asyncrl.trainer.batching import collate
 from asyncrl.trainer.logprobs import completion_logprobs
-from asyncrl.transports.weights.base import WeightSyncError, tensor_checksums
+from asyncrl.transports.weights.interface import WeightSyncError, tensor_checksums
 from asyncrl.types import Sample
 from tests.helpers import REPO, child_env, cli, sets, short_run, stop_after_steps, train_to_end
 

@@ -284,11 +284,11 @@ def test_a_policy_without_samples_keeps_its_clock_and_its_engines_weights(extra)
     """Only the trained policy steps: the clocks part, the publication carries both, and a
     generator's engines load only the policy whose clock moved."""
     from asyncrl.trainer.policies import CLOCKS
-    from asyncrl.workers import build
+    from asyncrl.workers import assembly
     from asyncrl.workers.policy_engines import PolicyEngines, policy_engine
 
     cfg = _two_policy_config(*extra)
-    policies = build.build_policy_set(cfg, torch.device("cpu"))
+    policies = assembly.build_policy_set(cfg, torch.device("cpu"))
     group = _group_of("checker", [[10, 11, 12], [13, 14]], [1.0, 0.0])
     policies.begin_step()
     policies.accumulate(policies.prepare(group.samples))
@@ -301,7 +301,7 @@ def test_a_policy_without_samples_keeps_its_clock_and_its_engines_weights(extra)
     made = {}
 
     def make(name):
-        made[name] = policy_engine(build.policy_config(cfg, name), seed=0)
+        made[name] = policy_engine(assembly.policy_config(cfg, name), seed=0)
         return made[name]
 
     default = policy_engine(cfg, 0, cfg.multi_agent.adapter_policies)

@@ -1,4 +1,4 @@
-"""Scripted episodes and the multi-turn warm starts: teachers, rendering token for token as
+"""Scripted episodes and the multi-turn warm starts: scripts, rendering token for token as
 RL records episodes, SFT on episodes, the shipped builtin:calculator and builtin:guess, and
 their example configs."""
 
@@ -16,7 +16,7 @@ import torch
 from asyncrl.builtin.arithmetic import ArithmeticTask
 from asyncrl.builtin.games import GuessTask
 from asyncrl.builtin.register import BUILTIN_MODELS
-from asyncrl.builtin.scripted import CalculatorTeacher, GuessTeacher, ScriptedEpisode, render_episode
+from asyncrl.builtin.scripted import CalculatorScript, GuessScript, ScriptedEpisode, render_episode
 from asyncrl.builtin.sft_settings import SFTConfig, sft_config
 from asyncrl.builtin.warm_start import run_sft
 from asyncrl.engine.embedded import EmbeddedEngine
@@ -39,13 +39,13 @@ EOS = TOKENIZER.eos_token_id
 # the example configs.
 CALCULATOR = dict(
     environment=builtin_environment("calculator", 3),
-    teacher=CalculatorTeacher,
+    teacher=CalculatorScript,
     tasks=ArithmeticTask(["+", "-", "*"], 1, 2, seed=5),
     budgets=dict(max_turns=3, max_episode_tokens=32, max_turn_tokens=8),
 )
 GUESS = dict(
     environment=builtin_environment("guess", 6),
-    teacher=functools.partial(GuessTeacher, guess_max=16),
+    teacher=functools.partial(GuessScript, guess_max=16),
     tasks=GuessTask(16, seed=5),
     budgets=dict(max_turns=6, max_episode_tokens=80, max_turn_tokens=4),
 )

@@ -1,5 +1,5 @@
 """The built-in two-role task verify: the episode function's flow and rewards with scripted
-turns, malformed turns, the scripted teachers, the transcripts the warm start trains on (token
+turns, malformed turns, the scripts, the transcripts the warm start trains on (token
 for token what RL records), and the shipped builtin:verify."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from asyncrl.builtin.verify import (
     VERIFIER,
     VERIFIER_PROMPT,
     VERIFY_ROLES,
-    teachers,
+    scripts,
     verdicts,
     verify_episode,
 )
@@ -141,14 +141,14 @@ def test_attempts_bound_the_answers_and_a_cut_episode_keeps_role_rewards() -> No
         verify_episode(team, Prompt("q", "1+1=")).send(None)
 
 
-# -- the scripted teachers and the transcripts the warm start trains on ------------------------
+# -- the scripts and the transcripts the warm start trains on ------------------------
 
 
 def render(task: Prompt, solver_noise: float, verifier_noise: float, rng: random.Random, seed: int = 0):
     return render_team_episode(
         verify_episode,
         VERIFY_ROLES,
-        teachers(task, rng, solver_noise, verifier_noise),
+        scripts(task, rng, solver_noise, verifier_noise),
         task,
         TOKENIZER,
         seed=seed,
@@ -184,7 +184,7 @@ def test_transcripts_are_token_for_token_what_each_role_records() -> None:
 
 
 def test_rendered_transcripts_replay_through_the_multi_agent_rollout() -> None:
-    """Replayed through RL's multi-agent episode rollout (the teachers' turns as the engine's,
+    """Replayed through RL's multi-agent episode rollout (the scripts' turns as the engine's,
     each request checked against the scripted context), the rendered episodes give the same
     samples, role by role: prompt and completion tokens, loss masks, turn spans, the team
     reward and each role's reward (team + role, with role_weight 1). Tight budgets cut some
@@ -194,7 +194,7 @@ def test_rendered_transcripts_replay_through_the_multi_agent_rollout() -> None:
         rng = random.Random(4)
         scripted = [
             render_team_episode(
-                verify_episode, VERIFY_ROLES, teachers(t, rng, 0.5, 0.3), t, TOKENIZER, seed=i, **budgets
+                verify_episode, VERIFY_ROLES, scripts(t, rng, 0.5, 0.3), t, TOKENIZER, seed=i, **budgets
             )
             for i, t in enumerate(tasks)
         ]

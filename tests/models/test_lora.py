@@ -29,13 +29,13 @@ from asyncrl.protocol.messages import LoadWeights, WeightsLoaded
 from asyncrl.trainer.batching import collate
 from asyncrl.trainer.logprobs import completion_logprobs
 from asyncrl.trainer.trainer import Trainer
-from asyncrl.transports.weights.base import WeightLayout, WeightSyncError, tensor_checksums
 from asyncrl.transports.weights.broadcast import BroadcastReceiver, BroadcastSender
 from asyncrl.transports.weights.files import FileReceiver, FileSender
 from asyncrl.transports.weights.inprocess import InProcessChannel
+from asyncrl.transports.weights.interface import WeightLayout, WeightSyncError, tensor_checksums
 from asyncrl.transports.weights.shm import SharedMemoryReceiver, SharedMemorySender
 from asyncrl.types import Group, Prompt, Sample
-from asyncrl.workers import build
+from asyncrl.workers import assembly
 from asyncrl.workers.generator import GeneratorWorker
 from tests.helpers import train_groups
 
@@ -401,8 +401,8 @@ def test_adapters_on_layers_a_generator_cannot_merge_are_refused(targets: str, n
     cfg = load_config(None, ["lora.rank=4", f"lora.target_modules={targets}", "model.path=tiny:1m"])
     assert cfg.lora.target_modules == [targets]  # one name means a list of one, not a regex
     for build_side in (
-        lambda: build.build_policy(cfg, trainable=True),
-        lambda: lora_targets(build.build_policy(cfg).model, cfg.lora),
+        lambda: assembly.build_policy(cfg, trainable=True),
+        lambda: lora_targets(assembly.build_policy(cfg).model, cfg.lora),
     ):
         with pytest.raises(ConfigError) as info:
             build_side()
@@ -424,7 +424,7 @@ def generator(lora: bool) -> tuple[GeneratorWorker, InProcessChannel, list[tuple
     g = torch.Generator().manual_seed(1)
     named = [
         (n, t + 0.01 * torch.randn(t.shape, generator=g))
-        for n, t in published_weights(build.build_policy(cfg, trainable=True).model)
+        for n, t in published_weights(assembly.build_policy(cfg, trainable=True).model)
     ]
     return worker, channel, named
 

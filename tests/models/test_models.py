@@ -19,7 +19,7 @@ from asyncrl.errors import ConfigError
 from asyncrl.models.char_tokenizer import CHARACTERS, build_char_tokenizer
 from asyncrl.models.loading import Policy, load_policy, save_policy
 from asyncrl.models.tiny import build_tiny_model, tiny_config
-from asyncrl.prompts.base import PromptStream
+from asyncrl.prompts.sources import PromptStream
 from asyncrl.rewards.registry import exact_match
 from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.rollout.evaluation import evaluate

@@ -183,8 +183,8 @@ def test_run_on_conversational_rows_with_two_rewards(tmp_path: Path, monkeypatch
 
 def test_shipped_chat_example_loads_its_data_and_rewards(monkeypatch: pytest.MonkeyPatch) -> None:
     """examples/chat_rewards.yaml: conversational rows, the template file, two labelled rewards."""
-    from asyncrl.prompts.build import prompt_source
-    from asyncrl.rewards.build import build_reward
+    from asyncrl.prompts.task_prompts import prompt_source
+    from asyncrl.rewards.task_rewards import build_reward
 
     repo = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(repo)

@@ -11,8 +11,8 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.errors import DatasetError
 from asyncrl.models.char_tokenizer import build_char_tokenizer
-from asyncrl.prompts.build import prompt_source
 from asyncrl.prompts.hf_dataset import HFDataset, hold_out, load_rows
+from asyncrl.prompts.task_prompts import prompt_source
 
 # A dependency the GPU machine lacks (it runs asyncrl from the checkout): skip there, not fail.
 datasets = pytest.importorskip("datasets", reason="task.name=dataset needs the `datasets` package")

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.control.records import batch_metrics
+from asyncrl.control.step_metrics import batch_metrics
 from asyncrl.prompts.chat import make_prompt
 from asyncrl.protocol.headers import group_header
-from asyncrl.rewards.build import build_reward
 from asyncrl.rewards.library import format_regex, math_verify, overlong_penalty
 from asyncrl.rewards.registry import exact_match, is_batched, resolve_reward
 from asyncrl.rewards.scoring import RewardSet, RewardTerm
+from asyncrl.rewards.task_rewards import build_reward
 from asyncrl.types import Group, Prompt
 
 PROMPT = Prompt("p:0", "2+2=", "4", {"level": 3})

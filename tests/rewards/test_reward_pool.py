@@ -15,10 +15,10 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.control.run import train
 from asyncrl.errors import ConfigError, RewardFailing
-from asyncrl.rewards.build import build_reward
 from asyncrl.rewards.pool import ENV, PooledRewards, RewardPoolError
 from asyncrl.rewards.pool_service import local_reward_pool
 from asyncrl.rewards.scoring import ScoringStopped
+from asyncrl.rewards.task_rewards import build_reward
 from asyncrl.types import Prompt
 from tests.helpers import child_pids, short_run, survivors_of_a_killed_parent, wait_dead
 from tests.pool_rewards import PIDS_DIR, failing_reward, wait_for

@@ -1,4 +1,4 @@
-"""The rollout seam (asyncrl/rollout/base.py): a stop through ``abandon`` and ``preempt``, the same
+"""The rollout seam (asyncrl/rollout/interface.py): a stop through ``abandon`` and ``preempt``, the same
 for single completions and for episodes, and the generator worker that drives either."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from asyncrl.episodes.environment import StepResult, environment_episode
 from asyncrl.episodes.rollout import EpisodeRollout
 from asyncrl.models.loading import load_policy
 from asyncrl.protocol.messages import Preempt, Preempted, Submit
-from asyncrl.rollout.base import Rollout
 from asyncrl.rollout.completions import CompletionRollout
+from asyncrl.rollout.interface import Rollout
 from asyncrl.transports.weights.inprocess import InProcessChannel
 from asyncrl.types import Prompt
 from asyncrl.workers.generator import GeneratorWorker

@@ -25,7 +25,7 @@ from asyncrl.control.controller import Controller
 from asyncrl.control.run import train
 from asyncrl.control.scaling import write_control
 from asyncrl.control.session import RunSession
-from asyncrl.prompts.build import task_prompts
+from asyncrl.prompts.task_prompts import task_prompts
 from asyncrl.protocol.messages import (
     GroupCancelled,
     GroupDropped,
@@ -36,7 +36,7 @@ from asyncrl.protocol.messages import (
 )
 from asyncrl.runtimes.ray_runtime import RayRuntime
 from asyncrl.transports.weights.factory import free_port
-from asyncrl.workers.build import seed_everything
+from asyncrl.workers.assembly import seed_everything
 from tests.helpers import (
     child_env,
     child_pids,

@@ -29,8 +29,8 @@ import torch
 from asyncrl.builtin.arithmetic import ArithmeticTask
 from asyncrl.models.loading import Policy, load_policy
 from asyncrl.server.app import OpenAIServer
-from asyncrl.transports.weights.base import WeightLayout
 from asyncrl.transports.weights.files import FileSender
+from asyncrl.transports.weights.interface import WeightLayout
 from tests.helpers import child_env
 
 # A test dependency only: a machine without it (the GPU machine) skips this module.

@@ -18,7 +18,7 @@ from asyncrl.config import AlgorithmConfig, TrainerConfig, load_config
 from asyncrl.errors import ConfigError
 from asyncrl.models.loading import load_policy
 from asyncrl.trainer.trainer import Trainer, sync_dtype
-from asyncrl.workers import build
+from asyncrl.workers import assembly
 from tests.helpers import final_weights, max_abs_diff, short_run, straight_and_stopped, train_to_end
 from tests.trainer.test_trainer import random_samples
 
@@ -106,15 +106,15 @@ def test_kl_reference_of_the_initial_policy_is_exactly_itself_under_autocast(mak
 
 def test_weights_travel_in_the_engine_dtype_and_adapters_in_float32() -> None:
     cfg = load_config(overrides=["model.path=tiny:1m", "model.device=cpu", "model.dtype=bfloat16"])
-    policy = build.build_policy(cfg, trainable=True)
+    policy = assembly.build_policy(cfg, trainable=True)
     assert {p.dtype for p in policy.model.parameters()} == {torch.float32}
-    trainer = build.build_trainer(cfg, policy)
+    trainer = assembly.build_trainer(cfg, policy)
     assert trainer.autocast and trainer.sync_dtype == torch.bfloat16
     synced = trainer.synced_weights()
     assert {t.dtype for _, t in synced} == {torch.bfloat16}
     master_bytes = sum(t.numel() * t.element_size() for _, t in trainer.named_weights())
     assert sum(t.numel() * t.element_size() for _, t in synced) * 2 == master_bytes
-    engine_policy = build.build_policy(cfg)  # a generator's
+    engine_policy = assembly.build_policy(cfg)  # a generator's
     assert {p.dtype for p in engine_policy.model.parameters()} == {torch.bfloat16}
     assert sync_dtype(True, torch.bfloat16) == torch.float32
 
@@ -123,12 +123,12 @@ def test_lora_adapters_train_in_float32_on_a_compute_dtype_base(make_sample) -> 
     cfg = load_config(
         overrides=["model.path=tiny:1m", "model.device=cpu", "model.dtype=bfloat16", "lora.rank=4"]
     )
-    policy = build.build_policy(cfg, trainable=True)
+    policy = assembly.build_policy(cfg, trainable=True)
     trained = {n: p for n, p in policy.model.named_parameters() if p.requires_grad}
     frozen = [p for p in policy.model.parameters() if not p.requires_grad]
     assert trained and {p.dtype for p in trained.values()} == {torch.float32}
     assert {p.dtype for p in frozen} == {torch.bfloat16}
-    trainer = build.build_trainer(cfg, policy)
+    trainer = assembly.build_trainer(cfg, policy)
     assert trainer.autocast and trainer.sync_dtype == torch.float32
     before = {n: p.detach().clone() for n, p in trained.items()}
     samples = random_samples(make_sample, 8, seed=11)
@@ -140,9 +140,9 @@ def test_lora_adapters_train_in_float32_on_a_compute_dtype_base(make_sample) -> 
     assert all(p.dtype == torch.float32 for p in trained.values())
     # The generator's merge expects float32 adapters: same layout as what the trainer publishes.
     from asyncrl.engine.lora import MergedLora
-    from asyncrl.transports.weights.base import WeightLayout
+    from asyncrl.transports.weights.interface import WeightLayout
 
-    merged = MergedLora(build.build_policy(cfg).model, cfg.lora)
+    merged = MergedLora(assembly.build_policy(cfg).model, cfg.lora)
     assert merged.layout == WeightLayout.of(trainer.synced_weights())
 
 

@@ -24,15 +24,6 @@ from safetensors import safe_open
 
 from asyncrl.runtimes.processes import worker_context
 from asyncrl.transports.weights import shm
-from asyncrl.transports.weights.base import (
-    CHECKSUM_MODULUS,
-    SyncInterrupted,
-    TensorSpec,
-    WeightLayout,
-    WeightSyncError,
-    checksum,
-    word_sum,
-)
 from asyncrl.transports.weights.broadcast import (
     DIRECT_BYTES,
     PIECE_BYTES,
@@ -44,6 +35,15 @@ from asyncrl.transports.weights.device_ipc import DeviceIpcReceiver, DeviceIpcSe
 from asyncrl.transports.weights.devices import HostStaging, backend_reason, choose_backend, device_identity
 from asyncrl.transports.weights.files import MARKER, FileReceiver, FileSender
 from asyncrl.transports.weights.inprocess import InProcessChannel
+from asyncrl.transports.weights.interface import (
+    CHECKSUM_MODULUS,
+    SyncInterrupted,
+    TensorSpec,
+    WeightLayout,
+    WeightSyncError,
+    checksum,
+    word_sum,
+)
 from asyncrl.transports.weights.publisher import BackgroundPublisher
 from asyncrl.transports.weights.same_machine import host_identity, plane_refusal
 from asyncrl.transports.weights.segments import attach_segment

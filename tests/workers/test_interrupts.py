@@ -31,9 +31,9 @@ from asyncrl.protocol.messages import (
     WeightsLoaded,
 )
 from asyncrl.reports.jsonl import read_jsonl
-from asyncrl.transports.weights.base import WeightSyncError
 from asyncrl.transports.weights.broadcast import UnjoinedReceiver
 from asyncrl.transports.weights.inprocess import InProcessChannel
+from asyncrl.transports.weights.interface import WeightSyncError
 from asyncrl.types import Group, Prompt
 from asyncrl.workers.generator import GeneratorWorker
 from tests.helpers import ONE_THREAD_EACH, short_run

@@ -22,7 +22,7 @@ from asyncrl.config import load_config
 from asyncrl.control.run import train
 from asyncrl.models.loading import load_policy
 from asyncrl.reports.jsonl import read_jsonl
-from asyncrl.transports.weights.base import WeightLayout
+from asyncrl.transports.weights.interface import WeightLayout
 from tests.helpers import ONE_THREAD_EACH, final_weights, max_abs_diff, short_run
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lora.yaml"

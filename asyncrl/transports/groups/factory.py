@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from asyncrl.transports.groups.base import GroupSender
 from asyncrl.transports.groups.inbox import Inbox
+from asyncrl.transports.groups.interface import GroupSender
 from asyncrl.transports.groups.senders import ActorSender, InboxSender, QueueSender
 
 GroupTransportKind = Literal["inprocess", "queue", "actor"]

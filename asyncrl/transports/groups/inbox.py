@@ -7,7 +7,7 @@ import threading
 from collections.abc import Iterable
 
 from asyncrl.protocol.messages import WorkerError
-from asyncrl.transports.groups.base import Delivery
+from asyncrl.transports.groups.interface import Delivery
 from asyncrl.types import Group, PartialGroup, TeacherScores
 
 FEED_WAIT_S = 0.5  # how often the feeding thread looks whether the inbox is closed

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from asyncrl.transports.groups.base import Delivery, GroupSender
 from asyncrl.transports.groups.inbox import Inbox
+from asyncrl.transports.groups.interface import Delivery, GroupSender
 
 
 class InboxSender(GroupSender):

@@ -49,7 +49,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from asyncrl.transports.weights.base import (
+from asyncrl.transports.weights.devices import HostStaging, backend_reason, choose_backend, device_identity
+from asyncrl.transports.weights.interface import (
     SyncInterrupted,
     SyncStats,
     TensorSpec,
@@ -61,7 +62,6 @@ from asyncrl.transports.weights.base import (
     verify,
     word_sum,
 )
-from asyncrl.transports.weights.devices import HostStaging, backend_reason, choose_backend, device_identity
 from asyncrl.transports.weights.same_machine import HostPlane, bucket_offsets, host_identity, plane_refusal
 from asyncrl.transports.weights.wire_plan import plan_buckets, plan_messages
 

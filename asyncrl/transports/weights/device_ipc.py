@@ -36,7 +36,7 @@ from typing import Protocol
 
 import torch
 
-from asyncrl.transports.weights.base import (
+from asyncrl.transports.weights.interface import (
     SyncStats,
     WeightLayout,
     WeightSyncError,

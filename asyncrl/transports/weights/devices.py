@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from asyncrl.transports.weights.base import WeightSyncError
+from asyncrl.transports.weights.interface import WeightSyncError
 
 
 def device_identity(device: torch.device) -> str:

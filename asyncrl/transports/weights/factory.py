@@ -23,7 +23,7 @@ from asyncrl.config import Config
 from asyncrl.errors import ConfigError
 from asyncrl.models.loading import resolve_device
 from asyncrl.trainer.distributed import rank_device
-from asyncrl.transports.weights.base import WeightLayout, WeightReceiver, WeightSender
+from asyncrl.transports.weights.interface import WeightLayout, WeightReceiver, WeightSender
 
 TransportKind = Literal["shm", "cuda_ipc", "files", "broadcast"]
 

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from asyncrl.transports.weights.base import (
+from asyncrl.transports.weights.interface import (
     SyncStats,
     WeightLayout,
     WeightSyncError,

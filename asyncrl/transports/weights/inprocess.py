@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 import torch
 
-from asyncrl.transports.weights.base import SyncStats, WeightSyncError
+from asyncrl.transports.weights.interface import SyncStats, WeightSyncError
 
 
 class InProcessChannel:

@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from asyncrl.transports.weights.base import SyncInterrupted, SyncStats, WeightSyncError
 from asyncrl.transports.weights.broadcast import BroadcastSender
+from asyncrl.transports.weights.interface import SyncInterrupted, SyncStats, WeightSyncError
 
 
 class BackgroundPublisher:

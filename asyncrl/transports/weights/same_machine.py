@@ -25,7 +25,7 @@ from multiprocessing import shared_memory
 
 import torch
 
-from asyncrl.transports.weights.base import WeightLayout, WeightSyncError
+from asyncrl.transports.weights.interface import WeightLayout, WeightSyncError
 from asyncrl.transports.weights.segments import attach_segment
 
 ALIGN = 64

@@ -18,7 +18,7 @@ from multiprocessing import shared_memory
 
 import torch
 
-from asyncrl.transports.weights.base import (
+from asyncrl.transports.weights.interface import (
     SyncStats,
     WeightLayout,
     WeightSyncError,

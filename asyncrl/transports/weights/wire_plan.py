@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncrl.transports.weights.base import WeightLayout
+from asyncrl.transports.weights.interface import WeightLayout
 
 
 def plan_buckets(layout: WeightLayout, bucket_bytes: int) -> list[list[int]]:

@@ -32,7 +32,7 @@ class ScoringRequest:
     top_k: int = 0
 
 
-class ScoringError(ValueError):
+class LogprobRequestError(ValueError):
     """A bad scoring request; ``field`` names the request's field."""
 
     def __init__(self, message: str, field: str) -> None:
@@ -47,36 +47,36 @@ def check_request(body: dict, vocab_size: int, max_positions: int) -> ScoringReq
     for field in ("prompt_ids", "completion_ids"):
         value = body.get(field)
         if not isinstance(value, list) or not value or not all(isinstance(r, list) and r for r in value):
-            raise ScoringError(f"'{field}' must be a non-empty list of non-empty lists of token ids", field)
+            raise LogprobRequestError(f"'{field}' must be a non-empty list of non-empty lists of token ids", field)
         for i, row in enumerate(value):
             bad = next(
                 (t for t in row if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size),
                 None,
             )
             if bad is not None:
-                raise ScoringError(
+                raise LogprobRequestError(
                     f"'{field}'[{i}] holds {bad!r}, not a token id of this model's {vocab_size}-token vocabulary",
                     field,
                 )
         rows[field] = value
     prompts, completions = rows["prompt_ids"], rows["completion_ids"]
     if len(prompts) != len(completions):
-        raise ScoringError(
+        raise LogprobRequestError(
             f"'completion_ids' has {len(completions)} rows but 'prompt_ids' has {len(prompts)}",
             "completion_ids",
         )
     for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
         if len(p) + len(c) > max_positions:
-            raise ScoringError(
+            raise LogprobRequestError(
                 f"row {i}: {len(p)} prompt + {len(c)} completion tokens exceed the model's {max_positions} positions",
                 "completion_ids",
             )
     temperature = body.get("temperature", 1.0)
     if isinstance(temperature, bool) or not isinstance(temperature, int | float) or temperature <= 0:
-        raise ScoringError(f"'temperature' must be a positive number, got {temperature!r}", "temperature")
+        raise LogprobRequestError(f"'temperature' must be a positive number, got {temperature!r}", "temperature")
     top_k = body.get("top_k", 0)
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= MAX_TOP_K:
-        raise ScoringError(f"'top_k' must be an integer from 0 to {MAX_TOP_K}, got {top_k!r}", "top_k")
+        raise LogprobRequestError(f"'top_k' must be an integer from 0 to {MAX_TOP_K}, got {top_k!r}", "top_k")
     return ScoringRequest(prompts, completions, float(temperature), top_k)
 
 

@@ -1,7 +1,7 @@
 """The workers' models and trainer, built from a :class:`~asyncrl.config.Config`.
 
-(Prompts, rollouts and rewards have their own builders: :mod:`asyncrl.prompts.build`,
-:mod:`asyncrl.workers.rollouts`, :mod:`asyncrl.rewards.build`.)
+(Prompts, rollouts and rewards have their own builders: :mod:`asyncrl.prompts.task_prompts`,
+:mod:`asyncrl.workers.rollouts`, :mod:`asyncrl.rewards.task_rewards`.)
 """
 
 from __future__ import annotations

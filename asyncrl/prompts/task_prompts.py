@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from asyncrl.config import Config
 from asyncrl.models.loading import Policy, load_tokenizer
-from asyncrl.prompts.base import GENERATED_TASKS, PromptSource, PromptStream
 from asyncrl.prompts.chat import render_prompt
 from asyncrl.prompts.hf_dataset import hold_out, load_rows
 from asyncrl.prompts.jsonl import JsonlDataset
+from asyncrl.prompts.sources import GENERATED_TASKS, PromptSource, PromptStream
 from asyncrl.types import Prompt
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out generated prompts come from a disjoint seed
