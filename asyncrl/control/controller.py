@@ -85,7 +85,7 @@ from asyncrl.protocol.messages import (
 )
 from asyncrl.runtimes.interface import InterruptibleRuntime, Runtime
 from asyncrl.types import Group, PartialGroup
-from asyncrl.workers.teacher import TEACHER
+from asyncrl.workers.interface import TEACHER
 
 
 class Controller:

@@ -21,8 +21,8 @@ from asyncrl.control.scaling import CONTROL_FILE
 from asyncrl.protocol.messages import LoadWeights, WorkerError, WorkerLost
 from asyncrl.runtimes.interface import ElasticRuntime, Runtime, is_generator
 from asyncrl.types import GroupState, Prompt
+from asyncrl.workers.interface import TRAINER
 
-TRAINER = "trainer"
 CONTROL_POLL_S = 1.0
 
 

@@ -7,14 +7,15 @@ import time
 import torch
 
 from asyncrl.config import Config
-from asyncrl.protocol.messages import LoadWeights, Preempt, Ready, Submit, Teach
+from asyncrl.protocol.messages import Ready
 from asyncrl.rewards.scoring import ScoringStopped
 from asyncrl.runtimes.interface import generator_name
 from asyncrl.transports.groups.factory import make_group_sender
-from asyncrl.transports.groups.interface import FanOut, GroupSender, detach_payloads
+from asyncrl.transports.groups.interface import GroupSender, detach_payloads, sender_for
 from asyncrl.transports.weights.inprocess import InProcessChannel
 from asyncrl.workers.generator import GeneratorWorker
-from asyncrl.workers.teacher import TEACHER, TeacherWorker
+from asyncrl.workers.interface import TEACHER, TRAINER, Worker, payload_routes, role_of
+from asyncrl.workers.teacher import TeacherWorker
 from asyncrl.workers.trainer import TrainerWorker
 
 
@@ -37,48 +38,55 @@ class InlineRuntime:
         self.generator_names = [generator_name(i) for i in range(cfg.runtime.generators)]
         self._default_threads = torch.get_num_threads()
         self._events: list = []
-        self.trainer: TrainerWorker | None = None
-        self.generators: dict[str, GeneratorWorker] = {}
-        self.teacher: TeacherWorker | None = None  # on-policy distillation's stage (distill.*)
+        # Every worker by name, the trainer first (then the generators, the teacher stage last).
+        self.workers: dict[str, Worker] = {}
+        self._senders: dict[str, GroupSender] = {}  # where each worker's deliveries go (payload_routes)
         self._interrupted = False
         self.busy = False  # in send or poll
+
+    @property
+    def trainer(self) -> TrainerWorker | None:
+        return self.workers.get(TRAINER)  # type: ignore[return-value]
 
     def _threads(self, n: int) -> None:
         torch.set_num_threads(n or self._default_threads)
 
     def start(self) -> None:
         channel = InProcessChannel()
-        self.trainer = TrainerWorker("trainer", self.cfg, lambda layout: channel)
-        self.generators = {
-            name: GeneratorWorker(name, self.cfg, lambda layout: channel, seed=self.cfg.run.seed + i)
-            for i, name in enumerate(self.generator_names)
-        }
-        # The groups go to the trainer's inbox by reference (and the teacher's); the controller gets headers.
-        self._to_trainer: GroupSender = make_group_sender("inprocess", self.trainer.inbox)
-        self._groups = self._to_trainer
+        trainer = TrainerWorker(TRAINER, self.cfg, lambda layout: channel)
+        self.workers = {TRAINER: trainer}
+        for i, name in enumerate(self.generator_names):
+            self.workers[name] = GeneratorWorker(
+                name, self.cfg, lambda layout: channel, seed=self.cfg.run.seed + i
+            )
+        inboxes = {TRAINER: trainer.inbox}
         if self.cfg.distill.enabled:
-            self.teacher = TeacherWorker(TEACHER, self.cfg, receiver_factory=lambda layout: channel)
-            self._groups = FanOut(self._to_trainer, make_group_sender("inprocess", self.teacher.inbox))
-        names = ["trainer", *self.generator_names, *([TEACHER] if self.teacher is not None else [])]
-        self._events += [Ready(n) for n in names]
+            teacher = TeacherWorker(TEACHER, self.cfg, receiver_factory=lambda layout: channel)
+            self.workers[TEACHER] = teacher
+            inboxes[TEACHER] = teacher.inbox
+        # What a worker delivers goes into the inboxes by reference; the controller gets the headers.
+        for name in self.workers:
+            routes = payload_routes(role_of(name), self.cfg)
+            sender = sender_for([make_group_sender("inprocess", inboxes[to]) for to in routes])
+            if sender is not None:
+                self._senders[name] = sender
+        self._events += [Ready(n) for n in self.workers]
+
+    def _delivered(self, name: str, events: list) -> list:
+        sender = self._senders.get(name)
+        return events if sender is None else detach_payloads(events, sender)
 
     def send(self, worker: str, command) -> None:
         self.busy = True
         try:
-            if worker == "trainer":
+            if worker == TRAINER:
                 self._threads(self.cfg.threads("trainer"))
-                self._events += self.trainer.handle(command)
-            elif worker == TEACHER and isinstance(command, Teach | LoadWeights):
-                self.teacher.handle(command)
-            elif isinstance(command, Submit | LoadWeights | Preempt):
-                self.generators[worker].handle(command)
-            else:
-                raise TypeError(f"{worker} cannot handle {type(command).__name__}")
+            self._events += self._delivered(worker, self.workers[worker].handle(command))
         finally:
             self.busy = False
 
     def interrupt(self) -> None:
-        """The run is stopping: scoring in progress is abandoned and the generators run no more.
+        """The run is stopping: scoring in progress is abandoned and the workers run no more.
 
         Called from the signal handler, which may have interrupted an in-process reward call:
         that call is then abandoned by :class:`ScoringStopped` raised from here, once every
@@ -86,29 +94,27 @@ class InlineRuntime:
         """
         self._interrupted = True
         in_call = None
-        for worker in [self.trainer, *self.generators.values()]:
-            if worker is not None:
-                try:
-                    worker.abandon_work()
-                except ScoringStopped as exc:
-                    in_call = exc
+        for worker in list(self.workers.values()):
+            try:
+                worker.abandon_work()
+            except ScoringStopped as exc:
+                in_call = exc
         if in_call is not None:
             raise in_call
 
     def poll(self, timeout: float) -> list:
-        """Pending events, or else run generators until they produce some (or have nothing to do)."""
+        """Pending events, or else run the workers that have work until they produce some (or have
+        nothing to do)."""
         self.busy = True
         try:
             if not self._events:
                 self._threads(self.cfg.threads("generator"))
-                # Once the run is stopping, generators only answer a Preempt (which steps no engine).
-                running = [g for g in self.generators.values() if self._may_run(g)]
-                while (running or self._teacher_has_work()) and not self._events:
-                    for g in running:
-                        self._events += detach_payloads(g.work(), self._groups)
-                    if self._teacher_has_work():  # its scores go to the trainer, the headers on
-                        self._events += detach_payloads(self.teacher.work(), self._to_trainer)
-                    running = [g for g in running if self._may_run(g)]
+                # Once the run is stopping, a worker runs only to give an answer it owes (a Preempt's).
+                running = [n for n, w in self.workers.items() if self._may_run(w)]
+                while running and not self._events:
+                    for name in running:
+                        self._events += self._delivered(name, self.workers[name].work())
+                    running = [n for n in running if self._may_run(self.workers[n])]
                 if not self._events:
                     time.sleep(min(timeout, 0.01))  # nothing anywhere: let the controller's watchdog see it
         finally:
@@ -116,20 +122,10 @@ class InlineRuntime:
         events, self._events = self._events, []
         return events
 
-    def _teacher_has_work(self) -> bool:
-        return self.teacher is not None and not self.teacher.idle and not self._interrupted
-
-    def _may_run(self, generator: GeneratorWorker) -> bool:
-        return not generator.idle and (not self._interrupted or generator.owes_preempt)
+    def _may_run(self, worker: Worker) -> bool:
+        return not worker.idle and (not self._interrupted or worker.owes_answer)
 
     def stop(self) -> None:
-        for generator in self.generators.values():
-            generator.close()
-        self.generators.clear()
-        if self.teacher is not None:
-            self.teacher.close()
-        self.teacher = None
-        if self.trainer is not None:
-            self.trainer.close()
-        self.trainer = None
+        for name in reversed(list(self.workers)):  # the trainer last
+            self.workers.pop(name).close()
         torch.set_num_threads(self._default_threads)

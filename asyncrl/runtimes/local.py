@@ -40,8 +40,6 @@ from asyncrl.runtimes.cores import CoreShare, available_cores
 from asyncrl.runtimes.interface import generator_name
 from asyncrl.runtimes.processes import adopt_environment, start_process_helpers, worker_context
 from asyncrl.runtimes.serving import (
-    GENERATOR,
-    TRAINER,
     TRAINER_RANK,
     build_worker,
     drain,
@@ -51,7 +49,7 @@ from asyncrl.runtimes.serving import (
 )
 from asyncrl.trainer.distributed import trainer_rank_name
 from asyncrl.transports.groups.factory import make_group_sender, make_inbox
-from asyncrl.transports.groups.interface import FanOut, GroupSender
+from asyncrl.transports.groups.interface import sender_for
 from asyncrl.transports.weights.factory import (
     SEGMENT_RECORD,
     TransportSpec,
@@ -60,7 +58,7 @@ from asyncrl.transports.weights.factory import (
     transport_spec,
     unlink_segment,
 )
-from asyncrl.workers.teacher import TEACHER
+from asyncrl.workers.interface import GENERATOR, TEACHER, TRAINER, payload_routes
 
 RANK_FAILURE_GRACE_S = 1.0  # how long a trainer rank's failure waits for a sibling rank's exit to show
 INTERRUPT_CHECK_S = 0.1  # how often a worker looks at the shared stop flag
@@ -115,7 +113,8 @@ def _worker_main(
         else:
             cores = CoreShare(busy_flags, slot=slot, cores=available_cores())
         cfg = Config.model_validate_json(cfg_json)
-        feed = {TRAINER: payload_q, TEACHER: teacher_q}.get(role)
+        queues = {TRAINER: payload_q, TEACHER: teacher_q}  # every worker's inbox, by its name
+        feed = queues.get(role)
         inbox = make_inbox("queue", feed) if feed is not None else None
         worker, _ = build_worker(role, name, index, cfg, spec, group, elastic=False, inbox=inbox)
         threading.Thread(
@@ -132,7 +131,7 @@ def _worker_main(
             evt_q.put,
             should_exit=owner.gone.is_set,  # looked at on every engine step: no /proc read there
             on_busy=busy,
-            groups=_group_sender(role, payload_q, teacher_q),
+            groups=sender_for([make_group_sender("queue", queues[to]) for to in payload_routes(role, cfg)]),
         )
         if not owner.alive():
             evt_q.cancel_join_thread()  # nobody will read what is still queued; do not wait for it
@@ -148,15 +147,6 @@ def _worker_main(
     finally:
         if worker is not None:
             worker.close()
-
-
-def _group_sender(role: str, payload_q, teacher_q) -> GroupSender:
-    """A generator's groups go to the trainer and, with a teacher stage, to it as well; the
-    teacher's scores go to the trainer."""
-    to_trainer = make_group_sender("queue", payload_q)
-    if role == GENERATOR and teacher_q is not None:
-        return FanOut(to_trainer, make_group_sender("queue", teacher_q))
-    return to_trainer
 
 
 def _abandon_work_on(interrupt, worker) -> None:
@@ -219,7 +209,7 @@ class LocalRuntime:
         roles += [
             (TRAINER_RANK, self.trainer_names[r], r, trainer_threads, gens + r) for r in range(1, ranks)
         ]
-        roles += [("generator", n, i, generator_threads, i + 1) for i, n in enumerate(self.generator_names)]
+        roles += [(GENERATOR, n, i, generator_threads, i + 1) for i, n in enumerate(self.generator_names)]
         if self._to_teacher is not None:
             roles.append((TEACHER, TEACHER, 0, self.cfg.distill.threads or max(1, generator_threads), 0))
         for role, name, index, threads, slot in roles:

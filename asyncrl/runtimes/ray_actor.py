@@ -16,11 +16,11 @@ import queue
 import threading
 
 from asyncrl.protocol.messages import Stop
-from asyncrl.runtimes.serving import TRAINER, build_worker, drain, failed, ready, serve_worker
+from asyncrl.runtimes.serving import build_worker, drain, failed, ready, serve_worker
 from asyncrl.transports.groups.factory import make_group_sender
-from asyncrl.transports.groups.interface import Delivery, FanOut
+from asyncrl.transports.groups.interface import Delivery, GroupSender, sender_for
 from asyncrl.transports.weights.factory import TransportSpec, free_port, make_broadcast_sender, make_receiver
-from asyncrl.workers.teacher import TEACHER
+from asyncrl.workers.interface import TEACHER, TRAINER, payload_routes
 
 
 class WorkerActor:
@@ -116,14 +116,14 @@ class WorkerActor:
         self._exit.set()
         return not self._thread.is_alive()
 
-    def _group_sender(self, timeout_s: float):
-        """Where this worker's groups (a generator's) or scores (the teacher's) go."""
-        if self._trainer is None:
-            return None
-        to_trainer = make_group_sender("actor", self._trainer, timeout_s)
-        if self._teacher is None:
-            return to_trainer
-        return FanOut(to_trainer, make_group_sender("actor", self._teacher, timeout_s))
+    def _group_sender(self, cfg) -> GroupSender | None:
+        """Where this worker's groups (a generator's) or scores (the teacher's) go: the actors
+        :func:`~asyncrl.workers.interface.payload_routes` names, by calls on them."""
+        actors = {TRAINER: self._trainer, TEACHER: self._teacher}
+        timeout_s = cfg.runtime.stall_timeout_s
+        return sender_for(
+            [make_group_sender("actor", actors[to], timeout_s) for to in payload_routes(self.role, cfg)]
+        )
 
     def _run(self) -> None:
         import torch
@@ -147,7 +147,7 @@ class WorkerActor:
                 self._commands,
                 self._events.put,
                 should_exit=self._exit.is_set,
-                groups=self._group_sender(cfg.runtime.stall_timeout_s),
+                groups=self._group_sender(cfg),
             )
         except BaseException as exc:
             self._events.put(failed(self.name, exc))

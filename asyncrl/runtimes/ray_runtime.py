@@ -58,7 +58,6 @@ from asyncrl.runtimes.cores import available_cores
 from asyncrl.runtimes.interface import generator_name, is_generator
 from asyncrl.runtimes.ray_actor import WorkerActor
 from asyncrl.runtimes.serving import (
-    TRAINER,
     TRAINER_RANK,
     is_trainer,
 )
@@ -68,7 +67,7 @@ from asyncrl.transports.weights.factory import (
     transport_spec,
     unlink_segment,
 )
-from asyncrl.workers.teacher import TEACHER
+from asyncrl.workers.interface import GENERATOR, TEACHER, TRAINER
 
 POLL_WAIT_S = 0.5  # how long an actor's events() call waits for something to report
 
@@ -174,9 +173,7 @@ class RayRuntime:
         if self.cfg.distill.enabled:
             self._create(TEACHER, TEACHER, 0).start.remote(self._spec, {}, ranks[0])
         for i, name in enumerate(self.generator_names):
-            self._create("generator", name, i).start.remote(
-                self._spec, {}, ranks[0], self._actors.get(TEACHER)
-            )
+            self._create(GENERATOR, name, i).start.remote(self._spec, {}, ranks[0], self._actors.get(TEACHER))
         self._wait_ready(set(self._actors))
         if self._spec.kind == "shm":
             self._check_same_node(self.generator_names)
@@ -414,7 +411,7 @@ class RayRuntime:
         if spec.kind == "broadcast":
             spec = spec.replace(port=None)
             self._joining.add(name)
-        self._create("generator", name, self._index_of(name)).start.remote(
+        self._create(GENERATOR, name, self._index_of(name)).start.remote(
             spec, {}, self._actors[TRAINER], self._actors.get(TEACHER)
         )
 

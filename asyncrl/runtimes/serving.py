@@ -7,9 +7,10 @@ weight transport, the process reports :func:`ready` (or :func:`failed`), and
 where commands come from and where events go (queues they own), and in how they share the
 machine's cores.
 
-The command loops: a trainer waits for commands and takes whatever has queued up at once
-(coalescing streamed groups, :func:`coalesced`); a generator with work only glances at its
-queue between engine steps, so a weight update or new prompts reach the engine within one step.
+Every worker is driven through :class:`~asyncrl.workers.interface.Worker` alone. The command
+loops: a trainer waits for commands and takes whatever has queued up at once (coalescing
+streamed groups, :func:`coalesced`); a generator or the teacher stage with work only glances
+at its queue between calls of its ``work`` (:func:`serve_producer`).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from asyncrl.transports.groups.inbox import Inbox
 from asyncrl.transports.groups.interface import GroupSender, detach_payloads
 from asyncrl.transports.weights.factory import TransportSpec, make_receiver, make_sender, weights_device
 from asyncrl.workers.generator import GeneratorWorker
-from asyncrl.workers.teacher import TEACHER, TeacherWorker
-from asyncrl.workers.trainer import TrainerWorker, run_follower
+from asyncrl.workers.interface import TEACHER, TRAINER, Worker
+from asyncrl.workers.teacher import TeacherWorker
+from asyncrl.workers.trainer import TrainerWorker
 
 IDLE_WAIT_S = 0.02  # how long an idle generator waits for a command before looking again
 TRAINER_WAIT_S = 0.5  # how often a waiting trainer checks should_exit
@@ -95,17 +97,22 @@ def serve_trainer(
             on_busy(False)
 
 
-def serve_generator(
-    worker,
+def serve_producer(
+    worker: Worker,
     cmd_q,
     emit: Callable[[object], None],
     groups: GroupSender,
     should_exit: Callable[[], bool] = lambda: False,
     on_busy: Callable[[bool], None] | None = None,
 ) -> None:
-    """Alternate between queued commands and engine steps until Stop (or ``should_exit``).
+    """A generator's or the teacher stage's loop: alternate between queued commands and the worker's
+    own work (engine steps, scoring) until Stop (or ``should_exit``).
 
-    The groups the worker produces go to the trainer by ``groups``; ``emit`` gets their headers.
+    An idle worker waits for a command at most ``IDLE_WAIT_S``; a busy one only glances at its
+    queue between two calls of :meth:`~asyncrl.workers.interface.Worker.work`, so a weight update
+    or new prompts reach the engine within one step. What the worker delivers (a generator's
+    groups, the teacher's scores) goes by ``groups``; ``emit`` gets the events, headers in place
+    of the payloads.
     """
     while not should_exit():
         try:
@@ -113,7 +120,8 @@ def serve_generator(
             while True:
                 if isinstance(command, Stop):
                     return
-                worker.handle(command)
+                for event in detach_payloads(worker.handle(command), groups):
+                    emit(event)
                 command = cmd_q.get_nowait()
         except queue.Empty:
             pass
@@ -125,31 +133,7 @@ def serve_generator(
             on_busy(False)  # at once: the trainer may be starting on what was just sent
 
 
-def serve_teacher(
-    worker: TeacherWorker,
-    cmd_q,
-    emit: Callable[[object], None],
-    to_trainer: GroupSender,
-    should_exit: Callable[[], bool] = lambda: False,
-) -> None:
-    """Score the groups that arrive until Stop (or ``should_exit``); the scores go to the trainer by
-    ``to_trainer`` before ``emit`` reports them."""
-    while not should_exit():
-        try:
-            while True:
-                command = cmd_q.get_nowait()
-                if isinstance(command, Stop):
-                    return
-                worker.handle(command)
-        except queue.Empty:
-            pass
-        for event in detach_payloads(worker.work(wait_s=IDLE_WAIT_S), to_trainer):
-            emit(event)
-
-
-TRAINER = "trainer"
 TRAINER_RANK = "trainer-rank"  # role of trainer ranks 1..M-1
-GENERATOR = "generator"
 
 
 def is_trainer(role: str) -> bool:
@@ -200,9 +184,34 @@ def failed(name: str, exc: BaseException) -> WorkerFailed:
     return WorkerFailed(name, f"{type(exc).__name__}: {exc}", details)
 
 
+def run_follower(worker: TrainerWorker, busy: Callable[[bool], object] | None = None) -> None:
+    """The command loop of trainer ranks 1..M-1: execute what rank 0 forwards, until it closes.
+
+    A host calls this once on each follower rank after constructing its worker (a local
+    child process, or a Ray actor method that returns when the run ends) and then
+    ``worker.close()``. ``busy(True/False)`` brackets every command (the local runtime
+    shares CPU cores by it). Events are rank 0's to report; a follower's are dropped. An
+    exception (a failed collective, rank 0 gone) propagates to the host, which reports it.
+    """
+    if worker.ranks is None or worker.ranks.is_leader:
+        raise ValueError("run_follower is for trainer ranks 1..M-1; rank 0 is driven by handle()")
+    while True:
+        command = worker.ranks.next_command()
+        if isinstance(command, Stop):
+            worker.ranks.acknowledge_stop()
+            return
+        if busy is not None:
+            busy(True)
+        try:
+            worker.handle(command)
+        finally:
+            if busy is not None:
+                busy(False)
+
+
 def serve_worker(
     role: str,
-    worker: TrainerWorker | GeneratorWorker | TeacherWorker,
+    worker: Worker,
     commands,
     emit: Callable[[object], None],
     should_exit: Callable[[], bool],
@@ -211,18 +220,15 @@ def serve_worker(
 ) -> None:
     """Run the worker's command loop until Stop; trainer ranks 1.. execute what rank 0 forwards.
 
-    ``groups``: a generator's (or the teacher's) end of the group transport (:mod:`asyncrl.transports.groups`).
+    ``groups``: where the worker's deliveries go (:func:`~asyncrl.workers.interface.payload_routes`,
+    by the runtime's group transport); the trainer delivers nothing.
     """
-    if role == TEACHER:
-        serve_teacher(worker, commands, emit, groups, should_exit=should_exit)
-    elif role == TRAINER_RANK:
+    if role == TRAINER_RANK:
         run_follower(worker, busy=on_busy)
-    elif role == TRAINER:
+    elif groups is None:  # the trainer: its work is its commands'
         serve_trainer(worker, commands, emit, should_exit=should_exit, on_busy=on_busy)
     else:
-        if groups is None:
-            raise ValueError(f"{worker.name}: a generator needs a way to deliver its groups to the trainer")
-        serve_generator(worker, commands, emit, groups, should_exit=should_exit, on_busy=on_busy)
+        serve_producer(worker, commands, emit, groups, should_exit=should_exit, on_busy=on_busy)
 
 
 def drain(q, timeout: float) -> list:

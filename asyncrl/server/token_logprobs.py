@@ -47,7 +47,9 @@ def check_request(body: dict, vocab_size: int, max_positions: int) -> ScoringReq
     for field in ("prompt_ids", "completion_ids"):
         value = body.get(field)
         if not isinstance(value, list) or not value or not all(isinstance(r, list) and r for r in value):
-            raise LogprobRequestError(f"'{field}' must be a non-empty list of non-empty lists of token ids", field)
+            raise LogprobRequestError(
+                f"'{field}' must be a non-empty list of non-empty lists of token ids", field
+            )
         for i, row in enumerate(value):
             bad = next(
                 (t for t in row if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size),
@@ -73,7 +75,9 @@ def check_request(body: dict, vocab_size: int, max_positions: int) -> ScoringReq
             )
     temperature = body.get("temperature", 1.0)
     if isinstance(temperature, bool) or not isinstance(temperature, int | float) or temperature <= 0:
-        raise LogprobRequestError(f"'temperature' must be a positive number, got {temperature!r}", "temperature")
+        raise LogprobRequestError(
+            f"'temperature' must be a positive number, got {temperature!r}", "temperature"
+        )
     top_k = body.get("top_k", 0)
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= MAX_TOP_K:
         raise LogprobRequestError(f"'top_k' must be an integer from 0 to {MAX_TOP_K}, got {top_k!r}", "top_k")

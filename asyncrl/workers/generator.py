@@ -118,7 +118,7 @@ class GeneratorWorker:
         return self.policies.version if self.policies is not None else self.engine.version
 
     @property
-    def owes_preempt(self) -> bool:
+    def owes_answer(self) -> bool:
         """A Preempt was received and its answer (the next work()) is still owed."""
         return self._preempt
 
@@ -126,7 +126,9 @@ class GeneratorWorker:
     def idle(self) -> bool:
         return self.pending_version is None and not self.rollout.has_work and not self._preempt
 
-    def handle(self, command: Submit | LoadWeights | Preempt) -> None:
+    def handle(self, command: Submit | LoadWeights | Preempt) -> list:
+        """Take new work, a weight update to apply or a stop to answer; each is acted on by :meth:`work`
+        (so the events come from there)."""
         if isinstance(command, Submit):
             if command.pivot_model is not None:
                 self.pivot_model = command.pivot_model
@@ -141,6 +143,7 @@ class GeneratorWorker:
                 self.pending_version = max(command.version, self.pending_version or 0)
         else:
             raise TypeError(f"generator cannot handle {type(command).__name__}")
+        return []
 
     def _may_apply_update(self) -> bool:
         if self.interrupt == "batch":

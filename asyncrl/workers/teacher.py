@@ -28,8 +28,6 @@ from asyncrl.transports.groups.inbox import Inbox
 from asyncrl.transports.groups.interface import Delivery
 from asyncrl.transports.weights.interface import WeightLayout, WeightReceiver
 
-TEACHER = "teacher"
-
 
 class TeacherWorker:
     """``receiver_factory``: with self-distillation refreshed every N versions
@@ -60,7 +58,11 @@ class TeacherWorker:
     def idle(self) -> bool:
         return len(self.inbox) == 0
 
-    def handle(self, command) -> None:
+    @property
+    def owes_answer(self) -> bool:
+        return False
+
+    def handle(self, command) -> list:
         if isinstance(command, LoadWeights) and self.receiver is not None:
             version, tensors = self.receiver.receive(
                 command.version, timeout=self.cfg.runtime.stall_timeout_s
@@ -71,6 +73,7 @@ class TeacherWorker:
             self.inbox.put(Delivery(groups=command.groups))
         else:
             raise TypeError(f"{self.name} cannot handle {type(command).__name__}")
+        return []
 
     def work(self, wait_s: float = 0.0) -> list:
         """Score the oldest waiting groups (waiting up to ``wait_s`` for one); their events."""

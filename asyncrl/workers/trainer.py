@@ -3,7 +3,7 @@
 It executes commands and returns events and knows nothing about processes, queues or Ray.
 Rank 0 holds the inbox the generators deliver their groups to (:mod:`asyncrl.transports.groups`); with
 ``trainer.ranks`` > 1 it forwards every command, groups resolved, to the other ranks
-(:func:`run_follower`). Its evaluations are :mod:`asyncrl.workers.evaluation`'s.
+(:func:`~asyncrl.runtimes.serving.run_follower`). Its evaluations are :mod:`asyncrl.workers.evaluation`'s.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class TrainerWorker:
     Rank 0 is the worker the controller talks to (named ``trainer``): :meth:`handle`
     computes the advantages of an ``Accumulate`` from whole groups, forwards every command
     to the other ranks, then executes it; it alone publishes weights, evaluates, saves and
-    returns events. Ranks 1..M-1 (``sender_factory`` None) run :func:`run_follower`, which
+    returns events. Ranks 1..M-1 (``sender_factory`` None) run :func:`~asyncrl.runtimes.serving.run_follower`, which
     executes the same commands until rank 0 closes. The host decides only where the
     processes live: a child process (local runtime) or a Ray actor is the same to this class.
 
@@ -176,6 +176,13 @@ class TrainerWorker:
     @property
     def stopping(self) -> bool:
         return self._stopping.is_set()
+
+    idle = True  # (the Worker interface) the trainer's work is done inside handle()
+    owes_answer = False
+
+    def work(self) -> list:
+        """Nothing: every step, evaluation and checkpoint is a command's (:meth:`handle`)."""
+        return []
 
     def handle(self, command: Command) -> list:
         if not isinstance(command, Command):
@@ -457,7 +464,7 @@ class TrainerWorker:
         return {name: int(metrics[f"policy/{name}/version"]) for name in self.policies.order}
 
     def close(self) -> None:
-        """Rank 0: release the other ranks from :func:`run_follower` first. Every rank: leave the group."""
+        """Rank 0: release the other ranks from :func:`~asyncrl.runtimes.serving.run_follower` first. Every rank: leave the group."""
         self.evaluation.close()
         self.inbox.close()
         try:
@@ -471,28 +478,3 @@ class TrainerWorker:
             finally:
                 if self.ranks is not None:
                     self.ranks.close()
-
-
-def run_follower(worker: TrainerWorker, busy: Callable[[bool], object] | None = None) -> None:
-    """The command loop of trainer ranks 1..M-1: execute what rank 0 forwards, until it closes.
-
-    A host calls this once on each follower rank after constructing its worker (a local
-    child process, or a Ray actor method that returns when the run ends) and then
-    ``worker.close()``. ``busy(True/False)`` brackets every command (the local runtime
-    shares CPU cores by it). Events are rank 0's to report; a follower's are dropped. An
-    exception (a failed collective, rank 0 gone) propagates to the host, which reports it.
-    """
-    if worker.ranks is None or worker.ranks.is_leader:
-        raise ValueError("run_follower is for trainer ranks 1..M-1; rank 0 is driven by handle()")
-    while True:
-        command = worker.ranks.next_command()
-        if isinstance(command, Stop):
-            worker.ranks.acknowledge_stop()
-            return
-        if busy is not None:
-            busy(True)
-        try:
-            worker.handle(command)
-        finally:
-            if busy is not None:
-                busy(False)

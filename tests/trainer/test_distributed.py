@@ -22,12 +22,13 @@ import torch.multiprocessing as mp
 from asyncrl.config import Config, load_config
 from asyncrl.protocol.messages import Accumulate, FinishStep, Restore, SaveCheckpoint, StepDone
 from asyncrl.runtimes.processes import worker_context
+from asyncrl.runtimes.serving import run_follower
 from asyncrl.trainer.batching import trained_span
 from asyncrl.trainer.distributed import reduce_step_stats, split_samples
 from asyncrl.transports.weights.factory import free_port
 from asyncrl.transports.weights.inprocess import InProcessChannel
 from asyncrl.types import Group, Prompt, Sample
-from asyncrl.workers.trainer import TrainerWorker, run_follower
+from asyncrl.workers.trainer import TrainerWorker
 
 RANK_TIMEOUT_S = 120.0
 MAX_COMPLETION = 8

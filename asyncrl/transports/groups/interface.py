@@ -65,6 +65,21 @@ class FanOut(GroupSender):
             self.teacher.deliver(Delivery(groups=delivery.groups))
 
 
+def sender_for(routes: list[GroupSender]) -> GroupSender | None:
+    """One sender over a worker's routes, in the order :func:`~asyncrl.workers.interface.payload_routes`
+    gives them: none (the trainer delivers nothing), the trainer's, or the trainer's with a copy of
+    the finished groups to the teacher stage's (:class:`FanOut`)."""
+    if not routes:
+        return None
+    if len(routes) == 1:
+        return routes[0]
+    if len(routes) == 2:
+        return FanOut(*routes)
+    raise ValueError(
+        f"a worker delivers to the trainer and at most the teacher stage, not {len(routes)} inboxes"
+    )
+
+
 def detach_payloads(events: Iterable, sender: GroupSender) -> list:
     """``events`` with their payloads delivered (one delivery for all of them) and stripped.
 

@@ -1,0 +1,93 @@
+"""The worker interface: every worker implements it, every runtime drives workers through it alone,
+and where a worker's deliveries go is written once (payload_routes)."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.transports.groups.interface import FanOut, GroupSender, sender_for
+from asyncrl.workers.generator import GeneratorWorker
+from asyncrl.workers.interface import GENERATOR, TEACHER, TRAINER, Worker, payload_routes, role_of
+from asyncrl.workers.teacher import TeacherWorker
+from asyncrl.workers.trainer import TrainerWorker
+
+PACKAGE = Path(__file__).resolve().parents[2] / "asyncrl"
+MEMBERS = {"name", "idle", "owes_answer", "handle", "work", "stop_waiting", "abandon_work", "close"}
+
+
+def test_the_interface_declares_what_a_runtime_uses() -> None:
+    declared = {n for n in dir(Worker) if not n.startswith("_")} | set(Worker.__annotations__)
+    assert declared == MEMBERS
+
+
+@pytest.mark.parametrize("cls", [GeneratorWorker, TrainerWorker, TeacherWorker])
+def test_every_worker_implements_the_whole_interface(cls: type) -> None:
+    methods = MEMBERS - {"name", "idle", "owes_answer"}
+    assert all(callable(getattr(cls, m, None)) for m in methods), cls
+    assert all(hasattr(cls, p) for p in ("idle", "owes_answer")), cls  # a property, or a constant
+    # handle and work return the events they produced (a list), for every worker alike.
+    for method in ("handle", "work"):
+        assert inspect.signature(getattr(cls, method)).return_annotation in ("list", list), (cls, method)
+
+
+def test_payload_routes_by_hand() -> None:
+    plain = load_config(overrides=[])
+    distilled = load_config("examples/distill.yaml")
+    assert distilled.distill.enabled and not plain.distill.enabled
+    assert payload_routes(GENERATOR, plain) == (TRAINER,)
+    assert payload_routes(GENERATOR, distilled) == (TRAINER, TEACHER)
+    assert payload_routes(TEACHER, distilled) == (TRAINER,)
+    assert payload_routes(TRAINER, distilled) == () == payload_routes("trainer-rank", plain)
+    assert [role_of(n) for n in ("trainer", "teacher", "generator-3")] == [TRAINER, TEACHER, GENERATOR]
+
+
+class Recording(GroupSender):
+    def __init__(self) -> None:
+        self.delivered: list = []
+
+    def deliver(self, delivery) -> None:
+        self.delivered.append(delivery)
+
+
+def test_one_sender_over_a_workers_routes() -> None:
+    trainer, teacher = Recording(), Recording()
+    assert sender_for([]) is None and sender_for([trainer]) is trainer
+    both = sender_for([trainer, teacher])
+    assert isinstance(both, FanOut) and (both.trainer, both.teacher) == (trainer, teacher)
+    with pytest.raises(ValueError, match="not 3 inboxes"):
+        sender_for([trainer, teacher, Recording()])
+
+
+def _used_on(tree: ast.AST, holder: str) -> set[str]:
+    return {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and ast.unparse(node.value) == holder
+    }
+
+
+LOOPS = {"serve_trainer", "serve_producer", "serve_worker"}  # serving.py's command loops
+
+
+@pytest.mark.parametrize(
+    ("module", "holders"),
+    [
+        ("runtimes/inline.py", ["self.workers[worker]", "self.workers[name]", "worker"]),
+        ("runtimes/serving.py", ["worker"]),
+    ],
+)
+def test_runtimes_drive_workers_through_the_interface_alone(module: str, holders: list[str]) -> None:
+    """What the inline runtime and the process/actor command loops call on a worker is a member of
+    Worker (building one is role-specific, serving.build_worker; the follower ranks are rank 0's)."""
+    tree = ast.parse((PACKAGE / module).read_text(encoding="utf-8"))
+    if module.endswith("serving.py"):
+        tree = ast.Module([n for n in tree.body if getattr(n, "name", None) in LOOPS], [])
+        assert len(tree.body) == len(LOOPS)
+    used = set().union(*(_used_on(tree, h) for h in holders))
+    assert used, module
+    assert used <= MEMBERS, f"{module} uses {sorted(used - MEMBERS)} beyond Worker"
