@@ -180,12 +180,15 @@ def signalled_when(
     done = threading.Event()
     children: set[int] = set()
     late: list[int] = []
+    before = child_pids()
 
     def signal_once_ready() -> None:
         deadline = time.monotonic() + timeout
         while not done.is_set() and time.monotonic() < deadline:
             if ready():
-                children.update(child_pids())
+                # The run's processes: not those there before it started (a previous test's Ray
+                # processes still ending on a loaded machine are not this run's to stop).
+                children.update(child_pids() - before)
                 os.kill(os.getpid(), sig)
                 return
             done.wait(0.01)
