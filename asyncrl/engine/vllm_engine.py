@@ -20,8 +20,12 @@ How the contract maps onto vLLM:
 * ``step(admit=False)`` keeps new requests in this engine's queue: vLLM only ever holds the
   requests a generator allowed to start (a request vLLM has but has not scheduled yet counts
   as running);
-* the G completions of a prompt share its prefill through vLLM's prefix cache; a weight load
-  resets that cache, since blocks computed by the old weights must not serve new requests;
+* the G completions of a prompt share its prefill through vLLM's prefix cache, but blocks
+  computed by older weights never serve a request started after a load: every request is
+  salted with the engine's weights epoch (vLLM's ``cache_salt``: its blocks hash apart from
+  those of other epochs). Resetting the cache at a load is not enough, since vLLM refuses the
+  reset while requests are running (measured: a request started after an in-flight load
+  reused the old weights' prompt blocks, a first-token log-prob of -2.82 instead of -1.62);
 * versions: a load between two steps changes the weights the next forward uses, so each token
   records the version held when its step ran.
 
@@ -170,6 +174,7 @@ class VllmEngine(Engine):
             itertools.count()
         )  # vLLM's request ids are never reused (a resumed request gets a new one)
         self._seeds = torch.Generator().manual_seed(settings.seed)  # for requests added without a seed
+        self.weights_epoch = 0  # bumped by every load: the prefix-cache salt of requests started after it
         self.stats = {
             "steps": 0,
             "tokens_generated": 0,
@@ -206,7 +211,9 @@ class VllmEngine(Engine):
             items = list({**held, **dict(items)}.items())
         t0 = time.perf_counter()
         self._llm.collective_rpc(_reload, args=(items,))
-        # Blocks cached under the old weights must not serve requests from now on.
+        self.weights_epoch += 1
+        # Frees the old blocks when nothing runs (vLLM refuses it otherwise); the salt is what
+        # keeps them from serving requests started from now on.
         self._llm.reset_prefix_cache()
         self.version = version
         self.stats["weight_loads"] += 1
@@ -278,7 +285,8 @@ class VllmEngine(Engine):
         )
         vllm_id = f"{request.request_id}#{next(self._ids)}"
         context = list(request.prompt_ids) + (list(prefix.completion_ids) if prefix else [])
-        self._llm.add_request(vllm_id, TokensPrompt(prompt_token_ids=context), params)
+        prompt = TokensPrompt(prompt_token_ids=context, cache_salt=f"w{self.weights_epoch}")
+        self._llm.add_request(vllm_id, prompt, params)
         generated = prefix.tokens() if prefix else Tokens.empty()
         self._running[vllm_id] = _Running(
             request, vllm_id, generated, max((len(x) for x in s.stop), default=0)
@@ -324,7 +332,8 @@ class VllmEngine(Engine):
                     f"the engine's {self.max_positions} positions (or has no prompt)"
                 )
             ids.append(f"score#{next(self._ids)}")
-            self._llm.add_request(ids[-1], TokensPrompt(prompt_token_ids=[*prompt, *completion]), params)
+            row = TokensPrompt(prompt_token_ids=[*prompt, *completion], cache_salt=f"w{self.weights_epoch}")
+            self._llm.add_request(ids[-1], row, params)
         done: dict[str, list] = {}
         while len(done) < len(ids):
             for out in self._llm.step():

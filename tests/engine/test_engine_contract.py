@@ -111,6 +111,32 @@ def test_a_load_between_steps_moves_the_version_of_later_tokens(fresh: Engine, p
         fresh.load_weights(perturbed(policy), start)
 
 
+def test_a_request_started_after_a_load_uses_none_of_the_old_weights_cache(
+    fresh: Engine, policy: Policy
+) -> None:
+    """A prompt's cache computed by the old weights (its request still running across the load)
+    does not serve a request of the same prompt started after the load: that one samples as it
+    would on an engine that never held the old weights. The prompt spans several cache blocks."""
+    start = fresh.version
+    long_prompt = [5 + (i * 7) % 20 for i in range(300)]
+    first = GenerationRequest("old", long_prompt, SamplingParams(max_new_tokens=40, temperature=1.0), seed=1)
+    fresh.add_request(first)
+    for _ in range(3):
+        assert not fresh.step()
+    new = perturbed(policy)
+    fresh.load_weights(new, start + 1)
+    late = GenerationRequest("late", long_prompt, SamplingParams(max_new_tokens=4, temperature=1.0), seed=2)
+    fresh.add_request(late)
+    done = {}
+    while fresh.has_work:
+        done.update((r.request_id, r) for r in fresh.step())
+    assert done["late"].versions == [start + 1] * 4
+    fresh.load_weights(new, start + 2)  # the same weights, loaded on an idle engine: a clean cache
+    clean = fresh.generate([late])[0]
+    assert done["late"].completion_ids == clean.completion_ids
+    assert max(abs(a - b) for a, b in zip(done["late"].logprobs, clean.logprobs, strict=True)) < 1e-4
+
+
 def test_abort_and_resume_keep_the_prefix(fresh: Engine, policy: Policy) -> None:
     """An aborted request returns its prefix; the resumed one starts with it unchanged (tokens,
     log-probs, versions) and spends only the rest of its budget, under the new weights."""
