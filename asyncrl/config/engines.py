@@ -90,8 +90,15 @@ def engine_problems(cfg: Any) -> list[str]:
         problems.append(
             f"rollout.kv_cache_fraction {why}: size vLLM's cache with vllm.gpu_memory_utilization"
         )
-    if cfg.multi_agent.several_policies:
-        problems.append(f"multi_agent.policies {why}: one vLLM engine per policy is not supported yet")
+    used = cfg.multi_agent.policy_names
+    own_models = [p.name for p in cfg.multi_agent.policies if p.kind == "model" and p.name in used]
+    if own_models:
+        problems.append(
+            f"multi_agent.policies {own_models} have kind=model {why}: a process holds one vLLM engine "
+            "(vLLM's parallel state is process-wide), so a policy of its own model cannot have one beside "
+            "the run's; make them kind=adapter (LoRA adapters over the run's model, which vLLM serves "
+            "from one engine) or use rollout.engine=embedded"
+        )
     if cfg.trainer.routing_replay != "off":
         problems.append(
             f"trainer.routing_replay={cfg.trainer.routing_replay} {why}: vLLM returns expert routes only from its "

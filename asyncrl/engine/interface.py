@@ -35,17 +35,37 @@ suite (``tests/engine/test_engine_contract.py``) runs against every engine that 
   far).
 * *Weights check.* :meth:`Engine.verify_weights` checks what the engine computes with
   against the trainer's fingerprint of a version (``runtime.verify_weight_sync``).
+* *Adapters* (an engine built to serve several LoRA adapters over its base: the adapter
+  policies of a multi-agent run). A request names its adapter (``adapter``; None computes the
+  base); :meth:`Engine.load_adapter` replaces one adapter between two steps, its requests in
+  flight going on with it and recording its new version for their later tokens, as a base
+  load does; :attr:`Engine.adapters` tells each adapter's version and checks what the engine
+  computes each with.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
+from typing import Protocol
 
 import torch
 
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest, GenerationResult, GenerationStopped
+from asyncrl.transports.weights.interface import WeightLayout
+
+
+class ServedAdapters(Protocol):
+    """The LoRA adapters an engine serves over its base (``Engine.adapters``)."""
+
+    names: list[str]
+    versions: dict[str, int]  # each adapter's policy version (0 before its first load)
+    layout: WeightLayout  # the tensors one adapter's update carries (every adapter the same)
+
+    def verify(self, name: str, expected: Mapping[str, float], where: str) -> None:
+        """Raise :class:`WeightSyncError`, naming ``where`` and the adapter, unless the engine
+        computes adapter ``name`` with the tensors whose checksums are ``expected``."""
 
 
 class Engine(ABC):
@@ -54,6 +74,7 @@ class Engine(ABC):
     version: int
     max_positions: int  # longest prompt + completion the engine's model can hold
     stats: dict  # counters for benchmarks and metrics: steps, tokens_generated, busy_s, ...
+    adapters: ServedAdapters | None = None  # the LoRA adapters it serves, if built to serve some
 
     # -- weights ------------------------------------------------------------------------
 

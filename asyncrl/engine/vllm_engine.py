@@ -54,6 +54,8 @@ import torch
 from asyncrl.engine.interface import Engine, check_fits
 from asyncrl.engine.scheduler import abort_waiting, result_of
 from asyncrl.engine.types import GenerationRequest, GenerationResult
+from asyncrl.engine.vllm_adapters import VllmAdapters
+from asyncrl.engine.vllm_worker import HEAD_KEY, TIED_NAME, read_back, read_slots, reload
 from asyncrl.transports.weights.interface import WeightSyncError, check_checksums
 from asyncrl.types import Tokens
 
@@ -119,9 +121,11 @@ class VllmEngine(Engine):
         version: int = 0,
         decode: Callable[[list[int]], str] | None = None,
         scratch: tempfile.TemporaryDirectory | None = None,
+        adapters: VllmAdapters | None = None,
     ) -> None:
         """``decode``: token ids to text, for stop strings. ``scratch``: the temporary directory the
-        model was saved to for vLLM to load (a model built in memory), removed at :meth:`close`."""
+        model was saved to for vLLM to load (a model built in memory), removed at :meth:`close`.
+        ``adapters``: the LoRA adapters it serves (:mod:`asyncrl.engine.vllm_adapters`)."""
         if not vllm_installed():
             raise ImportError(INSTALL_HINT)
         # The engine core in this process: start-up in seconds, Python objects passed directly.
@@ -138,6 +142,8 @@ class VllmEngine(Engine):
         from vllm.v1.engine.llm_engine import LLMEngine
 
         extra = dict(settings.engine_args)
+        if adapters is not None:
+            extra.update(adapters.engine_args())
         if settings.gpu_memory_utilization is not None:
             extra["gpu_memory_utilization"] = settings.gpu_memory_utilization
         if extra.get("tensor_parallel_size", 1) * extra.get("pipeline_parallel_size", 1) == 1:
@@ -183,6 +189,12 @@ class VllmEngine(Engine):
             "weight_loads": 0,
             "load_s": 0.0,
         }
+        self.adapters = adapters
+        if adapters is not None:
+            adapters.bind(self._read_adapter, self._llm.vllm_config.lora_config.lora_dtype)
+            self._llm.add_lora(adapters.request(None))  # the base (asyncrl.engine.vllm_adapters)
+            for name in adapters.names:
+                self.load_adapter(name, adapters.zeros(), 0)
 
     # -- weights ------------------------------------------------------------------------
 
@@ -202,7 +214,7 @@ class VllmEngine(Engine):
             # vLLM reloads a fused layer (q/k/v, gate/up) as a whole: the layers an update leaves
             # out are given again as the engine computes with them now (read back exactly).
             held = self.held_weights()
-            held.pop(_HEAD_KEY, None)
+            held.pop(HEAD_KEY, None)
             unknown = sorted(dict(items).keys() - held.keys())
             if unknown:
                 raise ValueError(
@@ -210,7 +222,7 @@ class VllmEngine(Engine):
                 )
             items = list({**held, **dict(items)}.items())
         t0 = time.perf_counter()
-        self._llm.collective_rpc(_reload, args=(items,))
+        self._llm.collective_rpc(reload, args=(items,))
         self.weights_epoch += 1
         # Frees the old blocks when nothing runs (vLLM refuses it otherwise); the salt is what
         # keeps them from serving requests started from now on.
@@ -219,19 +231,37 @@ class VllmEngine(Engine):
         self.stats["weight_loads"] += 1
         self.stats["load_s"] += time.perf_counter() - t0
 
+    def load_adapter(self, name: str, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Replace adapter ``name``'s tensors (named as a single-adapter policy publishes them) and
+        adopt ``version`` for it: vLLM reloads it in place, so its requests in flight go on with
+        the new weights, and their later tokens record the new version."""
+        if self.adapters is None:
+            raise ValueError(f"adapter {name!r}: this engine serves no adapters (built without adapters=)")
+        t0 = time.perf_counter()
+        self.adapters.write(name, tensors, version)
+        self._llm.add_lora(self.adapters.request(name, inplace=True))
+        self.adapters.loaded(name, version)
+        self.weights_epoch += 1
+        self._llm.reset_prefix_cache()
+        self.stats["load_s"] += time.perf_counter() - t0
+
+    def _read_adapter(self, lora_id: int, rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        (held,) = self._llm.collective_rpc(read_slots, args=(lora_id, rank))
+        return held
+
     def held_weights(self) -> dict[str, torch.Tensor]:
         """The weights every layer computes with, by the Hugging Face names the trainer uses."""
-        (held,) = self._llm.collective_rpc(_read_back)
+        (held,) = self._llm.collective_rpc(read_back)
         return held
 
     def verify_weights(self, expected: Mapping[str, float], version: int, where: str) -> None:
         held = self.held_weights()
-        head = held.pop(_HEAD_KEY, None)
+        head = held.pop(HEAD_KEY, None)
         check_checksums(held, expected, version, where)
-        tied = _TIED_NAME in expected and "lm_head.weight" not in expected
+        tied = TIED_NAME in expected and "lm_head.weight" not in expected
         if tied and head is not None:
             check_checksums(
-                {_TIED_NAME: head}, {_TIED_NAME: expected[_TIED_NAME]}, version, f"{where} (output layer)"
+                {TIED_NAME: head}, {TIED_NAME: expected[TIED_NAME]}, version, f"{where} (output layer)"
             )
         elif tied:
             raise WeightSyncError(f"{where}: the output layer's weights could not be read back")
@@ -240,10 +270,11 @@ class VllmEngine(Engine):
 
     def validate(self, request: GenerationRequest) -> None:
         check_fits(request, self.max_positions)
-        if request.adapter is not None:
-            raise ValueError(
-                f"request {request.request_id!r} names adapter {request.adapter!r}; the vLLM engine serves none"
-            )
+        if request.adapter is not None and (
+            self.adapters is None or request.adapter not in self.adapters.names
+        ):
+            serves = f"it serves {self.adapters.names}" if self.adapters is not None else "it serves none"
+            raise ValueError(f"request {request.request_id!r} names adapter {request.adapter!r}; {serves}")
         if request.sampling.keep_support:
             raise ValueError(
                 f"request {request.request_id!r} asks for its sampling support (Keep Sampling Mask), "
@@ -286,7 +317,8 @@ class VllmEngine(Engine):
         vllm_id = f"{request.request_id}#{next(self._ids)}"
         context = list(request.prompt_ids) + (list(prefix.completion_ids) if prefix else [])
         prompt = TokensPrompt(prompt_token_ids=context, cache_salt=f"w{self.weights_epoch}")
-        self._llm.add_request(vllm_id, prompt, params)
+        adapter = self.adapters.request(request.adapter) if self.adapters is not None else None
+        self._llm.add_request(vllm_id, prompt, params, lora_request=adapter)
         generated = prefix.tokens() if prefix else Tokens.empty()
         self._running[vllm_id] = _Running(
             request, vllm_id, generated, max((len(x) for x in s.stop), default=0)
@@ -362,8 +394,10 @@ class VllmEngine(Engine):
             if run is None:  # aborted since it was scheduled
                 continue
             completion = out.outputs[0]
+            adapter = run.request.adapter
+            version = self.version if adapter is None else self.adapters.versions[adapter]
             for token, logprobs in zip(completion.token_ids, completion.logprobs or [], strict=True):
-                run.generated.append(token, logprobs[token].logprob, self.version)
+                run.generated.append(token, logprobs[token].logprob, version)
                 self.stats["tokens_generated"] += 1
             if out.finished:
                 del self._running[out.request_id]
@@ -411,81 +445,5 @@ class VllmEngine(Engine):
         cleanup_dist_env_and_memory()
         if self.scratch is not None:
             self.scratch.cleanup()
-
-
-_HEAD_KEY = "<output layer>"
-# vLLM's fused experts and the Hugging Face names of the same (experts, out, in) tensors.
-_EXPERT_NAMES = {"w13_weight": "gate_up_proj", "w2_weight": "down_proj"}
-_TIED_NAME = "model.embed_tokens.weight"
-
-
-def _reload(worker, items: list[tuple[str, torch.Tensor]]) -> None:
-    """In vLLM's worker: load the tensors in place, then re-tie and re-pack a tied output layer."""
-    worker.reload_weights(weights_iterator=iter(items))
-    model = worker.model_runner.model
-    head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if head is not None and embed is not None and getattr(model.config, "tie_word_embeddings", False):
-        head.weight = embed.weight
-        method = getattr(head, "quant_method", None)
-        if method is not None and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(head)
-
-
-def _effective_weight(module: torch.nn.Module) -> torch.Tensor:
-    """The weight a linear layer computes with: on vLLM's CPU build its packed copy, read back by
-    multiplying the identity (exact: products with 1 and sums with 0); elsewhere the parameter."""
-    linear = getattr(module, "cpu_linear", None)
-    if linear is None:
-        return module.weight.detach()
-    weight = module.weight
-    cols = (
-        weight.shape[-1]
-        if weight.ndim == 2 and weight.numel()
-        else next(
-            getattr(module, a)
-            for a in ("input_size_per_partition", "input_size", "embedding_dim")
-            if hasattr(module, a)
-        )
-    )
-    dtype = getattr(module, "params_dtype", module.weight.dtype)
-    with torch.no_grad():
-        return linear(torch.eye(cols, dtype=dtype), module.weight, None).t().to(dtype)
-
-
-def _read_back(worker) -> dict[str, torch.Tensor]:
-    """In vLLM's worker: every weight as it is computed with, under the Hugging Face names."""
-    model = worker.model_runner.model
-    packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
-    out: dict[str, torch.Tensor] = {}
-    for name, module in model.named_modules():
-        params = dict(module.named_parameters(recurse=False))
-        if not params:
-            continue
-        for pname, param in params.items():
-            full = f"{name}.{pname}" if name else pname
-            head = name == "lm_head" or name.endswith(".lm_head")
-            # An embedding looks its rows up in the parameter; a linear layer (the output layer
-            # included) computes with what its dispatch holds.
-            linear = pname == "weight" and (head or not hasattr(module, "org_vocab_size"))
-            tensor = _effective_weight(module) if linear else param.detach()
-            tensor = tensor.to(getattr(module, "params_dtype", tensor.dtype))
-            vocab = getattr(module, "org_vocab_size", None)
-            if vocab is not None and tensor.ndim == 2:
-                tensor = tensor[:vocab]  # vLLM pads the vocabulary
-            if head:
-                out[_HEAD_KEY] = tensor.contiguous()
-                continue
-            leaf = name.rsplit(".", 1)[-1]
-            if pname in _EXPERT_NAMES:  # a mixture of experts' fused (experts, out, in) weights
-                out[f"{name.removesuffix('.routed_experts')}.{_EXPERT_NAMES[pname]}"] = tensor.contiguous()
-                continue
-            parts = packed.get(leaf)
-            sizes = getattr(module, "output_sizes", None)
-            if parts and sizes and len(parts) == len(sizes):
-                base = name.rsplit(".", 1)[0]
-                for part, chunk in zip(parts, torch.split(tensor, list(sizes), dim=0), strict=True):
-                    out[f"{base}.{part}.{pname}"] = chunk.contiguous()
-            else:
-                out[full] = tensor.contiguous()
-    return out
+        if self.adapters is not None:
+            self.adapters.close()

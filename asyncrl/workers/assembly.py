@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from asyncrl.config import Config
+from asyncrl.engine.vllm_adapters import VllmAdapters
 from asyncrl.engine.vllm_engine import VllmEngine, VllmSettings
 from asyncrl.models.loading import (
     DTYPES,
@@ -23,11 +24,12 @@ from asyncrl.models.loading import (
     resolve_dtype,
     save_policy,
 )
-from asyncrl.models.lora import active_adapter, add_adapters, apply_lora
+from asyncrl.models.lora import active_adapter, add_adapters, apply_lora, lora_targets
 from asyncrl.trainer.distributed import RankGroup
 from asyncrl.trainer.parallel import DistributedTrainer
 from asyncrl.trainer.policies import PolicyMember, PolicySet
 from asyncrl.trainer.trainer import Trainer
+from asyncrl.transports.weights.interface import WeightLayout
 
 
 def seed_everything(seed: int) -> None:
@@ -78,8 +80,9 @@ def build_policy(
     return policy
 
 
-def vllm_engine(cfg: Config, policy: Policy, seed: int) -> VllmEngine:
-    """A vLLM engine over the configured model (``rollout.engine=vllm``), in this process.
+def vllm_engine(cfg: Config, policy: Policy, seed: int, adapters: list[str] | None = None) -> VllmEngine:
+    """A vLLM engine over the configured model (``rollout.engine=vllm``), in this process,
+    serving the LoRA adapters ``adapters`` over it (several policies) if any.
 
     vLLM loads the model from its directory; a ``tiny:`` model, built in memory, is saved to a
     temporary one first. The generator's own copy of the weights is then dropped (moved to the
@@ -104,9 +107,16 @@ def vllm_engine(cfg: Config, policy: Policy, seed: int) -> VllmEngine:
         enable_prefix_caching=cfg.vllm.enable_prefix_caching,
         engine_args=tuple(sorted(cfg.vllm.engine_args.items())),
     )
+    served = None
+    if adapters:
+        targets, tensors = lora_targets(policy.model, cfg.lora)
+        served = VllmAdapters(adapters, cfg.lora, targets, WeightLayout.of(tensors))
     tokenizer = policy.tokenizer
     engine = VllmEngine(
-        settings, decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), scratch=scratch
+        settings,
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        scratch=scratch,
+        adapters=served,
     )
     policy.model.to("meta")
     policy.model.tie_weights()  # the move unties a tied output layer; the layout must name it once

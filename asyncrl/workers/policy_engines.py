@@ -36,7 +36,7 @@ def policy_engine(
     # Built before the engine's first update: it keeps the base weights it merges into.
     lora = MergedLora(policy.model, cfg.lora) if cfg.lora.enabled and not adapters else None
     if cfg.rollout.engine == "vllm":
-        return policy, assembly.vllm_engine(cfg, policy, seed), lora
+        return policy, assembly.vllm_engine(cfg, policy, seed, adapters), lora
     served = MultiLora(policy.model, cfg.lora, adapters) if adapters else None
     engine = EmbeddedEngine(
         policy.model,
@@ -59,7 +59,7 @@ class PolicyEngine:
     engine's base), or one adapter of an engine that serves several (``adapter``)."""
 
     def __init__(
-        self, name: str, engine: EmbeddedEngine, lora: MergedLora | None, trained: bool, adapter: bool = False
+        self, name: str, engine: Engine, lora: MergedLora | None, trained: bool, adapter: bool = False
     ) -> None:
         self.name, self.engine, self.lora, self.trained, self.adapter = name, engine, lora, trained, adapter
 
@@ -102,9 +102,9 @@ class PolicyEngines:
     def __init__(
         self,
         cfg: Config,
-        engine: EmbeddedEngine,
+        engine: Engine,
         lora: MergedLora | None,
-        make_engine: Callable[[str], tuple[Policy, EmbeddedEngine, MergedLora | None]],
+        make_engine: Callable[[str], tuple[Policy, Engine, MergedLora | None]],
     ) -> None:
         """``engine``: the generator's own, serving the run's policy, or with adapter policies
         every adapter (and ``lora``: the merge of the run's single adapter); ``make_engine(name)``
@@ -135,7 +135,7 @@ class PolicyEngines:
         }
 
     @property
-    def engines(self) -> dict[str, EmbeddedEngine]:
+    def engines(self) -> dict[str, Engine]:
         return {name: m.engine for name, m in self.members.items()}
 
     @property

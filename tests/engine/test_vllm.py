@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.config import Config
+from asyncrl.config import Config, load_config
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest
+from asyncrl.errors import ConfigError
 from asyncrl.models.loading import load_policy, local_directory
 from asyncrl.trainer.batching import collate
 from asyncrl.trainer.logprobs import completion_logprobs
@@ -144,6 +145,16 @@ FEATURES = {
         None,
     ),
     "periodic": (None, ["schedule=periodic"], None),
+    "adapter-policies": (
+        None,
+        [
+            "episode.environment=tests.episodes.test_multi_agent:solve_and_check",
+            "multi_agent.roles=[{name: solver, prompt: 'S:'}, {name: checker, prompt: 'C:', policy: checker}]",
+            "multi_agent.policies=[{name: checker, kind: adapter}]",
+            "lora.rank=4",
+        ],
+        "policy/checker/version",
+    ),
 }
 
 
@@ -151,8 +162,8 @@ FEATURES = {
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_generator_features_run_on_vllm(tmp_path: Path, feature: str) -> None:
-    """Episodes, pivot resampling, distillation, every interrupt mode and the file and broadcast
-    transports on vLLM generators: each run ends with its books reconciled and the engine's
+    """Episodes, pivot resampling, distillation, every interrupt mode, the file and broadcast
+    transports, and two adapter policies served by one vLLM engine on vLLM generators: each run ends with its books reconciled and the engine's
     weights checked after every update."""
     config, extra, metric = FEATURES[feature]
     overrides = [*short_run(4), "rollout.engine=vllm", "runtime.verify_weight_sync=true", *extra]
@@ -306,6 +317,19 @@ def test_what_vllm_cannot_do_is_refused_by_name() -> None:
     message = config_error("rollout.engine=vllm", 'vllm.engine_args={"max_model_len": 64, "block_size": 16}')
     assert "vllm.engine_args.max_model_len is set by asyncrl from rollout.max_seq_len" in message
     assert "vllm.engine_args.block_size" not in message
+    with pytest.raises(ConfigError) as info:
+        load_config(
+            None,
+            [
+                "rollout.engine=vllm",
+                "episode.environment=tests.episodes.test_multi_agent:solve_and_check",
+                "multi_agent.roles=[{name: solver}, {name: checker, policy: checker}]",
+                "multi_agent.policies=[{name: checker, kind: model}]",
+            ],
+        )
+    message = str(info.value)
+    assert "multi_agent.policies ['checker'] have kind=model with rollout.engine=vllm" in message
+    assert "kind=adapter" in message
     message = config_error("rollout.engine=vllm", "model.path=tiny:moe", "trainer.routing_replay=rollout")
     assert "trainer.routing_replay=rollout with rollout.engine=vllm" in message
     Config.model_validate({"rollout": {"engine": "vllm"}, "vllm": {"engine_args": {"block_size": 16}}})
