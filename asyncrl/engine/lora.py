@@ -76,3 +76,22 @@ class MergedLora:
                     f"{where}: after the update to version {version}, the engine's {name} is not its "
                     "base weight plus that version's adapter delta"
                 )
+
+
+def check_adapter_update(
+    name: str, layout: WeightLayout, held: int, tensors: Mapping[str, torch.Tensor], version: int
+) -> None:
+    """Refuse, naming adapter ``name``, an update of an engine's served adapter that is older
+    than the version it holds (``held``), lacks a tensor of ``layout`` or has a wrong shape."""
+    if version < held:
+        raise ValueError(
+            f"adapter {name!r}: policy version went backwards (it is at {held}, the update is {version})"
+        )
+    missing = [n for n in layout.names if n not in tensors]
+    if missing:
+        raise WeightSyncError(f"adapter {name!r}: the update of version {version} lacks {missing[:3]}")
+    for spec in layout.specs:
+        if tuple(tensors[spec.name].shape) != spec.shape:
+            raise WeightSyncError(
+                f"adapter {name!r}: {spec.name} has shape {tuple(tensors[spec.name].shape)}, expected {spec.shape}"
+            )

@@ -53,8 +53,9 @@ from torch.utils.hooks import RemovableHandle
 from transformers import PreTrainedModel
 
 from asyncrl.config import LoraConfig
+from asyncrl.engine.lora import check_adapter_update
 from asyncrl.models.lora import LoraTarget, check_adapter_names, lora_targets
-from asyncrl.transports.weights.interface import WeightLayout, WeightSyncError, check_checksums
+from asyncrl.transports.weights.interface import WeightLayout, check_checksums
 
 BASE = -1  # the adapter index of a row without an adapter: it computes the base model
 
@@ -108,20 +109,7 @@ class MultiLora:
         if name is None:
             raise ValueError("an adapter load names the adapter it replaces (None is the base)")
         k = self.index(name)
-        if version < self.versions[name]:
-            raise ValueError(
-                f"adapter {name!r}: policy version went backwards (it is at {self.versions[name]}, "
-                f"the update is {version})"
-            )
-        missing = [n for n in self.layout.names if n not in tensors]
-        if missing:
-            raise WeightSyncError(f"adapter {name!r}: the update of version {version} lacks {missing[:3]}")
-        for spec in self.layout.specs:
-            if tuple(tensors[spec.name].shape) != spec.shape:
-                raise WeightSyncError(
-                    f"adapter {name!r}: {spec.name} has shape {tuple(tensors[spec.name].shape)}, "
-                    f"expected {spec.shape}"
-                )
+        check_adapter_update(name, self.layout, self.versions[name], tensors, version)
         rows = slice(k * self.rank, (k + 1) * self.rank)
         with torch.no_grad():
             for t, a, b in zip(self.targets, self._a, self._b, strict=True):

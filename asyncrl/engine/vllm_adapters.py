@@ -37,6 +37,7 @@ import torch
 from safetensors.torch import save_file
 
 from asyncrl.config import LoraConfig
+from asyncrl.engine.lora import check_adapter_update
 from asyncrl.models.lora import LoraTarget, check_adapter_names, peft_config
 from asyncrl.transports.weights.interface import WeightLayout, WeightSyncError, check_checksums
 
@@ -105,20 +106,7 @@ class VllmAdapters:
         """Check an update of adapter ``name`` and write its tensors for vLLM to read."""
         if name not in self.versions:
             raise ValueError(f"unknown adapter {name!r}; this engine serves {self.names}")
-        if version < self.versions[name]:
-            raise ValueError(
-                f"adapter {name!r}: policy version went backwards (it is at {self.versions[name]}, "
-                f"the update is {version})"
-            )
-        missing = [n for n in self.layout.names if n not in tensors]
-        if missing:
-            raise WeightSyncError(f"adapter {name!r}: the update of version {version} lacks {missing[:3]}")
-        for spec in self.layout.specs:
-            if tuple(tensors[spec.name].shape) != spec.shape:
-                raise WeightSyncError(
-                    f"adapter {name!r}: {spec.name} has shape {tuple(tensors[spec.name].shape)}, "
-                    f"expected {spec.shape}"
-                )
+        check_adapter_update(name, self.layout, self.versions[name], tensors, version)
         sent = {n: tensors[n].detach().to("cpu").contiguous().clone() for n in self.layout.names}
         save_file(sent, str(self.directory(name) / "adapter_model.safetensors"))
         self._sent[name] = sent
