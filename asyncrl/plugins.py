@@ -15,7 +15,8 @@ import threading
 from collections.abc import Iterator
 from typing import Generic, TypeVar
 
-PLUGINS = ("asyncrl.builtin.register",)
+# asyncrl's toy world, and the control loop's features it ships (asyncrl.control.features).
+PLUGINS = ("asyncrl.builtin.register", "asyncrl.control.feature_set")
 
 T = TypeVar("T")
 
@@ -48,6 +49,10 @@ class Registry(Generic[T]):
         self._entries[name] = entry
         return entry
 
+    def unregister(self, name: str) -> None:
+        """Remove ``name``'s entry (a plugin withdrawn, e.g. at the end of a test that added it)."""
+        self._entries.pop(name, None)
+
     def get(self, name: str) -> T | None:
         load_plugins()
         return self._entries.get(name)
@@ -59,6 +64,11 @@ class Registry(Generic[T]):
     def names(self) -> list[str]:
         load_plugins()
         return sorted(self._entries)
+
+    def entries(self) -> list[tuple[str, T]]:
+        """Every (name, entry), in the order they were registered."""
+        load_plugins()
+        return list(self._entries.items())
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())

@@ -6,9 +6,10 @@ is a *group* with a new group id. The books hold the :class:`~asyncrl.control.li
 — every group not yet trained or discarded, with its ticket, prompt and state — the tickets
 trained and dropped, and the counts behind the accounting invariant (see
 :meth:`Books.accounting`): every prompt issued is trained, dropped with a reason, or still
-pending, none is trained twice and none goes missing. With several policies (multi-agent
-roles), the policy books (:mod:`asyncrl.control.policy_books`, :attr:`Books.policies`) prove the
-same of each policy's samples and model turns.
+pending, none is trained twice and none goes missing. The run's features (:attr:`Books.features`,
+:mod:`asyncrl.control.features`) are told every group's outcome, keep the groups they issue
+themselves (e.g. pivot resampling's branch groups), and add their own part to the accounting and
+to the checkpoint form (e.g. several policies' books prove the same of each policy's samples).
 
 **Checkpoints.** :meth:`Books.state_dict` describes the books at a trainer version V (every
 step sent to the trainer so far included): the batches the trainer will have stepped on are
@@ -37,9 +38,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from asyncrl.control.features import Features
 from asyncrl.control.lifecycle import GroupLedger, GroupRecord
-from asyncrl.control.pivoting import BranchBook
-from asyncrl.control.policy_books import PolicyBooks
 from asyncrl.prompts.sources import PromptStream
 from asyncrl.protocol.headers import GroupHeader
 from asyncrl.types import GroupState, Prompt
@@ -64,10 +64,8 @@ class Books:
     counts: Counter = field(default_factory=Counter)
     accepted: int = 0  # groups returned by generators and not dropped
     admission_blocked_s: float = 0.0
-    # Pivot resampling: the pivots and branch groups (a control.pivoting.BranchBook), or None.
-    branches: BranchBook | None = None
-    # Several policies (multi-agent roles): each one's samples and turns (control.policy_books), or None.
-    policies: PolicyBooks | None = None
+    # The run's features (control.features): told every outcome, owners of the groups they issue.
+    features: Features = field(default_factory=Features)
 
     # -- issuing ------------------------------------------------------------------------------
 
@@ -97,51 +95,49 @@ class Books:
 
     def reissue(self, group_id: int) -> None:
         """The group will not be trained (cancelled, lost, too stale): it is discarded and its
-        prompt is issued again, first in line (a branch group's pivot waits to be expanded again)."""
-        if self.groups.get(group_id).branch:
-            self.branches.requeue(group_id)
+        prompt is issued again, first in line (a group a feature issued goes back to it)."""
+        if (owner := self.features.owner(group_id)) is not None:
+            owner.requeue(group_id)
             return
         record = self.groups.move(group_id, GroupState.DISCARDED)
         self.requeued.append((record.ticket, record.prompt))
 
     def carry(self, group_id: int, prompt: Prompt, header: GroupHeader | None = None) -> GroupRecord:
         """After a resume: a generated group the checkpoint carries, back in the ledger (carried);
-        ``header``: its header, for the policy books."""
+        ``header``: its header, for the features."""
         record = self.groups.add(group_id, self.carried_tickets.pop(group_id), prompt, GroupState.CARRIED)
         record.carried_over = True
-        if self.policies is not None and header is not None:
-            self.policies.delivered(header, carried_in=True)
+        if header is not None:
+            self.features.delivered(header, carried_in=True)
         return record
 
     # -- outcomes -----------------------------------------------------------------------------
 
     def generated(self, group_id: int, header: GroupHeader | None = None) -> None:
         """A group came back from its generator (delivered to the trainer) and goes to the buffer;
-        ``header``: its header, for the policy books."""
+        ``header``: its header, for the features."""
         self.groups.move(group_id, GroupState.DELIVERED)
         self.counts["generated"] += 1
         self.accepted += 1
-        if self.policies is not None and header is not None:
-            self.policies.delivered(header)
+        if header is not None:
+            self.features.delivered(header)
 
     def late(self, header: GroupHeader) -> None:
         """The header of a group no longer in flight where it came from (a late duplicate; the
-        trainer frees the group): only the policy books count it, delivered and discarded."""
-        if self.policies is not None:
-            self.policies.late(header)
+        trainer frees the group): only the features count it (e.g. delivered and discarded)."""
+        self.features.late(header)
 
     def dropped_stale(self, group_id: int, reason: str) -> None:
         """A generated group dropped for staleness before training: its prompt is issued again."""
         self.accepted -= 1
         self.counts[f"dropped_{reason}"] += 1
-        if self.policies is not None:
-            self.policies.discarded(group_id, reason)
+        self.features.discarded(group_id, reason)
         self.reissue(group_id)
 
     def dropped(self, group_id: int, reason: str) -> None:
         """A generated group dropped for good (e.g. a reward error): its prompt is not issued again."""
-        if self.groups.get(group_id).branch:
-            self.branches.dropped(group_id, reason)
+        if (owner := self.features.owner(group_id)) is not None:
+            owner.dropped(group_id, reason)
             return
         self.counts["generated"] += 1
         self.counts[f"dropped_{reason}"] += 1
@@ -151,8 +147,7 @@ class Books:
         for group_id in group_ids:
             self.counts["trained"] += 1
             self.trained_tickets[self.groups.move(group_id, GroupState.TRAINED).ticket] += 1
-            if self.policies is not None:
-                self.policies.trained(group_id)
+            self.features.trained(group_id)
 
     @property
     def dropped_total(self) -> int:
@@ -188,8 +183,7 @@ class Books:
         }
         # Preemption: what resumes carried over, and what was thrown away and generated again.
         carried = {k: v for k, v in counts.items() if k.startswith(("carried_", "discarded_"))}
-        branches = self.branches.accounting() if self.branches is not None else {}
-        policies = self.policies.accounting(in_flight) if self.policies is not None else {}
+        features, features_reconcile = self.features.accounting(in_flight)
         issued, trained = counts.get("issued", 0), counts.get("trained", 0)
         return {
             "issued": issued,
@@ -206,13 +200,11 @@ class Books:
             "prompts_missing": missing,
             **membership,
             **carried,
-            **branches,
-            **policies,
+            **features,
             "reconciles": issued == trained + self.dropped_total + cancelled + lost + in_flight + buffered
             and trained_twice == 0
             and missing == 0
-            and branches.get("branches_reconcile", True)
-            and policies.get("policies_reconcile", True),
+            and features_reconcile,
         }
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -226,7 +218,7 @@ class Books:
         in_steps: list[int],
         carried: Iterable[int] = (),
         partial: Iterable[int] = (),
-        branches_trained: Iterable[int] = (),
+        batches_trained: int = 0,
     ) -> dict[str, Any]:
         """The books as of trainer version ``version`` (see the module docstring).
 
@@ -234,11 +226,10 @@ class Books:
         ``generated_pending``: how many of them were already generated; ``in_steps``: group
         ids of the steps sent to the trainer but not yet confirmed (the checkpoint's trainer
         state includes them); ``carried``: group ids of the generated groups the checkpoint
-        holds; ``partial``: the pending groups that continue from a prefix; ``branches_trained``:
-        the branch groups of the steps the trainer state includes (pivot resampling: every other
-        branch group's pivot is kept, to be expanded again). With several policies, the policy
-        books' counts of that moment go with them (:meth:`PolicyBooks.state_dict
-        <asyncrl.control.policy_books.PolicyBooks.state_dict>`).
+        holds; ``partial``: the pending groups that continue from a prefix; ``batches_trained``:
+        how many batches the trainer state took its steps on. Each feature's part goes with
+        them, under its name (:meth:`RunFeature.state_dict
+        <asyncrl.control.features.RunFeature.state_dict>`).
         """
         partial, carried = set(partial), list(carried)
         trained = Counter(self.trained_tickets)
@@ -277,8 +268,7 @@ class Books:
             "counts": dict(counts),
             "accepted": self.accepted - generated_pending,
             "admission_blocked_s": self.admission_blocked_s,
-            **({"branches": self.branches.state_dict(list(branches_trained))} if self.branches else {}),
-            **({"policies": self.policies.state_dict(in_steps, carried)} if self.policies else {}),
+            **self.features.state_dict(list(in_steps), carried, batches_trained),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> tuple[int, int]:
@@ -301,8 +291,5 @@ class Books:
         self.counts = Counter(state["counts"])
         self.accepted = int(state["accepted"])
         self.admission_blocked_s = float(state["admission_blocked_s"])
-        if self.branches is not None:
-            self.branches.load_state_dict(state.get("branches"))
-        if self.policies is not None:
-            self.policies.load_state_dict(state.get("policies"))
+        self.features.load_state_dict(state)
         return int(state["version"]), int(state["batches_handed"])

@@ -28,9 +28,11 @@ checkpoint carries (``SaveCheckpoint``); the prompts it issued it keeps itself.
 
 Accounting invariant (checked at the end of every run, see :meth:`Books.accounting`): every
 prompt issued is trained, dropped with a reason, or still in flight / buffered when the run
-stopped; none is trained twice and none goes missing. Several policies (multi-agent roles):
-each keeps a version clock of its own, which sets its tokens' staleness bound (:mod:`.clocks`),
-and the policy books prove the same of each policy's samples and turns (:mod:`.policy_books`).
+stopped; none is trained twice and none goes missing. Every policy keeps a version clock of its
+own, which sets its tokens' staleness bound (:mod:`.clocks`).
+
+The loop names no feature: pivot resampling, the teacher stage and several policies plug in
+through the hooks of :mod:`.features` (the run's :class:`~.features.Features`).
 
 Lossless preemption, what a stop keeps and what a resume carries over: :mod:`.preemption`.
 """
@@ -44,17 +46,16 @@ from asyncrl import checkpoints as checkpoint
 from asyncrl.config import Config
 from asyncrl.control.books import Books
 from asyncrl.control.buffer import AdmissionControl, RolloutBuffer
+from asyncrl.control.features import Built, Features, Loop
+from asyncrl.control.lifecycle import GroupLedger
 from asyncrl.control.liveness import Watchdog, waiting_for
 from asyncrl.control.membership import TRAINER, Generators
 from asyncrl.control.notices import RunNotices
-from asyncrl.control.pivoting import BranchBook
-from asyncrl.control.policy_books import PolicyBooks, role_rewards
 from asyncrl.control.preemption import Preemption, carry_over
 from asyncrl.control.saving import SaveProtocol
 from asyncrl.control.session import RunSession
 from asyncrl.control.step_metrics import StepRecorder, loop_figures
 from asyncrl.control.steps import StepAssembly
-from asyncrl.control.teaching import teacher_queue
 from asyncrl.prompts.sources import PromptSource, PromptStream
 from asyncrl.protocol.headers import GroupHeader
 from asyncrl.protocol.messages import (
@@ -65,8 +66,6 @@ from asyncrl.protocol.messages import (
     GroupCancelled,
     GroupDropped,
     GroupReady,
-    LoadWeights,
-    PivotsFound,
     Preempted,
     Ready,
     Restore,
@@ -76,8 +75,6 @@ from asyncrl.protocol.messages import (
     Span,
     StepDone,
     Submit,
-    Taught,
-    Teach,
     WeightsLoaded,
     WorkerError,
     WorkerFailed,
@@ -85,7 +82,6 @@ from asyncrl.protocol.messages import (
 )
 from asyncrl.runtimes.interface import InterruptibleRuntime, Runtime
 from asyncrl.types import Group, PartialGroup
-from asyncrl.workers.interface import TEACHER
 
 
 class Controller:
@@ -102,14 +98,16 @@ class Controller:
         self.session = session
         sched = cfg.schedule
         self.B = cfg.rollout.prompts_per_step
-        self.books = Books(PromptStream(prompt_source, seed=cfg.task.seed))
+        ledger = GroupLedger()
+        # The run's features (control/features.py), each a part of the books, the steps and the loop.
+        self.features = Features.of(Built(cfg, ledger, session.record_level))
+        self.books = Books(
+            PromptStream(prompt_source, seed=cfg.task.seed), groups=ledger, features=self.features
+        )
         self.generators = Generators(runtime, self.books, session.log)
-        self.steps = StepAssembly(cfg, lambda command: self._send(TRAINER, command), self.books.groups)
-        if cfg.pivot.enabled:  # pivot resampling's branch groups (control/pivoting.py)
-            self.books.branches = self.steps.branches = BranchBook(cfg, self.books.groups)
+        send_trainer = lambda command: self._send(TRAINER, command)  # noqa: E731
+        self.steps = StepAssembly(cfg, send_trainer, ledger, self.features)
         self.clocks = self.steps.clocks  # every policy's version clock (control/clocks.py)
-        if self.clocks.several:  # each policy's samples and turns (control/policy_books.py)
-            self.books.policies = PolicyBooks(cfg)
         self.admission = AdmissionControl(self.B, sched.max_staleness, versions_per_step=self.steps.iters)
         rollouts = (checkpoint.read_rollouts(resume_from) if resume_from is not None else None) or {}
         # A resume reads the carried groups' headers here; the trainer loads the groups (Restore).
@@ -132,8 +130,6 @@ class Controller:
         self.saved = False
         self.final_save_requested = False
         self.recorder = StepRecorder()
-        # On-policy distillation: generated groups wait for the teacher stage before the buffer.
-        self.teacher_queue = teacher_queue(cfg, self.books.groups, session.record_level)
         self._loop_t = time.monotonic()
         self.watchdog = Watchdog(cfg.runtime.stall_timeout_s, lambda: waiting_for(self))
         # Failing user code and dropped groups, told as they come.
@@ -142,10 +138,16 @@ class Controller:
         self.saving = SaveProtocol(
             cfg, session, self.books, self.steps, self.buffer, self.generators, self.preemption, self._send
         )
-        self.saving.waiting_for_teacher = (
-            self.teacher_queue.headers if self.teacher_queue is not None else list
+        self.features.bind(
+            Loop(
+                send=self._send,
+                handed=lambda: self.steps.handed,
+                planned_version=lambda: self.steps.planned_version,
+                versions=lambda: self.generators.version,
+                submitted=self.generators.submitted,
+                new_group_id=self.books.new_group_id,
+            )
         )
-        self.saving.clocks = self.clocks
         # After a resume: the partial groups to continue.
         self.partials: dict[int, PartialGroup] = {}
         self.resume_from = resume_from
@@ -156,9 +158,7 @@ class Controller:
             self.clocks.load_state_dict(version, state.get("policy_clocks"))
             partials = [PartialGroup.from_dict(p) for p in rollouts.get("partial", [])]
             oldest = self.clocks.oldest(version)  # what the resumed generators' weights may continue
-            self.partials = carry_over(
-                cfg, carried, partials, oldest, self.buffer, self.books, session.log, self.teacher_queue
-            )
+            self.partials = carry_over(cfg, carried, partials, oldest, self.buffer, self.books, session.log)
 
     def _on_drop(self, group: GroupHeader, reason: str) -> None:
         if self.books.groups.get(group.group_id).carried_over:  # carried over a stop, now too old to train
@@ -179,8 +179,7 @@ class Controller:
         if self.resume_from is not None:
             self._send(TRAINER, Restore(str(self.resume_from)))
             self.steps.continue_batch()
-            if self.teacher_queue is not None and self.teacher_queue.carried:  # scored after the resume
-                self._send(TEACHER, Teach(self.teacher_queue.take_carried()))
+            self.features.resumed()
         elif self.cfg.run.eval_every:
             self._send(TRAINER, Evaluate(0))
         while (
@@ -217,9 +216,7 @@ class Controller:
         now = time.monotonic()
         dt, self._loop_t = now - self._loop_t, now
         gens, books = self.generators, self.books
-        if self.teacher_queue is not None and self.teacher_queue.full:
-            # The teacher is behind: generators wait rather than pile up groups for it.
-            self.teacher_queue.full_s += dt
+        if self.features.holds_dispatch(dt):  # e.g. the teacher is behind
             return
         total_running = gens.running
         budget = self.steps.rounds * self.B - (books.accepted + total_running)  # groups the run still needs
@@ -239,22 +236,12 @@ class Controller:
             work = [books.issue() for _ in range(n)]
             gens.submitted(gen, [group_id for group_id, _ in work])
             partials = [self.partials.pop(gid) for gid, _ in work if gid in self.partials]
-            self._send(gen, Submit(work, partials, books.branches and books.branches.model.params))
+            self._send(gen, Submit(work, partials, **self.features.submit_fields()))
             total_running += n
             budget -= n
         if blocked:
             books.admission_blocked_s += dt
-        if books.branches is not None:
-            steps = self.steps
-            books.branches.dispatch(
-                gens.version,
-                gens.submitted,
-                order,
-                steps.handed,
-                steps.planned_version,
-                books.new_group_id,
-                self._send,
-            )
+        self.features.dispatch(order)
 
     # -- events ----------------------------------------------------------------------------
 
@@ -271,17 +258,13 @@ class Controller:
             if prompt is None:
                 books.late(header)
                 self._send(TRAINER, Discard([header.group_id]))  # its prompt was issued again
-            elif header.pivot is not None:
-                books.branches.delivered(header)
-            else:
+            elif not self.features.claims(header):  # a group of a feature's own (e.g. a branch group)
                 books.generated(header.group_id, header)
                 self.recorder.on_generated(header.num_completion_tokens)
-                if self.teacher_queue is None or self.teacher_queue.wait(header):  # True: already scored
+                if self.features.admits(header):  # or a feature holds it (e.g. for the teacher)
                     self.buffer.put(header, timeout=0.0)
-        elif isinstance(event, PivotsFound):
-            books.branches.found(event.pivots, self.steps.handed)
-        elif isinstance(event, Taught):
-            for header in self.teacher_queue.taught(event.group_ids):
+        elif (handle := self.features.handler(event)) is not None:
+            for header in handle(event):
                 self.buffer.put(header, timeout=0.0)
         elif isinstance(event, GroupCancelled):
             if gens.finished(event.worker, event.group_id) is not None:
@@ -323,18 +306,15 @@ class Controller:
         self.notices.stepped()
         self.trainer_version = event.version
         trained_by = self.clocks.update(event.version, event.policy_versions)
-        groups = self.steps.confirmed(event.version)
+        groups, batch = self.steps.confirmed(event.version)
         self.books.trained(g.group_id for g in groups)
-        if (branches := self.books.branches) is not None:
-            branches.trained([g.group_id for g in self.steps.confirmed_branches])
-            event.metrics.update(branches.step_metrics(self.steps.confirmed_branches, event.version))
+        event.metrics.update(self.features.step_done(batch, event.version))
         step = self.steps_done = self.session.record_step(self._step_record(event, groups, trained_by))
         if event.published:
             self.published_version, self.published_checksums = event.version, event.checksums
         if event.published and step < self.cfg.run.steps:
             self.generators.send_weights(event.version, event.checksums)
-            if self.teacher_queue is not None and self.teacher_queue.refresh(event.version):
-                self._send(TEACHER, LoadWeights(event.version))  # self-distillation's new snapshot
+            self.features.published(event.version)
         if self.cfg.run.eval_every and (step % self.cfg.run.eval_every == 0 or step == self.cfg.run.steps):
             self._send(TRAINER, Evaluate(step))
         every = self.cfg.run.checkpoint_every
@@ -345,13 +325,10 @@ class Controller:
             self.final_save_requested = True
 
     def _step_record(self, event: StepDone, groups: list[GroupHeader], trained_by: dict[str, int]) -> dict:
-        """The step's metrics.jsonl row: the trainer's metrics, the batch's, and the loop's own;
-        with several policies, each policy's and role's (``trained_by``: the clocks that trained it)."""
-        extra = loop_figures(self.books, self.buffer, self.teacher_queue, self.generators)
-        if self.books.policies is None:  # one policy; with roles, each one's reward
-            extra |= role_rewards(groups, [r.name for r in self.cfg.multi_agent.roles]) if groups else {}
-            return self.recorder.record(event, groups, self.generators.names, extra)
-        extra |= self.books.policies.step_metrics(groups, trained_by, self.clocks.confirmed)
+        """The step's metrics.jsonl row: the trainer's metrics, the batch's, the loop's own and the
+        features' (``trained_by``: the clocks that trained it)."""
+        extra = loop_figures(self.books, self.buffer, self.generators)
+        extra |= self.features.step_metrics(groups, trained_by, self.clocks.confirmed)
         return self.recorder.record(event, groups, self.generators.names, extra, trained_by)
 
     # -- stops --------------------------------------------------------------------------------
@@ -377,7 +354,7 @@ class Controller:
     def _watchdog(self) -> None:
         self.saving.check_deadline()
         self.notices.check(stopping=self.stop_signal is not None)
-        if self.teacher_queue is not None and (overdue := self.teacher_queue.overdue()) is not None:
+        if (overdue := self.features.overdue()) is not None:
             raise WorkerError(overdue)
         if self.watchdog.stall() is not None:
             raise WorkerError(self.watchdog.stalled)

@@ -20,6 +20,12 @@ pivot — the version that sampled the prefix — may lag the version that train
 ``pivot.max_staleness`` (default η + 1, since a pivot is expanded one step later at the
 earliest). Staler pivots are given up at issue, staler branch groups at training.
 
+The controller's hooks (:mod:`asyncrl.control.features`): :class:`BranchBook` owns the branch
+groups (their requeue and drops), claims their deliveries, handles ``PivotsFound``, dispatches
+branch groups after the prompts', puts the success model on every ``Submit``, adds the step's
+branch groups to its ``FinishStep`` and its figures to the step's record, and keeps its part of
+the accounting and of the checkpoint.
+
 Stops and losses: a checkpoint keeps every pivot not yet trained — waiting, or expanded into a
 branch group that is in flight, buffered or in a step the trainer gave up — as a pivot to
 expand again after the resume, and the success model's outcomes; a branch group on a lost
@@ -36,20 +42,24 @@ from typing import Any
 from asyncrl.algorithms.losses import batch_divisor
 from asyncrl.algorithms.pivots import SuccessModel
 from asyncrl.config import DEFAULT_POLICY, Config
+from asyncrl.control.features import RunFeature
 from asyncrl.control.lifecycle import GroupLedger
 from asyncrl.protocol.headers import GroupHeader
-from asyncrl.protocol.messages import Submit
+from asyncrl.protocol.messages import FinishStep, PivotsFound, Submit
 from asyncrl.types import FoundPivot, GroupState, Prompt
 
 S = GroupState
 DEPTH_BINS = 10
 
 
-class BranchBook:
+class BranchBook(RunFeature):
     """Pivots waiting, branch groups issued, and the success model that chooses pivots."""
+
+    name = "branches"  # its part of the books' checkpoint form
 
     def __init__(self, cfg: Config, ledger: GroupLedger) -> None:
         self.cfg = cfg.pivot
+        self.weight = cfg.pivot.weight
         self.loss_type = cfg.algorithm.loss_type
         self.max_new_tokens = cfg.rollout.max_new_tokens
         self.eta = cfg.schedule.max_staleness
@@ -60,13 +70,69 @@ class BranchBook:
         self.ledger = ledger
         self.counts: Counter = Counter()  # pivots_* and branches_*: kept apart from the prompts' counts
         # The branch groups the last take_for_step dropped (for the trainer to free).
-        self.discarded: list[int] = []
+        self.given_up: list[int] = []
         self.model = SuccessModel(self.cfg.window)
         self.pending: list[FoundPivot] = []  # found, not yet expanded (oldest first)
         self.issued: dict[int, tuple[FoundPivot, int]] = {}  # group id -> (pivot, step it was issued for)
         self.ready: list[GroupHeader] = []  # delivered, waiting for a step
         self.depths: list[float] = []  # of the pivots expanded since the last step record
         self.depth_counts = [0] * DEPTH_BINS  # of every pivot expanded, by relative depth
+        self.sent: dict[int, list[GroupHeader]] = {}  # batch -> its branch groups, until confirmed
+
+    # -- the controller's hooks (asyncrl.control.features) ------------------------------------
+
+    def owns(self, group_id: int) -> bool:
+        return group_id in self.issued
+
+    def submit_fields(self) -> dict[str, Any]:
+        return {"pivot_model": self.model.params}
+
+    def dispatch(self, order: list[str]) -> None:
+        loop = self.loop
+        self.dispatch_to(
+            loop.versions(),
+            loop.submitted,
+            order,
+            loop.handed(),
+            loop.planned_version(),
+            loop.new_group_id,
+            loop.send,
+        )
+
+    def claims(self, header: GroupHeader) -> bool:
+        if header.pivot is None:
+            return False
+        self.branch_delivered(header)
+        return True
+
+    def handlers(self) -> dict[type, Callable[[Any], list[GroupHeader]]]:
+        def found(event: PivotsFound) -> list[GroupHeader]:
+            self.found(event.pivots, self.loop.handed())
+            return []
+
+        return {PivotsFound: found}
+
+    def step_ready(self) -> bool:
+        return not self._waiting_for(self.loop.handed())
+
+    def finish_step(self, finish: FinishStep, groups: list[GroupHeader]) -> list[int]:
+        """The step's branch groups (trained first, their loss weighted by pivot.weight)."""
+        handed, start = self.loop.handed(), self.loop.planned_version()
+        taken = self.take_for_step(handed, start)
+        assert taken is not None, "finish_step before step_ready"
+        self.sent[handed] = taken
+        if taken:
+            finish.branches = [g.group_id for g in taken]
+            finish.branch_divisor = self.divisor(taken)
+            finish.branch_weight = self.weight
+            # Branch groups are completions, of the one policy (pivots refuse episodes).
+            finish.branch_min_version = {DEFAULT_POLICY: start - self.eta}
+        return self.given_up
+
+    def step_done(self, batch: int | None, version: int) -> dict[str, float]:
+        headers = self.sent.pop(batch, []) if batch is not None else []
+        self.branches_trained([g.group_id for g in headers])
+        return self.branch_metrics(headers, version)
 
     # -- found and issued ---------------------------------------------------------------------
 
@@ -82,7 +148,7 @@ class BranchBook:
             del self.pending[:over]
             self.counts["pivots_given_up"] += over
 
-    def dispatch(
+    def dispatch_to(
         self,
         versions: dict[str, int],
         submitted: Callable[[str, list[int]], None],
@@ -137,7 +203,7 @@ class BranchBook:
 
     # -- outcomes -----------------------------------------------------------------------------
 
-    def delivered(self, header: GroupHeader) -> None:
+    def branch_delivered(self, header: GroupHeader) -> None:
         """A branch group is generated (with the trainer); its outcomes teach the success model."""
         self.ledger.move(header.group_id, S.DELIVERED)
         self.ledger.move(header.group_id, S.BUFFERED)
@@ -165,14 +231,9 @@ class BranchBook:
 
         Returns the delivered ones whose pivot and tokens are fresh enough; the others are
         dropped (their ids in :attr:`discarded`, for the trainer to free)."""
-        waiting = [
-            gid
-            for gid, (_, step) in self.issued.items()
-            if step <= handed and self.ledger.state(gid) in (S.ISSUED, S.GENERATING, S.SCORING)
-        ]
-        if waiting:
+        if self._waiting_for(handed):
             return None
-        taken, self.discarded = [], []
+        taken, self.given_up = [], []
         oldest_token = {DEFAULT_POLICY: planned_version - self.eta}  # branch groups: one policy
         for header in self.ready:
             stale = header.pivot.version < planned_version - self.bound
@@ -183,12 +244,19 @@ class BranchBook:
                 stale = header.stale_trained_tokens(oldest_token) > 0
             if stale:
                 self.dropped(header.group_id, "stale")
-                self.discarded.append(header.group_id)
+                self.given_up.append(header.group_id)
             else:
                 self.ledger.move(header.group_id, S.ACCUMULATED)
                 taken.append(header)
         self.ready = []
         return taken
+
+    def _waiting_for(self, handed: int) -> bool:
+        """A branch group issued for the step being assembled (or before) is still generating."""
+        return any(
+            step <= handed and self.ledger.state(gid) in (S.ISSUED, S.GENERATING, S.SCORING)
+            for gid, (_, step) in self.issued.items()
+        )
 
     def divisor(self, headers: list[GroupHeader]) -> float:
         """The branch loss's own divisor (algorithm.loss_type's, over the branch groups)."""
@@ -199,13 +267,13 @@ class BranchBook:
             self.max_new_tokens,
         )
 
-    def trained(self, group_ids: list[int]) -> None:
+    def branches_trained(self, group_ids: list[int]) -> None:
         for group_id in group_ids:
             self.issued.pop(group_id)
             self.ledger.move(group_id, S.TRAINED)
             self.counts["branches_trained"] += 1
 
-    def step_metrics(self, headers: list[GroupHeader], version: int) -> dict[str, float]:
+    def branch_metrics(self, headers: list[GroupHeader], version: int) -> dict[str, float]:
         """The step's pivot figures: branch groups trained, their reward, the pivots' depths and lag
         behind the weights that trained them (the step made ``version``), the success model."""
         rewards = [r for h in headers for r in h.rewards if r is not None]
@@ -232,7 +300,11 @@ class BranchBook:
 
     # -- accounting and checkpoints -------------------------------------------------------------
 
-    def accounting(self) -> dict[str, Any]:
+    def accounting(self, groups_in_flight: int = 0) -> tuple[dict[str, Any], bool]:
+        figures = self.branch_accounting()
+        return figures, figures["branches_reconcile"]
+
+    def branch_accounting(self) -> dict[str, Any]:
         """Where every branch group went; ``branches_reconcile``: issued = trained + dropped +
         re-issued (its pivot waits again) + in flight + buffered."""
         c = self.counts
@@ -251,7 +323,16 @@ class BranchBook:
             == c["branches_trained"] + dropped + c["branches_reissued"] + in_flight + buffered,
         }
 
-    def state_dict(self, trained: list[int]) -> dict[str, Any]:
+    def state_dict(
+        self, in_steps: list[int] = (), carried: list[int] = (), batches_trained: int = 0
+    ) -> dict[str, Any]:
+        """Its part of the books' checkpoint form: the branch groups sent with the batches the
+        checkpoint's trainer state stepped on (``batches_trained``) counted as trained."""
+        return self.branch_state(
+            [g.group_id for b, gs in self.sent.items() if b < batches_trained for g in gs]
+        )
+
+    def branch_state(self, trained: list[int]) -> dict[str, Any]:
         """The checkpoint form: the branch groups ``trained`` (in steps the checkpoint's trainer state
         includes) counted as trained, every other one issued back to waiting as its pivot."""
         back = [found for gid, (found, _) in sorted(self.issued.items()) if gid not in set(trained)]

@@ -28,6 +28,11 @@ Per policy, in samples and in turns (the invariant :meth:`PolicyBooks.accounting
 
 Also every header must hold G x (the policy's roles) samples of each policy
 (``samples_mismatch``: the difference, summed; 0 when no invocation went missing in an episode).
+
+Both are the multi-agent feature's part of the control loop (:mod:`asyncrl.control.features`):
+:class:`PolicyBooks` with several policies (their books, each policy's divisor on the step's
+``FinishStep``, the step's ``policy/...`` and ``role/...`` figures), :class:`RoleRewards` with
+roles on one policy (each role's mean reward).
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ from typing import Any
 
 from asyncrl.algorithms.losses import LossType, batch_divisor
 from asyncrl.config import Config
+from asyncrl.control.features import Built, RunFeature
 from asyncrl.protocol.headers import GroupHeader
+from asyncrl.protocol.messages import FinishStep
 
 OUTCOMES = ("delivered", "carried_in", "trained", "discarded_stale", "discarded_late", "carried_out", "held")
 
@@ -79,18 +86,22 @@ def policy_divisors(
     }
 
 
-class PolicyBooks:
+class PolicyBooks(RunFeature):
     """Samples and turns per policy, delivered to trained (see the module docstring); the step's figures."""
+
+    name = "policies"  # its part of the books' checkpoint form
 
     def __init__(self, cfg: Config) -> None:
         agents = cfg.multi_agent
         self.names = agents.policy_names
+        self.loss_type, self.max_new_tokens = cfg.algorithm.loss_type, cfg.rollout.max_new_tokens
+        self.trained_policies = [n for n in self.names if (spec := agents.policy(n)) is None or spec.train]
         self.roles = [r.name for r in agents.roles]
         roles_of = Counter(r.policy for r in agents.roles)
         self.expected = {p: cfg.rollout.group_size * roles_of[p] for p in self.names}  # samples per group
         self.counts: dict[str, Counter] = {p: Counter() for p in self.names}
         # group id -> ({policy: (samples, turns)}, carried in by a resume): delivered, not yet trained or discarded
-        self.held: dict[int, tuple[dict[str, tuple[int, int]], bool]] = {}
+        self.holding: dict[int, tuple[dict[str, tuple[int, int]], bool]] = {}
 
     # -- outcomes ---------------------------------------------------------------------------
 
@@ -108,11 +119,11 @@ class PolicyBooks:
 
     def delivered(self, header: GroupHeader, carried_in: bool = False) -> None:
         """A group's header reached the controller (``carried_in``: a resume put it back)."""
-        if header.group_id in self.held:
+        if header.group_id in self.holding:
             raise ValueError(f"group {header.group_id} was delivered twice")
         parts = self._parts(header)
         _add(self.counts, parts, "carried_in" if carried_in else "delivered")
-        self.held[header.group_id] = (parts, carried_in)
+        self.holding[header.group_id] = (parts, carried_in)
 
     def late(self, header: GroupHeader) -> None:
         """The header of a group given up before it came (a late duplicate): delivered and discarded."""
@@ -129,7 +140,7 @@ class PolicyBooks:
 
     def _release(self, group_id: int, outcome: str) -> dict[str, tuple[int, int]]:
         try:
-            return self.held.pop(group_id)[0]
+            return self.holding.pop(group_id)[0]
         except KeyError:
             raise ValueError(
                 f"group {group_id} is {outcome} but not held by the policy books (never delivered, or "
@@ -138,11 +149,22 @@ class PolicyBooks:
 
     # -- accounting and checkpoints ---------------------------------------------------------
 
-    def accounting(self, groups_in_flight: int) -> dict[str, Any]:
+    def finish_step(self, finish: FinishStep, groups: list[GroupHeader]) -> list[int]:
+        """Each policy's divisor, over its own samples of the step (``groups``)."""
+        finish.policy_divisors = policy_divisors(
+            self.loss_type, groups, self.max_new_tokens, self.trained_policies
+        )
+        return []
+
+    def accounting(self, groups_in_flight: int) -> tuple[dict[str, Any], bool]:
+        figures = self.policy_accounting(groups_in_flight)
+        return figures, figures["policies_reconcile"]
+
+    def policy_accounting(self, groups_in_flight: int) -> dict[str, Any]:
         """Per policy, its counts, what is held, its expected samples in flight, and whether they
         reconcile; ``policies_reconcile``: all of them do."""
         counts = {p: Counter(c) for p, c in self.counts.items()}
-        for parts, _ in self.held.values():
+        for parts, _ in self.holding.values():
             _add(counts, parts, "held")
         out = {}
         for p in self.names:
@@ -158,14 +180,16 @@ class PolicyBooks:
             }
         return {"policies": out, "policies_reconcile": all(v["reconciles"] for v in out.values())}
 
-    def state_dict(self, in_steps: Iterable[int], carried: Iterable[int]) -> dict[str, Any]:
+    def state_dict(
+        self, in_steps: Iterable[int], carried: Iterable[int], batches_trained: int = 0
+    ) -> dict[str, Any]:
         """The checkpoint form (see :meth:`Books.state_dict <asyncrl.control.books.Books.state_dict>`):
         the held groups of the steps the trainer state includes (``in_steps``) trained, those the
         checkpoint holds (``carried``) carried out, the others (generated again after the resume) no
         longer delivered (or carried in)."""
         in_steps, carried = set(in_steps), set(carried)
         counts = {p: Counter(c) for p, c in self.counts.items()}
-        for group_id, (parts, carried_in) in self.held.items():
+        for group_id, (parts, carried_in) in self.holding.items():
             if group_id in in_steps:
                 _add(counts, parts, "trained")
             elif group_id in carried:
@@ -182,7 +206,7 @@ class PolicyBooks:
                 f"the checkpoint holds the books of policies {sorted(state)}, this run has {self.names}"
             )
         self.counts = {p: Counter({k: int(v) for k, v in state[p].items()}) for p in self.names}
-        self.held = {}
+        self.holding = {}
 
     # -- a step's figures ---------------------------------------------------------------------
 
@@ -215,6 +239,29 @@ class PolicyBooks:
                 default=0,
             )
         return out | role_rewards(groups, self.roles)
+
+
+class RoleRewards(RunFeature):
+    """Roles on one policy: each role's mean reward in the step's record."""
+
+    name = "roles"
+
+    def __init__(self, roles: list[str]) -> None:
+        self.roles = roles
+
+    def step_metrics(
+        self, groups: list[GroupHeader], trained_by: Mapping[str, int], clocks: Mapping[str, int]
+    ) -> dict[str, float]:
+        return role_rewards(groups, self.roles) if groups else {}
+
+
+def policy_feature(built: Built) -> RunFeature | None:
+    """The multi-agent feature a run needs: the policy books with several policies, the roles'
+    rewards with roles on one policy, none without roles."""
+    agents = built.cfg.multi_agent
+    if agents.several_policies:
+        return PolicyBooks(built.cfg)
+    return RoleRewards([r.name for r in agents.roles]) if agents.roles else None
 
 
 def role_rewards(groups: list[GroupHeader], roles: list[str]) -> dict[str, float]:

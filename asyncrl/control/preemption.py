@@ -24,7 +24,6 @@ from asyncrl.config import Config
 from asyncrl.control.books import Books
 from asyncrl.control.buffer import RolloutBuffer
 from asyncrl.control.membership import Generators
-from asyncrl.control.teaching import TeacherQueue
 from asyncrl.protocol.headers import PartialHeader, group_header
 from asyncrl.protocol.messages import Preempt, Preempted
 from asyncrl.types import Group, GroupState, PartialGroup, Prompt, Versions, oldest_for
@@ -85,7 +84,6 @@ def carry_over(
     buffer: RolloutBuffer,
     books: Books,
     log: Callable[[str], None],
-    teacher_queue: TeacherQueue | None = None,
 ) -> dict[int, PartialGroup]:
     """Put a checkpoint's generated groups back (into the books' ledger, carried, and their
     headers into ``buffer``); returns the partial groups to continue, by group id (the books
@@ -95,16 +93,14 @@ def carry_over(
     train them, as before the stop. A partial group with a token older than ``oldest`` (the
     bound set by the resumed trainer version V, whose weights the generators resume with:
     V - η, or per policy on its clock, :meth:`~asyncrl.control.clocks.PolicyClocks.oldest`)
-    would be cancelled at once (``reject=group``): it starts afresh, counted as discarded. With a teacher (``teacher_queue``), a group the teacher had not scored waits for
-    it again.
+    would be cancelled at once (``reject=group``): it starts afresh, counted as discarded. A group
+    a feature holds again (e.g. one the teacher had not scored) does not go to the buffer.
     """
     counts = books.counts
     for group in groups:
         header = group_header(group)
         books.carry(group.group_id, group.prompt, header)
-        if teacher_queue is not None and not group.taught:
-            teacher_queue.carry(group)
-        else:
+        if not books.features.carry(group):
             buffer.put(header, timeout=0.0)
         counts["carried_groups"] += 1
         counts["carried_group_tokens"] += group.num_completion_tokens

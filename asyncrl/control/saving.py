@@ -25,7 +25,6 @@ from asyncrl import checkpoints
 from asyncrl.config import Config
 from asyncrl.control.books import Books
 from asyncrl.control.buffer import RolloutBuffer
-from asyncrl.control.clocks import PolicyClocks
 from asyncrl.control.membership import TRAINER, Generators
 from asyncrl.control.preemption import Preemption
 from asyncrl.control.session import RunSession
@@ -77,7 +76,6 @@ def books_by_version(
     holds as generated and as partial groups.
     """
     batches = [[g.group_id for g in batch] for batch in steps.unconfirmed]
-    branches = [[g.group_id for g in batch] for batch in steps.unconfirmed_branches]
     starts = steps.batch_starts()
     out: dict[int, dict] = {}
     for at in range(first_version, steps.planned_version + 1):
@@ -92,7 +90,7 @@ def books_by_version(
             [gid for batch in trained for gid in batch],
             carried=carried + redo if keep_rollouts else carried,
             partial=partial,
-            branches_trained=[gid for batch in branches[:kept] for gid in batch],
+            batches_trained=steps.handed - len(given_up),
         )
     return out
 
@@ -117,10 +115,6 @@ class SaveProtocol:
         send: Callable[[str, object], None],
     ) -> None:
         self.cfg, self.session, self.send = cfg, session, send
-        # On-policy distillation: the generated groups the teacher has not scored (the controller's).
-        self.waiting_for_teacher: Callable[[], list[GroupHeader]] = list
-        # Several policies: their clocks, saved with the books of the version the trainer saved at.
-        self.clocks: PolicyClocks | None = None
         self.books, self.steps, self.buffer = books, steps, buffer
         self.generators, self.preemption = generators, preemption
         self.pending: PendingCheckpoint | None = None  # asked of the trainer, not yet written
@@ -138,7 +132,9 @@ class SaveProtocol:
             return
         steps, counts, ledger = self.steps, self.books.counts, self.books.groups
         version = steps.planned_version
-        held = [*steps.step_groups, *steps.staged, *self.buffer.peek_all(), *self.waiting_for_teacher()]
+        # Generated, not yet trained: with the trainer, buffered, or held by a feature (e.g.
+        # waiting for the teacher's scores).
+        held = [*steps.step_groups, *steps.staged, *self.buffer.peek_all(), *steps.features.held()]
         pending = [(r.group_id, r.prompt) for r in ledger.in_state(GroupState.GENERATING, GroupState.SCORING)]
         preempted = self.preemption.stopped()
         pending += [(p.group_id, prompt) for p, prompt in preempted]
@@ -168,8 +164,8 @@ class SaveProtocol:
                 f"the trainer saved version {event.version} carrying groups {sorted(event.carried)}; expected "
                 f"version {asked} (or an older one, if it gave steps up at a stop) and the groups the books carry"
             )
-        if self.clocks is not None and self.clocks.several:
-            books = {**books, "policy_clocks": self.clocks.state_at(version)}
+        if self.steps.clocks.several:  # each policy's clock at the version the trainer saved at
+            books = {**books, "policy_clocks": self.steps.clocks.state_at(version)}
         try:
             path = checkpoints.commit_within(
                 self.cfg.run.checkpoint_timeout_s,

@@ -9,7 +9,6 @@ from asyncrl.config import DEFAULT_POLICY
 from asyncrl.control.books import Books
 from asyncrl.control.buffer import RolloutBuffer
 from asyncrl.control.membership import TRAINER, Generators
-from asyncrl.control.teaching import TeacherQueue
 from asyncrl.protocol.headers import GroupHeader
 from asyncrl.protocol.messages import Span, StepDone, WeightsLoaded
 from asyncrl.reports.timeline import busy_fractions
@@ -123,20 +122,15 @@ class StepRecorder:
         return record
 
 
-def loop_figures(
-    books: Books, buffer: RolloutBuffer, teacher_queue: TeacherQueue | None, generators: Generators
-) -> dict[str, float]:
-    """The controller loop's own figures of a step record: drops, the buffer's depth, the teacher's
-    queue, time blocked by admission, the oldest weights a generator holds, what a resume carried."""
+def loop_figures(books: Books, buffer: RolloutBuffer, generators: Generators) -> dict[str, float]:
+    """The controller loop's own figures of a step record: drops, the buffer's depth, time blocked
+    by admission, the oldest weights a generator holds, what a resume carried, and the features'
+    (e.g. the teacher's queue)."""
     counts = books.counts
     return {
         "dropped": books.dropped_total,
         "buffer_depth": len(buffer),
-        **(
-            {"teacher_queue": len(teacher_queue), "teacher_full_s": teacher_queue.full_s}
-            if teacher_queue is not None
-            else {}
-        ),
+        **books.features.loop_figures(),
         "admission_blocked_s": books.admission_blocked_s,
         "gen_version_min": min(generators.version.values(), default=-1),  # -1: none right now
         # After a resume: what it carried over, and what was generated again instead.

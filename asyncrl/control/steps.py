@@ -6,9 +6,9 @@ here and sent at once, in group-id order, so the step's arithmetic does not depe
 order they arrived in. With ``schedule.reproducible`` a streaming step is sent in fixed
 chunks of the lowest group ids (see :attr:`StepAssembly.canonical`). Once a step's B groups
 are with the trainer, ``FinishStep`` carries the batch divisor and whether the step
-publishes weights (``sync_every``). With several policies (multi-agent roles) the staleness bound
-of ``Accumulate.min_version`` is per policy, on each one's clock (:mod:`.clocks`), and
-``FinishStep.policy_divisors`` gives each trained policy the divisor of its own samples.
+publishes weights (``sync_every``), and what the run's features add to it (a step waits for
+every feature's ``step_ready``: :mod:`.features`). The staleness bound of
+``Accumulate.min_version`` is per policy, on each one's clock (:mod:`.clocks`).
 
 Everything here works on group headers: the trainer takes the groups themselves from its
 inbox by the ids an ``Accumulate`` names.
@@ -20,12 +20,11 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from asyncrl.algorithms.losses import batch_divisor
-from asyncrl.config import DEFAULT_POLICY, Config
+from asyncrl.config import Config
 from asyncrl.control.buffer import RolloutBuffer
 from asyncrl.control.clocks import PolicyClocks
+from asyncrl.control.features import Features
 from asyncrl.control.lifecycle import GroupLedger
-from asyncrl.control.pivoting import BranchBook
-from asyncrl.control.policy_books import policy_divisors
 from asyncrl.protocol.headers import GroupHeader
 from asyncrl.protocol.messages import Accumulate, ContinueBatch, Discard, FinishStep
 from asyncrl.types import GroupState
@@ -42,7 +41,13 @@ class StepAssembly:
     them from each StepDone), which set the staleness bound of what is sent.
     """
 
-    def __init__(self, cfg: Config, send: Callable[[object], None], ledger: GroupLedger) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        send: Callable[[object], None],
+        ledger: GroupLedger,
+        features: Features | None = None,
+    ) -> None:
         self.cfg = cfg
         self.send = send  # to the trainer
         self.ledger = ledger  # a group sent for a step is accumulated there
@@ -52,10 +57,7 @@ class StepAssembly:
         self.staged: list[GroupHeader] = []  # held until they can be sent (whole step, or a canonical chunk)
         self.step_groups: list[GroupHeader] = []  # sent for the step being assembled
         self.unconfirmed: deque[list[GroupHeader]] = deque()  # steps sent whole, awaiting StepDone
-        # Pivot resampling: the branch book, and each unconfirmed step's branch groups.
-        self.branches: BranchBook | None = None
-        self.unconfirmed_branches: deque[list[GroupHeader]] = deque()
-        self.confirmed_branches: list[GroupHeader] = []  # of the last step confirmed
+        self.features = features if features is not None else Features()
         self.planned_version = 0
         self.handed = 0
         self.clocks = PolicyClocks(cfg)
@@ -115,40 +117,25 @@ class StepAssembly:
         self.step_groups += groups
 
     def _finish(self) -> None:
-        branches: list[GroupHeader] = []
-        if self.branches is not None:
-            taken = self.branches.take_for_step(self.handed, self.planned_version)
-            if taken is None:
-                return  # a branch group issued for this step is still generating
-            if self.branches.discarded:
-                self.send(Discard(self.branches.discarded))
-            branches = taken
+        if not self.features.step_ready():
+            return  # e.g. a branch group issued for this step is still generating
         divisor = batch_divisor(
             self.cfg.algorithm.loss_type,
             sum(g.size for g in self.step_groups),
             sum(g.num_trained_tokens for g in self.step_groups),
             self.cfg.rollout.max_new_tokens,
         )
-        self.planned_version += self.iters
-        last = self.planned_version >= self.rounds * self.iters
-        publish = not last and self.planned_version % self.cfg.schedule.sync_every == 0
-        finish = FinishStep(divisor, publish)
-        if self.clocks.several:
-            cfg = self.cfg
-            finish.policy_divisors = policy_divisors(
-                cfg.algorithm.loss_type, self.step_groups, cfg.rollout.max_new_tokens, self.clocks.trained
-            )
-        if branches:
-            finish.branches = [g.group_id for g in branches]
-            finish.branch_divisor = self.branches.divisor(branches)
-            finish.branch_weight = self.cfg.pivot.weight
-            # Branch groups are completions, of the one policy (pivots refuse episodes).
-            oldest = self.planned_version - self.iters - self.cfg.schedule.max_staleness
-            finish.branch_min_version = {DEFAULT_POLICY: oldest}
+        made = self.planned_version + self.iters
+        last = made >= self.rounds * self.iters
+        finish = FinishStep(divisor, publish=not last and made % self.cfg.schedule.sync_every == 0)
+        # The features see the step being assembled: batch `handed`, from `planned_version`.
+        discards = self.features.finish_step(finish, self.step_groups)
+        if discards:
+            self.send(Discard(discards))
+        self.planned_version = made
         self.send(finish)
         self.handed += 1
         self.unconfirmed.append(self.step_groups)
-        self.unconfirmed_branches.append(branches)
         self.step_groups = []
 
     def _send_canonical_chunks(self, running_ids: Iterable[int]) -> None:
@@ -178,10 +165,10 @@ class StepAssembly:
         n = len(self.unconfirmed)
         return [self.planned_version - (n - b) * self.iters for b in range(n)]
 
-    def confirmed(self, version: int) -> list[GroupHeader]:
-        """The groups a ``StepDone`` of ``version`` trained (a batch's later PPO epochs train none anew)."""
+    def confirmed(self, version: int) -> tuple[list[GroupHeader], int | None]:
+        """The groups a ``StepDone`` of ``version`` trained and their batch (a batch's later PPO
+        epochs train none anew: no groups, no batch)."""
         if (version - 1) % self.iters:
-            self.confirmed_branches = []
-            return []
-        self.confirmed_branches = self.unconfirmed_branches.popleft()
-        return self.unconfirmed.popleft()
+            return [], None
+        batch = self.handed - len(self.unconfirmed)
+        return self.unconfirmed.popleft(), batch

@@ -7,20 +7,31 @@ bounded — while ``distill.queue_groups`` groups (by default one step's) wait, 
 starts on a generator — and so is the wait: a group waiting longer than ``distill.timeout_s``
 stops the run with an error naming the key (a teacher that hangs). A checkpoint carries the waiting groups (the trainer
 holds them, unscored), and a resumed run sends them to the teacher again.
+
+The controller's hooks (:mod:`asyncrl.control.features`): the queue holds dispatch while full,
+holds each generated group until ``Taught``, gives a checkpoint the groups waiting, takes back
+a resume's unscored groups (and sends them to the teacher), gives a self-distilling teacher each
+refreshed snapshot, and stops the run when a group waits too long.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
-from asyncrl.config import Config, DistillConfig
+from asyncrl.config import DistillConfig
+from asyncrl.control.features import Built, RunFeature
 from asyncrl.control.lifecycle import GroupLedger
 from asyncrl.protocol.headers import GroupHeader, group_header
+from asyncrl.protocol.messages import LoadWeights, Taught, Teach
 from asyncrl.types import Group, GroupState
+from asyncrl.workers.interface import TEACHER
 
 
-class TeacherQueue:
+class TeacherQueue(RunFeature):
+    name = "teacher"
+
     def __init__(
         self,
         distill: DistillConfig,
@@ -42,6 +53,42 @@ class TeacherQueue:
     def __len__(self) -> int:
         return len(self._waiting)
 
+    # -- the controller's hooks (asyncrl.control.features) ------------------------------------
+
+    def holds_dispatch(self, dt: float) -> bool:
+        """The teacher is behind: generators wait rather than pile up groups for it."""
+        if self.full:
+            self.full_s += dt
+        return self.full
+
+    def admits(self, header: GroupHeader) -> bool:
+        return self.wait(header)
+
+    def handlers(self) -> dict[type, Callable[[Any], list[GroupHeader]]]:
+        return {Taught: lambda event: self.taught(event.group_ids)}
+
+    def held(self) -> list[GroupHeader]:
+        return self.headers()
+
+    def carry(self, group: Group) -> bool:
+        if group.taught:
+            return False
+        self.carry_unscored(group)
+        return True
+
+    def resumed(self) -> None:
+        if self.carried:  # scored after the resume
+            self.loop.send(TEACHER, Teach(self.take_carried()))
+
+    def published(self, version: int) -> None:
+        if self.refresh(version):
+            self.loop.send(TEACHER, LoadWeights(version))  # self-distillation's new snapshot
+
+    def loop_figures(self) -> dict[str, float]:
+        return {"teacher_queue": len(self._waiting), "teacher_full_s": self.full_s}
+
+    # -- the queue ----------------------------------------------------------------------------
+
     @property
     def full(self) -> bool:
         return len(self._waiting) >= self.capacity
@@ -59,7 +106,7 @@ class TeacherQueue:
         self.on_change(len(self._waiting))
         return False
 
-    def carry(self, group: Group) -> None:
+    def carry_unscored(self, group: Group) -> None:
         """A group a checkpoint carried unscored: it waits for the teacher again, which is sent it."""
         self.wait(group_header(group))
         self.carried.append(group)
@@ -110,13 +157,15 @@ class TeacherQueue:
         )
 
 
-def teacher_queue(
-    cfg: Config, ledger: GroupLedger, record_level: Callable[[str, int], None]
-) -> TeacherQueue | None:
-    """The run's queue for the teacher stage (None without a teacher); ``record_level`` draws its depth
-    in the timeline (:meth:`~asyncrl.control.session.RunSession.record_level`)."""
+def teacher_queue(built: Built) -> TeacherQueue | None:
+    """The run's queue for the teacher stage (None without a teacher); its depth is drawn in the
+    timeline (:meth:`~asyncrl.control.session.RunSession.record_level`)."""
+    cfg = built.cfg
     if not cfg.distill.enabled:
         return None
     return TeacherQueue(
-        cfg.distill, ledger, cfg.rollout.prompts_per_step, lambda depth: record_level("teacher queue", depth)
+        cfg.distill,
+        built.ledger,
+        cfg.rollout.prompts_per_step,
+        lambda depth: built.record_level("teacher queue", depth),
     )

@@ -318,7 +318,7 @@ def test_branch_book_expands_later_waits_for_its_step_and_keeps_everything_in_a_
         ledger.move(gid, GroupState.GENERATING, generator=gen)
     # The step waits for the branch groups issued for it.
     assert book.take_for_step(1, 1) is None
-    book.delivered(header(100, issued["g0"][0][2].pivot, [1.0, 0.0], 1))
+    book.branch_delivered(header(100, issued["g0"][0][2].pivot, [1.0, 0.0], 1))
     assert book.take_for_step(1, 1) is None
     # Its generator is lost: the pivot waits again (first in line).
     book.requeue(101)
@@ -327,10 +327,10 @@ def test_branch_book_expands_later_waits_for_its_step_and_keeps_everything_in_a_
     assert [h.group_id for h in taken] == [100] and ledger.state(100) == GroupState.ACCUMULATED
     # A checkpoint at a version whose steps include group 100: the other pivots are kept, and the
     # counts say the re-expanded ones will be issued again.
-    state = json.loads(json.dumps(book.state_dict(trained=[100])))
+    state = json.loads(json.dumps(book.branch_state(trained=[100])))
     assert len(state["pending"]) == 2 and state["counts"]["branches_trained"] == 1
-    book.trained([100])
-    acc = book.accounting()
+    book.branches_trained([100])
+    acc = book.branch_accounting()
     assert acc["branches_reconcile"] and acc["branches_issued"] == 2 and acc["branches_reissued"] == 1
     resumed = BranchBook(cfg, GroupLedger())
     resumed.load_state_dict(state)
@@ -347,9 +347,9 @@ def test_stale_pivots_are_given_up_at_issue_and_at_training() -> None:
     issued = book.issue(1, 4, ["g0"], lambda: next(ids))  # version 0 < 4 - 3: expired
     assert book.counts["pivots_expired"] == 1 and [gid for gid, _, _ in issued["g0"]] == [100]
     ledger.move(100, GroupState.GENERATING, generator="g0")
-    book.delivered(header(100, issued["g0"][0][2].pivot, [0.0, 1.0], 4))
-    assert book.take_for_step(1, 7) == [] and book.discarded == [100]  # pivot 3 < 7 - 3
-    assert book.counts["branches_dropped_stale"] == 1 and book.accounting()["branches_reconcile"]
+    book.branch_delivered(header(100, issued["g0"][0][2].pivot, [0.0, 1.0], 4))
+    assert book.take_for_step(1, 7) == [] and book.given_up == [100]  # pivot 3 < 7 - 3
+    assert book.counts["branches_dropped_stale"] == 1 and book.branch_accounting()["branches_reconcile"]
 
 
 # -- runs ---------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from asyncrl.control.books import Books
 from asyncrl.control.buffer import RolloutBuffer
 from asyncrl.control.clocks import PolicyClocks
 from asyncrl.control.controller import Controller
+from asyncrl.control.features import Features
 from asyncrl.control.lifecycle import GroupLedger
 from asyncrl.control.policy_books import PolicyBooks, policy_divisors
 from asyncrl.control.session import RunSession
@@ -185,7 +186,7 @@ def test_step_assembly_sends_per_policy_bounds_and_divisors(loss_type: str) -> N
     cfg = config("schedule.reject=token", "rollout.prompts_per_step=3", f"algorithm.loss_type={loss_type}")
     sent: list = []
     ledger = GroupLedger()
-    steps = StepAssembly(cfg, sent.append, ledger)
+    steps = StepAssembly(cfg, sent.append, ledger, Features([PolicyBooks(cfg)]))
     steps.clocks = clocks_at_version_2(cfg)
     steps.planned_version = 3
     buf = buffered(ledger, three_groups())
@@ -263,9 +264,14 @@ def test_step_metrics_per_policy_and_role() -> None:
 
 
 def books_for(cfg: Config) -> Books:
-    books = Books(PromptStream(ArithmeticTask(["+"], 1, 2, seed=0), seed=0))
-    books.policies = PolicyBooks(cfg)
-    return books
+    return Books(
+        PromptStream(ArithmeticTask(["+"], 1, 2, seed=0), seed=0), features=Features([PolicyBooks(cfg)])
+    )
+
+
+def policy_books(books: Books) -> PolicyBooks:
+    (member,) = books.features.members
+    return member
 
 
 def deliver(books: Books, h: GroupHeader) -> None:
@@ -316,7 +322,7 @@ def test_the_books_reconcile_per_policy_and_survive_a_checkpoint() -> None:
     assert critic["samples_delivered"] == 6 - 1 and critic["turns_delivered"] == 6 - 2  # 5: generated again
     after = books_for(cfg)
     after.load_state_dict(json.loads(json.dumps(state)))
-    assert after.policies.counts["critic"]["samples_carried_out"] == 1
+    assert policy_books(after).counts["critic"]["samples_carried_out"] == 1
     after.carry(3, Prompt("p3", "1+1="), headers[3])  # as carry_over puts it back
     after.groups.move(3, GroupState.BUFFERED)
     acc = after.accounting()["policies"]["critic"]
@@ -334,9 +340,9 @@ def test_a_lost_sample_or_a_second_training_is_caught() -> None:
     acc = books.accounting()
     assert acc["policies"]["judge"]["samples_mismatch"] == 1 and not acc["policies_reconcile"]
     assert not acc["reconciles"]
-    books.policies.trained(0)
+    policy_books(books).trained(0)
     with pytest.raises(ValueError, match="group 0 is trained but not held"):
-        books.policies.trained(0)
+        policy_books(books).trained(0)
 
 
 # -- through the controller ----------------------------------------------------------------------
