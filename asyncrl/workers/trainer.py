@@ -38,7 +38,7 @@ from asyncrl.protocol.messages import (
     StepDone,
     Stop,
 )
-from asyncrl.trainer.advantages import assign_advantages, distill_metrics, zero_advantage_frac
+from asyncrl.trainer.advantages import assign_advantages, zero_advantage_frac
 from asyncrl.trainer.batching import BatchInProgress, MicroBatch
 from asyncrl.trainer.distributed import RankGroup, RankSpec, rank_device
 from asyncrl.trainer.policies import PolicySet
@@ -55,6 +55,7 @@ from asyncrl.transports.weights.interface import (
 from asyncrl.types import Group, PartialGroup
 from asyncrl.workers import assembly
 from asyncrl.workers.evaluation import TrainerEvaluation
+from asyncrl.workers.step_features import StepFeatures
 
 Command = Accumulate | FinishStep | ContinueBatch | Evaluate | SaveModel | SaveCheckpoint | Restore | Discard
 
@@ -128,6 +129,7 @@ class TrainerWorker:
             else assembly.build_trainer(cfg, self.policy, self.ranks)
         )
         self.inbox = inbox if inbox is not None else Inbox()
+        self.features = StepFeatures.of(cfg)  # what the run's features add to its steps
         # Taken from the inbox for the open step (and, once the run is stopping, for every step
         # given up since the last one finished).
         self._step_groups: dict[int, Group] = {}
@@ -190,16 +192,9 @@ class TrainerWorker:
         if isinstance(command, Discard):
             self.inbox.discard(command.group_ids)
             return []
-        if self.is_leader and isinstance(command, FinishStep) and command.branches:
-            # Pivot resampling: the step's branch groups first, as an Accumulate whose loss is
-            # scaled so that dividing by the step's divisor leaves lambda x theirs / branch_divisor.
-            branches = Accumulate(
-                command.branches,
-                command.branch_min_version,
-                mergeable=False,
-                scale=command.branch_weight * command.divisor / command.branch_divisor,
-            )
-            return self.handle(branches) + self.handle(dataclasses.replace(command, branches=[]))
+        if self.is_leader and (expanded := self.features.expand(command)) is not None:
+            # A feature's command, as the commands it stands for (e.g. a step's branch groups first).
+            return [event for part in expanded for event in self.handle(part)]
         if self.is_leader and isinstance(command, Accumulate):
             command = self._resolve(command)
         if self.is_leader and self.stopping:
@@ -243,19 +238,16 @@ class TrainerWorker:
         groups = command.groups
         if groups is None:
             groups = self.inbox.take(
-                command.group_ids, timeout=self.cfg.runtime.stall_timeout_s, taught=self.cfg.distill.enabled
+                command.group_ids,
+                timeout=self.cfg.runtime.stall_timeout_s,
+                taught=self.features.waits_for_teacher(),
             )
         if command.min_version is not None:
             for group in groups:
                 group.mask_older_than(command.min_version)
-        algorithm, distill = self.cfg.algorithm, self.cfg.distill
+        algorithm = self.cfg.algorithm
         assign_advantages(
-            groups,
-            algorithm.advantage_scale,
-            algorithm.step_rewards,
-            distill=("alone" if algorithm.advantage == "distill" else "add") if distill.enabled else None,
-            distill_weight=distill.weight,
-            by_turn=self.cfg.multi_agent.advantage == "role_turn",
+            groups, algorithm.advantage_scale, algorithm.step_rewards, **self.features.advantage_options()
         )
         self._step_groups.update((g.group_id, g) for g in groups)
         return dataclasses.replace(command, groups=groups)
@@ -282,9 +274,11 @@ class TrainerWorker:
                 f"checkpoint of version {command.version} requested, but the trainer is at {self.trainer.version}"
             )
         # Steps given up at a stop: their groups go into the checkpoint with the carried ones.
-        # (Not a branch group: a checkpoint keeps its pivot instead, in the controller's books.)
+        # (Unless a feature keeps it otherwise: a branch group's pivot is in the controller's books.)
         given_up = (
-            [gid for gid, g in self._step_groups.items() if g.pivot is None] if command.carry_given_up else []
+            [gid for gid, g in self._step_groups.items() if self.features.carries(g)]
+            if command.carry_given_up
+            else []
         )
         carried = list(dict.fromkeys([*command.carried, *given_up]))
         command = dataclasses.replace(command, carried=carried)
@@ -389,8 +383,7 @@ class TrainerWorker:
         iterations = self.cfg.algorithm.num_iterations - 1
         steps += self._iterate(self._step_batches, iterations, divisor, command.publish)
         shared = {"zero_advantage_frac": zero_advantage_frac(list(self._step_groups.values()))}
-        if self.cfg.distill.enabled:
-            shared.update(distill_metrics([s for g in self._step_groups.values() for s in g.samples]))
+        shared.update(self.features.step_metrics(list(self._step_groups.values())))
         for metrics in steps:
             metrics.update(shared)
         self._step_open = False

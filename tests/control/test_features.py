@@ -21,6 +21,9 @@ from asyncrl.control.policy_books import PolicyBooks, RoleRewards
 from asyncrl.control.run import train
 from asyncrl.control.teaching import TeacherQueue
 from asyncrl.protocol.headers import GroupHeader
+from asyncrl.protocol.messages import Accumulate, FinishStep
+from asyncrl.workers.feature_steps import BranchSteps, RoleTurns, TeacherScores
+from asyncrl.workers.step_features import StepFeatures
 from tests.helpers import short_run
 
 
@@ -120,3 +123,34 @@ def test_the_shipped_features_are_those_the_config_uses() -> None:
         "multi_agent.roles=[{name: solver}, {name: verifier, policy: checker}]",
         "multi_agent.policies=[{name: checker, kind: model}]",
     ) == [PolicyBooks]
+
+
+def step_kinds(*overrides: str) -> list[type]:
+    return [type(f) for f in StepFeatures.of(load_config(None, list(overrides))).members]
+
+
+def test_the_trainers_step_features_are_those_the_config_uses() -> None:
+    """The trainer's parts of the same features (asyncrl/workers/step_features.py)."""
+    assert step_kinds() == []
+    assert step_kinds("pivot.branches=2") == [BranchSteps]
+    assert step_kinds("distill.teacher=tiny:1m") == [TeacherScores]
+    assert step_kinds("episode.environment=verify", "multi_agent.advantage=role_turn") == [RoleTurns]
+
+
+def test_branch_steps_train_the_branch_groups_first_scaled() -> None:
+    """A FinishStep with branch groups becomes their Accumulate, its loss scaled so that the step's
+    divisor leaves weight x theirs / their own divisor, then the step without them."""
+    finish = FinishStep(8.0, publish=True, branches=[7, 9], branch_divisor=2.0, branch_weight=0.5)
+    finish.branch_min_version = {"default": 3}
+    first, step = BranchSteps().expand(finish)
+    assert isinstance(first, Accumulate) and first.group_ids == [7, 9] and first.scale == 0.5 * 8.0 / 2.0
+    assert first.min_version == {"default": 3} and not first.mergeable
+    assert step == FinishStep(
+        8.0,
+        publish=True,
+        branches=[],
+        branch_divisor=2.0,
+        branch_weight=0.5,
+        branch_min_version={"default": 3},
+    )
+    assert BranchSteps().expand(FinishStep(8.0, publish=True)) is None
