@@ -19,7 +19,6 @@ from asyncrl.protocol.messages import (
     GroupDropped,
     GroupReady,
     LoadWeights,
-    PivotsFound,
     Preempt,
     Preempted,
     Span,
@@ -28,7 +27,6 @@ from asyncrl.protocol.messages import (
 )
 from asyncrl.rewards.scoring import ScoringStopped
 from asyncrl.rollout.interface import Rollout, nothing_to_train
-from asyncrl.rollout.pivots import find_pivots
 from asyncrl.transports.weights.interface import (
     InterruptibleReceiver,
     SyncInterrupted,
@@ -37,6 +35,7 @@ from asyncrl.transports.weights.interface import (
     WeightSyncError,
 )
 from asyncrl.workers import assembly
+from asyncrl.workers.features import GenerationFeatures
 from asyncrl.workers.policy_engines import PolicyEngines, policy_engine
 from asyncrl.workers.rollouts import build_rollout
 
@@ -100,7 +99,7 @@ class GeneratorWorker:
         engines = self.policies.engines if self.policies is not None else None
         self.rollout: Rollout = build_rollout(cfg, policy, self.engine, engines=engines)
         self.interrupt = cfg.schedule.interrupt
-        self.pivot_model: tuple[float, float, bool] = (0.0, 0.0, False)  # the controller's, as last sent
+        self.features = GenerationFeatures.of(cfg)  # what the run's features add to its work
         self.pending_version: int | None = None
         self._preempt = False
         self._busy_since: float | None = None
@@ -130,8 +129,7 @@ class GeneratorWorker:
         """Take new work, a weight update to apply or a stop to answer; each is acted on by :meth:`work`
         (so the events come from there)."""
         if isinstance(command, Submit):
-            if command.pivot_model is not None:
-                self.pivot_model = command.pivot_model
+            self.features.submitted(command)
             self.rollout.submit(command.work, {p.group_id: p for p in command.partials})
         elif isinstance(command, Preempt):
             self._preempt = True  # answered by the next work(), before any update or engine step
@@ -215,12 +213,7 @@ class GeneratorWorker:
         for g in groups:
             (empty if nothing_to_train(g) else ready).append(g)
         events: list = [GroupReady.of(self.name, g) for g in ready]
-        if self.cfg.pivot.enabled:
-            found = [
-                p for g in ready for p in find_pivots(g, self.cfg.pivot, self.pivot_model, self.cfg.task.seed)
-            ]
-            if found:
-                events.append(PivotsFound(self.name, found))
+        events += self.features.finished(self.name, ready)  # e.g. the pivots found in them
         events += [GroupDropped(self.name, g.group_id, "reward_error", g.first_error) for g in dropped]
         events += [GroupDropped(self.name, g.group_id, "nothing_to_train", g.first_error) for g in empty]
         if not self.rollout.has_work or time.time() - self._busy_since > SPAN_FLUSH_S:

@@ -55,7 +55,7 @@ from asyncrl.transports.weights.interface import (
 from asyncrl.types import Group, PartialGroup
 from asyncrl.workers import assembly
 from asyncrl.workers.evaluation import TrainerEvaluation
-from asyncrl.workers.step_features import StepFeatures
+from asyncrl.workers.features import StepFeatures
 
 Command = Accumulate | FinishStep | ContinueBatch | Evaluate | SaveModel | SaveCheckpoint | Restore | Discard
 

@@ -21,9 +21,9 @@ from asyncrl.control.policy_books import PolicyBooks, RoleRewards
 from asyncrl.control.run import train
 from asyncrl.control.teaching import TeacherQueue
 from asyncrl.protocol.headers import GroupHeader
-from asyncrl.protocol.messages import Accumulate, FinishStep
-from asyncrl.workers.feature_steps import BranchSteps, RoleTurns, TeacherScores
-from asyncrl.workers.step_features import StepFeatures
+from asyncrl.protocol.messages import Accumulate, FinishStep, Submit
+from asyncrl.workers.feature_parts import BranchSteps, PivotFinder, RoleTurns, TeacherScores
+from asyncrl.workers.features import GenerationFeatures, StepFeatures
 from tests.helpers import short_run
 
 
@@ -129,9 +129,15 @@ def step_kinds(*overrides: str) -> list[type]:
     return [type(f) for f in StepFeatures.of(load_config(None, list(overrides))).members]
 
 
-def test_the_trainers_step_features_are_those_the_config_uses() -> None:
-    """The trainer's parts of the same features (asyncrl/workers/step_features.py)."""
+def test_the_workers_feature_parts_are_those_the_config_uses() -> None:
+    """The trainer's and the generators' parts of the same features (asyncrl/workers/features.py)."""
     assert step_kinds() == []
+    assert GenerationFeatures.of(load_config(None, [])).members == []
+    (finder,) = GenerationFeatures.of(load_config(None, ["pivot.branches=2"])).members
+    assert isinstance(finder, PivotFinder) and finder.model == (0.0, 0.0, False)
+    finder.submitted(Submit([], pivot_model=(1.5, -2.0, True)))
+    finder.submitted(Submit([]))  # a Submit without a model keeps the last one
+    assert finder.model == (1.5, -2.0, True)
     assert step_kinds("pivot.branches=2") == [BranchSteps]
     assert step_kinds("distill.teacher=tiny:1m") == [TeacherScores]
     assert step_kinds("episode.environment=verify", "multi_agent.advantage=role_turn") == [RoleTurns]

@@ -1,9 +1,13 @@
-"""The trainer worker's hook points: what a feature adds to the steps it takes, declared in one place.
+"""The workers' hook points: what a feature adds to the trainer's steps and to a generator's work.
 
-The trainer worker (:mod:`.trainer`) names no feature. A feature that needs the trainer's side
-of a step is a :class:`StepFeature` (every hook a no-op until overridden); the run's are built
-from the config by the builders registered in :data:`STEP_FEATURES` (a plugin registry, as the
-controller's :data:`~asyncrl.control.features.FEATURES`), and every hook is called on each.
+The trainer worker (:mod:`.trainer`) and the generator worker (:mod:`.generator`) name no
+feature. A feature that needs the trainer's side of a step is a :class:`StepFeature`, one that
+needs a generator's a :class:`GenerationFeature` (every hook a no-op until overridden); the
+run's are built from the config by the builders registered in :data:`STEP_FEATURES` and
+:data:`GENERATION_FEATURES` (plugin registries, as the controller's
+:data:`~asyncrl.control.features.FEATURES`), and every hook is called on each.
+
+The trainer's steps:
 
 * ``expand``: a command the feature turns into others (pivot resampling: a ``FinishStep`` with
   branch groups becomes their scaled ``Accumulate``, then the step);
@@ -14,7 +18,14 @@ controller's :data:`~asyncrl.control.features.FEATURES`), and every hook is call
 * ``carries``: whether a checkpoint carries a group of a step given up at a stop (a branch
   group is not carried: the controller keeps its pivot instead).
 
-The shipped features' trainer parts are in :mod:`.feature_steps`, registered with their
+A generator's work:
+
+* ``submitted``: a ``Submit`` came (what it carries for the feature: pivot resampling's
+  success model);
+* ``finished``: the events the feature reports of the groups the generator just finished (the
+  pivots found in them).
+
+The shipped features' worker parts are in :mod:`.feature_parts`, registered with their
 controller parts (:mod:`asyncrl.control.feature_set`).
 """
 
@@ -25,6 +36,7 @@ from typing import Any
 
 from asyncrl.config import Config
 from asyncrl.plugins import Registry
+from asyncrl.protocol.messages import Submit
 from asyncrl.types import Group
 
 
@@ -79,3 +91,36 @@ class StepFeatures:
 
     def carries(self, group: Group) -> bool:
         return all(f.carries(group) for f in self.members)
+
+
+class GenerationFeature:
+    """A feature of a generator's work: every hook does nothing unless overridden (module docstring)."""
+
+    name = "feature"
+
+    def submitted(self, command: Submit) -> None: ...
+
+    def finished(self, worker: str, groups: list[Group]) -> list[object]:
+        """Events of generator ``worker`` about the ``groups`` it just finished (after theirs)."""
+        return []
+
+
+GENERATION_FEATURES: Registry[Callable[[Config], GenerationFeature | None]] = Registry("generator feature")
+
+
+class GenerationFeatures:
+    """The run's generation features, each hook called on every one of them."""
+
+    def __init__(self, members: Iterable[GenerationFeature] = ()) -> None:
+        self.members = list(members)
+
+    @classmethod
+    def of(cls, cfg: Config) -> GenerationFeatures:
+        return cls(f for f in (make(cfg) for _, make in GENERATION_FEATURES.entries()) if f is not None)
+
+    def submitted(self, command: Submit) -> None:
+        for f in self.members:
+            f.submitted(command)
+
+    def finished(self, worker: str, groups: list[Group]) -> list[object]:
+        return [event for f in self.members for event in f.finished(worker, groups)]

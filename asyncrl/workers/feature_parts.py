@@ -1,11 +1,12 @@
-"""The trainer's parts of the features asyncrl ships (the hooks of :mod:`.step_features`).
+"""The workers' parts of the features asyncrl ships (the hooks of :mod:`.features`).
 
 Registered with their controller parts in :mod:`asyncrl.control.feature_set`:
 
-* pivot resampling (:class:`BranchSteps`): a step's branch groups are trained first, as an
-  ``Accumulate`` whose loss is scaled so that dividing by the step's divisor leaves
-  λ x theirs / their own divisor; a checkpoint does not carry a branch group of a step given up
-  (the controller's books keep its pivot);
+* pivot resampling: a generator finds pivots in the groups it finishes, with the success model
+  the controller last sent (:class:`PivotFinder`); the trainer trains a step's branch groups
+  first (:class:`BranchSteps`), as an ``Accumulate`` whose loss is scaled so that dividing by
+  the step's divisor leaves λ x theirs / their own divisor; a checkpoint does not carry a branch
+  group of a step given up (the controller's books keep its pivot);
 * on-policy distillation (:class:`TeacherScores`): groups are taken once the teacher scored
   them, the teacher's signal goes into the advantages, the step reports its reverse KL;
 * multi-agent roles (:class:`RoleTurns`): each turn of a role its own advantage
@@ -18,10 +19,28 @@ import dataclasses
 from typing import Any
 
 from asyncrl.config import Config
-from asyncrl.protocol.messages import Accumulate, FinishStep
+from asyncrl.config.pivots import PivotConfig
+from asyncrl.protocol.messages import Accumulate, FinishStep, PivotsFound, Submit
+from asyncrl.rollout.pivots import find_pivots
 from asyncrl.trainer.advantages import distill_metrics
 from asyncrl.types import Group
-from asyncrl.workers.step_features import StepFeature
+from asyncrl.workers.features import GenerationFeature, StepFeature
+
+
+class PivotFinder(GenerationFeature):
+    name = "pivots"
+
+    def __init__(self, cfg: PivotConfig, seed: int) -> None:
+        self.cfg, self.seed = cfg, seed
+        self.model: tuple[float, float, bool] = (0.0, 0.0, False)  # the controller's, as last sent
+
+    def submitted(self, command: Submit) -> None:
+        if command.pivot_model is not None:
+            self.model = command.pivot_model
+
+    def finished(self, worker: str, groups: list[Group]) -> list[object]:
+        found = [p for g in groups for p in find_pivots(g, self.cfg, self.model, self.seed)]
+        return [PivotsFound(worker, found)] if found else []
 
 
 class BranchSteps(StepFeature):
@@ -64,6 +83,10 @@ class RoleTurns(StepFeature):
 
     def advantage_options(self) -> dict[str, Any]:
         return {"by_turn": True}
+
+
+def pivot_finder(cfg: Config) -> PivotFinder | None:
+    return PivotFinder(cfg.pivot, cfg.task.seed) if cfg.pivot.enabled else None
 
 
 def branch_steps(cfg: Config) -> BranchSteps | None:
