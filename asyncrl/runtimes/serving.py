@@ -187,11 +187,11 @@ def failed(name: str, exc: BaseException) -> WorkerFailed:
 def run_follower(worker: TrainerWorker, busy: Callable[[bool], object] | None = None) -> None:
     """The command loop of trainer ranks 1..M-1: execute what rank 0 forwards, until it closes.
 
-    A host calls this once on each follower rank after constructing its worker (a local
+    A runtime calls this once on each follower rank after constructing its worker (a local
     child process, or a Ray actor method that returns when the run ends) and then
     ``worker.close()``. ``busy(True/False)`` brackets every command (the local runtime
     shares CPU cores by it). Events are rank 0's to report; a follower's are dropped. An
-    exception (a failed collective, rank 0 gone) propagates to the host, which reports it.
+    exception (a failed collective, rank 0 gone) propagates to the runtime, which reports it.
     """
     if worker.ranks is None or worker.ranks.is_leader:
         raise ValueError("run_follower is for trainer ranks 1..M-1; rank 0 is driven by handle()")

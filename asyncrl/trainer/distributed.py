@@ -7,7 +7,7 @@ to ranks 1..M-1 (:meth:`RankGroup.post`), which wait for them in a loop
 (:func:`split_samples`) and the gradients are summed across ranks once per optimizer step
 (see :mod:`asyncrl.trainer.parallel`).
 
-How a host starts a rank (the local runtime uses child processes; a Ray runtime would use
+How a runtime starts a rank (the local runtime uses child processes; a Ray runtime would use
 one actor per rank, on any machines): pick a free TCP port on the machine of rank 0, give
 every rank the same ``master_addr``/``master_port``/``world_size`` and its own ``rank``, and
 construct each rank's worker concurrently — :class:`RankGroup` blocks until all M ranks have

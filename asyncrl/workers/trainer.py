@@ -71,7 +71,7 @@ class TrainerWorker:
     computes the advantages of an ``Accumulate`` from whole groups, forwards every command
     to the other ranks, then executes it; it alone publishes weights, evaluates, saves and
     returns events. Ranks 1..M-1 (``sender_factory`` None) run :func:`~asyncrl.runtimes.serving.run_follower`, which
-    executes the same commands until rank 0 closes. The host decides only where the
+    executes the same commands until rank 0 closes. The runtime decides only where the
     processes live: a child process (local runtime) or a Ray actor is the same to this class.
 
     Rank 0 holds the :class:`~asyncrl.transports.groups.inbox.Inbox` the generators deliver
