@@ -9,14 +9,24 @@ import torch
 from asyncrl.config import Config
 from asyncrl.protocol.messages import Ready
 from asyncrl.rewards.scoring import ScoringStopped
-from asyncrl.runtimes.interface import generator_name
 from asyncrl.transports.groups.factory import make_group_sender
 from asyncrl.transports.groups.interface import GroupSender, detach_payloads, sender_for
 from asyncrl.transports.weights.inprocess import InProcessChannel
 from asyncrl.workers.generator import GeneratorWorker
-from asyncrl.workers.interface import TEACHER, TRAINER, Worker, payload_routes, role_of
+from asyncrl.workers.interface import (
+    GENERATOR,
+    TEACHER,
+    TRAINER,
+    Worker,
+    payload_routes,
+    role_of,
+    run_workers,
+)
 from asyncrl.workers.teacher import TeacherWorker
 from asyncrl.workers.trainer import TrainerWorker
+
+# The roles an inline run has (one trainer rank: trainer.ranks > 1 needs processes), in turn order.
+INLINE_ORDER = {TRAINER: 0, GENERATOR: 1, TEACHER: 2}
 
 
 class InlineRuntime:
@@ -35,7 +45,8 @@ class InlineRuntime:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.generator_names = [generator_name(i) for i in range(cfg.runtime.generators)]
+        self.plan = run_workers(cfg)  # the trainer, the teacher stage with distillation, the generators
+        self.generator_names = [p.name for p in self.plan if p.role == GENERATOR]
         self._default_threads = torch.get_num_threads()
         self._events: list = []
         # Every worker by name, the trainer first (then the generators, the teacher stage last).
@@ -53,17 +64,19 @@ class InlineRuntime:
 
     def start(self) -> None:
         channel = InProcessChannel()
-        trainer = TrainerWorker(TRAINER, self.cfg, lambda layout: channel)
-        self.workers = {TRAINER: trainer}
-        for i, name in enumerate(self.generator_names):
-            self.workers[name] = GeneratorWorker(
-                name, self.cfg, lambda layout: channel, seed=self.cfg.run.seed + i
-            )
-        inboxes = {TRAINER: trainer.inbox}
-        if self.cfg.distill.enabled:
-            teacher = TeacherWorker(TEACHER, self.cfg, receiver_factory=lambda layout: channel)
-            self.workers[TEACHER] = teacher
-            inboxes[TEACHER] = teacher.inbox
+        # Every worker of the plan in this process, in the order they take turns: the trainer (it
+        # publishes to the channel), the generators, the teacher stage. Building one is its role's.
+        inboxes = {}  # of the workers that take deliveries (trainer, teacher stage)
+        for p in sorted(self.plan, key=lambda p: INLINE_ORDER[p.role]):
+            if p.role == TRAINER:
+                trainer = TrainerWorker(p.name, self.cfg, lambda layout: channel)
+                self.workers[p.name], inboxes[p.name] = trainer, trainer.inbox
+            elif p.role == GENERATOR:
+                seed = self.cfg.run.seed + p.index
+                self.workers[p.name] = GeneratorWorker(p.name, self.cfg, lambda layout: channel, seed=seed)
+            else:
+                teacher = TeacherWorker(p.name, self.cfg, receiver_factory=lambda layout: channel)
+                self.workers[p.name], inboxes[p.name] = teacher, teacher.inbox
         # What a worker delivers goes into the inboxes by reference; the controller gets the headers.
         for name in self.workers:
             routes = payload_routes(role_of(name), self.cfg)

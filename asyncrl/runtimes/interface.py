@@ -55,9 +55,5 @@ class ElasticRuntime(Protocol):
         ...
 
 
-def generator_name(i: int) -> str:
-    return f"generator-{i}"
-
-
 def is_generator(name: str) -> bool:
     return name.startswith("generator-")

@@ -37,17 +37,8 @@ from asyncrl.lifeline import Owner, exit_with_owner, ignore_stop_signals, stop_s
 from asyncrl.models.loading import resolve_device
 from asyncrl.protocol.messages import Ready, Stop, WorkerError, WorkerFailed
 from asyncrl.runtimes.cores import CoreShare, available_cores
-from asyncrl.runtimes.interface import generator_name
 from asyncrl.runtimes.processes import adopt_environment, start_process_helpers, worker_context
-from asyncrl.runtimes.serving import (
-    TRAINER_RANK,
-    build_worker,
-    drain,
-    failed,
-    ready,
-    serve_worker,
-)
-from asyncrl.trainer.distributed import trainer_rank_name
+from asyncrl.runtimes.serving import build_worker, drain, failed, is_trainer, ready, serve_worker
 from asyncrl.transports.groups.factory import make_group_sender, make_inbox
 from asyncrl.transports.groups.interface import sender_for
 from asyncrl.transports.weights.factory import (
@@ -58,7 +49,15 @@ from asyncrl.transports.weights.factory import (
     transport_spec,
     unlink_segment,
 )
-from asyncrl.workers.interface import GENERATOR, TEACHER, TRAINER, payload_routes
+from asyncrl.workers.interface import (
+    GENERATOR,
+    TEACHER,
+    TRAINER,
+    TRAINER_RANK,
+    payload_routes,
+    receivers,
+    run_workers,
+)
 
 RANK_FAILURE_GRACE_S = 1.0  # how long a trainer rank's failure waits for a sibling rank's exit to show
 INTERRUPT_CHECK_S = 0.1  # how often a worker looks at the shared stop flag
@@ -77,8 +76,7 @@ def _worker_main(
     slot: int,
     cmd_q,
     evt_q,
-    payload_q,
-    teacher_q,
+    inboxes: dict,
     interrupt,
     environ: dict[str, str],
     owner_pid: int,
@@ -88,9 +86,9 @@ def _worker_main(
     ``index`` is the generator's index, or the trainer rank; ``group`` says where trainer
     ranks meet (``master_addr``, ``master_port``, ``world_size``); ``slot`` is the
     worker's entry in the shared busy flags. Trainer ranks 1.. have no command queue: they
-    run rank 0's commands (:func:`run_follower`). ``payload_q`` carries the generators' groups
-    to the trainer (:mod:`asyncrl.transports.groups`); ``teacher_q`` a copy of them to the teacher
-    stage (None without one), whose scores go to the trainer on ``payload_q`` too.
+    run rank 0's commands (:func:`run_follower`). ``inboxes``: the queue of every worker that
+    takes deliveries, by name (:func:`~asyncrl.workers.interface.receivers`: the trainer's, and
+    with distillation the teacher stage's), which carry what :func:`payload_routes` says.
     ``interrupt``: set when the run stops.
     ``environ``: the run's environment when the worker was started; ``owner_pid``: the run's
     process (not the parent when the worker was forked from the fork server).
@@ -113,8 +111,7 @@ def _worker_main(
         else:
             cores = CoreShare(busy_flags, slot=slot, cores=available_cores())
         cfg = Config.model_validate_json(cfg_json)
-        queues = {TRAINER: payload_q, TEACHER: teacher_q}  # every worker's inbox, by its name
-        feed = queues.get(role)
+        feed = inboxes.get(name)
         inbox = make_inbox("queue", feed) if feed is not None else None
         worker, _ = build_worker(role, name, index, cfg, spec, group, elastic=False, inbox=inbox)
         threading.Thread(
@@ -131,15 +128,14 @@ def _worker_main(
             evt_q.put,
             should_exit=owner.gone.is_set,  # looked at on every engine step: no /proc read there
             on_busy=busy,
-            groups=sender_for([make_group_sender("queue", queues[to]) for to in payload_routes(role, cfg)]),
+            groups=sender_for([make_group_sender("queue", inboxes[to]) for to in payload_routes(role, cfg)]),
         )
         if not owner.alive():
             evt_q.cancel_join_thread()  # nobody will read what is still queued; do not wait for it
         # Groups still on their way when the run stops are not needed (the checkpoint was
         # written): exiting must not wait for a trainer that no longer reads them.
-        payload_q.cancel_join_thread()
-        if teacher_q is not None:
-            teacher_q.cancel_join_thread()
+        for q in inboxes.values():
+            q.cancel_join_thread()
     except BaseException as exc:
         # Exiting joins the queue's feeder thread, so the report is written before the process ends.
         evt_q.put(failed(name, exc))
@@ -161,6 +157,16 @@ def _set_busy(cores: CoreShare, busy: bool) -> None:
         cores.fit()
 
 
+def _core_slot(role: str, index: int, generators: int) -> int:
+    """A worker's entry in the shared busy flags (runtimes/cores.py): the trainer's 0, generator
+    i's i+1, trainer rank r's generators+r; the teacher's process has its own thread count, no slot."""
+    if role == GENERATOR:
+        return index + 1
+    if role == TRAINER_RANK:
+        return generators + index
+    return 0
+
+
 class LocalRuntime:
     """The trainer ranks and the generators, each in its own process on this machine.
 
@@ -176,19 +182,19 @@ class LocalRuntime:
     def __init__(self, cfg: Config, run_dir: Path) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
-        self.generator_names = [generator_name(i) for i in range(cfg.runtime.generators)]
-        self.trainer_names = [trainer_rank_name(r) for r in range(cfg.trainer.ranks)]
+        self.plan = run_workers(cfg)
+        self.generator_names = [p.name for p in self.plan if p.role == GENERATOR]
+        self.trainer_names = [p.name for p in self.plan if is_trainer(p.role)]
         on_cuda = resolve_device(cfg.model.device).type == "cuda"
         self._ctx = worker_context(cfg.runtime.start_method, on_cuda)
         start_process_helpers(self._ctx)  # before the queues: their semaphores use the resource tracker
         self._events = self._ctx.Queue()
-        self._payloads = self._ctx.Queue()  # generators -> trainer: the groups themselves
-        # generators -> the teacher stage (on-policy distillation): a copy of every finished group
-        self._to_teacher = self._ctx.Queue() if cfg.distill.enabled else None
+        # The inbox of every worker that takes deliveries: the trainer's (the generators' groups,
+        # the teacher's scores) and with distillation the teacher stage's (a copy of every group).
+        self._inboxes = {name: self._ctx.Queue() for name in receivers(cfg)}
         self._commands: dict[str, object] = {}
         self._procs: dict[str, mp.Process] = {}
-        # Slot 0 is the trainer's, slot i+1 generator i's, slot N+r trainer rank r's (see
-        # runtimes/cores.py); the teacher's process has its own thread count, no slot.
+        # One busy flag per worker with a core slot (_core_slot).
         self._busy = self._ctx.Array("b", cfg.runtime.generators + cfg.trainer.ranks, lock=False)
         self._stopping = False
         self._interrupt = self._ctx.RawValue("b", 0)
@@ -205,14 +211,14 @@ class LocalRuntime:
             "master_port": free_port() if ranks > 1 else 0,
         }
         trainer_threads, generator_threads = self.cfg.threads("trainer"), self.cfg.threads("generator")
-        roles = [(TRAINER, TRAINER, 0, trainer_threads, 0)]
-        roles += [
-            (TRAINER_RANK, self.trainer_names[r], r, trainer_threads, gens + r) for r in range(1, ranks)
-        ]
-        roles += [(GENERATOR, n, i, generator_threads, i + 1) for i, n in enumerate(self.generator_names)]
-        if self._to_teacher is not None:
-            roles.append((TEACHER, TEACHER, 0, self.cfg.distill.threads or max(1, generator_threads), 0))
-        for role, name, index, threads, slot in roles:
+        threads = {
+            TRAINER: trainer_threads,
+            TRAINER_RANK: trainer_threads,
+            GENERATOR: generator_threads,
+            TEACHER: self.cfg.distill.threads or max(1, generator_threads),
+        }
+        for placed in self.plan:
+            role, name, index = placed.role, placed.name, placed.index
             if role != TRAINER_RANK:
                 self._commands[name] = self._ctx.Queue()
             proc = self._ctx.Process(
@@ -226,13 +232,12 @@ class LocalRuntime:
                     cfg_json,
                     self._spec,
                     group,
-                    threads,
+                    threads[role],
                     self._busy,
-                    slot,
+                    _core_slot(role, index, gens),
                     self._commands.get(name),
                     self._events,
-                    self._payloads,
-                    self._to_teacher,
+                    self._inboxes,
                     self._interrupt,
                     dict(os.environ),
                     os.getpid(),
@@ -329,7 +334,7 @@ class LocalRuntime:
                 proc.kill()
         for proc in self._procs.values():
             proc.join(timeout=5)
-        for q in [*self._commands.values(), self._events, self._payloads, *filter(None, [self._to_teacher])]:
+        for q in [*self._commands.values(), self._events, *self._inboxes.values()]:
             q.cancel_join_thread()
             q.close()
         if self._spec is not None and self._spec.segment:

@@ -55,19 +55,15 @@ from asyncrl.rewards.judges.client import ENV as JUDGE_ENV
 from asyncrl.rewards.pool import ENV as POOL_ENV
 from asyncrl.rewards.pool_service import RewardActor
 from asyncrl.runtimes.cores import available_cores
-from asyncrl.runtimes.interface import generator_name, is_generator
+from asyncrl.runtimes.interface import is_generator
 from asyncrl.runtimes.ray_actor import WorkerActor
-from asyncrl.runtimes.serving import (
-    TRAINER_RANK,
-    is_trainer,
-)
-from asyncrl.trainer.distributed import trainer_rank_name
+from asyncrl.runtimes.serving import is_trainer
 from asyncrl.transports.weights.factory import (
     TransportSpec,
     transport_spec,
     unlink_segment,
 )
-from asyncrl.workers.interface import GENERATOR, TEACHER, TRAINER
+from asyncrl.workers.interface import GENERATOR, TEACHER, TRAINER, generator_name, run_workers
 
 POLL_WAIT_S = 0.5  # how long an actor's events() call waits for something to report
 
@@ -100,8 +96,9 @@ class RayRuntime:
         self.cfg = cfg
         self.rcfg = cfg.runtime.ray
         self.run_dir = run_dir
-        self.generator_names = [generator_name(i) for i in range(cfg.runtime.generators)]
-        self.trainer_names = [trainer_rank_name(r) for r in range(cfg.trainer.ranks)]
+        self.plan = run_workers(cfg)
+        self.generator_names = [p.name for p in self.plan if p.role == GENERATOR]
+        self.trainer_names = [p.name for p in self.plan if is_trainer(p.role)]
         self._actors: dict[str, object] = {}
         self._pending: dict[str, object] = {}  # worker -> outstanding events() reference
         self._seq: dict[str, int] = {}
@@ -148,10 +145,7 @@ class RayRuntime:
         if self._spec.kind == "broadcast":
             self._members = list(self.generator_names)
         self._placement = self._trainer_placement()
-        ranks = [
-            self._create(TRAINER if r == 0 else TRAINER_RANK, name, r)
-            for r, name in enumerate(self.trainer_names)
-        ]
+        ranks = [self._create(p.role, p.name, p.index) for p in self.plan if is_trainer(p.role)]
         # The weight-sync group's store and the trainer ranks' store live with rank 0: its
         # node's address, and ports free there.
         try:
@@ -170,10 +164,12 @@ class RayRuntime:
         group = {"world_size": len(ranks), "master_addr": host, "master_port": rank_port}
         for rank in ranks:
             rank.start.remote(self._spec, group)
-        if self.cfg.distill.enabled:
-            self._create(TEACHER, TEACHER, 0).start.remote(self._spec, {}, ranks[0])
-        for i, name in enumerate(self.generator_names):
-            self._create(GENERATOR, name, i).start.remote(self._spec, {}, ranks[0], self._actors.get(TEACHER))
+        for p in self.plan:  # the teacher stage (with distillation) before the generators that feed it
+            if p.role == TEACHER:
+                self._create(p.role, p.name, p.index).start.remote(self._spec, {}, ranks[0])
+            elif p.role == GENERATOR:
+                actor = self._create(p.role, p.name, p.index)
+                actor.start.remote(self._spec, {}, ranks[0], self._actors.get(TEACHER))
         self._wait_ready(set(self._actors))
         if self._spec.kind == "shm":
             self._check_same_node(self.generator_names)

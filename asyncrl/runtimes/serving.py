@@ -30,7 +30,7 @@ from asyncrl.transports.groups.inbox import Inbox
 from asyncrl.transports.groups.interface import GroupSender, detach_payloads
 from asyncrl.transports.weights.factory import TransportSpec, make_receiver, make_sender, weights_device
 from asyncrl.workers.generator import GeneratorWorker
-from asyncrl.workers.interface import TEACHER, TRAINER, Worker
+from asyncrl.workers.interface import TEACHER, TRAINER, TRAINER_RANK, Worker
 from asyncrl.workers.teacher import TeacherWorker
 from asyncrl.workers.trainer import TrainerWorker
 
@@ -131,9 +131,6 @@ def serve_producer(
             emit(event)
         if on_busy is not None and worker.idle:
             on_busy(False)  # at once: the trainer may be starting on what was just sent
-
-
-TRAINER_RANK = "trainer-rank"  # role of trainer ranks 1..M-1
 
 
 def is_trainer(role: str) -> bool:

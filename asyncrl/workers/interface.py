@@ -8,19 +8,55 @@ actors) drives every one through it alone: commands in by :meth:`Worker.handle`,
 worker's own work advanced by :meth:`Worker.work`, events out of both. What a worker
 delivers besides its events — a generator's groups, the teacher's scores — goes to the
 inboxes :func:`payload_routes` names, by whatever group transport the runtime uses; that
-fan-out is written here, once. (The reward pool's processes are not workers of the run:
+fan-out is written here, once, as is which workers a run has (:func:`run_workers`): each
+runtime places them, by role, without deciding which exist. (The reward pool's processes are not workers of the run:
 they score for the generators over a channel of their own, :mod:`asyncrl.rewards.pool`.)
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from asyncrl.config import Config
+from asyncrl.trainer.distributed import trainer_rank_name
 
 TRAINER = "trainer"
 TEACHER = "teacher"
 GENERATOR = "generator"
+TRAINER_RANK = "trainer-rank"  # the role of trainer ranks 1..M-1: they run rank 0's commands
+
+
+def generator_name(i: int) -> str:
+    return f"generator-{i}"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One process (or actor) a run starts: its role, its name, and its index in the role (the
+    trainer's rank, the generator's number)."""
+
+    role: str
+    name: str
+    index: int
+
+
+def run_workers(cfg: Config) -> list[Placement]:
+    """What a run starts, in the order runtimes start them: the trainer's ranks (rank 0 is the
+    trainer the controller knows), the teacher stage with on-policy distillation, the generators."""
+    out = [
+        Placement(TRAINER if r == 0 else TRAINER_RANK, trainer_rank_name(r), r)
+        for r in range(cfg.trainer.ranks)
+    ]
+    if cfg.distill.enabled:
+        out.append(Placement(TEACHER, TEACHER, 0))
+    out += [Placement(GENERATOR, generator_name(i), i) for i in range(cfg.runtime.generators)]
+    return out
+
+
+def receivers(cfg: Config) -> list[str]:
+    """The workers that take deliveries (:func:`payload_routes` of every worker of the run)."""
+    return list(dict.fromkeys(to for p in run_workers(cfg) for to in payload_routes(p.role, cfg)))
 
 
 @runtime_checkable

@@ -1,5 +1,6 @@
 """The worker interface: every worker implements it, every runtime drives workers through it alone,
-and where a worker's deliveries go is written once (payload_routes)."""
+and which workers a run has (run_workers) and where their deliveries go (payload_routes) are
+written once."""
 
 from __future__ import annotations
 
@@ -12,7 +13,18 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.transports.groups.interface import FanOut, GroupSender, sender_for
 from asyncrl.workers.generator import GeneratorWorker
-from asyncrl.workers.interface import GENERATOR, TEACHER, TRAINER, Worker, payload_routes, role_of
+from asyncrl.workers.interface import (
+    GENERATOR,
+    TEACHER,
+    TRAINER,
+    TRAINER_RANK,
+    Placement,
+    Worker,
+    payload_routes,
+    receivers,
+    role_of,
+    run_workers,
+)
 from asyncrl.workers.teacher import TeacherWorker
 from asyncrl.workers.trainer import TrainerWorker
 
@@ -91,3 +103,31 @@ def test_runtimes_drive_workers_through_the_interface_alone(module: str, holders
     used = set().union(*(_used_on(tree, h) for h in holders))
     assert used, module
     assert used <= MEMBERS, f"{module} uses {sorted(used - MEMBERS)} beyond Worker"
+
+
+def test_which_workers_a_run_starts_is_written_once() -> None:
+    """The plan every runtime places: trainer ranks, the teacher stage with distillation, generators."""
+    assert run_workers(load_config(None, ["runtime.generators=2"])) == [
+        Placement(TRAINER, "trainer", 0),
+        Placement(GENERATOR, "generator-0", 0),
+        Placement(GENERATOR, "generator-1", 1),
+    ]
+    cfg = load_config(None, ["runtime.kind=local", "trainer.ranks=2", "distill.teacher=tiny:1m"])
+    assert run_workers(cfg) == [
+        Placement(TRAINER, "trainer", 0),
+        Placement(TRAINER_RANK, "trainer-rank-1", 1),
+        Placement(TEACHER, "teacher", 0),
+        Placement(GENERATOR, "generator-0", 0),
+    ]
+    assert receivers(cfg) == ["trainer", "teacher"]  # what takes deliveries: their inboxes
+    assert receivers(load_config(None, [])) == ["trainer"]
+
+
+def test_no_runtime_decides_which_workers_exist() -> None:
+    """The runtimes place run_workers' plan by role; none reads the config to decide whether a
+    teacher stage exists or how many generators and trainer ranks there are."""
+    for name in ("inline.py", "local.py", "ray_runtime.py"):
+        source = (PACKAGE / "runtimes" / name).read_text(encoding="utf-8")
+        assert "run_workers(cfg)" in source, name
+        for decision in ("distill.enabled", "range(cfg.runtime.generators)", "range(cfg.trainer.ranks)"):
+            assert decision not in source, (name, decision)
