@@ -104,8 +104,8 @@ class GeneratorWorker:
         self._preempt = False
         self._busy_since: float | None = None
         self._layout = layout
-        # A new broadcast group to move to (set by join_group from the thread serving the worker's calls), and the
-        # version its first publication carries at least, once moved.
+        # A new broadcast group to move to (set by join_group from the thread serving the
+        # worker's calls), and the version its first publication carries at least, once moved.
         self._group_lock = threading.Lock()
         self._next_receiver: tuple[Callable[[WeightLayout], WeightReceiver], int] | None = None
         self._moving = threading.Event()  # set by join_group until the move is made
