@@ -365,7 +365,8 @@ class VllmEngine(Engine):
                 )
             ids.append(f"score#{next(self._ids)}")
             row = TokensPrompt(prompt_token_ids=[*prompt, *completion], cache_salt=f"w{self.weights_epoch}")
-            self._llm.add_request(ids[-1], row, params)
+            base = self.adapters.request(None) if self.adapters is not None else None  # (vllm_adapters)
+            self._llm.add_request(ids[-1], row, params, lora_request=base)
         done: dict[str, list] = {}
         while len(done) < len(ids):
             for out in self._llm.step():
