@@ -70,5 +70,10 @@ class Registry(Generic[T]):
         load_plugins()
         return list(self._entries.items())
 
+    def built(self, argument: object) -> list:
+        """For a registry of builders: each entry called with ``argument``, in the order they were
+        registered, what they give (an entry that gives None is left out)."""
+        return [part for _, make in self.entries() if (part := make(argument)) is not None]
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())

@@ -186,7 +186,7 @@ class Features:
 
     @classmethod
     def of(cls, built: Built) -> Features:
-        return cls(f for f in (make(built) for _, make in FEATURES.entries()) if f is not None)
+        return cls(FEATURES.built(built))
 
     def __iter__(self):
         return iter(self.members)

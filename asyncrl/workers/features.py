@@ -75,7 +75,7 @@ class StepFeatures:
 
     @classmethod
     def of(cls, cfg: Config) -> StepFeatures:
-        return cls(f for f in (make(cfg) for _, make in STEP_FEATURES.entries()) if f is not None)
+        return cls(STEP_FEATURES.built(cfg))
 
     def expand(self, command: object) -> list[object] | None:
         return next((out for f in self.members if (out := f.expand(command)) is not None), None)
@@ -116,7 +116,7 @@ class GenerationFeatures:
 
     @classmethod
     def of(cls, cfg: Config) -> GenerationFeatures:
-        return cls(f for f in (make(cfg) for _, make in GENERATION_FEATURES.entries()) if f is not None)
+        return cls(GENERATION_FEATURES.built(cfg))
 
     def submitted(self, command: Submit) -> None:
         for f in self.members:
