@@ -108,7 +108,17 @@ def result_of(req: GenerationRequest, generated: Tokens, finish: str) -> Generat
 class Row:
     """Python-side state of one running sequence."""
 
-    __slots__ = ("generated", "head", "kv_epoch", "logits_version", "request", "reserved", "stop_chars")
+    __slots__ = (
+        "done",
+        "generated",
+        "head",
+        "kv_epoch",
+        "logits_version",
+        "request",
+        "reserved",
+        "stop_chars",
+        "stop_ids",
+    )
 
     def __init__(
         self, request: GenerationRequest, logits_version: int, kv_epoch: int, head: list[int]
@@ -124,13 +134,12 @@ class Row:
         self.generated = request.prefix.tokens() if request.prefix else Tokens.empty(keep_support)
         if keep_support and self.generated.supports is None:
             self.generated.supports = [None] * self.generated.num_completion_tokens
+        # Tokens generated so far, a resumed prefix included: counted here rather than read from
+        # the record's length, since every step asks it of every row.
+        self.done = self.generated.num_completion_tokens
         self.reserved = reserve(request)
         self.stop_chars = max((len(s) for s in request.sampling.stop), default=0)
-
-    @property
-    def done(self) -> int:
-        """Tokens generated so far, including a resumed prefix."""
-        return self.generated.num_completion_tokens
+        self.stop_ids = frozenset(request.sampling.stop_token_ids)
 
     def hit_stop_string(self, decode: Callable[[list[int]], str] | None) -> bool:
         if not self.stop_chars or decode is None:
@@ -157,6 +166,7 @@ class Scheduler:
         self.waiting: list[GenerationRequest] = []
         self.rows: list[Row | None] = [None] * num_slots
         self.lengths = [0] * num_slots
+        self.num_running = 0  # rows that are not None
         # The rows that left at the last postprocess or abort: (result, slot, cached columns),
         # for what the runner still holds of them (their expert routes) until the next plan.
         self.left: list[tuple[GenerationResult, int, int]] = []
@@ -166,10 +176,6 @@ class Scheduler:
     def running(self) -> list[Row]:
         return [row for row in self.rows if row is not None]
 
-    @property
-    def num_running(self) -> int:
-        return len(self.running())
-
     def tokens_in_flight(self) -> int:
         """KV-cache tokens reserved by the running sequences (context + budget each)."""
         return sum(row.reserved for row in self.running())
@@ -177,6 +183,8 @@ class Scheduler:
     def admissible(self) -> int:
         """How many waiting requests (from the front of the queue) fit now: a free slot and room
         in the token budget for each."""
+        if not self.waiting:  # asked at every step: nothing to add up when nobody waits
+            return 0
         count = 0
         free = self.num_slots - self.num_running
         reserved = self.tokens_in_flight()
@@ -191,6 +199,7 @@ class Scheduler:
     def _free(self, slot: int) -> None:
         self.rows[slot] = None
         self.lengths[slot] = 0
+        self.num_running -= 1
 
     # -- shapes -------------------------------------------------------------------------
 
@@ -264,6 +273,7 @@ class Scheduler:
         for req, slot, ctx, (row_version, epoch) in zip(requests, slots, contexts, clocks, strict=True):
             self.rows[slot] = Row(req, row_version, epoch, ctx[:MIN_SHARED_PREFIX])
             self.lengths[slot] = len(ctx)
+        self.num_running += len(requests)
         return plan
 
     def _donors(
@@ -337,13 +347,14 @@ class Scheduler:
         returns their results."""
         finished = []
         self.left = []
+        rows, supports = self.rows, drawn.supports
         for i, (slot, tok, lp) in enumerate(zip(plan.slots, drawn.tokens, drawn.logprobs, strict=True)):
-            row = self.rows[slot]
-            row.generated.append(tok, lp, row.logits_version, drawn.supports[i] if drawn.supports else None)
-            params = row.request.sampling
-            if tok in params.stop_token_ids or row.hit_stop_string(decode):
+            row = rows[slot]
+            row.generated.append(tok, lp, row.logits_version, supports[i] if supports else None)
+            row.done += 1
+            if tok in row.stop_ids or (row.stop_chars and row.hit_stop_string(decode)):
                 finished.append(row.result("stop"))
-            elif row.done >= params.max_new_tokens:
+            elif row.done >= row.request.sampling.max_new_tokens:
                 finished.append(row.result("length"))
             else:
                 continue
@@ -366,12 +377,14 @@ class Scheduler:
             return None
         moves = self._compact(next_token, self.admissible() if refill else 0)
         rows = self.decode_rows(max(next_token))
-        length = self.attend_length(max(self.lengths[s] for s in next_token) + 1, decode=True)
-        plan = DecodePlan(moves, next_token, rows, self.lengths[:rows], length)
+        lengths = self.lengths
+        length = self.attend_length(max(lengths[s] for s in next_token) + 1, decode=True)
+        plan = DecodePlan(moves, next_token, rows, lengths[:rows], length)
         for slot in next_token:
             row = self.rows[slot]
-            self.lengths[slot] += 1
-            row.logits_version = clock_of(row.request.adapter, version, 0, adapters)[0]
+            lengths[slot] += 1
+            adapter = row.request.adapter
+            row.logits_version = version if adapter is None else clock_of(adapter, version, 0, adapters)[0]
         return plan
 
     def _compact(self, next_token: dict[int, int], refill: int) -> list[tuple[int, int, int]]:
@@ -402,7 +415,7 @@ class Scheduler:
             out.append((slot, target, self.lengths[slot]))
             self.rows[target], self.lengths[target] = self.rows[slot], self.lengths[slot]
             next_token[target] = next_token.pop(slot)
-            self._free(slot)
+            self.rows[slot], self.lengths[slot] = None, 0  # moved, not freed: num_running stays
         return out
 
     def abort(self, wanted: set[str] | None) -> list[GenerationResult]:
