@@ -49,8 +49,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from asyncrl.engine.embedded import EmbeddedEngine
+    from asyncrl.engine.types import GenerationRequest
+    from asyncrl.trainer.trainer import Trainer
+    from asyncrl.types import Sample
 
 # Dense bfloat16 tensor-core peaks (FLOP/s) of the GPUs we report MFU on.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
@@ -160,12 +167,10 @@ def engine_workloads(quick: bool, vocab: int) -> dict[str, tuple[list[list[int]]
     }
 
 
-def run_engine(model, prompts, budgets, in_flight, device, cuda_graphs: bool = True) -> dict:
+def make_engine(model, prompts, budgets, in_flight: int, cuda_graphs: bool) -> EmbeddedEngine:
     from asyncrl.engine.embedded import EmbeddedEngine
-    from asyncrl.engine.sampling import SamplingParams
-    from asyncrl.engine.types import GenerationRequest
 
-    engine = EmbeddedEngine(
+    return EmbeddedEngine(
         model,
         pad_token_id=0,
         max_batch_size=in_flight,
@@ -176,19 +181,27 @@ def run_engine(model, prompts, budgets, in_flight, device, cuda_graphs: bool = T
         cuda_graphs=cuda_graphs,
     )
 
-    def requests(n: int):
-        return [
-            GenerationRequest(
-                f"r{i}", prompts[i], SamplingParams(budgets[i], temperature=1.0, top_p=0.95), seed=i
-            )
-            for i in range(n)
-        ]
 
-    engine.generate(requests(min(4, len(prompts))))  # warm-up
+def engine_requests(prompts, budgets, n: int) -> list[GenerationRequest]:
+    """The first ``n`` requests, sampled at temperature 1 and top-p 0.95, each with its own seed."""
+    from asyncrl.engine.sampling import SamplingParams
+    from asyncrl.engine.types import GenerationRequest
+
+    return [
+        GenerationRequest(
+            f"r{i}", prompts[i], SamplingParams(budgets[i], temperature=1.0, top_p=0.95), seed=i
+        )
+        for i in range(n)
+    ]
+
+
+def run_engine(model, prompts, budgets, in_flight, device, cuda_graphs: bool = True) -> dict:
+    engine = make_engine(model, prompts, budgets, in_flight, cuda_graphs)
+    engine.generate(engine_requests(prompts, budgets, min(4, len(prompts))))  # warm-up
     reset_peak(device)
     steps0, busy0 = engine.stats["steps"], engine.stats["busy_s"]
     t0 = time.perf_counter()
-    results = engine.generate(requests(len(prompts)))
+    results = engine.generate(engine_requests(prompts, budgets, len(prompts)))
     sync(device)
     seconds = time.perf_counter() - t0
     tokens = sum(len(r.completion_ids) for r in results)
@@ -284,14 +297,14 @@ def run_generate_or_error(model, prompts, budgets, in_flight, device, static: bo
 # -- the trainer ----------------------------------------------------------------------------------
 
 
-def trainer_part(device: torch.device, quick: bool, out: dict, emit) -> None:
+def build_trainer(device: torch.device, quick: bool) -> tuple[Trainer, list[Sample]]:
+    """The trainer on the model's shape (float32 master weights, bfloat16 compute on CUDA) and
+    one step's samples: groups of completions of random tokens, advantages +-1 (none skipped)."""
     from asyncrl.config import AlgorithmConfig, TrainerConfig
     from asyncrl.trainer.trainer import Trainer
     from asyncrl.types import Sample
 
-    compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(quick, device, torch.float32).train()
-    params = sum(p.numel() for p in model.parameters())
     trainer = Trainer(
         model,
         pad_token_id=0,
@@ -300,7 +313,7 @@ def trainer_part(device: torch.device, quick: bool, out: dict, emit) -> None:
         temperature=1.0,
         max_completion_length=512,
         total_steps=10,
-        compute_dtype=compute,
+        compute_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
     )
     groups, group_size = (2, 4) if quick else (4, 8)
     prompt_len, completion_len = (32, 64) if quick else (256, 512)
@@ -324,34 +337,39 @@ def trainer_part(device: torch.device, quick: bool, out: dict, emit) -> None:
                     advantage=1.0 if k % 2 else -1.0,
                 )
             )
+    return trainer, samples
 
-    parts: dict[str, list[float]] = {"prepare": [], "accumulate": [], "finish": []}
 
-    def step() -> float:
-        """One optimizer step, timed as a whole and by part (planning, collation and recomputed
-        old log-probs; forward and backward; clipping and AdamW), each ended by a device sync."""
-        sync(device)
-        t0 = time.perf_counter()
-        trainer.begin_step()
-        batches = trainer.prepare(samples)
-        sync(device)
-        t1 = time.perf_counter()
-        trainer.accumulate(batches)
-        sync(device)
-        t2 = time.perf_counter()
-        trainer.finish_step(trainer.batch_divisor(samples))
-        sync(device)
-        t3 = time.perf_counter()
-        for name, seconds in zip(parts, (t1 - t0, t2 - t1, t3 - t2), strict=True):
-            parts[name].append(seconds)
-        return t3 - t0
+# The parts of an optimizer step: planning, collation and recomputed old log-probs; forward
+# and backward; clipping and AdamW.
+TRAINER_STEP_PARTS = ("prepare", "accumulate", "finish")
 
-    step()  # warm-up
-    for times in parts.values():
-        times.clear()
+
+def trainer_step(trainer: Trainer, samples: list[Sample], device: torch.device) -> tuple[float, float, float]:
+    """One optimizer step; the seconds of each of its parts, each ended by a device sync."""
+    sync(device)
+    t0 = time.perf_counter()
+    trainer.begin_step()
+    batches = trainer.prepare(samples)
+    sync(device)
+    t1 = time.perf_counter()
+    trainer.accumulate(batches)
+    sync(device)
+    t2 = time.perf_counter()
+    trainer.finish_step(trainer.batch_divisor(samples))
+    sync(device)
+    t3 = time.perf_counter()
+    return t1 - t0, t2 - t1, t3 - t2
+
+
+def trainer_part(device: torch.device, quick: bool, out: dict, emit) -> None:
+    trainer, samples = build_trainer(device, quick)
+    params = sum(p.numel() for p in trainer.model.parameters())
+    trainer_step(trainer, samples, device)  # warm-up
     reset_peak(device)
-    seconds = statistics.median(step() for _ in range(1 if quick else 3))
-    tokens = len(samples) * (prompt_len + completion_len)
+    steps = [trainer_step(trainer, samples, device) for _ in range(1 if quick else 3)]
+    seconds = statistics.median(sum(parts) for parts in steps)
+    tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     name = device_name(device)
     flops = peak_flops(name) if device.type == "cuda" else None
     out.update(
@@ -360,10 +378,13 @@ def trainer_part(device: torch.device, quick: bool, out: dict, emit) -> None:
             "samples": len(samples),
             "tokens": tokens,
             "master_dtype": "float32",
-            "compute_dtype": str(compute).removeprefix("torch."),
+            "compute_dtype": str(trainer.compute_dtype).removeprefix("torch."),
             "packing": trainer.cfg.packing,
             "s_per_step": round(seconds, 4),
-            "part_s_median": {name: round(statistics.median(t), 4) for name, t in parts.items()},
+            "part_s_median": {
+                part: round(statistics.median(parts[i] for parts in steps), 4)
+                for i, part in enumerate(TRAINER_STEP_PARTS)
+            },
             "tokens_per_s": round(tokens / seconds, 1),
             "mfu": round(6 * params * tokens / seconds / flops, 4) if flops else None,
             "peak_gb": peak_gb(device),
