@@ -1,6 +1,6 @@
-"""asyncrl on the GPU that is present: the default example, the engine, the trainer, weight sync.
+"""asyncrl on the GPU that is present: the default example, the engine, the trainer, weight sync, profiles.
 
-    python bench/gpu.py [--parts default engine trainer weight_sync loop] [--steps 150] [--loop-steps 12]
+    python bench/gpu.py [--parts default engine trainer weight_sync loop profile] [--steps 150] [--loop-steps 12]
     python bench/gpu.py --device cpu --quick      # a few seconds per part, to check the script itself
 
 Prints the JSON object measured so far after every measurement, one full line each, so a run
@@ -31,7 +31,12 @@ result). It holds the device's name and, per part:
 * ``weight_sync``: seconds from the start of a publication until a receiver in another
   process holds the version in GPU memory (as the engine loads it), per transport, for that
   model's weights in bfloat16: the median (and fastest) of several versions after an untimed
-  first one.
+  first one;
+* ``profile``: torch.profiler over 5 engine decode steps with CUDA graphs and 5 without
+  (64 requests in flight) and 2 trainer steps, on that shape (``bench/gpu_profile.py``): per
+  step the CPU wall time and the GPU busy time (kernel time), per case the top kernels by GPU
+  time and the top host-side operators by self CPU time; the profiler's tables written to
+  ``--profile-dir`` (``bench-profile/``), Chrome traces too with ``--profile-trace``.
 
 ``--quick`` swaps the 0.5B shape for a tiny one and shortens every part.
 """
@@ -567,6 +572,15 @@ def _time_transport(spec, layout, named, versions: int, results, device: torch.d
             sender.close()
 
 
+# -- profiles -------------------------------------------------------------------------------------
+
+
+def profile_part(args: argparse.Namespace, device: torch.device, out: dict, emit) -> None:
+    import gpu_profile  # bench/ is this script's directory; imported here, as it imports this module
+
+    gpu_profile.profile_part(device, args.quick, Path(args.profile_dir), args.profile_trace, out, emit)
+
+
 # Each part fills its own dict of the result and calls emit() after every measurement.
 PARTS = {
     "default": lambda a, d, out, emit: default_example(d, a.steps, out, emit),
@@ -574,6 +588,7 @@ PARTS = {
     "trainer": lambda a, d, out, emit: trainer_part(d, a.quick, out, emit),
     "weight_sync": lambda a, d, out, emit: weight_sync_part(d, a.quick, out, emit),
     "loop": lambda a, d, out, emit: loop_part(d, a.quick, a.loop_steps, out, emit),
+    "profile": profile_part,
 }
 
 
@@ -586,6 +601,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150, help="steps of the default example per schedule")
     parser.add_argument("--loop-steps", type=int, default=12, help="steps of the 0.5B loop per schedule")
     parser.add_argument("--quick", action="store_true", help="tiny shapes and short runs")
+    parser.add_argument(
+        "--profile-dir", default="bench-profile", help="where the profile part writes its tables (and traces)"
+    )
+    parser.add_argument(
+        "--profile-trace", action="store_true", help="the profile part also writes a Chrome trace per case"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import runpy
 import subprocess
 import sys
@@ -15,30 +16,24 @@ from tests.helpers import child_env
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu.py"
 
 
+def run_quick_on_the_cpu(*args: str, timeout: float) -> dict:
+    """The last JSON line of ``bench/gpu.py --device cpu --quick`` with ``args``: the whole result."""
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(),
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.slow  # ~170 s; the engine, trainer, transports and loop it times are tested in test_engine*, test_trainer, test_bench_weight_sync, test_schedules
 @pytest.mark.timeout(600)
 @pytest.mark.multiprocess
 def test_gpu_bench_quick_mode_reports_every_part_on_the_cpu() -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--device",
-            "cpu",
-            "--quick",
-            "--parts",
-            "engine",
-            "trainer",
-            "weight_sync",
-            "loop",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=540,
-        env=child_env(),
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_quick_on_the_cpu("--parts", "engine", "trainer", "weight_sync", "loop", timeout=540)
     assert result["device"] == "cpu" and result["quick"] is True
     for case in ("fixed", "long_tailed"):
         row = result["engine"][case]
@@ -59,6 +54,35 @@ def test_gpu_bench_quick_mode_reports_every_part_on_the_cpu() -> None:
         assert row["steps"] == 3 and row["s_per_step"] > 0
         assert 0.0 < row["reward_mean"] < 1.0  # the regex reward has a spread
         assert 0.0 <= row["trainer_busy_frac"] <= 1.0 and 0.0 <= row["generator_busy_frac"] <= 1.0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.multiprocess
+def test_gpu_bench_profile_part_reports_each_step_and_writes_its_tables(tmp_path: Path) -> None:
+    result = run_quick_on_the_cpu(
+        "--parts", "profile", "--profile-dir", str(tmp_path), "--profile-trace", timeout=270
+    )
+    profile = result["profile"]
+    assert profile["profile_dir"] == str(tmp_path.resolve())
+    # Graphs exist on CUDA only: the CPU profiles the eager engine alone.
+    assert "engine_graphed" not in profile
+    for case, steps in (("engine_eager", 5), ("trainer", 2)):
+        row = profile[case]
+        assert "error" not in row, row
+        assert row["profiled_steps"] == len(row["steps"]) == steps
+        for step in row["steps"]:
+            assert math.isfinite(step["cpu_wall_ms"]) and step["cpu_wall_ms"] > 0
+            assert step["gpu_busy_ms"] is None
+        assert row["gpu_busy_ms_total"] is None
+        assert row["top_kernels_by"].startswith("self_cpu_time")
+        for entries in (row["top_kernels"], row["top_host_ops"]):
+            assert 0 < len(entries) <= 10
+            assert all(e["name"] and e["calls"] > 0 and e["ms"] > 0 for e in entries)
+        for name in (row["summary"], row["trace"]):
+            assert (tmp_path / name).stat().st_size > 0
+        assert "aten::" in (tmp_path / row["summary"]).read_text()
+    assert profile["engine_eager"]["rows_decoded"] == 8  # no request finished inside the profiled window
+    assert set(profile["trainer"]["steps"][0]["parts_ms"]) == {"prepare", "accumulate", "finish"}
 
 
 def test_gpu_bench_without_cuda_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
