@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from asyncrl.errors import AsyncRLError
+from asyncrl.errors import AsyncRLError, ConfigError
 
 
 def _quiet_transformers() -> None:
@@ -113,12 +113,46 @@ def _scale(args: argparse.Namespace) -> int:
     return 0
 
 
+def vllm_serving(policy, *, model: str, max_batch_size: int, seed: int, overrides: list[str]):
+    """``asyncrl serve --engine vllm``: what builds a vLLM engine over ``policy`` (loaded from
+    ``model``), set up as a run's generator would be (``overrides``: ``vllm.*``,
+    ``rollout.kv_cache_gb``, ``rollout.max_seq_len``), with its scoring and the layout of the
+    weights ``POST /v1/policy`` loads (read now, before vLLM takes them):
+    :class:`~asyncrl.server.app.OpenAIServer`'s ``serving``. Bad settings are refused here."""
+    from asyncrl.config import load_config
+    from asyncrl.server.scoring import VllmScoring
+    from asyncrl.transports.weights.interface import WeightLayout
+    from asyncrl.workers.assembly import vllm_engine
+
+    own = [
+        o for o in overrides if not o.startswith(("vllm.", "rollout.kv_cache_gb=", "rollout.max_seq_len="))
+    ]
+    if own:
+        raise ConfigError(
+            "--set",
+            own,
+            "asyncrl serve --engine vllm takes vllm.*, rollout.kv_cache_gb and rollout.max_seq_len",
+        )
+    cfg = load_config(
+        overrides=[
+            f"model.path={model}",
+            "rollout.engine=vllm",
+            f"rollout.max_batch_size={max_batch_size}",
+            *overrides,
+        ]
+    )
+    layout = WeightLayout.of(policy.model.named_parameters())
+    return lambda: (vllm_engine(cfg, policy, seed), VllmScoring(), layout)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
     from asyncrl.models.directories import check_model_directory, is_directory_source
 
+    if args.set and args.engine != "vllm":
+        raise ConfigError("--set", args.set, "asyncrl serve takes settings only with --engine vllm")
     if is_directory_source(args.model):  # a wrong directory is refused before the heavy imports
         check_model_directory(Path(args.model), args.model)
     _quiet_transformers()
@@ -131,8 +165,17 @@ def _serve(args: argparse.Namespace) -> int:
         exit_with_parent(os.getppid())
         ignore_stop_signals()  # the run stops it by closing its stdin; a signal to the group is the run's
     policy = load_policy(args.model, device=args.device, seed=args.seed)
+    serving = None
+    if args.engine == "vllm":
+        serving = vllm_serving(
+            policy, model=args.model, max_batch_size=args.max_batch_size, seed=args.seed, overrides=args.set
+        )
     server = OpenAIServer(
-        policy, model_name=args.name or args.model, max_batch_size=args.max_batch_size, seed=args.seed
+        policy,
+        model_name=args.name or args.model,
+        max_batch_size=args.max_batch_size,
+        seed=args.seed,
+        serving=serving,
     )
     host, port = server.start(args.host, args.port)
     print(json.dumps({"listening": f"http://{host}:{port}", "model": server.model_name}), flush=True)
@@ -237,6 +280,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="auto")
     serve.add_argument("--max-batch-size", type=int, default=64)
     serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument(
+        "--engine",
+        choices=("embedded", "vllm"),
+        default="embedded",
+        help="the engine that serves (default embedded)",
+    )
+    serve.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="with --engine vllm: vllm.* settings"
+    )
     serve.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
     serve.set_defaults(func=_serve)
 

@@ -65,7 +65,7 @@ from asyncrl.engine.multi_lora import MultiLora
 from asyncrl.engine.plans import PrefillPlan
 from asyncrl.engine.runner import Runner, static_layout
 from asyncrl.engine.scheduler import Scheduler
-from asyncrl.engine.types import GenerationRequest, GenerationResult
+from asyncrl.engine.types import GenerationRequest, GenerationResult, RequestError
 from asyncrl.models.routing import pack_routes
 from asyncrl.transports.weights.interface import check_checksums
 
@@ -221,19 +221,22 @@ class EmbeddedEngine(Engine):
         need = check_fits(request, self.max_positions)
         if request.adapter is not None and request.adapter not in self._adapter_epochs:
             serves = f"it serves {self.adapters.names}" if self.adapters is not None else "it serves none"
-            raise ValueError(
+            raise RequestError(
                 f"request {request.request_id!r} names adapter {request.adapter!r}, which this engine "
-                f"does not serve ({serves})"
+                f"does not serve ({serves})",
+                "adapter",
             )
         if self.max_tokens_in_flight is not None and need > self.max_tokens_in_flight:
-            raise ValueError(
+            raise RequestError(
                 f"request {request.request_id!r} needs {need} tokens of KV cache, more than "
-                f"max_tokens_in_flight={self.max_tokens_in_flight}"
+                f"max_tokens_in_flight={self.max_tokens_in_flight}",
+                "max_new_tokens",
             )
         if need > self.slot_len:
-            raise ValueError(
+            raise RequestError(
                 f"request {request.request_id!r} needs {need} tokens of KV cache, more than a slot of the "
-                f"static cache holds (max_seq_len={self.slot_len}; {self.num_slots} slots)"
+                f"static cache holds (max_seq_len={self.slot_len}; {self.num_slots} slots)",
+                "max_new_tokens",
             )
 
     def add_request(self, request: GenerationRequest) -> None:

@@ -52,7 +52,7 @@ from typing import Protocol
 import torch
 
 from asyncrl.engine.sampling import SamplingParams
-from asyncrl.engine.types import GenerationRequest, GenerationResult, GenerationStopped
+from asyncrl.engine.types import GenerationRequest, GenerationResult, GenerationStopped, RequestError
 from asyncrl.transports.weights.interface import WeightLayout
 
 
@@ -181,15 +181,18 @@ def check_fits(request: GenerationRequest, max_positions: int) -> int:
     longer than ``max_positions``, a prefix that already spends the budget. Returns the positions
     the request needs (prompt + budget)."""
     if not request.prompt_ids:
-        raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        raise RequestError(f"request {request.request_id!r} has an empty prompt", "prompt_ids")
     need = len(request.prompt_ids) + request.sampling.max_new_tokens
     if need > max_positions:
-        raise ValueError(
+        raise RequestError(
             f"request {request.request_id!r}: prompt ({len(request.prompt_ids)} tokens) + max_new_tokens "
-            f"({request.sampling.max_new_tokens}) exceeds the engine's {max_positions} positions"
+            f"({request.sampling.max_new_tokens}) exceeds the engine's {max_positions} positions",
+            "max_new_tokens",
         )
     if request.prefix and len(request.prefix.completion_ids) >= request.sampling.max_new_tokens:
-        raise ValueError(f"request {request.request_id!r}: its prefix already uses the whole token budget")
+        raise RequestError(
+            f"request {request.request_id!r}: its prefix already uses the whole token budget", "prefix"
+        )
     return need
 
 

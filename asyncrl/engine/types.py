@@ -45,5 +45,15 @@ class GenerationResult(Tokens):
         return f"result of request {self.request_id!r}"
 
 
+class RequestError(ValueError):
+    """A request an engine refuses (:meth:`~asyncrl.engine.interface.Engine.validate`), with
+    ``field``, the request's part at fault: ``prompt_ids``, ``prefix``, ``adapter`` or a
+    :class:`SamplingParams` field (``max_new_tokens``, ``top_p``, ``keep_support``, ...)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class GenerationStopped(Exception):
     """Generation was given up on request (the run is stopping); the engine is left idle."""

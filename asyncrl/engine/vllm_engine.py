@@ -53,7 +53,7 @@ import torch
 
 from asyncrl.engine.interface import Engine, check_fits
 from asyncrl.engine.scheduler import abort_waiting, result_of
-from asyncrl.engine.types import GenerationRequest, GenerationResult
+from asyncrl.engine.types import GenerationRequest, GenerationResult, RequestError
 from asyncrl.engine.vllm_adapters import VllmAdapters
 from asyncrl.engine.vllm_worker import HEAD_KEY, TIED_NAME, read_back, read_slots, reload
 from asyncrl.transports.weights.interface import WeightSyncError, check_checksums
@@ -279,11 +279,27 @@ class VllmEngine(Engine):
             self.adapters is None or request.adapter not in self.adapters.names
         ):
             serves = f"it serves {self.adapters.names}" if self.adapters is not None else "it serves none"
-            raise ValueError(f"request {request.request_id!r} names adapter {request.adapter!r}; {serves}")
-        if request.sampling.keep_support:
-            raise ValueError(
+            raise RequestError(
+                f"request {request.request_id!r} names adapter {request.adapter!r}; {serves}", "adapter"
+            )
+        s = request.sampling
+        if s.keep_support:
+            raise RequestError(
                 f"request {request.request_id!r} asks for its sampling support (Keep Sampling Mask), "
-                "which vLLM does not report"
+                "which vLLM does not report",
+                "keep_support",
+            )
+        restricted = [
+            k
+            for k, off in (("top_k", s.top_k == 0), ("top_p", s.top_p == 1), ("min_p", s.min_p == 0))
+            if not off
+        ]
+        if restricted:
+            raise RequestError(
+                f"request {request.request_id!r} sets top_k={s.top_k}, top_p={s.top_p}, min_p={s.min_p}: "
+                "vLLM's log-probs would be renormalised over the kept tokens, not the model's "
+                "distribution that every other token of asyncrl records; leave them off on vLLM",
+                restricted[0],
             )
 
     def add_request(self, request: GenerationRequest) -> None:
@@ -353,14 +369,25 @@ class VllmEngine(Engine):
 
     def prompt_logprobs(self, rows: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """For each (prompt, completion), the log-prob of every completion token given the tokens
-        before it, at temperature 1 (vLLM's prompt log-probs): a teacher scoring a student's tokens.
-        Needs an idle engine; the rows run as one batch."""
+        before it, at temperature 1: a teacher scoring a student's tokens (:meth:`score`)."""
+        return self.score(rows)["logprobs"]
+
+    def score(self, rows: list[tuple[list[int], list[int]]], top_k: int = 0) -> dict[str, list]:
+        """vLLM's prompt log-probs of each (prompt, completion), at temperature 1: ``logprobs``,
+        per row the log-prob of every completion token given the tokens before it, and with
+        ``top_k`` also ``top_ids`` and ``top_logprobs``, the k most likely tokens at each of
+        those positions (most likely first).
+
+        Needs no request running in vLLM (their outputs would be stepped past here); requests
+        waiting in this engine's queue stay there. The rows run as one batch, each with a
+        context plus one generated token, so a row must leave one position free.
+        """
         from vllm import SamplingParams as VllmSampling
         from vllm.inputs import TokensPrompt
 
-        if self.has_work:
-            raise RuntimeError("prompt_logprobs() needs an idle engine")
-        params = VllmSampling(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        if self._running:
+            raise RuntimeError(f"score() needs no request running in vLLM; {len(self._running)} are")
+        params = VllmSampling(max_tokens=1, temperature=0.0, prompt_logprobs=top_k, detokenize=False)
         ids = []
         for prompt, completion in rows:
             if not prompt or len(prompt) + len(completion) >= self.max_positions:
@@ -377,10 +404,19 @@ class VllmEngine(Engine):
             for out in self._llm.step():
                 if out.finished:
                     done[out.request_id] = out.prompt_logprobs
-        scores = []
+        scores: dict[str, list] = {"logprobs": [], **({"top_ids": [], "top_logprobs": []} if top_k else {})}
         for request_id, (prompt, completion) in zip(ids, rows, strict=True):
             per_token = done[request_id][len(prompt) :]
-            scores.append([entry[token].logprob for entry, token in zip(per_token, completion, strict=True)])
+            scores["logprobs"].append(
+                [entry[token].logprob for entry, token in zip(per_token, completion, strict=True)]
+            )
+            if top_k:
+                # Each position lists the scored token and the k most likely, ranked from 1.
+                ranked = [
+                    sorted((v.rank, t, v.logprob) for t, v in e.items() if v.rank <= top_k) for e in per_token
+                ]
+                scores["top_ids"].append([[t for _, t, _ in top] for top in ranked])
+                scores["top_logprobs"].append([[lp for _, _, lp in top] for top in ranked])
         return scores
 
     # -- stepping -----------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP server over the embedded engine (``asyncrl serve``).
+"""An OpenAI-compatible HTTP server over an engine (``asyncrl serve``): the embedded one, or vLLM.
 
 Endpoints:
 
@@ -21,6 +21,10 @@ Endpoints:
   (checked for layout, version and checksum) between two decode steps.
 
 Requests from all connections share one continuously batched engine (see engine_loop.py).
+On vLLM (``asyncrl serve --engine vllm``) the same endpoints answer; its scoring
+(verdicts, log-probs) waits for the requests running to finish and is at temperature 1
+(:mod:`.scoring`), and it refuses ``top_k``, ``top_p`` and ``min_p`` (its log-probs would be
+renormalised over the kept tokens).
 
 asyncrl's own endpoints (verdicts, log-probs, policy) are :mod:`.endpoints`'.
 """
@@ -32,16 +36,19 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.interface import Engine
 from asyncrl.engine.sampling import SamplingParams
-from asyncrl.engine.types import GenerationRequest
+from asyncrl.engine.types import GenerationRequest, RequestError
 from asyncrl.models.loading import Policy, tokenizer_fingerprint
 from asyncrl.server.endpoints import BadRequest, chat_prompt, load_policy, logprobs, verdicts
 from asyncrl.server.engine_loop import EngineLoop, Ticket
+from asyncrl.server.scoring import ModelScoring, Scoring
 from asyncrl.transports.weights.interface import WeightLayout
 
 REQUEST_TIMEOUT_S = 600.0
@@ -50,6 +57,13 @@ REQUEST_TIMEOUT_S = 600.0
 CONNECTION_IDLE_S = 60.0
 # How often the accept loop looks for a stop: a stopping server answers within this.
 SHUTDOWN_POLL_S = 0.05
+
+
+# What a server serves with: the engine, how it scores, the layout of the weights it loads.
+Serving = tuple[Engine, Scoring, WeightLayout]
+
+# The API's names of the engine request's fields where they differ.
+API_PARAMS = {"max_new_tokens": "max_tokens", "prompt_ids": "prompt"}
 
 
 class OpenAIServer:
@@ -61,21 +75,45 @@ class OpenAIServer:
         max_batch_size: int = 64,
         seed: int = 0,
         idle_timeout_s: float = CONNECTION_IDLE_S,
+        serving: Callable[[], Serving] | None = None,
     ) -> None:
+        """``serving`` makes the engine to serve with, how it scores and the layout of the
+        weights it loads, on the engine's thread at :meth:`start` (``asyncrl.cli.vllm_serving``
+        for vLLM); None: an embedded engine over ``policy``'s model."""
         self.policy = policy
         self.idle_timeout_s = idle_timeout_s
         self.model_name = model_name
-        tok = policy.tokenizer
-        self.engine = EmbeddedEngine(
-            policy.model,
-            pad_token_id=policy.pad_token_id,
-            max_batch_size=max_batch_size,
-            seed=seed,
-            decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
-        )
-        self.loop = EngineLoop(self.engine)
-        self.layout = WeightLayout.of(policy.model.named_parameters())
+        if serving is None:
+            tok = policy.tokenizer
+
+            def serving() -> Serving:
+                engine = EmbeddedEngine(
+                    policy.model,
+                    pad_token_id=policy.pad_token_id,
+                    max_batch_size=max_batch_size,
+                    seed=seed,
+                    decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+                )
+                return (
+                    engine,
+                    ModelScoring(policy.pad_token_id),
+                    WeightLayout.of(policy.model.named_parameters()),
+                )
+
+        self.scoring: Scoring | None = None
+        self.layout: WeightLayout | None = None
+
+        def build() -> Engine:
+            engine, self.scoring, self.layout = serving()
+            return engine
+
+        self.loop = EngineLoop(build)
         self.httpd: ThreadingHTTPServer | None = None
+
+    @property
+    def engine(self) -> Engine:
+        """The engine served (built at :meth:`start`)."""
+        return self.loop.engine
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -102,7 +140,8 @@ class OpenAIServer:
         if self.httpd is not None:
             self.httpd.shutdown()
             self.httpd.server_close()
-        self.loop.stop()
+        if self.loop.stop() and self.engine is not None:  # the engine thread is done with it
+            self.engine.close()
 
     # -- requests -----------------------------------------------------------------------
 
@@ -152,8 +191,8 @@ class OpenAIServer:
             )
             try:
                 tickets.append(self.loop.submit(request))
-            except ValueError as exc:
-                raise BadRequest(str(exc), "max_tokens") from None
+            except RequestError as exc:  # named by the request's field, as the API calls it
+                raise BadRequest(str(exc), API_PARAMS.get(exc.field, exc.field)) from None
         return tickets
 
     def text_of(self, ids: list[int], sampling: SamplingParams) -> str:

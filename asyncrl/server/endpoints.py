@@ -8,11 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.interface import Engine
 from asyncrl.models.loading import Policy
-from asyncrl.rewards.judges.verdicts import candidate_ids, next_token_probs
+from asyncrl.rewards.judges.verdicts import candidate_ids
 from asyncrl.server.engine_loop import EngineLoop
-from asyncrl.server.token_logprobs import LogprobRequestError, check_request, token_logprobs
+from asyncrl.server.scoring import Scoring
+from asyncrl.server.token_logprobs import LogprobRequestError, check_request
 from asyncrl.transports.weights.interface import WeightLayout
 
 
@@ -20,7 +21,8 @@ class Served(Protocol):
     """What these endpoints read of the server (:class:`~asyncrl.server.app.OpenAIServer`)."""
 
     policy: Policy
-    engine: EmbeddedEngine
+    engine: Engine
+    scoring: Scoring
     loop: EngineLoop
     model_name: str
     layout: WeightLayout
@@ -67,27 +69,33 @@ def verdicts(app: Served, body: dict, timeout: float) -> dict:
     except ValueError as exc:
         raise BadRequest(str(exc), "tokens") from None
     ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
-    limit = app.engine.max_positions
+    scoring = app.scoring
+    limit = scoring.max_positions(app.engine)
     if max(len(i) for i in ids) > limit:
         raise BadRequest(f"a prompt is longer than the judge's {limit} positions", "prompt")
     probs = app.loop.call(
-        lambda engine: next_token_probs(engine.model, app.policy.pad_token_id, ids, candidates),
+        lambda engine: scoring.verdicts(engine, ids, candidates),
         timeout=timeout,
+        idle=scoring.needs_idle_engine,
     )
     return {"object": "verdicts", "model": app.model_name, "tokens": tokens, "probs": probs}
 
 
 def logprobs(app: Served, body: dict, timeout: float) -> dict:
     """``POST /v1/logprobs``: each completion token's log-prob given its prompt and the tokens before it."""
-    vocab = app.engine.model.get_output_embeddings().weight.shape[0]
+    scoring = app.scoring
+    # Read off the served model's output layer (on the meta device when vLLM holds the weights).
+    vocab = app.policy.model.get_output_embeddings().weight.shape[0]
     try:
-        request = check_request(body, vocab, app.engine.max_positions)
+        request = check_request(body, vocab, scoring.max_positions(app.engine))
+        scoring.check(request)
     except LogprobRequestError as exc:
         raise BadRequest(str(exc), exc.field) from None
     # On the engine's thread, between two decode steps: the version is the one that scored.
     scored, version = app.loop.call(
-        lambda engine: (token_logprobs(engine.model, app.policy.pad_token_id, request), engine.version),
+        lambda engine: (scoring.logprobs(engine, request), engine.version),
         timeout=timeout,
+        idle=scoring.needs_idle_engine,
     )
     return {"object": "logprobs", "model": app.model_name, "version": version, **scored}
 

@@ -5,6 +5,14 @@ batching). A handler gets a :class:`Ticket` and reads token deltas from it as th
 produces them (for streaming) or waits for the final result. Weight updates go through the
 same thread and are applied between two decode steps, so running requests continue under
 the new weights and every token records the version that produced it.
+
+The engine is built on the loop's own thread too, when the loop starts: vLLM's CPU build
+computes attention with the OpenMP threads of the thread that built it, and fails stepped
+from another ("thread_num == thread_num (2 vs. 1)", measured).
+
+A call that needs an idle engine (vLLM's scoring, :mod:`asyncrl.server.scoring`) waits for
+one: from when it arrives the loop admits no new request, steps the running ones to their
+end, runs the call(s), and then admits again; requests submitted meanwhile wait their turn.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from asyncrl.engine.interface import Engine
 from asyncrl.engine.types import GenerationRequest, GenerationResult
 
 POLL_S = 0.005  # how long the idle loop waits for new work
+START_TIMEOUT_S = 900.0  # building an engine: vLLM's start-up takes seconds to minutes
 
 
 @dataclass
@@ -30,20 +39,33 @@ class Ticket:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, build: Callable[[], Engine]) -> None:
+        """``build`` makes the engine, on the loop's thread when it starts."""
+        self._build = build
+        self.engine: Engine | None = None
+        self._built = threading.Event()
         self._inbox: queue.Queue = queue.Queue()
         self._tickets: dict[str, Ticket] = {}
+        self._idle_calls: list[tuple[Callable[[Engine], object], queue.Queue]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.error: BaseException | None = None
 
-    def start(self) -> None:
+    def start(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Start the loop's thread and wait until it has built the engine (raising what the
+        build raised)."""
         self._thread.start()
+        if not self._built.wait(timeout):
+            raise TimeoutError(f"the engine was not built within {timeout} s")
+        if self.engine is None:
+            raise RuntimeError(f"the engine could not be built: {self.error}") from self.error
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Stop the engine thread; whether it ended within ``timeout`` (then nothing uses the engine)."""
         self._stop.set()
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def submit(self, request: GenerationRequest) -> Ticket:
         self.engine.validate(request)  # a bad request fails in the caller's thread, with its message
@@ -51,10 +73,11 @@ class EngineLoop:
         self._inbox.put(("generate", ticket))
         return ticket
 
-    def call(self, fn: Callable[[Engine], object], timeout: float) -> object:
-        """Run ``fn(engine)`` on the engine thread between two steps and return its result."""
+    def call(self, fn: Callable[[Engine], object], timeout: float, idle: bool = False) -> object:
+        """Run ``fn(engine)`` on the engine thread between two steps and return its result; with
+        ``idle``, once no request is running (module docstring)."""
         reply: queue.Queue = queue.Queue()
-        self._inbox.put(("call", (fn, reply)))
+        self._inbox.put(("idle call" if idle else "call", (fn, reply)))
         ok, value = reply.get(timeout=timeout)
         if not ok:
             raise value
@@ -62,11 +85,22 @@ class EngineLoop:
 
     def _run(self) -> None:
         try:
+            self.engine = self._build()
+        except BaseException as exc:  # raised by start(), in the caller's thread
+            self.error = exc
+            return
+        finally:
+            self._built.set()
+        try:
             while not self._stop.is_set():
-                self._drain_inbox(block=not self.engine.has_work)
+                self._drain_inbox(block=not self.engine.has_work and not self._idle_calls)
+                if self._idle_calls and not self.engine.num_running:
+                    calls, self._idle_calls = self._idle_calls, []
+                    for fn, reply in calls:
+                        _answer(fn, self.engine, reply)
                 if not self.engine.has_work:
                     continue
-                finished = self.engine.step()
+                finished = self.engine.step(admit=not self._idle_calls)
                 self._stream_partials()
                 for result in finished:
                     self._finish(result)
@@ -83,12 +117,11 @@ class EngineLoop:
                 if kind == "generate":
                     self._tickets[payload.request.request_id] = payload
                     self.engine.add_request(payload.request)
+                elif kind == "idle call":
+                    self._idle_calls.append(payload)
                 else:
                     fn, reply = payload
-                    try:
-                        reply.put((True, fn(self.engine)))
-                    except Exception as exc:  # returned to the caller
-                        reply.put((False, exc))
+                    _answer(fn, self.engine, reply)
                 item = self._inbox.get_nowait()
         except queue.Empty:
             pass
@@ -109,3 +142,10 @@ class EngineLoop:
                 ("delta", (result.completion_ids[ticket.sent :], result.logprobs[ticket.sent :]))
             )
         ticket.updates.put(("done", result))
+
+
+def _answer(fn: Callable[[Engine], object], engine: Engine, reply: queue.Queue) -> None:
+    try:
+        reply.put((True, fn(engine)))
+    except Exception as exc:  # returned to the caller
+        reply.put((False, exc))

@@ -235,7 +235,7 @@ def test_an_engine_loop_call_that_is_never_run_ends_at_its_timeout() -> None:
     """EngineLoop.call (a weight load on the engine thread) waits at most its ``timeout``."""
     from asyncrl.server.engine_loop import EngineLoop
 
-    loop = EngineLoop(engine=None)  # never started: nothing will run the call
+    loop = EngineLoop(lambda: None)  # never started: nothing will run the call
     t0 = time.monotonic()
     with pytest.raises(queue.Empty):
         loop.call(lambda engine: None, timeout=0.5)

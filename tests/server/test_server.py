@@ -17,8 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +30,7 @@ from asyncrl.server.app import OpenAIServer
 from asyncrl.transports.weights.files import FileSender
 from asyncrl.transports.weights.interface import WeightLayout
 from tests.helpers import child_env
+from tests.server.helpers import http_json, max_gap, reference_logprobs
 
 # A test dependency only: a machine without it (the GPU machine) skips this module.
 openai = pytest.importorskip("openai", reason="these tests speak through the official openai client")
@@ -144,30 +143,11 @@ def versions(choice) -> list[int]:
 
 def http(server: Server, method: str, path: str, body: bytes | None = None) -> tuple[int, dict]:
     """A raw request (for what the openai client cannot send); returns (status, JSON body)."""
-    req = urllib.request.Request(
-        server.url + path, data=body, method=method, headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return http_json(server.url, method, path, body, REQUEST_TIMEOUT_S)
 
 
 def token_ids(policy: Policy, tokens: list[str]) -> list[int]:
     return policy.tokenizer.convert_tokens_to_ids(tokens)
-
-
-def reference_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
-    """Temperature-1 log-probs of the completion under ``model``, computed afresh on the whole context."""
-    ids = torch.tensor([prompt_ids + completion_ids])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1]
-    return logits.log_softmax(-1).gather(-1, torch.tensor(completion_ids)[:, None])[:, 0].tolist()
-
-
-def max_gap(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
 def assert_serving(server: Server) -> None:
