@@ -85,8 +85,8 @@ class PolicyMember:
 class PolicySet:
     """The trainer of a multi-policy run: one :class:`Trainer` per policy, driven as one.
 
-    It offers what the trainer worker calls of a :class:`Trainer` (a step in three calls, a
-    batch's later steps, checkpoint state, published weights); ``version`` is the run's
+    It is a :class:`~asyncrl.trainer.interface.StepTrainer`, as a :class:`Trainer` is (a step in
+    three calls, a batch's later steps, checkpoint state, published weights); ``version`` is the run's
     version and :attr:`clocks` every policy's own. The first policy (``default`` when a role
     uses it) is the primary: its weights go where a single policy's do in a checkpoint.
     """

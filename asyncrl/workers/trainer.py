@@ -41,8 +41,9 @@ from asyncrl.protocol.messages import (
 from asyncrl.trainer.advantages import assign_advantages, zero_advantage_frac
 from asyncrl.trainer.batching import BatchInProgress, MicroBatch
 from asyncrl.trainer.distributed import RankGroup, RankSpec, rank_device
+from asyncrl.trainer.interface import StepTrainer
 from asyncrl.trainer.policies import PolicySet
-from asyncrl.trainer.trainer import Trainer, sync_dtype
+from asyncrl.trainer.trainer import sync_dtype
 from asyncrl.transports.groups.inbox import Inbox
 from asyncrl.transports.groups.interface import Delivery
 from asyncrl.transports.weights.interface import (
@@ -123,7 +124,7 @@ class TrainerWorker:
             layout = WeightLayout.of((n, t.to(dtype)) for n, t in published_weights(self.policy.model))
         self._layout = layout
         self.sender = sender_factory(layout) if sender_factory is not None else None
-        self.trainer: Trainer | PolicySet = (
+        self.trainer: StepTrainer = (
             self.policies
             if self.policies is not None
             else assembly.build_trainer(cfg, self.policy, self.ranks)

@@ -1,0 +1,76 @@
+"""What the trainer worker drives: one optimizer step in three calls, a batch's later steps,
+weights and checkpoint state — the same calls whether it trains one policy or several.
+
+:class:`~asyncrl.trainer.trainer.Trainer` (one policy, one process; its data-parallel
+subclass :class:`~asyncrl.trainer.distributed.DistributedTrainer`) and
+:class:`~asyncrl.trainer.policies.PolicySet` (several policies, a trainer each) implement
+:class:`StepTrainer`; the trainer worker (:mod:`asyncrl.workers.trainer`) holds one and
+calls nothing else of it. ``tests/trainer/test_interface.py`` checks both against it.
+
+**A step** is ``begin_step``, then ``prepare`` (the step's samples into micro-batches,
+recomputing old log-probs where the algorithm needs them) and ``accumulate`` (forward and
+backward of each micro-batch; gradients add up), then ``finish_step(divisor)`` (gradients
+divided by the step's divisor — per policy for a :class:`PolicySet` — clipped, the optimizer
+steps, ``version`` advances by one). ``train_batch`` takes a batch's further optimizer steps
+(PPO epochs) at once. ``version`` is the run's policy version: the number of optimizer steps
+taken; it never goes back except by ``load_checkpoint_state``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from asyncrl.trainer.batching import MicroBatch
+from asyncrl.types import Sample
+
+
+@runtime_checkable
+class StepTrainer(Protocol):
+    version: int
+    # Its weights are sharded across ranks (FSDP2): only a Trainer is, and it then reads them
+    # whole with ``named_weights()``, a gather every rank joins.
+    sharded: bool
+    routing: object | None  # a mixture-of-experts model's routing (asyncrl.models.routing), or None
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def compute(self) -> contextlib.AbstractContextManager:
+        """The context of its forward passes (autocast to the compute dtype)."""
+        ...
+
+    def begin_step(self) -> None: ...
+
+    def prepare(self, samples: list[Sample]) -> list[MicroBatch]: ...
+
+    def accumulate(self, batches: list[MicroBatch], stop: Callable[[], bool] | None = None) -> float:
+        """Forward and backward of each micro-batch (``stop`` asked between them); the summed loss."""
+        ...
+
+    def finish_step(self, divisor: float | Mapping[str, float]) -> dict[str, float]:
+        """The optimizer step; the step's metrics."""
+        ...
+
+    def train_batch(
+        self,
+        batches: list[MicroBatch],
+        divisor: float | Mapping[str, float],
+        iterations: int,
+        stop: Callable[[], bool] | None = None,
+    ) -> list[dict[str, float]]:
+        """``iterations`` further optimizer steps on the same micro-batches; each step's metrics."""
+        ...
+
+    def synced_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """What a weight sync publishes, named as it travels."""
+        ...
+
+    def checkpoint_state(self) -> dict: ...
+
+    def load_checkpoint_state(self, weights: dict[str, torch.Tensor], state: dict) -> int:
+        """Adopt a checkpoint's weights and state; the version it was at."""
+        ...
