@@ -53,12 +53,14 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
+    from asyncrl.config import Config
     from asyncrl.engine.embedded import EmbeddedEngine
     from asyncrl.engine.types import GenerationRequest
     from asyncrl.trainer.trainer import Trainer
@@ -405,6 +407,81 @@ def trainer_part(device: torch.device, quick: bool, out: dict, emit) -> None:
 PROMPT_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789+-*= "
 
 
+@dataclass(frozen=True)
+class LoopShape:
+    """The loop's work per step: ``prompts_per_step`` random prompts of ``prompt_tokens``
+    characters (one token each), ``group_size`` completions of each, every one ``new_tokens`` long
+    at most."""
+
+    prompt_tokens: int
+    new_tokens: int
+    prompts_per_step: int
+    group_size: int
+
+
+def loop_shape(quick: bool) -> LoopShape:
+    return LoopShape(32, 48, 2, 4) if quick else LoopShape(256, 512, 4, 8)
+
+
+def write_loop_workload(directory: Path, quick: bool, steps: int) -> tuple[Path, Path]:
+    """The model (random float32 weights of the shape, with the char tokenizer) and the prompts
+    file, written into ``directory`` as a local checkpoint and a JSONL task would be: their paths."""
+    from asyncrl.models.char_tokenizer import build_char_tokenizer
+
+    shape = loop_shape(quick)
+    model_dir = directory / "model"
+    build_model(quick, torch.device("cpu"), torch.float32).save_pretrained(model_dir)
+    build_char_tokenizer().save_pretrained(model_dir)
+    rng = random.Random(0)
+    prompts = directory / "prompts.jsonl"
+    rows = (
+        {"prompt": "".join(rng.choice(PROMPT_ALPHABET) for _ in range(shape.prompt_tokens)), "answer": ""}
+        for _ in range(4 * shape.prompts_per_step * (steps + 4))
+    )
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return model_dir, prompts
+
+
+def loop_config(
+    model_dir: Path, prompts: Path, device: torch.device, quick: bool, steps: int, schedule: str
+) -> Config:
+    """``asyncrl train``'s config of the loop under ``schedule``, written as a YAML file next to
+    the prompts and loaded from it, as a user's would be."""
+    import yaml
+
+    from asyncrl.config import load_config
+
+    shape = loop_shape(quick)
+    config = {
+        "model": {"path": str(model_dir), "device": str(device)},
+        "task": {
+            "name": "jsonl",
+            "path": str(prompts),
+            "rewards": [{"name": "format_regex", "args": {"pattern": "[0-9]", "search": True}}],
+        },
+        "rollout": {
+            "group_size": shape.group_size,
+            "prompts_per_step": shape.prompts_per_step,
+            "max_new_tokens": shape.new_tokens,
+            "max_batch_size": shape.prompts_per_step * shape.group_size * 2,
+            "max_seq_len": shape.prompt_tokens + shape.new_tokens + 8,
+        },
+        "schedule": schedule,
+        "run": {"steps": steps, "progress": False, "eval_every": 0, "checkpoint_every": 0},
+    }
+    path = prompts.parent / f"{schedule}.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    return load_config(path)
+
+
+def train_loop(cfg: Config, run_dir: Path) -> list[dict]:
+    """``asyncrl train`` with ``cfg`` into ``run_dir``: the rows of its metrics.jsonl."""
+    from asyncrl.control.run import train
+
+    train(cfg, run_dir)
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def loop_part(device: torch.device, quick: bool, steps: int, out: dict, emit) -> None:
     """``asyncrl train`` on the 0.5B shape, generator and trainer sharing the device, per schedule.
 
@@ -415,49 +492,13 @@ def loop_part(device: torch.device, quick: bool, steps: int, out: dict, emit) ->
     completion runs its full 512 tokens: the load is fixed. The model and the char tokenizer
     are written to a temporary directory and loaded from it as a local checkpoint would be.
     """
-    import yaml
-
-    from asyncrl.config import load_config
-    from asyncrl.control.run import train
-    from asyncrl.models.char_tokenizer import build_char_tokenizer
-
-    prompt_len, new_tokens = (32, 48) if quick else (256, 512)
-    groups, group_size = (2, 4) if quick else (4, 8)
-    out.update(prompt_tokens=prompt_len, completion_tokens=new_tokens)
+    shape = loop_shape(quick)
+    out.update(prompt_tokens=shape.prompt_tokens, completion_tokens=shape.new_tokens)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp) / "model"
-        build_model(quick, torch.device("cpu"), torch.float32).save_pretrained(model_dir)
-        build_char_tokenizer().save_pretrained(model_dir)
-        rng = random.Random(0)
-        prompts = Path(tmp) / "prompts.jsonl"
-        rows = (
-            {"prompt": "".join(rng.choice(PROMPT_ALPHABET) for _ in range(prompt_len)), "answer": ""}
-            for _ in range(4 * groups * (steps + 4))
-        )
-        prompts.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        model_dir, prompts = write_loop_workload(Path(tmp), quick, steps)
         for schedule in ("sync", "periodic", "async"):
-            config = {
-                "model": {"path": str(model_dir), "device": str(device)},
-                "task": {
-                    "name": "jsonl",
-                    "path": str(prompts),
-                    "rewards": [{"name": "format_regex", "args": {"pattern": "[0-9]", "search": True}}],
-                },
-                "rollout": {
-                    "group_size": group_size,
-                    "prompts_per_step": groups,
-                    "max_new_tokens": new_tokens,
-                    "max_batch_size": groups * group_size * 2,
-                    "max_seq_len": prompt_len + new_tokens + 8,
-                },
-                "schedule": schedule,
-                "run": {"steps": steps, "progress": False, "eval_every": 0, "checkpoint_every": 0},
-            }
-            path = Path(tmp) / f"{schedule}.yaml"
-            path.write_text(yaml.safe_dump(config), encoding="utf-8")
-            run_dir = Path(tmp) / f"run-{schedule}"
-            train(load_config(path), run_dir)
-            metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            cfg = loop_config(model_dir, prompts, device, quick, steps, schedule)
+            metrics = train_loop(cfg, Path(tmp) / f"run-{schedule}")
             # The first step pays for start-up (allocations, kernels chosen): timed apart.
             times = [r["time_s"] for r in metrics]
             timed = metrics[1:] or metrics
