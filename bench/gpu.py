@@ -1,6 +1,8 @@
-"""asyncrl on the GPU that is present: the default example, the engine, the trainer, weight sync, profiles.
+"""asyncrl on the GPU that is present: the default example, the engine, the trainer, weight sync,
+profiles, TRL side by side.
 
-    python bench/gpu.py [--parts default engine trainer weight_sync loop profile] [--steps 150] [--loop-steps 12]
+    python bench/gpu.py [--parts default engine trainer weight_sync loop profile trl] [--steps 150]
+                        [--loop-steps 12] [--trl-steps 6]
     python bench/gpu.py --device cpu --quick      # a few seconds per part, to check the script itself
 
 Prints the JSON object measured so far after every measurement, one full line each, so a run
@@ -36,7 +38,12 @@ result). It holds the device's name and, per part:
   (64 requests in flight) and 2 trainer steps, on that shape (``bench/gpu_profile.py``): per
   step the CPU wall time and the GPU busy time (kernel time), per case the top kernels by GPU
   time and the top host-side operators by self CPU time; the profiler's tables written to
-  ``--profile-dir`` (``bench-profile/``), Chrome traces too with ``--profile-trace``.
+  ``--profile-dir`` (``bench-profile/``), Chrome traces too with ``--profile-trace``;
+* ``trl``: TRL's ``GRPOTrainer`` with its own generation against ``asyncrl train`` (sync and
+  async schedules) on the loop's workload, the same work per optimizer step, ``--trl-steps``
+  steps each (``bench/gpu_trl.py``): seconds per step after the first on each side, the work
+  per step, and asyncrl's speedup over TRL per schedule; TRL's side reports ``error`` where
+  TRL is missing or fails.
 
 ``--quick`` swaps the 0.5B shape for a tiny one and shortens every part.
 """
@@ -622,6 +629,12 @@ def profile_part(args: argparse.Namespace, device: torch.device, out: dict, emit
     gpu_profile.profile_part(device, args.quick, Path(args.profile_dir), args.profile_trace, out, emit)
 
 
+def trl_part(args: argparse.Namespace, device: torch.device, out: dict, emit) -> None:
+    import gpu_trl  # bench/ is this script's directory; imported here, as it imports this module
+
+    gpu_trl.trl_part(device, args.quick, args.trl_steps, out, emit)
+
+
 # Each part fills its own dict of the result and calls emit() after every measurement.
 PARTS = {
     "default": lambda a, d, out, emit: default_example(d, a.steps, out, emit),
@@ -630,6 +643,7 @@ PARTS = {
     "weight_sync": lambda a, d, out, emit: weight_sync_part(d, a.quick, out, emit),
     "loop": lambda a, d, out, emit: loop_part(d, a.quick, a.loop_steps, out, emit),
     "profile": profile_part,
+    "trl": trl_part,
 }
 
 
@@ -641,6 +655,9 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
     parser.add_argument("--steps", type=int, default=150, help="steps of the default example per schedule")
     parser.add_argument("--loop-steps", type=int, default=12, help="steps of the 0.5B loop per schedule")
+    parser.add_argument(
+        "--trl-steps", type=int, default=6, help="steps of TRL and of asyncrl per schedule in the trl part"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny shapes and short runs")
     parser.add_argument(
         "--profile-dir", default="bench-profile", help="where the profile part writes its tables (and traces)"
@@ -655,6 +672,7 @@ def main() -> None:
     if args.quick:
         args.steps = min(args.steps, 4)
         args.loop_steps = min(args.loop_steps, 3)
+        args.trl_steps = min(args.trl_steps, 3)
     result = {"device": device_name(device), "torch": torch.__version__, "quick": args.quick}
 
     def emit() -> None:

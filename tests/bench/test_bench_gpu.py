@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import runpy
@@ -10,8 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.helpers import child_env
+from asyncrl.config import Config
+from tests.helpers import bench_script, child_env
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu.py"
 
@@ -85,11 +88,50 @@ def test_gpu_bench_profile_part_reports_each_step_and_writes_its_tables(tmp_path
     assert set(profile["trainer"]["steps"][0]["parts_ms"]) == {"prepare", "accumulate", "finish"}
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("trl") is None,
+    reason="the trl part measures TRL's GRPOTrainer (a test-only dependency)",
+)
+@pytest.mark.slow  # 41-55 s on 2 shared cores; the mapping onto TRL is tested in test_bench_trl, the loop in test_schedules
+@pytest.mark.timeout(600)
+@pytest.mark.multiprocess  # asyncrl's async schedule runs its generator and trainer in processes of their own
+def test_gpu_bench_trl_part_gives_both_frameworks_the_same_work_per_step() -> None:
+    part = run_quick_on_the_cpu("--parts", "trl", timeout=540)["trl"]
+    trl = part["trl"]
+    assert "error" not in trl, trl
+    assert set(part["asyncrl"]) == {"sync", "async"}
+    work = part["work_per_step"]
+    completions = work["prompts_per_step"] * work["group_size"]
+    budget = completions * work["new_tokens"]
+    for name, side in {"trl": trl, **part["asyncrl"]}.items():
+        assert side["steps"] == 3, name
+        assert math.isfinite(side["s_per_step"]) and side["s_per_step"] > 0, name
+        # Each side's own settings give the same completions and token budget per optimizer step;
+        # a completion that samples EOS stops early on either side.
+        assert side["completions_per_step"] == [completions], name
+        assert side["new_token_budget_per_step"] == budget, name
+        assert 0 < side["new_tokens_per_step"] <= budget, name
+    assert trl["prompts_in_stream_order"] is True
+    for schedule, row in part["asyncrl"].items():
+        assert row["speedup_vs_trl"] > 0, schedule
+        assert row["speedup_vs_trl"] == pytest.approx(trl["s_per_step"] / row["s_per_step"], rel=1e-2)
+
+
+def test_gpu_bench_trl_part_reports_a_missing_trl_as_its_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Neither TRL nor ``datasets`` is imported before TRL's run starts, so a machine without
+    them (the GPU machines, unless their wheels travel) gets an error on TRL's side only."""
+    monkeypatch.setitem(sys.modules, "trl", None)  # `import trl` raises ImportError
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with bench_script("gpu_trl") as gpu_trl:
+        side = gpu_trl.trl_side(Config(), tmp_path, 8, torch.device("cpu"))
+    assert side == {"error": "ModuleNotFoundError: import of trl halted; None in sys.modules"}
+
+
 def test_gpu_bench_without_cuda_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     """The script run as __main__ in this process (a child Python would spend over a second
     importing torch): sys.exit with the message, which a program prints to stderr with status 1."""
-    import torch
-
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is visible")
     monkeypatch.setattr(sys, "argv", [str(SCRIPT)])
