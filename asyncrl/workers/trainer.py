@@ -463,8 +463,11 @@ class TrainerWorker:
         self.inbox.close()
         try:
             if self.ranks is not None and self.ranks.is_leader:
-                self.ranks.post(Stop())
-                self.ranks.wait_for_followers()
+                try:
+                    self.ranks.post(Stop())
+                    self.ranks.wait_for_followers()
+                except RuntimeError:  # (torch's DistError is one) a follower is gone: none to release
+                    pass  # its death is the run's error, reported by the runtime; closing goes on
         finally:
             try:
                 if self.sender is not None:

@@ -131,3 +131,35 @@ def test_no_runtime_decides_which_workers_exist() -> None:
         assert "run_workers(cfg)" in source, name
         for decision in ("distill.enabled", "range(cfg.runtime.generators)", "range(cfg.trainer.ranks)"):
             assert decision not in source, (name, decision)
+
+
+def test_rank_zero_closing_after_a_follower_died_releases_what_it_holds() -> None:
+    """TrainerWorker.close on rank 0 whose followers are gone (posting Stop raises, as gloo does
+    when a peer's connection is closed): it raises nothing, and still closes its weight sender
+    and leaves the group, so a worker that failed exits with its own error alone."""
+    closed: list[str] = []
+
+    class GoneFollowers:
+        is_leader = True
+
+        def post(self, command) -> None:
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:43236")
+
+        def wait_for_followers(self) -> None:
+            closed.append("waited")
+
+        def close(self) -> None:
+            closed.append("ranks")
+
+    class Part:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def close(self) -> None:
+            closed.append(self.name)
+
+    worker = TrainerWorker.__new__(TrainerWorker)  # only what close() touches
+    worker.evaluation, worker.inbox, worker.sender = Part("evaluation"), Part("inbox"), Part("sender")
+    worker.ranks = GoneFollowers()
+    worker.close()
+    assert closed == ["evaluation", "inbox", "sender", "ranks"]
