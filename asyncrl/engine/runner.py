@@ -200,22 +200,23 @@ class Runner:
             draw = sample_tokens(*self._sampling_inputs(index, positions), self.keep_support[index])
             host = torch.stack([draw.tokens.double(), draw.logprobs.double()]).tolist()
             return Drawn([int(t) for t in host[0]], host[1], draw.supports)
-        positions = torch.tensor(plan.positions, dtype=torch.long)
         if not self.static:
-            packed = _draw_packed(*self._sampling_inputs(self._index(plan.slots), positions.to(self.device)))
-            return _drawn(packed.cpu())
+            positions = torch.tensor(plan.positions, dtype=torch.long, device=self.device)
+            host = _draw_packed(*self._sampling_inputs(self._index(plan.slots), positions)).tolist()
+            return Drawn([int(t) for t in host[0]], host[1], None)
         # Accelerator layout: every row of the bucket is drawn (holes draw garbage, unread)
         # from static buffers, so the step replays as a graph.
         width = plan.rows
-        slots = torch.tensor(plan.slots, dtype=torch.long)
-        host_positions = torch.zeros(width, dtype=torch.long)
-        host_positions[slots] = positions
-        self.positions_in[:width].copy_(host_positions)
+        positions = [0] * width
+        for slot, done in zip(plan.slots, plan.positions, strict=True):
+            positions[slot] = done
+        self.positions_in[:width].copy_(torch.tensor(positions, dtype=torch.long))
         rows = slice(0, width)
         packed = self.graphs.run(
             ("draw", width), lambda: _draw_packed(*self._sampling_inputs(rows, self.positions_in[rows]))
         )
-        return _drawn(packed.cpu()[:, slots])
+        host = packed.tolist()
+        return Drawn([int(host[0][s]) for s in plan.slots], [host[1][s] for s in plan.slots], None)
 
     def _index(self, slots: list[int]) -> slice | torch.Tensor:
         if slots == list(range(len(slots))):
@@ -254,15 +255,14 @@ class Runner:
             ):
                 buf[target] = buf[source]
         dev, width, length = self.device, plan.rows, plan.length
-        ids = torch.full((width,), self.pad_token_id, dtype=torch.long)
-        ids[torch.tensor(list(plan.tokens), dtype=torch.long)] = torch.tensor(
-            list(plan.tokens.values()), dtype=torch.long
-        )
+        ids = [self.pad_token_id] * width
+        for slot, tok in plan.tokens.items():
+            ids[slot] = tok
         rows = slice(0, width)
         if not self.static:
             self.logits[rows] = self._forward(
                 rows,
-                ids.to(dev).unsqueeze(-1),
+                torch.tensor(ids, dtype=torch.long, device=dev).unsqueeze(-1),
                 torch.tensor(plan.starts, dtype=torch.long, device=dev),
                 torch.arange(width, device=dev),
                 None,
@@ -270,7 +270,7 @@ class Runner:
             )
             return
         # Static buffers in, the pending logits out: the step replays as a graph.
-        self.ids_in[rows, 0].copy_(ids)
+        self.ids_in[rows, 0].copy_(torch.tensor(ids, dtype=torch.long))
         self.starts_in[rows].copy_(torch.tensor(plan.starts, dtype=torch.long))
 
         def decode_step() -> torch.Tensor:
@@ -324,11 +324,6 @@ class Runner:
             per_token = routes.permute(1, 0, 2)
             self.slot_routes[write_slots, write_cols] = per_token if source is None else per_token[source]
         return out.logits[:, -1]
-
-
-def _drawn(host: torch.Tensor) -> Drawn:
-    """The draw of :func:`_draw_packed`'s rows, on the host."""
-    return Drawn(host[0].long().tolist(), host[1].tolist(), None)
 
 
 def _draw_packed(logits, temperature, top_k, top_p, seeds, positions, min_p) -> torch.Tensor:
