@@ -120,10 +120,15 @@ def vllm_serving(policy, *, model: str, max_batch_size: int, seed: int, override
     weights ``POST /v1/policy`` loads (read now, before vLLM takes them):
     :class:`~asyncrl.server.app.OpenAIServer`'s ``serving``. Bad settings are refused here."""
     from asyncrl.config import load_config
+    from asyncrl.engine.vllm_engine import INSTALL_HINT, unsupported_model, vllm_installed
     from asyncrl.server.scoring import VllmScoring
     from asyncrl.transports.weights.interface import WeightLayout
     from asyncrl.workers.assembly import vllm_engine
 
+    if not vllm_installed():
+        raise ConfigError("--engine", "vllm", INSTALL_HINT)
+    if why := unsupported_model(policy.model.config):
+        raise ConfigError("--model", model, f"with --engine vllm: {why}")
     own = [
         o for o in overrides if not o.startswith(("vllm.", "rollout.kv_cache_gb=", "rollout.max_seq_len="))
     ]

@@ -213,6 +213,45 @@ def test_user_errors_exit_2_with_one_line(
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (
+            ["--set", "vllm.enforce_eager=true"],
+            "--set=['vllm.enforce_eager=true']: asyncrl serve takes settings only",
+        ),
+        (
+            ["--engine", "vllm", "--set", "run.steps=3"],
+            "takes vllm.*, rollout.kv_cache_gb and rollout.max_seq_len",
+        ),
+    ],
+    ids=["settings_without_vllm", "a_key_serve_does_not_take"],
+)
+def test_serve_user_errors_exit_2_with_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, args: list[str], needle: str
+) -> None:
+    """``asyncrl serve``'s bad settings are one line naming them, before any engine is built (vLLM
+    taken as installed here, so that the second check is reached)."""
+    from asyncrl.engine import vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "vllm_installed", lambda: True)
+    code, err = run_cli(["serve", "--port", "0", *args], capsys)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("asyncrl: error: "), err
+    assert needle in err and "Traceback" not in err
+
+
+def test_serve_on_vllm_where_it_is_not_installed_says_how_to_install_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from asyncrl.engine.vllm_engine import vllm_installed
+
+    if vllm_installed():
+        pytest.skip("vLLM is installed here")
+    code, err = run_cli(["serve", "--port", "0", "--engine", "vllm"], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("asyncrl: error: --engine='vllm': vLLM is not installed: ") and "pip install" in err
+
+
 @pytest.mark.slow  # exit 2 with one line: test_user_errors_exit_2_with_one_line; `python -m asyncrl.cli` as a program: test_stops
 @pytest.mark.multiprocess
 def test_user_error_in_a_subprocess_has_no_traceback(tmp_path: Path) -> None:

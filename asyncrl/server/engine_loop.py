@@ -24,9 +24,15 @@ from dataclasses import dataclass, field
 
 from asyncrl.engine.interface import Engine
 from asyncrl.engine.types import GenerationRequest, GenerationResult
+from asyncrl.errors import AsyncRLError
 
 POLL_S = 0.005  # how long the idle loop waits for new work
 START_TIMEOUT_S = 900.0  # building an engine: vLLM's start-up takes seconds to minutes
+
+
+class EngineBuildError(AsyncRLError):
+    """The engine could not be built (a model it cannot load, an engine that is not installed):
+    the build's own message, on one line."""
 
 
 @dataclass
@@ -58,7 +64,7 @@ class EngineLoop:
         if not self._built.wait(timeout):
             raise TimeoutError(f"the engine was not built within {timeout} s")
         if self.engine is None:
-            raise RuntimeError(f"the engine could not be built: {self.error}") from self.error
+            raise EngineBuildError(f"the engine could not be built: {self.error}") from self.error
 
     def stop(self, timeout: float = 10.0) -> bool:
         """Stop the engine thread; whether it ended within ``timeout`` (then nothing uses the engine)."""

@@ -10,7 +10,7 @@ import pytest
 
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest, GenerationResult
-from asyncrl.server.engine_loop import EngineLoop
+from asyncrl.server.engine_loop import EngineBuildError, EngineLoop
 
 WAIT_S = 60.0
 
@@ -113,6 +113,6 @@ def test_a_build_that_fails_is_raised_by_start() -> None:
         raise OSError("no model at /nowhere")
 
     loop = EngineLoop(build)
-    with pytest.raises(RuntimeError, match="no model at /nowhere"):
+    with pytest.raises(EngineBuildError, match="no model at /nowhere"):
         loop.start()
     assert loop.stop()
