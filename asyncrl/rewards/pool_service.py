@@ -117,6 +117,7 @@ def local_reward_pool(cfg: Config, start_timeout_s: float) -> Iterator[dict | No
     with stop_signals_held():  # until the pool ignores them itself
         process.start()
     theirs.close()
+    ready = False
     try:
         if not ours.poll(start_timeout_s):
             raise RewardPoolError(
@@ -129,12 +130,14 @@ def local_reward_pool(cfg: Config, start_timeout_s: float) -> Iterator[dict | No
             raise RewardPoolError(f"the reward pool exited at start (code {process.exitcode})") from None
         if status == "error":
             raise RewardPoolError(f"the reward workers (task.reward_workers) failed to start: {value}")
+        ready = True
         spec = {"kind": "local", "address": list(value), "authkey": authkey.hex()}
         with announced(ENV, json.dumps(spec)):
             yield spec
     finally:
         ours.close()  # the pool's signal to end (it ignores SIGTERM)
-        process.join(STOP_TIMEOUT_S)
+        if ready:  # a pool that never got ready would read the signal only once its workers start
+            process.join(STOP_TIMEOUT_S)
         if process.is_alive():
             process.kill()
             process.join(STOP_TIMEOUT_S)

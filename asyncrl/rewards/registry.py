@@ -85,10 +85,12 @@ def is_batched(fn: RewardFn) -> bool:
 
 def resolve_reward(spec: str, key: str = "task.reward") -> RewardFn:
     """A registered name, or ``package.module:function`` importable from the current environment."""
-    registered = REWARDS.get(spec)
-    if registered is not None:
-        return registered
     if ":" not in spec:
+        # Only a bare name is looked up: the lookup imports the plugins (torch and the shipped
+        # models among them), seconds that a reward process started for a user's function skips.
+        registered = REWARDS.get(spec)
+        if registered is not None:
+            return registered
         raise ConfigError(
             key, spec, f"not a registered reward ({registered_rewards()}) nor 'module:function'"
         )
