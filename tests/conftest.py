@@ -30,7 +30,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     On CUDA, tests/test_gpu.py's end-to-end runs (12 to 19 s each, mostly process start-up) go
     after every other test: a GPU check with a time limit then cuts them, not the short tests of
-    the other files (an H100 check ran out of time inside test_gpu.py before reaching them)."""
+    the other files (an H100 check ran out of time inside test_gpu.py before reaching them).
+
+    Ray tests share one group (``xdist_group``): with ``-n N --dist loadgroup`` one worker runs them."""
+    for item in items:
+        if "ray" in item.keywords:
+            # Under pytest-xdist (-n N --dist loadgroup) every Ray test runs on one worker, one
+            # after another: a Ray instance started beside another on a small machine slows both
+            # past their waits' bounds.
+            item.add_marker(pytest.mark.xdist_group("ray"))
     if importlib.util.find_spec("vllm") is None:
         no_vllm = pytest.mark.skip(
             reason="needs vLLM (not installed); the vLLM tier's command is in the README"
@@ -75,7 +83,10 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Start the local runtime's fork server (runtime.start_method=forkserver) now: it imports
     torch, transformers and asyncrl's workers on another core while the tests are collected,
-    instead of during the first test that starts a local run."""
+    instead of during the first test that starts a local run. Under pytest-xdist only the
+    workers, which run the tests, start one; the process that hands them out does not."""
+    if getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput"):
+        return
     worker_context("forkserver")  # sets what the server preloads
     multiprocessing.forkserver.ensure_running()
 
