@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import Generic, TypeVar
 
 # asyncrl's toy world, and the control loop's features it ships (asyncrl.control.features).
-PLUGINS = ("asyncrl.builtin.register", "asyncrl.control.feature_set")
+PLUGINS = ("asyncrl.builtin.register", "asyncrl.features.shipped")
 
 T = TypeVar("T")
 

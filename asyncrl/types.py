@@ -248,7 +248,7 @@ class TeacherScores:
 
 @dataclass(frozen=True)
 class Pivot:
-    """Where a branch group starts (pivot resampling, :mod:`asyncrl.algorithms.pivots`): completion
+    """Where a branch group starts (pivot resampling, :mod:`asyncrl.features.pivots.success`): completion
     ``sample`` of group ``source_group_id`` kept up to ``position`` of its ``length`` trained tokens.
 
     ``version``: the policy version that sampled the prefix's last token (a branch's staleness is

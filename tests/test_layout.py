@@ -46,6 +46,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("asyncrl.workers",),
     ("asyncrl.runtimes",),
     ("asyncrl.control",),
+    ("asyncrl.features",),
     ("asyncrl.builtin",),
     ("asyncrl.cli", "asyncrl"),
 )

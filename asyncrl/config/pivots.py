@@ -1,4 +1,4 @@
-"""The ``pivot`` section: DEEP-GRPO's pivot resampling (asyncrl.algorithms.pivots, docs/pivots.md)."""
+"""The ``pivot`` section: DEEP-GRPO's pivot resampling (asyncrl.features.pivots.success, docs/pivots.md)."""
 
 from __future__ import annotations
 

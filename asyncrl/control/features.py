@@ -171,7 +171,7 @@ class RunFeature:
 
 # Builders of the run's features, by name, in the order their hooks are called: each gives the
 # feature a run needs (None: the config does not use it). asyncrl's own register themselves in
-# asyncrl.control.feature_set (a plugin: asyncrl.plugins).
+# asyncrl.features.shipped (a plugin: asyncrl.plugins).
 FEATURES: Registry[Callable[[Built], RunFeature | None]] = Registry("control-loop feature")
 
 

@@ -20,7 +20,7 @@ resumed run under the same id::
 * **delivered** — the group is with the trainer (in its inbox) and its header reached the
   controller;
 * **teaching** — (on-policy distillation) delivered, and waiting for the teacher stage's scores
-  before it may enter the buffer (:mod:`asyncrl.control.teaching`);
+  before it may enter the buffer (:mod:`asyncrl.features.distillation.books`);
 * **buffered** — its header waits in the rollout buffer for a step;
 * **accumulated** — sent to the trainer for a step that is not yet confirmed;
 * **trained** — its step is done (a terminal state);

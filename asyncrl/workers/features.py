@@ -25,8 +25,8 @@ A generator's work:
 * ``finished``: the events the feature reports of the groups the generator just finished (the
   pivots found in them).
 
-The shipped features' worker parts are in :mod:`.feature_parts`, registered with their
-controller parts (:mod:`asyncrl.control.feature_set`).
+The shipped features' worker parts are in their packages (:mod:`asyncrl.features`), registered with their
+controller parts (:mod:`asyncrl.features.shipped`).
 """
 
 from __future__ import annotations

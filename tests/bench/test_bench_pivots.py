@@ -7,7 +7,7 @@ import pytest
 from tests.helpers import run_bench
 
 
-@pytest.mark.slow  # two short runs; the pivot machinery: tests/control/test_pivots.py's test_a_sync_run_trains_branch_groups_...
+@pytest.mark.slow  # two short runs; the pivot machinery: tests/features/test_pivots.py's test_a_sync_run_trains_branch_groups_...
 @pytest.mark.multiprocess
 def test_the_pivot_bench_compares_at_equal_generated_tokens(tmp_path) -> None:
     [out] = run_bench(

@@ -16,13 +16,15 @@ from asyncrl import checkpoints
 from asyncrl.config import load_config
 from asyncrl.control.features import FEATURES, Built, Features, RunFeature
 from asyncrl.control.lifecycle import GroupLedger
-from asyncrl.control.pivoting import BranchBook
-from asyncrl.control.policy_books import PolicyBooks, RoleRewards
 from asyncrl.control.run import train
-from asyncrl.control.teaching import TeacherQueue
+from asyncrl.features.distillation.books import TeacherQueue
+from asyncrl.features.distillation.parts import TeacherScores
+from asyncrl.features.pivots.books import BranchBook
+from asyncrl.features.pivots.parts import BranchSteps, PivotFinder
+from asyncrl.features.policies.books import PolicyBooks, RoleRewards
+from asyncrl.features.policies.parts import RoleTurns
 from asyncrl.protocol.headers import GroupHeader
 from asyncrl.protocol.messages import Accumulate, FinishStep, Submit
-from asyncrl.workers.feature_parts import BranchSteps, PivotFinder, RoleTurns, TeacherScores
 from asyncrl.workers.features import GenerationFeatures, StepFeatures
 from tests.helpers import short_run
 

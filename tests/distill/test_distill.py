@@ -24,13 +24,13 @@ from asyncrl import checkpoints
 from asyncrl.algorithms.advantages import distill_advantages, group_advantages
 from asyncrl.cli import main
 from asyncrl.config import DistillConfig, load_config
-from asyncrl.control import teaching as teaching_module
 from asyncrl.control.lifecycle import GroupLedger, LifecycleError
-from asyncrl.control.teaching import TeacherQueue
 from asyncrl.distill.teacher import LocalTeacher, ServedTeacher, TeacherError, check_teacher
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.types import GenerationRequest, SamplingParams
 from asyncrl.errors import ConfigError
+from asyncrl.features.distillation import books as teaching_module
+from asyncrl.features.distillation.books import TeacherQueue
 from asyncrl.models.loading import load_policy
 from asyncrl.protocol.headers import group_header
 from asyncrl.protocol.messages import WorkerError

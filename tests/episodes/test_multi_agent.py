@@ -386,7 +386,7 @@ def test_a_frozen_policy_generates_and_keeps_its_clock(tmp_path) -> None:
         assert "policy/checker/loss" not in r
 
 
-@pytest.mark.slow  # local processes; the bounds by hand: tests/control/test_policy_books.py
+@pytest.mark.slow  # local processes; the bounds by hand: tests/features/test_policy_books.py
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_async_two_policies_hold_each_ones_staleness_bound(tmp_path) -> None:

@@ -21,10 +21,10 @@ from asyncrl.control.clocks import PolicyClocks
 from asyncrl.control.controller import Controller
 from asyncrl.control.features import Features
 from asyncrl.control.lifecycle import GroupLedger
-from asyncrl.control.policy_books import PolicyBooks, policy_divisors
 from asyncrl.control.session import RunSession
 from asyncrl.control.step_metrics import batch_metrics
 from asyncrl.control.steps import StepAssembly
+from asyncrl.features.policies.books import PolicyBooks, policy_divisors
 from asyncrl.prompts.sources import PromptStream
 from asyncrl.protocol.headers import GroupHeader, group_header
 from asyncrl.protocol.messages import (

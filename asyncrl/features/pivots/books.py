@@ -1,7 +1,7 @@
 """Pivot resampling on the controller: pivots waiting to be expanded, branch groups, the success model.
 
 A generator that scores a group finds pivots in its failed completions
-(:mod:`asyncrl.rollout.pivots`) and reports them with their prefixes (``PivotsFound``). The
+(:mod:`asyncrl.features.pivots.finding`) and reports them with their prefixes (``PivotsFound``). The
 controller holds them here — the one payload it carries: a prefix, not a whole completion —
 and expands them **in a later step** than the one being assembled when they were found: a
 branch group gets a group id of its own and goes to a generator whose weights are fresh enough
@@ -40,10 +40,10 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncrl.algorithms.losses import batch_divisor
-from asyncrl.algorithms.pivots import SuccessModel
 from asyncrl.config import DEFAULT_POLICY, Config
 from asyncrl.control.features import RunFeature
 from asyncrl.control.lifecycle import GroupLedger
+from asyncrl.features.pivots.success import SuccessModel
 from asyncrl.protocol.headers import GroupHeader
 from asyncrl.protocol.messages import FinishStep, PivotsFound, Submit
 from asyncrl.types import FoundPivot, GroupState, Prompt

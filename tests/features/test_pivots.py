@@ -16,24 +16,24 @@ import pytest
 import torch
 
 from asyncrl import checkpoints as checkpoint
-from asyncrl.algorithms.pivots import (
+from asyncrl.config import load_config
+from asyncrl.control.lifecycle import GroupLedger
+from asyncrl.control.run import train
+from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.sampling import SamplingParams
+from asyncrl.errors import ConfigError
+from asyncrl.features.pivots.books import BranchBook
+from asyncrl.features.pivots.finding import find_pivots
+from asyncrl.features.pivots.success import (
     SuccessModel,
     candidate_positions,
     choose_pivot,
     pivot_weights,
 )
-from asyncrl.config import load_config
-from asyncrl.control.lifecycle import GroupLedger
-from asyncrl.control.pivoting import BranchBook
-from asyncrl.control.run import train
-from asyncrl.engine.embedded import EmbeddedEngine
-from asyncrl.engine.sampling import SamplingParams
-from asyncrl.errors import ConfigError
 from asyncrl.models.loading import load_policy
 from asyncrl.protocol.headers import GroupHeader, group_header
 from asyncrl.protocol.messages import Accumulate, FinishStep
 from asyncrl.rollout.completions import CompletionRollout
-from asyncrl.rollout.pivots import find_pivots
 from asyncrl.trainer.advantages import assign_advantages
 from asyncrl.transports.groups.interface import Delivery
 from asyncrl.transports.weights.inprocess import InProcessChannel

@@ -3,29 +3,29 @@ control loop (:data:`~asyncrl.control.features.FEATURES`), of the trainer's step
 (:data:`~asyncrl.workers.features.STEP_FEATURES`) and of a generator's work
 (:data:`~asyncrl.workers.features.GENERATION_FEATURES`).
 
-In the order their hooks are called: pivot resampling (:mod:`.pivoting`; the workers' parts
-:class:`~asyncrl.workers.feature_parts.PivotFinder` and
-:class:`~asyncrl.workers.feature_parts.BranchSteps`), the teacher stage (:mod:`.teaching`;
-:class:`~asyncrl.workers.feature_parts.TeacherScores`), several policies and roles
-(:mod:`.policy_books`; :class:`~asyncrl.workers.feature_parts.RoleTurns`). Each builder returns
-None when the run's config does not use it.
+In the order their hooks are called: pivot resampling (:mod:`.pivots`), the teacher stage
+(:mod:`.distillation`), several policies and roles (:mod:`.policies`). Each builder returns
+None when the run's config does not use it. A new feature is a package beside these and its
+lines here; the core is not edited.
 """
 
 from __future__ import annotations
 
 from asyncrl.control.features import FEATURES, Built
-from asyncrl.control.pivoting import BranchBook
-from asyncrl.control.policy_books import policy_feature
-from asyncrl.control.teaching import teacher_queue
-from asyncrl.workers.feature_parts import branch_steps, pivot_finder, role_turns, teacher_scores
+from asyncrl.features.distillation.books import teacher_queue
+from asyncrl.features.distillation.parts import teacher_scores
+from asyncrl.features.pivots.books import BranchBook
+from asyncrl.features.pivots.parts import branch_steps, pivot_finder
+from asyncrl.features.policies.books import policy_feature
+from asyncrl.features.policies.parts import role_turns
 from asyncrl.workers.features import GENERATION_FEATURES, STEP_FEATURES
 
 
-def pivot_feature(built: Built) -> BranchBook | None:
+def pivot_book(built: Built) -> BranchBook | None:
     return BranchBook(built.cfg, built.ledger) if built.cfg.pivot.enabled else None
 
 
-FEATURES.register("pivots", pivot_feature)
+FEATURES.register("pivots", pivot_book)
 FEATURES.register("teacher", teacher_queue)
 FEATURES.register("policies", policy_feature)
 

@@ -1,7 +1,7 @@
 """Finding pivots in a scored group: which failed completions branch, and where (DEEP-GRPO).
 
 A generator runs this on every group it scores (not on branch groups: a branch is not branched
-again). The choice itself is :func:`asyncrl.algorithms.pivots.choose_pivot`, with the success
+again). The choice itself is :func:`asyncrl.features.pivots.success.choose_pivot`, with the success
 model's parameters the controller last sent; completion k of group g draws with its own seed
 (run seed, g, k), so what is found does not depend on the generator or on what ran beside it.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import random
 
-from asyncrl.algorithms.pivots import choose_pivot
 from asyncrl.config.pivots import PivotConfig
+from asyncrl.features.pivots.success import choose_pivot
 from asyncrl.types import FoundPivot, Group, Pivot, Sample
 
 

@@ -1,0 +1,9 @@
+"""On-policy distillation's teacher stage (docs/distillation.md), section ``distill`` of the config.
+
+* :mod:`.books`: the controller's part, the queue of groups the teacher scores before they
+  enter the buffer;
+* :mod:`.parts`: the trainer's part (:class:`~.parts.TeacherScores`): groups taken once scored,
+  the teacher's signal in the advantages, the step's reverse KL.
+
+The teacher itself (a model that scores a student's tokens) is a worker: :mod:`asyncrl.distill`.
+"""
