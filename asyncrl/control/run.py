@@ -12,10 +12,11 @@ from typing import Any
 
 from asyncrl import checkpoints as checkpoint
 from asyncrl.config import Config
+from asyncrl.config.engines import check_engines_installed
 from asyncrl.control.controller import Controller
 from asyncrl.control.session import RunSession, default_run_dir
 from asyncrl.distill.teacher import check_teacher
-from asyncrl.engine.vllm_engine import INSTALL_HINT, unsupported_model, vllm_installed
+from asyncrl.engine.vllm_engine import unsupported_model
 from asyncrl.errors import AsyncRLError, ConfigError
 from asyncrl.lifeline import STOP_SIGNALS
 from asyncrl.models.loading import load_model_config
@@ -59,9 +60,7 @@ def train(cfg: Config, run_dir: Path | None = None, *, resume: bool = False) -> 
     if cfg.lora.enabled:  # adapters the model's layers cannot carry, refused before any process starts
         check_lora_fits(model_config(), cfg.lora)
     build_episode(cfg)  # as does a bad episode.environment
-    for key, engine in (("rollout.engine", cfg.rollout.engine), ("distill.engine", cfg.distill.engine)):
-        if engine == "vllm" and not vllm_installed():
-            raise ConfigError(key, "vllm", INSTALL_HINT)
+    check_engines_installed(cfg)
     if cfg.rollout.engine == "vllm" and (why := unsupported_model(model_config())):
         raise ConfigError("model.path", cfg.model.path, f"with rollout.engine=vllm: {why}")
     if cfg.distill.enabled:

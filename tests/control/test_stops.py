@@ -222,8 +222,9 @@ def test_a_stop_sent_to_a_ray_runs_process_group_is_clean_and_resumes(tmp_path: 
 @pytest.mark.multiprocess
 def test_a_run_under_timeout_stops_cleanly_and_resumes(tmp_path: Path) -> None:
     """coreutils ``timeout`` signals the run's process, then its whole group: the same signal
-    twice, one stop (not the "second signal" that stops at once)."""
-    stop_and_resume(tmp_path / "run", "episodes", "async", "local", send="timeout")
+    twice, one stop (not the "second signal" that stops at once). (An episode run's stop on the
+    local runtime: test_a_stopped_run_exits_with_one_line_and_resumes[episodes-async-local].)"""
+    stop_and_resume(tmp_path / "run", "completions", "async", "local", send="timeout")
 
 
 @pytest.mark.slow  # the group stop of a local run: test_a_run_under_timeout_stops_cleanly_and_resumes
