@@ -9,6 +9,8 @@ an error naming both.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import Field
@@ -80,14 +82,86 @@ def check_engines_installed(cfg: Any) -> None:
             raise ConfigError(key, "vllm", VLLM_INSTALL_HINT)
 
 
+@dataclass(frozen=True)
+class EngineNeed:
+    """Something a setting needs of the generators' engine: the capability, by name, and the
+    setting as an error names it when the config uses it (None: it does not)."""
+
+    capability: str
+    setting: Callable[[Any], str | None]
+
+
+def _own_model_policies(cfg: Any) -> str | None:
+    used = cfg.multi_agent.policy_names
+    own = [p.name for p in cfg.multi_agent.policies if p.kind == "model" and p.name in used]
+    return f"multi_agent.policies {own} have kind=model" if own else None
+
+
+def _truncated_sampling(cfg: Any) -> str | None:
+    r = cfg.rollout
+    if not (r.top_k or r.top_p < 1 or r.min_p):
+        return None
+    return f"rollout.top_k/top_p/min_p (top_k={r.top_k}, top_p={r.top_p}, min_p={r.min_p})"
+
+
+# What settings need of the engine (the features' and the sampler's), in one table: the check at
+# start is the same for every engine, which declares only what it cannot do (ENGINE_LIMITS).
+ENGINE_NEEDS = (
+    EngineNeed(
+        "sampling_mask", lambda cfg: "rollout.keep_sampling_mask" if cfg.rollout.keep_sampling_mask else None
+    ),
+    EngineNeed("truncated_sampling", _truncated_sampling),
+    EngineNeed(
+        "cache_fraction",
+        lambda cfg: "rollout.kv_cache_fraction" if cfg.rollout.kv_cache_fraction is not None else None,
+    ),
+    EngineNeed("policy_models", _own_model_policies),
+    EngineNeed(
+        "routed_experts",
+        lambda cfg: (
+            f"trainer.routing_replay={cfg.trainer.routing_replay}"
+            if cfg.trainer.routing_replay != "off"
+            else None
+        ),
+    ),
+)
+
+# What each engine cannot do of ENGINE_NEEDS, and why; it can do everything else. The embedded
+# engine does all of it (tests/engine/test_engine_contract.py and each feature's tests).
+ENGINE_LIMITS: dict[str, dict[str, str]] = {
+    "embedded": {},
+    "vllm": {
+        "sampling_mask": "vLLM does not report the kept set of a sampled token",
+        "truncated_sampling": "vLLM's log-probs are then renormalised over the kept tokens, not the "
+        "distribution the trainer recomputes; leave them off",
+        "cache_fraction": "size vLLM's cache with vllm.gpu_memory_utilization",
+        "policy_models": "a process holds one vLLM engine (vLLM's parallel state is process-wide), so a "
+        "policy of its own model cannot have one beside the run's; make them kind=adapter (LoRA adapters "
+        "over the run's model, which vLLM serves from one engine) or use rollout.engine=embedded",
+        "routed_experts": "vLLM returns expert routes only from its model runner V2, which its CPU build "
+        "cannot run (it needs Triton); set trainer.routing_replay=off",
+    },
+}
+
+
 def engine_problems(cfg: Any) -> list[str]:
-    """What a run with ``rollout.engine=vllm`` (or ``distill.engine=vllm``) cannot do, each naming
-    the keys (empty: none)."""
+    """What a run cannot do on its engines (``rollout.engine``; ``distill.engine=vllm``), each
+    naming the keys (empty: none)."""
     problems = []
     if cfg.distill.engine == "vllm" and cfg.distill.url is not None:
         problems.append("distill.engine=vllm scores with a local teacher (distill.teacher), not distill.url")
-    if cfg.rollout.engine != "vllm":
-        return problems
+    engine = cfg.rollout.engine
+    if engine == "vllm":
+        problems += [
+            f"vllm.engine_args.{key} is set by asyncrl from {OWNED_ENGINE_ARGS[key]}: set that instead"
+            for key in cfg.vllm.engine_args
+            if key in OWNED_ENGINE_ARGS
+        ]
+    limits = ENGINE_LIMITS[engine]
+    for need in ENGINE_NEEDS:
+        if need.capability in limits and (setting := need.setting(cfg)) is not None:
+            problems.append(f"{setting} with rollout.engine={engine}: {limits[need.capability]}")
+    return problems
     r = cfg.rollout
     problems += [
         f"vllm.engine_args.{key} is set by asyncrl from {OWNED_ENGINE_ARGS[key]}: set that instead"

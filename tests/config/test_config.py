@@ -349,3 +349,23 @@ def test_a_value_yaml_converted_is_shown_as_written_and_no_boolean_passes_for_a_
 def test_a_misspelled_key_inside_a_list_item_lists_the_items_keys() -> None:
     message = str(config_error("multi_agent.roles=[{name: a, prompt: x}, {name: b, promt: y}]"))
     assert message == "multi_agent.roles.1.promt='y': unknown key; allowed keys here: name, policy, prompt"
+
+
+def test_every_engine_declares_its_limits_against_the_one_table_of_needs() -> None:
+    """Each engine the config offers has an entry in ENGINE_LIMITS, naming only capabilities that
+    some setting needs (ENGINE_NEEDS); the embedded engine has no limit. A setting with no engine
+    limit is accepted on the embedded engine and refused on vLLM, naming the setting and the engine."""
+    from typing import get_args
+
+    from asyncrl.config.engines import ENGINE_LIMITS, ENGINE_NEEDS
+    from asyncrl.config.training import RolloutConfig
+
+    offered = set(get_args(RolloutConfig.model_fields["engine"].annotation))
+    assert set(ENGINE_LIMITS) == offered == {"embedded", "vllm"}
+    needed = {need.capability for need in ENGINE_NEEDS}
+    assert len(needed) == len(ENGINE_NEEDS) == 5
+    assert ENGINE_LIMITS["embedded"] == {} and set(ENGINE_LIMITS["vllm"]) == needed
+    load_config(None, ["rollout.keep_sampling_mask=true", "rollout.top_k=5"])  # the embedded engine
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["rollout.engine=vllm", "rollout.kv_cache_fraction=0.5"])
+    assert "rollout.kv_cache_fraction with rollout.engine=vllm: size vLLM's cache" in str(info.value)
