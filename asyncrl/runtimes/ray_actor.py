@@ -20,7 +20,7 @@ from asyncrl.runtimes.serving import build_worker, drain, failed, ready, serve_w
 from asyncrl.transports.groups.factory import make_group_sender
 from asyncrl.transports.groups.interface import Delivery, GroupSender, sender_for
 from asyncrl.transports.weights.factory import TransportSpec, free_port, make_broadcast_sender, make_receiver
-from asyncrl.workers.interface import TEACHER, TRAINER, payload_routes
+from asyncrl.workers.interface import payload_routes
 
 
 class WorkerActor:
@@ -38,28 +38,27 @@ class WorkerActor:
         self._exit = threading.Event()
         self._worker = None  # once built
         self._device = None  # where the worker's weights live, once built
-        self._trainer = None  # a generator's (or the teacher's) handle on the trainer's actor
-        self._teacher = None  # with distillation, a generator's handle on the teacher's actor
+        self._receivers: dict = {}  # the actors this worker delivers to, by name
         self._thread = threading.Thread(target=self._run, name=f"asyncrl-{name}", daemon=True)
 
-    def start(self, spec: TransportSpec, group: dict, trainer=None, teacher=None) -> None:
+    def start(self, spec: TransportSpec, group: dict, receivers: dict | None = None) -> None:
         """Build the worker and serve commands, on a thread; ``Ready`` or ``WorkerFailed`` follows.
 
         ``group`` says where the trainer ranks meet (``world_size``, ``master_addr``,
         ``master_port``); ranks 1.. take their commands from rank 0, not from ``send``.
-        ``trainer``: a generator's (or the teacher's) handle on the trainer's actor, where it
-        delivers its groups (scores); ``teacher``: the teacher stage's actor, which a generator
-        delivers a copy of its groups to.
+        ``receivers``: the actors, by worker name, whose inboxes take what this worker delivers
+        (:func:`~asyncrl.workers.interface.payload_routes`: a generator's groups, the teacher's
+        scores); none for a trainer rank.
         """
-        self._spec, self._group, self._trainer, self._teacher = spec, group, trainer, teacher
+        self._spec, self._group, self._receivers = spec, group, dict(receivers or {})
         self._thread.start()
 
     def deliver(self, delivery: Delivery) -> None:
         """Groups (or a teacher's scores) into the inbox of this actor's trainer or teacher."""
         with self._lock:
             worker = self._worker
-        if worker is None or self.role not in (TRAINER, TEACHER):
-            raise RuntimeError(f"{self.name} takes no deliveries: it is not a started trainer or teacher")
+        if worker is None or getattr(worker, "inbox", None) is None:
+            raise RuntimeError(f"{self.name} takes no deliveries: it is not a started worker with an inbox")
         worker.inbox.put(delivery)
 
     def where(self) -> dict:
@@ -119,10 +118,12 @@ class WorkerActor:
     def _group_sender(self, cfg) -> GroupSender | None:
         """Where this worker's groups (a generator's) or scores (the teacher's) go: the actors
         :func:`~asyncrl.workers.interface.payload_routes` names, by calls on them."""
-        actors = {TRAINER: self._trainer, TEACHER: self._teacher}
         timeout_s = cfg.runtime.stall_timeout_s
         return sender_for(
-            [make_group_sender("actor", actors[to], timeout_s) for to in payload_routes(self.role, cfg)]
+            [
+                make_group_sender("actor", self._receivers[to], timeout_s)
+                for to in payload_routes(self.role, cfg)
+            ]
         )
 
     def _run(self) -> None:

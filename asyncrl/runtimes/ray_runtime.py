@@ -63,7 +63,7 @@ from asyncrl.transports.weights.factory import (
     transport_spec,
     unlink_segment,
 )
-from asyncrl.workers.interface import GENERATOR, TEACHER, TRAINER, generator_name, run_workers
+from asyncrl.workers.interface import GENERATOR, TEACHER, TRAINER, generator_name, payload_routes, run_workers
 
 POLL_WAIT_S = 0.5  # how long an actor's events() call waits for something to report
 
@@ -164,12 +164,9 @@ class RayRuntime:
         group = {"world_size": len(ranks), "master_addr": host, "master_port": rank_port}
         for rank in ranks:
             rank.start.remote(self._spec, group)
-        for p in self.plan:  # the teacher stage (with distillation) before the generators that feed it
-            if p.role == TEACHER:
-                self._create(p.role, p.name, p.index).start.remote(self._spec, {}, ranks[0])
-            elif p.role == GENERATOR:
-                actor = self._create(p.role, p.name, p.index)
-                actor.start.remote(self._spec, {}, ranks[0], self._actors.get(TEACHER))
+        for p in self.plan:  # in the plan's order: the workers a worker delivers to start before it
+            if not is_trainer(p.role):
+                self._create(p.role, p.name, p.index).start.remote(self._spec, {}, self._receivers_of(p.role))
         self._wait_ready(set(self._actors))
         if self._spec.kind == "shm":
             self._check_same_node(self.generator_names)
@@ -408,8 +405,12 @@ class RayRuntime:
             spec = spec.replace(port=None)
             self._joining.add(name)
         self._create(GENERATOR, name, self._index_of(name)).start.remote(
-            spec, {}, self._actors[TRAINER], self._actors.get(TEACHER)
+            spec, {}, self._receivers_of(GENERATOR)
         )
+
+    def _receivers_of(self, role: str) -> dict:
+        """The actors whose inboxes take what a worker of ``role`` delivers, by name."""
+        return {to: self._actors[to] for to in payload_routes(role, self.cfg)}
 
     def _regroup(self) -> None:
         """Form a new broadcast group of the trainer and ``_members`` (their ranks in order).
