@@ -182,8 +182,10 @@ def test_a_stopped_run_as_a_program_exits_with_one_line_and_resumes(tmp_path: Pa
 
 @pytest.mark.ray
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("work", ["completions", "episodes"])
-@pytest.mark.parametrize("schedule", ["sync", "async"])
+# Each work and each schedule once on Ray (a case is two Ray starts, 40-110 s): an async run's
+# preemption on Ray is episodes-async's, and completions' carried prefixes are test_preemption's;
+# a sync run's stop on Ray is completions-sync's, and episodes' stop is the local and inline cases'.
+@pytest.mark.parametrize(("work", "schedule"), [("completions", "sync"), ("episodes", "async")])
 def test_a_stopped_ray_run_exits_with_one_line_and_resumes(tmp_path: Path, work: str, schedule: str) -> None:
     stop_and_resume(tmp_path / "run", work, schedule, "ray")
 

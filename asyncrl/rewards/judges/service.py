@@ -69,7 +69,7 @@ def _start(cfg: JudgeConfig, log_path: Path, timeout_s: float) -> tuple[subproce
     try:
         line = lines.get(timeout=timeout_s)
     except queue.Empty:
-        _stop(process)
+        _kill(process)  # still starting: it would read the end of its stdin only once serving
         raise JudgeError(
             f"the judge {cfg.model!r} (judge.model) did not start within {timeout_s:g}s "
             f"(runtime.start_timeout_s); its log: {log_path}"
@@ -102,3 +102,11 @@ def _stop(process: subprocess.Popen) -> None:
         process.wait(STOP_TIMEOUT_S)
     if process.stdout is not None:
         process.stdout.close()
+
+
+def _kill(process: subprocess.Popen) -> None:
+    process.kill()
+    process.wait(STOP_TIMEOUT_S)
+    with contextlib.suppress(OSError):
+        process.stdin.close()
+    # Its stdout is left to the start's reader thread, which now reads its end and returns.
