@@ -162,39 +162,3 @@ def engine_problems(cfg: Any) -> list[str]:
         if need.capability in limits and (setting := need.setting(cfg)) is not None:
             problems.append(f"{setting} with rollout.engine={engine}: {limits[need.capability]}")
     return problems
-    r = cfg.rollout
-    problems += [
-        f"vllm.engine_args.{key} is set by asyncrl from {OWNED_ENGINE_ARGS[key]}: set that instead"
-        for key in cfg.vllm.engine_args
-        if key in OWNED_ENGINE_ARGS
-    ]
-    why = "with rollout.engine=vllm"
-    if r.keep_sampling_mask:
-        problems.append(
-            f"rollout.keep_sampling_mask {why}: vLLM does not report the kept set of a sampled token"
-        )
-    if r.top_k or r.top_p < 1 or r.min_p:
-        problems.append(
-            f"rollout.top_k/top_p/min_p {why} (top_k={r.top_k}, top_p={r.top_p}, min_p={r.min_p}): vLLM's "
-            "log-probs are then renormalised over the kept tokens, not the distribution the trainer "
-            "recomputes; leave them off"
-        )
-    if r.kv_cache_fraction is not None:
-        problems.append(
-            f"rollout.kv_cache_fraction {why}: size vLLM's cache with vllm.gpu_memory_utilization"
-        )
-    used = cfg.multi_agent.policy_names
-    own_models = [p.name for p in cfg.multi_agent.policies if p.kind == "model" and p.name in used]
-    if own_models:
-        problems.append(
-            f"multi_agent.policies {own_models} have kind=model {why}: a process holds one vLLM engine "
-            "(vLLM's parallel state is process-wide), so a policy of its own model cannot have one beside "
-            "the run's; make them kind=adapter (LoRA adapters over the run's model, which vLLM serves "
-            "from one engine) or use rollout.engine=embedded"
-        )
-    if cfg.trainer.routing_replay != "off":
-        problems.append(
-            f"trainer.routing_replay={cfg.trainer.routing_replay} {why}: vLLM returns expert routes only from its "
-            "model runner V2, which its CPU build cannot run (it needs Triton); set trainer.routing_replay=off"
-        )
-    return problems
