@@ -34,7 +34,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     Ray tests share one group (``xdist_group``): with ``-n N --dist loadgroup`` one worker runs them."""
     for item in items:
-        if "ray" in item.keywords:
+        if item.get_closest_marker("ray") is not None:
             # Under pytest-xdist (-n N --dist loadgroup) every Ray test runs on one worker, one
             # after another: a Ray instance started beside another on a small machine slows both
             # past their waits' bounds.
