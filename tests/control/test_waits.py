@@ -204,7 +204,9 @@ def test_a_checkpoint_write_the_filesystem_never_finishes_fails_within_checkpoin
         f"cannot write the checkpoint of step 4 in {str(directory)!r}: the filesystem did not finish "
         f"the writes within 1s (run.checkpoint_timeout_s); the previous one ({kept}) is intact"
     )
-    assert 1.0 <= failed_after < 60
+    # Waited for the bound, not the hung write's 120 s. Counted from the write's entry, which its
+    # thread records after the bounded wait may have begun: at least half the bound is what is sure.
+    assert 0.5 <= failed_after < 60
     assert kept.name == "step-000002" and checkpoint.read_controller_state(kept)["version"] == 2
 
 
