@@ -11,19 +11,14 @@ lines here; the core is not edited.
 
 from __future__ import annotations
 
-from asyncrl.control.features import FEATURES, Built
+from asyncrl.control.features import FEATURES
 from asyncrl.features.distillation.books import teacher_queue
 from asyncrl.features.distillation.parts import teacher_scores
-from asyncrl.features.pivots.books import BranchBook
+from asyncrl.features.pivots.books import pivot_book
 from asyncrl.features.pivots.parts import branch_steps, pivot_finder
 from asyncrl.features.policies.books import policy_feature
 from asyncrl.features.policies.parts import role_turns
 from asyncrl.workers.features import GENERATION_FEATURES, STEP_FEATURES
-
-
-def pivot_book(built: Built) -> BranchBook | None:
-    return BranchBook(built.cfg, built.ledger) if built.cfg.pivot.enabled else None
-
 
 FEATURES.register("pivots", pivot_book)
 FEATURES.register("teacher", teacher_queue)

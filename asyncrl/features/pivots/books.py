@@ -41,7 +41,7 @@ from typing import Any
 
 from asyncrl.algorithms.losses import batch_divisor
 from asyncrl.config import DEFAULT_POLICY, Config
-from asyncrl.control.features import RunFeature
+from asyncrl.control.features import Built, RunFeature
 from asyncrl.control.lifecycle import GroupLedger
 from asyncrl.features.pivots.success import SuccessModel
 from asyncrl.protocol.headers import GroupHeader
@@ -354,3 +354,8 @@ class BranchBook(RunFeature):
         self.model.load_state_dict(state["model"])
         self.counts = Counter(state["counts"])
         self.depth_counts = list(state["depths"])
+
+
+def pivot_book(built: Built) -> BranchBook | None:
+    """The controller's part of a run with pivot resampling (None without it)."""
+    return BranchBook(built.cfg, built.ledger) if built.cfg.pivot.enabled else None
