@@ -3,7 +3,7 @@ weights and checkpoint state — the same calls whether it trains one policy or 
 
 :class:`~asyncrl.trainer.trainer.Trainer` (one policy, one process; its data-parallel
 subclass :class:`~asyncrl.trainer.distributed.DistributedTrainer`) and
-:class:`~asyncrl.trainer.policies.PolicySet` (several policies, a trainer each) implement
+:class:`~asyncrl.features.policies.trainer.PolicySet` (several policies, a trainer each) implement
 :class:`StepTrainer`; the trainer worker (:mod:`asyncrl.workers.trainer`) holds one and
 calls nothing else of it. ``tests/trainer/test_interface.py`` checks both against it.
 

@@ -80,7 +80,7 @@ class Trainer:
         adapter: str | None = None,
     ) -> None:
         """``adapter``: the one LoRA adapter this trainer trains, of a model carrying several
-        (a multi-agent run's policies, :mod:`asyncrl.trainer.policies`, which makes it active
+        (a multi-agent run's policies, :mod:`asyncrl.features.policies.trainer`, which makes it active
         around every call); None: the model's only adapter, or no LoRA."""
         self.model = model
         self.adapter = adapter

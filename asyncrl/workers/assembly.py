@@ -27,7 +27,6 @@ from asyncrl.models.loading import (
 from asyncrl.models.lora import active_adapter, add_adapters, apply_lora, lora_targets
 from asyncrl.trainer.distributed import RankGroup
 from asyncrl.trainer.parallel import DistributedTrainer
-from asyncrl.trainer.policies import PolicyMember, PolicySet
 from asyncrl.trainer.trainer import Trainer
 from asyncrl.transports.weights.interface import WeightLayout
 
@@ -160,24 +159,3 @@ def policy_config(cfg: Config, name: str) -> Config:
     if spec.lr is not None:
         own.trainer.lr = spec.lr
     return own
-
-
-def build_policy_set(cfg: Config, device: torch.device) -> PolicySet:
-    """A trainer for every policy a role uses (see :mod:`asyncrl.trainer.policies`): the
-    adapter policies share one base model carrying an adapter each; a kind=model policy has
-    a model of its own."""
-    adapters = cfg.multi_agent.adapter_policies
-    shared = build_policy(cfg, device, trainable=True, adapters=adapters) if adapters else None
-    members = []
-    for name in cfg.multi_agent.policy_names:
-        spec = cfg.multi_agent.policy(name)
-        own = policy_config(cfg, name)
-        if shared is not None and name in adapters:
-            policy, trainer = shared, build_trainer(own, shared, adapter=name)
-        else:
-            policy = build_policy(own, device, trainable=True)
-            trainer = build_trainer(own, policy)
-        members.append(
-            PolicyMember(name, policy, trainer, train=spec is None or spec.train, adapter=name in adapters)
-        )
-    return PolicySet(members)

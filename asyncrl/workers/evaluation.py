@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from asyncrl.config import DEFAULT_POLICY, Config
+from asyncrl.config import Config
 from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.interface import Engine
 from asyncrl.engine.multi_lora import MultiLora
 from asyncrl.engine.types import GenerationStopped
 from asyncrl.models.loading import Policy
@@ -19,9 +20,8 @@ from asyncrl.prompts.task_prompts import eval_prompts
 from asyncrl.rewards.scoring import ScoringStopped
 from asyncrl.rollout.evaluation import evaluate
 from asyncrl.rollout.interface import Rollout
-from asyncrl.trainer.policies import PolicySet
-from asyncrl.trainer.trainer import Trainer
-from asyncrl.workers.policy_engines import evaluation_engines, refresh_adapters
+from asyncrl.trainer.interface import StepTrainer
+from asyncrl.workers.features import TrainedModels
 from asyncrl.workers.rollouts import build_rollout
 
 
@@ -32,27 +32,24 @@ class TrainerEvaluation:
         self.cfg = cfg
         self.rollout: Rollout | None = None
         self._prompts: list = []
-        self._engines: dict[str, EmbeddedEngine] = {}
+        self._engines: dict[str, Engine] = {}
 
     def accuracy(
-        self, policy: Policy, policies: PolicySet | None, trainer: Trainer, stop: Callable[[], bool]
+        self, policy: Policy, models: TrainedModels | None, trainer: StepTrainer, stop: Callable[[], bool]
     ) -> float | None:
-        """Greedy accuracy of ``policy`` (and ``policies``' members); None when the run stops first."""
+        """Greedy accuracy of ``policy`` (with a feature's ``models``, on every policy's engine);
+        None when the run stops first."""
         if self.rollout is None:
-            engine, engines = self._engine(policy), None
-            if policies is not None:
-                members = {n: m.policy for n, m in policies.members.items()}
-                engines = evaluation_engines(self.cfg, members, self._engine)
-                engine = engines.get(DEFAULT_POLICY, engines[policies.order[0]])
+            if models is not None:
+                engine, engines = models.evaluation_engines(self._engine)
+            else:
+                engine, engines = self._engine(policy), None
             self.rollout = build_rollout(self.cfg, policy, engine, greedy=True, engines=engines)
             self._engines = engines or {}
             self._prompts = eval_prompts(self.cfg, policy)
-        models = [policy.model]
-        if policies is not None:
-            models = list({id(m.policy.model): m.policy.model for m in policies.members.values()}.values())
-            refresh_adapters(self._engines, policies)
-        was_training = [model.training for model in models]
-        for model in models:
+        evaluated = [policy.model] if models is None else models.before_evaluation(self._engines)
+        was_training = [model.training for model in evaluated]
+        for model in evaluated:
             model.eval()
         try:
             with trainer.compute():
@@ -60,7 +57,7 @@ class TrainerEvaluation:
         except (ScoringStopped, GenerationStopped):
             return None  # the run is stopping: the evaluation is given up
         finally:
-            for model, mode in zip(models, was_training, strict=True):
+            for model, mode in zip(evaluated, was_training, strict=True):
                 model.train(mode)
 
     def _engine(self, policy: Policy, adapters: MultiLora | None = None) -> EmbeddedEngine:

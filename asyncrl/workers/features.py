@@ -25,18 +25,31 @@ A generator's work:
 * ``finished``: the events the feature reports of the groups the generator just finished (the
   pivots found in them).
 
+The models a worker holds: a run trains and serves one policy (the model ``model`` names, a
+:class:`~asyncrl.trainer.interface.StepTrainer` over it, one engine), unless a feature brings
+models of its own — several policies, each with its trainer and engine. Such a feature
+registers a builder in :data:`TRAINED_MODELS` (the trainer worker's :class:`TrainedModels`)
+and in :data:`SERVED_MODELS` (a generator's :class:`ServedModels`); the workers drive what it
+builds through those interfaces alone, and at most one feature may bring them.
+
 The shipped features' worker parts are in their packages (:mod:`asyncrl.features`), registered with their
 controller parts (:mod:`asyncrl.features.shipped`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol, TypeVar
+
+import torch
 
 from asyncrl.config import Config
+from asyncrl.engine.interface import Engine
+from asyncrl.models.loading import Policy
 from asyncrl.plugins import Registry
 from asyncrl.protocol.messages import Submit
+from asyncrl.trainer.interface import StepTrainer
+from asyncrl.transports.weights.interface import WeightLayout
 from asyncrl.types import Group
 
 
@@ -124,3 +137,76 @@ class GenerationFeatures:
 
     def finished(self, worker: str, groups: list[Group]) -> list[object]:
         return [event for f in self.members for event in f.finished(worker, groups)]
+
+
+# -- the models a feature brings ----------------------------------------------------------------
+
+
+class TrainedModels(Protocol):
+    """What the trainer worker trains when a feature brings the models (module docstring)."""
+
+    trainer: StepTrainer
+    policy: Policy  # the primary policy: a checkpoint holds its weights where a single policy's go
+    layout: WeightLayout  # what a weight sync publishes
+
+    def saved_beside(self) -> dict[str, Policy]:
+        """The other policies, by name: a checkpoint holds each in ``policies/<name>``."""
+        ...
+
+    def evaluation_engines(self, make_engine: Callable[..., Engine]) -> tuple[Engine, dict[str, Engine]]:
+        """The engines an evaluation generates with: the run's own, and every policy's by name
+        (``make_engine(policy)``, or ``make_engine(policy, adapters)`` for one serving adapters)."""
+        ...
+
+    def before_evaluation(self, engines: Mapping[str, Engine]) -> list[torch.nn.Module]:
+        """Bring the evaluation's ``engines`` up to the trained weights; the models evaluated."""
+        ...
+
+    def clocks_at(self, metrics: Mapping[str, float]) -> dict[str, int]:
+        """Each policy's clock after the step ``metrics`` are of."""
+        ...
+
+
+# Builders of a feature's trained models: each gets (config, device) and gives its models, or
+# None when the run does not use it.
+TRAINED_MODELS: Registry[Callable[[Config, torch.device], TrainedModels | None]] = Registry("trained models")
+
+
+class ServedModels(Protocol):
+    """What a generator serves when a feature brings the models (module docstring)."""
+
+    engine: Engine  # the generator's own engine: the one its interrupt modes wait on and abort
+    engines: dict[str, Engine]  # every policy's engine, by name, for the rollout
+    layout: WeightLayout  # what a publication holds
+
+    @property
+    def version(self) -> int:
+        """The run's version the engines hold."""
+        ...
+
+    def load(self, tensors: Mapping[str, torch.Tensor], version: int) -> None: ...
+
+    def verify(self, expected: Mapping[str, float], version: int, where: str) -> None: ...
+
+    def oldest_kept(self, max_staleness: int) -> dict[str, int]:
+        """By policy, the oldest version a token may have and still be trained."""
+        ...
+
+
+# Builders of a feature's served models: each gets (config, the generator's seed) and gives the
+# primary policy and the models, or None when the run does not use it.
+SERVED_MODELS: Registry[Callable[[Config, int], tuple[Policy, ServedModels] | None]] = Registry(
+    "served models"
+)
+
+_Built = TypeVar("_Built")
+
+
+def brought(registry: Registry[Callable[..., _Built | None]], *args: object) -> _Built | None:
+    """What the one feature that brings models for this run built (None: no feature does)."""
+    made = [(name, part) for name, make in registry.entries() if (part := make(*args)) is not None]
+    if len(made) > 1:
+        raise ValueError(
+            f"features {[name for name, _ in made]} each bring the run's {registry.what}; at most one may"
+        )
+    return made[0][1] if made else None

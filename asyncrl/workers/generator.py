@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from asyncrl.config import DEFAULT_POLICY, Config
+from asyncrl.config import Config
 from asyncrl.protocol.messages import (
     GroupCancelled,
     GroupDropped,
@@ -34,9 +34,8 @@ from asyncrl.transports.weights.interface import (
     WeightReceiver,
     WeightSyncError,
 )
-from asyncrl.workers import assembly
-from asyncrl.workers.features import GenerationFeatures
-from asyncrl.workers.policy_engines import PolicyEngines, policy_engine
+from asyncrl.workers.engines import OneEngine
+from asyncrl.workers.features import SERVED_MODELS, GenerationFeatures, brought
 from asyncrl.workers.rollouts import build_rollout
 
 SPAN_FLUSH_S = 0.25  # long generation periods are reported in slices so the timeline stays live
@@ -83,21 +82,14 @@ class GeneratorWorker:
         self.name = name
         self.cfg = cfg
         self.regroups = regroups
-        # Several policies (multi-agent roles): an engine each, at its policy's own clock; the
-        # adapter policies are adapters of this worker's own engine.
-        adapters = cfg.multi_agent.adapter_policies
-        policy, self.engine, self.lora = policy_engine(cfg, seed, adapters)
-        layout = self.lora.layout if self.lora else WeightLayout.of(policy.model.named_parameters())
-        self.policies: PolicyEngines | None = None
-        if cfg.multi_agent.several_policies:
-            self.policies = PolicyEngines(
-                cfg, self.engine, self.lora, lambda n: policy_engine(assembly.policy_config(cfg, n), seed)
-            )
-            layout = self.policies.layout
+        # The run's policy on one engine, unless a feature brings models of its own (several
+        # policies: an engine each, at its policy's own clock).
+        policy, self.served = brought(SERVED_MODELS, cfg, seed) or OneEngine.of(cfg, seed)
+        self.engine = self.served.engine  # the engine the interrupt modes wait on and abort
+        layout = self.served.layout
         self.receiver = receiver_factory(layout)
         self._checksums: dict[int, dict[str, float]] = {}  # the trainer's, by version, until checked
-        engines = self.policies.engines if self.policies is not None else None
-        self.rollout: Rollout = build_rollout(cfg, policy, self.engine, engines=engines)
+        self.rollout: Rollout = build_rollout(cfg, policy, self.engine, engines=self.served.engines)
         self.interrupt = cfg.schedule.interrupt
         self.features = GenerationFeatures.of(cfg)  # what the run's features add to its work
         self.pending_version: int | None = None
@@ -114,7 +106,7 @@ class GeneratorWorker:
     @property
     def version(self) -> int:
         """The version of the weights the engines hold (the run's, with several policies)."""
-        return self.policies.version if self.policies is not None else self.engine.version
+        return self.served.version
 
     @property
     def owes_answer(self) -> bool:
@@ -234,12 +226,7 @@ class GeneratorWorker:
             received["version"] = version
             if rejoined and version == before:
                 return  # the group's first publication: weights this engine already holds
-            if self.policies is not None:
-                self.policies.load(tensors, version)
-            elif self.lora is not None:
-                self.lora.load(self.engine, tensors, version)
-            else:
-                self.engine.load_weights(tensors, version)
+            self.served.load(tensors, version)
             if self.version != version or version <= before:
                 raise WeightSyncError(
                     f"{self.name}: the weight update to version {version} did not change the engine's "
@@ -270,12 +257,7 @@ class GeneratorWorker:
         )
         events.append(WeightsLoaded(self.name, version, time.perf_counter() - t0))
         if self.cfg.schedule.reject == "group":  # with reject=token the fresh tokens are still trained
-            if self.policies is not None:  # each policy's tokens by its own clock and bound
-                clocks, bounds = self.policies.clocks, self.policies.bounds
-                oldest = {p: clocks[p] - bounds[p] for p in bounds if p in clocks}
-            else:
-                oldest = {DEFAULT_POLICY: version - self.cfg.schedule.max_staleness}
-            stale = self.rollout.cancel_stale(oldest)
+            stale = self.rollout.cancel_stale(self.served.oldest_kept(self.cfg.schedule.max_staleness))
             for group_id, prompt in stale:
                 events.append(GroupCancelled(self.name, group_id, prompt))
         return events
@@ -288,13 +270,7 @@ class GeneratorWorker:
             del self._checksums[old]  # superseded before it was loaded
         if expected is None:
             return
-        where = f"{self.name}'s engine"
-        if self.policies is not None:
-            self.policies.verify(expected, version, where)
-        elif self.lora is not None:
-            self.lora.verify(self.engine, expected, version, where)
-        else:
-            self.engine.verify_weights(expected, version, where)
+        self.served.verify(expected, version, f"{self.name}'s engine")
 
     def close(self) -> None:
         """Release what outlives a step: the rollout's threads and processes, and the engine's."""

@@ -42,7 +42,6 @@ from asyncrl.trainer.advantages import assign_advantages, zero_advantage_frac
 from asyncrl.trainer.batching import BatchInProgress, MicroBatch
 from asyncrl.trainer.distributed import RankGroup, RankSpec, rank_device
 from asyncrl.trainer.interface import StepTrainer
-from asyncrl.trainer.policies import PolicySet
 from asyncrl.trainer.trainer import sync_dtype
 from asyncrl.transports.groups.inbox import Inbox
 from asyncrl.transports.groups.interface import Delivery
@@ -56,7 +55,7 @@ from asyncrl.transports.weights.interface import (
 from asyncrl.types import Group, PartialGroup
 from asyncrl.workers import assembly
 from asyncrl.workers.evaluation import TrainerEvaluation
-from asyncrl.workers.features import StepFeatures
+from asyncrl.workers.features import TRAINED_MODELS, StepFeatures, brought
 
 Command = Accumulate | FinishStep | ContinueBatch | Evaluate | SaveModel | SaveCheckpoint | Restore | Discard
 
@@ -110,12 +109,11 @@ class TrainerWorker:
                 timeout_s=cfg.runtime.stall_timeout_s,
             )
             self.ranks = RankGroup(spec, device)
-        # Several policies (multi-agent roles): one trainer each, driven as one (PolicySet).
-        self.policies: PolicySet | None = None
-        if cfg.multi_agent.several_policies:
-            self.policies = assembly.build_policy_set(cfg, device)
-            self.policy = self.policies.primary.policy
-            layout = WeightLayout.of(self.policies.synced_weights())
+        # The run's policy and a trainer over it, unless a feature brings models of its own
+        # (several policies: a trainer each, driven as one).
+        self.models = brought(TRAINED_MODELS, cfg, device)
+        if self.models is not None:
+            self.policy, layout = self.models.policy, self.models.layout
         else:
             self.policy = assembly.build_policy(cfg, device, trainable=True)
             # What the sync moves (the whole model, or with LoRA the adapters), read before any
@@ -125,8 +123,8 @@ class TrainerWorker:
         self._layout = layout
         self.sender = sender_factory(layout) if sender_factory is not None else None
         self.trainer: StepTrainer = (
-            self.policies
-            if self.policies is not None
+            self.models.trainer
+            if self.models is not None
             else assembly.build_trainer(cfg, self.policy, self.ranks)
         )
         self.inbox = inbox if inbox is not None else Inbox()
@@ -226,9 +224,9 @@ class TrainerWorker:
         if policy is None:
             return []
         save_policy(policy, Path(command.path))
-        if self.policies is not None:  # the other policies beside the primary, each in a folder of its own
-            for name in self.policies.order[1:]:
-                save_policy(self.policies.members[name].policy, Path(command.path) / "policies" / name)
+        if self.models is not None:  # the other policies beside the primary, each in a folder of its own
+            for name, other in self.models.saved_beside().items():
+                save_policy(other, Path(command.path) / "policies" / name)
         return [Saved(self.name, command.path)]
 
     def _resolve(self, command: Accumulate) -> Accumulate:
@@ -352,7 +350,7 @@ class TrainerWorker:
         policy = self._full_policy()
         if policy is None:
             return []
-        accuracy = self.evaluation.accuracy(policy, self.policies, self.trainer, self._stopping.is_set)
+        accuracy = self.evaluation.accuracy(policy, self.models, self.trainer, self._stopping.is_set)
         if accuracy is None:
             return []
         return [Span(self.name, "eval", start, time.time()), EvalDone(self.name, command.step, accuracy)]
@@ -379,7 +377,7 @@ class TrainerWorker:
         if not self._step_open:
             raise RuntimeError("FinishStep without any accumulated group")
         start = time.time()
-        divisor = command.divisor if self.policies is None else command.policy_divisors or command.divisor
+        divisor = command.policy_divisors or command.divisor  # per policy when a feature sets them
         steps = [self.trainer.finish_step(divisor)]
         iterations = self.cfg.algorithm.num_iterations - 1
         steps += self._iterate(self._step_batches, iterations, divisor, command.publish)
@@ -452,10 +450,8 @@ class TrainerWorker:
         return events
 
     def _clocks_at(self, metrics: dict[str, float]) -> dict[str, int] | None:
-        """Several policies: each one's clock after the step these metrics are of."""
-        if self.policies is None:
-            return None
-        return {name: int(metrics[f"policy/{name}/version"]) for name in self.policies.order}
+        """With a feature's models (several policies): each one's clock after the step these metrics are of."""
+        return self.models.clocks_at(metrics) if self.models is not None else None
 
     def close(self) -> None:
         """Rank 0: release the other ranks from :func:`~asyncrl.runtimes.serving.run_follower` first. Every rank: leave the group."""

@@ -145,6 +145,49 @@ def test_the_workers_feature_parts_are_those_the_config_uses() -> None:
     assert step_kinds("episode.environment=verify", "multi_agent.advantage=role_turn") == [RoleTurns]
 
 
+TWO_POLICIES = (
+    "episode.environment=verify",
+    "multi_agent.roles=[{name: solver}, {name: verifier, policy: checker}]",
+    "multi_agent.policies=[{name: checker, kind: model}]",
+)
+
+
+def test_the_models_a_feature_brings_are_the_workers_when_the_config_uses_it() -> None:
+    """One policy: no feature brings models (the workers build their own); several: the
+    policies feature brings a trainer per policy and an engine per policy; a second feature that
+    would bring them too is refused, naming both."""
+    import torch
+
+    from asyncrl.features.policies.engines import PolicyEngines
+    from asyncrl.features.policies.trainer import PolicySet, TrainedPolicies
+    from asyncrl.workers.features import SERVED_MODELS, TRAINED_MODELS, brought
+
+    cpu, one, several = torch.device("cpu"), load_config(None, []), load_config(None, list(TWO_POLICIES))
+    assert brought(TRAINED_MODELS, one, cpu) is None and brought(SERVED_MODELS, one, 0) is None
+    trained = brought(TRAINED_MODELS, several, cpu)
+    assert isinstance(trained, TrainedPolicies) and isinstance(trained.trainer, PolicySet)
+    assert list(trained.saved_beside()) == ["checker"]
+    assert trained.layout.specs[-1].name == "policy_versions" and trained.layout.specs[-1].shape == (2,)
+    assert trained.clocks_at({"policy/default/version": 3.0, "policy/checker/version": 1.0}) == {
+        "default": 3,
+        "checker": 1,
+    }
+    policy, served = brought(SERVED_MODELS, several, 0)
+    assert isinstance(served, PolicyEngines) and sorted(served.engines) == ["checker", "default"]
+    assert served.engine is served.engines["default"] and served.layout == trained.layout
+    assert served.oldest_kept(several.schedule.max_staleness) == {
+        "default": -several.schedule.max_staleness,
+        "checker": -several.schedule.max_staleness,
+    }
+    TRAINED_MODELS.register("rival", lambda cfg, device: "its own models")
+    try:
+        with pytest.raises(ValueError, match=r"\['policies', 'rival'\] each bring the run's trained models"):
+            brought(TRAINED_MODELS, several, cpu)
+        assert brought(TRAINED_MODELS, one, cpu) == "its own models"
+    finally:
+        TRAINED_MODELS.unregister("rival")
+
+
 def test_branch_steps_train_the_branch_groups_first_scaled() -> None:
     """A FinishStep with branch groups becomes their Accumulate, its loss scaled so that the step's
     divisor leaves weight x theirs / their own divisor, then the step without them."""

@@ -283,12 +283,14 @@ def _group_of(policy_name: str, tokens: list[list[int]], rewards: list[float]) -
 def test_a_policy_without_samples_keeps_its_clock_and_its_engines_weights(extra) -> None:
     """Only the trained policy steps: the clocks part, the publication carries both, and a
     generator's engines load only the policy whose clock moved."""
-    from asyncrl.trainer.policies import CLOCKS
+    from asyncrl.features.policies.engines import PolicyEngines
+    from asyncrl.features.policies.trainer import build_policy_set
+    from asyncrl.features.policies.weights import CLOCKS
     from asyncrl.workers import assembly
-    from asyncrl.workers.policy_engines import PolicyEngines, policy_engine
+    from asyncrl.workers.engines import policy_engine
 
     cfg = _two_policy_config(*extra)
-    policies = assembly.build_policy_set(cfg, torch.device("cpu"))
+    policies = build_policy_set(cfg, torch.device("cpu"))
     group = _group_of("checker", [[10, 11, 12], [13, 14]], [1.0, 0.0])
     policies.begin_step()
     policies.accumulate(policies.prepare(group.samples))

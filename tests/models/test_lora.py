@@ -445,7 +445,7 @@ def test_verified_sync_passes(lora: bool) -> None:
     assert worker.version == 1
     after = dict(worker.engine.model.named_parameters())
     changed = {n for n in before if not torch.equal(before[n], after[n])}
-    assert changed == ({t.weight for t in worker.lora.targets} if lora else set(before))
+    assert changed == ({t.weight for t in worker.served.lora.targets} if lora else set(before))
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from asyncrl.config import load_config
+from asyncrl.features.policies.trainer import build_policy_set
 from asyncrl.trainer.interface import StepTrainer
 from asyncrl.workers import assembly
 
@@ -39,7 +40,7 @@ def one_and_several():
             "multi_agent.policies=[{name: checker, kind: model}]",
         ],
     )
-    return one, assembly.build_policy_set(several, cpu)
+    return one, build_policy_set(several, cpu)
 
 
 def test_a_trainer_and_a_policy_set_offer_every_call_with_its_parameters() -> None:

@@ -4,7 +4,7 @@ The generator's own engine serves the run's policy ('default'), and the adapter 
 (``kind=adapter``) as adapters of one base (:mod:`asyncrl.engine.multi_lora`; the run's own
 policy is then the adapter 'default'); every other policy a role uses gets an engine over a
 model of its own (``kind=model``). A publication carries every
-trained policy's tensors and the clocks of all (:mod:`asyncrl.trainer.policies`); loading it
+trained policy's tensors and the clocks of all (:mod:`.weights`); loading it
 gives each engine its policy's weights at that policy's clock — an engine whose policy was
 not trained since keeps its weights and version — and the generator's weights version
 becomes the publication's (the run's version, which admission and schedules count).
@@ -17,41 +17,13 @@ from collections.abc import Callable, Mapping
 import torch
 
 from asyncrl.config import DEFAULT_POLICY, Config
-from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.interface import Engine
 from asyncrl.engine.lora import MergedLora
-from asyncrl.engine.multi_lora import MultiLora
+from asyncrl.features.policies.weights import CLOCKS, owner, published_name, split_published
 from asyncrl.models.loading import Policy
-from asyncrl.trainer.policies import CLOCKS, PolicySet, owner, published_name, split_published
 from asyncrl.transports.weights.interface import TensorSpec, WeightLayout, WeightSyncError, check_checksums
 from asyncrl.workers import assembly
-
-
-def policy_engine(
-    cfg: Config, seed: int, adapters: list[str] | None = None
-) -> tuple[Policy, Engine, MergedLora | None]:
-    """A generator's policy as ``cfg`` names it, an engine over it (``rollout.engine``), and with
-    LoRA the merge of its adapter (``adapters``: the engine serves these adapters instead, unmerged)."""
-    policy = assembly.build_policy(cfg)
-    # Built before the engine's first update: it keeps the base weights it merges into.
-    lora = MergedLora(policy.model, cfg.lora) if cfg.lora.enabled and not adapters else None
-    if cfg.rollout.engine == "vllm":
-        return policy, assembly.vllm_engine(cfg, policy, seed, adapters), lora
-    served = MultiLora(policy.model, cfg.lora, adapters) if adapters else None
-    engine = EmbeddedEngine(
-        policy.model,
-        pad_token_id=policy.pad_token_id,
-        max_batch_size=cfg.rollout.max_batch_size,
-        max_tokens_in_flight=cfg.rollout.max_tokens_in_flight,
-        max_seq_len=cfg.rollout.max_seq_len,
-        kv_cache_gb=cfg.rollout.kv_cache_gb,
-        kv_cache_fraction=cfg.rollout.kv_cache_fraction,
-        cuda_graphs=cfg.rollout.cuda_graphs,
-        seed=seed,
-        decode=lambda ids: policy.tokenizer.decode(ids, skip_special_tokens=True),
-        adapters=served,
-    )
-    return policy, engine, lora
+from asyncrl.workers.engines import policy_engine
 
 
 class PolicyEngine:
@@ -109,6 +81,7 @@ class PolicyEngines:
         """``engine``: the generator's own, serving the run's policy, or with adapter policies
         every adapter (and ``lora``: the merge of the run's single adapter); ``make_engine(name)``
         builds a kind=model policy's model, engine and LoRA merge."""
+        self.engine = engine
         self.order = list(cfg.multi_agent.policy_names)
         adapters = cfg.multi_agent.adapter_policies
         self.members: dict[str, PolicyEngine] = {}
@@ -141,6 +114,12 @@ class PolicyEngines:
     @property
     def clocks(self) -> dict[str, int]:
         return {name: m.version for name, m in self.members.items()}
+
+    def oldest_kept(self, max_staleness: int) -> dict[str, int]:
+        """Each trained policy's tokens by its own clock and bound (``multi_agent.policies``'
+        ``max_staleness``, else the run's)."""
+        clocks = self.clocks
+        return {name: clocks[name] - bound for name, bound in self.bounds.items()}
 
     @property
     def layout(self) -> WeightLayout:
@@ -185,24 +164,14 @@ class PolicyEngines:
                 self.members[name].verify(parts[name], version, where)
 
 
-def evaluation_engines(
-    cfg: Config, members: Mapping[str, Policy], make_engine: Callable[..., EmbeddedEngine]
-):
-    """The engines a trainer evaluates a multi-policy run with, by policy: its own models for
-    kind=model policies (``make_engine(policy)``), and for adapter policies one engine over a
-    plain copy of the base serving every adapter (``make_engine(policy, adapters)``), whose
-    adapters :func:`refresh_adapters` brings up to date before each evaluation."""
-    adapters = cfg.multi_agent.adapter_policies
-    engines = {name: make_engine(policy) for name, policy in members.items() if name not in adapters}
-    if adapters:
-        from_base = assembly.build_policy(cfg)  # the base model, plain, in the compute dtype
-        shared = make_engine(from_base, MultiLora(from_base.model, cfg.lora, adapters))
-        engines.update(dict.fromkeys(adapters, shared))
-    return engines
-
-
-def refresh_adapters(engines: Mapping[str, EmbeddedEngine], policies: PolicySet) -> None:
-    """Load into the evaluation engine every adapter policy trained since it last did."""
-    for name, member in policies.members.items():
-        if member.adapter and member.trainer.version > engines[name].adapters.versions[name]:
-            engines[name].load_adapter(name, dict(member.trainer.synced_weights()), member.trainer.version)
+def served_policies(cfg: Config, seed: int) -> tuple[Policy, PolicyEngines] | None:
+    """A generator's engines with several policies (a builder of
+    :data:`~asyncrl.workers.features.SERVED_MODELS`); None with one. The adapter policies are
+    adapters of the generator's own engine."""
+    if not cfg.multi_agent.several_policies:
+        return None
+    policy, engine, lora = policy_engine(cfg, seed, cfg.multi_agent.adapter_policies)
+    engines = PolicyEngines(
+        cfg, engine, lora, lambda name: policy_engine(assembly.policy_config(cfg, name), seed)
+    )
+    return policy, engines

@@ -10,10 +10,11 @@ their policy's trainer (``Sample.policy``), each trained policy takes its optimi
 its own divisor (``FinishStep.policy_divisors``), and the run's version (the publication
 number every schedule counts) advances by one.
 
-What a weight sync publishes: each trained policy's weights, the run's own ('default')
-under their names, another policy's under ``policy/<name>/``, and the clocks of every policy
-as one small integer tensor (:data:`CLOCKS`), so that a generator adopts the clocks with the
-very weights they belong to, whatever the transport.
+A weight sync publishes each trained policy's weights and every policy's clock
+(:mod:`.weights`). :class:`TrainedPolicies` is what the trainer worker drives: the set, its
+primary policy, what it publishes, what a checkpoint saves beside the primary, and the
+engines an evaluation generates with (registered in
+:data:`~asyncrl.workers.features.TRAINED_MODELS` by :func:`trained_policies`).
 """
 
 from __future__ import annotations
@@ -25,45 +26,17 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncrl.config import DEFAULT_POLICY
+from asyncrl.config import DEFAULT_POLICY, Config
+from asyncrl.engine.interface import Engine
+from asyncrl.engine.multi_lora import MultiLora
+from asyncrl.features.policies.weights import CLOCKS, published_name
 from asyncrl.models.loading import Policy
 from asyncrl.models.lora import active_adapter
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.trainer import Trainer
+from asyncrl.transports.weights.interface import WeightLayout
 from asyncrl.types import Sample
-
-CLOCKS = "policy_versions"
-"""The published tensor holding every policy's clock (int64, in the run's policy order)."""
-
-
-def published_name(policy: str, name: str) -> str:
-    """A policy's tensor as a weight sync names it."""
-    return name if policy == DEFAULT_POLICY else f"policy/{policy}/{name}"
-
-
-def owner(name: str) -> tuple[str, str]:
-    """(policy, the tensor's own name) of a tensor as a weight sync names it (:func:`published_name`)."""
-    if name.startswith("policy/"):
-        _, policy, inner = name.split("/", 2)
-        return policy, inner
-    return DEFAULT_POLICY, name
-
-
-def split_published(
-    named: Mapping[str, torch.Tensor], policies: list[str]
-) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, int]]:
-    """A publication taken apart: each policy's tensors under their own names, and the clocks."""
-    clocks = named[CLOCKS].tolist()
-    if len(clocks) != len(policies):
-        raise ValueError(
-            f"{CLOCKS} holds {len(clocks)} clocks for the run's {len(policies)} policies {policies}"
-        )
-    parts: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
-    for name, tensor in named.items():
-        if name != CLOCKS:
-            policy, inner = owner(name)
-            parts[policy][inner] = tensor
-    return dict(parts), dict(zip(policies, (int(c) for c in clocks), strict=True))
+from asyncrl.workers import assembly
 
 
 @dataclass
@@ -250,3 +223,74 @@ class PolicySet:
                 member.trainer.load_checkpoint_state(own.pop("weights", weights), own)
         self.version = int(state["version"])
         return self.version
+
+
+def build_policy_set(cfg: Config, device: torch.device) -> PolicySet:
+    """A trainer for every policy a role uses: the adapter policies share one base model
+    carrying an adapter each; a kind=model policy has a model of its own."""
+    adapters = cfg.multi_agent.adapter_policies
+    shared = assembly.build_policy(cfg, device, trainable=True, adapters=adapters) if adapters else None
+    members = []
+    for name in cfg.multi_agent.policy_names:
+        spec = cfg.multi_agent.policy(name)
+        own = assembly.policy_config(cfg, name)
+        if shared is not None and name in adapters:
+            policy, trainer = shared, assembly.build_trainer(own, shared, adapter=name)
+        else:
+            policy = assembly.build_policy(own, device, trainable=True)
+            trainer = assembly.build_trainer(own, policy)
+        members.append(
+            PolicyMember(name, policy, trainer, train=spec is None or spec.train, adapter=name in adapters)
+        )
+    return PolicySet(members)
+
+
+class TrainedPolicies:
+    """The trainer worker's models with several policies (a
+    :class:`~asyncrl.workers.features.TrainedModels`): the set, driven as one trainer."""
+
+    def __init__(self, cfg: Config, policies: PolicySet) -> None:
+        self.cfg = cfg
+        self.trainer = policies
+        self.policy = policies.primary.policy
+        self.layout = WeightLayout.of(policies.synced_weights())
+
+    def saved_beside(self) -> dict[str, Policy]:
+        return {name: self.trainer.members[name].policy for name in self.trainer.order[1:]}
+
+    def evaluation_engines(self, make_engine: Callable[..., Engine]) -> tuple[Engine, dict[str, Engine]]:
+        """Each kind=model policy's own model (``make_engine(policy)``); the adapter policies on
+        one engine over a plain copy of the base serving every adapter
+        (``make_engine(policy, adapters)``), brought up to date by :meth:`before_evaluation`."""
+        policies = self.trainer
+        adapters = self.cfg.multi_agent.adapter_policies
+        engines = {
+            name: make_engine(member.policy)
+            for name, member in policies.members.items()
+            if name not in adapters
+        }
+        if adapters:
+            from_base = assembly.build_policy(self.cfg)  # the base model, plain, in the compute dtype
+            shared = make_engine(from_base, MultiLora(from_base.model, self.cfg.lora, adapters))
+            engines.update(dict.fromkeys(adapters, shared))
+        return engines.get(DEFAULT_POLICY, engines[policies.order[0]]), engines
+
+    def before_evaluation(self, engines: Mapping[str, Engine]) -> list[torch.nn.Module]:
+        """Load into the evaluation's engine every adapter policy trained since it last did."""
+        for name, member in self.trainer.members.items():
+            if member.adapter and member.trainer.version > engines[name].adapters.versions[name]:
+                engines[name].load_adapter(
+                    name, dict(member.trainer.synced_weights()), member.trainer.version
+                )
+        return list({id(m.policy.model): m.policy.model for m in self.trainer.members.values()}.values())
+
+    def clocks_at(self, metrics: Mapping[str, float]) -> dict[str, int]:
+        return {name: int(metrics[f"policy/{name}/version"]) for name in self.trainer.order}
+
+
+def trained_policies(cfg: Config, device: torch.device) -> TrainedPolicies | None:
+    """The trainer worker's models with several policies (a builder of
+    :data:`~asyncrl.workers.features.TRAINED_MODELS`); None with one."""
+    if not cfg.multi_agent.several_policies:
+        return None
+    return TrainedPolicies(cfg, build_policy_set(cfg, device))

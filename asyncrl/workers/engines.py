@@ -1,0 +1,83 @@
+"""A generator's engine, built from the config, and the models a generator serves by default.
+
+:func:`policy_engine` builds the policy ``model`` names and the engine ``rollout.engine``
+chooses over it (with LoRA, the merge of its adapter into the engine's base weights, or the
+adapters served unmerged). :class:`OneEngine` is the one policy, one engine a generator
+serves unless a feature brings models of its own (:data:`~asyncrl.workers.features.SERVED_MODELS`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from asyncrl.config import DEFAULT_POLICY, Config
+from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.interface import Engine
+from asyncrl.engine.lora import MergedLora
+from asyncrl.engine.multi_lora import MultiLora
+from asyncrl.models.loading import Policy
+from asyncrl.transports.weights.interface import WeightLayout
+from asyncrl.workers import assembly
+
+
+def policy_engine(
+    cfg: Config, seed: int, adapters: list[str] | None = None
+) -> tuple[Policy, Engine, MergedLora | None]:
+    """A generator's policy as ``cfg`` names it, an engine over it (``rollout.engine``), and with
+    LoRA the merge of its adapter (``adapters``: the engine serves these adapters instead, unmerged)."""
+    policy = assembly.build_policy(cfg)
+    # Built before the engine's first update: it keeps the base weights it merges into.
+    lora = MergedLora(policy.model, cfg.lora) if cfg.lora.enabled and not adapters else None
+    if cfg.rollout.engine == "vllm":
+        return policy, assembly.vllm_engine(cfg, policy, seed, adapters), lora
+    served = MultiLora(policy.model, cfg.lora, adapters) if adapters else None
+    engine = EmbeddedEngine(
+        policy.model,
+        pad_token_id=policy.pad_token_id,
+        max_batch_size=cfg.rollout.max_batch_size,
+        max_tokens_in_flight=cfg.rollout.max_tokens_in_flight,
+        max_seq_len=cfg.rollout.max_seq_len,
+        kv_cache_gb=cfg.rollout.kv_cache_gb,
+        kv_cache_fraction=cfg.rollout.kv_cache_fraction,
+        cuda_graphs=cfg.rollout.cuda_graphs,
+        seed=seed,
+        decode=lambda ids: policy.tokenizer.decode(ids, skip_special_tokens=True),
+        adapters=served,
+    )
+    return policy, engine, lora
+
+
+class OneEngine:
+    """The run's one policy on one engine (a :class:`~asyncrl.workers.features.ServedModels`):
+    a publication is the whole model, or with LoRA its adapter, merged into the engine's base."""
+
+    def __init__(self, engine: Engine, lora: MergedLora | None, policy: Policy) -> None:
+        self.engine, self.lora = engine, lora
+        self.engines = {DEFAULT_POLICY: engine}
+        self.layout = lora.layout if lora is not None else WeightLayout.of(policy.model.named_parameters())
+
+    @classmethod
+    def of(cls, cfg: Config, seed: int) -> tuple[Policy, OneEngine]:
+        policy, engine, lora = policy_engine(cfg, seed)
+        return policy, cls(engine, lora, policy)
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def load(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        if self.lora is not None:
+            self.lora.load(self.engine, tensors, version)
+        else:
+            self.engine.load_weights(tensors, version)
+
+    def verify(self, expected: Mapping[str, float], version: int, where: str) -> None:
+        if self.lora is not None:
+            self.lora.verify(self.engine, expected, version, where)
+        else:
+            self.engine.verify_weights(expected, version, where)
+
+    def oldest_kept(self, max_staleness: int) -> dict[str, int]:
+        return {DEFAULT_POLICY: self.engine.version - max_staleness}
