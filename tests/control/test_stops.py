@@ -82,9 +82,12 @@ def stop_and_resume(
     send: str = "process",
     sig: signal.Signals = signal.SIGTERM,
     extra: tuple[str, ...] = (),
+    resume: str = "same",
 ) -> None:
     """The stop and the resume as child processes (``sig`` sent as ``send`` says, see
-    :data:`tests.helpers.SENDS`), or in this process given ``capsys``."""
+    :data:`tests.helpers.SENDS`), or in this process given ``capsys``. ``resume``: ``same`` (as
+    the stop ran), ``here`` (in this process: a child's start costs seconds and checks nothing
+    the stop has not), ``none``."""
     overrides = [
         *short_run(STEPS, prompts=2, group_size=2),
         *RUNS[work],
@@ -108,12 +111,13 @@ def stop_and_resume(
     # Stopped with steps to go, as a rule; a stop that lands after the last step (its final model
     # saved before the stop's checkpoint, commands being in order) is a run the resume finds complete.
     assert STOP_AT <= stopped_at <= STEPS
-
-    if capsys is None:
+    if resume == "none":
+        return
+    if capsys is None and resume == "same":
         train_to_end("--resume", str(run_dir), timeout=300)
     else:
         resumed = main(["train", "--resume", str(run_dir)])
-        assert resumed == 0, capsys.readouterr().err
+        assert resumed == 0, capsys.readouterr().err if capsys is not None else resumed
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, STEPS + 1))
     accounting = json.loads((run_dir / "summary.json").read_text())["accounting"]
@@ -194,24 +198,13 @@ def test_a_stopped_ray_run_exits_with_one_line_and_resumes(tmp_path: Path, work:
 # (it once killed the local runtime's fork server, and with it the run: "trainer exited
 # unexpectedly with code 255", no checkpoint). Each runtime with its helper processes: the inline
 # one with a time-limited reward's process, the local one with a reward pool, Ray with its own.
-GROUP_STOPS = {
-    "inline": ("completions", "sync", ("task.reward_timeout_s=60",)),
-    "local": ("completions", "async", ("task.reward_workers=1",)),
-}
-
-
+@pytest.mark.slow  # a stop to the whole group of a local run, its reward worker in it: test_a_run_under_timeout_stops_cleanly_and_resumes
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(
-    "runtime",
-    [
-        # a stop to the whole group, with the run's helper processes in it: test_a_run_under_timeout_stops_cleanly_and_resumes
-        pytest.param("inline", marks=pytest.mark.slow),
-        pytest.param("local", marks=pytest.mark.slow),
-    ],
-)
-def test_a_stop_sent_to_the_whole_process_group_is_clean_and_resumes(tmp_path: Path, runtime: str) -> None:
-    work, schedule, extra = GROUP_STOPS[runtime]
-    stop_and_resume(tmp_path / "run", work, schedule, runtime, send="group", extra=extra)
+def test_a_stop_sent_to_an_inline_runs_whole_process_group_is_clean_and_resumes(tmp_path: Path) -> None:
+    """The run's helper process (a time-limited reward's) is in the group and is signalled too."""
+    stop_and_resume(
+        tmp_path / "run", "completions", "sync", "inline", send="group", extra=("task.reward_timeout_s=60",)
+    )
 
 
 @pytest.mark.ray
@@ -224,9 +217,18 @@ def test_a_stop_sent_to_a_ray_runs_process_group_is_clean_and_resumes(tmp_path: 
 @pytest.mark.multiprocess
 def test_a_run_under_timeout_stops_cleanly_and_resumes(tmp_path: Path) -> None:
     """coreutils ``timeout`` signals the run's process, then its whole group: the same signal
-    twice, one stop (not the "second signal" that stops at once). (An episode run's stop on the
-    local runtime: test_a_stopped_run_exits_with_one_line_and_resumes[episodes-async-local].)"""
-    stop_and_resume(tmp_path / "run", "completions", "async", "local", send="timeout")
+    twice, one stop (not the "second signal" that stops at once), and the run's reward worker, in
+    the group, is signalled with the rest. (An episode run's stop on the local runtime:
+    test_a_stopped_run_exits_with_one_line_and_resumes[episodes-async-local].)"""
+    stop_and_resume(
+        tmp_path / "run",
+        "completions",
+        "async",
+        "local",
+        send="timeout",
+        extra=("task.reward_workers=1",),
+        resume="here",
+    )
 
 
 @pytest.mark.slow  # the group stop of a local run: test_a_run_under_timeout_stops_cleanly_and_resumes
@@ -235,6 +237,16 @@ def test_a_run_under_timeout_stops_cleanly_and_resumes(tmp_path: Path) -> None:
     ("send", "sig"), [("each", signal.SIGTERM), ("group", signal.SIGHUP), ("group", signal.SIGINT)]
 )
 def test_every_way_a_local_run_is_stopped_is_clean(tmp_path: Path, send: str, sig: signal.Signals) -> None:
-    """Each of its processes signalled one by one, the run's own last; a closed terminal's SIGHUP
-    and a Ctrl-C (SIGINT to the foreground group)."""
-    stop_and_resume(tmp_path / "run", "completions", "sync", "local", send=send, sig=sig)
+    """Each of its processes signalled one by one, the run's own last (then resumed: the workers
+    stopped before the run's own process must not leave a broken checkpoint); a closed terminal's
+    SIGHUP and a Ctrl-C (SIGINT to the foreground group), which stop the run as a group's SIGTERM
+    does (its resume: test_a_run_under_timeout_stops_cleanly_and_resumes)."""
+    stop_and_resume(
+        tmp_path / "run",
+        "completions",
+        "sync",
+        "local",
+        send=send,
+        sig=sig,
+        resume="same" if send == "each" else "none",
+    )
