@@ -60,12 +60,13 @@ def test_gpu_bench_quick_mode_reports_every_part_on_the_cpu() -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.multiprocess
 def test_gpu_bench_profile_part_reports_each_step_and_writes_its_tables(tmp_path: Path) -> None:
-    result = run_quick_on_the_cpu(
-        "--parts", "profile", "--profile-dir", str(tmp_path), "--profile-trace", timeout=270
-    )
-    profile = result["profile"]
+    """The part run in this process (a child Python would spend seconds importing torch; the
+    script's own command line and JSON line: test_gpu_bench_quick_mode_reports_every_part_on_the_cpu)."""
+    profile: dict = {}
+    with bench_script("gpu_profile") as gpu_profile:
+        gpu_profile.profile_part(torch.device("cpu"), True, tmp_path, True, profile, emit=lambda: None)
+    json.dumps(profile)  # what the script prints as its JSON line
     assert profile["profile_dir"] == str(tmp_path.resolve())
     # Graphs exist on CUDA only: the CPU profiles the eager engine alone.
     assert "engine_graphed" not in profile
