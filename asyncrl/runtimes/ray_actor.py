@@ -39,6 +39,8 @@ class WorkerActor:
         self._worker = None  # once built
         self._device = None  # where the worker's weights live, once built
         self._receivers: dict = {}  # the actors this worker delivers to, by name
+        self._generation = 0  # the newest broadcast group this worker was told to join
+        self._regroup_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"asyncrl-{name}", daemon=True)
 
     def start(self, spec: TransportSpec, group: dict, receivers: dict | None = None) -> None:
@@ -78,21 +80,28 @@ class WorkerActor:
                 self._commands.put(self._early.pop(self._next_seq))
                 self._next_seq += 1
 
-    def regroup(self, spec: TransportSpec, rank: int, version: int) -> None:
+    def regroup(self, spec: TransportSpec, rank: int, version: int, generation: int) -> None:
         """Move this worker's end of the broadcast weight sync to the group ``spec`` names.
 
         ``rank`` is its place there (0: the trainer), ``version`` the newest version published
-        so far, which the group's first publication carries at least.
+        so far, which the group's first publication carries at least. ``generation`` numbers
+        the runtime's groups: calls may run on different actor threads, so a regroup that comes
+        after a newer one is stale and ignored (joining it would leave this worker forming a
+        group the other members have left, until the formation's bound).
         """
         with self._lock:
             worker = self._worker
         if worker is None:
             raise RuntimeError(f"{self.name} is not started: the runtime regroups only ready workers")
         timeout, device = worker.cfg.runtime.stall_timeout_s, self._device
-        if rank == 0:
-            worker.join_group(lambda layout: make_broadcast_sender(spec, layout, timeout, device))
-        else:
-            worker.join_group(lambda layout: make_receiver(spec, layout, rank, timeout, device), version)
+        with self._regroup_lock:  # the check and the join as one: a newer call waits for this one
+            if generation <= self._generation:
+                return
+            self._generation = generation
+            if rank == 0:
+                worker.join_group(lambda layout: make_broadcast_sender(spec, layout, timeout, device))
+            else:
+                worker.join_group(lambda layout: make_receiver(spec, layout, rank, timeout, device), version)
 
     def events(self, wait_s: float) -> list:
         return drain(self._events, wait_s)

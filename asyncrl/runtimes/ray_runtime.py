@@ -422,10 +422,10 @@ class RayRuntime:
         trainer = self._actors[TRAINER]
         port = self.ray.get(trainer.free_port.remote(), timeout=self._start_s)
         spec = self._spec.replace(port=port, world=len(self._members) + 1)
+        self.regroups += 1  # the group's generation: an actor ignores a regroup older than one it has
         for rank, name in enumerate(self._members, start=1):
-            self._actors[name].regroup.remote(spec, rank, self._published)
-        trainer.regroup.remote(spec, 0, self._published)
-        self.regroups += 1
+            self._actors[name].regroup.remote(spec, rank, self._published, self.regroups)
+        trainer.regroup.remote(spec, 0, self._published, self.regroups)
 
     @staticmethod
     def _index_of(name: str) -> int:
