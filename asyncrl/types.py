@@ -71,7 +71,7 @@ class Tokens:
     version is ``versions[t]`` — renormalised over ``supports[t]`` (the ids the sampler could
     choose; None = the whole vocabulary) when that is recorded. ``routes[t]`` is, for a
     mixture-of-experts policy, the experts every MoE layer chose for token ``t`` when the
-    engine fed it back in (:func:`asyncrl.models.routing.pack_routes` bytes, ``layers x k``
+    engine fed it back in (:func:`asyncrl.features.routing.routes.pack_routes` bytes, ``layers x k``
     ids; None: not fed, like the last token, or not recorded), computed by the weights of
     ``versions[t + 1]``, the token it helped sample. Keep Sampling Mask reads ``supports``,
     Keep Routing reads ``routes``. The engine grows one while a request runs, an aborted

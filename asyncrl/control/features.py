@@ -174,6 +174,11 @@ class RunFeature:
 # asyncrl.features.shipped (a plugin: asyncrl.plugins).
 FEATURES: Registry[Callable[[Built], RunFeature | None]] = Registry("control-loop feature")
 
+# Checks a feature makes at the start of a run, before any process starts or weight is loaded:
+# each is given the config and the model's configuration (read once, when first asked for) and
+# raises a ConfigError naming what does not fit.
+START_CHECKS: Registry[Callable[[Config, Callable[[], Any]], None]] = Registry("start check")
+
 
 class Features:
     """The run's features, each hook called on every one of them (module docstring)."""

@@ -14,6 +14,7 @@ from asyncrl import checkpoints as checkpoint
 from asyncrl.config import Config
 from asyncrl.config.engines import check_engines_installed
 from asyncrl.control.controller import Controller
+from asyncrl.control.features import START_CHECKS
 from asyncrl.control.session import RunSession, default_run_dir
 from asyncrl.distill.teacher import check_teacher
 from asyncrl.engine.vllm_engine import unsupported_model
@@ -21,7 +22,6 @@ from asyncrl.errors import AsyncRLError, ConfigError
 from asyncrl.lifeline import STOP_SIGNALS
 from asyncrl.models.loading import load_model_config
 from asyncrl.models.lora import check_lora_fits
-from asyncrl.models.routing import check_routing_replay
 from asyncrl.prompts.sources import PromptSource
 from asyncrl.prompts.task_prompts import task_prompts
 from asyncrl.protocol.messages import WorkerError
@@ -55,8 +55,8 @@ def train(cfg: Config, run_dir: Path | None = None, *, resume: bool = False) -> 
     seed_everything(cfg.run.seed)
     prompts = task_prompts(cfg)  # a bad model path or dataset fails here, before a run directory is made
     model_config = functools.cache(lambda: load_model_config(cfg.model.path))  # read once, if at all
-    if cfg.trainer.routing_replay == "rollout":
-        check_routing_replay(model_config(), cfg.model.path)
+    for _, check in START_CHECKS.entries():  # the features' own (asyncrl.control.features)
+        check(cfg, model_config)
     if cfg.lora.enabled:  # adapters the model's layers cannot carry, refused before any process starts
         check_lora_fits(model_config(), cfg.lora)
     build_episode(cfg)  # as does a bad episode.environment

@@ -66,7 +66,6 @@ from asyncrl.engine.plans import PrefillPlan
 from asyncrl.engine.runner import Runner, static_layout
 from asyncrl.engine.scheduler import Scheduler
 from asyncrl.engine.types import GenerationRequest, GenerationResult, RequestError
-from asyncrl.models.routing import pack_routes
 from asyncrl.transports.weights.interface import check_checksums
 
 
@@ -300,7 +299,7 @@ class EmbeddedEngine(Engine):
             return []
         draw = scheduler.schedule_draw()
         finished = scheduler.postprocess(draw, self._runner.draw(draw), self.decode)
-        self._attach_routes()
+        self._attach_records()
         self.stats["tokens_generated"] += len(draw.slots)
         decode = scheduler.schedule_decode(refill=admit, version=self.version, adapters=clock)
         if decode is not None:
@@ -336,18 +335,15 @@ class EmbeddedEngine(Engine):
         :func:`resume_request` can continue them exactly where they stopped.
         """
         aborted = self._scheduler.abort(None if request_ids is None else set(request_ids))
-        self._attach_routes()
+        self._attach_records()
         return aborted
 
-    def _attach_routes(self) -> None:
-        """Give the rows that just left their recorded expert routes (a mixture-of-experts model):
-        the prompt's as one record, each completion token fed back in its own (a resumed prefix
-        keeps the routes it came with)."""
+    def _attach_records(self) -> None:
+        """Give the rows that just left their per-token records (a mixture of experts' routes:
+        :mod:`asyncrl.models.token_records`), each as its record's kind says."""
         runner, left = self._runner, self._scheduler.left
-        if runner is None or runner.routing is None or not left:
+        if runner is None or not runner.records or not left:
             return
-        routes = runner.routes_of([(slot, columns) for _, slot, columns in left])
-        for (result, _, _), cached in zip(left, routes, strict=True):
-            prompt = len(result.prompt_ids)
-            result.prompt_routes = pack_routes(cached[:prompt])
-            result.set_routes(0, [pack_routes(route) for route in cached[prompt:]])
+        for kind, cached in runner.records_of([(slot, columns) for _, slot, columns in left]):
+            for (result, _, _), records in zip(left, cached, strict=True):
+                kind.attach(result, records)

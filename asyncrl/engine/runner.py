@@ -23,12 +23,12 @@ static tensors, run through :class:`~asyncrl.engine.graphs.StepRunner`, which re
 as CUDA graphs on CUDA (no Python runs inside a replayed step). On the CPU the same calls
 build their inputs per step at exactly the plan's shapes.
 
-**Expert routes.** For a mixture-of-experts model (:mod:`asyncrl.models.routing`) every
-forward records the experts each token took, per MoE layer, into ``slot_routes`` — the
-routes' twin of the KV cache, ``(slots, slot_len, layers, k)`` int16, written at the same
+**Per-token records** (:mod:`asyncrl.models.token_records`: a mixture of experts' routes).
+For each record the model keeps, every forward records each token's into a slot buffer — the
+record's twin of the KV cache, ``(slots, slot_len, *token_shape)``, written at the same
 (slot, column) as the token's keys and values, copied with them, and read once per request
-when it leaves (:meth:`Runner.routes_of`). The routers write into a static buffer and the
-scatter into ``slot_routes`` is part of the step, so a replayed decode graph records too.
+when it leaves (:meth:`Runner.records_of`). The model's recorder writes into a static buffer
+and the scatter into the slot buffer is part of the step, so a replayed decode graph records too.
 
 **Several adapters** (:mod:`asyncrl.engine.multi_lora`). With an adapter bank, every slot's
 adapter index lives in ``slot_adapter``, a static buffer written in place when a newcomer
@@ -55,8 +55,9 @@ from asyncrl.engine.kv_cache import SlotKVCache, length_mask
 from asyncrl.engine.multi_lora import BASE, MultiLora
 from asyncrl.engine.plans import DecodePlan, Drawn, DrawPlan, PrefillPlan, PrefillRound
 from asyncrl.engine.sampling import sample_tokens
+from asyncrl.models.experts import use_capturable_experts
 from asyncrl.models.forward import with_cache
-from asyncrl.models.routing import routing_of, use_capturable_experts
+from asyncrl.models.token_records import Recorder, TokenRecord, recorders_of
 
 
 def static_layout(device: torch.device) -> bool:
@@ -104,27 +105,31 @@ class Runner:
         self.graphs = StepRunner(dev, capture=cuda_graphs)
         if self.graphs.capture:
             use_capturable_experts(model)  # a mixture of experts' default experts forward cannot be captured
-        self.routing = routing_of(model)
-        self.slot_routes: torch.Tensor | None = None
-        if self.routing is not None:
-            r = self.routing
-            self.slot_routes = torch.full((n, slot_len, r.layers, r.top_k), -1, dtype=torch.int16, device=dev)
-            r.allocate_recording(n, dev)  # a decode step's tokens: one per slot at most
+        # Each record the model keeps (its kind, its recorder, its slot buffer).
+        self.records: list[tuple[TokenRecord, Recorder, torch.Tensor]] = []
+        for kind, recorder in recorders_of(model):
+            shape = (n, slot_len, *recorder.token_shape)
+            slots = torch.full(shape, kind.fill, dtype=kind.torch_dtype, device=dev)
+            recorder.allocate_recording(n, dev)  # a decode step's tokens: one per slot at most
+            self.records.append((kind, recorder, slots))
 
     def _copy_columns(self, source: int | torch.Tensor, target: int | torch.Tensor, columns: int) -> None:
-        """A slot's first ``columns`` cached tokens, keys, values and routes, copied to another slot
+        """A slot's first ``columns`` cached tokens, keys, values and records, copied to another slot
         (or each of a tensor of slots to the one at the same place of another)."""
         self.cache.copy_prefix(source, target, columns)
-        if self.slot_routes is not None:
-            self.slot_routes[target, :columns] = self.slot_routes[source, :columns]
+        for _, _, slots in self.records:
+            slots[target, :columns] = slots[source, :columns]
 
-    def routes_of(self, rows: list[tuple[int, int]]) -> list[torch.Tensor]:
-        """The recorded routes ``(columns, layers, k)`` of the first ``columns`` tokens of each
-        (slot, columns), on the host, in one transfer."""
+    def records_of(self, rows: list[tuple[int, int]]) -> list[tuple[TokenRecord, list[torch.Tensor]]]:
+        """Each record's ``(columns, *token_shape)`` of the first ``columns`` tokens of each
+        (slot, columns), on the host, in one transfer per record."""
         longest = max(columns for _, columns in rows)
-        slots = torch.tensor([slot for slot, _ in rows], dtype=torch.long, device=self.device)
-        host = self.slot_routes[slots, :longest].cpu()
-        return [host[i, :columns] for i, (_, columns) in enumerate(rows)]
+        index = torch.tensor([slot for slot, _ in rows], dtype=torch.long, device=self.device)
+        out = []
+        for kind, _, slots in self.records:
+            host = slots[index, :longest].cpu()
+            out.append((kind, [host[i, :columns] for i, (_, columns) in enumerate(rows)]))
+        return out
 
     # -- prefill ------------------------------------------------------------------------
 
@@ -301,7 +306,7 @@ class Runner:
         # Additive, built once per forward and shared by every layer (SDPA would turn a boolean
         # mask into an additive one in each layer).
         mask = length_mask(starts, width, length, dtype, boolean=False)
-        routes = None if self.routing is None else self.routing.record_into(input_ids.numel())
+        recording = [recorder.record_into(input_ids.numel()) for _, recorder, _ in self.records]
         adapters = (
             contextlib.nullcontext() if self.adapters is None else self.adapters.rows(self.slot_adapter[rows])
         )
@@ -317,12 +322,11 @@ class Runner:
                     logits_to_keep=1,
                 )
         finally:
-            if self.routing is not None:
-                self.routing.stop_recording()
-        if routes is not None:
-            # (layers, tokens, k) -> each real token's routes at its cache column.
-            per_token = routes.permute(1, 0, 2)
-            self.slot_routes[write_slots, write_cols] = per_token if source is None else per_token[source]
+            for _, recorder, _ in self.records:
+                recorder.stop_recording()
+        for (_, _, slots), per_token in zip(self.records, recording, strict=True):
+            # Each real token's record at its cache column.
+            slots[write_slots, write_cols] = per_token if source is None else per_token[source]
         return out.logits[:, -1]
 
 

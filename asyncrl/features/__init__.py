@@ -10,5 +10,6 @@ plugin, :mod:`asyncrl.plugins`).
 
 * :mod:`.pivots`: DEEP-GRPO's pivot resampling (docs/pivots.md);
 * :mod:`.distillation`: the teacher stage of on-policy distillation (docs/distillation.md);
-* :mod:`.policies`: several policies, and a role's turns (docs/multi_agent.md).
+* :mod:`.policies`: several policies, and a role's turns (docs/multi_agent.md);
+* :mod:`.routing`: a mixture of experts' routes, recorded and replayed (docs/moe.md).
 """

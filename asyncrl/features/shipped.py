@@ -6,14 +6,17 @@ the trainer and the generators (:data:`~asyncrl.workers.features.TRAINED_MODELS`
 :data:`~asyncrl.workers.features.SERVED_MODELS`).
 
 In the order their hooks are called: pivot resampling (:mod:`.pivots`), the teacher stage
-(:mod:`.distillation`), several policies and roles (:mod:`.policies`). Each builder returns
+(:mod:`.distillation`), several policies and roles (:mod:`.policies`), a mixture of experts'
+routes (:mod:`.routing`: its record of each token, :data:`~asyncrl.models.token_records.TOKEN_RECORDS`,
+its part of the trainer's work, :data:`~asyncrl.trainer.features.TRAINING_FEATURES`, and its
+check at the start, :data:`~asyncrl.control.features.START_CHECKS`). Each builder returns
 None when the run's config does not use it. A new feature is a package beside these and its
 lines here; the core is not edited.
 """
 
 from __future__ import annotations
 
-from asyncrl.control.features import FEATURES
+from asyncrl.control.features import FEATURES, START_CHECKS
 from asyncrl.features.distillation.books import teacher_queue
 from asyncrl.features.distillation.parts import teacher_scores
 from asyncrl.features.pivots.books import pivot_book
@@ -22,6 +25,11 @@ from asyncrl.features.policies.books import policy_feature
 from asyncrl.features.policies.engines import served_policies
 from asyncrl.features.policies.parts import role_turns
 from asyncrl.features.policies.trainer import trained_policies
+from asyncrl.features.routing.record import RouteRecord
+from asyncrl.features.routing.start import routing_replay_fits
+from asyncrl.features.routing.training import routing_training
+from asyncrl.models.token_records import TOKEN_RECORDS
+from asyncrl.trainer.features import TRAINING_FEATURES
 from asyncrl.workers.features import GENERATION_FEATURES, SERVED_MODELS, STEP_FEATURES, TRAINED_MODELS
 
 FEATURES.register("pivots", pivot_book)
@@ -34,3 +42,7 @@ STEP_FEATURES.register("teacher", teacher_scores)
 STEP_FEATURES.register("role_turns", role_turns)
 TRAINED_MODELS.register("policies", trained_policies)
 SERVED_MODELS.register("policies", served_policies)
+
+TOKEN_RECORDS.register("routes", RouteRecord())
+TRAINING_FEATURES.register("routing", routing_training)
+START_CHECKS.register("routing", routing_replay_fits)

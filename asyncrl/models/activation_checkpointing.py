@@ -31,9 +31,12 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from asyncrl.models.forward import base_model
-from asyncrl.models.routing import checkpoint_state as routing_checkpoint_state
 
 _MARK = "_asyncrl_checkpointed"
+# A module whose forward depends on state set per forward (a mixture of experts' router with the
+# routes it must use: asyncrl.features.routing) holds, at this attribute, an object whose
+# ``replay_state()`` gives the attributes the backward's replay of its layer must see.
+FORWARD_STATE = "_asyncrl_forward_state"
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> int:
@@ -55,9 +58,13 @@ def _checkpointed_forward(layer: torch.nn.Module, index: int, *args: Any, **kwar
         return run(layer, *args, **kwargs)
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     # What the replay must see as this forward saw it: the cache layer's state, and the
-    # routes forced on the layer's MoE router (the trainer has moved on to other tokens by
-    # the time the backward replays this layer); the replay does not count routes again.
-    states = routing_checkpoint_state(layer)
+    # per-forward state of its modules (FORWARD_STATE), taken now: by the time the backward
+    # replays this layer the trainer has moved on to other tokens.
+    states = [
+        (state, state.replay_state())
+        for module in layer.modules()
+        if (state := getattr(module, FORWARD_STATE, None)) is not None
+    ]
     if cache is not None:
         attention = getattr(layer, "self_attn", None)
         cache_layer = cache.layers[getattr(attention, "layer_idx", index)]

@@ -8,7 +8,7 @@ models: everything that works on them works on a real checkpoint loaded from a l
 ``MOE_EXPERTS`` experts of which a softmax router picks ``MOE_TOP_K`` per token (the top-k
 probabilities renormalised, as Qwen3-30B-A3B does); each expert is a quarter of the dense
 MLP, so a token's MLP compute is half the dense model's at the same size. It is the model
-the routing record and replay (:mod:`asyncrl.models.routing`) are tested and measured on.
+the routing record and replay (:mod:`asyncrl.features.routing`) are tested and measured on.
 """
 
 from __future__ import annotations

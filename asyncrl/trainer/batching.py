@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from asyncrl.models.routing import ROUTE_DTYPE, RoutingError
+from asyncrl.models.token_records import TOKEN_RECORDS, records_tensor
 from asyncrl.types import Sample
 
 
@@ -39,7 +39,8 @@ class TreeLevel:
     position_ids: torch.Tensor  # (n, W)
     parent: torch.Tensor  # (n,) row of each segment's parent on the level above (empty on level 0)
     keep: int  # logits are computed for the last ``keep`` columns (0: none)
-    routes: torch.Tensor | None = None  # (n, W, layers * k) recorded experts, -1: none (MoE)
+    # Per-token records of its tokens, by name (asyncrl.models.token_records): (n, W, width) each.
+    records: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -58,6 +59,7 @@ class TreeInputs:
             for name, value in vars(level).items():
                 if isinstance(value, torch.Tensor):
                     setattr(level, name, value.to(device))
+            level.records = {k: v.to(device) for k, v in level.records.items()}
         self.logit_index = self.logit_index.to(device)
         return self
 
@@ -74,9 +76,9 @@ class MicroBatch:
     input_ids: torch.Tensor | None = None  # (B, P + R - 1)
     attention_mask: torch.Tensor | None = None
     position_ids: torch.Tensor | None = None
-    # Keep Routing: (B, P + R - 1, layers * k) int16 experts the engine recorded for each input
-    # token of the padded layout, -1 where none (padding, unrecorded); None: a dense model.
-    input_routes: torch.Tensor | None = None
+    # Per-token records the engine kept of each input token of the padded layout, by name
+    # (asyncrl.models.token_records): (B, P + R - 1, width) each, its fill where none (padding).
+    input_records: dict[str, torch.Tensor] = field(default_factory=dict)
     tree: TreeInputs | None = None  # the prefix-tree layout
     # Keep Sampling Mask: (B, R, S) kept token ids per position, -1 padded; None when not recorded.
     support_ids: torch.Tensor | None = None
@@ -111,7 +113,6 @@ class MicroBatch:
             "input_ids",
             "attention_mask",
             "position_ids",
-            "input_routes",
             "support_ids",
             "has_support",
             "old_logprobs",
@@ -121,6 +122,7 @@ class MicroBatch:
             if value is not None:
                 setattr(self, name, value.to(device))
         self.extras = {k: v.to(device) for k, v in self.extras.items()}
+        self.input_records = {k: v.to(device) for k, v in self.input_records.items()}
         if self.tree is not None:
             self.tree.to(device)
         return self
@@ -206,49 +208,18 @@ def _support_tensors(samples: list[Sample], width: int) -> tuple[torch.Tensor, t
     return support_ids, has_support
 
 
-def input_routes(sample: Sample, length: int) -> np.ndarray | None:
-    """The recorded routes of a sample's first ``length`` input tokens (its prompt, then its
-    completion fed back in), ``(length, layers * k)``, -1 where none; None if it has none."""
-    prompt = sample.prompt_routes
-    tokens = sample.routes or []
-    first = next((r for r in tokens if r), None)
-    if prompt is None and first is None:
-        return None
-    n_prompt = len(sample.prompt_ids)
-    item = np.dtype(ROUTE_DTYPE).itemsize
-    width = len(prompt) // (item * n_prompt) if prompt is not None else len(first) // item
-    out = np.full((length, width), -1, dtype=ROUTE_DTYPE)
-    try:
-        if prompt is not None:
-            out[: min(n_prompt, length)] = np.frombuffer(prompt, dtype=ROUTE_DTYPE).reshape(n_prompt, width)[
-                :length
-            ]
-        for t, route in enumerate(tokens[: max(length - n_prompt, 0)]):
-            if route:
-                out[n_prompt + t] = np.frombuffer(route, dtype=ROUTE_DTYPE)
-    except ValueError as exc:
-        raise RoutingError(
-            f"sample {sample.prompt_id!r} (group {sample.group_id}): its recorded routes do not have "
-            f"{width} expert ids for each of its {n_prompt} prompt tokens and fed completion tokens: {exc}"
-        ) from None
-    return out
-
-
-def routes_tensor(rows: list[np.ndarray | None], width: int, align_right: list[int]) -> torch.Tensor | None:
-    """Rows of routes as one ``(rows, width, layers * k)`` tensor, row ``i`` ending at column
-    ``align_right[i]`` (-1 elsewhere); None when no row has routes."""
-    present = [r for r in rows if r is not None]
-    if not present:
-        return None
-    ids = {r.shape[1] for r in present}
-    if len(ids) != 1:
-        raise RoutingError(
-            f"samples of one micro-batch recorded routes of different sizes: {sorted(ids)} ids per token"
-        )
-    out = torch.full((len(rows), width, ids.pop()), -1, dtype=torch.int16)
-    for i, r in enumerate(rows):
-        if r is not None:
-            out[i, align_right[i] - len(r) : align_right[i]] = torch.from_numpy(r)
+def input_records(
+    samples: list[Sample], lengths: list[int], width: int, align_right: list[int]
+) -> dict[str, torch.Tensor]:
+    """The per-token records (:mod:`asyncrl.models.token_records`) of each sample's first
+    ``lengths[i]`` input tokens, by record name: one ``(rows, width, record width)`` tensor each,
+    row ``i`` ending at column ``align_right[i]``; a record no sample carries is left out."""
+    out = {}
+    for name, kind in TOKEN_RECORDS.entries():
+        rows = [kind.inputs_of(s, n) for s, n in zip(samples, lengths, strict=True)]
+        tensor = records_tensor(kind, rows, width, align_right)
+        if tensor is not None:
+            out[name] = tensor
     return out
 
 
@@ -272,8 +243,8 @@ def collate(samples: list[Sample], pad_token_id: int) -> MicroBatch:
     columns = torch.arange(width)
     attention = ((columns >= p - lengths[:, :1]) & (columns < p + lengths[:, 1:])).long()
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    routes = [input_routes(s, len(s.prompt_ids) + n - 1) for s, n in zip(samples, spans, strict=True)]
-    # Row i's input starts at column p - len(prompt): its routes end where its input does.
+    # Row i's input starts at column p - len(prompt): its records end where its input does.
+    inputs = [len(s.prompt_ids) + n - 1 for s, n in zip(samples, spans, strict=True)]
     ends = [p + n - 1 for n in spans]
     return MicroBatch(
         samples,
@@ -281,7 +252,7 @@ def collate(samples: list[Sample], pad_token_id: int) -> MicroBatch:
         input_ids=input_ids,
         attention_mask=attention,
         position_ids=positions,
-        input_routes=routes_tensor(routes, width, ends),
+        input_records=input_records(samples, inputs, width, ends),
     )
 
 

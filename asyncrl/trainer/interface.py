@@ -34,10 +34,13 @@ class StepTrainer(Protocol):
     # Its weights are sharded across ranks (FSDP2): only a Trainer is, and it then reads them
     # whole with ``named_weights()``, a gather every rank joins.
     sharded: bool
-    routing: object | None  # a mixture-of-experts model's routing (asyncrl.models.routing), or None
 
     @property
     def device(self) -> torch.device: ...
+
+    def misfit(self, samples: list[Sample]) -> str | None:
+        """Why these samples (carried in by a checkpoint) do not fit the policy, or None."""
+        ...
 
     def compute(self) -> contextlib.AbstractContextManager:
         """The context of its forward passes (autocast to the compute dtype)."""

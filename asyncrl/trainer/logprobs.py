@@ -11,16 +11,16 @@ Two paths, chosen by ``chunk_tokens`` (``trainer.logprob_chunk_tokens``):
   the predicting positions, one log-softmax over all of them.
 
 Both take the same positions in both layouts and give the same numbers (tests/trainer/test_chunked.py).
-For a mixture-of-experts policy with recorded routes, every forward runs within
-:meth:`~asyncrl.models.routing.Routing.forcing` (:func:`_routed`): its routers compare their
-choices with the engine's and, with ``trainer.routing_replay=rollout``, use them.
+Every forward over tokens with per-token records from the engine (a mixture of experts'
+routes) runs within :func:`~asyncrl.models.token_records.forward_with`, where the model's
+recorders see them (routing replay compares its routers' choices with the engine's, and may
+use them).
 Going through the model's own forward (rather than calling its decoder) keeps the hooks that
 wrappers put on it — peft's, FSDP2's — in place.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -29,7 +29,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from asyncrl.algorithms.losses import entropy_from_logprobs
 from asyncrl.models.forward import base_model, with_cache
-from asyncrl.models.routing import routing_of
+from asyncrl.models.token_records import forward_with
 from asyncrl.trainer.batching import MicroBatch, TreeInputs, TreeLevel
 from asyncrl.trainer.chunked import chunked_logprobs
 
@@ -37,14 +37,6 @@ from asyncrl.trainer.chunked import chunked_logprobs
 DEFAULT_CHUNK_TOKENS = 1024
 # Config attributes of models whose CausalLM forward changes the logits after the head.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
-
-
-def _routed(model: PreTrainedModel, routes: torch.Tensor | None) -> contextlib.AbstractContextManager:
-    """Where a forward over tokens with recorded ``routes`` runs (see the module)."""
-    routing = routing_of(model) if routes is not None else None
-    if routing is None:
-        return contextlib.nullcontext()
-    return routing.forcing(routing.shaped(routes))
 
 
 def predicting_logits(model: PreTrainedModel, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +48,7 @@ def predicting_logits(model: PreTrainedModel, batch: MicroBatch) -> tuple[torch.
     rather than on a (B, R, V) copy saves copying the largest tensor of the step.
     """
     if batch.tree is None:
-        with _routed(model, batch.input_routes):
+        with forward_with(model, batch.input_records):
             out = model(
                 input_ids=batch.input_ids,
                 attention_mask=batch.attention_mask,
@@ -80,7 +72,7 @@ def _tree_levels(
             # Each row continues its parent's path: gathering the cache rows is differentiable,
             # so gradients reach the levels above.
             cache.batch_select_indices(level.parent)
-        with _routed(model, level.routes):
+        with forward_with(model, level.records):
             out = with_cache(
                 model,
                 cache,
@@ -145,7 +137,7 @@ def predicting_hidden(model: PreTrainedModel, batch: MicroBatch) -> tuple[torch.
     none = _NO_POSITION.to(batch.completion_ids.device)
     with _final_hidden(model) as hidden:
         if batch.tree is None:
-            with _routed(model, batch.input_routes):
+            with forward_with(model, batch.input_records):
                 model(
                     input_ids=batch.input_ids,
                     attention_mask=batch.attention_mask,

@@ -26,17 +26,16 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
+from asyncrl.models.token_records import TOKEN_RECORDS, TokenRecord, records_tensor
 from asyncrl.trainer.batching import (
     MICRO_BATCH_OVERHEAD_TOKENS,
     MicroBatch,
     TreeInputs,
     TreeLevel,
     collate,
-    input_routes,
     padded_cost,
     per_token_tensors,
     ragged_rows,
-    routes_tensor,
     trained_span,
 )
 from asyncrl.trainer.prefix_tree import PrefixTree, prefix_tree, prompt_tree
@@ -101,14 +100,18 @@ def collate_tree(samples: list[Sample], pad_token_id: int, tree: PrefixTree | No
             if lo < hi:
                 need_from[id(seg)] = min(need_from.get(id(seg), len(seg)), lo - seg.start)
                 spans.append((i, seg, lo, hi))
-    # Keep Routing: each segment takes the recorded routes of the first sample whose path
-    # holds it (a group's prompt was prefilled once: its samples' prompt routes are one record).
-    routes = [input_routes(s, len(model_input(s))) for s in samples]
-    route_of: dict[int, np.ndarray | None] = {}
-    for i, path in enumerate(tree.paths):
-        for seg in path:
-            if id(seg) not in route_of and routes[i] is not None:
-                route_of[id(seg)] = routes[i][seg.start : seg.start + len(seg)]
+    # Per-token records (asyncrl.models.token_records): each segment takes those of the first
+    # sample whose path holds it (a group's prompt was prefilled once: one record for all).
+    records_of: dict[str, tuple[TokenRecord, dict[int, np.ndarray]]] = {}
+    for name, kind in TOKEN_RECORDS.entries():
+        rows = [kind.inputs_of(s, len(model_input(s))) for s in samples]
+        by_segment: dict[int, np.ndarray] = {}
+        for i, path in enumerate(tree.paths):
+            for seg in path:
+                if id(seg) not in by_segment and rows[i] is not None:
+                    by_segment[id(seg)] = rows[i][seg.start : seg.start + len(seg)]
+        if by_segment:
+            records_of[name] = (kind, by_segment)
     levels = []
     keeps = []
     mask_above = torch.zeros((0, 0), dtype=torch.long)
@@ -124,8 +127,12 @@ def collate_tree(samples: list[Sample], pad_token_id: int, tree: PrefixTree | No
         parent = torch.tensor([seg.parent.row for seg in rows if seg.level > 0], dtype=torch.long)
         mask = torch.cat([mask_above[parent], own_mask], dim=1) if len(parent) else own_mask
         keep = max((len(seg) - need_from[id(seg)] for seg in rows if id(seg) in need_from), default=0)
-        level_routes = routes_tensor([route_of.get(id(seg)) for seg in rows], width, [width] * len(rows))
-        levels.append(TreeLevel(input_ids, mask, positions, parent, keep, level_routes))
+        level_records = {
+            name: records_tensor(kind, [by_segment.get(id(seg)) for seg in rows], width, [width] * len(rows))
+            for name, (kind, by_segment) in records_of.items()
+        }
+        level_records = {name: tensor for name, tensor in level_records.items() if tensor is not None}
+        levels.append(TreeLevel(input_ids, mask, positions, parent, keep, level_records))
         keeps.append(keep)
         mask_above = mask
     base = [0]

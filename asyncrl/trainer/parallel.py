@@ -57,8 +57,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from asyncrl.models.experts import has_experts
 from asyncrl.models.lora import synced_parameters
-from asyncrl.models.routing import has_experts
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.distributed import RankGroup, reduce_step_stats, split_samples
 from asyncrl.trainer.trainer import Trainer

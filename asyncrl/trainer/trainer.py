@@ -38,15 +38,14 @@ from asyncrl.algorithms import corrections, losses
 from asyncrl.config import AlgorithmConfig, TrainerConfig, old_logprob_mode
 from asyncrl.models.activation_checkpointing import enable_activation_checkpointing
 from asyncrl.models.lora import ADAPTER, is_lora, published_weights
-from asyncrl.models.routing import route_bytes, routing_of
 from asyncrl.trainer.advantages import moves_weights
 from asyncrl.trainer.batching import MicroBatch, trained_span
+from asyncrl.trainer.features import TrainingFeatures
 from asyncrl.trainer.logprobs import completion_logprobs
 from asyncrl.trainer.memory import resolve_micro_batch_tokens
 from asyncrl.trainer.optimizer import adamw, clip_gradients, divide_gradients, lr_lambda, total_norm
 from asyncrl.trainer.packing import packing_for
 from asyncrl.trainer.planning import collate_layout, collection_paused, plan_layouts
-from asyncrl.trainer.routing_metrics import drift_by_lag, routing_step_metrics
 from asyncrl.trainer.state import optimizer_state, restore_state
 from asyncrl.types import Sample
 
@@ -109,17 +108,12 @@ class Trainer:
         # frozen copy of the initial policy, made only when it is used. It stays in the master
         # dtype and runs under the same autocast as the policy, so that the KL of the initial
         # policy to itself is exactly 0.
-        # Keep Routing (trainer.routing_replay): the policy's routers compare with, and may use,
-        # the experts the engine recorded. Patched before the reference copy, which compares only.
-        self.routing = routing_of(
-            model,
-            required_by="trainer.routing_replay=rollout" if trainer_cfg.routing_replay == "rollout" else None,
-        )
         self.ref_model = (
             copy.deepcopy(model).eval().requires_grad_(False) if algo_cfg.beta > 0 and not self.lora else None
         )
-        if self.routing is not None:
-            self.routing.replay = trainer_cfg.routing_replay == "rollout"
+        # The features' parts of the work on the policy (asyncrl.trainer.features), built after the
+        # reference copy: whatever they set on the policy's modules is the policy's alone.
+        self.features = TrainingFeatures.of(model, trainer_cfg)
         if trainer_cfg.activation_checkpointing:  # the policy only: the reference computes no gradients
             enable_activation_checkpointing(model)
         self.micro_batch_tokens = resolve_micro_batch_tokens(
@@ -148,8 +142,6 @@ class Trainer:
         self._skipped_pending: tuple[float, int] | None = None
         self._step_skipped: tuple[float, int] = (0.0, 0)
         self._computed_in_step = False
-        # Recorded route bytes and samples prepared since the last optimizer step, and of the last one.
-        self._route_bytes = self._step_route_bytes = (0.0, 0)
         # Called before every micro-batch forward/backward (e.g. to resize the thread pool).
         self.before_micro_batch: Callable[[], object] | None = None
 
@@ -171,6 +163,10 @@ class Trainer:
         batches = self._micro_batches(self._computed(samples))
         self._busy_s += time.perf_counter() - t0
         return batches
+
+    def misfit(self, samples: list[Sample]) -> str | None:
+        """Why these samples (carried in by a checkpoint) do not fit the policy, or None."""
+        return self.features.misfit(samples)
 
     def _computed(self, samples: list[Sample], record: bool = True) -> list[Sample]:
         """The samples whose forward and backward can change the gradient (see
@@ -201,9 +197,7 @@ class Trainer:
                 collate_layout(chunk, layout, self.pad_token_id).to(self.device)
                 for chunk, layout in plan_layouts(samples, self.micro_batch_tokens, self.packing)
             ]
-        if self.routing is not None:
-            total, count = self._route_bytes
-            self._route_bytes = (total + sum(route_bytes(s) for s in samples), count + len(samples))
+        self.features.prepared(samples)
         mode = self.old_logprob_mode
         with torch.no_grad(), self._eval_mode(), self.compute():
             for mb in batches:
@@ -288,12 +282,7 @@ class Trainer:
         self.version += 1
         self._busy_s += time.perf_counter() - t0
         self._stats["skipped_tokens"], self._stats["skipped_samples"] = self._step_skipped
-        if self.routing is not None:  # summed across ranks with the other step sums
-            self._stats.update({f"routing_{k}": v for k, v in self.routing.take_totals().items()})
-            # The samples prepared for this step (a batch's later optimizer steps repeat its first's).
-            if self._route_bytes[1]:
-                self._step_route_bytes, self._route_bytes = self._route_bytes, (0.0, 0)
-            self._stats["route_bytes"], self._stats["route_samples"] = self._step_route_bytes
+        self._stats.update(self.features.step_sums())  # summed across ranks with the other step sums
         s = self._step_stats()
         tokens = max(s["tokens"], 1.0)
         return {
@@ -314,7 +303,7 @@ class Trainer:
             "skipped_tokens": s["skipped_tokens"],
             "skipped_samples": s["skipped_samples"],
             **self._correction_metrics(s, tokens),
-            **(routing_step_metrics(s) if self.routing is not None else {}),
+            **self.features.step_metrics(s),
             "train_s": self._busy_s,
             "old_logprobs_source": self.old_logprob_mode,
         }
@@ -394,8 +383,7 @@ class Trainer:
                 chunk_tokens=self.cfg.logprob_chunk_tokens,
             )
         stats: dict[str, float] = {}
-        if self.routing is not None and mb.input_routes is not None:
-            stats.update(drift_by_lag(self.routing, mb, self.version))
+        stats.update(self.features.loss_forward(mb, self.version))
         # Diagnostic sums as 0-d tensors, read in one transfer at the end (a read per figure
         # would be a device synchronisation each on a GPU).
         sums: dict[str, torch.Tensor] = {}

@@ -20,7 +20,6 @@ from asyncrl import checkpoints as checkpoint
 from asyncrl.config import Config
 from asyncrl.models.loading import Policy, resolve_device, save_policy
 from asyncrl.models.lora import published_weights, synced_parameters
-from asyncrl.models.routing import mismatched_routes
 from asyncrl.protocol.messages import (
     Accumulate,
     CheckpointSaved,
@@ -320,7 +319,7 @@ class TrainerWorker:
         if self.is_leader:
             carried = checkpoint.read_rollouts(Path(command.path)) or {}
             groups = [Group.from_dict(g) for g in carried.get("groups", [])]
-            problem = mismatched_routes([s for g in groups for s in g.samples], self.trainer.routing)
+            problem = self.trainer.misfit([s for g in groups for s in g.samples])
             if problem is not None:
                 raise checkpoint.CheckpointError(
                     f"{command.path}: carried rollouts do not fit the model: {problem}"

@@ -172,7 +172,7 @@ def test_the_models_a_feature_brings_are_the_workers_when_the_config_uses_it() -
         "default": 3,
         "checker": 1,
     }
-    policy, served = brought(SERVED_MODELS, several, 0)
+    _policy, served = brought(SERVED_MODELS, several, 0)
     assert isinstance(served, PolicyEngines) and sorted(served.engines) == ["checker", "default"]
     assert served.engine is served.engines["default"] and served.layout == trained.layout
     assert served.oldest_kept(several.schedule.max_staleness) == {

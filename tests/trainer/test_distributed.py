@@ -20,6 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from asyncrl.config import Config, load_config
+from asyncrl.models.experts import is_mixture_of_experts
 from asyncrl.protocol.messages import Accumulate, FinishStep, Restore, SaveCheckpoint, StepDone
 from asyncrl.runtimes.processes import worker_context
 from asyncrl.runtimes.serving import run_follower
@@ -117,7 +118,7 @@ def command_sequence(routes: bool = False) -> list:
 def drive(worker: TrainerWorker, channel: InProcessChannel) -> dict:
     """Rank 0's side: run the commands, return the published weights and the step metrics."""
     metrics = []
-    for command in command_sequence(routes=worker.trainer.routing is not None):
+    for command in command_sequence(routes=is_mixture_of_experts(worker.trainer.model)):
         metrics += [e.metrics for e in worker.handle(command) if isinstance(e, StepDone)]
     return {"weights": dict(channel._tensors), "metrics": metrics}
 
@@ -249,7 +250,7 @@ def fsdp2_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
         ("fsdp2", "tiny:1m", ()),
         pytest.param("ddp", "tiny:1m:llama", (), marks=pytest.mark.slow),
         pytest.param("fsdp2", "tiny:1m:llama", (), marks=pytest.mark.slow),
-        # Keep Routing: every rank forces its share's recorded experts (tests/models/test_routing.py).
+        # Keep Routing: every rank forces its share's recorded experts (tests/features/routing/test_routing.py).
         pytest.param("ddp", "tiny:moe", (), marks=pytest.mark.slow),
         pytest.param("fsdp2", "tiny:moe", (), marks=pytest.mark.slow),
     ],

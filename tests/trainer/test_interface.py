@@ -45,7 +45,7 @@ def one_and_several():
 
 def test_a_trainer_and_a_policy_set_offer_every_call_with_its_parameters() -> None:
     members = protocol_members()
-    assert {"version", "sharded", "routing", "device", "begin_step", "finish_step", "train_batch"} <= set(
+    assert {"version", "sharded", "misfit", "device", "begin_step", "finish_step", "train_batch"} <= set(
         members
     )
     for trainer in one_and_several():

@@ -86,9 +86,8 @@ class PolicySet:
     def device(self) -> torch.device:
         return self.primary.trainer.device
 
-    @property
-    def routing(self):
-        return self.primary.trainer.routing
+    def misfit(self, samples: list[Sample]) -> str | None:
+        return self.primary.trainer.misfit(samples)
 
     def compute(self) -> contextlib.AbstractContextManager:
         return self.primary.trainer.compute()

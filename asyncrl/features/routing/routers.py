@@ -23,12 +23,14 @@ in :data:`ROUTER_FAMILIES`; any other mixture of experts is refused by class nam
   from the recorded one (``drift``) and the layers whose experts used differ from the
   recorded ones (``mismatch``: the drift without replay, zero with it), per token.
 
-Routes on the wire are :data:`ROUTE_DTYPE` bytes, ``layers * k`` ids per token
-(:func:`pack_routes`, :func:`unpack_routes`).
+The engine and the trainer reach a model's :class:`Routing` as the recorder of the route
+record (:mod:`.record`, a per-token record: :mod:`asyncrl.models.token_records`); routes on
+the wire are :mod:`.routes`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,13 +39,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import PretrainedConfig
 
-from asyncrl.errors import ConfigError
+from asyncrl.features.routing.routes import ROUTE_DTYPE, RoutingError
+from asyncrl.models.activation_checkpointing import FORWARD_STATE
+from asyncrl.models.experts import is_mixture_of_experts
 from asyncrl.models.forward import base_model
-from asyncrl.types import Tokens
 
-ROUTE_DTYPE = np.int16  # expert ids on the wire: 32,767 experts, 2 bytes each
 _MARK = "_asyncrl_routing"
 
 
@@ -63,60 +64,6 @@ ROUTER_FAMILIES: dict[str, RouterFamily] = {
     "OlmoeTopKRouter": RouterFamily(lambda r: bool(r.norm_topk_prob), True),
     "MixtralTopKRouter": RouterFamily(lambda r: True, False),
 }
-# The transformers model types whose routers are those above.
-ROUTED_MODEL_TYPES = {"qwen2_moe", "qwen3_moe", "mixtral", "olmoe"}
-# Config attributes that make a model a mixture of experts, whatever its router.
-_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-
-
-def check_routing_replay(config: PretrainedConfig, source: str) -> None:
-    """``trainer.routing_replay=rollout`` needs a model whose routers asyncrl records and replays:
-    checked from the model's configuration at the start of a run, before any weight is loaded."""
-    if config.model_type in ROUTED_MODEL_TYPES:
-        return
-    architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
-    what = "a mixture of experts whose router asyncrl cannot hook" if has_experts(config) else "a dense model"
-    raise ConfigError(
-        "trainer.routing_replay",
-        "rollout",
-        f"model.path={source!r} is {architecture} ({config.model_type}), {what}; routing replay works "
-        f"with the model types {', '.join(sorted(ROUTED_MODEL_TYPES))}",
-    )
-
-
-class RoutingError(ValueError):
-    """A model, or recorded routes, that routing record and replay cannot work with."""
-
-
-def is_mixture_of_experts(model: torch.nn.Module) -> bool:
-    config = base_model(model).config
-    return has_experts(config) or bool(_routers(model))
-
-
-CAPTURABLE_EXPERTS = "batched_mm"
-
-
-def use_capturable_experts(model: torch.nn.Module) -> bool:
-    """Switch a mixture of experts to an experts forward a CUDA graph can capture; returns whether it did.
-
-    transformers' default experts forward (grouped matmul) reads its group offsets on the host,
-    which a capture refuses ("Cannot copy between CPU and CUDA tensors during CUDA graph
-    capture"), and a per-expert loop has data-dependent shapes. ``batched_mm`` gathers each
-    token's experts' weights and multiplies in one batch: static shapes, no host read; the
-    same numbers up to rounding (the routes, which the router decides, are unchanged).
-    """
-    model = base_model(model)
-    settable = getattr(type(model), "_can_set_experts_implementation", None)  # transformers >= 5
-    if not is_mixture_of_experts(model) or settable is None or not settable():
-        return False
-    if model.config._experts_implementation != CAPTURABLE_EXPERTS:
-        model.set_experts_implementation(CAPTURABLE_EXPERTS)
-    return True
-
-
-def has_experts(config: PretrainedConfig) -> bool:
-    """Whether the configuration declares several experts, whatever the router."""
-    return any((getattr(config, key, None) or 0) > 1 for key in _EXPERT_COUNT_KEYS)
 
 
 def _routers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -163,6 +110,11 @@ class _LayerState:
         self.recorded: torch.Tensor | None = None  # where recording writes this layer's ids
         self.count = True  # add to the drift and mismatch counts (not in a checkpoint's replay)
 
+    def replay_state(self) -> dict:
+        """As an activation checkpoint's replay of this layer must see it: the forward's forced
+        routes (the trainer has moved on to other tokens by then), no recording, no second count."""
+        return {"forced": self.forced, "force": self.force, "recorded": None, "count": False}
+
 
 class Routing:
     """The routers of one model, patched to record, force and compare expert choices."""
@@ -189,7 +141,11 @@ class Routing:
         for index, router in enumerate(routers):
             family = ROUTER_FAMILIES[type(router).__name__]
             router.forward = functools.partial(_routed_forward, router, family, self.states[index], self)
-            setattr(router, _MARK, self.states[index])
+            setattr(router, FORWARD_STATE, self.states[index])
+
+    @property
+    def token_shape(self) -> tuple[int, int]:
+        return (self.layers, self.top_k)
 
     @property
     def bytes_per_token(self) -> int:
@@ -203,7 +159,7 @@ class Routing:
 
     def record_into(self, tokens: int) -> torch.Tensor:
         """Make the next forward (of ``tokens`` tokens) record its expert ids; returns where,
-        ``(layers, tokens, k)`` int16: a view of the static buffer when it is large enough."""
+        ``(tokens, layers, k)`` int16: a view of the static buffer when it is large enough."""
         if self._stage is not None and tokens <= self._stage.shape[1]:
             out = self._stage[:, :tokens]
         else:
@@ -213,7 +169,7 @@ class Routing:
             )
         for layer, state in enumerate(self.states):
             state.recorded = out[layer]
-        return out
+        return out.permute(1, 0, 2)
 
     def stop_recording(self) -> None:
         for state in self.states:
@@ -231,6 +187,10 @@ class Routing:
                 f"{self.layers} layers x top-{self.top_k} = {per_token}"
             )
         return routes.reshape(-1, self.layers, self.top_k)
+
+    def forward_over(self, records: torch.Tensor) -> contextlib.AbstractContextManager:
+        """The trainer's forward over tokens whose routes the engine recorded, ``(..., layers * k)``."""
+        return self.forcing(self.shaped(records))
 
     @contextmanager
     def forcing(self, routes: torch.Tensor) -> Iterator[None]:
@@ -266,19 +226,6 @@ class Routing:
         compared, drifted and mismatched), summed over forwards."""
         totals, self.totals = {k: float(v) for k, v in self.totals.items()}, _zero_totals()
         return totals
-
-
-def routing_metrics(totals: dict[str, float]) -> dict[str, float]:
-    """Fractions of :meth:`Routing.take_totals`' counts (nothing compared: no metric)."""
-    if not totals.get("decisions"):
-        return {}
-    return {
-        "routing_mismatch_frac": totals["mismatched"] / totals["decisions"],
-        "routing_mismatch_tokens_frac": totals["tokens_mismatched"] / totals["tokens"],
-        "routing_drift_frac": totals["drifted"] / totals["decisions"],
-        "routing_drift_tokens_frac": totals["tokens_drifted"] / totals["tokens"],
-        "routing_compared_tokens": totals["tokens"],
-    }
 
 
 def _zero_totals() -> dict[str, torch.Tensor | float]:
@@ -320,63 +267,3 @@ def _routed_forward(
     if state.recorded is not None:
         state.recorded.copy_(ids)
     return logits, top, ids
-
-
-def checkpoint_state(layer: torch.nn.Module) -> list[tuple[_LayerState, dict]]:
-    """The routing state of the routers in a decoder layer, as an activation checkpoint's
-    replay must see it again (forced routes of this forward, no second count)."""
-    out = []
-    for module in layer.modules():
-        state = getattr(module, _MARK, None)
-        if isinstance(state, _LayerState):
-            out.append(
-                (state, {"forced": state.forced, "force": state.force, "recorded": None, "count": False})
-            )
-    return out
-
-
-# -- routes on the wire ---------------------------------------------------------------------
-
-
-def pack_routes(routes: torch.Tensor | np.ndarray) -> bytes:
-    """``(layers, k)`` expert ids of one token (or ``(tokens, layers, k)``) as bytes."""
-    array = routes.cpu().numpy() if isinstance(routes, torch.Tensor) else routes
-    return np.ascontiguousarray(array, dtype=ROUTE_DTYPE).tobytes()
-
-
-def route_bytes(sample: Tokens) -> int:
-    """Bytes of routes a sample carries: its prompt's and its completion tokens'."""
-    prompt = getattr(sample, "prompt_routes", None) or b""
-    return len(prompt) + sum(len(r) for r in sample.routes or () if r)
-
-
-def mismatched_routes(samples: list, routing: Routing | None) -> str | None:
-    """Why recorded routes of ``samples`` do not fit the model, or None when they do (or there are none)."""
-    item = np.dtype(ROUTE_DTYPE).itemsize
-    for sample in samples:
-        sizes = {len(r) // item for r in sample.routes or () if r}
-        if sample.prompt_routes:
-            sizes.add(len(sample.prompt_routes) // item // max(len(sample.prompt_ids), 1))
-        if not sizes:
-            continue
-        model = (
-            "a dense model"
-            if routing is None
-            else f"{routing.layers} MoE layers x top-{routing.top_k} = {routing.layers * routing.top_k}"
-        )
-        if routing is None or sizes != {routing.layers * routing.top_k}:
-            return (
-                f"sample {sample.prompt_id!r} (group {sample.group_id}) holds routes of {sorted(sizes)} "
-                f"expert ids per token; the model routes {model}"
-            )
-    return None
-
-
-def unpack_routes(data: bytes, layers: int, top_k: int) -> np.ndarray:
-    """``(tokens, layers, k)`` int16 ids from :func:`pack_routes`' bytes."""
-    per_token = layers * top_k
-    if len(data) % (per_token * np.dtype(ROUTE_DTYPE).itemsize):
-        raise RoutingError(
-            f"{len(data)} bytes of routes are not whole tokens of {layers} layers x top-{top_k}"
-        )
-    return np.frombuffer(data, dtype=ROUTE_DTYPE).reshape(-1, layers, top_k)

@@ -22,17 +22,17 @@ from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.interface import resume_request
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest
-from asyncrl.models.activation_checkpointing import enable_activation_checkpointing
-from asyncrl.models.loading import Policy, load_policy
-from asyncrl.models.routing import (
+from asyncrl.features.routing.routers import routing_of
+from asyncrl.features.routing.routes import (
     ROUTE_DTYPE,
     RoutingError,
     mismatched_routes,
     pack_routes,
-    routing_of,
     unpack_routes,
-    use_capturable_experts,
 )
+from asyncrl.models.activation_checkpointing import enable_activation_checkpointing
+from asyncrl.models.experts import use_capturable_experts
+from asyncrl.models.loading import Policy, load_policy
 from asyncrl.trainer.batching import MicroBatch, collate
 from asyncrl.trainer.logprobs import completion_logprobs
 from asyncrl.trainer.packing import build_tree, collate_tree
@@ -58,7 +58,7 @@ def plain_routes(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
             model(torch.tensor([ids]))
     finally:
         routing.stop_recording()
-    return recorded.permute(1, 0, 2).long().sort(-1).values
+    return recorded.long().sort(-1).values
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -425,10 +425,10 @@ def test_tokens_carry_routes_with_their_other_per_token_fields() -> None:
 def test_recorded_routes_that_do_not_fit_the_model_are_named(moe: Policy) -> None:
     routing = routing_of(moe.model)
     sample = samples_of(generate_groups(moe, 1, 1))[0]
-    assert mismatched_routes([sample], routing) is None
+    assert mismatched_routes([sample], (routing.layers, routing.top_k)) is None
     wide = copy.deepcopy(sample)
     wide.routes = [None if r is None else r + r for r in wide.routes]
-    assert mismatched_routes([wide], routing) == (
+    assert mismatched_routes([wide], (routing.layers, routing.top_k)) == (
         "sample 'p0' (group 0) holds routes of [8, 16] expert ids per token; the model routes "
         "4 MoE layers x top-2 = 8"
     )
@@ -558,8 +558,8 @@ def family_checkpoint(directory, family: str) -> str:
 def test_local_checkpoints_of_each_family_record_and_replay(tmp_path, family: str) -> None:
     """A checkpoint of each family loads from its directory; the engine records its routers'
     choices; forcing altered routes changes exactly the altered decisions and is counted."""
+    from asyncrl.features.routing.start import check_routing_replay
     from asyncrl.models.loading import load_model_config
-    from asyncrl.models.routing import check_routing_replay
 
     source = family_checkpoint(tmp_path / family, family)
     check_routing_replay(load_model_config(source), source)  # accepted at the start of a run
@@ -643,7 +643,7 @@ def test_routes_cross_processes_and_a_checkpoint_and_replay_after_the_resume(
 def test_route_staleness_is_counted_by_the_version_lag_of_each_completion_token(moe: Policy) -> None:
     """The drift of the loss forward, split by how many versions ago each fed completion token was
     sampled; prompt tokens are not counted (they carry no version)."""
-    from asyncrl.trainer.routing_metrics import drift_by_lag, routing_step_metrics
+    from asyncrl.features.routing.training import drift_by_lag, routing_step_metrics
 
     samples = samples_of(generate_groups(moe, 2, 2, max_new=6))
     for s in samples:

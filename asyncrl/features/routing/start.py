@@ -1,0 +1,36 @@
+"""Keep Routing's check at the start of a run (:data:`~asyncrl.control.features.START_CHECKS`):
+``trainer.routing_replay=rollout`` needs a model whose routers asyncrl records and replays,
+read from the model's configuration before any weight is loaded."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from transformers import PretrainedConfig
+
+from asyncrl.config import Config
+from asyncrl.errors import ConfigError
+from asyncrl.models.experts import has_experts
+
+# The transformers model types whose routers are those of routers.ROUTER_FAMILIES.
+ROUTED_MODEL_TYPES = {"qwen2_moe", "qwen3_moe", "mixtral", "olmoe"}
+
+
+def check_routing_replay(config: PretrainedConfig, source: str) -> None:
+    """``trainer.routing_replay=rollout`` needs a model whose routers asyncrl records and replays:
+    checked from the model's configuration at the start of a run, before any weight is loaded."""
+    if config.model_type in ROUTED_MODEL_TYPES:
+        return
+    architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+    what = "a mixture of experts whose router asyncrl cannot hook" if has_experts(config) else "a dense model"
+    raise ConfigError(
+        "trainer.routing_replay",
+        "rollout",
+        f"model.path={source!r} is {architecture} ({config.model_type}), {what}; routing replay works "
+        f"with the model types {', '.join(sorted(ROUTED_MODEL_TYPES))}",
+    )
+
+
+def routing_replay_fits(cfg: Config, model_config: Callable[[], PretrainedConfig]) -> None:
+    if cfg.trainer.routing_replay == "rollout":
+        check_routing_replay(model_config(), cfg.model.path)
