@@ -16,7 +16,6 @@ from asyncrl.config.engines import check_engines_installed
 from asyncrl.control.controller import Controller
 from asyncrl.control.features import START_CHECKS
 from asyncrl.control.session import RunSession, default_run_dir
-from asyncrl.distill.teacher import check_teacher
 from asyncrl.engine.vllm_engine import unsupported_model
 from asyncrl.errors import AsyncRLError, ConfigError
 from asyncrl.lifeline import STOP_SIGNALS
@@ -55,16 +54,14 @@ def train(cfg: Config, run_dir: Path | None = None, *, resume: bool = False) -> 
     seed_everything(cfg.run.seed)
     prompts = task_prompts(cfg)  # a bad model path or dataset fails here, before a run directory is made
     model_config = functools.cache(lambda: load_model_config(cfg.model.path))  # read once, if at all
-    for _, check in START_CHECKS.entries():  # the features' own (asyncrl.control.features)
-        check(cfg, model_config)
     if cfg.lora.enabled:  # adapters the model's layers cannot carry, refused before any process starts
         check_lora_fits(model_config(), cfg.lora)
     build_episode(cfg)  # as does a bad episode.environment
     check_engines_installed(cfg)
     if cfg.rollout.engine == "vllm" and (why := unsupported_model(model_config())):
         raise ConfigError("model.path", cfg.model.path, f"with rollout.engine=vllm: {why}")
-    if cfg.distill.enabled:
-        check_teacher(cfg)  # and a teacher that is missing or uses another tokenizer
+    for _, check in START_CHECKS.entries():  # the features' own (asyncrl.control.features)
+        check(cfg, model_config)
     run_dir = run_dir or default_run_dir()
     resume_from = checkpoint.latest(run_dir) if resume else None
     version = checkpoint.read_controller_state(resume_from)["version"] if resume_from else None

@@ -6,7 +6,8 @@ the trainer and the generators (:data:`~asyncrl.workers.features.TRAINED_MODELS`
 :data:`~asyncrl.workers.features.SERVED_MODELS`).
 
 In the order their hooks are called: pivot resampling (:mod:`.pivots`), the teacher stage
-(:mod:`.distillation`), several policies and roles (:mod:`.policies`), a mixture of experts'
+(:mod:`.distillation`: also a stage of the run, :data:`~asyncrl.workers.interface.STAGES`, and a check
+at the start), several policies and roles (:mod:`.policies`), a mixture of experts'
 routes (:mod:`.routing`: its record of each token, :data:`~asyncrl.models.token_records.TOKEN_RECORDS`,
 its part of the trainer's work, :data:`~asyncrl.trainer.features.TRAINING_FEATURES`, and its
 check at the start, :data:`~asyncrl.control.features.START_CHECKS`). Each builder returns
@@ -19,6 +20,7 @@ from __future__ import annotations
 from asyncrl.control.features import FEATURES, START_CHECKS
 from asyncrl.features.distillation.books import teacher_queue
 from asyncrl.features.distillation.parts import teacher_scores
+from asyncrl.features.distillation.stage import TeacherStage, teacher_fits
 from asyncrl.features.pivots.books import pivot_book
 from asyncrl.features.pivots.parts import branch_steps, pivot_finder
 from asyncrl.features.policies.books import policy_feature
@@ -31,6 +33,7 @@ from asyncrl.features.routing.training import routing_training
 from asyncrl.models.token_records import TOKEN_RECORDS
 from asyncrl.trainer.features import TRAINING_FEATURES
 from asyncrl.workers.features import GENERATION_FEATURES, SERVED_MODELS, STEP_FEATURES, TRAINED_MODELS
+from asyncrl.workers.interface import STAGES
 
 FEATURES.register("pivots", pivot_book)
 FEATURES.register("teacher", teacher_queue)
@@ -46,3 +49,5 @@ SERVED_MODELS.register("policies", served_policies)
 TOKEN_RECORDS.register("routes", RouteRecord())
 TRAINING_FEATURES.register("routing", routing_training)
 START_CHECKS.register("routing", routing_replay_fits)
+START_CHECKS.register("teacher", teacher_fits)
+STAGES.register("teacher", TeacherStage())

@@ -15,18 +15,17 @@ from asyncrl.transports.weights.inprocess import InProcessChannel
 from asyncrl.workers.generator import GeneratorWorker
 from asyncrl.workers.interface import (
     GENERATOR,
-    TEACHER,
     TRAINER,
     Worker,
-    payload_routes,
+    recipients,
     role_of,
     run_workers,
+    stage_of,
 )
-from asyncrl.workers.teacher import TeacherWorker
 from asyncrl.workers.trainer import TrainerWorker
 
 # The roles an inline run has (one trainer rank: trainer.ranks > 1 needs processes), in turn order.
-INLINE_ORDER = {TRAINER: 0, GENERATOR: 1, TEACHER: 2}
+INLINE_ORDER = {TRAINER: 0, GENERATOR: 1}  # then the stages
 
 
 class InlineRuntime:
@@ -45,13 +44,13 @@ class InlineRuntime:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.plan = run_workers(cfg)  # the trainer, the teacher stage with distillation, the generators
+        self.plan = run_workers(cfg)  # the trainer, the features' stages, the generators
         self.generator_names = [p.name for p in self.plan if p.role == GENERATOR]
         self._default_threads = torch.get_num_threads()
         self._events: list = []
-        # Every worker by name, the trainer first (then the generators, the teacher stage last).
+        # Every worker by name, the trainer first (then the generators, the stages last).
         self.workers: dict[str, Worker] = {}
-        self._senders: dict[str, GroupSender] = {}  # where each worker's deliveries go (payload_routes)
+        self._senders: dict[str, GroupSender] = {}  # where each worker's deliveries go (recipients)
         self._interrupted = False
         self.busy = False  # in send or poll
 
@@ -65,9 +64,9 @@ class InlineRuntime:
     def start(self) -> None:
         channel = InProcessChannel()
         # Every worker of the plan in this process, in the order they take turns: the trainer (it
-        # publishes to the channel), the generators, the teacher stage. Building one is its role's.
-        inboxes = {}  # of the workers that take deliveries (trainer, teacher stage)
-        for p in sorted(self.plan, key=lambda p: INLINE_ORDER[p.role]):
+        # publishes to the channel), the generators, the stages (each built by its Stage).
+        inboxes = {}  # of the workers that take deliveries (the trainer, a stage that takes groups)
+        for p in sorted(self.plan, key=lambda p: INLINE_ORDER.get(p.role, len(INLINE_ORDER))):
             if p.role == TRAINER:
                 trainer = TrainerWorker(p.name, self.cfg, lambda layout: channel)
                 self.workers[p.name], inboxes[p.name] = trainer, trainer.inbox
@@ -75,12 +74,14 @@ class InlineRuntime:
                 seed = self.cfg.run.seed + p.index
                 self.workers[p.name] = GeneratorWorker(p.name, self.cfg, lambda layout: channel, seed=seed)
             else:
-                teacher = TeacherWorker(p.name, self.cfg, receiver_factory=lambda layout: channel)
-                self.workers[p.name], inboxes[p.name] = teacher, teacher.inbox
+                stage = stage_of(p.role).build(self.cfg, None, lambda layout: channel)
+                self.workers[p.name], inboxes[p.name] = stage, stage.inbox
         # What a worker delivers goes into the inboxes by reference; the controller gets the headers.
         for name in self.workers:
-            routes = payload_routes(role_of(name), self.cfg)
-            sender = sender_for([make_group_sender("inprocess", inboxes[to]) for to in routes])
+            to_inboxes = [
+                make_group_sender("inprocess", inboxes[to]) for to in recipients(role_of(name), self.cfg)
+            ]
+            sender = sender_for(to_inboxes)
             if sender is not None:
                 self._senders[name] = sender
         self._events += [Ready(n) for n in self.workers]

@@ -51,12 +51,12 @@ from asyncrl.transports.weights.factory import (
 )
 from asyncrl.workers.interface import (
     GENERATOR,
-    TEACHER,
     TRAINER,
     TRAINER_RANK,
-    payload_routes,
     receivers,
+    recipients,
     run_workers,
+    stages_of,
 )
 
 RANK_FAILURE_GRACE_S = 1.0  # how long a trainer rank's failure waits for a sibling rank's exit to show
@@ -88,7 +88,7 @@ def _worker_main(
     worker's entry in the shared busy flags. Trainer ranks 1.. have no command queue: they
     run rank 0's commands (:func:`run_follower`). ``inboxes``: the queue of every worker that
     takes deliveries, by name (:func:`~asyncrl.workers.interface.receivers`: the trainer's, and
-    with distillation the teacher stage's), which carry what :func:`payload_routes` says.
+    with distillation the teacher stage's), which carry what :func:`recipients` says.
     ``interrupt``: set when the run stops.
     ``environ``: the run's environment when the worker was started; ``owner_pid``: the run's
     process (not the parent when the worker was forked from the fork server).
@@ -128,7 +128,7 @@ def _worker_main(
             evt_q.put,
             should_exit=owner.gone.is_set,  # looked at on every engine step: no /proc read there
             on_busy=busy,
-            groups=sender_for([make_group_sender("queue", inboxes[to]) for to in payload_routes(role, cfg)]),
+            groups=sender_for([make_group_sender("queue", inboxes[to]) for to in recipients(role, cfg)]),
         )
         if not owner.alive():
             evt_q.cancel_join_thread()  # nobody will read what is still queued; do not wait for it
@@ -159,7 +159,7 @@ def _set_busy(cores: CoreShare, busy: bool) -> None:
 
 def _core_slot(role: str, index: int, generators: int) -> int:
     """A worker's entry in the shared busy flags (runtimes/cores.py): the trainer's 0, generator
-    i's i+1, trainer rank r's generators+r; the teacher's process has its own thread count, no slot."""
+    i's i+1, trainer rank r's generators+r; a stage's process (e.g. the teacher's) has its own thread count, no slot."""
     if role == GENERATOR:
         return index + 1
     if role == TRAINER_RANK:
@@ -190,7 +190,7 @@ class LocalRuntime:
         start_process_helpers(self._ctx)  # before the queues: their semaphores use the resource tracker
         self._events = self._ctx.Queue()
         # The inbox of every worker that takes deliveries: the trainer's (the generators' groups,
-        # the teacher's scores) and with distillation the teacher stage's (a copy of every group).
+        # a stage's results) and each stage's that takes groups (a copy of every group: the teacher's).
         self._inboxes = {name: self._ctx.Queue() for name in receivers(cfg)}
         self._commands: dict[str, object] = {}
         self._procs: dict[str, mp.Process] = {}
@@ -215,7 +215,7 @@ class LocalRuntime:
             TRAINER: trainer_threads,
             TRAINER_RANK: trainer_threads,
             GENERATOR: generator_threads,
-            TEACHER: self.cfg.distill.threads or max(1, generator_threads),
+            **{s.role: s.threads(self.cfg, max(1, generator_threads)) for s in stages_of(self.cfg)},
         }
         for placed in self.plan:
             role, name, index = placed.role, placed.name, placed.index

@@ -1,5 +1,5 @@
 """One worker inside a Ray actor: the actor the Ray runtime (:mod:`.ray_runtime`) creates for the
-trainer's ranks, each generator and the teacher stage.
+trainer's ranks, each generator and each stage (the teacher's).
 
 A thread runs the worker's command loop (:func:`~asyncrl.runtimes.serving.serve_worker`, the
 same loop a local worker's process runs); :meth:`WorkerActor.send` queues a command (calls
@@ -20,7 +20,7 @@ from asyncrl.runtimes.serving import build_worker, drain, failed, ready, serve_w
 from asyncrl.transports.groups.factory import make_group_sender
 from asyncrl.transports.groups.interface import Delivery, GroupSender, sender_for
 from asyncrl.transports.weights.factory import TransportSpec, free_port, make_broadcast_sender, make_receiver
-from asyncrl.workers.interface import payload_routes
+from asyncrl.workers.interface import recipients
 
 
 class WorkerActor:
@@ -49,7 +49,7 @@ class WorkerActor:
         ``group`` says where the trainer ranks meet (``world_size``, ``master_addr``,
         ``master_port``); ranks 1.. take their commands from rank 0, not from ``send``.
         ``receivers``: the actors, by worker name, whose inboxes take what this worker delivers
-        (:func:`~asyncrl.workers.interface.payload_routes`: a generator's groups, the teacher's
+        (:func:`~asyncrl.workers.interface.recipients`: a generator's groups, the teacher's
         scores); none for a trainer rank.
         """
         self._spec, self._group, self._receivers = spec, group, dict(receivers or {})
@@ -126,13 +126,10 @@ class WorkerActor:
 
     def _group_sender(self, cfg) -> GroupSender | None:
         """Where this worker's groups (a generator's) or scores (the teacher's) go: the actors
-        :func:`~asyncrl.workers.interface.payload_routes` names, by calls on them."""
+        :func:`~asyncrl.workers.interface.recipients` names, by calls on them."""
         timeout_s = cfg.runtime.stall_timeout_s
         return sender_for(
-            [
-                make_group_sender("actor", self._receivers[to], timeout_s)
-                for to in payload_routes(self.role, cfg)
-            ]
+            [make_group_sender("actor", self._receivers[to], timeout_s) for to in recipients(self.role, cfg)]
         )
 
     def _run(self) -> None:

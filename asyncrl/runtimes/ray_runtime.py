@@ -63,7 +63,7 @@ from asyncrl.transports.weights.factory import (
     transport_spec,
     unlink_segment,
 )
-from asyncrl.workers.interface import GENERATOR, TEACHER, TRAINER, generator_name, payload_routes, run_workers
+from asyncrl.workers.interface import GENERATOR, TRAINER, generator_name, recipients, run_workers, stage_of
 
 POLL_WAIT_S = 0.5  # how long an actor's events() call waits for something to report
 
@@ -268,8 +268,8 @@ class RayRuntime:
         return placement_group([dict(bundle) for _ in self.trainer_names], strategy=strategy)
 
     def _threads(self, role: str, res) -> int:
-        if role == TEACHER:
-            return self.cfg.distill.threads or max(1, int(res.num_cpus))
+        if (stage := stage_of(role)) is not None:
+            return stage.threads(self.cfg, max(1, int(res.num_cpus)))
         trainer = is_trainer(role)
         explicit = self.cfg.runtime.trainer_threads if trainer else self.cfg.runtime.generator_threads
         return explicit or max(1, int(res.num_cpus))
@@ -277,7 +277,10 @@ class RayRuntime:
     def _create(self, role: str, name: str, index: int):
         """Create the actor (not yet started) and its first outstanding events() call."""
         trainer = is_trainer(role)
-        res = self.rcfg.teacher if role == TEACHER else self.rcfg.trainer if trainer else self.rcfg.generator
+        stage = stage_of(role)
+        res = (
+            stage.ray_resources(self.rcfg) if stage else self.rcfg.trainer if trainer else self.rcfg.generator
+        )
         options = self._actor_options(res)
         if trainer:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -384,8 +387,8 @@ class RayRuntime:
         self._ready.discard(name)
         if name in self.trainer_names:
             raise WorkerError(f"{name} actor died: {reason}")
-        if name == TEACHER:
-            raise WorkerError(f"the teacher actor ({self.cfg.distill.source}) died: {reason}")
+        if (stage := stage_of(name)) is not None:
+            raise WorkerError(stage.lost(self.cfg, reason))
         if self._restarts >= self.rcfg.max_generator_restarts:
             raise WorkerError(
                 f"{name} actor died ({reason}) after {self._restarts} restarts "
@@ -410,7 +413,7 @@ class RayRuntime:
 
     def _receivers_of(self, role: str) -> dict:
         """The actors whose inboxes take what a worker of ``role`` delivers, by name."""
-        return {to: self._actors[to] for to in payload_routes(role, self.cfg)}
+        return {to: self._actors[to] for to in recipients(role, self.cfg)}
 
     def _regroup(self) -> None:
         """Form a new broadcast group of the trainer and ``_members`` (their ranks in order).

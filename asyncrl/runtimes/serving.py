@@ -24,14 +24,12 @@ import torch
 
 from asyncrl.config import Config
 from asyncrl.errors import AsyncRLError
-from asyncrl.models.loading import resolve_device
 from asyncrl.protocol.messages import Accumulate, Discard, Ready, Stop, WorkerFailed
 from asyncrl.transports.groups.inbox import Inbox
 from asyncrl.transports.groups.interface import GroupSender, detach_payloads
 from asyncrl.transports.weights.factory import TransportSpec, make_receiver, make_sender, weights_device
 from asyncrl.workers.generator import GeneratorWorker
-from asyncrl.workers.interface import TEACHER, TRAINER, TRAINER_RANK, Worker
-from asyncrl.workers.teacher import TeacherWorker
+from asyncrl.workers.interface import TRAINER, TRAINER_RANK, Worker, stage_of
 from asyncrl.workers.trainer import TrainerWorker
 
 IDLE_WAIT_S = 0.02  # how long an idle generator waits for a command before looking again
@@ -147,20 +145,20 @@ def build_worker(
     *,
     elastic: bool,
     inbox: Inbox | None = None,
-) -> tuple[TrainerWorker | GeneratorWorker | TeacherWorker, torch.device]:
+) -> tuple[Worker, torch.device]:
     """The worker of ``role`` and the device its weights live on.
 
     ``index`` is the trainer rank or the generator's index (its rank in a broadcast group is
     index + 1); ``group`` says where trainer ranks meet (``world_size``, ``master_addr``,
     ``master_port``); ``elastic``: the trainer's broadcast group may be re-formed (Ray);
-    ``inbox``: where rank 0 (or the teacher) finds the groups the generators deliver.
+    ``inbox``: where rank 0 (or a stage) finds the groups the generators deliver.
     """
     timeout = cfg.runtime.stall_timeout_s
-    if role == TEACHER:  # it receives weights only with self-distillation (distill.refresh_every)
-        device = resolve_device(cfg.distill.device)
+    stage = stage_of(role)
+    if stage is not None:  # built by the feature that adds it (it may receive weights, as rank 0)
+        device = stage.device(cfg)
         receiver = lambda layout: make_receiver(spec, layout, 0, timeout, device)  # noqa: E731
-        worker = TeacherWorker(name, cfg, inbox=inbox, receiver_factory=receiver)
-        return worker, worker.teacher.device
+        return stage.build(cfg, inbox, receiver), device
     device = weights_device(cfg, trainer=is_trainer(role))
     if is_trainer(role):
         sender = (lambda layout: make_sender(spec, layout, timeout, device, elastic)) if index == 0 else None
@@ -217,7 +215,7 @@ def serve_worker(
 ) -> None:
     """Run the worker's command loop until Stop; trainer ranks 1.. execute what rank 0 forwards.
 
-    ``groups``: where the worker's deliveries go (:func:`~asyncrl.workers.interface.payload_routes`,
+    ``groups``: where the worker's deliveries go (:func:`~asyncrl.workers.interface.recipients`,
     by the runtime's group transport); the trainer delivers nothing.
     """
     if role == TRAINER_RANK:

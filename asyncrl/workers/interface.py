@@ -2,27 +2,33 @@
 
 A run's workers are the trainer (named ``trainer``; with ``trainer.ranks`` > 1 its rank 0,
 which drives the others itself: :func:`~asyncrl.runtimes.serving.run_follower`), the
-generators (``generator-i``) and, with on-policy distillation, the teacher stage
-(``teacher``). Each implements :class:`Worker`, and a runtime (inline, local processes, Ray
-actors) drives every one through it alone: commands in by :meth:`Worker.handle`, the
-worker's own work advanced by :meth:`Worker.work`, events out of both. What a worker
-delivers besides its events — a generator's groups, the teacher's scores — goes to the
-inboxes :func:`payload_routes` names, by whatever group transport the runtime uses; that
-fan-out is written here, once, as is which workers a run has (:func:`run_workers`): each
-runtime places them, by role, without deciding which exist. (The reward pool's processes are not workers of the run:
+generators (``generator-i``) and the stages features add (:class:`Stage`: with on-policy
+distillation the teacher stage, ``teacher``). Each implements :class:`Worker`, and a runtime
+(inline, local processes, Ray actors) drives every one through it alone: commands in by
+:meth:`Worker.handle`, the worker's own work advanced by :meth:`Worker.work`, events out of
+both. What a worker delivers besides its events — a generator's groups, a stage's results —
+goes to the inboxes :func:`recipients` names, by whatever group transport the runtime uses;
+that fan-out is written here, once, as is which workers a run has (:func:`run_workers`): each
+runtime places them without deciding which exist, and builds a stage's worker, its threads,
+its Ray resources and the message its loss gives through :class:`Stage` alone. (The reward pool's processes are not workers of the run:
 they score for the generators over a channel of their own, :mod:`asyncrl.rewards.pool`.)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
+
+import torch
 
 from asyncrl.config import Config
+from asyncrl.plugins import Registry
 from asyncrl.trainer.distributed import trainer_rank_name
+from asyncrl.transports.groups.inbox import Inbox
+from asyncrl.transports.weights.interface import WeightLayout, WeightReceiver
 
 TRAINER = "trainer"
-TEACHER = "teacher"
 GENERATOR = "generator"
 TRAINER_RANK = "trainer-rank"  # the role of trainer ranks 1..M-1: they run rank 0's commands
 
@@ -41,22 +47,73 @@ class Placement:
     index: int
 
 
+class Stage:
+    """A worker a feature adds to a run beside the trainer and the generators (one process or
+    actor, named as its role), e.g. the teacher stage of on-policy distillation."""
+
+    role = "stage"
+    takes_groups = True  # a copy of every group a generator delivers goes to its inbox
+    delivers_to: tuple[str, ...] = (TRAINER,)  # whose inboxes take what it delivers
+
+    def present(self, cfg: Config) -> bool:
+        """Whether the run has this stage."""
+        return False
+
+    def device(self, cfg: Config) -> torch.device:
+        """Where the weights it receives live (when it receives any)."""
+        return torch.device("cpu")
+
+    def build(
+        self,
+        cfg: Config,
+        inbox: Inbox | None,
+        receiver_factory: Callable[[WeightLayout], WeightReceiver] | None,
+    ) -> Any:
+        """Its :class:`Worker` (with an ``inbox`` attribute: ``inbox``, or its own when None);
+        ``receiver_factory``: its end of the weight transport, on :meth:`device`."""
+        raise TypeError(f"stage {self.role!r} does not build a worker")
+
+    def threads(self, cfg: Config, default: int) -> int:
+        """CPU threads for its process (``default``: what a generator's would get)."""
+        return default
+
+    def ray_resources(self, ray_cfg: Any) -> Any:
+        """The section of ``runtime.ray`` its actor takes its resources from."""
+        return ray_cfg.generator
+
+    def lost(self, cfg: Config, reason: str) -> str:
+        """The error when its process or actor dies (a stage is not restarted)."""
+        return f"the {self.role} stage died: {reason}"
+
+
+# The stages features add, by role (plugins register them: asyncrl.plugins).
+STAGES: Registry[Stage] = Registry("run stage")
+
+
+def stages_of(cfg: Config) -> list[Stage]:
+    return [stage for _, stage in STAGES.entries() if stage.present(cfg)]
+
+
+def stage_of(role: str) -> Stage | None:
+    """The stage whose role is ``role`` (None: the trainer's or a generator's)."""
+    return STAGES.get(role) if role not in (TRAINER, TRAINER_RANK, GENERATOR) else None
+
+
 def run_workers(cfg: Config) -> list[Placement]:
     """What a run starts, in the order runtimes start them: the trainer's ranks (rank 0 is the
-    trainer the controller knows), the teacher stage with on-policy distillation, the generators."""
+    trainer the controller knows), the stages of the run's features, the generators."""
     out = [
         Placement(TRAINER if r == 0 else TRAINER_RANK, trainer_rank_name(r), r)
         for r in range(cfg.trainer.ranks)
     ]
-    if cfg.distill.enabled:
-        out.append(Placement(TEACHER, TEACHER, 0))
+    out += [Placement(stage.role, stage.role, 0) for stage in stages_of(cfg)]
     out += [Placement(GENERATOR, generator_name(i), i) for i in range(cfg.runtime.generators)]
     return out
 
 
 def receivers(cfg: Config) -> list[str]:
-    """The workers that take deliveries (:func:`payload_routes` of every worker of the run)."""
-    return list(dict.fromkeys(to for p in run_workers(cfg) for to in payload_routes(p.role, cfg)))
+    """The workers that take deliveries (:func:`recipients` of every worker of the run)."""
+    return list(dict.fromkeys(to for p in run_workers(cfg) for to in recipients(p.role, cfg)))
 
 
 @runtime_checkable
@@ -100,16 +157,15 @@ class Worker(Protocol):
 
 
 def role_of(name: str) -> str:
-    """The role of the worker named ``name`` in a run: trainer, teacher or generator."""
-    return name if name in (TRAINER, TEACHER) else GENERATOR
+    """The role of the worker named ``name`` in a run: trainer, a stage's, or generator."""
+    return name if name == TRAINER or stage_of(name) is not None else GENERATOR
 
 
-def payload_routes(role: str, cfg: Config) -> tuple[str, ...]:
+def recipients(role: str, cfg: Config) -> tuple[str, ...]:
     """The workers whose inbox takes what a worker of ``role`` delivers, in order: a generator's
-    groups go to the trainer and, with distillation, a copy to the teacher stage; the teacher's
-    scores go to the trainer; the trainer (any rank) delivers nothing."""
+    groups go to the trainer and a copy to each stage that takes groups; a stage's results go
+    where it says (the teacher's scores to the trainer); the trainer (any rank) delivers nothing."""
     if role == GENERATOR:
-        return (TRAINER, TEACHER) if cfg.distill.enabled else (TRAINER,)
-    if role == TEACHER:
-        return (TRAINER,)
-    return ()
+        return (TRAINER, *(stage.role for stage in stages_of(cfg) if stage.takes_groups))
+    stage = stage_of(role)
+    return stage.delivers_to if stage is not None else ()

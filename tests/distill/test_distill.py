@@ -31,6 +31,7 @@ from asyncrl.engine.types import GenerationRequest, SamplingParams
 from asyncrl.errors import ConfigError
 from asyncrl.features.distillation import books as teaching_module
 from asyncrl.features.distillation.books import TeacherQueue
+from asyncrl.features.distillation.stage import TeacherWorker
 from asyncrl.models.loading import load_policy
 from asyncrl.protocol.headers import group_header
 from asyncrl.protocol.messages import WorkerError
@@ -39,7 +40,6 @@ from asyncrl.trainer.advantages import assign_advantages, distill_metrics
 from asyncrl.transports.groups.inbox import Inbox
 from asyncrl.transports.groups.interface import Delivery
 from asyncrl.types import Group, GroupState, Prompt, Sample, TeacherScores
-from asyncrl.workers.teacher import TeacherWorker
 from tests.helpers import ONE_THREAD_EACH, sets, short_run, signalled_when
 
 STUDENT = "builtin:arith"
@@ -316,6 +316,19 @@ def test_a_missing_unreachable_or_hanging_teacher_is_named(tmp_path: Path) -> No
         url = f"http://127.0.0.1:{silent.getsockname()[1]}"
         with pytest.raises(TeacherError, match=r"did not answer within 0s \(distill.timeout_s\)"):
             check_teacher(load_config(None, [f"distill.url={url}", "distill.timeout_s=0.3"]))
+
+
+def test_a_missing_teacher_is_refused_when_the_run_starts_before_any_process(tmp_path: Path, capsys) -> None:
+    """The teacher's check is the feature's start check: asyncrl train refuses with one line
+    naming the key, and makes no run directory."""
+    missing = tmp_path / "nowhere"
+    code = main(
+        ["train", *sets([*short_run(1), f"distill.teacher={missing}"]), "--run-dir", str(tmp_path / "run")]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"asyncrl: error: distill.teacher={str(missing)!r}: no such directory")
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_teacher_that_fails_to_load_stops_the_run_with_one_line(tmp_path: Path, capsys) -> None:

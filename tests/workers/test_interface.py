@@ -1,5 +1,5 @@
 """The worker interface: every worker implements it, every runtime drives workers through it alone,
-and which workers a run has (run_workers) and where their deliveries go (payload_routes) are
+and which workers a run has (run_workers) and where their deliveries go (recipients) are
 written once."""
 
 from __future__ import annotations
@@ -11,21 +11,23 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.transports.groups.interface import FanOut, GroupSender, sender_for
+from asyncrl.features.distillation.stage import TEACHER, TeacherWorker
+from asyncrl.transports.groups.interface import Delivery, FanOut, GroupSender, sender_for
+from asyncrl.types import PartialGroup
 from asyncrl.workers.generator import GeneratorWorker
 from asyncrl.workers.interface import (
     GENERATOR,
-    TEACHER,
+    STAGES,
     TRAINER,
     TRAINER_RANK,
     Placement,
+    Stage,
     Worker,
-    payload_routes,
     receivers,
+    recipients,
     role_of,
     run_workers,
 )
-from asyncrl.workers.teacher import TeacherWorker
 from asyncrl.workers.trainer import TrainerWorker
 
 PACKAGE = Path(__file__).resolve().parents[2] / "asyncrl"
@@ -47,14 +49,14 @@ def test_every_worker_implements_the_whole_interface(cls: type) -> None:
         assert inspect.signature(getattr(cls, method)).return_annotation in ("list", list), (cls, method)
 
 
-def test_payload_routes_by_hand() -> None:
+def test_recipients_by_hand() -> None:
     plain = load_config(overrides=[])
     distilled = load_config("examples/distill.yaml")
     assert distilled.distill.enabled and not plain.distill.enabled
-    assert payload_routes(GENERATOR, plain) == (TRAINER,)
-    assert payload_routes(GENERATOR, distilled) == (TRAINER, TEACHER)
-    assert payload_routes(TEACHER, distilled) == (TRAINER,)
-    assert payload_routes(TRAINER, distilled) == () == payload_routes("trainer-rank", plain)
+    assert recipients(GENERATOR, plain) == (TRAINER,)
+    assert recipients(GENERATOR, distilled) == (TRAINER, TEACHER)
+    assert recipients(TEACHER, distilled) == (TRAINER,)
+    assert recipients(TRAINER, distilled) == () == recipients("trainer-rank", plain)
     assert [role_of(n) for n in ("trainer", "teacher", "generator-3")] == [TRAINER, TEACHER, GENERATOR]
 
 
@@ -66,13 +68,48 @@ class Recording(GroupSender):
         self.delivered.append(delivery)
 
 
-def test_one_sender_over_a_workers_routes() -> None:
-    trainer, teacher = Recording(), Recording()
+def test_one_sender_over_a_workers_recipients() -> None:
+    """The trainer gets every delivery; each stage a copy of the finished groups alone."""
+    trainer, teacher, other = Recording(), Recording(), Recording()
     assert sender_for([]) is None and sender_for([trainer]) is trainer
-    both = sender_for([trainer, teacher])
-    assert isinstance(both, FanOut) and (both.trainer, both.teacher) == (trainer, teacher)
-    with pytest.raises(ValueError, match="not 3 inboxes"):
-        sender_for([trainer, teacher, Recording()])
+    fan = sender_for([trainer, teacher, other])
+    assert isinstance(fan, FanOut) and fan.trainer is trainer and fan.stages == (teacher, other)
+    partial = PartialGroup.__new__(PartialGroup)
+    fan.deliver(Delivery(groups=["g1", "g2"], partials=[partial]))
+    fan.deliver(Delivery(partials=[partial]))  # a stop's partial groups: the trainer's alone
+    assert [(d.groups, d.partials) for d in trainer.delivered] == [(["g1", "g2"], [partial]), ([], [partial])]
+    for stage in (teacher, other):
+        assert [(d.groups, d.partials) for d in stage.delivered] == [(["g1", "g2"], [])]
+
+
+class Judge(Stage):
+    """A stage no runtime knows: a copy of every group, its results to the trainer."""
+
+    role = "judge"
+
+    def present(self, cfg) -> bool:
+        return cfg.runtime.generators == 3
+
+
+def test_a_stage_a_feature_adds_is_placed_and_fed_with_no_runtime_naming_it() -> None:
+    STAGES.register("judge", Judge())
+    try:
+        cfg = load_config(None, ["runtime.generators=3", "distill.teacher=tiny:1m"])
+        assert [p.name for p in run_workers(cfg)] == [
+            "trainer",
+            "teacher",
+            "judge",
+            *(f"generator-{i}" for i in range(3)),
+        ]
+        assert recipients(GENERATOR, cfg) == (TRAINER, TEACHER, "judge")
+        assert recipients("judge", cfg) == (TRAINER,) and role_of("judge") == "judge"
+        assert receivers(cfg) == ["trainer", "teacher", "judge"]
+        assert recipients(GENERATOR, load_config(None, [])) == (TRAINER,)  # not present: not fed
+    finally:
+        STAGES.unregister("judge")
+    for name in ("inline.py", "local.py", "ray_runtime.py", "serving.py", "ray_actor.py"):
+        source = (PACKAGE / "runtimes" / name).read_text(encoding="utf-8")
+        assert "TEACHER" not in source and "distill." not in source, name
 
 
 def _used_on(tree: ast.AST, holder: str) -> set[str]:

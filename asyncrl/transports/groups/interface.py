@@ -49,35 +49,33 @@ class GroupSender(ABC):
 
 
 class FanOut(GroupSender):
-    """On-policy distillation: a generator's groups go to the trainer and to the teacher stage.
+    """A generator's groups go to the trainer and a copy to each stage that takes them (on-policy
+    distillation: the teacher stage).
 
-    The trainer keeps every generated group (a checkpoint writes the ones waiting for the
-    teacher from there); the teacher gets a copy of the finished groups to score, and sends the
-    trainer only their scores. Partial groups (a stop's) go to the trainer alone.
+    The trainer keeps every generated group (a checkpoint writes the ones a stage still works on
+    from there); each stage gets a copy of the finished groups, and sends the trainer only its
+    results (the teacher's scores). Partial groups (a stop's) go to the trainer alone.
     """
 
-    def __init__(self, trainer: GroupSender, teacher: GroupSender) -> None:
-        self.trainer, self.teacher = trainer, teacher
+    def __init__(self, trainer: GroupSender, *stages: GroupSender) -> None:
+        self.trainer, self.stages = trainer, stages
 
     def deliver(self, delivery: Delivery) -> None:
         self.trainer.deliver(delivery)
         if delivery.groups:
-            self.teacher.deliver(Delivery(groups=delivery.groups))
+            for stage in self.stages:
+                stage.deliver(Delivery(groups=delivery.groups))
 
 
-def sender_for(routes: list[GroupSender]) -> GroupSender | None:
-    """One sender over a worker's routes, in the order :func:`~asyncrl.workers.interface.payload_routes`
-    gives them: none (the trainer delivers nothing), the trainer's, or the trainer's with a copy of
-    the finished groups to the teacher stage's (:class:`FanOut`)."""
-    if not routes:
+def sender_for(recipients: list[GroupSender]) -> GroupSender | None:
+    """One sender over a worker's recipients, in the order
+    :func:`~asyncrl.workers.interface.recipients` gives them: none (the trainer delivers nothing),
+    one, or the trainer's with a copy of the finished groups to each stage's (:class:`FanOut`)."""
+    if not recipients:
         return None
-    if len(routes) == 1:
-        return routes[0]
-    if len(routes) == 2:
-        return FanOut(*routes)
-    raise ValueError(
-        f"a worker delivers to the trainer and at most the teacher stage, not {len(routes)} inboxes"
-    )
+    if len(recipients) == 1:
+        return recipients[0]
+    return FanOut(*recipients)
 
 
 def detach_payloads(events: Iterable, sender: GroupSender) -> list:

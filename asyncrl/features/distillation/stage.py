@@ -14,6 +14,10 @@ checkpoint carries them unscored; the resumed run sends them here again (``Teach
 Self-distillation (``distill.teacher=self``): the teacher is the student's starting weights;
 with ``distill.refresh_every`` = N the controller sends it ``LoadWeights`` at the first
 published version of every N, which it receives as a generator does.
+
+The runtimes place it as a :class:`~asyncrl.workers.interface.Stage` (:class:`TeacherStage`):
+its process or actor, its threads (``distill.threads``), its Ray resources
+(``runtime.ray.teacher``) and the error when it dies.
 """
 
 from __future__ import annotations
@@ -21,12 +25,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import torch
+
 from asyncrl.config import Config
-from asyncrl.distill.teacher import Teacher, load_teacher
+from asyncrl.distill.teacher import Teacher, check_teacher, load_teacher
+from asyncrl.models.loading import resolve_device
 from asyncrl.protocol.messages import LoadWeights, Span, Taught, Teach
 from asyncrl.transports.groups.inbox import Inbox
 from asyncrl.transports.groups.interface import Delivery
 from asyncrl.transports.weights.interface import WeightLayout, WeightReceiver
+from asyncrl.workers.interface import Stage
+
+TEACHER = "teacher"  # the stage's role and its worker's name
 
 
 class TeacherWorker:
@@ -101,3 +111,35 @@ class TeacherWorker:
         self.inbox.close()
         if self.receiver is not None:
             self.receiver.close()
+
+
+class TeacherStage(Stage):
+    """The teacher stage as the runtimes place it (module docstring)."""
+
+    role = TEACHER
+
+    def present(self, cfg: Config) -> bool:
+        return cfg.distill.enabled
+
+    def device(self, cfg: Config) -> torch.device:
+        # It receives weights only with self-distillation (distill.refresh_every).
+        return resolve_device(cfg.distill.device)
+
+    def build(self, cfg, inbox, receiver_factory) -> TeacherWorker:
+        return TeacherWorker(TEACHER, cfg, inbox=inbox, receiver_factory=receiver_factory)
+
+    def threads(self, cfg: Config, default: int) -> int:
+        return cfg.distill.threads or default
+
+    def ray_resources(self, ray_cfg):
+        return ray_cfg.teacher
+
+    def lost(self, cfg: Config, reason: str) -> str:
+        return f"the teacher actor ({cfg.distill.source}) died: {reason}"
+
+
+def teacher_fits(cfg: Config, model_config) -> None:
+    """At the start of a run (:data:`~asyncrl.control.features.START_CHECKS`): the teacher exists
+    and shares the student's tokenizer."""
+    if cfg.distill.enabled:
+        check_teacher(cfg)
