@@ -52,7 +52,7 @@ from asyncrl.control.liveness import Watchdog, waiting_for
 from asyncrl.control.membership import TRAINER, Generators
 from asyncrl.control.notices import RunNotices
 from asyncrl.control.preemption import Preemption, carry_over
-from asyncrl.control.saving import SaveProtocol
+from asyncrl.control.saving import RunInterrupted, SaveProtocol
 from asyncrl.control.session import RunSession
 from asyncrl.control.step_metrics import StepRecorder, loop_figures
 from asyncrl.control.steps import StepAssembly
@@ -80,7 +80,7 @@ from asyncrl.protocol.messages import (
     WorkerFailed,
     WorkerLost,
 )
-from asyncrl.runtimes.interface import InterruptibleRuntime, Runtime
+from asyncrl.runtimes.interface import InterruptibleRuntime, Runtime, StartAbandoned
 from asyncrl.types import Group, PartialGroup
 
 
@@ -170,7 +170,16 @@ class Controller:
     # -- the loop ---------------------------------------------------------------------------
 
     def run(self) -> dict:
-        self.runtime.start()
+        try:
+            self.runtime.start()
+        except StartAbandoned:
+            if self.stop_signal is None:
+                raise
+            raise RunInterrupted(
+                f"stopped by {self.stop_signal} while the workers were starting, before any step: "
+                "nothing was trained and no checkpoint written",
+                self.saving.stop_exit_code,
+            ) from None
         # Start-up is bounded by runtime.start_timeout_s; the stall clock and the first step's
         # window start once the workers are ready.
         self.watchdog.progress()

@@ -13,6 +13,11 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 
+class StartAbandoned(Exception):
+    """A runtime gave up starting its workers because the run was asked to stop meanwhile (an
+    :class:`InterruptibleRuntime` learns so by :meth:`~InterruptibleRuntime.interrupt`)."""
+
+
 class Runtime(Protocol):
     generator_names: list[str]
     # Whether a lost generator is restarted: the run then goes on while none is left.
@@ -33,8 +38,8 @@ class InterruptibleRuntime(Protocol):
 
     def interrupt(self) -> None:
         """Make the workers abandon reward scoring (a step's or an evaluation's) at once, so the
-        stop's checkpoint is not held back by it. Called from the controller's signal handler:
-        it only sets flags."""
+        stop's checkpoint is not held back by it; a start still waiting for its workers gives up
+        (:class:`StartAbandoned`). Called from the controller's signal handler: it only sets flags."""
         ...
 
 

@@ -41,8 +41,8 @@ import uuid
 from pathlib import Path
 
 from asyncrl.config import Config
-from asyncrl.errors import AsyncRLError
-from asyncrl.lifeline import stop_signals_held
+from asyncrl.errors import AsyncRLError, ConfigError
+from asyncrl.lifeline import STOP_SIGNALS, stop_signals_held
 from asyncrl.protocol.messages import (
     Ready,
     Restored,
@@ -55,7 +55,7 @@ from asyncrl.rewards.judges.client import ENV as JUDGE_ENV
 from asyncrl.rewards.pool import ENV as POOL_ENV
 from asyncrl.rewards.pool_service import RewardActor
 from asyncrl.runtimes.cores import available_cores
-from asyncrl.runtimes.interface import is_generator
+from asyncrl.runtimes.interface import StartAbandoned, is_generator
 from asyncrl.runtimes.ray_actor import WorkerActor
 from asyncrl.runtimes.serving import is_trainer
 from asyncrl.transports.weights.factory import (
@@ -72,6 +72,9 @@ def _import_path() -> str:
     entries = [p for p in sys.path if p and os.path.isdir(p)]
     entries += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in entries]
     return os.pathsep.join(entries)
+
+
+STOP_CHECK_S = 0.2  # how often a wait while the run starts looks whether it was asked to stop
 
 
 def _not_the_sigterm_notice(record: logging.LogRecord) -> bool:
@@ -132,14 +135,11 @@ class RayRuntime:
                 kwargs["runtime_env"] = {"env_vars": {"PYTHONPATH": _import_path()}}
             else:
                 kwargs["address"] = self.rcfg.address
-            main = threading.current_thread() is threading.main_thread()
-            previous = signal.getsignal(signal.SIGTERM) if main else None
-            self._init_ray(kwargs)
-            if previous is not None:
-                # Ray's core worker puts its own crash reporter in place of the process's SIGTERM
-                # handler: the run's own stops cleanly, with a checkpoint (see run.stop_on_signals).
-                signal.signal(signal.SIGTERM, previous)
-            self._started_ray = True
+            self._start_ray(kwargs)
+            self._started_ray = True  # from here on, stop() shuts it down
+            self._check_start_wanted()
+            if self.rcfg.address is None:
+                self._check_fits(self.ray.cluster_resources())
         self._start_reward_pool()  # before the generators, which look its actors up
         self._spec = transport_spec(self.cfg, self.run_dir)
         if self._spec.kind == "broadcast":
@@ -148,16 +148,11 @@ class RayRuntime:
         ranks = [self._create(p.role, p.name, p.index) for p in self.plan if is_trainer(p.role)]
         # The weight-sync group's store and the trainer ranks' store live with rank 0: its
         # node's address, and ports free there.
-        try:
-            where, sync_port, rank_port = self.ray.get(
-                [ranks[0].where.remote(), ranks[0].free_port.remote(), ranks[0].free_port.remote()],
-                timeout=self._start_s,
-            )
-        except self.ray.exceptions.GetTimeoutError:
-            raise WorkerError(
-                f"[{self.trainer_names[0]!r}] did not start within {self._start_s:g}s (runtime.start_timeout_s): "
-                "its actor was not placed or did not answer"
-            ) from None
+        where, sync_port, rank_port = self._get_starting(
+            [ranks[0].where.remote(), ranks[0].free_port.remote(), ranks[0].free_port.remote()],
+            f"[{self.trainer_names[0]!r}] did not start within {self._start_s:g}s (runtime.start_timeout_s): "
+            "its actor was not placed or did not answer",
+        )
         host = self.rcfg.master_addr or where["ip"]
         if self._spec.kind == "broadcast":
             self._spec = self._spec.replace(host=host, port=sync_port)
@@ -175,7 +170,30 @@ class RayRuntime:
     def _start_s(self) -> float:
         return self.cfg.runtime.start_timeout_s
 
-    def _init_ray(self, kwargs: dict) -> None:
+    def _start_ray(self, kwargs: dict) -> None:
+        """Start or join Ray, the run's stop signals left to the run's own handlers.
+
+        Ray's core worker puts its crash reporter in place of the process's SIGTERM handler; one
+        that arrives while Ray starts then logs a stack and aborts the run, leaving Ray's agents
+        running. The driver installs none (Ray's own switch, read when its core worker starts):
+        a stop while Ray starts reaches the run's handler, which asks the runtime to give the
+        start up (:meth:`interrupt`). Joining an address that does not answer is given up at
+        once; a local instance, which comes up in seconds, is waited for and shut down with the
+        run (given up half-started, its processes would outlive the run). The handlers in place
+        before are put back afterwards all the same."""
+        from ray._private import ray_constants
+
+        ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+        main = threading.current_thread() is threading.main_thread()
+        handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if main else {}
+        try:
+            self._init_ray(kwargs, give_up_on_stop=self.rcfg.address is not None)
+        finally:
+            for sig, handler in handlers.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
+
+    def _init_ray(self, kwargs: dict, give_up_on_stop: bool = False) -> None:
         """``ray.init`` within runtime.start_timeout_s: Ray itself retries an address that does not
         answer for many minutes.
 
@@ -189,28 +207,34 @@ class RayRuntime:
         started, abandoned, handoff = threading.Event(), threading.Event(), threading.Lock()
 
         def own() -> None:
-            try:
-                # Ray's processes (its GCS, raylet and the actors' workers) are born with the stop
-                # signals blocked: a stop sent to the run's process group is the run's to handle.
-                with stop_signals_held():
+            # The whole life of this thread with the stop signals blocked: Ray's processes (its GCS,
+            # raylet and the actors' workers) and threads are born with them blocked (a stop sent to
+            # the run's process group is the run's to handle), and none reaches Ray's handler here.
+            with stop_signals_held():
+                try:
                     self.ray.init(**kwargs)
-            except BaseException as exc:  # handed to the waiting thread, which raises it
-                failure.append(exc)
-            with handoff:
-                started.set()
-                late = abandoned.is_set()
-            if failure:
-                return
-            if late:  # the start was given up meanwhile: nobody will use or stop this instance
-                self.ray.shutdown()
-                return
-            self._ray_released.wait()
+                except BaseException as exc:  # handed to the waiting thread, which raises it
+                    failure.append(exc)
+                with handoff:
+                    started.set()
+                    late = abandoned.is_set()
+                if failure:
+                    return
+                if late:  # the start was given up meanwhile: nobody will use or stop this instance
+                    self.ray.shutdown()
+                    return
+                self._ray_released.wait()
 
         threading.Thread(target=own, name="ray-owner", daemon=True).start()
-        started.wait(self._start_s)
+        deadline = time.monotonic() + self._start_s
+        while not started.wait(min(STOP_CHECK_S, max(deadline - time.monotonic(), 0.0))):
+            if time.monotonic() >= deadline or (give_up_on_stop and self._interrupt != "no"):
+                break
         with handoff:
             if not started.is_set():
                 abandoned.set()
+        if abandoned.is_set():
+            self._check_start_wanted()  # given up for a stop
         if abandoned.is_set():
             address = self.rcfg.address or os.environ.get("RAY_ADDRESS")  # Ray's own default
             what = (
@@ -249,13 +273,11 @@ class RayRuntime:
         for name in names:
             options = self._actor_options(self.rcfg.reward)
             self._reward_actors.append(cls.options(name=name, **options).remote(self.cfg.model_dump_json()))
-        try:
-            self.ray.get([a.ready.remote() for a in self._reward_actors], timeout=self._start_s)
-        except self.ray.exceptions.GetTimeoutError:
-            raise WorkerError(
-                f"the {n} reward workers (task.reward_workers) did not start within {self._start_s:g}s "
-                "(runtime.start_timeout_s); are the resources of runtime.ray.reward available?"
-            ) from None
+        self._get_starting(
+            [a.ready.remote() for a in self._reward_actors],
+            f"the {n} reward workers (task.reward_workers) did not start within {self._start_s:g}s "
+            "(runtime.start_timeout_s); are the resources of runtime.ray.reward available?",
+        )
         os.environ[POOL_ENV] = json.dumps({"kind": "ray", "actors": names})
 
     def _trainer_placement(self):
@@ -267,6 +289,32 @@ class RayRuntime:
         strategy = self.rcfg.trainer_placement.upper()
         return placement_group([dict(bundle) for _ in self.trainer_names], strategy=strategy)
 
+    def _resources(self, role: str):
+        """The runtime.ray section a worker of ``role`` takes its resources from."""
+        if (stage := stage_of(role)) is not None:
+            return stage.ray_resources(self.rcfg)
+        return self.rcfg.trainer if is_trainer(role) else self.rcfg.generator
+
+    def _check_fits(self, cluster: dict) -> None:
+        """The local instance this run started has what it has: actors that need more than it
+        holds would wait for resources until runtime.start_timeout_s; refused at once instead."""
+        needs = [(p.name, self._resources(p.role)) for p in self.plan]
+        needs += [("reward worker", self.rcfg.reward)] * self.cfg.task.reward_workers
+        for kind, field in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
+            want = sum(getattr(res, field) for _, res in needs)
+            have = cluster.get(kind, 0.0)
+            if want > have + 1e-9:
+                by_actor = ", ".join(
+                    f"{name} {getattr(res, field):g}" for name, res in needs if getattr(res, field)
+                )
+                raise ConfigError(
+                    "runtime.ray.num_cpus" if kind == "CPU" else f"runtime.ray.*.{field}",
+                    int(have) if kind == "CPU" else want,
+                    f"the run's actors need {want:g} {kind}s ({by_actor}) and the local Ray instance it "
+                    f"started has {have:g}: give it more (runtime.ray.num_cpus), or ask less of each actor "
+                    f"(runtime.ray.<trainer|generator|...>.{field}) or fewer generators (runtime.generators)",
+                )
+
     def _threads(self, role: str, res) -> int:
         if (stage := stage_of(role)) is not None:
             return stage.threads(self.cfg, max(1, int(res.num_cpus)))
@@ -277,10 +325,7 @@ class RayRuntime:
     def _create(self, role: str, name: str, index: int):
         """Create the actor (not yet started) and its first outstanding events() call."""
         trainer = is_trainer(role)
-        stage = stage_of(role)
-        res = (
-            stage.ray_resources(self.rcfg) if stage else self.rcfg.trainer if trainer else self.rcfg.generator
-        )
+        res = self._resources(role)
         options = self._actor_options(res)
         if trainer:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -295,10 +340,27 @@ class RayRuntime:
         self._pending[name] = actor.events.remote(POLL_WAIT_S)
         return actor
 
+    def _get_starting(self, refs: list, timeout_message: str) -> list:
+        """``ray.get(refs)`` while the run starts: given up after runtime.start_timeout_s (a
+        WorkerError with ``timeout_message``) or as soon as the run is asked to stop."""
+        deadline = time.monotonic() + self._start_s
+        while True:
+            done, _ = self.ray.wait(refs, num_returns=len(refs), timeout=STOP_CHECK_S)
+            if len(done) == len(refs):
+                return self.ray.get(refs)
+            self._check_start_wanted()
+            if time.monotonic() > deadline:
+                raise WorkerError(timeout_message)
+
+    def _check_start_wanted(self) -> None:
+        if self._interrupt != "no":
+            raise StartAbandoned("the run was asked to stop while its actors were starting")
+
     def _wait_ready(self, names: set[str]) -> None:
         deadline = time.monotonic() + self.cfg.runtime.start_timeout_s
         waiting = set(names)
         while waiting:
+            self._check_start_wanted()
             if time.monotonic() > deadline:
                 raise WorkerError(
                     f"{sorted(waiting)} did not start within {self.cfg.runtime.start_timeout_s:.0f}s "

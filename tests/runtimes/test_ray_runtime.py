@@ -9,6 +9,7 @@ every prompt is trained exactly once or reported, and the run still completes.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import threading
 import time
@@ -23,8 +24,10 @@ from asyncrl.cli import main as cli_main
 from asyncrl.config import load_config
 from asyncrl.control.controller import Controller
 from asyncrl.control.run import train
+from asyncrl.control.saving import RunInterrupted
 from asyncrl.control.scaling import write_control
 from asyncrl.control.session import RunSession
+from asyncrl.errors import ConfigError
 from asyncrl.prompts.task_prompts import task_prompts
 from asyncrl.protocol.messages import (
     GroupCancelled,
@@ -45,6 +48,7 @@ from tests.helpers import (
     max_abs_diff,
     sets,
     short_run,
+    signalled_when,
     wait_gone,
 )
 
@@ -444,11 +448,9 @@ def test_scale_command_rejects_bad_input(tmp_path: Path, capsys) -> None:
 @pytest.mark.ray
 @pytest.mark.multiprocess
 def test_actors_the_cluster_cannot_place_fail_the_start_within_start_timeout(tmp_path: Path) -> None:
-    """A trainer asking for a GPU on this CPU instance is never placed: the start ends after
-    runtime.start_timeout_s naming it. (A generator or reward worker that cannot be placed ends
-    the start the same way, under the same bound: tests/control/test_waits.py.) The trainer starts
-    first, so the bound measured here does not include any other actor's start, however
-    loaded the machine."""
+    """A generator asking for more memory than the machine has is never placed: the start ends
+    after runtime.start_timeout_s naming it. (CPUs and GPUs beyond a local instance's are refused
+    at once: test_actors_that_need_more_than_the_local_instance_holds_are_refused_at_once.)"""
     cfg = load_config(
         None,
         [
@@ -456,16 +458,63 @@ def test_actors_the_cluster_cannot_place_fail_the_start_within_start_timeout(tmp
             "runtime.kind=ray",
             "runtime.ray.num_cpus=4",
             "runtime.start_timeout_s=20",  # also the bound of Ray's own start, on a loaded machine
-            "runtime.ray.trainer.num_gpus=1",
+            "runtime.ray.generator.memory_gb=100000",
         ],
     )
     t0 = time.monotonic()
     with pytest.raises(
-        WorkerError,
-        match=r"\['trainer'\] did not start within 20s \(runtime\.start_timeout_s\): its actor was not placed",
+        WorkerError, match=r"\['generator-0'\] did not start within 20s \(runtime\.start_timeout_s\)"
     ):
         train(cfg, tmp_path / "run")  # (the fixture checks that no process is left)
     assert 20.0 <= time.monotonic() - t0 < 120
+
+
+def test_actors_that_need_more_than_the_local_instance_holds_are_refused_at_once(tmp_path: Path) -> None:
+    """Checked against the local instance's resources before any actor starts (here a made-up
+    cluster: no Ray starts), naming what each actor asks for."""
+    cfg = load_config(None, ["runtime.kind=ray", "runtime.generators=2", "task.reward_workers=1"])
+    runtime = RayRuntime(cfg, tmp_path)
+    runtime._check_fits({"CPU": 4.0})  # 1 + 2 x 1 + 1
+    with pytest.raises(ConfigError) as refused:
+        runtime._check_fits({"CPU": 3.0})
+    assert str(refused.value) == (
+        "runtime.ray.num_cpus=3: the run's actors need 4 CPUs (trainer 1, generator-0 1, generator-1 1, "
+        "reward worker 1) and the local Ray instance it started has 3: give it more (runtime.ray.num_cpus), "
+        "or ask less of each actor (runtime.ray.<trainer|generator|...>.num_cpus) or fewer generators "
+        "(runtime.generators)"
+    )
+    gpus = RayRuntime(load_config(None, ["runtime.kind=ray", "runtime.ray.trainer.num_gpus=1"]), tmp_path)
+    with pytest.raises(
+        ConfigError, match=r"^runtime.ray.\*.num_gpus=1.0: the run's actors need 1 GPUs \(trainer 1\)"
+    ):
+        gpus._check_fits({"CPU": 8.0})
+
+
+@pytest.mark.ray
+@pytest.mark.multiprocess
+def test_a_stop_while_the_actors_start_ends_the_run_at_once(tmp_path: Path) -> None:
+    """SIGTERM once Ray is up and a generator can never be placed: the start gives up at once
+    (not after runtime.start_timeout_s), the run says it stopped before any step, and Ray and
+    every actor are gone (the fixture)."""
+    cfg = load_config(
+        None,
+        [
+            *short_run(1),
+            "runtime.kind=ray",
+            "runtime.ray.num_cpus=4",
+            "runtime.start_timeout_s=200",
+            "runtime.ray.generator.memory_gb=100000",
+        ],
+    )
+    t0 = time.monotonic()
+    with signalled_when(ray.is_initialized), pytest.raises(RunInterrupted) as stopped:
+        train(cfg, tmp_path / "run")
+    assert str(stopped.value) == (
+        "stopped by SIGTERM while the workers were starting, before any step: nothing was trained "
+        "and no checkpoint written"
+    )
+    assert stopped.value.exit_code == 128 + signal.SIGTERM.value
+    assert time.monotonic() - t0 < 150
 
 
 @pytest.mark.ray
