@@ -16,12 +16,11 @@ its generator straight to the trainer (the payload plane, ``transports/groups/in
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 FinishReason = Literal["stop", "length", "abort"]
 """Why generation ended: an EOS/stop token, the token budget, or an abort by the engine."""
@@ -238,12 +237,24 @@ class Sample(Tokens):
         return cls(**data)
 
 
+class GroupResult(Protocol):
+    """What a stage of the run computed for one group (the teacher's scores): it travels to the
+    trainer apart from the group and joins it in the trainer's inbox, whichever comes first."""
+
+    group_id: int
+
+    def apply_to(self, group: Group) -> None: ...
+
+
 @dataclass(frozen=True)
 class TeacherScores:
     """A teacher's log-probs of one group's completion tokens: per sample, in the group's order."""
 
     group_id: int
     logprobs: list[list[float]]
+
+    def apply_to(self, group: Group) -> None:
+        group.take_scores(self)
 
 
 @dataclass(frozen=True)
@@ -371,53 +382,6 @@ class Group:
             [Sample.from_dict(s) for s in data["samples"]],
             Pivot(**pivot) if pivot else None,
         )
-
-
-@dataclass
-class FoundPivot:
-    """A pivot a generator found, with what its branch group starts from: the prompt, and the
-    prefix as a completion stopped there (its tokens keep their log-probs, versions and routes;
-    ``loss_mask`` 0: trained as prompt). It crosses the controller, which holds it until its
-    branch group is trained (or a checkpoint keeps it)."""
-
-    pivot: Pivot
-    prompt: Prompt
-    prefix: Sample
-
-    def branch_group(self, group_id: int) -> PartialGroup:
-        """The branch group to generate under ``group_id``: K completions, each at the prefix."""
-        samples = {
-            k: dataclasses.replace(
-                self.prefix, group_id=group_id, **{n: list(getattr(self.prefix, n)) for n in _PER_TOKEN}
-            )
-            for k in range(self.pivot.branches)
-        }
-        return PartialGroup(group_id, self.prompt, samples, self.pivot)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready (a checkpoint's controller.json): route bytes as base64."""
-        prefix = self.prefix.to_dict()
-        if prefix["routes"] is not None:
-            prefix["routes"] = [None if r is None else base64.b64encode(r).decode() for r in prefix["routes"]]
-        if prefix["prompt_routes"] is not None:
-            prefix["prompt_routes"] = base64.b64encode(prefix["prompt_routes"]).decode()
-        return {
-            "pivot": dataclasses.asdict(self.pivot),
-            "prompt": dataclasses.asdict(self.prompt),
-            "prefix": prefix,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> FoundPivot:
-        prefix = dict(data["prefix"])
-        if prefix.get("routes") is not None:
-            prefix["routes"] = [None if r is None else base64.b64decode(r) for r in prefix["routes"]]
-        if prefix.get("prompt_routes") is not None:
-            prefix["prompt_routes"] = base64.b64decode(prefix["prompt_routes"])
-        return cls(Pivot(**data["pivot"]), Prompt(**data["prompt"]), Sample.from_dict(prefix))
-
-
-_PER_TOKEN = ("completion_ids", "logprobs", "versions", "loss_mask")
 
 
 def _share_prompt_routes(samples: list[Sample]) -> None:

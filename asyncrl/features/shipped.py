@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from asyncrl.control.features import FEATURES, START_CHECKS
 from asyncrl.features.distillation.books import teacher_queue
-from asyncrl.features.distillation.parts import teacher_scores
+from asyncrl.features.distillation.parts import teacher_signal
 from asyncrl.features.distillation.stage import TeacherStage, teacher_fits
 from asyncrl.features.pivots.books import pivot_book
 from asyncrl.features.pivots.parts import branch_steps, pivot_finder
@@ -41,7 +41,7 @@ FEATURES.register("policies", policy_feature)
 
 GENERATION_FEATURES.register("pivots", pivot_finder)
 STEP_FEATURES.register("pivots", branch_steps)
-STEP_FEATURES.register("teacher", teacher_scores)
+STEP_FEATURES.register("teacher", teacher_signal)
 STEP_FEATURES.register("role_turns", role_turns)
 TRAINED_MODELS.register("policies", trained_policies)
 SERVED_MODELS.register("policies", served_policies)

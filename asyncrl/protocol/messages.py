@@ -18,7 +18,7 @@ from typing import Any
 
 from asyncrl.errors import AsyncRLError
 from asyncrl.protocol.headers import GroupHeader, PartialHeader, group_header, partial_header
-from asyncrl.types import FoundPivot, Group, PartialGroup, Prompt, TeacherScores, Versions
+from asyncrl.types import Group, GroupResult, PartialGroup, Prompt, Versions
 
 # -- commands ---------------------------------------------------------------------------
 
@@ -153,14 +153,6 @@ class Restore:
 
 
 @dataclass
-class Teach:
-    """To the teacher stage: score these groups (those a resumed checkpoint carried unscored; in a
-    run the generators deliver the teacher its groups themselves)."""
-
-    groups: list[Group]
-
-
-@dataclass
 class Stop:
     pass
 
@@ -226,15 +218,6 @@ class Preempted:
 
 
 @dataclass
-class PivotsFound:
-    """Pivot resampling: pivots a generator found in the failed completions of groups it scored, each
-    with its prefix (the one payload the controller holds: it expands them in later steps)."""
-
-    worker: str
-    pivots: list[FoundPivot]
-
-
-@dataclass
 class WeightsLoaded:
     worker: str
     version: int
@@ -292,13 +275,14 @@ class Restored:
 
 
 @dataclass
-class Taught:
-    """The teacher scored these groups. ``scores`` is the payload, delivered to the trainer by the
-    process serving the teacher and None once the event leaves it (as a ``GroupReady``'s group)."""
+class ResultsReady:
+    """A stage of the run (:class:`~asyncrl.workers.interface.Stage`) has results for these groups.
+    ``results`` (:class:`~asyncrl.types.GroupResult`) is the payload, delivered to the trainer by
+    the process serving the stage and None once the event leaves it (as a ``GroupReady``'s group)."""
 
     worker: str
     group_ids: list[int]
-    scores: list[TeacherScores] | None = None
+    results: list[GroupResult] | None = None
 
 
 @dataclass

@@ -31,18 +31,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
-import signal
-import sys
 import threading
 import time
 import uuid
 from pathlib import Path
 
 from asyncrl.config import Config
-from asyncrl.errors import AsyncRLError, ConfigError
-from asyncrl.lifeline import STOP_SIGNALS, stop_signals_held
+from asyncrl.errors import AsyncRLError
 from asyncrl.protocol.messages import (
     Ready,
     Restored,
@@ -54,9 +50,9 @@ from asyncrl.protocol.messages import (
 from asyncrl.rewards.judges.client import ENV as JUDGE_ENV
 from asyncrl.rewards.pool import ENV as POOL_ENV
 from asyncrl.rewards.pool_service import RewardActor
-from asyncrl.runtimes.cores import available_cores
 from asyncrl.runtimes.interface import StartAbandoned, is_generator
 from asyncrl.runtimes.ray_actor import WorkerActor
+from asyncrl.runtimes.ray_start import check_fits, get_while_starting, start_ray
 from asyncrl.runtimes.serving import is_trainer
 from asyncrl.transports.weights.factory import (
     TransportSpec,
@@ -66,21 +62,6 @@ from asyncrl.transports.weights.factory import (
 from asyncrl.workers.interface import GENERATOR, TRAINER, generator_name, recipients, run_workers, stage_of
 
 POLL_WAIT_S = 0.5  # how long an actor's events() call waits for something to report
-
-
-def _import_path() -> str:
-    entries = [p for p in sys.path if p and os.path.isdir(p)]
-    entries += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in entries]
-    return os.pathsep.join(entries)
-
-
-STOP_CHECK_S = 0.2  # how often a wait while the run starts looks whether it was asked to stop
-
-
-def _not_the_sigterm_notice(record: logging.LogRecord) -> bool:
-    """Drops Ray's warning that ``ray.init`` from a thread sets no SIGTERM handler (one that exits
-    at once): the run has its own (see run.stop_on_signals)."""
-    return not record.getMessage().startswith("SIGTERM handler is not set")
 
 
 class RayRuntime:
@@ -127,19 +108,11 @@ class RayRuntime:
     def start(self) -> None:
         ray = self.ray
         if not ray.is_initialized():
-            kwargs = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
-            if self.rcfg.address is None:
-                kwargs["num_cpus"] = self.rcfg.num_cpus or available_cores()
-                # Actors of a local instance import what this process can (e.g. a reward module
-                # next to the user's script): they inherit PYTHONPATH from the Ray processes.
-                kwargs["runtime_env"] = {"env_vars": {"PYTHONPATH": _import_path()}}
-            else:
-                kwargs["address"] = self.rcfg.address
-            self._start_ray(kwargs)
+            start_ray(ray, self.rcfg, self._start_s, released=self._ray_released, stopping=self._stopping)
             self._started_ray = True  # from here on, stop() shuts it down
             self._check_start_wanted()
             if self.rcfg.address is None:
-                self._check_fits(self.ray.cluster_resources())
+                check_fits(self.needs(), self.ray.cluster_resources())
         self._start_reward_pool()  # before the generators, which look its actors up
         self._spec = transport_spec(self.cfg, self.run_dir)
         if self._spec.kind == "broadcast":
@@ -169,83 +142,6 @@ class RayRuntime:
     @property
     def _start_s(self) -> float:
         return self.cfg.runtime.start_timeout_s
-
-    def _start_ray(self, kwargs: dict) -> None:
-        """Start or join Ray, the run's stop signals left to the run's own handlers.
-
-        Ray's core worker puts its crash reporter in place of the process's SIGTERM handler; one
-        that arrives while Ray starts then logs a stack and aborts the run, leaving Ray's agents
-        running. The driver installs none (Ray's own switch, read when its core worker starts):
-        a stop while Ray starts reaches the run's handler, which asks the runtime to give the
-        start up (:meth:`interrupt`). Joining an address that does not answer is given up at
-        once; a local instance, which comes up in seconds, is waited for and shut down with the
-        run (given up half-started, its processes would outlive the run). The handlers in place
-        before are put back afterwards all the same."""
-        from ray._private import ray_constants
-
-        ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
-        main = threading.current_thread() is threading.main_thread()
-        handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if main else {}
-        try:
-            self._init_ray(kwargs, give_up_on_stop=self.rcfg.address is not None)
-        finally:
-            for sig, handler in handlers.items():
-                if handler is not None:
-                    signal.signal(sig, handler)
-
-    def _init_ray(self, kwargs: dict, give_up_on_stop: bool = False) -> None:
-        """``ray.init`` within runtime.start_timeout_s: Ray itself retries an address that does not
-        answer for many minutes.
-
-        It runs in a helper thread that lives until :meth:`stop`: Ray binds the processes of a
-        local instance to the thread that starts them (they are killed when it ends). A call
-        still running when the time is out is left to end with the process, or, if it succeeds
-        after all, shut down by its thread.
-        """
-        logging.getLogger("ray._private.worker").addFilter(_not_the_sigterm_notice)
-        failure: list[BaseException] = []
-        started, abandoned, handoff = threading.Event(), threading.Event(), threading.Lock()
-
-        def own() -> None:
-            # The whole life of this thread with the stop signals blocked: Ray's processes (its GCS,
-            # raylet and the actors' workers) and threads are born with them blocked (a stop sent to
-            # the run's process group is the run's to handle), and none reaches Ray's handler here.
-            with stop_signals_held():
-                try:
-                    self.ray.init(**kwargs)
-                except BaseException as exc:  # handed to the waiting thread, which raises it
-                    failure.append(exc)
-                with handoff:
-                    started.set()
-                    late = abandoned.is_set()
-                if failure:
-                    return
-                if late:  # the start was given up meanwhile: nobody will use or stop this instance
-                    self.ray.shutdown()
-                    return
-                self._ray_released.wait()
-
-        threading.Thread(target=own, name="ray-owner", daemon=True).start()
-        deadline = time.monotonic() + self._start_s
-        while not started.wait(min(STOP_CHECK_S, max(deadline - time.monotonic(), 0.0))):
-            if time.monotonic() >= deadline or (give_up_on_stop and self._interrupt != "no"):
-                break
-        with handoff:
-            if not started.is_set():
-                abandoned.set()
-        if abandoned.is_set():
-            self._check_start_wanted()  # given up for a stop
-        if abandoned.is_set():
-            address = self.rcfg.address or os.environ.get("RAY_ADDRESS")  # Ray's own default
-            what = (
-                f"could not connect to Ray at {address!r} "
-                f"({'runtime.ray.address' if self.rcfg.address else 'the RAY_ADDRESS environment variable'})"
-                if address
-                else "the local Ray instance did not start"
-            )
-            raise WorkerError(f"{what} within {self._start_s:g}s (runtime.start_timeout_s)")
-        if failure:
-            raise failure[0]
 
     def _actor_options(self, res) -> dict:
         options = {
@@ -289,31 +185,16 @@ class RayRuntime:
         strategy = self.rcfg.trainer_placement.upper()
         return placement_group([dict(bundle) for _ in self.trainer_names], strategy=strategy)
 
+    def needs(self) -> list[tuple[str, object]]:
+        """What each actor of the run asks for (its name, its runtime.ray section)."""
+        out = [(p.name, self._resources(p.role)) for p in self.plan]
+        return out + [("reward worker", self.rcfg.reward)] * self.cfg.task.reward_workers
+
     def _resources(self, role: str):
         """The runtime.ray section a worker of ``role`` takes its resources from."""
         if (stage := stage_of(role)) is not None:
             return stage.ray_resources(self.rcfg)
         return self.rcfg.trainer if is_trainer(role) else self.rcfg.generator
-
-    def _check_fits(self, cluster: dict) -> None:
-        """The local instance this run started has what it has: actors that need more than it
-        holds would wait for resources until runtime.start_timeout_s; refused at once instead."""
-        needs = [(p.name, self._resources(p.role)) for p in self.plan]
-        needs += [("reward worker", self.rcfg.reward)] * self.cfg.task.reward_workers
-        for kind, field in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
-            want = sum(getattr(res, field) for _, res in needs)
-            have = cluster.get(kind, 0.0)
-            if want > have + 1e-9:
-                by_actor = ", ".join(
-                    f"{name} {getattr(res, field):g}" for name, res in needs if getattr(res, field)
-                )
-                raise ConfigError(
-                    "runtime.ray.num_cpus" if kind == "CPU" else f"runtime.ray.*.{field}",
-                    int(have) if kind == "CPU" else want,
-                    f"the run's actors need {want:g} {kind}s ({by_actor}) and the local Ray instance it "
-                    f"started has {have:g}: give it more (runtime.ray.num_cpus), or ask less of each actor "
-                    f"(runtime.ray.<trainer|generator|...>.{field}) or fewer generators (runtime.generators)",
-                )
 
     def _threads(self, role: str, res) -> int:
         if (stage := stage_of(role)) is not None:
@@ -341,19 +222,13 @@ class RayRuntime:
         return actor
 
     def _get_starting(self, refs: list, timeout_message: str) -> list:
-        """``ray.get(refs)`` while the run starts: given up after runtime.start_timeout_s (a
-        WorkerError with ``timeout_message``) or as soon as the run is asked to stop."""
-        deadline = time.monotonic() + self._start_s
-        while True:
-            done, _ = self.ray.wait(refs, num_returns=len(refs), timeout=STOP_CHECK_S)
-            if len(done) == len(refs):
-                return self.ray.get(refs)
-            self._check_start_wanted()
-            if time.monotonic() > deadline:
-                raise WorkerError(timeout_message)
+        return get_while_starting(self.ray, refs, self._start_s, self._stopping, timeout_message)
+
+    def _stopping(self) -> bool:
+        return self._interrupt != "no"
 
     def _check_start_wanted(self) -> None:
-        if self._interrupt != "no":
+        if self._stopping():
             raise StartAbandoned("the run was asked to stop while its actors were starting")
 
     def _wait_ready(self, names: set[str]) -> None:

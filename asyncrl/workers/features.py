@@ -11,7 +11,8 @@ The trainer's steps:
 
 * ``expand``: a command the feature turns into others (pivot resampling: a ``FinishStep`` with
   branch groups becomes their scaled ``Accumulate``, then the step);
-* ``waits_for_teacher``: the inbox hands out a group only once the teacher's scores are in;
+* ``awaits``: what a group still waits for before it is trained (the teacher's scores, which
+  reach the trainer apart from the group), or None: the inbox hands a group out once nothing is awaited;
 * ``advantage_options``: what it adds to :func:`~asyncrl.trainer.advantages.assign_advantages`
   (the teacher's signal; a role's advantage per turn);
 * ``step_metrics``: its figures of the step's groups;
@@ -62,8 +63,9 @@ class StepFeature:
         """The commands to run instead of ``command`` (None: run it as it is)."""
         return None
 
-    def waits_for_teacher(self) -> bool:
-        return False
+    def awaits(self, group: Group) -> str | None:
+        """What ``group`` still waits for before it may be trained, in words (None: nothing)."""
+        return None
 
     def advantage_options(self) -> dict[str, Any]:
         return {}
@@ -93,8 +95,8 @@ class StepFeatures:
     def expand(self, command: object) -> list[object] | None:
         return next((out for f in self.members if (out := f.expand(command)) is not None), None)
 
-    def waits_for_teacher(self) -> bool:
-        return any(f.waits_for_teacher() for f in self.members)
+    def awaits(self, group: Group) -> str | None:
+        return next((what for f in self.members if (what := f.awaits(group)) is not None), None)
 
     def advantage_options(self) -> dict[str, Any]:
         return {k: v for f in self.members for k, v in f.advantage_options().items()}

@@ -238,7 +238,7 @@ class TrainerWorker:
             groups = self.inbox.take(
                 command.group_ids,
                 timeout=self.cfg.runtime.stall_timeout_s,
-                taught=self.features.waits_for_teacher(),
+                awaits=self.features.awaits if self.features.members else None,
             )
         if command.min_version is not None:
             for group in groups:

@@ -18,7 +18,7 @@ from asyncrl.control.features import FEATURES, Built, Features, RunFeature
 from asyncrl.control.lifecycle import GroupLedger
 from asyncrl.control.run import train
 from asyncrl.features.distillation.books import TeacherQueue
-from asyncrl.features.distillation.parts import TeacherScores
+from asyncrl.features.distillation.parts import TeacherSignal
 from asyncrl.features.pivots.books import BranchBook
 from asyncrl.features.pivots.parts import BranchSteps, PivotFinder
 from asyncrl.features.policies.books import PolicyBooks, RoleRewards
@@ -141,7 +141,7 @@ def test_the_workers_feature_parts_are_those_the_config_uses() -> None:
     finder.submitted(Submit([]))  # a Submit without a model keeps the last one
     assert finder.model == (1.5, -2.0, True)
     assert step_kinds("pivot.branches=2") == [BranchSteps]
-    assert step_kinds("distill.teacher=tiny:1m") == [TeacherScores]
+    assert step_kinds("distill.teacher=tiny:1m") == [TeacherSignal]
     assert step_kinds("episode.environment=verify", "multi_agent.advantage=role_turn") == [RoleTurns]
 
 

@@ -31,6 +31,7 @@ from asyncrl.engine.types import GenerationRequest, SamplingParams
 from asyncrl.errors import ConfigError
 from asyncrl.features.distillation import books as teaching_module
 from asyncrl.features.distillation.books import TeacherQueue
+from asyncrl.features.distillation.parts import TeacherSignal
 from asyncrl.features.distillation.stage import TeacherWorker
 from asyncrl.models.loading import load_policy
 from asyncrl.protocol.headers import group_header
@@ -134,17 +135,18 @@ def test_teacher_scores_must_fit_the_samples_they_score() -> None:
 
 def test_the_inbox_joins_scores_to_their_group_whichever_comes_first() -> None:
     inbox = Inbox()
+    awaits = TeacherSignal(load_config(None, ["distill.teacher=tiny:1m"])).awaits
     early, late = group(1, [sample(1, [-1.0], 1.0)]), group(2, [sample(2, [-1.0], 1.0)])
-    inbox.put(Delivery(scores=[TeacherScores(1, [[-0.1]])]))  # before its group
+    inbox.put(Delivery(results=[TeacherScores(1, [[-0.1]])]))  # before its group
     inbox.put(Delivery(groups=[early, late]))
     with pytest.raises(WorkerError, match=r"groups \[2\] whose teacher scores did not reach it within 0s"):
-        inbox.take([1, 2], timeout=0.0, taught=True)
-    inbox.put(Delivery(scores=[TeacherScores(2, [[-0.2]])]))  # after it
-    taken = inbox.take([1, 2], timeout=0.0, taught=True)
+        inbox.take([1, 2], timeout=0.0, awaits=awaits)
+    inbox.put(Delivery(results=[TeacherScores(2, [[-0.2]])]))  # after it
+    taken = inbox.take([1, 2], timeout=0.0, awaits=awaits)
     assert [g.samples[0].teacher_logprobs for g in taken] == [[-0.1], [-0.2]]
-    inbox.put(Delivery(scores=[TeacherScores(3, [[-0.3]])]))
+    inbox.put(Delivery(results=[TeacherScores(3, [[-0.3]])]))
     inbox.discard([3])  # a group given up: its scores go too
-    assert inbox._scores == {}
+    assert inbox._results == {}
 
 
 def test_the_teacher_queue_bounds_dispatch_and_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -235,7 +237,7 @@ def test_a_teacher_that_is_the_students_snapshot_gives_a_zero_signal(student) ->
     assert taught.group_ids == [0, 1, 2] and teacher.idle
     signal = [
         a
-        for g, scores in zip(groups, taught.scores, strict=True)
+        for g, scores in zip(groups, taught.results, strict=True)
         for s, lps in zip(g.samples, scores.logprobs, strict=True)
         for a in distill_advantages(lps, s.logprobs)
     ]

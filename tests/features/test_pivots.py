@@ -24,6 +24,7 @@ from asyncrl.engine.sampling import SamplingParams
 from asyncrl.errors import ConfigError
 from asyncrl.features.pivots.books import BranchBook
 from asyncrl.features.pivots.finding import find_pivots
+from asyncrl.features.pivots.found import FoundPivot
 from asyncrl.features.pivots.success import (
     SuccessModel,
     candidate_positions,
@@ -37,7 +38,7 @@ from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.trainer.advantages import assign_advantages
 from asyncrl.transports.groups.interface import Delivery
 from asyncrl.transports.weights.inprocess import InProcessChannel
-from asyncrl.types import FoundPivot, Group, GroupState, Pivot, Prompt, Sample
+from asyncrl.types import Group, GroupState, Pivot, Prompt, Sample
 from asyncrl.workers.trainer import TrainerWorker
 from tests.helpers import child_env, cli, short_run, stop_after_steps
 

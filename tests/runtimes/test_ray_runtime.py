@@ -38,6 +38,7 @@ from asyncrl.protocol.messages import (
     WorkerLost,
 )
 from asyncrl.runtimes.ray_runtime import RayRuntime
+from asyncrl.runtimes.ray_start import check_fits
 from asyncrl.transports.weights.factory import free_port
 from asyncrl.workers.assembly import seed_everything
 from tests.helpers import (
@@ -474,9 +475,9 @@ def test_actors_that_need_more_than_the_local_instance_holds_are_refused_at_once
     cluster: no Ray starts), naming what each actor asks for."""
     cfg = load_config(None, ["runtime.kind=ray", "runtime.generators=2", "task.reward_workers=1"])
     runtime = RayRuntime(cfg, tmp_path)
-    runtime._check_fits({"CPU": 4.0})  # 1 + 2 x 1 + 1
+    check_fits(runtime.needs(), {"CPU": 4.0})  # 1 + 2 x 1 + 1
     with pytest.raises(ConfigError) as refused:
-        runtime._check_fits({"CPU": 3.0})
+        check_fits(runtime.needs(), {"CPU": 3.0})
     assert str(refused.value) == (
         "runtime.ray.num_cpus=3: the run's actors need 4 CPUs (trainer 1, generator-0 1, generator-1 1, "
         "reward worker 1) and the local Ray instance it started has 3: give it more (runtime.ray.num_cpus), "
@@ -487,7 +488,7 @@ def test_actors_that_need_more_than_the_local_instance_holds_are_refused_at_once
     with pytest.raises(
         ConfigError, match=r"^runtime.ray.\*.num_gpus=1.0: the run's actors need 1 GPUs \(trainer 1\)"
     ):
-        gpus._check_fits({"CPU": 8.0})
+        check_fits(gpus.needs(), {"CPU": 8.0})
 
 
 @pytest.mark.ray

@@ -23,9 +23,10 @@ from typing import Any
 from asyncrl.config import DistillConfig
 from asyncrl.control.features import Built, RunFeature
 from asyncrl.control.lifecycle import GroupLedger
+from asyncrl.features.distillation.messages import Taught, Teach
 from asyncrl.features.distillation.stage import TEACHER
 from asyncrl.protocol.headers import GroupHeader, group_header
-from asyncrl.protocol.messages import LoadWeights, Taught, Teach
+from asyncrl.protocol.messages import LoadWeights
 from asyncrl.types import Group, GroupState
 
 

@@ -12,15 +12,15 @@ from asyncrl.types import Group
 from asyncrl.workers.features import StepFeature
 
 
-class TeacherScores(StepFeature):
+class TeacherSignal(StepFeature):
     name = "teacher"
 
     def __init__(self, cfg: Config) -> None:
         self.mode = "alone" if cfg.algorithm.advantage == "distill" else "add"
         self.weight = cfg.distill.weight
 
-    def waits_for_teacher(self) -> bool:
-        return True
+    def awaits(self, group: Group) -> str | None:
+        return None if group.taught else "teacher scores"
 
     def advantage_options(self) -> dict[str, Any]:
         return {"distill": self.mode, "distill_weight": self.weight}
@@ -29,5 +29,5 @@ class TeacherScores(StepFeature):
         return distill_metrics([s for g in groups for s in g.samples])
 
 
-def teacher_scores(cfg: Config) -> TeacherScores | None:
-    return TeacherScores(cfg) if cfg.distill.enabled else None
+def teacher_signal(cfg: Config) -> TeacherSignal | None:
+    return TeacherSignal(cfg) if cfg.distill.enabled else None

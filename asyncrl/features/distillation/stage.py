@@ -29,8 +29,9 @@ import torch
 
 from asyncrl.config import Config
 from asyncrl.distill.teacher import Teacher, check_teacher, load_teacher
+from asyncrl.features.distillation.messages import Taught, Teach
 from asyncrl.models.loading import resolve_device
-from asyncrl.protocol.messages import LoadWeights, Span, Taught, Teach
+from asyncrl.protocol.messages import LoadWeights, Span
 from asyncrl.transports.groups.inbox import Inbox
 from asyncrl.transports.groups.interface import Delivery
 from asyncrl.transports.weights.interface import WeightLayout, WeightReceiver

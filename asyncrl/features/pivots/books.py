@@ -43,10 +43,11 @@ from asyncrl.algorithms.losses import batch_divisor
 from asyncrl.config import DEFAULT_POLICY, Config
 from asyncrl.control.features import Built, RunFeature
 from asyncrl.control.lifecycle import GroupLedger
+from asyncrl.features.pivots.found import FoundPivot, PivotsFound
 from asyncrl.features.pivots.success import SuccessModel
 from asyncrl.protocol.headers import GroupHeader
-from asyncrl.protocol.messages import FinishStep, PivotsFound, Submit
-from asyncrl.types import FoundPivot, GroupState, Prompt
+from asyncrl.protocol.messages import FinishStep, Submit
+from asyncrl.types import GroupState, Prompt
 
 S = GroupState
 DEPTH_BINS = 10

@@ -11,8 +11,9 @@ from __future__ import annotations
 import random
 
 from asyncrl.config.pivots import PivotConfig
+from asyncrl.features.pivots.found import FoundPivot
 from asyncrl.features.pivots.success import choose_pivot
-from asyncrl.types import FoundPivot, Group, Pivot, Sample
+from asyncrl.types import Group, Pivot, Sample
 
 
 def find_pivots(

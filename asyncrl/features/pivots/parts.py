@@ -14,7 +14,8 @@ import dataclasses
 from asyncrl.config import Config
 from asyncrl.config.pivots import PivotConfig
 from asyncrl.features.pivots.finding import find_pivots
-from asyncrl.protocol.messages import Accumulate, FinishStep, PivotsFound, Submit
+from asyncrl.features.pivots.found import PivotsFound
+from asyncrl.protocol.messages import Accumulate, FinishStep, Submit
 from asyncrl.types import Group
 from asyncrl.workers.features import GenerationFeature, StepFeature
 

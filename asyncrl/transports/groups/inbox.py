@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from asyncrl.protocol.messages import WorkerError
 from asyncrl.transports.groups.interface import Delivery
-from asyncrl.types import Group, PartialGroup, TeacherScores
+from asyncrl.types import Group, GroupResult, PartialGroup
 
 FEED_WAIT_S = 0.5  # how often the feeding thread looks whether the inbox is closed
 
@@ -24,8 +24,8 @@ class Inbox:
     def __init__(self, feed=None) -> None:
         self._groups: dict[int, Group] = {}
         self._partials: dict[int, PartialGroup] = {}
-        # A teacher's scores that came before their group (the two travel by different channels).
-        self._scores: dict[int, TeacherScores] = {}
+        # A stage's results that came before their group (the two travel by different channels).
+        self._results: dict[int, list[GroupResult]] = {}
         self._cond = threading.Condition()
         self._closed = threading.Event()
         if feed is not None:
@@ -44,17 +44,16 @@ class Inbox:
         with self._cond:
             for group in delivery.groups:
                 self._groups[group.group_id] = group
-                scores = self._scores.pop(group.group_id, None)
-                if scores is not None:
-                    group.take_scores(scores)
+                for result in self._results.pop(group.group_id, []):
+                    result.apply_to(group)
             for partial in delivery.partials:
                 self._partials[partial.group_id] = partial
-            for scores in delivery.scores:
-                group = self._groups.get(scores.group_id)
+            for result in delivery.results:
+                group = self._groups.get(result.group_id)
                 if group is None:
-                    self._scores[scores.group_id] = scores
+                    self._results.setdefault(result.group_id, []).append(result)
                 else:
-                    group.take_scores(scores)
+                    result.apply_to(group)
             self._cond.notify_all()
 
     def __len__(self) -> int:
@@ -66,18 +65,25 @@ class Inbox:
         with self._cond:
             return set(self._groups)
 
-    def take(self, group_ids: list[int], timeout: float, taught: bool = False) -> list[Group]:
+    def take(
+        self,
+        group_ids: list[int],
+        timeout: float,
+        awaits: Callable[[Group], str | None] | None = None,
+    ) -> list[Group]:
         """The groups ``group_ids``, in that order, removed from the inbox; waits up to ``timeout``
-        (``taught``: also for the teacher's scores of every one)."""
+        for them and, with ``awaits`` (what a group still waits for, e.g. "teacher scores"; None:
+        nothing), for the results of every one."""
         with self._cond:
             self._wait(self._groups, group_ids, timeout, "groups")
-            if taught and not self._cond.wait_for(
-                lambda: all(self._groups[i].taught for i in group_ids), timeout=timeout
+            if awaits is not None and not self._cond.wait_for(
+                lambda: all(awaits(self._groups[i]) is None for i in group_ids), timeout=timeout
             ):
-                missing = [i for i in group_ids if not self._groups[i].taught]
+                missing = {i: what for i in group_ids if (what := awaits(self._groups[i])) is not None}
                 raise WorkerError(
-                    f"the trainer was sent groups {missing} whose teacher scores did not reach it within "
-                    f"{timeout:.0f}s (runtime.stall_timeout_s): the teacher reported them but their delivery was lost"
+                    f"the trainer was sent groups {list(missing)} whose {', '.join(sorted(set(missing.values())))} "
+                    f"did not reach it within {timeout:.0f}s (runtime.stall_timeout_s): they were reported "
+                    "but their delivery was lost"
                 )
             return [self._groups.pop(i) for i in group_ids]
 
@@ -106,7 +112,7 @@ class Inbox:
             for i in group_ids:
                 self._groups.pop(i, None)
                 self._partials.pop(i, None)
-                self._scores.pop(i, None)
+                self._results.pop(i, None)
 
     def close(self) -> None:
         """No more deliveries are read; a wait for one (:meth:`take_arrived`) ends at once."""

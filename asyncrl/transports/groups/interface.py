@@ -23,20 +23,20 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from asyncrl.protocol.messages import GroupReady, Preempted, Taught
-from asyncrl.types import Group, PartialGroup, TeacherScores
+from asyncrl.protocol.messages import GroupReady, Preempted, ResultsReady
+from asyncrl.types import Group, GroupResult, PartialGroup
 
 
 @dataclass
 class Delivery:
-    """The payloads of one batch of a generator's events, or of the teacher's scores."""
+    """The payloads of one batch of a generator's events, or of a stage's results (the teacher's scores)."""
 
     groups: list[Group] = field(default_factory=list)
     partials: list[PartialGroup] = field(default_factory=list)
-    scores: list[TeacherScores] = field(default_factory=list)
+    results: list[GroupResult] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.groups or self.partials or self.scores)
+        return bool(self.groups or self.partials or self.results)
 
 
 class GroupSender(ABC):
@@ -92,9 +92,9 @@ def detach_payloads(events: Iterable, sender: GroupSender) -> list:
         elif isinstance(event, Preempted) and event.partials is not None:
             delivery.partials += event.partials
             event = replace(event, partials=None)
-        elif isinstance(event, Taught) and event.scores is not None:
-            delivery.scores += event.scores
-            event = replace(event, scores=None)
+        elif isinstance(event, ResultsReady) and event.results is not None:
+            delivery.results += event.results
+            event = replace(event, results=None)
         out.append(event)
     if delivery:
         sender.deliver(delivery)
