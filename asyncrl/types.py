@@ -34,7 +34,7 @@ class GroupState(StrEnum):
     GENERATING = "generating"
     SCORING = "scoring"
     DELIVERED = "delivered"
-    TEACHING = "teaching"
+    HELD = "held"  # by a feature, until what it waits for is in (the teacher's scores)
     BUFFERED = "buffered"
     ACCUMULATED = "accumulated"
     TRAINED = "trained"

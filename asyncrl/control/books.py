@@ -166,7 +166,7 @@ class Books:
         """
         S = GroupState
         in_flight = self.groups.count(S.ISSUED, S.GENERATING, S.SCORING, S.CARRIED)
-        buffered = self.groups.count(S.DELIVERED, S.TEACHING, S.BUFFERED, S.ACCUMULATED)
+        buffered = self.groups.count(S.DELIVERED, S.HELD, S.BUFFERED, S.ACCUMULATED)
         counts = self.counts
         cancelled = counts.get("cancelled_stale", 0)  # abandoned in flight; their prompts were issued again
         lost = counts.get("lost_in_flight", 0)  # in flight on a lost generator; issued again

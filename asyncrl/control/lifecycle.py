@@ -8,7 +8,7 @@ resumed run under the same id::
     issued ──► generating ──► scoring ──► delivered ──► buffered ──► accumulated ──► trained
                    │              │            │     ▲     │              │
                    │              │            ▼     │     │              │
-                   │              │           teaching ────┤              │
+                   │              │           held ────────┤              │
                    └──────────────┴────► discarded ◄───────┘              │
                    │                                       │              │
                    └──────────────────► carried ◄──────────┴──────────────┘
@@ -19,8 +19,9 @@ resumed run under the same id::
   returns the group only once it is scored (the controller sees it generating until then);
 * **delivered** — the group is with the trainer (in its inbox) and its header reached the
   controller;
-* **teaching** — (on-policy distillation) delivered, and waiting for the teacher stage's scores
-  before it may enter the buffer (:mod:`asyncrl.features.distillation.books`);
+* **held** — delivered, and held by a feature until what it waits for is in before it may
+  enter the buffer (on-policy distillation: the teacher stage's scores,
+  :mod:`asyncrl.features.distillation.books`);
 * **buffered** — its header waits in the rollout buffer for a step;
 * **accumulated** — sent to the trainer for a step that is not yet confirmed;
 * **trained** — its step is done (a terminal state);
@@ -52,11 +53,11 @@ MOVES: dict[GroupState, frozenset[GroupState]] = {
     S.ISSUED: frozenset({S.GENERATING, S.CARRIED}),
     S.GENERATING: frozenset({S.SCORING, S.DELIVERED, S.DISCARDED, S.CARRIED}),
     S.SCORING: frozenset({S.DELIVERED, S.DISCARDED, S.CARRIED}),
-    S.DELIVERED: frozenset({S.BUFFERED, S.TEACHING, S.DISCARDED}),
-    S.TEACHING: frozenset({S.BUFFERED, S.DISCARDED, S.CARRIED}),
+    S.DELIVERED: frozenset({S.BUFFERED, S.HELD, S.DISCARDED}),
+    S.HELD: frozenset({S.BUFFERED, S.DISCARDED, S.CARRIED}),
     S.BUFFERED: frozenset({S.ACCUMULATED, S.DISCARDED, S.CARRIED}),
     S.ACCUMULATED: frozenset({S.TRAINED, S.CARRIED}),
-    S.CARRIED: frozenset({S.BUFFERED, S.TEACHING, S.GENERATING, S.DISCARDED}),
+    S.CARRIED: frozenset({S.BUFFERED, S.HELD, S.GENERATING, S.DISCARDED}),
     S.TRAINED: frozenset(),
     S.DISCARDED: frozenset(),
 }

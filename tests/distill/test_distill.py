@@ -164,7 +164,7 @@ def test_the_teacher_queue_bounds_dispatch_and_the_wait(monkeypatch: pytest.Monk
     assert not queue.full and queue.capacity == 2  # by default one step's groups
     queue.wait(headers[1])
     assert queue.full and [h.group_id for h in queue.headers()] == [0, 1]
-    with pytest.raises(LifecycleError, match="group 0 cannot go from teaching to accumulated"):
+    with pytest.raises(LifecycleError, match="group 0 cannot go from held to accumulated"):
         ledger.move(0, GroupState.ACCUMULATED)
     ledger.move(1, GroupState.DISCARDED)  # ended while waiting (e.g. its generator was lost)
     assert [h.group_id for h in queue.taught([1, 0])] == [0]

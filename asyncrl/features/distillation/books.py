@@ -1,7 +1,7 @@
 """The controller's side of the teacher stage: the groups waiting for the teacher's scores.
 
 With a teacher (``distill.teacher`` or ``distill.url``) a generated group does not enter the
-rollout buffer when its generator reports it: it waits, in state ``teaching``, until the
+rollout buffer when its generator reports it: it waits, in state ``held``, until the
 teacher stage reports ``Taught`` (its scores are then with the trainer). The queue is
 bounded — while ``distill.queue_groups`` groups (by default one step's) wait, no new group
 starts on a generator — and so is the wait: a group waiting longer than ``distill.timeout_s``
@@ -98,7 +98,7 @@ class TeacherQueue(RunFeature):
         """A generated (or carried) group waits for the teacher. Returns True if it need not: the
         teacher's ``Taught`` came first (a generator delivers a group, then reports it, and the
         teacher may score it and report in between), so it goes to the buffer now."""
-        self.ledger.move(header.group_id, GroupState.TEACHING)
+        self.ledger.move(header.group_id, GroupState.HELD)
         if header.group_id in self._early:
             self._early.discard(header.group_id)
             self.taught_groups += 1
@@ -123,7 +123,7 @@ class TeacherQueue(RunFeature):
         for group_id in group_ids:
             entry = self._waiting.pop(group_id, None)
             state = self.ledger.state(group_id)
-            if entry is not None and state == GroupState.TEACHING:
+            if entry is not None and state == GroupState.HELD:
                 out.append(entry[0])
             elif entry is None and state in (GroupState.GENERATING, GroupState.SCORING):
                 self._early.add(group_id)  # scored before its generator's report reached us
