@@ -222,7 +222,7 @@ class RayRuntime:
         return actor
 
     def _get_starting(self, refs: list, timeout_message: str) -> list:
-        return get_while_starting(self.ray, refs, self._start_s, self._stopping, timeout_message)
+        return get_while_starting(self.ray, refs, self._start_s, self._check_start_wanted, timeout_message)
 
     def _stopping(self) -> bool:
         return self._interrupt != "no"

@@ -159,16 +159,15 @@ def check_fits(needs: list[tuple[str, RayResources]], cluster: dict) -> None:
 
 
 def get_while_starting(
-    ray, refs: list, start_s: float, stopping: Callable[[], bool], timeout_message: str
+    ray, refs: list, start_s: float, check_stop: Callable[[], None], timeout_message: str
 ) -> list:
     """``ray.get(refs)`` while the run starts: given up after ``start_s`` (a WorkerError with
-    ``timeout_message``) or as soon as the run is asked to stop (:class:`StartAbandoned`)."""
+    ``timeout_message``) or when ``check_stop`` raises (a stop: :class:`StartAbandoned`)."""
     deadline = time.monotonic() + start_s
     while True:
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=STOP_CHECK_S)
         if len(done) == len(refs):
             return ray.get(refs)
-        if stopping():
-            raise StartAbandoned("the run was asked to stop while its actors were starting")
+        check_stop()
         if time.monotonic() > deadline:
             raise WorkerError(timeout_message)
