@@ -214,6 +214,7 @@ def run_engine(model, prompts, budgets, in_flight, device, cuda_graphs: bool = T
     engine.generate(engine_requests(prompts, budgets, min(4, len(prompts))))  # warm-up
     reset_peak(device)
     steps0, busy0 = engine.stats["steps"], engine.stats["busy_s"]
+    attended0 = engine.stats["attended_cache_tokens"]
     t0 = time.perf_counter()
     results = engine.generate(engine_requests(prompts, budgets, len(prompts)))
     sync(device)
@@ -225,6 +226,9 @@ def run_engine(model, prompts, budgets, in_flight, device, cuda_graphs: bool = T
         "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds, 1),
         "ms_per_step": round(1000 * (engine.stats["busy_s"] - busy0) / max(steps, 1), 3),
+        # Rows x columns the decode steps attended over (length buckets on an accelerator).
+        "attended_cache_tokens": engine.stats["attended_cache_tokens"] - attended0,
+        "graphs_captured": engine._runner.graphs.captured,
         "peak_gb": peak_gb(device),
     }
 

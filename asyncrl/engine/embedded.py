@@ -30,7 +30,8 @@ of ``slot_len = max_seq_len`` tokens (the model's positions by default).
 ``stats["prefill_tokens"]`` counts the tokens run through the model at prefill,
 ``stats["prefix_reused_tokens"]`` those copied instead (identical contexts and shared
 prefixes, see the scheduler), ``stats["peak_cache_tokens"]`` the largest rows x columns a
-decode step attended over.
+decode step attended over and ``stats["attended_cache_tokens"]`` their sum over all decode
+steps.
 
 **Between two steps** the engine holds no state that depends on the weights except the KV
 cache and each row's pending logits, so weights may be swapped there (the ``never``
@@ -132,6 +133,7 @@ class EmbeddedEngine(Engine):
             "tokens_generated": 0,
             "busy_s": 0.0,
             "peak_cache_tokens": 0,
+            "attended_cache_tokens": 0,
             "prefills": 0,
             "prefill_tokens": 0,
             "prefix_reused_tokens": 0,
@@ -307,6 +309,7 @@ class EmbeddedEngine(Engine):
             self.stats["peak_cache_tokens"] = max(
                 self.stats["peak_cache_tokens"], decode.rows * decode.length
             )
+            self.stats["attended_cache_tokens"] += decode.rows * decode.length
         self.stats["steps"] += 1
         self.stats["busy_s"] += time.perf_counter() - t0
         return finished

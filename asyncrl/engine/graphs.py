@@ -1,4 +1,4 @@
-"""Replayed decode steps: one CUDA graph per (kind of step, batch-size bucket).
+"""Replayed decode steps: one CUDA graph per (kind of step, batch-size bucket[, length bucket]).
 
 A decode step on an accelerator launches hundreds of small kernels (every layer's
 projections, rotary embedding, attention, the cache writes, then the sampler); at small
@@ -8,9 +8,10 @@ with the same shapes, which the engine's accelerator layout gives (the scheduler
 :mod:`asyncrl.engine.scheduler`, picks the shapes; the runner, :mod:`asyncrl.engine.runner`,
 keeps the static tensors): the KV cache, the pending logits and the per-slot
 sampling parameters are allocated once, a decode batch is a power-of-two bucket of slots
-``0..rows`` attending over the whole slot, and new weights are copied into the same
-parameter storage (:meth:`EmbeddedEngine.load_weights`), so captured graphs stay valid
-across weight updates, in-flight ``never`` swaps included.
+``0..rows`` attending over a bucket of columns (four per doubling of the length: the
+forward has a graph per batch and length bucket, the draw one per batch bucket), and new
+weights are copied into the same parameter storage (:meth:`EmbeddedEngine.load_weights`),
+so captured graphs stay valid across weight updates, in-flight ``never`` swaps included.
 
 :class:`StepRunner` runs a step function that only reads and writes such static tensors.
 The first call for a key runs it eagerly (its result is the real result of that call), and,

@@ -285,7 +285,7 @@ class Runner:
             self.logits[rows] = logits
             return self.logits[rows]
 
-        self.graphs.run(("decode", width), decode_step)
+        self.graphs.run(("decode", width, length), decode_step)
 
     def _forward(
         self,

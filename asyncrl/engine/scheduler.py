@@ -42,10 +42,12 @@ row's columns), on an accelerator only when the batch drops to a smaller power-o
 bucket.
 
 **CPU and accelerator shapes** (``static``). On an accelerator every decode step attends over
-the whole slot and its batch is a power of two (capped at the slot count): the step's tensor
-shapes come from a handful of buckets, as CUDA graphs need. On the CPU, attending over empty
-columns costs as much as over real ones and nothing needs fixed shapes, so every forward
-attends over exactly its longest row and its batch is exactly slots ``0..highest``.
+its longest row rounded up to a length bucket (:func:`length_bucket`, four per doubling of
+the length) and its batch is a power of two (capped at the slot count): the step's tensor
+shapes come from a few buckets, as CUDA graphs need, and under a fifth of the columns
+attention reads lie past the longest row (not the whole slot). On the CPU, attending over
+empty columns costs as much as over real ones and nothing needs fixed shapes, so every
+forward attends over exactly its longest row and its batch is exactly slots ``0..highest``.
 """
 
 from __future__ import annotations
@@ -57,6 +59,21 @@ from asyncrl.engine.types import GenerationRequest, GenerationResult
 from asyncrl.types import Tokens
 
 MIN_SHARED_PREFIX = 8  # shorter shared prefixes are prefilled again rather than copied
+SHORTEST_BUCKET = 256  # decode columns below this are one bucket: attention over them costs little
+
+
+def length_bucket(longest: int, slot_len: int) -> int:
+    """The columns an accelerator's decode step attends over when its longest row holds
+    ``longest`` tokens: at least ``SHORTEST_BUCKET``, otherwise ``longest`` rounded up to a
+    multiple of a quarter of the power of two below it (257-320, ..., 449-512 take 320, 384,
+    448, 512; 513-640 take 640), at most the slot. Four buckets per doubling: under a fifth of
+    the columns are empty, and a slot of ``L`` columns has about ``4 log2(L / 256)`` buckets,
+    each a CUDA graph per batch-size bucket, captured the first time a step needs it."""
+    if longest <= SHORTEST_BUCKET:
+        return min(SHORTEST_BUCKET, slot_len)
+    step = 1 << max((longest - 1).bit_length() - 3, 0)
+    return min(-(-longest // step) * step, slot_len)
+
 
 # Each adapter's (policy version, weights epoch), for an engine serving several adapters.
 AdapterClock = Mapping[str, tuple[int, int]]
@@ -204,12 +221,12 @@ class Scheduler:
     # -- shapes -------------------------------------------------------------------------
 
     def attend_length(self, longest: int, decode: bool) -> int:
-        """Columns a forward attends over: for a decode step on an accelerator the whole slot
-        (one shape per batch-size bucket, for CUDA graphs); otherwise exactly the longest row,
-        since attending over empty columns costs as much as over real ones and shapes may
-        change at every step."""
+        """Columns a forward attends over: for a decode step on an accelerator the longest row
+        rounded up to a length bucket (:func:`length_bucket`: one shape per bucket, for CUDA
+        graphs); otherwise exactly the longest row, since attending over empty columns costs
+        as much as over real ones and shapes may change at every step."""
         if self.static and decode:
-            return self.slot_len
+            return length_bucket(longest, self.slot_len)
         return min(self.slot_len, longest)
 
     def decode_rows(self, highest: int) -> int:

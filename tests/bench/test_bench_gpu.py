@@ -43,6 +43,9 @@ def test_gpu_bench_quick_mode_reports_every_part_on_the_cpu() -> None:
         # Each side is credited with the same tokens: every request's own budget.
         assert row["engine"]["tokens"] == row["generate_eager"]["tokens"] > 0
         assert row["engine"]["tokens_per_s"] > 0 and row["engine"]["ms_per_step"] > 0
+        # The CPU layout attends over exactly each step's longest row: at least one column a token.
+        assert row["engine"]["attended_cache_tokens"] >= row["engine"]["tokens"]
+        assert row["engine"]["graphs_captured"] == 0  # no CUDA
     trainer = result["trainer"]
     assert trainer["tokens"] == trainer["samples"] * (32 + 64) and trainer["tokens_per_s"] > 0
     assert trainer["mfu"] is None  # no peak to compare with on the CPU

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from asyncrl.engine.plans import DecodePlan, Drawn, Prefill, PrefillRound
 from asyncrl.engine.sampling import SamplingParams
-from asyncrl.engine.scheduler import Scheduler
+from asyncrl.engine.scheduler import SHORTEST_BUCKET, Scheduler, length_bucket
 from asyncrl.engine.types import GenerationRequest
 
 ENGINE = Path(__file__).resolve().parents[2] / "asyncrl" / "engine"
@@ -89,8 +89,10 @@ def request(rid: str, ids: list[int], budget: int) -> GenerationRequest:
     return GenerationRequest(rid, ids, SamplingParams(budget, stop_token_ids=(STOP,)), seed=7)
 
 
-def scheduler(*requests: GenerationRequest, slots: int = 8, static: bool = False, budget=None) -> Scheduler:
-    out = Scheduler(slots, 64, max_tokens_in_flight=budget, static=static)
+def scheduler(
+    *requests: GenerationRequest, slots: int = 8, static: bool = False, budget=None, slot_len: int = 64
+) -> Scheduler:
+    out = Scheduler(slots, slot_len, max_tokens_in_flight=budget, static=static)
     out.waiting += requests
     return out
 
@@ -179,6 +181,24 @@ def test_accelerator_compaction_moves_rows_only_when_the_batch_drops_a_bucket() 
     plan = s.schedule_decode(refill=False, version=0)  # three rows fit the bucket of 4
     assert (plan.moves, plan.rows, plan.length) == ([(4, 0, 4), (5, 1, 4)], 4, 64)
     assert [r.request.request_id for r in s.running()] == ["r4", "r5", "r3"]
+
+
+def test_accelerator_decode_attends_over_a_length_bucket_not_the_whole_slot() -> None:
+    """Every decode length's bucket holds it, wastes under a fifth of its columns past the
+    shortest bucket, never exceeds the slot, and a long slot has few buckets (graphs)."""
+    slot = 32768
+    buckets = [length_bucket(n, slot) for n in range(1, slot + 1)]
+    assert buckets == sorted(buckets)
+    assert all(n <= b <= slot for n, b in zip(range(1, slot + 1), buckets, strict=True))
+    assert max((b - n) / b for n, b in enumerate(buckets, start=1) if n > SHORTEST_BUCKET) < 0.2
+    assert len(set(buckets)) == 1 + 4 * 7  # 256, then four per doubling up to 32768
+    assert set(buckets[:SHORTEST_BUCKET]) == {SHORTEST_BUCKET}
+    assert [length_bucket(n, 600) for n in (10, 300, 513, 599)] == [256, 320, 600, 600]
+    assert length_bucket(10, 100) == 100  # a slot shorter than the shortest bucket
+    s = scheduler(*[request(f"r{k}", [3 + k] * (300 + k), 4) for k in range(2)], static=True, slot_len=1024)
+    s.admit(version=0, weights_epoch=0)
+    draw(s, {})
+    assert s.schedule_decode(refill=False, version=0).length == 320  # longest row: 302 tokens
 
 
 def test_abort_returns_waiting_then_running_requests_and_frees_their_slots() -> None:

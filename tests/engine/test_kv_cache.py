@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from asyncrl.engine import embedded
+from asyncrl.engine import embedded, scheduler
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.kv_cache import SlotKVCache, kv_bytes_per_token, length_mask
 from asyncrl.engine.sampling import SamplingParams
@@ -228,29 +228,40 @@ def _force_accelerator_layout(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_accelerator_shapes_run_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The accelerator layout (decode over the whole slot, power-of-two batch buckets, rows moved
-    only when the batch drops a bucket), forced on the CPU: same completions and log-probs as the
-    CPU layout, and every decode forward has one of the bucketed shapes."""
+    """The accelerator layout (decode over a length bucket, power-of-two batch buckets, rows
+    moved only when the batch drops a bucket), forced on the CPU: same completions and log-probs
+    as the CPU layout, and every decode forward has one of the bucketed shapes, its columns the
+    bucket of its longest row, not the whole slot."""
     policy = policy_for()
     reqs = [
         request(f"r{k}", prompt(3 + 2 * k, 80 + k), 4 + 5 * k, seed=k, temperature=1.0, top_p=0.9)
         for k in range(7)
     ]
-    cpu = make_engine(policy, max_batch_size=8, max_seq_len=64).generate(reqs)
+    cpu = make_engine(policy, max_batch_size=8, max_seq_len=128).generate(reqs)
 
     _force_accelerator_layout(monkeypatch)
-    engine = make_engine(policy, max_batch_size=8, max_seq_len=64)
-    shapes = set()
+    # Buckets from 16 columns (256 in use), so that these short rows cross several of them.
+    monkeypatch.setattr(scheduler, "SHORTEST_BUCKET", 16)
+    engine = make_engine(policy, max_batch_size=8, max_seq_len=128)
+    shapes = []
     engine.model.register_forward_pre_hook(
-        lambda module, args, kwargs: shapes.add(tuple(kwargs["attention_mask"].shape)), with_kwargs=True
+        lambda module, args, kwargs: shapes.append(
+            (tuple(kwargs["attention_mask"].shape), int(kwargs["position_ids"].max()) + 1)
+        ),
+        with_kwargs=True,
     )
     static = engine.generate(reqs)
     for a, b in zip(cpu, static, strict=True):
         assert a.completion_ids == b.completion_ids
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
-    decode_shapes = {s for s in shapes if s[2] == 1}
-    assert decode_shapes <= {(rows, 1, 1, 64) for rows in (1, 2, 4, 8)}
-    assert len(decode_shapes) > 1  # the batch dropped buckets as rows finished
+    decode = [(shape, longest) for shape, longest in shapes if shape[2] == 1]
+    buckets = {16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128}
+    assert {shape[:3] for shape, _ in decode} <= {(rows, 1, 1) for rows in (1, 2, 4, 8)}
+    assert len({shape[0] for shape, _ in decode}) > 1  # the batch dropped buckets as rows finished
+    for shape, longest in decode:
+        assert shape[3] == scheduler.length_bucket(longest, 128) and shape[3] in buckets
+    assert len({shape[3] for shape, _ in decode}) >= 4  # the columns grew with the rows, bucket by bucket
+    assert max(shape[3] for shape, _ in decode) < 128
 
 
 def test_accelerator_decode_steps_copy_to_the_host_once(monkeypatch: pytest.MonkeyPatch) -> None:
