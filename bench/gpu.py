@@ -19,9 +19,12 @@ result). It holds the device's name and, per part:
   Qwen2-0.5B-shaped model (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864,
   vocabulary 151,936, bfloat16, random weights built in memory — nothing is downloaded):
   64 fixed-length requests (512-token prompts, 256 new tokens) and 256 long-tailed ones
-  (prompts of 64-256 tokens, 16-1024 new tokens, 64 in flight); ms per engine step; peak
-  GPU memory. ``generate`` runs batches of 64 until the longest budget of the batch and is
-  credited only with each row's own budget;
+  (prompts of 64-256 tokens, 16-1024 new tokens, 64 in flight); ms per engine step, the
+  cache tokens its decode steps attended over and the CUDA graphs it captured; peak GPU
+  memory. ``generate`` runs batches of 64 until the longest budget of the batch and is
+  credited only with each row's own budget. First, ``decode_attention``: one layer's
+  attention of a 64-row decode step with keys repeated per query head against the engine's
+  grouped attention (``bench/decode_attention.py``'s ``timing``);
 * ``trainer``: one optimizer step of the trainer on that model (float32 master weights,
   bfloat16 compute, 4 groups x 8 samples of 256 prompt + 512 completion tokens): tokens/s,
   MFU (6 x parameters x tokens against the GPU's dense bfloat16 peak, when known), the
@@ -284,10 +287,15 @@ def engine_part(device: torch.device, quick: bool, out: dict, emit) -> None:
     compiles). A time limit then cuts the slow long-tailed runs, not the fixed workload's
     comparison with ``generate`` (the eager engine alone takes about 70 s of the long-tailed
     workload on an H100 or H200)."""
+    from decode_attention import timing_part  # bench/decode_attention.py imports this module
+
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(quick, device, dtype).eval().requires_grad_(False)
     vocab = model.config.vocab_size
     out.update(model="qwen2-tiny" if quick else "qwen2-0.5b-shape", dtype=str(dtype).removeprefix("torch."))
+    # One layer's decode attention, keys repeated per query head against the engine's (a second).
+    out["decode_attention"] = timing_part(device, quick, reps=5 if quick else 100)
+    emit()
     workloads = engine_workloads(quick, vocab)
     runs = {"engine": lambda w: run_engine(model, *w, device)}
     if device.type == "cuda":  # the same without CUDA graphs (rollout.cuda_graphs=false)

@@ -17,7 +17,8 @@ values; it writes them into the buffers at each row's own positions (given befor
 :meth:`SlotKVCache.plan`) and returns the keys and values to attend to. Which columns a row
 may attend to is a 4-D mask built from per-row lengths (:func:`length_mask`), which the
 model takes as it is; so the stock ``sdpa`` and ``eager`` attention functions work unchanged
-and no custom attention function is registered. Rows join and leave without touching any
+(the engine runs ``sdpa`` through :mod:`asyncrl.engine.attention`, which only changes how a
+decode step's grouped query heads meet the keys). Rows join and leave without touching any
 other row's slot.
 """
 

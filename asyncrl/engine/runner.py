@@ -50,6 +50,7 @@ import contextlib
 import torch
 from transformers import PreTrainedModel
 
+from asyncrl.engine.attention import engine_attention
 from asyncrl.engine.graphs import StepRunner
 from asyncrl.engine.kv_cache import SlotKVCache, length_mask
 from asyncrl.engine.multi_lora import BASE, MultiLora
@@ -311,7 +312,7 @@ class Runner:
             contextlib.nullcontext() if self.adapters is None else self.adapters.rows(self.slot_adapter[rows])
         )
         try:
-            with adapters:
+            with adapters, engine_attention(self.model):
                 out = with_cache(
                     self.model,
                     self.cache,

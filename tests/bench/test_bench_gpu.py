@@ -38,6 +38,10 @@ def run_quick_on_the_cpu(*args: str, timeout: float) -> dict:
 def test_gpu_bench_quick_mode_reports_every_part_on_the_cpu() -> None:
     result = run_quick_on_the_cpu("--parts", "engine", "trainer", "weight_sync", "loop", timeout=540)
     assert result["device"] == "cpu" and result["quick"] is True
+    attention = result["engine"]["decode_attention"]
+    assert [row["columns"] for row in attention["per_layer"]] == [32, 96, 128]
+    for row in attention["per_layer"]:
+        assert row["repeated_ms"] > 0 and row["grouped_ms"] > 0 and row["max_abs_diff"] < 1e-5
     for case in ("fixed", "long_tailed"):
         row = result["engine"][case]
         # Each side is credited with the same tokens: every request's own budget.

@@ -1,8 +1,11 @@
-"""The decode-columns count (bench/decode_columns.py) on the GPU part's full workloads: the
-scheduler alone, so exact and quick. Length buckets read fewer columns than whole slots, never
-fewer than the rows hold, at a bounded number of CUDA graphs."""
+"""bench/decode_attention.py: the columns count on the GPU part's full workloads (the scheduler
+alone, so exact and quick: length buckets read fewer columns than whole slots, never fewer than
+the rows hold, at a bounded number of CUDA graphs) and the timing's short form (its fields, and
+the grouped attention equal to the repeated one; no timing compared)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -12,13 +15,13 @@ from tests.helpers import bench_script
 
 @pytest.fixture(scope="module")
 def bench():
-    with bench_script("decode_columns") as module:
+    with bench_script("decode_attention") as module:
         yield module
 
 
 def test_length_buckets_attend_over_fewer_columns_than_whole_slots(bench, capsys) -> None:
-    out = bench.main([])
-    assert capsys.readouterr().out.startswith('{"fixed"')
+    out = bench.main(["--device", "cpu", "--parts", "columns"])["columns"]
+    assert capsys.readouterr().out.startswith('{"device": "cpu", "columns"')
     assert set(out) == {"fixed", "long_tailed"}
     for name, case in out.items():
         slot, bucketed = case["slot"], case["bucketed"]
@@ -37,3 +40,13 @@ def test_length_buckets_attend_over_fewer_columns_than_whole_slots(bench, capsys
     # The counts of this workload (seeded), as docs/engine.md gives them.
     assert out["fixed"]["attended_bucketed_over_slot"] == pytest.approx(0.916, abs=1e-3)
     assert out["long_tailed"]["attended_bucketed_over_slot"] == pytest.approx(0.692, abs=1e-3)
+
+
+def test_timing_short_form_reports_both_attentions_equal(bench, capsys) -> None:
+    out = bench.main(["--device", "cpu", "--quick", "--parts", "timing", "--reps", "2"])["timing"]
+    assert (out["rows"], out["heads"], out["kv_heads"], out["dtype"]) == (64, 4, 2, "float32")
+    assert [row["columns"] for row in out["per_layer"]] == [32, 96, 128]  # 256 / 8 and the two slots
+    for row in out["per_layer"]:
+        assert math.isfinite(row["repeated_ms"]) and row["repeated_ms"] > 0
+        assert math.isfinite(row["grouped_ms"]) and row["grouped_ms"] > 0
+        assert row["max_abs_diff"] < 1e-5
