@@ -300,9 +300,13 @@ def test_accelerator_decode_steps_copy_to_the_host_once(monkeypatch: pytest.Monk
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device; the CPU cannot stand in"
 )
-def test_cuda_graphs_replay_equals_eager_decoding_across_a_weight_swap() -> None:
+def test_cuda_graphs_replay_equals_eager_decoding_across_a_weight_swap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """On CUDA, decode steps replayed from CUDA graphs give the same completions and log-probs
-    as eager steps, also when new weights are copied in while sequences are in flight."""
+    as eager steps, also when new weights are copied in while sequences are in flight, and as
+    the rows grow through several length buckets (a forward graph each)."""
+    monkeypatch.setattr(scheduler, "SHORTEST_BUCKET", 16)  # these short rows then cross several
     policy = load_policy("tiny:1m", device="cuda", seed=0)
     new_weights = {n: p.detach() * 1.01 for n, p in policy.model.named_parameters()}
     reqs = [
@@ -331,6 +335,8 @@ def test_cuda_graphs_replay_equals_eager_decoding_across_a_weight_swap() -> None
     eager_engine, eager = run(False)
     graph_engine, graphed = run(True)
     assert graph_engine._runner.graphs.captured >= 2 and graph_engine._runner.graphs.replays > 20
+    lengths = {key[2] for key in graph_engine._runner.graphs._graphs if key[0] == "decode"}
+    assert len(lengths) >= 4 and lengths <= {16, 20, 24, 28, 32, 40, 48, 56, 64, 80}
     assert eager_engine._runner.graphs.captured == 0
     for rid, a in eager.items():
         b = graphed[rid]
