@@ -36,11 +36,21 @@ def load_plugins() -> None:
 
 
 class Registry(Generic[T]):
-    """Named entries of one kind (``what`` names the kind in errors), filled by plugins."""
+    """Named entries of one kind (``what`` names the kind in errors), filled by plugins: all of
+    them, or only the modules ``filled_by`` names (a light registry that a quick command
+    reads, which should not import every plugin's models)."""
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, filled_by: tuple[str, ...] | None = None) -> None:
         self.what = what
+        self.filled_by = filled_by
         self._entries: dict[str, T] = {}
+
+    def _load(self) -> None:
+        if self.filled_by is None:
+            load_plugins()
+            return
+        for module in self.filled_by:
+            importlib.import_module(module)
 
     def register(self, name: str, entry: T) -> T:
         """Add ``entry`` under ``name``; a second, different entry under one name is refused."""
@@ -54,20 +64,20 @@ class Registry(Generic[T]):
         self._entries.pop(name, None)
 
     def get(self, name: str) -> T | None:
-        load_plugins()
+        self._load()
         return self._entries.get(name)
 
     def __contains__(self, name: object) -> bool:
-        load_plugins()
+        self._load()
         return name in self._entries
 
     def names(self) -> list[str]:
-        load_plugins()
+        self._load()
         return sorted(self._entries)
 
     def entries(self) -> list[tuple[str, T]]:
         """Every (name, entry), in the order they were registered."""
-        load_plugins()
+        self._load()
         return list(self._entries.items())
 
     def built(self, argument: object) -> list:

@@ -11,7 +11,9 @@ at the start), several policies and roles (:mod:`.policies`), a mixture of exper
 routes (:mod:`.routing`: its record of each token, :data:`~asyncrl.models.token_records.TOKEN_RECORDS`,
 its part of the trainer's work, :data:`~asyncrl.trainer.features.TRAINING_FEATURES`, and its
 check at the start, :data:`~asyncrl.control.features.START_CHECKS`). Each builder returns
-None when the run's config does not use it. A new feature is a package beside these and its
+None when the run's config does not use it. Each feature's panels of a run report are
+registered apart, by :mod:`asyncrl.features.report_panels`, which ``asyncrl report`` loads
+without the rest. A new feature is a package beside these and its
 lines here; the core is not edited.
 """
 

@@ -3,8 +3,8 @@
 ``asyncrl report RUN_DIR [RUN_DIR ...] -o report.html`` reads each run's ``metrics.jsonl``,
 ``eval.jsonl`` and ``timeline.jsonl`` and draws one panel per quantity (reward and each
 reward function, eval accuracy, loss, KL, entropy, clip fraction, staleness, IS weights,
-tokens/s, generator/trainer busy), several runs overlaid in one colour each, plus every
-run's timeline Gantt chart. The PNGs go to ``<report>-figures/`` (with ``overview.png``, all
+tokens/s, generator/trainer busy; :mod:`asyncrl.reports.panels`, where a feature registers
+its own), several runs overlaid in one colour each, plus every run's timeline Gantt chart. The PNGs go to ``<report>-figures/`` (with ``overview.png``, all
 panels on one image); the HTML page embeds them as data URIs, so it is one file to share.
 A panel whose metrics no run logged is listed as absent, not drawn empty.
 """
@@ -21,58 +21,11 @@ from pathlib import Path
 
 from asyncrl.errors import AsyncRLError
 from asyncrl.reports.jsonl import read_jsonl
+from asyncrl.reports.panels import Panel, report_panels
 
 RUN_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 STYLES = ("-", "--", ":", "-.")
 SMOOTH_FROM = 20  # with at least this many points, a moving average is drawn over the raw curve
-
-
-@dataclass(frozen=True)
-class Panel:
-    slug: str
-    title: str
-    keys: tuple[str, ...]  # metric names; a pattern with "*" (fnmatch) stands for every name it matches
-    ylabel: str = ""
-    source: str = "metrics"  # or "eval"
-
-
-PANELS = (
-    Panel("reward", "Reward (mean per step)", ("reward_mean",), "reward"),
-    Panel("reward_functions", "Reward per reward function", ("reward/*",), "unweighted value"),
-    Panel("eval_accuracy", "Eval accuracy (held-out, greedy)", ("eval_accuracy",), "accuracy", "eval"),
-    Panel("loss", "Loss", ("loss",)),
-    Panel("kl", "KL", ("kl_ref", "mismatch_kl"), "nats/token"),
-    Panel("entropy", "Entropy", ("entropy",), "nats/token"),
-    Panel("clip_frac", "Clip fraction", ("clip_frac",), "fraction of tokens"),
-    Panel("staleness", "Staleness", ("staleness_mean", "staleness_max"), "policy versions"),
-    Panel(
-        "is_weights", "Importance-sampling weights", ("is_weight_mean", "is_weight_max", "is_clipped_frac")
-    ),
-    Panel("tokens_per_s", "Tokens/s: generated, trained", ("tokens_per_s", "trained_tokens_per_s"), "tokens/s"),
-    Panel(
-        "busy", "Generator / trainer busy", ("generator_busy_frac", "trainer_busy_frac"), "fraction of time"
-    ),
-    Panel("dropped", "Groups dropped (in all) and buffered", ("dropped", "buffer_depth"), "groups"),
-    # Features: drawn when a run used them.
-    Panel("distill", "On-policy distillation: reverse KL to the teacher", ("distill_reverse_kl",), "nats/token"),
-    Panel(
-        "teacher_queue", "Teacher stage: groups waiting, generators held", ("teacher_queue", "teacher_full_s"),
-        "groups / seconds",
-    ),
-    Panel("pivots", "Pivot resampling: branch reward, pivot depth", ("branch_reward_mean", "pivot_depth_mean")),
-    Panel("branches", "Pivot resampling: branch groups, pivots pending", ("branch_groups", "pivots_pending"), "groups"),
-    Panel("pivot_lag", "Pivot resampling: pivot lag", ("pivot_lag_max",), "policy versions"),
-    Panel(
-        "routing", "MoE routing: replayed routes that differ", ("routing_mismatch_frac", "routing_drift_frac"),
-        "fraction of decisions",
-    ),
-    Panel("route_staleness", "MoE routing: drift by route age", ("routing_drift_frac_lag*",), "fraction of decisions"),
-    Panel("policy_versions", "Policies: versions", ("policy/*/version",), "policy version"),
-    Panel("policy_loss", "Policies: loss", ("policy/*/loss",)),
-    Panel("policy_staleness", "Policies: staleness", ("policy/*/staleness_max",), "own versions"),
-    Panel("policy_tokens", "Policies: trained tokens", ("policy/*/trained_tokens",), "tokens"),
-    Panel("role_reward", "Reward per role", ("role/*/reward_mean",), "reward"),
-)  # fmt: skip
 
 
 @dataclass
@@ -171,7 +124,8 @@ def write_report(run_dirs: list[Path], out: Path, *, names: list[str] | None = N
 
     pngs: dict[str, Path] = {}
     absent = []
-    for panel in PANELS:
+    panels = report_panels()
+    for panel in panels:
         fig, ax = plt.subplots(figsize=(6.4, 3.6))
         if _draw(ax, runs, panel):
             fig.tight_layout()
@@ -181,7 +135,7 @@ def write_report(run_dirs: list[Path], out: Path, *, names: list[str] | None = N
             absent.append(panel.title)
         plt.close(fig)
 
-    drawn = [p for p in PANELS if p.slug in pngs]
+    drawn = [p for p in panels if p.slug in pngs]
     if drawn:  # a run stopped before its first step has none
         cols = 3
         rows = -(-len(drawn) // cols)

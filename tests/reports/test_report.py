@@ -11,6 +11,7 @@ import json
 import math
 import shutil
 import subprocess
+import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -20,7 +21,9 @@ from matplotlib.colors import to_rgb
 from matplotlib.image import imread
 
 from asyncrl.cli import main
-from asyncrl.reports.html import PANELS, RUN_COLORS
+from asyncrl.reports.html import RUN_COLORS
+from asyncrl.reports.panels import PANELS, REPORT_PANELS, Panel, report_panels
+from tests.helpers import child_env
 
 
 def fake_run(root: Path, name: str, slope: float, *, with_is: bool = False, steps: int = 40) -> Path:
@@ -112,11 +115,12 @@ def test_report_of_two_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     out = tmp_path / "out" / "report.html"
     assert main(["report", str(a), str(b), "-o", str(out)]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["panels"] == [p.slug for p in PANELS] and result["absent"] == []
+    panels = report_panels()  # the core's, then the shipped features'
+    assert result["panels"] == [p.slug for p in panels] and result["absent"] == []
     assert result["timelines"] == ["run-a", "run-b"]
     figures = out.parent / "report-figures"
 
-    for panel in PANELS:
+    for panel in panels:
         image = imread(figures / f"{panel.slug}.png")
         assert image.shape[:2] == (360, 640)
         drawn = (image[..., :3] < 0.95).any(axis=-1).mean()
@@ -131,7 +135,7 @@ def test_report_of_two_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 
     page = Images()
     page.feed(out.read_text())
-    assert len(page.sources) == len(PANELS) + 2  # the panels and two timelines
+    assert len(page.sources) == len(panels) + 2  # the panels and two timelines
     assert all(src.startswith("data:image/png;base64,") for src in page.sources)
     assert page.links == []  # nothing to fetch: the page is self-contained
     embedded = base64.b64decode(page.sources[0].split(",", 1)[1])
@@ -152,6 +156,52 @@ def test_missing_panels_are_listed_not_drawn(tmp_path: Path) -> None:
         "Not logged by these runs: Reward per reward function, Eval accuracy"
         in (tmp_path / "r.html").read_text()
     )
+
+
+def test_a_feature_unknown_to_the_core_brings_its_own_panel(tmp_path: Path) -> None:
+    """A panel registered in REPORT_PANELS is drawn after the core's when a run logged its
+    metric, and listed as absent otherwise; the core's panels name no shipped feature's
+    metric; a slug taken twice is refused, naming it."""
+    run = tmp_path / "judged"
+    run.mkdir()
+    rows = [{"step": s, "reward_mean": 0.5, "judge_agreement": 0.1 * s} for s in range(1, 6)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    from asyncrl.reports.html import write_report
+
+    judge = Panel("judge", "Judge stage: agreement", ("judge_agreement",), "fraction")
+    REPORT_PANELS.register("judge", judge)
+    try:
+        assert report_panels()[-1] is judge
+        result = write_report([run], tmp_path / "r.html")
+        assert result["panels"] == ["reward", "judge"]
+        assert (tmp_path / "r-figures" / "judge.png").is_file()
+        assert "Pivot resampling: pivot lag" in result["absent"]  # a shipped feature's, not logged
+        REPORT_PANELS.register("judge_again", Panel("reward", "Another reward", ("judge_agreement",)))
+        with pytest.raises(ValueError, match=r"\['reward'\] are given twice"):
+            report_panels()
+    finally:
+        REPORT_PANELS.unregister("judge")
+        REPORT_PANELS.unregister("judge_again")
+    core_keys = " ".join(key for panel in PANELS for key in panel.keys)
+    for feature_metric in ("distill", "teacher", "branch", "pivot", "routing", "policy/", "role/"):
+        assert feature_metric not in core_keys
+    assert [p.slug for p in report_panels()][: len(PANELS)] == [p.slug for p in PANELS]
+
+
+def test_the_report_loads_no_model_code(tmp_path: Path) -> None:
+    """The features' panels come from their light registry: a report of a run imports neither
+    torch nor transformers (every feature's models would take seconds to import)."""
+    run = fake_run(tmp_path, "run-a", 0.02, steps=3)
+    script = (
+        "import sys; from asyncrl.cli import main; "
+        f"assert main(['report', {str(run)!r}, '-o', {str(tmp_path / 'r.html')!r}]) == 0; "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=child_env()
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
 @pytest.mark.parametrize("metrics", ["empty", "absent"])
