@@ -28,7 +28,9 @@ result). It holds the device's name and, per part:
 * ``trainer``: one optimizer step of the trainer on that model (float32 master weights,
   bfloat16 compute, 4 groups x 8 samples of 256 prompt + 512 completion tokens): tokens/s,
   MFU (6 x parameters x tokens against the GPU's dense bfloat16 peak, when known), the
-  median seconds of the step's parts (prepare, accumulate, finish) and peak GPU memory;
+  median seconds of the step's parts (prepare, accumulate, finish), its micro-batches and
+  peak GPU memory; then the same under other settings (``variants``: micro-batches of 32,768
+  tokens, the budget sized from free memory, no packing);
 * ``loop``: ``asyncrl train`` on the 0.5B shape with a synthetic task (random prompts of
   256 tokens, 4 groups x 8 completions of 512 tokens, a cheap regex reward), generator and
   trainer sharing the GPU: sync vs periodic vs async seconds per step after the first, and
@@ -323,9 +325,10 @@ def run_generate_or_error(model, prompts, budgets, in_flight, device, static: bo
 # -- the trainer ----------------------------------------------------------------------------------
 
 
-def build_trainer(device: torch.device, quick: bool) -> tuple[Trainer, list[Sample]]:
-    """The trainer on the model's shape (float32 master weights, bfloat16 compute on CUDA) and
-    one step's samples: groups of completions of random tokens, advantages +-1 (none skipped)."""
+def build_trainer(device: torch.device, quick: bool, **settings) -> tuple[Trainer, list[Sample]]:
+    """The trainer on the model's shape (float32 master weights, bfloat16 compute on CUDA; other
+    ``trainer.*`` settings as given) and one step's samples: groups of completions of random
+    tokens, advantages +-1 (none skipped)."""
     from asyncrl.config import AlgorithmConfig, TrainerConfig
     from asyncrl.trainer.trainer import Trainer
     from asyncrl.types import Sample
@@ -334,7 +337,7 @@ def build_trainer(device: torch.device, quick: bool) -> tuple[Trainer, list[Samp
     trainer = Trainer(
         model,
         pad_token_id=0,
-        trainer_cfg=TrainerConfig(lr=1e-6),
+        trainer_cfg=TrainerConfig(lr=1e-6, **settings),
         algo_cfg=AlgorithmConfig(),
         temperature=1.0,
         max_completion_length=512,
@@ -388,36 +391,65 @@ def trainer_step(trainer: Trainer, samples: list[Sample], device: torch.device) 
     return t1 - t0, t2 - t1, t3 - t2
 
 
-def trainer_part(device: torch.device, quick: bool, out: dict, emit) -> None:
-    trainer, samples = build_trainer(device, quick)
+# Trainer settings tried after the default one (issue 41: what moves the MFU): bigger
+# micro-batches (fewer, larger matmuls), the budget sized from free memory, no packing.
+TRAINER_VARIANTS = (
+    {"micro_batch_tokens": 32768},
+    {"micro_batch_tokens": "auto"},
+    {"packing": "off"},
+)
+
+
+def time_trainer(device: torch.device, quick: bool, steps: int, **settings) -> dict:
+    """Seconds per optimizer step of a trainer with these settings, after a warm-up step."""
+    trainer, samples = build_trainer(device, quick, **settings)
     params = sum(p.numel() for p in trainer.model.parameters())
     trainer_step(trainer, samples, device)  # warm-up
     reset_peak(device)
-    steps = [trainer_step(trainer, samples, device) for _ in range(1 if quick else 3)]
-    seconds = statistics.median(sum(parts) for parts in steps)
+    timed = [trainer_step(trainer, samples, device) for _ in range(steps)]
+    seconds = statistics.median(sum(parts) for parts in timed)
     tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
-    name = device_name(device)
-    flops = peak_flops(name) if device.type == "cuda" else None
-    out.update(
-        {
-            "parameters": params,
-            "samples": len(samples),
-            "tokens": tokens,
-            "master_dtype": "float32",
-            "compute_dtype": str(trainer.compute_dtype).removeprefix("torch."),
-            "packing": trainer.cfg.packing,
-            "s_per_step": round(seconds, 4),
-            "part_s_median": {
-                part: round(statistics.median(parts[i] for parts in steps), 4)
-                for i, part in enumerate(TRAINER_STEP_PARTS)
-            },
-            "tokens_per_s": round(tokens / seconds, 1),
-            "mfu": round(6 * params * tokens / seconds / flops, 4) if flops else None,
-            "peak_gb": peak_gb(device),
-            "training_state_gb": round(16 * params / 2**30, 3),
-        }
-    )
+    flops = peak_flops(device_name(device)) if device.type == "cuda" else None
+    micro_batches = len(trainer.prepare(samples))
+    out = {
+        "parameters": params,
+        "samples": len(samples),
+        "tokens": tokens,
+        "master_dtype": "float32",
+        "compute_dtype": str(trainer.compute_dtype).removeprefix("torch."),
+        "packing": trainer.cfg.packing,
+        "micro_batch_tokens": trainer.micro_batch_tokens,  # "auto" resolved
+        "micro_batches": micro_batches,
+        "s_per_step": round(seconds, 4),
+        "part_s_median": {
+            part: round(statistics.median(parts[i] for parts in timed), 4)
+            for i, part in enumerate(TRAINER_STEP_PARTS)
+        },
+        "tokens_per_s": round(tokens / seconds, 1),
+        "mfu": round(6 * params * tokens / seconds / flops, 4) if flops else None,
+        "peak_gb": peak_gb(device),
+        "training_state_gb": round(16 * params / 2**30, 3),
+    }
+    del trainer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def trainer_part(device: torch.device, quick: bool, out: dict, emit) -> None:
+    """The default settings first (a time limit cuts the variants, not them), then each of
+    ``TRAINER_VARIANTS`` (``variants``: its settings, seconds per step, MFU, peak memory)."""
+    steps = 1 if quick else 3
+    out.update(time_trainer(device, quick, steps))
     emit()
+    variants = out.setdefault("variants", [])
+    for settings in TRAINER_VARIANTS:
+        try:
+            measured = time_trainer(device, quick, 1 if quick else 2, **settings)
+        except Exception as exc:  # e.g. out of memory: the next variant still runs
+            measured = {"error": f"{type(exc).__name__}: {exc}"}
+        variants.append({"settings": settings} | measured)
+        emit()
 
 
 # -- the whole loop at the 0.5B shape ---------------------------------------------------------------
