@@ -16,8 +16,9 @@ grouped heads, soft-capped or biased attention — goes to transformers' ``sdpa`
 The function is registered under :data:`ENGINE_ATTENTION` in transformers' attention
 registry, and :func:`engine_attention` selects it for the engine's forwards only, putting
 the model's own choice back after each, so a model the engine borrows (the trainer's, for
-evaluation) is left as it was. A model that runs another attention function than ``sdpa``
-(``eager``, flash-attention) keeps it.
+evaluation) is left as it was (a forward another thread runs meanwhile on that model gets
+the same numbers: the function computes what ``sdpa`` does). A model that runs another
+attention function than ``sdpa`` (``eager``, flash-attention) keeps it.
 """
 
 from __future__ import annotations
