@@ -25,12 +25,19 @@ Two parts, one JSON object:
   (:mod:`asyncrl.engine.attention`: the query heads of a group attend over the cache as it
   lies); medians of ``--reps`` calls after a warm-up, each call ended by a device sync, and
   the largest difference of their outputs. ``--quick`` takes the tiny shape and a few calls.
+* ``engine`` (not by default): whole decode steps of the engine (median milliseconds after
+  the prefill) on that shape with random weights, ``--rows`` requests of ``--prompt-tokens``
+  random tokens and ``--new-tokens`` each, with the engine's attention function
+  (``grouped``) and with transformers' own ``sdpa`` (``stock_sdpa``), in one process; it
+  names the transformers version, which decides what ``stock_sdpa`` does.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import random
 import statistics
 import time
 
@@ -174,6 +181,64 @@ def timing_part(device: torch.device, quick: bool, reps: int) -> dict:
     }
 
 
+def _decode_step_ms(model, rows: int, prompt_tokens: int, new_tokens: int, stock: bool) -> dict:
+    """Median milliseconds of the engine's decode steps over ``rows`` requests, with the engine's
+    attention function or (``stock``) transformers' own ``sdpa``."""
+    from asyncrl.engine import runner
+    from asyncrl.engine.embedded import EmbeddedEngine
+
+    vocab = model.config.vocab_size
+    rng = random.Random(0)
+    requests = [
+        GenerationRequest(
+            f"r{i}",
+            [rng.randrange(3, vocab) for _ in range(prompt_tokens)],
+            SamplingParams(new_tokens, temperature=1.0, top_p=0.95),
+            seed=i,
+        )
+        for i in range(rows)
+    ]
+    chosen = runner.engine_attention
+    if stock:
+        runner.engine_attention = lambda model: contextlib.nullcontext()
+    try:
+        engine = EmbeddedEngine(
+            model,
+            pad_token_id=0,
+            max_batch_size=rows,
+            max_seq_len=prompt_tokens + new_tokens,
+            owns_model=False,
+        )
+        for request in requests:
+            engine.add_request(request)
+        engine.step()  # the prefill and the first draw
+        times = []
+        while engine.has_work:
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(1000 * (time.perf_counter() - t0))
+    finally:
+        runner.engine_attention = chosen
+    return {"decode_ms_median": round(statistics.median(times), 2), "decode_steps": len(times)}
+
+
+def engine_part(device: torch.device, quick: bool, rows: int, prompt_tokens: int, new_tokens: int) -> dict:
+    """Whole decode steps of the engine on the Qwen2-0.5B shape (random weights): grouped
+    attention against transformers' own ``sdpa`` (which repeats keys and values before 5.23)."""
+    import transformers
+    from gpu import build_model
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(quick, device, dtype).eval().requires_grad_(False)
+    out = {"transformers": transformers.__version__, "rows": rows, "prompt_tokens": prompt_tokens}
+    out["stock_sdpa"] = _decode_step_ms(model, rows, prompt_tokens, new_tokens, stock=True)
+    out["grouped"] = _decode_step_ms(model, rows, prompt_tokens, new_tokens, stock=False)
+    out["stock_over_grouped"] = round(
+        out["stock_sdpa"]["decode_ms_median"] / out["grouped"]["decode_ms_median"], 3
+    )
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -181,7 +246,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="the tiny shape's heads, a few calls")
     parser.add_argument("--reps", type=int, default=None, help="timed calls per case (100; 5 with --quick)")
-    parser.add_argument("--parts", nargs="+", default=["columns", "timing"], choices=["columns", "timing"])
+    parser.add_argument(
+        "--parts", nargs="+", default=["columns", "timing"], choices=["columns", "timing", "engine"]
+    )
+    parser.add_argument("--rows", type=int, default=64, help="engine part: requests decoded together")
+    parser.add_argument("--prompt-tokens", type=int, default=512, help="engine part: each request's prompt")
+    parser.add_argument("--new-tokens", type=int, default=32, help="engine part: each request's new tokens")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     reps = args.reps or (5 if args.quick else 100)
@@ -190,6 +260,8 @@ def main(argv: list[str] | None = None) -> dict:
         out["columns"] = columns_part()
     if "timing" in args.parts:
         out["timing"] = timing_part(device, args.quick, reps)
+    if "engine" in args.parts:
+        out["engine"] = engine_part(device, args.quick, args.rows, args.prompt_tokens, args.new_tokens)
     print(json.dumps(out))
     return out
 

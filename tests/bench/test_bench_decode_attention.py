@@ -50,3 +50,28 @@ def test_timing_short_form_reports_both_attentions_equal(bench, capsys) -> None:
         assert math.isfinite(row["repeated_ms"]) and row["repeated_ms"] > 0
         assert math.isfinite(row["grouped_ms"]) and row["grouped_ms"] > 0
         assert row["max_abs_diff"] < 1e-5
+
+
+def test_engine_short_form_times_decode_steps_both_ways(bench) -> None:
+    out = bench.main(
+        [
+            "--device",
+            "cpu",
+            "--quick",
+            "--parts",
+            "engine",
+            "--rows",
+            "3",
+            "--prompt-tokens",
+            "8",
+            "--new-tokens",
+            "5",
+        ]
+    )["engine"]
+    assert (out["rows"], out["prompt_tokens"]) == (3, 8) and out["transformers"]
+    for side in ("stock_sdpa", "grouped"):
+        assert out[side]["decode_steps"] == 4  # the first draw comes with the prefill
+        assert math.isfinite(out[side]["decode_ms_median"]) and out[side]["decode_ms_median"] > 0
+    from asyncrl.engine import attention, runner
+
+    assert runner.engine_attention is attention.engine_attention  # the stock run's swap undone

@@ -53,9 +53,15 @@ def test_gpu_bench_quick_mode_reports_every_part_on_the_cpu() -> None:
     trainer = result["trainer"]
     assert trainer["tokens"] == trainer["samples"] * (32 + 64) and trainer["tokens_per_s"] > 0
     assert trainer["mfu"] is None  # no peak to compare with on the CPU
-    assert (trainer["micro_batch_tokens"], trainer["packing"]) == (8192, "tree") and trainer["micro_batches"] >= 1
+    assert (trainer["micro_batch_tokens"], trainer["packing"]) == (8192, "tree") and trainer[
+        "micro_batches"
+    ] >= 1
     variants = {json.dumps(v["settings"], sort_keys=True): v for v in trainer["variants"]}
-    assert list(variants) == ['{"micro_batch_tokens": 32768}', '{"micro_batch_tokens": "auto"}', '{"packing": "off"}']
+    assert list(variants) == [
+        '{"micro_batch_tokens": 32768}',
+        '{"micro_batch_tokens": "auto"}',
+        '{"packing": "off"}',
+    ]
     for variant in variants.values():
         assert "error" not in variant, variant
         assert variant["tokens"] == trainer["tokens"] and variant["s_per_step"] > 0
