@@ -42,7 +42,7 @@ import statistics
 import time
 
 import torch
-from gpu import SHAPES, engine_workloads  # bench/ is this script's directory
+from gpu import SHAPES, engine_workloads, slot_len  # bench/ is this script's directory
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from asyncrl.engine.attention import engine_attention_forward
@@ -57,10 +57,10 @@ DECODE_ROWS = 64
 
 def count(prompts: list[list[int]], budgets: list[int], in_flight: int, bucketed: bool) -> dict:
     """Run the scheduler of an accelerator's engine over the requests to the end."""
-    slot_len = max(len(p) + b for p, b in zip(prompts, budgets, strict=True))
-    scheduler = Scheduler(in_flight, slot_len, max_tokens_in_flight=None, static=True)
+    slot = slot_len(prompts, budgets)
+    scheduler = Scheduler(in_flight, slot, max_tokens_in_flight=None, static=True)
     if not bucketed:
-        scheduler.attend_length = lambda longest, decode: slot_len if decode else min(slot_len, longest)
+        scheduler.attend_length = lambda longest, decode: slot if decode else min(slot, longest)
     scheduler.waiting += [
         GenerationRequest(f"r{i}", p, SamplingParams(b), seed=i)
         for i, (p, b) in enumerate(zip(prompts, budgets, strict=True))
@@ -94,7 +94,7 @@ def columns_part() -> dict:
         slot = count(prompts, budgets, in_flight, bucketed=False)
         bucketed = count(prompts, budgets, in_flight, bucketed=True)
         out[name] = {
-            "slot_len": max(len(p) + b for p, b in zip(prompts, budgets, strict=True)),
+            "slot_len": slot_len(prompts, budgets),
             "slot": slot,
             "bucketed": bucketed,
             "attended_bucketed_over_slot": round(
@@ -166,9 +166,7 @@ def _time_case(columns: int, shape: dict, device: torch.device, dtype: torch.dty
 def timing_part(device: torch.device, quick: bool, reps: int) -> dict:
     shape = SHAPES["tiny" if quick else "0.5b"]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    slots = [
-        max(len(p) + b for p, b in zip(*w[:2], strict=True)) for w in engine_workloads(quick, 1000).values()
-    ]
+    slots = [slot_len(prompts, budgets) for prompts, budgets, _ in engine_workloads(quick, 1000).values()]
     columns = sorted({256 // (8 if quick else 1), *slots})
     return {
         "rows": DECODE_ROWS,

@@ -186,6 +186,11 @@ def engine_workloads(quick: bool, vocab: int) -> dict[str, tuple[list[list[int]]
     }
 
 
+def slot_len(prompts: list[list[int]], budgets: list[int]) -> int:
+    """The longest request's prompt and budget: the slot a workload's engine needs."""
+    return max(len(p) + b for p, b in zip(prompts, budgets, strict=True))
+
+
 def make_engine(model, prompts, budgets, in_flight: int, cuda_graphs: bool) -> EmbeddedEngine:
     from asyncrl.engine.embedded import EmbeddedEngine
 
@@ -194,7 +199,7 @@ def make_engine(model, prompts, budgets, in_flight: int, cuda_graphs: bool) -> E
         pad_token_id=0,
         max_batch_size=in_flight,
         # Slots as long as the longest request, not the model's 4,096 positions.
-        max_seq_len=max(len(p) + b for p, b in zip(prompts, budgets, strict=True)),
+        max_seq_len=slot_len(prompts, budgets),
         seed=0,
         owns_model=False,
         cuda_graphs=cuda_graphs,
@@ -402,6 +407,8 @@ TRAINER_VARIANTS = (
 
 def time_trainer(device: torch.device, quick: bool, steps: int, **settings) -> dict:
     """Seconds per optimizer step of a trainer with these settings, after a warm-up step."""
+    from asyncrl.trainer.planning import plan_layouts
+
     trainer, samples = build_trainer(device, quick, **settings)
     params = sum(p.numel() for p in trainer.model.parameters())
     trainer_step(trainer, samples, device)  # warm-up
@@ -410,7 +417,8 @@ def time_trainer(device: torch.device, quick: bool, steps: int, **settings) -> d
     seconds = statistics.median(sum(parts) for parts in timed)
     tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     flops = peak_flops(device_name(device)) if device.type == "cuda" else None
-    micro_batches = len(trainer.prepare(samples))
+    # Planned as prepare plans them (no sample is skipped: every advantage is +-1), without its forward.
+    micro_batches = len(list(plan_layouts(samples, trainer.micro_batch_tokens, trainer.packing)))
     out = {
         "parameters": params,
         "samples": len(samples),

@@ -306,10 +306,9 @@ class EmbeddedEngine(Engine):
         decode = scheduler.schedule_decode(refill=admit, version=self.version, adapters=clock)
         if decode is not None:
             self._runner.decode(decode)
-            self.stats["peak_cache_tokens"] = max(
-                self.stats["peak_cache_tokens"], decode.rows * decode.length
-            )
-            self.stats["attended_cache_tokens"] += decode.rows * decode.length
+            attended = decode.rows * decode.length
+            self.stats["peak_cache_tokens"] = max(self.stats["peak_cache_tokens"], attended)
+            self.stats["attended_cache_tokens"] += attended
         self.stats["steps"] += 1
         self.stats["busy_s"] += time.perf_counter() - t0
         return finished
