@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import struct
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,10 @@ def test_tensorboard_events_hold_every_metric(tmp_path: Path) -> None:
 
 
 def wandb_records(path: Path):
-    """The records of a .wandb file: a 7-byte header, then LevelDB-log framed protobuf records."""
+    """The records of a .wandb file: a 7-byte header, then LevelDB-log framed protobuf records.
+
+    wandb-core may still be writing the file: a record that runs past the bytes written so far, or
+    whose checksum (CRC-32 of its type byte and payload) does not match yet, ends the read there."""
     from wandb.proto import wandb_internal_pb2
 
     data = path.read_bytes()
@@ -64,10 +68,13 @@ def wandb_records(path: Path):
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0 and length == 0:
             break
-        pending += data[pos + 7 : pos + 7 + length]
+        payload = data[pos + 7 : pos + 7 + length]
+        if len(payload) < length or zlib.crc32(payload, zlib.crc32(bytes([kind]))) != crc:
+            break
+        pending += payload
         pos += 7 + length
         if kind in (1, 4):  # FULL or LAST
             record = wandb_internal_pb2.Record()
