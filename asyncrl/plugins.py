@@ -53,7 +53,15 @@ class Registry(Generic[T]):
             importlib.import_module(module)
 
     def register(self, name: str, entry: T) -> T:
-        """Add ``entry`` under ``name``; a second, different entry under one name is refused."""
+        """Add ``entry`` under ``name``; a second, different entry under one name is refused.
+
+        Entries keep the order they were registered in. A registry that named modules fill
+        imports them first, so what they register precedes an entry added from outside
+        whatever was imported before (a module that fills it and registers is already
+        importing: importing it again returns at once).
+        """
+        if self.filled_by is not None:
+            self._load()
         if name in self._entries and self._entries[name] is not entry:
             raise ValueError(f"{self.what} {name!r} is registered twice")
         self._entries[name] = entry

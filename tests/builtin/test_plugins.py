@@ -10,6 +10,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import types
+from pathlib import Path
 
 import pytest
 
@@ -40,6 +42,25 @@ def test_a_registry_looks_names_up_and_refuses_a_second_entry_under_one_name() -
     with pytest.raises(ValueError, match="number 'one' is registered twice"):
         registry.register("one", 2)
     assert registry.names() == ["one"] and list(registry) == ["one"]
+
+
+def test_a_light_registry_is_filled_before_an_entry_from_outside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Registered before anything was read, an outside entry still comes after the entries of
+    the modules that fill the registry (a report's own panels precede a plugin's)."""
+    holder = types.ModuleType("asyncrl_test_shelf")
+    holder.SHELF = Registry("shelf entry", filled_by=("asyncrl_test_shelf_fill",))
+    monkeypatch.setitem(sys.modules, "asyncrl_test_shelf", holder)
+    (tmp_path / "asyncrl_test_shelf_fill.py").write_text(
+        "import asyncrl_test_shelf\n"
+        "asyncrl_test_shelf.SHELF.register('shipped', 1)\n"
+        "asyncrl_test_shelf.SHELF.register('also_shipped', 2)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "asyncrl_test_shelf_fill", raising=False)
+    holder.SHELF.register("outside", 3)
+    assert holder.SHELF.entries() == [("shipped", 1), ("also_shipped", 2), ("outside", 3)]
 
 
 def test_unknown_names_are_refused_with_what_is_registered() -> None:
