@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from asyncrl.errors import AsyncRLError, ConfigError
+from asyncrl.lifeline import STOP_SIGNALS
 
 
 def _quiet_transformers() -> None:
@@ -193,7 +194,7 @@ def _serve(args: argparse.Namespace) -> int:
             target=lambda: (sys.stdin.read(), stop.set()), name="owner-stdin", daemon=True
         ).start()
     else:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     server.stop()
@@ -309,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class _Stopped(BaseException):
-    """SIGTERM or SIGHUP to a command that has no stop of its own (``train`` and ``serve`` do)."""
+    """A stop signal other than Ctrl-C's to a command that has no stop of its own (``train`` and
+    ``serve`` do)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
@@ -329,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = {}
     if threading.current_thread() is threading.main_thread():
         # As Ctrl-C does for every command; train and serve put their own handlers over these.
-        stops = [getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n)]
+        stops = [sig for sig in STOP_SIGNALS if sig != signal.SIGINT]
         previous = {sig: signal.signal(sig, _raise_stopped) for sig in stops}
     try:
         return args.func(args)

@@ -19,7 +19,7 @@ it, nor a dead one that is not yet reaped).
 
 Stop signals: a scheduler stops a job by signalling every process of it (``timeout`` and
 ``kill -TERM -PGID`` the process group, Slurm and systemd every process of the job, a closed
-terminal sends SIGHUP to its foreground group). Only the run's own process decides how the run
+terminal sends SIGHUP to its foreground group, Slurm's time-limit warning SIGUSR1 or SIGUSR2). Only the run's own process decides how the run
 stops (with a checkpoint, then by telling its processes), so every process the run starts
 ignores the stop signals (:func:`ignore_stop_signals`) and ends by its owner's command or by
 the guards above. Between its birth and that call a child still has the default disposition,
@@ -42,9 +42,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-# What schedulers, terminals and users send to stop a job (SIGHUP: its terminal was closed).
+# What schedulers, terminals and users send to stop a job: SIGHUP, its terminal was closed;
+# SIGUSR1 and SIGUSR2, the warning a Slurm job asks for ahead of its time limit
+# (``--signal=USR1@120``), which by default would kill every process of the job on the spot.
 STOP_SIGNALS = tuple(
-    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
+    getattr(signal, name)
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
+    if hasattr(signal, name)
 )
 WATCH_S = 0.2  # how often the watcher thread looks at the parent pid
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>

@@ -379,11 +379,11 @@ def test_sft_command_line_picks_the_tasks_defaults(tmp_path: Path, monkeypatch, 
     assert exit_info.value.code == 2 and "--task: invalid choice: 'chess'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1])
 def test_a_command_without_a_stop_of_its_own_stops_with_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], sig: signal.Signals
 ) -> None:
-    """``asyncrl sft`` (and report, timeline, config) stop on SIGTERM and SIGHUP as on Ctrl-C:
+    """``asyncrl sft`` (and report, timeline, config) stop on SIGTERM, SIGHUP and SIGUSR1 as on Ctrl-C:
     one line, exit 128 + the signal, the handlers of before put back."""
     before = signal.getsignal(sig)
 

@@ -129,7 +129,8 @@ def explain_untrained(accounting: dict, cfg: Config, session: RunSession) -> Non
 
 @contextlib.contextmanager
 def stop_on_signals(controller: Controller):
-    """SIGINT, SIGTERM and SIGHUP (its terminal closed) ask the controller to stop (with a
+    """A stop signal (SIGINT, SIGTERM, SIGHUP: its terminal closed; SIGUSR1/SIGUSR2: a
+    scheduler's warning before the time limit) asks the controller to stop (with a
     checkpoint); a second one stops at once. The run's other processes ignore them
     (:mod:`asyncrl.lifeline`), so a stop sent to the whole process group is this one.
 

@@ -234,13 +234,15 @@ def test_a_run_under_timeout_stops_cleanly_and_resumes(tmp_path: Path) -> None:
 @pytest.mark.slow  # the group stop of a local run: test_a_run_under_timeout_stops_cleanly_and_resumes
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    ("send", "sig"), [("each", signal.SIGTERM), ("group", signal.SIGHUP), ("group", signal.SIGINT)]
+    ("send", "sig"),
+    [("each", signal.SIGTERM), ("group", signal.SIGHUP), ("group", signal.SIGINT), ("group", signal.SIGUSR1)],
 )
 def test_every_way_a_local_run_is_stopped_is_clean(tmp_path: Path, send: str, sig: signal.Signals) -> None:
     """Each of its processes signalled one by one, the run's own last (then resumed: the workers
     stopped before the run's own process must not leave a broken checkpoint); a closed terminal's
-    SIGHUP and a Ctrl-C (SIGINT to the foreground group), which stop the run as a group's SIGTERM
-    does (its resume: test_a_run_under_timeout_stops_cleanly_and_resumes)."""
+    SIGHUP, a Ctrl-C (SIGINT to the foreground group) and Slurm's warning ahead of a time limit
+    (``--signal=USR1@120``: SIGUSR1 to the job's processes, which would otherwise kill them), which
+    stop the run as a group's SIGTERM does (its resume: test_a_run_under_timeout_stops_cleanly_and_resumes)."""
     stop_and_resume(
         tmp_path / "run",
         "completions",
