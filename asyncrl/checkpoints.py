@@ -238,15 +238,21 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def latest(run_dir: Path) -> Path:
-    """The newest complete checkpoint of a run directory."""
+def newest(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a run directory, or None when it has none."""
     root = run_dir / CHECKPOINTS
     done = sorted(p for p in root.glob("step-*") if (p / CONTROLLER_FILE).is_file()) if root.is_dir() else []
-    if not done:
+    return done[-1] if done else None
+
+
+def latest(run_dir: Path) -> Path:
+    """The newest complete checkpoint of a run directory, which must have one."""
+    found = newest(run_dir)
+    if found is None:
         raise CheckpointError(
             f"{str(run_dir)!r} has no checkpoint to resume from (looked for {CHECKPOINTS}/step-*/{CONTROLLER_FILE})"
         )
-    return done[-1]
+    return found
 
 
 def read_controller_state(directory: Path) -> dict[str, Any]:

@@ -27,16 +27,18 @@ def _train(args: argparse.Namespace) -> int:
     from asyncrl.models.directories import check_model_directory, is_directory_source
 
     if args.resume:
-        if args.config or args.run_dir:
+        if args.config or args.run_dir or args.resume_if_exists:
             raise AsyncRLError(
                 "--resume RUN_DIR continues that run with its own config.yaml; "
-                "give no CONFIG or --run-dir with it (--set still applies)"
+                "give no CONFIG, --run-dir or --resume-if-exists with it (--set still applies)"
             )
         run_dir = Path(args.resume)
         if not (run_dir / "config.yaml").is_file():
             raise AsyncRLError(f"--resume {str(run_dir)!r}: not a run directory (no config.yaml)")
         cfg = load_config(str(run_dir / "config.yaml"), args.set)
     else:
+        if args.resume_if_exists and not args.run_dir:
+            raise AsyncRLError("--resume-if-exists needs --run-dir: the directory whose run it continues")
         run_dir = Path(args.run_dir) if args.run_dir else None
         cfg = load_config(args.config, args.set)
     # A bad config or model directory is refused before the seconds torch and transformers take.
@@ -48,7 +50,9 @@ def _train(args: argparse.Namespace) -> int:
     from asyncrl.control.saving import RunInterrupted
 
     try:
-        summary = train(cfg, run_dir, resume=bool(args.resume))
+        summary = train(
+            cfg, run_dir, resume=True if args.resume else "if_exists" if args.resume_if_exists else False
+        )
     except RunComplete as exc:
         print(f"asyncrl: {exc}", file=sys.stderr)
         return 0
@@ -223,6 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--resume", metavar="RUN_DIR", help="continue a stopped run from its newest checkpoint"
+    )
+    train.add_argument(
+        "--resume-if-exists",
+        action="store_true",
+        help="continue the run --run-dir holds (with these settings) if it holds one, else start it "
+        "there: the same command for a job's first start and its restarts (Slurm requeue, a pod restarted)",
     )
     train.set_defaults(func=_train)
 

@@ -15,6 +15,7 @@ from asyncrl.config import Config
 from asyncrl.config.engines import check_engines_installed
 from asyncrl.control.controller import Controller
 from asyncrl.control.features import START_CHECKS
+from asyncrl.control.run_start import Resume, start_point
 from asyncrl.control.session import RunSession, default_run_dir
 from asyncrl.engine.vllm_engine import unsupported_model
 from asyncrl.errors import AsyncRLError, ConfigError
@@ -49,8 +50,9 @@ def make_runtime(cfg: Config, session: RunSession):
     return LocalRuntime(cfg, session.run_dir)
 
 
-def train(cfg: Config, run_dir: Path | None = None, *, resume: bool = False) -> dict[str, Any]:
-    """Run training; with ``resume``, continue ``run_dir`` from its newest checkpoint."""
+def train(cfg: Config, run_dir: Path | None = None, *, resume: Resume = False) -> dict[str, Any]:
+    """Run training in ``run_dir``: a new run, or with ``resume`` the run it holds continued from
+    its newest checkpoint (``"if_exists"``: when it holds one; see :mod:`asyncrl.control.run_start`)."""
     seed_everything(cfg.run.seed)
     prompts = task_prompts(cfg)  # a bad model path or dataset fails here, before a run directory is made
     model_config = functools.cache(lambda: load_model_config(cfg.model.path))  # read once, if at all
@@ -63,8 +65,7 @@ def train(cfg: Config, run_dir: Path | None = None, *, resume: bool = False) -> 
     for _, check in START_CHECKS.entries():  # the features' own (asyncrl.control.features)
         check(cfg, model_config)
     run_dir = run_dir or default_run_dir()
-    resume_from = checkpoint.latest(run_dir) if resume else None
-    version = checkpoint.read_controller_state(resume_from)["version"] if resume_from else None
+    resume_from, version = start_point(cfg, run_dir, resume)
     if version is not None and version >= cfg.run.steps:
         raise RunComplete(
             f"run complete at step {version}; to continue, raise run.steps "

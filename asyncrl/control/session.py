@@ -23,10 +23,22 @@ from asyncrl.reports.trackers import build_trackers
 
 
 def _keep_until(path: Path, step: int) -> list[dict[str, Any]]:
-    """Keep the records of steps <= ``step`` (rewriting the file atomically); returns them."""
+    """Keep the records of steps <= ``step`` (rewriting the file atomically); returns them.
+
+    A run killed while it wrote a record leaves that last line torn: it is dropped (its step is
+    after every checkpoint, so it is written again)."""
     if not path.is_file():
         return []
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            if i < len(lines) - 1:  # only the last line can be torn by a kill
+                raise AsyncRLError(
+                    f"{str(path)!r}: line {i + 1} is not a JSON record: {line[:80]!r}"
+                ) from None
     kept = [r for r in rows if r["step"] <= step]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")

@@ -1,0 +1,102 @@
+"""Where a run starts: afresh, or from the newest checkpoint of the run its directory holds.
+
+A run directory belongs to one run. A second run started in it would append its metrics to the
+first's and leave the first's checkpoints as the newest there, which a later ``--resume`` would
+take up under the second's settings. So a run starts afresh only in a directory that holds no
+run (no checkpoint, no logged step); ``--resume`` continues the run a directory holds; and
+``--resume-if-exists`` (``resume="if_exists"``), for a job that a scheduler starts again with the
+same command (Slurm's requeue, a restarted Kubernetes pod), continues it when the directory
+holds one with the same settings and starts it otherwise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+from asyncrl import checkpoints as checkpoint
+from asyncrl.config import Config, load_config
+from asyncrl.errors import AsyncRLError
+
+# True: continue the run the directory holds (it must have a checkpoint); False: start a new one
+# (the directory must hold none); "if_exists": continue it when there is one, else start.
+Resume = bool | Literal["if_exists"]
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+
+
+class StartPoint(NamedTuple):
+    """``checkpoint``: the one to continue from, or None for a fresh start; ``step``: its step
+    (0 for a start over the records of an attempt that wrote no checkpoint, which are cut), or
+    None for a start in a directory that holds no run."""
+
+    checkpoint: Path | None
+    step: int | None
+
+
+def held_run(run_dir: Path) -> str | None:
+    """What run ``run_dir`` holds, in words, or None when it holds none (absent, empty, or a
+    start that failed before its first step)."""
+    found = checkpoint.newest(run_dir)
+    if found is not None:
+        return f"its newest checkpoint is at step {checkpoint.read_controller_state(found)['version']}"
+    metrics = run_dir / METRICS_FILE
+    # Whole records only: a kill mid-write leaves a last line without its newline.
+    text = metrics.read_text(encoding="utf-8") if metrics.is_file() else ""
+    logged = sum(1 for line in text.splitlines(keepends=True) if line.endswith("\n") and line.strip())
+    return f"{logged} logged step{'s' * (logged != 1)} and no checkpoint" if logged else None
+
+
+def changed_settings(cfg: Config, run_dir: Path) -> list[str]:
+    """Each setting in which ``cfg`` differs from the run ``run_dir`` holds, as ``key: there ->
+    here`` (none when the directory has no config)."""
+    stored = run_dir / CONFIG_FILE
+    if not stored.is_file():
+        return []
+    there = _flat(load_config(str(stored), []).model_dump(mode="json"))
+    here = _flat(cfg.model_dump(mode="json"))
+    return [
+        f"{key}: {there.get(key)!r} there, {here.get(key)!r} here"
+        for key in sorted(there.keys() | here.keys())
+        if there.get(key) != here.get(key)
+    ]
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def start_point(cfg: Config, run_dir: Path, resume: Resume) -> StartPoint:
+    """Where a run with ``cfg`` in ``run_dir`` starts; a directory that does not allow what
+    ``resume`` asks is refused with what it holds and the commands that would do."""
+    if resume is True:
+        found = checkpoint.latest(run_dir)
+        return StartPoint(found, checkpoint.read_controller_state(found)["version"])
+    held = held_run(run_dir)
+    if held is None:
+        return StartPoint(None, None)
+    found = checkpoint.newest(run_dir)
+    if resume != "if_exists":
+        way = (
+            f"continue it with asyncrl train --resume {run_dir}"
+            if found is not None
+            else "start it over there with --resume-if-exists"
+        )
+        raise AsyncRLError(
+            f"the run directory {str(run_dir)!r} already holds a run ({held}); {way}, or give another --run-dir"
+        )
+    if changed := changed_settings(cfg, run_dir):
+        raise AsyncRLError(
+            f"--resume-if-exists: the run in {str(run_dir)!r} ({held}) has other settings than these: "
+            f"{'; '.join(changed)}; continue it with its own settings with asyncrl train --resume "
+            f"{run_dir} (--set KEY=VALUE changes one), or give another --run-dir"
+        )
+    if found is None:  # an attempt killed before its first checkpoint: start it over
+        return StartPoint(None, 0)
+    return StartPoint(found, checkpoint.read_controller_state(found)["version"])
