@@ -80,7 +80,9 @@ def start_point(cfg: Config, run_dir: Path, resume: Resume) -> StartPoint:
         return StartPoint(found, checkpoint.read_controller_state(found)["version"])
     held = held_run(run_dir)
     if held is None:
-        return StartPoint(None, None)
+        # A torn record alone (a kill in the first step's write) is cut, not appended to.
+        metrics = run_dir / METRICS_FILE
+        return StartPoint(None, 0 if metrics.is_file() and metrics.stat().st_size else None)
     found = checkpoint.newest(run_dir)
     if resume != "if_exists":
         way = (

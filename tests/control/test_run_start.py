@@ -51,6 +51,11 @@ def test_a_new_run_in_a_directory_that_holds_one_is_refused_and_changes_nothing(
     (failed / "config.yaml").write_text(dump_config(again))
     (failed / "metrics.jsonl").write_text("")
     assert train(again, failed)["steps"] == 2 and logged_steps(failed) == [1, 2]
+    # Nor one killed while it wrote its first record: the torn line is cut, not written after.
+    torn = tmp_path / "torn"
+    torn.mkdir()
+    (torn / "metrics.jsonl").write_text('{"step": 1, "rew')
+    assert train(again, torn)["steps"] == 2 and logged_steps(torn) == [1, 2]
 
 
 def test_the_same_command_starts_continues_and_finishes_a_run_with_resume_if_exists(
