@@ -17,6 +17,7 @@ from typing import Any, Literal, NamedTuple
 from asyncrl import checkpoints as checkpoint
 from asyncrl.config import Config, load_config
 from asyncrl.errors import AsyncRLError
+from asyncrl.reports.jsonl import read_jsonl
 
 # True: continue the run the directory holds (it must have a checkpoint); False: start a new one
 # (the directory must hold none); "if_exists": continue it when there is one, else start.
@@ -41,15 +42,13 @@ def held_run(run_dir: Path) -> str | None:
     if found is not None:
         return f"its newest checkpoint is at step {checkpoint.read_controller_state(found)['version']}"
     metrics = run_dir / METRICS_FILE
-    # Whole records only: a kill mid-write leaves a last line without its newline.
-    text = metrics.read_text(encoding="utf-8") if metrics.is_file() else ""
-    logged = sum(1 for line in text.splitlines(keepends=True) if line.endswith("\n") and line.strip())
+    logged = len(read_jsonl(metrics)) if metrics.is_file() else 0  # whole records: not one a kill tore
     return f"{logged} logged step{'s' * (logged != 1)} and no checkpoint" if logged else None
 
 
 def changed_settings(cfg: Config, run_dir: Path) -> list[str]:
-    """Each setting in which ``cfg`` differs from the run ``run_dir`` holds, as ``key: there ->
-    here`` (none when the directory has no config)."""
+    """Each setting in which ``cfg`` differs from the run ``run_dir`` holds, as ``key: <its value>
+    there, <this one> here`` (none when the directory has no config)."""
     stored = run_dir / CONFIG_FILE
     if not stored.is_file():
         return []

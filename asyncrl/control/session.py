@@ -17,29 +17,18 @@ from typing import Any
 
 from asyncrl.config import Config, dump_config
 from asyncrl.errors import AsyncRLError
-from asyncrl.reports.jsonl import JsonlWriter
+from asyncrl.reports.jsonl import JsonlWriter, append_record, read_jsonl
 from asyncrl.reports.progress import ProgressDisplay
 from asyncrl.reports.trackers import build_trackers
 
 
 def _keep_until(path: Path, step: int) -> list[dict[str, Any]]:
-    """Keep the records of steps <= ``step`` (rewriting the file atomically); returns them.
-
-    A run killed while it wrote a record leaves that last line torn: it is dropped (its step is
-    after every checkpoint, so it is written again)."""
+    """Keep the records of steps <= ``step`` (rewriting the file atomically); returns them. A
+    record a kill tore as it was written is dropped (its step is after every checkpoint, so it is
+    written again)."""
     if not path.is_file():
         return []
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    rows = []
-    for i, line in enumerate(lines):
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            if i < len(lines) - 1:  # only the last line can be torn by a kill
-                raise AsyncRLError(
-                    f"{str(path)!r}: line {i + 1} is not a JSON record: {line[:80]!r}"
-                ) from None
-    kept = [r for r in rows if r["step"] <= step]
+    kept = [r for r in read_jsonl(path) if r["step"] <= step]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
     tmp.replace(path)
@@ -114,21 +103,18 @@ class RunSession:
         return self.step
 
     def log(self, message: str) -> None:
-        with (self.run_dir / "events.jsonl").open("a", encoding="utf-8") as fh:
-            fh.write(json.dumps({"time_s": round(self.elapsed(), 4), "message": message}) + "\n")
+        append_record(self.run_dir / "events.jsonl", {"time_s": round(self.elapsed(), 4), "message": message})
         self.progress.note(message)
 
     def warn(self, message: str) -> None:
         """A warning the user reads whether or not the progress display is on (events.jsonl too)."""
-        with (self.run_dir / "events.jsonl").open("a", encoding="utf-8") as fh:
-            fh.write(json.dumps({"time_s": round(self.elapsed(), 4), "warning": message}) + "\n")
+        append_record(self.run_dir / "events.jsonl", {"time_s": round(self.elapsed(), 4), "warning": message})
         self.progress.warn(message)
 
     def record_eval(self, step: int, accuracy: float) -> None:
         entry = {"step": step, "time_s": round(self.elapsed(), 4), "eval_accuracy": accuracy}
         self.evals.append(entry)
-        with (self.run_dir / "eval.jsonl").open("a", encoding="utf-8") as fh:
-            fh.write(json.dumps(entry) + "\n")
+        append_record(self.run_dir / "eval.jsonl", entry)
         for tracker in self.trackers:
             tracker.log(step, {"eval_accuracy": accuracy})
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
+
+from asyncrl.errors import AsyncRLError
 
 
 def _clean(value: Any) -> Any:
@@ -19,13 +21,38 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def _line(record: dict[str, Any]) -> str:
+    return json.dumps({k: _clean(v) for k, v in record.items()}) + "\n"
+
+
+def _open_to_append(path: Path) -> TextIO:
+    """``path`` opened to append records to. A last record that a kill tore as it was written (no
+    newline at the end) is cut first, so that the next record does not join it: one process
+    writes each of a run's files, and the one that tore it is gone."""
+    if path.is_file() and (size := path.stat().st_size):
+        with path.open("rb+") as raw:
+            raw.seek(size - 1)
+            if raw.read(1) != b"\n":
+                raw.seek(0)
+                raw.truncate(raw.read().rfind(b"\n") + 1)
+    return path.open("a", encoding="utf-8")
+
+
+def append_record(path: Path, record: dict[str, Any]) -> None:
+    """One record appended to ``path`` (opened for it, then closed)."""
+    with _open_to_append(path) as fh:
+        fh.write(_line(record))
+
+
 class JsonlWriter:
+    """Appends records to one file, each flushed as it is written."""
+
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._fh = path.open("a", encoding="utf-8")
+        self._fh = _open_to_append(path)
 
     def write(self, record: dict[str, Any]) -> None:
-        self._fh.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        self._fh.write(_line(record))
         self._fh.flush()
 
     def close(self) -> None:
@@ -33,5 +60,23 @@ class JsonlWriter:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file.
+
+    A last line without its newline is a record still being written (a live run's file, read by
+    ``asyncrl report`` as it trains) or one a kill tore: it is left out. Any other line that is
+    no JSON is refused, naming the file and the line.
+    """
+    records = []
     with path.open(encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+        for number, line in enumerate(fh, start=1):
+            if not line.endswith("\n"):
+                break  # the last line, not yet (or never to be) whole
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                raise AsyncRLError(
+                    f"{str(path)!r}, line {number}: not a JSON record: {line.strip()[:80]!r}"
+                ) from None
+    return records
