@@ -27,6 +27,8 @@ from asyncrl.protocol.messages import (
 )
 from asyncrl.rewards.scoring import ScoringStopped
 from asyncrl.rollout.interface import Rollout, nothing_to_train
+from asyncrl.transports.weights.broadcast import UnjoinedReceiver
+from asyncrl.transports.weights.formation import FormationAbandoned, form_unless_given_up
 from asyncrl.transports.weights.interface import (
     InterruptibleReceiver,
     SyncInterrupted,
@@ -101,6 +103,7 @@ class GeneratorWorker:
         self._group_lock = threading.Lock()
         self._next_receiver: tuple[Callable[[WeightLayout], WeightReceiver], int] | None = None
         self._moving = threading.Event()  # set by join_group until the move is made
+        self._stopping = threading.Event()  # set by stop_waiting
         self._rejoin_version: int | None = None
 
     @property
@@ -156,7 +159,9 @@ class GeneratorWorker:
         _interrupt(current)
 
     def stop_waiting(self) -> None:
-        """Give up a wait for weights and the reward scoring in progress (any thread): the run is stopping."""
+        """Give up a wait for weights, a group being formed and the reward scoring in progress (any
+        thread): the run is stopping."""
+        self._stopping.set()
         self.abandon_work()
         _interrupt(self.receiver)
 
@@ -168,11 +173,28 @@ class GeneratorWorker:
         self.rollout.abandon()
 
     def _switch_group(self) -> None:
-        with self._group_lock:
-            (make_receiver, version), self._next_receiver = self._next_receiver, None
-            self._moving.clear()
-        self.receiver.close()
-        receiver = make_receiver(self._layout)  # waits until the group has formed
+        """Move to the newest group :meth:`join_group` named; a newer one named while it forms
+        gives it up (the trainer may have gone straight to that one), as does the run's stop."""
+        while True:
+            with self._group_lock:
+                (make_receiver, version), self._next_receiver = self._next_receiver, None
+                self._moving.clear()
+                old, self.receiver = (
+                    self.receiver,
+                    UnjoinedReceiver(self.name, self.cfg.runtime.stall_timeout_s),
+                )
+            old.close()
+            try:
+                receiver = form_unless_given_up(
+                    lambda make=make_receiver: make(self._layout),
+                    lambda: self._moving.is_set() or self._stopping.is_set(),
+                    f"{self.name}'s broadcast group",
+                )
+            except FormationAbandoned:
+                if self._next_receiver is not None:
+                    continue
+                return  # the run is stopping: a receive until then waits on the unjoined receiver
+            break
         with self._group_lock:
             self.receiver = receiver
         if version > 0:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from asyncrl.transports.weights.broadcast import BroadcastSender
+from asyncrl.transports.weights.formation import form_unless_given_up
 from asyncrl.transports.weights.interface import SyncInterrupted, SyncStats, WeightSyncError
 
 
@@ -131,7 +132,10 @@ class BackgroundPublisher:
             try:
                 if old is not None:
                     old.close()
-                new = make()
+                # A newer group (or the run's end) gives this one up while it forms.
+                new = form_unless_given_up(
+                    make, self._regroup_pending.is_set, "the trainer's broadcast group"
+                )
             except BaseException as exc:
                 if self._regroup_pending.is_set():
                     job = None
@@ -141,7 +145,7 @@ class BackgroundPublisher:
             with self._lock:
                 self.sender = new
                 self.regroups += 1
-                # A newer regroup that came while this group formed could not interrupt it.
+                # A newer regroup that came as this group completed: publish to that one.
                 job = None if self._regroup_pending.is_set() else self._latest
 
     def _stop(self, error: BaseException | None) -> None:
