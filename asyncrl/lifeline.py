@@ -19,10 +19,10 @@ it, nor a dead one that is not yet reaped).
 
 Stop signals: a scheduler stops a job by signalling every process of it (``timeout`` and
 ``kill -TERM -PGID`` the process group, Slurm and systemd every process of the job, a closed
-terminal sends SIGHUP to its foreground group, Slurm's time-limit warning SIGUSR1 or SIGUSR2). Only the run's own process decides how the run
-stops (with a checkpoint, then by telling its processes), so every process the run starts
-ignores the stop signals (:func:`ignore_stop_signals`) and ends by its owner's command or by
-the guards above. Between its birth and that call a child still has the default disposition,
+terminal sends SIGHUP to its foreground group, Slurm's warning ahead of a time limit is SIGUSR1
+or SIGUSR2). Only the run's own process decides how the run stops (with a checkpoint, then by
+telling its processes), so every process the run starts ignores the stop signals
+(:func:`ignore_stop_signals`) and ends by its owner's command or by the guards above. Between its birth and that call a child still has the default disposition,
 which would kill it: the parent starts children with the stop signals blocked
 (:func:`stop_signals_held`), a mask the child inherits across fork and exec; the child unblocks
 them once it ignores them. The parent's own signals wait, blocked, and reach its handlers when
