@@ -28,7 +28,11 @@ from asyncrl.protocol.messages import (
 from asyncrl.rewards.scoring import ScoringStopped
 from asyncrl.rollout.interface import Rollout, nothing_to_train
 from asyncrl.transports.weights.broadcast import UnjoinedReceiver
-from asyncrl.transports.weights.formation import FormationAbandoned, form_unless_given_up
+from asyncrl.transports.weights.formation import (
+    FormationAbandoned,
+    form_unless_given_up,
+    release_in_background,
+)
 from asyncrl.transports.weights.interface import (
     InterruptibleReceiver,
     SyncInterrupted,
@@ -183,7 +187,7 @@ class GeneratorWorker:
                     self.receiver,
                     UnjoinedReceiver(self.name, self.cfg.runtime.stall_timeout_s),
                 )
-            old.close()
+            release_in_background(old, f"{self.name}'s previous broadcast group")
             try:
                 receiver = form_unless_given_up(
                     lambda make=make_receiver: make(self._layout),

@@ -1,4 +1,5 @@
-"""A broadcast group's formation given up when a newer group supersedes it, on both ends.
+"""A broadcast group's formation given up when a newer group supersedes it, and the group left
+released without holding the move up, on both ends.
 
 Before: a generator lost and its replacement ready a few seconds later made two groups; a
 survivor that went straight to the second (its move to the first came late) left the trainer
@@ -28,8 +29,12 @@ LAYOUT = WeightLayout.of([("w", torch.zeros(2))])
 class Group:
     """A group's end: records what it publishes and whether it was closed."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, close_blocks: bool = False) -> None:
         self.name = name
+        # As a gloo group released with a collective pending waits for it: until ``release``.
+        self.release = threading.Event()
+        if not close_blocks:
+            self.release.set()
         self.layout = LAYOUT
         self.where = f"group {name}"
         self.published: list[int] = []
@@ -45,6 +50,7 @@ class Group:
         pass
 
     def close(self) -> None:
+        assert self.release.wait(WAIT_S), "the test never let the group's release end"
         self.closed.set()
 
 
@@ -77,8 +83,9 @@ def test_a_formation_gives_its_group_its_error_or_up() -> None:
 
 def test_the_trainer_gives_up_a_group_superseded_while_it_forms() -> None:
     """regroup to a group that cannot form, then to one that can: the newest weights reach the
-    second at once (not after the first's bound), and later publications follow there."""
-    first, second = Group("first"), Group("second")
+    second at once (not after the first's bound), and later publications follow there; the group
+    left, whose release waits for a pending collective, holds none of it up."""
+    first, second = Group("first", close_blocks=True), Group("second")
     publisher = BackgroundPublisher(first, timeout_s=WAIT_S, elastic=True)  # type: ignore[arg-type]
     try:
         publisher.publish([("w", torch.ones(2))], version=1)
@@ -90,7 +97,9 @@ def test_the_trainer_gives_up_a_group_superseded_while_it_forms() -> None:
         assert second.got_publication.wait(WAIT_S) and second.published == [1]
         publisher.publish([("w", 2 * torch.ones(2))], version=2)
         publisher.close()
-        assert second.published == [1, 2] and publisher.regroups == 1 and first.closed.is_set()
+        assert second.published == [1, 2] and publisher.regroups == 1 and not first.closed.is_set()
+        first.release.set()
+        assert first.closed.wait(WAIT_S)
         stuck.release.set()
         assert stuck.group.closed.wait(WAIT_S) and stuck.group.published == []
     finally:
@@ -116,19 +125,20 @@ def generator_moving_between_groups() -> GeneratorWorker:
 
 def test_a_generator_gives_up_a_group_superseded_while_it_forms_and_on_a_stop() -> None:
     worker = generator_moving_between_groups()
-    old = worker.receiver
+    old = worker.receiver = Group("old", close_blocks=True)
     stuck, newest = StuckFormation(Group("never-formed")), Group("newest")
     worker.join_group(stuck, 3)
     switching = threading.Thread(target=worker._switch_group)
     switching.start()
-    assert stuck.entered.wait(WAIT_S) and old.closed.is_set()
-    assert isinstance(worker.receiver, UnjoinedReceiver)  # no receive on a closed group meanwhile
+    assert stuck.entered.wait(WAIT_S) and not old.closed.is_set()  # its release still waits
+    assert isinstance(worker.receiver, UnjoinedReceiver)  # no receive on a released group meanwhile
     worker.join_group(lambda layout: newest, 4)
     switching.join(WAIT_S)
     assert not switching.is_alive()
     assert worker.receiver is newest and worker.pending_version == 4 and worker._rejoin_version == 4
     stuck.release.set()
-    assert stuck.group.closed.wait(WAIT_S)
+    old.release.set()
+    assert stuck.group.closed.wait(WAIT_S) and old.closed.wait(WAIT_S)
     # A stop while a group forms: the move is given up, and a receive until the end is interrupted.
     stuck = StuckFormation(Group("never-formed-either"))
     worker.join_group(stuck, 5)

@@ -7,16 +7,30 @@ straight to the newer group: one whose move to the older group came late, or aft
 one, skips it. A member that went on forming the older group would wait out its bound while
 the others wait for it in the newer one. So a formation runs on a thread of its own and is
 given up as soon as ``given_up()`` says so; what it forms after that is closed.
+
+Leaving the older group must not hold the move up either: a gloo group released while one of
+its collectives is still pending (a receive given up, its peer still holding the group) waits
+for that collective to end, up to the group's timeout (measured: 29 s of a 30 s timeout). So
+the group left is released on a thread of its own (:func:`release_in_background`).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
 POLL_S = 0.05  # how often a formation in progress asks whether it is given up
+
+
+class Closeable(Protocol):
+    def close(self) -> None: ...
+
+
+def release_in_background(group: Closeable, what: str) -> None:
+    """``group.close()`` on a thread of its own: the move to the next group goes on meanwhile."""
+    threading.Thread(target=group.close, name=f"releasing {what}", daemon=True).start()
 
 
 class FormationAbandoned(Exception):

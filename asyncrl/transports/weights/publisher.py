@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from asyncrl.transports.weights.broadcast import BroadcastSender
-from asyncrl.transports.weights.formation import form_unless_given_up
+from asyncrl.transports.weights.formation import form_unless_given_up, release_in_background
 from asyncrl.transports.weights.interface import SyncInterrupted, SyncStats, WeightSyncError
 
 
@@ -131,7 +131,7 @@ class BackgroundPublisher:
                 old, self.sender = self.sender, None
             try:
                 if old is not None:
-                    old.close()
+                    release_in_background(old, "the trainer's previous broadcast group")
                 # A newer group (or the run's end) gives this one up while it forms.
                 new = form_unless_given_up(
                     make, self._regroup_pending.is_set, "the trainer's broadcast group"
