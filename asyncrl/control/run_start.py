@@ -35,10 +35,9 @@ class StartPoint(NamedTuple):
     step: int | None
 
 
-def held_run(run_dir: Path) -> str | None:
-    """What run ``run_dir`` holds, in words, or None when it holds none (absent, empty, or a
-    start that failed before its first step)."""
-    found = checkpoint.newest(run_dir)
+def held_run(run_dir: Path, found: Path | None) -> str | None:
+    """What run ``run_dir`` holds, in words (``found``: its newest checkpoint, if any), or None
+    when it holds none (absent, empty, or a start that failed before its first step)."""
     if found is not None:
         return f"its newest checkpoint is at step {checkpoint.read_controller_state(found)['version']}"
     metrics = run_dir / METRICS_FILE
@@ -77,12 +76,12 @@ def start_point(cfg: Config, run_dir: Path, resume: Resume) -> StartPoint:
     if resume is True:
         found = checkpoint.latest(run_dir)
         return StartPoint(found, checkpoint.read_controller_state(found)["version"])
-    held = held_run(run_dir)
+    found = checkpoint.newest(run_dir)
+    held = held_run(run_dir, found)
     if held is None:
         # A torn record alone (a kill in the first step's write) is cut, not appended to.
         metrics = run_dir / METRICS_FILE
         return StartPoint(None, 0 if metrics.is_file() and metrics.stat().st_size else None)
-    found = checkpoint.newest(run_dir)
     if resume != "if_exists":
         way = (
             f"continue it with asyncrl train --resume {run_dir}"
