@@ -65,13 +65,15 @@ def train(cfg: Config, run_dir: Path | None = None, *, resume: Resume = False) -
     for _, check in START_CHECKS.entries():  # the features' own (asyncrl.control.features)
         check(cfg, model_config)
     run_dir = run_dir or default_run_dir()
-    resume_from, version = start_point(cfg, run_dir, resume)
+    resume_from, version, changed = start_point(cfg, run_dir, resume)
     if version is not None and version >= cfg.run.steps:
         raise RunComplete(
             f"run complete at step {version}; to continue, raise run.steps "
             f"(asyncrl train --resume {run_dir} --set run.steps={version + cfg.run.steps})"
         )
     session = RunSession(cfg, run_dir, resume_step=version)
+    for said in changed:
+        session.log(f"continued with a changed setting: {said}")
     try:
         checkpoint.check_writable(run_dir)
         # The judge and the reward pool (on Ray: actors the runtime starts) serve before any worker

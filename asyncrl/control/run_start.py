@@ -6,7 +6,9 @@ take up under the second's settings. So a run starts afresh only in a directory 
 run (no checkpoint, no logged step); ``--resume`` continues the run a directory holds; and
 ``--resume-if-exists`` (``resume="if_exists"``), for a job that a scheduler starts again with the
 same command (Slurm's requeue, a restarted Kubernetes pod), continues it when the directory
-holds one with the same settings and starts it otherwise.
+holds one with the same settings and starts it otherwise. Settings of how long the run goes and
+how it keeps and reports itself (``MAY_CHANGE_ON_CONTINUING``) may differ: a job whose
+``run.steps`` was raised before its next start goes on to the new end.
 """
 
 from __future__ import annotations
@@ -24,6 +26,20 @@ from asyncrl.reports.jsonl import read_jsonl
 Resume = bool | Literal["if_exists"]
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
+# What a continued run may change without a different run coming of it: what is trained, on what
+# and how stay as they were (any of those is changed only by asking for it, with --resume --set).
+MAY_CHANGE_ON_CONTINUING = frozenset(
+    {
+        "run.steps",
+        "run.progress",
+        "run.checkpoint_every",
+        "run.keep_checkpoints",
+        "run.checkpoint_timeout_s",
+        "runtime.start_timeout_s",
+        "runtime.stall_timeout_s",
+        "runtime.stop_timeout_s",
+    }
+)
 
 
 class StartPoint(NamedTuple):
@@ -33,6 +49,7 @@ class StartPoint(NamedTuple):
 
     checkpoint: Path | None
     step: int | None
+    changed: tuple[str, ...] = ()  # settings of MAY_CHANGE_ON_CONTINUING this start changes
 
 
 def held_run(run_dir: Path, found: Path | None) -> str | None:
@@ -45,19 +62,19 @@ def held_run(run_dir: Path, found: Path | None) -> str | None:
     return f"{logged} logged step{'s' * (logged != 1)} and no checkpoint" if logged else None
 
 
-def changed_settings(cfg: Config, run_dir: Path) -> list[str]:
-    """Each setting in which ``cfg`` differs from the run ``run_dir`` holds, as ``key: <its value>
-    there, <this one> here`` (none when the directory has no config)."""
+def changed_settings(cfg: Config, run_dir: Path) -> dict[str, str]:
+    """Each setting in which ``cfg`` differs from the run ``run_dir`` holds, by key, as ``key:
+    <its value> there, <this one> here`` (none when the directory has no config)."""
     stored = run_dir / CONFIG_FILE
     if not stored.is_file():
-        return []
+        return {}
     there = _flat(load_config(str(stored), []).model_dump(mode="json"))
     here = _flat(cfg.model_dump(mode="json"))
-    return [
-        f"{key}: {there.get(key)!r} there, {here.get(key)!r} here"
+    return {
+        key: f"{key}: {there.get(key)!r} there, {here.get(key)!r} here"
         for key in sorted(there.keys() | here.keys())
         if there.get(key) != here.get(key)
-    ]
+    }
 
 
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -91,12 +108,14 @@ def start_point(cfg: Config, run_dir: Path, resume: Resume) -> StartPoint:
         raise AsyncRLError(
             f"the run directory {str(run_dir)!r} already holds a run ({held}); {way}, or give another --run-dir"
         )
-    if changed := changed_settings(cfg, run_dir):
+    changed = changed_settings(cfg, run_dir)
+    if refused := [said for key, said in changed.items() if key not in MAY_CHANGE_ON_CONTINUING]:
         raise AsyncRLError(
             f"--resume-if-exists: the run in {str(run_dir)!r} ({held}) has other settings than these: "
-            f"{'; '.join(changed)}; continue it with its own settings with asyncrl train --resume "
+            f"{'; '.join(refused)}; continue it with its own settings with asyncrl train --resume "
             f"{run_dir} (--set KEY=VALUE changes one), or give another --run-dir"
         )
+    allowed = tuple(changed.values())
     if found is None:  # an attempt killed before its first checkpoint: start it over
-        return StartPoint(None, 0)
-    return StartPoint(found, checkpoint.read_controller_state(found)["version"])
+        return StartPoint(None, 0, allowed)
+    return StartPoint(found, checkpoint.read_controller_state(found)["version"], allowed)

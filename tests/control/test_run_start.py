@@ -63,7 +63,7 @@ def test_the_same_command_starts_continues_and_finishes_a_run_with_resume_if_exi
 ) -> None:
     """A job started again by its scheduler: the first start stopped (SIGTERM after step 1), the
     same command continues it from its checkpoint, then finds it complete; changed settings are
-    refused by name."""
+    refused by name, but for how long it goes (a raised run.steps continues it)."""
     run_dir = tmp_path / "run"
     command = ["train", *sets(BASE), "--run-dir", str(run_dir), "--resume-if-exists"]
     record_step = RunSession.record_step
@@ -96,6 +96,17 @@ def test_the_same_command_starts_continues_and_finishes_a_run_with_resume_if_exi
     assert "--resume-if-exists: the run in" in err and "trainer.lr: " in err and "0.5 here" in err
     assert main(["train", *sets(BASE), "--resume-if-exists"]) == 2
     assert "--resume-if-exists needs --run-dir" in capsys.readouterr().err
+    # run.steps raised before the next start (how long a run goes, not what it trains): it goes on.
+    longer = [*command, "--set", f"run.steps={STEPS + 2}"]
+    assert main(longer) == 0, capsys.readouterr().err
+    assert logged_steps(run_dir) == list(range(1, STEPS + 3))
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert {"message": f"continued with a changed setting: run.steps: {STEPS} there, {STEPS + 2} here"} in [
+        {k: v for k, v in e.items() if k != "time_s"} for e in events
+    ]
+    capsys.readouterr()
+    assert main(longer) == 0
+    assert capsys.readouterr().err.startswith(f"asyncrl: run complete at step {STEPS + 2};")
 
 
 def test_resume_if_exists_starts_over_an_attempt_killed_before_its_first_checkpoint(tmp_path: Path) -> None:

@@ -19,7 +19,9 @@ def lines(rows: list[dict]) -> str:
     return "".join(json.dumps(r) + "\n" for r in rows)
 
 
-def test_a_last_line_without_its_newline_is_left_out_and_a_bad_line_before_it_is_named(tmp_path: Path) -> None:
+def test_a_last_line_without_its_newline_is_left_out_and_a_bad_line_before_it_is_named(
+    tmp_path: Path,
+) -> None:
     path = tmp_path / "metrics.jsonl"
     path.write_text(lines(ROWS) + TORN)
     assert read_jsonl(path) == ROWS
