@@ -22,6 +22,7 @@ import torch
 from asyncrl.config import Config
 from asyncrl.errors import AsyncRLError, ConfigError
 from asyncrl.models.loading import (
+    describe_tokenizer,
     load_policy,
     load_tokenizer,
     local_directory,
@@ -167,13 +168,6 @@ class ServedTeacher:
                     f"{self.name}: {path} did not answer within {self.timeout_s:.0f}s (distill.timeout_s)"
                 ) from None
             raise TeacherError(f"{self.name}: cannot reach the teacher ({path}): {reason}") from None
-
-
-def describe_tokenizer(tokenizer) -> str:
-    """A tokenizer as an error names it: its class, vocabulary size and fingerprint."""
-    return (
-        f"{type(tokenizer).__name__}, {len(tokenizer)} tokens, fingerprint {tokenizer_fingerprint(tokenizer)}"
-    )
 
 
 def check_same_tokenizer(cfg: Config, teacher_fingerprint: str, teacher_tokenizer: str) -> None:

@@ -28,6 +28,7 @@ from asyncrl.features.pivots.parts import branch_steps, pivot_finder
 from asyncrl.features.policies.books import policy_feature
 from asyncrl.features.policies.engines import served_policies
 from asyncrl.features.policies.parts import role_turns
+from asyncrl.features.policies.start import policy_models_fit
 from asyncrl.features.policies.trainer import trained_policies
 from asyncrl.features.routing.record import RouteRecord
 from asyncrl.features.routing.start import routing_replay_fits
@@ -52,4 +53,5 @@ TOKEN_RECORDS.register("routes", RouteRecord())
 TRAINING_FEATURES.register("routing", routing_training)
 START_CHECKS.register("routing", routing_replay_fits)
 START_CHECKS.register("teacher", teacher_fits)
+START_CHECKS.register("policies", policy_models_fit)
 STAGES.register("teacher", TeacherStage())

@@ -227,6 +227,13 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256(json.dumps([vocab, specials]).encode()).hexdigest()[:16]
 
 
+def describe_tokenizer(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A tokenizer as an error names it: its class, vocabulary size and fingerprint."""
+    return (
+        f"{type(tokenizer).__name__}, {len(tokenizer)} tokens, fingerprint {tokenizer_fingerprint(tokenizer)}"
+    )
+
+
 def load_chat_template(spec: str) -> str:
     """``model.chat_template``: a path to a template file, or the Jinja template itself."""
     if "{" not in spec:

@@ -488,3 +488,53 @@ def test_multi_agent_settings_are_checked_by_name() -> None:
     for overrides, needle in cases:
         with pytest.raises(ConfigError, match=needle):
             load_config(None, overrides)
+
+
+def test_a_policy_model_missing_or_with_another_tokenizer_is_refused_before_the_run_starts(tmp_path) -> None:
+    """A policy of its own model reads and writes the run's token ids: one with another vocabulary
+    used to train on ids that meant other text to it, silently; a missing one failed in the
+    trainer's start under the key model.path."""
+    from asyncrl.config import load_config
+    from asyncrl.control.run import train
+    from asyncrl.errors import ConfigError
+    from asyncrl.features.policies.start import policy_models_fit
+
+    other = tmp_path / "other"
+    policy = load_policy("builtin:verify", device="cpu", dtype="float32", seed=0)
+    policy.tokenizer.add_tokens(["<tool>"])  # one token more: another vocabulary
+    policy.model.save_pretrained(other)
+    policy.tokenizer.save_pretrained(other)
+    vocabulary = len(policy.tokenizer)
+    for model, needle in [
+        (other, f"its tokenizer (TokenizersBackend, {vocabulary} tokens, fingerprint "),
+        (tmp_path / "absent", "policy 'checker': no such directory"),
+    ]:
+        cfg = load_config(
+            None,
+            [
+                "model.path=builtin:verify",
+                "episode.environment=tests.episodes.test_multi_agent:solve_and_check",
+                "multi_agent.roles=[{name: solver}, {name: checker, policy: checker}]",
+                f"multi_agent.policies=[{{name: checker, kind: model, model: {model}}}]",
+            ],
+        )
+        with pytest.raises(ConfigError) as refused:
+            train(cfg, tmp_path / "run")
+        assert str(refused.value).startswith(f"multi_agent.policies[0].model='{model}': ")
+        assert needle in str(refused.value)
+        assert not (tmp_path / "run").exists()
+    # The run's own tokenizer, written by another name, is the run's.
+    policy = load_policy("builtin:verify", device="cpu", dtype="float32", seed=0)
+    same = tmp_path / "same"
+    policy.model.save_pretrained(same)
+    policy.tokenizer.save_pretrained(same)
+    cfg = load_config(
+        None,
+        [
+            "model.path=builtin:verify",
+            "episode.environment=tests.episodes.test_multi_agent:solve_and_check",
+            "multi_agent.roles=[{name: solver}, {name: checker, policy: checker}]",
+            f"multi_agent.policies=[{{name: checker, kind: model, model: {same}}}]",
+        ],
+    )
+    policy_models_fit(cfg, lambda: None)

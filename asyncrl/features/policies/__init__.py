@@ -6,5 +6,6 @@
 * :mod:`.trainer`: the trainer worker's models, a trainer per policy driven as one
   (:class:`~.trainer.PolicySet`);
 * :mod:`.engines`: a generator's models, an engine per policy, each at its own clock;
-* :mod:`.weights`: how every policy's weights and clocks travel in one weight sync.
+* :mod:`.weights`: how every policy's weights and clocks travel in one weight sync;
+* :mod:`.start`: the check at the start that a policy's own model shares the run's tokenizer.
 """
