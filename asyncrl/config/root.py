@@ -114,11 +114,6 @@ class Config(Section):
                     "distill.refresh_every with LoRA: the teacher would need the base and the adapters merged; "
                     "distill from the starting weights (refresh_every=0) or train without LoRA"
                 )
-        if self.distill.enabled and self.episode.environment is not None:
-            raise ValueError(
-                f"{self.distill.source} scores completions; episodes (episode.environment="
-                f"{self.episode.environment}) interleave observations the teacher did not see: unset one of them"
-            )
         self._pivot_combinations()
         self._multi_agent_combinations()
         problems = engine_problems(self)

@@ -41,9 +41,10 @@ def assign_advantages(
     plus, on each turn's tokens, that turn's step advantage (see
     :func:`asyncrl.algorithms.advantages.step_advantages`).
 
-    ``distill``: with ``"add"`` every token's advantage also gets the teacher's signal
+    ``distill``: with ``"add"`` every trained token's advantage also gets the teacher's signal
     (:func:`asyncrl.algorithms.advantages.distill_advantages`, times ``distill_weight``); with
-    ``"alone"`` that signal is the whole advantage. The samples must hold ``teacher_logprobs``.
+    ``"alone"`` that signal is the whole advantage. The samples must hold ``teacher_logprobs``;
+    untrained tokens (an episode's observations) get no signal.
     """
     subgroups = [
         [group.samples[i] for i in indices]
@@ -82,6 +83,9 @@ def assign_advantages(
                         f"{sample._label()} of group {group.group_id} has no teacher log-probs to distill from"
                     )
                 signal = distill_advantages(sample.teacher_logprobs, sample.logprobs, distill_weight)
+                # An episode's observations are context, scored by the teacher but never sampled
+                # (no behaviour log-prob) nor trained: no signal there.
+                signal = [d if m else 0.0 for d, m in zip(signal, sample.loss_mask, strict=True)]
                 if distill == "alone":
                     sample.advantage, sample.token_advantages = 0.0, signal
                 else:

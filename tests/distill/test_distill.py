@@ -28,6 +28,7 @@ from asyncrl.control.lifecycle import GroupLedger, LifecycleError
 from asyncrl.distill.teacher import LocalTeacher, ServedTeacher, TeacherError, check_teacher
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.types import GenerationRequest, SamplingParams
+from asyncrl.episodes.rollout import EpisodeRollout
 from asyncrl.errors import ConfigError
 from asyncrl.features.distillation import books as teaching_module
 from asyncrl.features.distillation.books import TeacherQueue
@@ -183,8 +184,8 @@ def test_distill_config_combinations_are_checked() -> None:
         load_config(None, ["algorithm.advantage=distill"])
     with pytest.raises(ConfigError, match=r"set one of distill\.teacher and distill\.url"):
         load_config(None, ["distill.teacher=tiny:1m", "distill.url=http://127.0.0.1:1"])
-    with pytest.raises(ConfigError, match="episodes"):
-        load_config(None, ["distill.teacher=builtin:calculator", "episode.environment=calculator"])
+    # Episodes are distilled on their model turns (test_an_episodes_model_turns_...).
+    assert load_config(None, ["distill.teacher=builtin:calculator", "episode.environment=calculator"])
 
 
 # -- the teacher --------------------------------------------------------------------------------------
@@ -243,6 +244,106 @@ def test_a_teacher_that_is_the_students_snapshot_gives_a_zero_signal(student) ->
     ]
     assert len(signal) >= 12
     assert max(abs(a) for a in signal) < 2e-6  # 0 but for the engine's cached decoding's rounding
+
+
+async def answer_observe_answer(client, task) -> float:
+    """Two model turns with the environment's tokens between them: the second turn is sampled
+    after tokens the model never sampled, which the teacher must see as context."""
+    first = await client.generate()
+    client.observe(f" no, {first[:2]} is wrong; again:")
+    await client.generate()
+    return float(first[:1] == task.answer[:1])
+
+
+def episode_groups(policy, size: int = 3) -> list[Group]:
+    """Groups of two-turn episodes the student's engine played at version 0."""
+    engine = EmbeddedEngine(copy.deepcopy(policy.model), pad_token_id=policy.pad_token_id, seed=3)
+    sampling = SamplingParams(max_new_tokens=6, temperature=1.0, stop_token_ids=(policy.eos_token_id,))
+    rollout = EpisodeRollout(
+        engine,
+        policy.tokenizer,
+        answer_observe_answer,
+        sampling,
+        size,
+        max_turns=2,
+        max_episode_tokens=40,
+        seed=5,
+    )
+    tasks = [Prompt(f"p{a}", f"{a}+{a + 2}=", answer=str(2 * a + 2)) for a in range(3)]
+    try:
+        return rollout.generate_groups(tasks)
+    finally:
+        rollout.close()
+
+
+def test_an_episodes_model_turns_get_the_teachers_signal_and_its_observations_none(student) -> None:
+    """A teacher that is the student's snapshot scores each episode as one sequence: on every token
+    the model sampled, after observations too, its log-prob is the one the engine sampled with
+    (signal 0), so it saw the very context the student did. The observations are scored as context
+    and get no signal; the trained tokens get the group advantage plus the signal (by hand)."""
+    cfg = load_config(None, [f"model.path={STUDENT}", f"distill.teacher={STUDENT}"])
+    groups = episode_groups(student)
+    observed = [s for g in groups for s in g.samples if 0 in s.loss_mask and s.loss_mask[-1] == 1]
+    assert observed, "no episode has a model turn after an observation"
+    teacher = TeacherWorker("teacher", cfg)
+    teacher.inbox.put(Delivery(groups=groups))
+    taught = teacher.work()[-1]
+    for g, scores in zip(groups, taught.results, strict=True):
+        for s, lps in zip(g.samples, scores.logprobs, strict=True):
+            s.teacher_logprobs = lps
+    gaps = [
+        t - b
+        for g in groups
+        for s in g.samples
+        for t, b, m in zip(s.teacher_logprobs, s.logprobs, s.loss_mask, strict=True)
+        if m
+    ]
+    assert len(gaps) >= 18 and max(abs(x) for x in gaps) < 2e-6
+    # The observations were scored as real text, not as tokens the model was sure of.
+    assert (
+        max(t for s in observed for t, m in zip(s.teacher_logprobs, s.loss_mask, strict=True) if not m)
+        < -0.01
+    )
+
+    plain, moved = copy.deepcopy(groups), copy.deepcopy(groups)
+    for g in moved:  # a teacher whose log-prob of every token is 0.5 higher than the behaviour's
+        for s in g.samples:
+            s.teacher_logprobs = [b + 0.5 for b in s.logprobs]
+    assign_advantages(plain, "group")
+    assign_advantages(moved, "group", distill="add", distill_weight=2.0)
+    for g, p in zip(moved, plain, strict=True):
+        for s, a in zip(g.samples, [s.advantage for s in p.samples], strict=True):
+            assert s.advantage == a  # the outcome advantage, kept beside
+            # 2 x 0.5 on each sampled token, nothing on the observations'
+            assert s.token_advantages == pytest.approx([a + 1.0 if m else a for m in s.loss_mask], abs=1e-12)
+
+
+def test_an_episode_run_is_distilled_on_its_model_turns(tmp_path: Path) -> None:
+    """episode.environment with distill.teacher, inline: the teacher (the student's warm start)
+    scores every episode; on step 1 the student samples with those very weights, so the reverse
+    KL over its model turns is 0 up to rounding, and every episode is trained once."""
+    run_dir = tmp_path / "run"
+    overrides = [
+        *short_run(3),
+        f"distill.teacher={STUDENT}",
+        "algorithm.advantage=distill",
+        "schedule=sync",
+        "runtime.kind=inline",
+        "episode.environment=tests.distill.test_distill:answer_observe_answer",
+        "episode.max_turns=2",
+        "episode.max_episode_tokens=40",
+    ]
+    assert main(["train", *sets(overrides), "--run-dir", str(run_dir)]) == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert abs(rows[0]["distill_reverse_kl"]) < 2e-6 and rows[0]["teacher_logprob_mean"] < 0
+    assert rows[-1]["distill_reverse_kl"] != rows[0]["distill_reverse_kl"]  # the student moved
+    accounting = json.loads((run_dir / "summary.json").read_text())["accounting"]
+    assert (
+        accounting["reconciles"]
+        and accounting["trained"] == 3 * 4
+        and accounting["prompts_trained_twice"] == 0
+    )
 
 
 def test_a_served_teacher_scores_as_the_same_model_loaded_here(student) -> None:
