@@ -343,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
         # As Ctrl-C does for every command; train and serve put their own handlers over these.
         stops = [sig for sig in STOP_SIGNALS if sig != signal.SIGINT]
         previous = {sig: signal.signal(sig, _raise_stopped) for sig in stops}
+        # Ctrl-C's own, also where it came ignored: a shell without job control (a batch script)
+        # starts its background commands with SIGINT ignored, and a scheduler's SIGINT must stop them.
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return args.func(args)
     except AsyncRLError as exc:

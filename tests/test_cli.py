@@ -396,3 +396,27 @@ def test_a_command_without_a_stop_of_its_own_stops_with_one_line(
     assert main(["sft", "--task", "arithmetic", "--out", str(tmp_path / "sft")]) == 128 + sig.value
     assert capsys.readouterr().err == f"asyncrl: stopped by {sig.name}\n"
     assert signal.getsignal(sig) is before
+
+
+def test_ctrl_c_stops_a_command_started_with_sigint_ignored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A batch script's shell starts its background commands with SIGINT ignored; ``asyncrl sft``
+    so started ran to its end through a SIGINT sent to it. Now: one line, exit 130, and SIGINT
+    ignored again after."""
+    stopped = []
+
+    def signalled_while_training(cfg, out, **_):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(60)  # the handler ends the sleep at once
+        stopped.append(False)
+        raise AssertionError("SIGINT did not stop the command")
+
+    monkeypatch.setattr("asyncrl.builtin.warm_start.run_sft", signalled_while_training)
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        assert main(["sft", "--task", "arithmetic", "--out", str(tmp_path / "sft")]) == 130
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert capsys.readouterr().err == "asyncrl: interrupted\n" and stopped == []
