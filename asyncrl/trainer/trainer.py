@@ -128,9 +128,8 @@ class Trainer:
         self._parallelize()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = adamw(self.params, trainer_cfg)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(trainer_cfg.lr_schedule, trainer_cfg.warmup_steps, total_steps)
-        )
+        self._lr_factor = lr_lambda(trainer_cfg.lr_schedule, trainer_cfg.warmup_steps, total_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self._stats: dict[str, float] = defaultdict(float)
         self._busy_s = 0.0
         # trainer.skip_zero_advantage, where the loss has no term a zero advantage leaves standing.
@@ -276,7 +275,7 @@ class Trainer:
         if self.cfg.max_grad_norm is not None:
             clip_gradients(self.params, grads, self.cfg.max_grad_norm, norm)
         grad_norm = float(norm)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step takes
         self.optimizer.step()
         self.scheduler.step()
         self.version += 1
@@ -460,8 +459,25 @@ class Trainer:
         adapter = (self.adapter or ADAPTER) if self.lora else None
         restore_state(self.model, self.optimizer, weights, state["optimizer"], adapter=adapter)
         self.scheduler.load_state_dict(state["scheduler"])
+        self._take_this_runs_settings()
         self.version = int(state["version"])
         return self.version
+
+    def _take_this_runs_settings(self) -> None:
+        """After a restore: the moments and step counts are the checkpoint's, the settings this
+        run's. The saved optimizer and scheduler carry the settings they were made with (base rate,
+        betas, weight decay), which silently outranked a resume's ``--set trainer.lr=...``; and the
+        saved rate is the saved run's at that step, while a resume with a raised run.steps
+        spreads a decaying schedule over the new length from this very step."""
+        rate = self.cfg.lr * self._lr_factor(self.scheduler.last_epoch)
+        self.scheduler.base_lrs = [self.cfg.lr] * len(self.optimizer.param_groups)
+        for group in self.optimizer.param_groups:
+            group.update(
+                lr=rate,
+                initial_lr=self.cfg.lr,
+                betas=tuple(self.cfg.adam_betas),
+                weight_decay=self.cfg.weight_decay,
+            )
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """The trained weights in the master dtype: with LoRA the adapters (saved-format names), else every parameter."""

@@ -4,13 +4,16 @@ controller with nothing left to wait for fails within runtime.stall_timeout_s, n
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
+from asyncrl import checkpoints as checkpoint
 from asyncrl.builtin.arithmetic import ArithmeticTask
 from asyncrl.config import load_config
 from asyncrl.control.controller import Controller
@@ -58,6 +61,36 @@ def test_resume_of_a_finished_run_says_so_and_raising_steps_continues_it(tmp_pat
     accounting = json.loads((run_dir / "summary.json").read_text())["accounting"]
     assert accounting["trained"] == 4 * 4 and accounting["reconciles"]
     assert accounting["prompts_trained_twice"] == 0 and accounting["prompts_missing"] == 0
+
+
+def test_a_resume_takes_its_own_learning_rate_and_length(tmp_path: Path) -> None:
+    """A resume's settings, not the checkpoint's, set the rate: ``--resume --set trainer.lr=...``
+    used to be outranked by the base rate the saved optimizer and scheduler carried, and a raised
+    run.steps under a decaying schedule trained its first step at the shorter run's last rate (0
+    for cosine). By hand: cosine from 2e-4 over 8 steps, step k at 2e-4 x (1 + cos(pi (k-1) / 8)) / 2."""
+    from asyncrl.control.run import train
+
+    run_dir = tmp_path / "run"
+    base = [
+        *short_run(4, prompts=2, group_size=2),
+        "schedule=sync",
+        "runtime.kind=inline",
+        "trainer.lr_schedule=cosine",
+        "run.checkpoint_every=2",
+    ]
+    train(load_config(None, base), run_dir)
+    continued = load_config(None, [*base, "run.steps=8", "trainer.lr=2e-4", "trainer.weight_decay=0.05"])
+    train(continued, run_dir, resume=True)
+    rates = [json.loads(x)["lr"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rates[:4] == pytest.approx(
+        [1e-4 * (1 + math.cos(math.pi * k / 4)) / 2 for k in range(4)], abs=1e-15
+    )
+    assert rates[4:] == pytest.approx(
+        [2e-4 * (1 + math.cos(math.pi * k / 8)) / 2 for k in range(4, 8)], abs=1e-15
+    )
+    saved = torch.load(checkpoint.latest(run_dir) / checkpoint.TRAINER_FILE, weights_only=False)
+    groups = saved["optimizer"]["param_groups"]
+    assert {(g["initial_lr"], g["weight_decay"]) for g in groups} == {(2e-4, 0.05)}
 
 
 class SilentRuntime:
