@@ -150,3 +150,54 @@ def test_a_generator_gives_up_a_group_superseded_while_it_forms_and_on_a_stop() 
     assert not switching.is_alive() and isinstance(worker.receiver, UnjoinedReceiver)
     stuck.release.set()
     assert stuck.group.closed.wait(WAIT_S)
+
+
+def test_a_publication_while_a_regroup_starts_its_thread_waits_for_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A regroup (the runtime's thread) showed its background thread before starting it; a
+    publication (the trainer's thread) that looked then tried to join a thread not yet started and
+    failed the trainer ("cannot join thread before it is started": the broadcast-2 Ray case under
+    load). Here the regroup's thread is held just before it starts until the publication has looked."""
+    starting, go = threading.Event(), threading.Event()
+
+    class HeldStart(threading.Thread):
+        def start(self) -> None:
+            if self.name == "publish-regroup":
+                starting.set()
+                assert go.wait(WAIT_S), "the test never let the regroup's thread start"
+            super().start()
+
+    monkeypatch.setattr(threading, "Thread", HeldStart)
+    old, new = Group("old"), Group("new")
+    publisher = BackgroundPublisher(old, timeout_s=WAIT_S, elastic=True)
+    looked = threading.Event()
+    wait_previous = publisher._wait_previous
+
+    def look_then_say_so() -> None:
+        try:
+            wait_previous()
+        finally:
+            looked.set()
+
+    publisher._wait_previous = look_then_say_so
+    outcome: dict[str, BaseException] = {}
+
+    def publish() -> None:
+        try:
+            publisher.publish([("w", torch.ones(2))], 1)
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    regroup = threading.Thread(target=publisher.regroup, args=(lambda: new,), name="runtime")
+    regroup.start()
+    assert starting.wait(WAIT_S)
+    trainer = threading.Thread(target=publish, name="trainer")
+    trainer.start()
+    assert looked.wait(WAIT_S)
+    go.set()
+    regroup.join(WAIT_S)
+    trainer.join(WAIT_S)
+    assert not regroup.is_alive() and not trainer.is_alive()
+    assert "error" not in outcome, outcome
+    assert new.got_publication.wait(WAIT_S) and new.published == [1] and old.published == []

@@ -104,8 +104,11 @@ class BackgroundPublisher:
         """Start the background thread (with the lock held)."""
         self._running = True
         name = "publish-regroup" if job is None else f"publish-v{job[1]}"
-        self._thread = threading.Thread(target=self._run, args=(job,), name=name, daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._run, args=(job,), name=name, daemon=True)
+        thread.start()
+        # Only a started thread is shown: publish() joins it without the lock, and a thread not yet
+        # started cannot be joined (a regroup's start on the runtime's thread raced a publication).
+        self._thread = thread
 
     def _run(self, job: tuple[list, int] | None) -> None:
         while True:
