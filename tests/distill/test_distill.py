@@ -246,6 +246,12 @@ def test_a_teacher_that_is_the_students_snapshot_gives_a_zero_signal(student) ->
     assert max(abs(a) for a in signal) < 2e-6  # 0 but for the engine's cached decoding's rounding
 
 
+def assert_every_group_trained_once(run_dir: Path, groups: int) -> None:
+    accounting = json.loads((run_dir / "summary.json").read_text())["accounting"]
+    assert accounting["reconciles"] and accounting["trained"] == groups
+    assert accounting["prompts_trained_twice"] == 0
+
+
 async def answer_observe_answer(client, task) -> float:
     """Two model turns with the environment's tokens between them: the second turn is sampled
     after tokens the model never sampled, which the teacher must see as context."""
@@ -338,12 +344,7 @@ def test_an_episode_run_is_distilled_on_its_model_turns(tmp_path: Path) -> None:
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert abs(rows[0]["distill_reverse_kl"]) < 2e-6 and rows[0]["teacher_logprob_mean"] < 0
     assert rows[-1]["distill_reverse_kl"] != rows[0]["distill_reverse_kl"]  # the student moved
-    accounting = json.loads((run_dir / "summary.json").read_text())["accounting"]
-    assert (
-        accounting["reconciles"]
-        and accounting["trained"] == 3 * 4
-        and accounting["prompts_trained_twice"] == 0
-    )
+    assert_every_group_trained_once(run_dir, 3 * 4)
 
 
 def test_a_served_teacher_scores_as_the_same_model_loaded_here(student) -> None:
@@ -480,12 +481,7 @@ def test_a_distillation_run_trains_every_group_once_with_the_teachers_signal(
     if runtime == "inline":
         assert abs(rows[0]["distill_reverse_kl"]) < 2e-6
         assert rows[-1]["distill_reverse_kl"] != rows[0]["distill_reverse_kl"]  # the student moved
-    accounting = json.loads((run_dir / "summary.json").read_text())["accounting"]
-    assert (
-        accounting["reconciles"]
-        and accounting["trained"] == 3 * 4
-        and accounting["prompts_trained_twice"] == 0
-    )
+    assert_every_group_trained_once(run_dir, 3 * 4)
     timeline = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines()]
     teach = [e for e in timeline if e.get("component") == "teacher" and e.get("name") == "teach"]
     assert sum(e["groups"] for e in teach) == 12
