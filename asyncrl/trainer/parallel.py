@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -176,7 +176,11 @@ class DistributedTrainer(Trainer):
         self._busy_s += time.perf_counter() - start
         return batches
 
-    def accumulate(self, batches: list[MicroBatch]) -> float:
+    def accumulate(self, batches: list[MicroBatch], stop: Callable[[], bool] | None = None) -> float:
+        """As :meth:`Trainer.accumulate`; ``stop`` must be None: ranks give a step up between
+        commands only (rank 0 decides), never between one rank's micro-batches."""
+        if stop is not None:
+            raise ValueError("a trainer rank cannot give a step up between micro-batches (stop must be None)")
         with self._gathered():
             return super().accumulate(batches)
 

@@ -139,12 +139,18 @@ def build_trainer(
         old_logprobs=cfg.old_logprob_mode,
         compute_dtype=compute_dtype(cfg, next(policy.model.parameters()).device),
     )
+    if adapter is not None:
+        # Its optimizer (and with ranks its DDP wrapper's gradient buckets) holds that adapter's
+        # parameters only.
+        with active_adapter(policy.model, adapter):
+            return _trainer(policy.model, ranks, cfg.trainer.parallel, adapter=adapter, **kwargs)
+    return _trainer(policy.model, ranks, cfg.trainer.parallel, **kwargs)
+
+
+def _trainer(model: torch.nn.Module, ranks: RankGroup | None, parallel: str, **kwargs) -> Trainer:
     if ranks is None:
-        if adapter is None:
-            return Trainer(policy.model, **kwargs)
-        with active_adapter(policy.model, adapter):  # its optimizer holds that adapter's parameters only
-            return Trainer(policy.model, adapter=adapter, **kwargs)
-    return DistributedTrainer(policy.model, ranks=ranks, parallel=cfg.trainer.parallel, **kwargs)
+        return Trainer(model, **kwargs)
+    return DistributedTrainer(model, ranks=ranks, parallel=parallel, **kwargs)
 
 
 def policy_config(cfg: Config, name: str) -> Config:

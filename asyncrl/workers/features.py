@@ -49,6 +49,7 @@ from asyncrl.engine.interface import Engine
 from asyncrl.models.loading import Policy
 from asyncrl.plugins import Registry
 from asyncrl.protocol.messages import Submit
+from asyncrl.trainer.distributed import RankGroup
 from asyncrl.trainer.interface import StepTrainer
 from asyncrl.transports.weights.interface import WeightLayout
 from asyncrl.types import Group
@@ -169,9 +170,11 @@ class TrainedModels(Protocol):
         ...
 
 
-# Builders of a feature's trained models: each gets (config, device) and gives its models, or
-# None when the run does not use it.
-TRAINED_MODELS: Registry[Callable[[Config, torch.device], TrainedModels | None]] = Registry("trained models")
+# Builders of a feature's trained models: each gets (config, device, the trainer ranks' group or
+# None in one process) and gives its models, or None when the run does not use it.
+TRAINED_MODELS: Registry[Callable[[Config, torch.device, RankGroup | None], TrainedModels | None]] = Registry(
+    "trained models"
+)
 
 
 class ServedModels(Protocol):

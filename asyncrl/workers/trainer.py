@@ -110,7 +110,7 @@ class TrainerWorker:
             self.ranks = RankGroup(spec, device)
         # The run's policy and a trainer over it, unless a feature brings models of its own
         # (several policies: a trainer each, driven as one).
-        self.models = brought(TRAINED_MODELS, cfg, device)
+        self.models = brought(TRAINED_MODELS, cfg, device, self.ranks)
         if self.models is not None:
             self.policy, layout = self.models.policy, self.models.layout
         else:

@@ -163,8 +163,8 @@ def test_the_models_a_feature_brings_are_the_workers_when_the_config_uses_it() -
     from asyncrl.workers.features import SERVED_MODELS, TRAINED_MODELS, brought
 
     cpu, one, several = torch.device("cpu"), load_config(None, []), load_config(None, list(TWO_POLICIES))
-    assert brought(TRAINED_MODELS, one, cpu) is None and brought(SERVED_MODELS, one, 0) is None
-    trained = brought(TRAINED_MODELS, several, cpu)
+    assert brought(TRAINED_MODELS, one, cpu, None) is None and brought(SERVED_MODELS, one, 0) is None
+    trained = brought(TRAINED_MODELS, several, cpu, None)
     assert isinstance(trained, TrainedPolicies) and isinstance(trained.trainer, PolicySet)
     assert list(trained.saved_beside()) == ["checker"]
     assert trained.layout.specs[-1].name == "policy_versions" and trained.layout.specs[-1].shape == (2,)
@@ -179,11 +179,11 @@ def test_the_models_a_feature_brings_are_the_workers_when_the_config_uses_it() -
         "default": -several.schedule.max_staleness,
         "checker": -several.schedule.max_staleness,
     }
-    TRAINED_MODELS.register("rival", lambda cfg, device: "its own models")
+    TRAINED_MODELS.register("rival", lambda cfg, device, ranks: "its own models")
     try:
         with pytest.raises(ValueError, match=r"\['policies', 'rival'\] each bring the run's trained models"):
-            brought(TRAINED_MODELS, several, cpu)
-        assert brought(TRAINED_MODELS, one, cpu) == "its own models"
+            brought(TRAINED_MODELS, several, cpu, None)
+        assert brought(TRAINED_MODELS, one, cpu, None) == "its own models"
     finally:
         TRAINED_MODELS.unregister("rival")
 

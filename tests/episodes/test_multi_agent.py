@@ -241,6 +241,33 @@ def test_two_adapters_of_one_base_train_each_on_its_own_roles_samples(tmp_path) 
     assert 0.0 <= summary["eval"][-1]["eval_accuracy"] <= 1.0
 
 
+@pytest.mark.slow  # two trainer ranks in local processes; the ranks' parity: tests/features/test_policy_ranks.py
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_two_policies_train_on_two_trainer_ranks(tmp_path) -> None:
+    """trainer.ranks=2 (DDP) with two policies, async: every group trained once, both clocks
+    advance with every step, and rank 0 reports each policy's tokens summed over both ranks."""
+    summary, rows = _run(
+        tmp_path,
+        "trainer.ranks=2",
+        "schedule.preset=async",
+        "runtime.kind=local",
+        "runtime.stall_timeout_s=60",
+        "runtime.stop_timeout_s=5",
+    )
+    books = summary["accounting"]
+    assert books["reconciles"] and books["trained"] == 9 and books["prompts_trained_twice"] == 0
+    assert summary["runtime"] == "local" and [r["step"] for r in rows] == [1, 2, 3]
+    trained = books["policies"]
+    for r in rows:
+        assert r["policy/default/version"] == r["policy/checker/version"] == r["step"]
+    # Each policy's books: its sample of each of the 9 groups' 3 episodes, trained once.
+    for name in ("default", "checker"):
+        assert trained[name]["samples_trained"] == 27 and trained[name]["reconciles"]
+        assert sum(r[f"policy/{name}/trained_tokens"] for r in rows) > 0
+    assert 0.0 <= summary["eval"][-1]["eval_accuracy"] <= 1.0
+
+
 def _two_policy_config(*extra: str):
     from asyncrl.config import load_config
 
@@ -478,9 +505,10 @@ def test_multi_agent_settings_are_checked_by_name() -> None:
                 "multi_agent.roles=[{name: a, policy: b}]",
                 "multi_agent.policies=[{name: b}]",
                 "trainer.ranks=2",
+                "trainer.parallel=fsdp2",
                 "runtime.kind=local",
             ],
-            "trainer.ranks=2",
+            "trainer.ranks=2 with trainer.parallel=ddp only, not 'fsdp2'",
         ),
         (["episode.environment=verify", "multi_agent.team_weight=0"], "both 0"),
         (["episode.environment=verify", "multi_agent.advantage=turn"], "multi_agent.advantage"),

@@ -147,6 +147,13 @@ def drive_checkpoint(worker: TrainerWorker, channel: InProcessChannel, script: s
     return {"weights": dict(channel._tensors), "version": worker.version}
 
 
+def drive_part(worker: TrainerWorker, channel: InProcessChannel, part: str, directory: Path) -> dict:
+    """Rank 0's side of one script: 'steps' (:func:`drive`), else :func:`drive_checkpoint`'s."""
+    if part == "steps":
+        return drive(worker, channel)
+    return drive_checkpoint(worker, channel, part, directory)
+
+
 def _rank_main(
     rank: int,
     world_size: int,
@@ -156,10 +163,13 @@ def _rank_main(
     out: str,
     script: str = "steps",
     extra: tuple[str, ...] = (),
+    driver: Callable[[TrainerWorker, InProcessChannel, str, Path], dict] = drive_part,
 ) -> None:
     """Body of one rank (module level, so that a started process can import it). ``script`` names one
     script, or several joined by '+': each runs with workers and a group of its own (on its own
-    port), one after another in the same processes; rank 0 then saves {script: result}."""
+    port), one after another in the same processes; rank 0 drives each (``driver``: its
+    worker, the channel it publishes into, the script, the checkpoint directory) and then
+    saves {script: result}."""
     torch.set_num_threads(1)
     results = {}
     for part, port in zip(script.split("+"), ports, strict=True):
@@ -174,10 +184,8 @@ def _rank_main(
             master_port=port,
         )
         try:
-            if rank == 0 and part == "steps":
-                results[part] = drive(worker, channel)
-            elif rank == 0:
-                results[part] = drive_checkpoint(worker, channel, part, Path(out).parent / "checkpoint")
+            if rank == 0:
+                results[part] = driver(worker, channel, part, Path(out).parent / "checkpoint")
             else:
                 run_follower(worker)
         finally:
@@ -187,18 +195,25 @@ def _rank_main(
 
 
 def run_ranks(
-    world_size: int, parallel: str, model: str, out: Path, script: str = "steps", extra: tuple[str, ...] = ()
+    world_size: int,
+    parallel: str,
+    model: str,
+    out: Path,
+    script: str = "steps",
+    extra: tuple[str, ...] = (),
+    driver: Callable[[TrainerWorker, InProcessChannel, str, Path], dict] = drive_part,
 ) -> dict:
     """Start the ranks on a free port (one per script of ``script``) as the local runtime starts
     its workers (forked from the fork server, which has imported torch and asyncrl once); join
-    them within RANK_TIMEOUT_S or kill them and fail."""
+    them within RANK_TIMEOUT_S or kill them and fail. ``driver``: rank 0's side of each script
+    (defined at a module's top level, so that a started process can import it)."""
     worker_context("forkserver")  # the server's preload, in case no run of this process started it yet
     ports: set[int] = set()
     while len(ports) < len(script.split("+")):
         ports.add(free_port())
     ctx = mp.start_processes(
         _rank_main,
-        args=(world_size, tuple(sorted(ports)), parallel, model, str(out), script, extra),
+        args=(world_size, tuple(sorted(ports)), parallel, model, str(out), script, extra, driver),
         nprocs=world_size,
         join=False,
         start_method="forkserver",

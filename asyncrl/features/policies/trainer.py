@@ -10,6 +10,13 @@ their policy's trainer (``Sample.policy``), each trained policy takes its optimi
 its own divisor (``FinishStep.policy_divisors``), and the run's version (the publication
 number every schedule counts) advances by one.
 
+With data-parallel trainer ranks (``trainer.ranks`` > 1, DDP) every policy's trainer is a
+rank of its own data-parallel trainer, all of them in the ranks' one process group. A rank's
+share of a policy's samples may be empty, yet every rank must run the same collectives
+(each policy's gradient sync in ``finish_step``): so which policies a call runs is decided
+from the whole command's samples, which every rank receives, never from the rank's own
+micro-batches — a policy steps when it is trained and the step's commands held samples of it.
+
 A weight sync publishes each trained policy's weights and every policy's clock
 (:mod:`.weights`). :class:`TrainedPolicies` is what the trainer worker drives: the set, its
 primary policy, what it publishes, what a checkpoint saves beside the primary, and the
@@ -33,6 +40,7 @@ from asyncrl.features.policies.weights import CLOCKS, published_name
 from asyncrl.models.loading import Policy
 from asyncrl.models.lora import active_adapter
 from asyncrl.trainer.batching import MicroBatch
+from asyncrl.trainer.distributed import RankGroup
 from asyncrl.trainer.trainer import Trainer
 from asyncrl.transports.weights.interface import WeightLayout
 from asyncrl.types import Sample
@@ -62,17 +70,24 @@ class PolicySet:
     three calls, a batch's later steps, checkpoint state, published weights); ``version`` is the run's
     version and :attr:`clocks` every policy's own. The first policy (``default`` when a role
     uses it) is the primary: its weights go where a single policy's do in a checkpoint.
+    ``ranks``: the trainer ranks' group when every member is one rank of a data-parallel trainer.
     """
 
     sharded = False
 
-    def __init__(self, members: list[PolicyMember]) -> None:
+    def __init__(self, members: list[PolicyMember], ranks: RankGroup | None = None) -> None:
         if not members:
             raise ValueError("a policy set needs at least one policy")
         self.members = {m.name: m for m in members}
         self.order = [m.name for m in members]
+        self.ranks = ranks
         self.version = 0
-        self._stepping: set[str] = set()
+        # The policies that take an optimizer step at the next finish_step, the policies of the
+        # last prepare (its accumulate runs each of them), and those of the last finished step
+        # (a batch's later steps run each of them): all read off whole commands, the same on every rank.
+        self._stepping: list[str] = []
+        self._prepared: list[str] = []
+        self._stepped: list[str] = []
 
     @property
     def primary(self) -> PolicyMember:
@@ -97,10 +112,11 @@ class PolicySet:
     def begin_step(self) -> None:
         for member in self.members.values():
             member.trainer.begin_step()
-        self._stepping = set()
+        self._stepping = []
 
     def prepare(self, samples: list[Sample]) -> list[MicroBatch]:
-        """Each trained policy's micro-batches of its samples (a frozen policy's are not trained)."""
+        """Each trained policy's micro-batches of its samples (a frozen policy's are not trained);
+        with ranks, of this rank's share of them."""
         by_policy: dict[str, list[Sample]] = defaultdict(list)
         for sample in samples:
             if sample.policy not in self.members:
@@ -109,11 +125,11 @@ class PolicySet:
                     f"which this run does not train (its policies: {self.order})"
                 )
             by_policy[sample.policy].append(sample)
+        self._prepared = [n for n in self.order if self.members[n].train and by_policy.get(n)]
+        self._stepping += [n for n in self._prepared if n not in self._stepping]
         batches = []
-        for name in self.order:
+        for name in self._prepared:
             member = self.members[name]
-            if not member.train or not by_policy.get(name):
-                continue
             with member.active():
                 prepared = member.trainer.prepare(by_policy[name])
             for mb in prepared:
@@ -122,15 +138,20 @@ class PolicySet:
         return batches
 
     def accumulate(self, batches: list[MicroBatch], stop: Callable[[], bool] | None = None) -> float:
+        """Forward and backward of each policy's micro-batches: of every policy the last
+        ``prepare`` had samples of (a rank's share may hold none of them) and of any other the
+        batches name."""
         total = 0.0
-        for name in self.order:
-            own = [mb for mb in batches if mb.policy == name]
-            if own:
-                self._stepping.add(name)
-                member = self.members[name]
-                with member.active():
-                    total += member.trainer.accumulate(own, stop=stop)
+        for name in self._policies_of(batches, self._prepared):
+            member = self.members[name]
+            with member.active():
+                total += member.trainer.accumulate([mb for mb in batches if mb.policy == name], stop=stop)
         return total
+
+    def _policies_of(self, batches: list[MicroBatch], named: list[str]) -> list[str]:
+        """``named`` and the policies of ``batches``, in the run's order."""
+        held = {mb.policy for mb in batches}
+        return [n for n in self.order if n in held or n in named]
 
     def finish_step(self, divisor: float | Mapping[str, float]) -> dict[str, float]:
         """Each policy that got micro-batches in this step takes its optimizer step; the run's
@@ -141,7 +162,7 @@ class PolicySet:
                 own = divisor[name] if isinstance(divisor, Mapping) else divisor
                 with self.members[name].active():
                     metrics[name] = self.members[name].trainer.finish_step(own)
-        self._stepping = set()
+        self._stepped, self._stepping = self._stepping, []
         self.version += 1
         return self._merged(metrics)
 
@@ -152,19 +173,20 @@ class PolicySet:
         iterations: int,
         stop: Callable[[], bool] | None = None,
     ) -> list[dict[str, float]]:
-        """A batch's later optimizer steps (PPO epochs), all policies together; ``stop`` is asked
-        between whole steps only, so that every policy has taken the same steps."""
+        """A batch's later optimizer steps (PPO epochs), all policies together: each policy of
+        the step just finished (with ranks, whether or not this rank's share held its samples)
+        and of the batches; ``stop`` is asked between whole steps only, so that every policy has
+        taken the same steps."""
         steps = []
         for _ in range(iterations):
             if stop is not None and stop():
                 break
             metrics = {}
-            for name in self.order:
+            for name in self._policies_of(batches, self._stepped):
                 own = [mb for mb in batches if mb.policy == name]
-                if own:
-                    d = divisor[name] if isinstance(divisor, Mapping) else divisor
-                    with self.members[name].active():
-                        (metrics[name],) = self.members[name].trainer.train_batch(own, d, 1)
+                d = divisor[name] if isinstance(divisor, Mapping) else divisor
+                with self.members[name].active():
+                    (metrics[name],) = self.members[name].trainer.train_batch(own, d, 1)
             self.version += 1
             steps.append(self._merged(metrics))
         return steps
@@ -211,6 +233,9 @@ class PolicySet:
         return {"version": self.version, "policies": policies}
 
     def load_checkpoint_state(self, weights: dict[str, torch.Tensor], state: dict) -> int:
+        """With ranks, rank 0 read the checkpoint: every rank gets what it read."""
+        if self.ranks is not None:
+            weights, state = self.ranks.broadcast_object((weights, state) if self.ranks.is_leader else None)
         saved = state.get("policies")
         if saved is None or sorted(saved) != sorted(self.order):
             raise ValueError(
@@ -224,9 +249,10 @@ class PolicySet:
         return self.version
 
 
-def build_policy_set(cfg: Config, device: torch.device) -> PolicySet:
+def build_policy_set(cfg: Config, device: torch.device, ranks: RankGroup | None = None) -> PolicySet:
     """A trainer for every policy a role uses: the adapter policies share one base model
-    carrying an adapter each; a kind=model policy has a model of its own."""
+    carrying an adapter each; a kind=model policy has a model of its own. With ``ranks``, each
+    trainer is this rank of a data-parallel one (built in the same order on every rank)."""
     adapters = cfg.multi_agent.adapter_policies
     shared = assembly.build_policy(cfg, device, trainable=True, adapters=adapters) if adapters else None
     members = []
@@ -234,14 +260,14 @@ def build_policy_set(cfg: Config, device: torch.device) -> PolicySet:
         spec = cfg.multi_agent.policy(name)
         own = assembly.policy_config(cfg, name)
         if shared is not None and name in adapters:
-            policy, trainer = shared, assembly.build_trainer(own, shared, adapter=name)
+            policy, trainer = shared, assembly.build_trainer(own, shared, ranks, adapter=name)
         else:
             policy = assembly.build_policy(own, device, trainable=True)
-            trainer = assembly.build_trainer(own, policy)
+            trainer = assembly.build_trainer(own, policy, ranks)
         members.append(
             PolicyMember(name, policy, trainer, train=spec is None or spec.train, adapter=name in adapters)
         )
-    return PolicySet(members)
+    return PolicySet(members, ranks)
 
 
 class TrainedPolicies:
@@ -287,9 +313,9 @@ class TrainedPolicies:
         return {name: int(metrics[f"policy/{name}/version"]) for name in self.trainer.order}
 
 
-def trained_policies(cfg: Config, device: torch.device) -> TrainedPolicies | None:
+def trained_policies(cfg: Config, device: torch.device, ranks: RankGroup | None) -> TrainedPolicies | None:
     """The trainer worker's models with several policies (a builder of
     :data:`~asyncrl.workers.features.TRAINED_MODELS`); None with one."""
     if not cfg.multi_agent.several_policies:
         return None
-    return TrainedPolicies(cfg, build_policy_set(cfg, device))
+    return TrainedPolicies(cfg, build_policy_set(cfg, device, ranks))
