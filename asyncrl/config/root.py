@@ -173,13 +173,13 @@ class Config(Section):
                     "multi_agent.policies is set but multi_agent.roles is empty: no role uses them"
                 )
             return
-        if agents.policy_names != ["default"] and self.trainer.ranks > 1 and self.trainer.parallel != "ddp":
-            # A policy's rank would hold a shard of its weights, which the trainer worker's
-            # checkpoints and evaluations read whole from one policy only; adapters of one base
-            # share its parameters, which FSDP2 can shard only once.
+        adapters = agents.adapter_policies
+        if adapters and self.trainer.ranks > 1 and self.trainer.parallel == "fsdp2":
+            # Every adapter's trainer would shard the base's modules they share: FSDP2 shards a module once.
             raise ValueError(
-                f"several policies (multi_agent.policies, used by roles) train on trainer.ranks="
-                f"{self.trainer.ranks} with trainer.parallel=ddp only, not {self.trainer.parallel!r}"
+                f"multi_agent.policies {adapters} are adapters of one base model, which trainer.parallel=fsdp2 "
+                f"cannot shard for each of them (trainer.ranks={self.trainer.ranks}): use trainer.parallel=ddp, "
+                "or policies of kind=model"
             )
         for policy in agents.policies:
             if policy.kind == "adapter" and not self.lora.enabled:

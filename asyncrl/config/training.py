@@ -369,7 +369,7 @@ class TrainerConfig(Section):
         description="Trainer processes (data-parallel ranks, torch.distributed: NCCL when the model is on "
         "CUDA, one GPU per rank; gloo on CPU). Each trains on its share of every batch and gradients are "
         "summed across ranks before the division by the batch divisor; 1 = one trainer process. More than "
-        "1 needs the local runtime (runtime.kind=local, or auto).",
+        "1 needs a runtime of processes (runtime.kind=local or ray; auto picks local).",
     )
     parallel: Literal["ddp", "fsdp2"] = Field(
         "ddp",

@@ -24,7 +24,7 @@ from asyncrl.models.loading import (
     resolve_dtype,
     save_policy,
 )
-from asyncrl.models.lora import active_adapter, add_adapters, apply_lora, lora_targets
+from asyncrl.models.lora import active_adapter, add_adapters, apply_lora, lora_targets, synced_parameters
 from asyncrl.trainer.distributed import RankGroup
 from asyncrl.trainer.parallel import DistributedTrainer
 from asyncrl.trainer.trainer import Trainer
@@ -151,6 +151,31 @@ def _trainer(model: torch.nn.Module, ranks: RankGroup | None, parallel: str, **k
     if ranks is None:
         return Trainer(model, **kwargs)
     return DistributedTrainer(model, ranks=ranks, parallel=parallel, **kwargs)
+
+
+class WholeCopy:
+    """Rank 0's whole copy of a sharded (FSDP2) trainer's policy, for what reads it whole: the
+    checkpoint's model files, a saved model, an evaluation's engine. Built as the trainer's policy
+    on first use (frozen), refreshed by each :meth:`gather`."""
+
+    def __init__(self, cfg: Config, device: torch.device) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.policy: Policy | None = None
+
+    def gather(self, trainer: Trainer, leader: bool) -> Policy | None:
+        """Every rank joins the trainer's gather; rank 0 (``leader``) gets the copy, the others None."""
+        weights = trainer.named_weights()
+        if not leader:
+            return None
+        if self.policy is None:
+            self.policy = build_policy(self.cfg, self.device, trainable=True)
+            self.policy.model.requires_grad_(False)
+        params = dict(synced_parameters(self.policy.model))
+        with torch.no_grad():
+            for name, tensor in weights:
+                params[name].copy_(tensor)
+        return self.policy
 
 
 def policy_config(cfg: Config, name: str) -> Config:

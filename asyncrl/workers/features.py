@@ -152,13 +152,21 @@ class TrainedModels(Protocol):
     policy: Policy  # the primary policy: a checkpoint holds its weights where a single policy's go
     layout: WeightLayout  # what a weight sync publishes
 
+    def whole(self, leader: bool) -> Policy | None:
+        """The primary policy with whole weights on rank 0 (``leader``), None on the other ranks;
+        with sharded trainers every rank joins the gathers, after which :meth:`saved_beside` and
+        the evaluation's engines hold whole weights too (on rank 0)."""
+        ...
+
     def saved_beside(self) -> dict[str, Policy]:
-        """The other policies, by name: a checkpoint holds each in ``policies/<name>``."""
+        """The other policies, by name, as of the last :meth:`whole`: a checkpoint holds each in
+        ``policies/<name>``."""
         ...
 
     def evaluation_engines(self, make_engine: Callable[..., Engine]) -> tuple[Engine, dict[str, Engine]]:
-        """The engines an evaluation generates with: the run's own, and every policy's by name
-        (``make_engine(policy)``, or ``make_engine(policy, adapters)`` for one serving adapters)."""
+        """The engines an evaluation generates with (over the policies :meth:`whole` keeps whole):
+        the run's own, and every policy's by name (``make_engine(policy)``, or
+        ``make_engine(policy, adapters)`` for one serving adapters)."""
         ...
 
     def before_evaluation(self, engines: Mapping[str, Engine]) -> list[torch.nn.Module]:

@@ -14,12 +14,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from asyncrl import checkpoints as checkpoint
 from asyncrl.config import Config
 from asyncrl.models.loading import Policy, resolve_device, save_policy
-from asyncrl.models.lora import published_weights, synced_parameters
+from asyncrl.models.lora import published_weights
 from asyncrl.protocol.messages import (
     Accumulate,
     CheckpointSaved,
@@ -137,7 +135,7 @@ class TrainerWorker:
         self._in_progress: BatchInProgress | None = None  # a batch a stop interrupted between its steps
         # Evaluations (rank 0): the run's rollout, greedy, on an engine over the trainer's own model.
         self.evaluation = TrainerEvaluation(cfg)
-        self._gathered_policy: Policy | None = None
+        self._whole = assembly.WholeCopy(cfg, device)  # with FSDP2: rank 0's whole copy of the policy
 
     @property
     def version(self) -> int:
@@ -252,19 +250,11 @@ class TrainerWorker:
 
     def _full_policy(self) -> Policy | None:
         """The policy with whole weights on rank 0 (None elsewhere); with FSDP2 every rank joins a gather."""
+        if self.models is not None:  # a feature's models (several policies) gather their own
+            return self.models.whole(self.is_leader)
         if not self.trainer.sharded:
             return self.policy if self.is_leader else None
-        weights = self.trainer.named_weights()
-        if not self.is_leader:
-            return None
-        if self._gathered_policy is None:
-            self._gathered_policy = assembly.build_policy(self.cfg, self.trainer.device, trainable=True)
-            self._gathered_policy.model.requires_grad_(False)
-        params = dict(synced_parameters(self._gathered_policy.model))
-        with torch.no_grad():
-            for name, tensor in weights:
-                params[name].copy_(tensor)
-        return self._gathered_policy
+        return self._whole.gather(self.trainer, self.is_leader)
 
     def _save_checkpoint(self, command: SaveCheckpoint) -> list:
         if self.trainer.version != command.version:

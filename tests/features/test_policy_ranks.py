@@ -1,4 +1,4 @@
-"""Several policies on two data-parallel trainer ranks (DDP) equal one trainer process.
+"""Several policies on two data-parallel trainer ranks (DDP, FSDP2) equal one trainer process.
 
 The same command sequence runs through one TrainerWorker in this process and through two
 ranks spawned on a free 127.0.0.1 port (tests/trainer/test_distributed.py's harness), with two
@@ -7,7 +7,8 @@ that the ranks' collectives could part ways if a rank decided from its own share
 with one sample of a policy (one rank holds none of it), a step whose only sample of a policy
 is one (one rank holds none of it in the whole step) and a step without that policy at all
 (its clock stays). The published weights of both policies, each policy's step metrics and
-clocks, and a checkpoint taken by the ranks and resumed by them are compared.
+clocks, a checkpoint taken by the ranks and resumed by them, an evaluation and the saved
+model (read whole from FSDP2's shards) are compared.
 """
 
 from __future__ import annotations
@@ -16,8 +17,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from asyncrl.protocol.messages import Accumulate, FinishStep, Restore, SaveCheckpoint, StepDone
+from asyncrl.protocol.messages import (
+    Accumulate,
+    Evaluate,
+    FinishStep,
+    Restore,
+    SaveCheckpoint,
+    SaveModel,
+    StepDone,
+)
 from asyncrl.transports.weights.inprocess import InProcessChannel
 from asyncrl.types import Group
 from asyncrl.workers.trainer import TrainerWorker
@@ -84,28 +94,40 @@ def run_steps(worker: TrainerWorker, steps: range) -> list[dict]:
 
 
 def drive(worker: TrainerWorker, channel: InProcessChannel, script: str, directory: Path) -> dict:
-    """'steps': the three steps. 'save': step 1, a checkpoint. 'restore': the checkpoint, steps 2-3."""
+    """'steps': the three steps, an evaluation and the saved model (beside ``directory``). 'save':
+    step 1, a checkpoint. 'restore': the checkpoint, steps 2-3."""
+    out: dict = {}
     if script == "restore":
         (restored,) = worker.handle(Restore(str(directory)))
-        metrics = run_steps(worker, range(1, 3))
+        out["restored"] = restored.version
+        out["metrics"] = run_steps(worker, range(1, 3))
     else:
-        metrics = run_steps(worker, range(3 if script == "steps" else 1))
-        restored = None
+        out["metrics"] = run_steps(worker, range(3 if script == "steps" else 1))
     if script == "save":
         saved = worker.handle(SaveCheckpoint(str(directory), worker.version))
         assert [type(e).__name__ for e in saved] == ["Span", "CheckpointSaved"]
-    return {
-        "weights": dict(channel._tensors),
-        "metrics": metrics,
-        "restored": None if restored is None else restored.version,
-    }
+    if script == "steps":
+        (_span, done) = worker.handle(Evaluate(3))
+        out["accuracy"] = done.accuracy
+        (saved,) = worker.handle(SaveModel(str(directory.parent / "model")))
+        out["saved"] = saved.path
+    return {**out, "weights": dict(channel._tensors)}
 
 
-def one_process(extra: tuple[str, ...]) -> dict:
+def saved_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The saved model's tensors under their published names (the checker's under policy/checker/)."""
+    weights = dict(load_file(path / "model.safetensors"))
+    weights.update(
+        {f"policy/checker/{n}": t for n, t in load_file(path / "policies/checker/model.safetensors").items()}
+    )
+    return weights
+
+
+def one_process(extra: tuple[str, ...], directory: Path) -> dict:
     channel = InProcessChannel()
     worker = TrainerWorker("trainer", rank_config(1, "ddp", "tiny:1m", extra), lambda layout: channel)
     initial = {n: t.clone() for n, t in worker.trainer.synced_weights()}
-    return {**drive(worker, channel, "steps", Path()), "initial": initial}
+    return {**drive(worker, channel, "steps", directory / "checkpoint"), "initial": initial}
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], prefix: str = "") -> float:
@@ -115,11 +137,13 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], prefix: str
 @pytest.mark.slow  # two spawned ranks, three times; one policy on ranks: tests/trainer/test_distributed.py
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("kind", ["model", "adapter"])
-def test_two_policies_on_two_ddp_ranks_match_one_process_and_resume(tmp_path: Path, kind: str) -> None:
+@pytest.mark.parametrize(("kind", "parallel"), [("model", "ddp"), ("adapter", "ddp"), ("model", "fsdp2")])
+def test_two_policies_on_two_ranks_match_one_process_and_resume(
+    tmp_path: Path, kind: str, parallel: str
+) -> None:
     extra = KINDS[kind]
-    reference = one_process(extra)
-    got = run_ranks(2, "ddp", "tiny:1m", tmp_path / "rank0.pt", "steps+save+restore", extra, driver=drive)
+    reference = one_process(extra, tmp_path / "one")
+    got = run_ranks(2, parallel, "tiny:1m", tmp_path / "rank0.pt", "steps+save+restore", extra, driver=drive)
     ref, initial = reference["weights"], reference["initial"]
     assert got["steps"]["weights"].keys() == ref.keys()
     # Both policies' published weights moved, and the ranks published the one process's.
@@ -130,7 +154,7 @@ def test_two_policies_on_two_ddp_ranks_match_one_process_and_resume(tmp_path: Pa
         assert max(float((ref[n] - initial[n]).abs().max()) for n in names) > 1e-4, policy
     diff = max_diff(got["steps"]["weights"], ref)
     resumed = max_diff(got["restore"]["weights"], ref)
-    print(f"{kind}: max |published diff| {diff:.3g} straight, {resumed:.3g} resumed")
+    print(f"{kind} {parallel}: max |published diff| {diff:.3g} straight, {resumed:.3g} resumed")
     assert diff <= 1e-5
     # Each policy's clock by hand: it advances with every optimizer step of a step it had samples in.
     iterations = 2 if kind == "adapter" else 1
@@ -155,3 +179,11 @@ def test_two_policies_on_two_ddp_ranks_match_one_process_and_resume(tmp_path: Pa
     # The ranks' checkpoint after step 1, resumed by the ranks: the straight run's weights.
     assert got["restore"]["restored"] == iterations
     assert resumed <= 1e-5
+    # Rank 0 evaluated and saved every policy whole (with FSDP2 from its gathered copies): the
+    # one process's greedy accuracy, and each policy's saved weights are its published ones.
+    assert got["steps"]["accuracy"] == reference["accuracy"]
+    if kind == "model":
+        saved = saved_weights(Path(got["steps"]["saved"]))
+        published = {n: t for n, t in got["steps"]["weights"].items() if n != "policy_versions"}
+        assert saved.keys() >= published.keys()
+        assert all(torch.equal(saved[n], t) for n, t in published.items())

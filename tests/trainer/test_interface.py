@@ -70,4 +70,5 @@ def test_the_trainer_worker_calls_nothing_else_of_its_trainer() -> None:
         and node.value.value.id == "self"
     }
     assert used, "the worker's calls were not found"
-    assert used - set(protocol_members()) == {"named_weights"}  # the sharded path's gather
+    # (The sharded path reads whole weights through assembly.WholeCopy, which takes a Trainer.)
+    assert used <= set(protocol_members())

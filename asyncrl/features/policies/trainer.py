@@ -73,8 +73,6 @@ class PolicySet:
     ``ranks``: the trainer ranks' group when every member is one rank of a data-parallel trainer.
     """
 
-    sharded = False
-
     def __init__(self, members: list[PolicyMember], ranks: RankGroup | None = None) -> None:
         if not members:
             raise ValueError("a policy set needs at least one policy")
@@ -92,6 +90,11 @@ class PolicySet:
     @property
     def primary(self) -> PolicyMember:
         return self.members[self.order[0]]
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the policies' weights are split across the ranks (FSDP2)."""
+        return any(m.trainer.sharded for m in self.members.values())
 
     @property
     def clocks(self) -> dict[str, int]:
@@ -272,16 +275,32 @@ def build_policy_set(cfg: Config, device: torch.device, ranks: RankGroup | None 
 
 class TrainedPolicies:
     """The trainer worker's models with several policies (a
-    :class:`~asyncrl.workers.features.TrainedModels`): the set, driven as one trainer."""
+    :class:`~asyncrl.workers.features.TrainedModels`): the set, driven as one trainer. With FSDP2
+    ranks, rank 0 keeps a whole copy of every policy (built on the first gather) for what reads
+    a policy whole: checkpoints, the saved model, evaluations."""
 
     def __init__(self, cfg: Config, policies: PolicySet) -> None:
         self.cfg = cfg
         self.trainer = policies
         self.policy = policies.primary.policy
         self.layout = WeightLayout.of(policies.synced_weights())
+        # Each policy whole, by name: its trainer's own, or with FSDP2 rank 0's copy as of the last gather.
+        self._whole = {name: m.policy for name, m in policies.members.items()}
+        self._copies = (
+            {n: assembly.WholeCopy(assembly.policy_config(cfg, n), policies.device) for n in policies.order}
+            if policies.sharded
+            else {}
+        )
+
+    def whole(self, leader: bool) -> Policy | None:
+        for name, copy in self._copies.items():  # in the run's order on every rank: each a gather
+            gathered = copy.gather(self.trainer.members[name].trainer, leader)
+            if gathered is not None:
+                self._whole[name] = gathered
+        return self._whole[self.trainer.order[0]] if leader else None
 
     def saved_beside(self) -> dict[str, Policy]:
-        return {name: self.trainer.members[name].policy for name in self.trainer.order[1:]}
+        return {name: self._whole[name] for name in self.trainer.order[1:]}
 
     def evaluation_engines(self, make_engine: Callable[..., Engine]) -> tuple[Engine, dict[str, Engine]]:
         """Each kind=model policy's own model (``make_engine(policy)``); the adapter policies on
@@ -289,11 +308,7 @@ class TrainedPolicies:
         (``make_engine(policy, adapters)``), brought up to date by :meth:`before_evaluation`."""
         policies = self.trainer
         adapters = self.cfg.multi_agent.adapter_policies
-        engines = {
-            name: make_engine(member.policy)
-            for name, member in policies.members.items()
-            if name not in adapters
-        }
+        engines = {name: make_engine(self._whole[name]) for name in policies.order if name not in adapters}
         if adapters:
             from_base = assembly.build_policy(self.cfg)  # the base model, plain, in the compute dtype
             shared = make_engine(from_base, MultiLora(from_base.model, self.cfg.lora, adapters))
@@ -307,7 +322,7 @@ class TrainedPolicies:
                 engines[name].load_adapter(
                     name, dict(member.trainer.synced_weights()), member.trainer.version
                 )
-        return list({id(m.policy.model): m.policy.model for m in self.trainer.members.values()}.values())
+        return list({id(p.model): p.model for p in self._whole.values()}.values())
 
     def clocks_at(self, metrics: Mapping[str, float]) -> dict[str, int]:
         return {name: int(metrics[f"policy/{name}/version"]) for name in self.trainer.order}
