@@ -138,7 +138,6 @@ class Config(Section):
         reasons = {
             "episode.environment": self.episode.environment is not None
             and "episodes are branched by turns, not tokens",
-            "distill.teacher": self.distill.enabled and "the teacher stage does not score branch groups",
             "task.step_delimiter": self.task.step_delimiter is not None
             and "step rewards of a branch would cover only its continuation",
             "algorithm.advantage_scale": self.algorithm.advantage_scale == "batch"

@@ -371,6 +371,37 @@ def test_a_sync_run_trains_branch_groups_and_its_books_reconcile(tmp_path: Path)
     assert all(0 < r["pivot_depth_mean"] < 1 for r in rows[1:] if "pivot_depth_mean" in r)
 
 
+def test_branch_groups_are_distilled_on_their_continuations(tmp_path: Path) -> None:
+    """Pivots with the teacher stage, the teacher being the student refreshed at every version
+    (sync): every step's samples, branch groups included, are scored by the weights that sampled
+    them, so the reverse KL is 0 up to rounding at every step — although each branch's prefix
+    was sampled a version earlier than its continuation: the prefix is context, out of the
+    signal. The teacher scored every group, main and branch."""
+    cfg = load_config(
+        None,
+        [
+            *short_run(4, prompts=8),
+            *PIVOTS,
+            "pivot.max_groups=4",
+            "distill.teacher=self",
+            "distill.refresh_every=1",
+            "schedule=sync",
+            "runtime.kind=inline",
+        ],
+    )
+    summary = train(cfg, tmp_path)
+    acc = summary["accounting"]
+    assert acc["reconciles"] and acc["branches_reconcile"] and acc["trained"] == 32
+    assert acc["branches_trained"] > 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert max(abs(r["distill_reverse_kl"]) for r in rows) < 2e-6
+    assert all(r["pivot_lag_max"] >= 1 for r in rows if r["branch_groups"])  # prefixes a version older
+    timeline = [json.loads(line) for line in (tmp_path / "timeline.jsonl").read_text().splitlines()]
+    taught = sum(e["groups"] for e in timeline if e["component"] == "teacher" and e["name"] == "teach")
+    assert taught == 32 + acc["branches_generated"]
+
+
 @pytest.mark.parametrize(
     "schedule",
     [
