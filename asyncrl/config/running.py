@@ -17,9 +17,24 @@ class RunConfig(Section):
     seed: int = Field(0, description="Seed for sampling, initialisation and data order.")
     progress: bool = Field(True, description="Live progress display on the terminal.")
     eval_every: int = Field(
-        25, ge=0, description="Greedy accuracy on held-out prompts every N steps (0 = off)."
+        25,
+        ge=0,
+        description="Evaluate on held-out prompts every N steps (0 = off): eval_accuracy, the mean reward.",
     )
     eval_prompts: int = Field(200, ge=1, description="Held-out prompts per evaluation.")
+    eval_samples: int = Field(
+        1,
+        ge=1,
+        description="Completions per held-out prompt. 1: eval_accuracy is the mean reward of one completion "
+        "each; N > 1 (needs eval_temperature > 0): eval_accuracy is the mean over all N (mean@N) and "
+        "eval_best_of_n the mean over prompts of the best of their N (pass@N for 0/1 rewards).",
+    )
+    eval_temperature: float = Field(
+        0.0,
+        ge=0.0,
+        description="Sampling temperature of evaluations: 0 = greedy; above 0 with rollout.top_k/top_p/min_p, "
+        "each completion seeded by the run's seed and its place, so two evaluations of the same weights agree.",
+    )
     checkpoint_every: int = Field(
         50,
         ge=0,
@@ -59,6 +74,15 @@ class RunConfig(Section):
         description="'auto': online when an API key is configured (WANDB_API_KEY or `wandb login`), else "
         "offline (files in RUN_DIR/wandb, to `wandb sync` later). WANDB_MODE in the environment wins.",
     )
+
+    @model_validator(mode="after")
+    def _sampled_evaluations(self) -> RunConfig:
+        if self.eval_samples > 1 and self.eval_temperature == 0:
+            raise ValueError(
+                f"run.eval_samples={self.eval_samples} with run.eval_temperature=0: greedy completions of one "
+                "prompt are all the same; set run.eval_temperature > 0 (e.g. 1.0) or run.eval_samples=1"
+            )
+        return self
 
 
 SCHEDULE_PRESETS: dict[str, dict[str, Any]] = {

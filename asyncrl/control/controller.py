@@ -290,7 +290,7 @@ class Controller:
             self._on_step(event)
         elif isinstance(event, EvalDone):
             self.evals_pending -= 1
-            self.session.record_eval(event.step, event.accuracy)
+            self.session.record_eval(event.step, event.figures)
         elif isinstance(event, Saved):
             self.saved = True
         elif isinstance(event, CheckpointSaved):

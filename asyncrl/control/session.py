@@ -111,12 +111,13 @@ class RunSession:
         append_record(self.run_dir / "events.jsonl", {"time_s": round(self.elapsed(), 4), "warning": message})
         self.progress.warn(message)
 
-    def record_eval(self, step: int, accuracy: float) -> None:
-        entry = {"step": step, "time_s": round(self.elapsed(), 4), "eval_accuracy": accuracy}
+    def record_eval(self, step: int, figures: dict[str, float]) -> None:
+        """An evaluation's figures (eval_accuracy, eval_best_of_n) into eval.jsonl and the trackers."""
+        entry = {"step": step, "time_s": round(self.elapsed(), 4), **figures}
         self.evals.append(entry)
         append_record(self.run_dir / "eval.jsonl", entry)
         for tracker in self.trackers:
-            tracker.log(step, {"eval_accuracy": accuracy})
+            tracker.log(step, dict(figures))
 
     def summary(self) -> dict[str, Any]:
         # With several optimizer steps per batch, only a batch's first step carries its rewards.

@@ -240,9 +240,16 @@ class StepDone:
 
 @dataclass
 class EvalDone:
+    """An evaluation's figures by metric name: ``eval_accuracy``, and with several samples per
+    prompt ``eval_best_of_n`` (:func:`~asyncrl.rollout.evaluation.evaluation_figures`)."""
+
     worker: str
     step: int
-    accuracy: float
+    figures: dict[str, float]
+
+    @property
+    def accuracy(self) -> float:
+        return self.figures["eval_accuracy"]
 
 
 @dataclass

@@ -25,7 +25,7 @@ class Panel:
 PANELS = (
     Panel("reward", "Reward (mean per step)", ("reward_mean",), "reward"),
     Panel("reward_functions", "Reward per reward function", ("reward/*",), "unweighted value"),
-    Panel("eval_accuracy", "Eval accuracy (held-out, greedy)", ("eval_accuracy",), "accuracy", "eval"),
+    Panel("eval_accuracy", "Eval accuracy (held-out; best of N with N samples)", ("eval_accuracy", "eval_best_of_n"), "mean reward", "eval"),
     Panel("loss", "Loss", ("loss",)),
     Panel("kl", "KL", ("kl_ref", "mismatch_kl"), "nats/token"),
     Panel("entropy", "Entropy", ("entropy",), "nats/token"),

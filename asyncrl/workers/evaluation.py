@@ -1,9 +1,10 @@
-"""The trainer's evaluations: greedy accuracy of the current weights on held-out prompts.
+"""The trainer's evaluations: the current weights' mean reward on held-out prompts.
 
 Generated on trainer rank 0 with the trainer's own models (no copy but for FSDP2), on
 embedded engines without CUDA graphs: the borrowed models' parameters may be re-materialised
 between evaluations (compute-dtype copies, FSDP2 gathers), and a graph would keep reading the
-old ones. The rollout is the run's own, built greedily with one sample per prompt.
+old ones. The rollout is the run's own, built for evaluation: run.eval_samples completions per
+prompt at run.eval_temperature (one greedy completion by default).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from asyncrl.engine.types import GenerationStopped
 from asyncrl.models.loading import Policy
 from asyncrl.prompts.task_prompts import eval_prompts
 from asyncrl.rewards.scoring import ScoringStopped
-from asyncrl.rollout.evaluation import evaluate
+from asyncrl.rollout.evaluation import evaluation_figures
 from asyncrl.rollout.interface import Rollout
 from asyncrl.trainer.interface import StepTrainer
 from asyncrl.workers.features import TrainedModels
@@ -34,17 +35,17 @@ class TrainerEvaluation:
         self._prompts: list = []
         self._engines: dict[str, Engine] = {}
 
-    def accuracy(
+    def figures(
         self, policy: Policy, models: TrainedModels | None, trainer: StepTrainer, stop: Callable[[], bool]
-    ) -> float | None:
-        """Greedy accuracy of ``policy`` (with a feature's ``models``, on every policy's engine);
-        None when the run stops first."""
+    ) -> dict[str, float] | None:
+        """The evaluation's figures of ``policy`` (with a feature's ``models``, on every policy's
+        engine; :func:`~asyncrl.rollout.evaluation.evaluation_figures`); None when the run stops first."""
         if self.rollout is None:
             if models is not None:
                 engine, engines = models.evaluation_engines(self._engine)
             else:
                 engine, engines = self._engine(policy), None
-            self.rollout = build_rollout(self.cfg, policy, engine, greedy=True, engines=engines)
+            self.rollout = build_rollout(self.cfg, policy, engine, evaluation=True, engines=engines)
             self._engines = engines or {}
             self._prompts = eval_prompts(self.cfg, policy)
         evaluated = [policy.model] if models is None else models.before_evaluation(self._engines)
@@ -53,7 +54,7 @@ class TrainerEvaluation:
             model.eval()
         try:
             with trainer.compute():
-                return evaluate(self.rollout, self._prompts, stop=stop)
+                return evaluation_figures(self.rollout, self._prompts, stop=stop)
         except (ScoringStopped, GenerationStopped):
             return None  # the run is stopping: the evaluation is given up
         finally:

@@ -1,5 +1,5 @@
 """The run's rollout, from a :class:`~asyncrl.config.Config`: completions, or episodes with
-``episode.environment``; for training, or greedy with one sample per prompt for evaluations."""
+``episode.environment``; for training, or for evaluations (run.eval_samples per prompt at run.eval_temperature)."""
 
 from __future__ import annotations
 
@@ -15,18 +15,20 @@ from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.rollout.interface import Rollout
 
 
-def sampling_params(cfg: Config, policy: Policy, *, greedy: bool = False) -> SamplingParams:
-    """rollout.* as the engine's sampling parameters; ``greedy``: an evaluation's (temperature 0,
-    ending at EOS)."""
+def sampling_params(cfg: Config, policy: Policy, *, evaluation: bool = False) -> SamplingParams:
+    """rollout.* as the engine's sampling parameters; ``evaluation``: an evaluation's (at
+    run.eval_temperature, 0 = greedy; no sampling mask; ending at EOS)."""
     r = cfg.rollout
     return SamplingParams(
         max_new_tokens=r.max_new_tokens,
-        temperature=0.0 if greedy else r.temperature,
+        temperature=cfg.run.eval_temperature if evaluation else r.temperature,
         top_k=r.top_k,
         top_p=r.top_p,
         min_p=r.min_p,
-        keep_support=r.keep_sampling_mask and not greedy,
-        stop_token_ids=() if (r.ignore_eos or r.decode_past_eos) and not greedy else (policy.eos_token_id,),
+        keep_support=r.keep_sampling_mask and not evaluation,
+        stop_token_ids=()
+        if (r.ignore_eos or r.decode_past_eos) and not evaluation
+        else (policy.eos_token_id,),
     )
 
 
@@ -38,11 +40,11 @@ def build_episode(cfg: Config) -> EpisodeFunction | None:
 
 
 def build_rollout(
-    cfg: Config, policy: Policy, engine, *, greedy: bool = False, engines: dict | None = None
+    cfg: Config, policy: Policy, engine, *, evaluation: bool = False, engines: dict | None = None
 ) -> Rollout:
     """The run's rollout on ``engine``: single-turn completions, or multi-turn episodes with
-    episode.environment. ``greedy``: an evaluation's — one greedy sample per prompt, scored in
-    this thread. ``engines``: a multi-agent run's engine of each policy besides 'default' (or
+    episode.environment. ``evaluation``: an evaluation's — run.eval_samples completions per
+    prompt at run.eval_temperature, scored in this thread. ``engines``: a multi-agent run's engine of each policy besides 'default' (or
     the same engine, serving adapters)."""
     episode = build_episode(cfg)
     if episode is not None:
@@ -50,8 +52,8 @@ def build_rollout(
             engine,
             policy.tokenizer,
             episode,
-            sampling_params(cfg, policy, greedy=greedy),
-            1 if greedy else cfg.rollout.group_size,
+            sampling_params(cfg, policy, evaluation=evaluation),
+            cfg.run.eval_samples if evaluation else cfg.rollout.group_size,
             max_turns=cfg.episode.max_turns,
             max_episode_tokens=cfg.episode.max_episode_tokens,
             reward_on_error=cfg.task.reward_on_error,
@@ -69,11 +71,11 @@ def build_rollout(
         engine,
         policy.tokenizer,
         build_reward(cfg),
-        sampling_params(cfg, policy, greedy=greedy),
-        1 if greedy else cfg.rollout.group_size,
+        sampling_params(cfg, policy, evaluation=evaluation),
+        cfg.run.eval_samples if evaluation else cfg.rollout.group_size,
         reward_on_error=cfg.task.reward_on_error,
         eos_after=policy.eos_token_id if cfg.rollout.decode_past_eos else None,
         seed=cfg.run.seed,
-        scoring_threads=0 if greedy else cfg.task.reward_workers,
+        scoring_threads=0 if evaluation else cfg.task.reward_workers,
         step_delimiter=cfg.task.step_delimiter,
     )

@@ -133,7 +133,7 @@ class TrainerWorker:
         self._step_batches: list[MicroBatch] = []
         self._step_open = False
         self._in_progress: BatchInProgress | None = None  # a batch a stop interrupted between its steps
-        # Evaluations (rank 0): the run's rollout, greedy, on an engine over the trainer's own model.
+        # Evaluations (rank 0): the run's rollout, for evaluation, on an engine over the trainer's own model.
         self.evaluation = TrainerEvaluation(cfg)
         self._whole = assembly.WholeCopy(cfg, device)  # with FSDP2: rank 0's whole copy of the policy
 
@@ -334,15 +334,15 @@ class TrainerWorker:
         return tensor_checksums(named) if self.cfg.runtime.verify_weight_sync else None
 
     def _evaluate(self, command: Evaluate) -> list:
-        """Greedy accuracy of the current weights (:mod:`asyncrl.workers.evaluation`)."""
+        """The current weights' evaluation figures (:mod:`asyncrl.workers.evaluation`)."""
         start = time.time()
         policy = self._full_policy()
         if policy is None:
             return []
-        accuracy = self.evaluation.accuracy(policy, self.models, self.trainer, self._stopping.is_set)
-        if accuracy is None:
+        figures = self.evaluation.figures(policy, self.models, self.trainer, self._stopping.is_set)
+        if figures is None:
             return []
-        return [Span(self.name, "eval", start, time.time()), EvalDone(self.name, command.step, accuracy)]
+        return [Span(self.name, "eval", start, time.time()), EvalDone(self.name, command.step, figures)]
 
     def _accumulate(self, command: Accumulate) -> list:
         start = time.time()

@@ -28,7 +28,7 @@ def write_run(tmp_path: Path, tracker: str) -> tuple[Path, list[dict]]:
     for record in RECORDS:
         session.record_step(dict(record))
         if session.step == 2:
-            session.record_eval(2, 0.875)
+            session.record_eval(2, {"eval_accuracy": 0.875, "eval_best_of_n": 1.0})
     session.close()
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     return tmp_path / "run", [json.loads(line) for line in lines]
@@ -41,7 +41,7 @@ def test_tensorboard_events_hold_every_metric(tmp_path: Path) -> None:
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    expected = set().union(*(numeric_items(m) for m in metrics)) | {"eval_accuracy"}
+    expected = set().union(*(numeric_items(m) for m in metrics)) | {"eval_accuracy", "eval_best_of_n"}
     assert tags == expected
     assert "reward/exact_match" in tags and "step" not in tags and "wall_time" not in tags
     for key in ("reward_mean", "reward/exact_match", "loss", "time_s"):
@@ -52,6 +52,7 @@ def test_tensorboard_events_hold_every_metric(tmp_path: Path) -> None:
         (3, pytest.approx(0.02)),
     ]
     assert [(e.step, e.value) for e in events.Scalars("eval_accuracy")] == [(2, 0.875)]
+    assert [(e.step, e.value) for e in events.Scalars("eval_best_of_n")] == [(2, 1.0)]
 
 
 def wandb_records(path: Path):
@@ -113,7 +114,7 @@ def test_wandb_offline_run_holds_every_metric(tmp_path: Path, monkeypatch: pytes
     ]
     assert [r["step"] for r in steps] == [1, 2, 3]
     (evaluation,) = [r for r in rows if "eval_accuracy" in r]
-    assert (evaluation["step"], evaluation["eval_accuracy"]) == (2, 0.875)
+    assert (evaluation["step"], evaluation["eval_accuracy"], evaluation["eval_best_of_n"]) == (2, 0.875, 1.0)
 
 
 def test_wandb_mode_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

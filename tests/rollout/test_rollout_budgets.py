@@ -231,7 +231,7 @@ def test_ignore_eos_keeps_and_trains_the_whole_completion(arith: Policy) -> None
 def test_greedy_evaluation_stops_at_eos_in_every_mode(arith: Policy, mode: str | None) -> None:
     """Greedy sampling keeps EOS as a stop token: completions end at EOS and the accuracy is the same."""
     cfg = eos_config(mode)
-    greedy = sampling_params(cfg, arith, greedy=True)
+    greedy = sampling_params(cfg, arith, evaluation=True)  # run.eval_temperature 0: greedy
     assert greedy.temperature == 0.0 and greedy.stop_token_ids == (arith.eos_token_id,)
     sampled = sampling_params(cfg, arith)
     assert sampled.stop_token_ids == (() if mode else (arith.eos_token_id,))

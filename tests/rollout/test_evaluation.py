@@ -1,0 +1,124 @@
+"""Evaluations: one greedy completion per held-out prompt, or N sampled ones (mean@N and best of N)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from asyncrl.builtin.arithmetic import ArithmeticTask
+from asyncrl.config import load_config
+from asyncrl.control.run import train
+from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.errors import ConfigError
+from asyncrl.models.loading import load_policy
+from asyncrl.rollout.evaluation import evaluation_figures
+from asyncrl.types import Group, Prompt, Sample
+from asyncrl.workers.rollouts import build_rollout
+from tests.helpers import short_run
+
+
+class ScoredRollout:
+    """A rollout whose groups carry given rewards; a prompt without rewards is a dropped group."""
+
+    def __init__(self, rewards: dict[str, list[float]], group_size: int) -> None:
+        self.rewards = rewards
+        self.group_size = group_size
+
+    def generate_groups(self, prompts, first_group_id=None, stop=None) -> list[Group]:
+        groups = []
+        for gid, prompt in enumerate(prompts, start=first_group_id or 0):
+            if prompt.prompt_id not in self.rewards:
+                continue
+            samples = [
+                Sample(
+                    prompt_id=prompt.prompt_id,
+                    group_id=gid,
+                    prompt_ids=[3],
+                    completion_ids=[4],
+                    logprobs=[-1.0],
+                    versions=[0],
+                    loss_mask=[1],
+                    finish_reason="stop",
+                    reward=r,
+                )
+                for r in self.rewards[prompt.prompt_id]
+            ]
+            groups.append(Group(gid, prompt, samples))
+        return groups
+
+    def outcomes(self, group: Group) -> list[float]:
+        return [s.reward or 0.0 for s in group.samples]
+
+
+PROMPTS = [Prompt("a", "x"), Prompt("b", "x"), Prompt("c", "x")]
+
+
+def test_mean_and_best_of_n_by_hand() -> None:
+    """3 prompts x 4 samples, prompt c dropped (it counts 0): mean 1.5/12, best (1 + 0.5 + 0)/3."""
+    rollout = ScoredRollout({"a": [1.0, 0.0, 0.0, 0.0], "b": [0.0, 0.5, 0.0, 0.0]}, group_size=4)
+    figures = evaluation_figures(rollout, PROMPTS)
+    assert figures == {"eval_accuracy": pytest.approx(1.5 / 12), "eval_best_of_n": pytest.approx(0.5)}
+    one = ScoredRollout({"a": [1.0], "b": [0.0], "c": [0.25]}, group_size=1)
+    assert evaluation_figures(one, PROMPTS) == {"eval_accuracy": pytest.approx(1.25 / 3)}  # no best of 1
+
+
+def test_sampled_evaluations_need_a_temperature() -> None:
+    with pytest.raises(ConfigError, match=r"run.eval_samples=4 with run.eval_temperature=0"):
+        load_config(None, ["run.eval_samples=4"])
+
+
+def test_an_evaluation_samples_n_completions_at_its_temperature_and_repeats_itself() -> None:
+    """run.eval_samples=4 at run.eval_temperature=1 on builtin:arith: 4 completions per prompt drawn at
+    that temperature (distinct ones), the same figures from a second evaluation of the same weights,
+    and best of 4 at least the mean; the default is one greedy completion."""
+    arith = load_policy("builtin:arith", device="cpu", dtype="float32", seed=0)
+    task = ArithmeticTask(["+"], 1, 2, seed=3)
+    held_out = [task.get(i) for i in range(12)]
+    cfg = load_config(
+        None,
+        [
+            "model.path=builtin:arith",
+            "rollout.max_new_tokens=6",
+            "run.eval_samples=4",
+            "run.eval_temperature=1.0",
+        ],
+    )
+    engine = EmbeddedEngine(arith.model, pad_token_id=arith.pad_token_id, owns_model=False)
+    rollout = build_rollout(cfg, arith, engine, evaluation=True)
+    greedy = build_rollout(load_config(None, ["model.path=builtin:arith"]), arith, engine, evaluation=True)
+    try:
+        assert rollout.group_size == 4 and rollout.sampling.temperature == 1.0
+        assert greedy.group_size == 1 and greedy.sampling.temperature == 0.0
+        groups = rollout.generate_groups(held_out, first_group_id=0)
+        assert len(groups) == 12 and all(len(g.samples) == 4 for g in groups)
+        assert any(len({tuple(s.completion_ids) for s in g.samples}) > 1 for g in groups)
+        first = evaluation_figures(rollout, held_out)
+        assert evaluation_figures(rollout, held_out) == first
+        assert 0.0 <= first["eval_accuracy"] <= first["eval_best_of_n"] <= 1.0
+        by_hand = [[s.reward or 0.0 for s in g.samples] for g in groups]
+        assert first["eval_accuracy"] == pytest.approx(sum(map(sum, by_hand)) / 48)
+        assert first["eval_best_of_n"] == pytest.approx(sum(map(max, by_hand)) / 12)
+    finally:
+        rollout.close()
+        greedy.close()
+
+
+def test_a_run_logs_both_figures_of_its_sampled_evaluations(tmp_path: Path) -> None:
+    cfg = load_config(
+        None,
+        [
+            *short_run(2),
+            "run.eval_every=2",
+            "run.eval_prompts=8",
+            "run.eval_samples=3",
+            "run.eval_temperature=1.0",
+            "runtime.kind=inline",
+        ],
+    )
+    summary = train(cfg, tmp_path / "run")
+    rows = [json.loads(x) for x in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 2]
+    assert all(0.0 <= r["eval_accuracy"] <= r["eval_best_of_n"] <= 1.0 for r in rows)
+    assert summary["eval"][-1]["eval_best_of_n"] == rows[-1]["eval_best_of_n"]
