@@ -10,10 +10,11 @@ their policy's trainer (``Sample.policy``), each trained policy takes its optimi
 its own divisor (``FinishStep.policy_divisors``), and the run's version (the publication
 number every schedule counts) advances by one.
 
-With data-parallel trainer ranks (``trainer.ranks`` > 1, DDP) every policy's trainer is a
-rank of its own data-parallel trainer, all of them in the ranks' one process group. A rank's
-share of a policy's samples may be empty, yet every rank must run the same collectives
-(each policy's gradient sync in ``finish_step``): so which policies a call runs is decided
+With data-parallel trainer ranks (``trainer.ranks`` > 1, DDP or FSDP2) every policy's trainer
+is a rank of its own data-parallel trainer, all of them in the ranks' one process group. A
+rank's share of a policy's samples may be empty, yet every rank must run the same collectives
+(FSDP2's gathers in ``prepare`` and ``accumulate``, each policy's gradient sync in
+``finish_step``): so which policies a call runs is decided
 from the whole command's samples, which every rank receives, never from the rank's own
 micro-batches — a policy steps when it is trained and the step's commands held samples of it.
 
@@ -157,8 +158,8 @@ class PolicySet:
         return [n for n in self.order if n in held or n in named]
 
     def finish_step(self, divisor: float | Mapping[str, float]) -> dict[str, float]:
-        """Each policy that got micro-batches in this step takes its optimizer step; the run's
-        version advances by one. ``divisor``: per policy (or one for all)."""
+        """Each trained policy the step's commands held samples of takes its optimizer step; the
+        run's version advances by one. ``divisor``: per policy (or one for all)."""
         metrics = {}
         for name in self.order:
             if name in self._stepping:
