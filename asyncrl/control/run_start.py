@@ -35,6 +35,11 @@ MAY_CHANGE_ON_CONTINUING = frozenset(
         "run.checkpoint_every",
         "run.keep_checkpoints",
         "run.checkpoint_timeout_s",
+        # Evaluations read the weights and the held-out prompts only.
+        "run.eval_every",
+        "run.eval_prompts",
+        "run.eval_samples",
+        "run.eval_temperature",
         "runtime.start_timeout_s",
         "runtime.stall_timeout_s",
         "runtime.stop_timeout_s",

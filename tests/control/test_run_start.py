@@ -128,3 +128,25 @@ def test_resume_if_exists_starts_over_an_attempt_killed_before_its_first_checkpo
     assert logged_steps(run_dir) == list(range(1, STEPS + 1))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(row["reward_mean"] != 0.5 or row["time_s"] != float(row["step"]) for row in rows)
+
+
+def test_evaluation_settings_may_change_on_continuing_and_training_ones_may_not(tmp_path: Path) -> None:
+    """--resume-if-exists over a run of one logged step: other evaluation settings are carried on
+    (and named as changed), another sampling temperature is refused naming both values."""
+    from asyncrl.control.run_start import start_point
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(dump_config(load_config(None, BASE)))
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    evaluations = [
+        "run.eval_every=1",
+        "run.eval_prompts=9",
+        "run.eval_samples=2",
+        "run.eval_temperature=0.7",
+    ]
+    point = start_point(load_config(None, [*BASE, *evaluations]), run_dir, "if_exists")
+    assert point.checkpoint is None and point.step == 0  # no checkpoint yet: started over
+    assert [said.split(":")[0] for said in point.changed] == [e.split("=")[0] for e in evaluations]
+    with pytest.raises(AsyncRLError, match=r"rollout\.temperature: 1\.0 there, 0\.7 here"):
+        start_point(load_config(None, [*BASE, "rollout.temperature=0.7"]), run_dir, "if_exists")
