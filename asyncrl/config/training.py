@@ -213,6 +213,16 @@ class DistillConfig(Section):
         description="Instead of teacher: the base URL of a teacher served with `asyncrl serve` (its "
         "POST /v1/logprobs scores the tokens), e.g. http://127.0.0.1:8001.",
     )
+    teachers: dict[str, str] = Field(
+        default_factory=dict,
+        description="Teachers by name, each a model as distill.teacher names one (its own tokenizer must be "
+        "the student's too), chosen per prompt by the task's column distill.teacher_field; prompts without "
+        "a name there go to distill.teacher (or distill.url). E.g. {math: /models/math-expert}.",
+    )
+    teacher_field: str | None = Field(
+        None,
+        description="With distill.teachers: the task column (a dataset field) that names each prompt's teacher.",
+    )
     weight: float = Field(
         1.0,
         gt=0,
@@ -258,6 +268,19 @@ class DistillConfig(Section):
                 f"distill.refresh_every={self.refresh_every} refreshes a snapshot of the policy: it needs "
                 f"distill.teacher=self (not {self.teacher})"
             )
+        if bool(self.teachers) != (self.teacher_field is not None):
+            raise ValueError(
+                "distill.teachers and distill.teacher_field go together: the teachers by name, and the task "
+                f"column that names each prompt's (got teachers={self.teachers}, teacher_field={self.teacher_field})"
+            )
+        for name, model in self.teachers.items():
+            if not name or name == "default" or model == "self":
+                raise ValueError(
+                    f"distill.teachers: {name!r}: {model!r}: each teacher needs a name ('default' stands for "
+                    "distill.teacher) and a model of its own (the policy's snapshot is distill.teacher=self)"
+                )
+        if self.teachers and self.engine == "vllm":
+            raise ValueError("distill.teachers score with distill.engine=embedded only (one model each)")
         return self
 
     @property
@@ -266,12 +289,16 @@ class DistillConfig(Section):
 
     @property
     def enabled(self) -> bool:
-        return self.teacher is not None or self.url is not None
+        return self.teacher is not None or self.url is not None or bool(self.teachers)
 
     @property
     def source(self) -> str:
         """The teacher, as the config names it (for errors and logs)."""
-        return f"distill.teacher={self.teacher}" if self.teacher is not None else f"distill.url={self.url}"
+        if self.teacher is not None:
+            return f"distill.teacher={self.teacher}"
+        if self.url is not None:
+            return f"distill.url={self.url}"
+        return f"distill.teachers={sorted(self.teachers)}"
 
 
 class TrainerConfig(Section):

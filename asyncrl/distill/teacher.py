@@ -62,21 +62,23 @@ def _per_group(groups: list[Group], logprobs: list[list[float]]) -> list[Teacher
 
 
 class LocalTeacher:
-    """A teacher model loaded in this process (``distill.teacher``)."""
+    """A teacher model loaded in this process (``distill.teacher``, or ``named``: the one of
+    ``distill.teachers`` by that name)."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, named: str | None = None) -> None:
         distill = cfg.distill
-        self.name = distill.source
+        key, model = teacher_key(cfg, named)
+        self.name = distill.source if named is None else f"{key}={model}"
         try:
             device = resolve_device(distill.device)
         except ConfigError as exc:
             raise ConfigError("distill.device", distill.device, exc.problem) from None
         # Self-distillation: the student's own starting weights, later refreshed (load_weights).
-        source = cfg.model.path if distill.self_distillation else distill.teacher
+        source = cfg.model.path if named is None and distill.self_distillation else model
         try:
             policy = load_policy(source, device=str(device), dtype=distill.dtype, seed=cfg.run.seed)
         except ConfigError as exc:  # the loader names model.path; here it is the teacher's key
-            raise ConfigError("distill.teacher", source, exc.problem) from None
+            raise ConfigError(key, source, exc.problem) from None
         except Exception as exc:  # whatever the checkpoint's reader raises (safetensors has its own errors)
             raise TeacherError(
                 f"{self.name}: the teacher failed to load: {type(exc).__name__}: {exc}"
@@ -86,7 +88,7 @@ class LocalTeacher:
         self.model.requires_grad_(False)
         self.pad_token_id = policy.pad_token_id
         check_same_tokenizer(
-            cfg, tokenizer_fingerprint(policy.tokenizer), describe_tokenizer(policy.tokenizer)
+            cfg, tokenizer_fingerprint(policy.tokenizer), describe_tokenizer(policy.tokenizer), named
         )
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -170,13 +172,25 @@ class ServedTeacher:
             raise TeacherError(f"{self.name}: cannot reach the teacher ({path}): {reason}") from None
 
 
-def check_same_tokenizer(cfg: Config, teacher_fingerprint: str, teacher_tokenizer: str) -> None:
-    """Refuse a teacher whose tokenizer is not the student's, naming both."""
+def teacher_key(cfg: Config, named: str | None = None) -> tuple[str, str | None]:
+    """The config key of a teacher and its value: ``distill.teachers.<named>``, else
+    ``distill.teacher`` or ``distill.url``."""
+    if named is not None:
+        return f"distill.teachers.{named}", cfg.distill.teachers[named]
+    if cfg.distill.url is not None:
+        return "distill.url", cfg.distill.url
+    return "distill.teacher", cfg.distill.teacher
+
+
+def check_same_tokenizer(
+    cfg: Config, teacher_fingerprint: str, teacher_tokenizer: str, named: str | None = None
+) -> None:
+    """Refuse a teacher (``named``: one of distill.teachers) whose tokenizer is not the
+    student's, naming both."""
     student, _ = load_tokenizer(cfg.model.path, cfg.model.chat_template)
     if tokenizer_fingerprint(student) != teacher_fingerprint:
         raise ConfigError(
-            "distill.teacher" if cfg.distill.teacher is not None else "distill.url",
-            cfg.distill.teacher or cfg.distill.url,
+            *teacher_key(cfg, named),
             f"the teacher's tokenizer ({teacher_tokenizer}) is not the student's (model.path={cfg.model.path}: "
             f"{describe_tokenizer(student)}): the token ids it would score mean other text; "
             "distill from a teacher that uses the student's tokenizer",
@@ -184,18 +198,23 @@ def check_same_tokenizer(cfg: Config, teacher_fingerprint: str, teacher_tokenize
 
 
 def check_teacher(cfg: Config) -> None:
-    """At the start of a run, before any worker: the teacher exists (its directory, or its server
-    answers) and shares the student's tokenizer. Loading its weights is left to the teacher stage."""
+    """At the start of a run, before any worker: every teacher exists (its directory, or its
+    server answers) and shares the student's tokenizer. Loading weights is left to the teacher stage."""
     if cfg.distill.url is not None:
         ServedTeacher(cfg)  # asks GET /v1/models, and compares tokenizers
-        return
-    if cfg.distill.self_distillation:
-        return  # the student itself
+    elif cfg.distill.teacher is not None and not cfg.distill.self_distillation:  # (self: the student itself)
+        _check_local(cfg, None)
+    for named in cfg.distill.teachers:
+        _check_local(cfg, named)
+
+
+def _check_local(cfg: Config, named: str | None) -> None:
+    key, model = teacher_key(cfg, named)
     try:
-        tokenizer, _ = load_tokenizer(cfg.distill.teacher)
+        tokenizer, _ = load_tokenizer(model)
     except ConfigError as exc:  # the loader names model.path; here it is the teacher's key
-        raise ConfigError("distill.teacher", cfg.distill.teacher, exc.problem) from None
-    check_same_tokenizer(cfg, tokenizer_fingerprint(tokenizer), describe_tokenizer(tokenizer))
+        raise ConfigError(key, model, exc.problem) from None
+    check_same_tokenizer(cfg, tokenizer_fingerprint(tokenizer), describe_tokenizer(tokenizer), named)
 
 
 class VllmTeacher(LocalTeacher):
@@ -241,14 +260,70 @@ class VllmTeacher(LocalTeacher):
         )
 
 
+class TeacherSet:
+    """Several teachers (``distill.teachers``), each prompt's chosen by its column
+    ``distill.teacher_field``; prompts without a name there go to ``default`` (``distill.teacher``
+    or ``distill.url``). A call scores each teacher's groups in one batch and answers in the
+    order asked. With self-distillation the default is the snapshot that takes the policy's weights."""
+
+    def __init__(self, default: Teacher | None, named: dict[str, Teacher], field: str) -> None:
+        self.default = default
+        self.named = named
+        self.field = field
+        self.name = ", ".join(
+            ([default.name] if default is not None else []) + [t.name for t in named.values()]
+        )
+        self.device = (default or next(iter(named.values()))).device
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The default teacher's model (self-distillation's snapshot)."""
+        return self.default.model
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.default.load_weights(tensors)
+
+    def teacher_of(self, group: Group) -> str | None:
+        """The name of the teacher of ``group``'s prompt (None: the default), checked."""
+        chosen = group.prompt.extra.get(self.field)
+        if chosen is None and self.default is None:
+            raise TeacherError(
+                f"prompt {group.prompt.prompt_id!r} names no teacher in its column {self.field!r} "
+                f"(distill.teacher_field), and there is no distill.teacher (or distill.url) for it"
+            )
+        if chosen is not None and chosen not in self.named:
+            raise TeacherError(
+                f"prompt {group.prompt.prompt_id!r} names the teacher {chosen!r} in its column {self.field!r} "
+                f"(distill.teacher_field), which is not one of distill.teachers {sorted(self.named)}"
+            )
+        return chosen
+
+    def score(self, groups: list[Group]) -> list[TeacherScores]:
+        by_teacher: dict[str | None, list[Group]] = {}
+        for group in groups:
+            by_teacher.setdefault(self.teacher_of(group), []).append(group)
+        scored: dict[int, TeacherScores] = {}
+        for name, own in by_teacher.items():
+            teacher = self.default if name is None else self.named[name]
+            scored.update((s.group_id, s) for s in teacher.score(own))
+        return [scored[g.group_id] for g in groups]
+
+
 def load_teacher(cfg: Config) -> Teacher:
-    """The teacher ``distill.*`` names, loaded (or reached) and checked."""
-    if cfg.distill.url is not None:
-        return ServedTeacher(cfg)
-    if cfg.distill.teacher is None:
+    """The teacher ``distill.*`` names, loaded (or reached) and checked; with distill.teachers a
+    :class:`TeacherSet` of them all."""
+    distill = cfg.distill
+    if distill.url is not None:
+        default: Teacher | None = ServedTeacher(cfg)
+    elif distill.teacher is not None:
+        default = VllmTeacher(cfg) if distill.engine == "vllm" else LocalTeacher(cfg)
+    elif distill.teachers:
+        default = None
+    else:
         raise ConfigError(
             "distill.teacher", None, "no teacher configured (set distill.teacher or distill.url)"
         )
-    if cfg.distill.engine == "vllm":
-        return VllmTeacher(cfg)
-    return LocalTeacher(cfg)
+    if not distill.teachers:
+        return default
+    named = {name: LocalTeacher(cfg, name) for name in distill.teachers}
+    return TeacherSet(default, named, distill.teacher_field)

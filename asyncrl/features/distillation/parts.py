@@ -18,6 +18,7 @@ class TeacherSignal(StepFeature):
     def __init__(self, cfg: Config) -> None:
         self.mode = "alone" if cfg.algorithm.advantage == "distill" else "add"
         self.weight = cfg.distill.weight
+        self.teacher_field = cfg.distill.teacher_field  # several teachers: the column naming each prompt's
 
     def awaits(self, group: Group) -> str | None:
         return None if group.taught else "teacher scores"
@@ -26,7 +27,18 @@ class TeacherSignal(StepFeature):
         return {"distill": self.mode, "distill_weight": self.weight}
 
     def step_metrics(self, groups: list[Group]) -> dict[str, float]:
-        return distill_metrics([s for g in groups for s in g.samples])
+        """The step's figures, and with several teachers each one's under ``distill/<name>/``
+        (``default`` for distill.teacher's prompts)."""
+        metrics = distill_metrics([s for g in groups for s in g.samples])
+        if self.teacher_field is not None:
+            by_teacher: dict[str, list] = {}
+            for g in groups:
+                by_teacher.setdefault(g.prompt.extra.get(self.teacher_field) or "default", []).extend(
+                    g.samples
+                )
+            for name, samples in sorted(by_teacher.items()):
+                metrics.update({f"distill/{name}/{k}": v for k, v in distill_metrics(samples).items()})
+        return metrics
 
 
 def teacher_signal(cfg: Config) -> TeacherSignal | None:

@@ -29,8 +29,10 @@ import torch
 
 from asyncrl.config import Config
 from asyncrl.distill.teacher import Teacher, check_teacher, load_teacher
+from asyncrl.errors import ConfigError
 from asyncrl.features.distillation.messages import Taught, Teach
 from asyncrl.models.loading import resolve_device
+from asyncrl.prompts.task_prompts import task_prompts
 from asyncrl.protocol.messages import LoadWeights, Span
 from asyncrl.transports.groups.inbox import Inbox
 from asyncrl.transports.groups.interface import Delivery
@@ -140,7 +142,42 @@ class TeacherStage(Stage):
 
 
 def teacher_fits(cfg: Config, model_config) -> None:
-    """At the start of a run (:data:`~asyncrl.control.features.START_CHECKS`): the teacher exists
-    and shares the student's tokenizer."""
-    if cfg.distill.enabled:
-        check_teacher(cfg)
+    """At the start of a run (:data:`~asyncrl.control.features.START_CHECKS`): every teacher exists
+    and shares the student's tokenizer, and with several every prompt names one of them (or
+    none, for distill.teacher)."""
+    if not cfg.distill.enabled:
+        return
+    check_teacher(cfg)
+    if cfg.distill.teachers:
+        check_teacher_column(cfg)
+
+
+def check_teacher_column(cfg: Config) -> None:
+    """Every training prompt's ``distill.teacher_field`` names one of ``distill.teachers``, or
+    none when distill.teacher (or distill.url) scores such prompts: refused before the run
+    starts, naming the first prompt that does not and its value."""
+    distill = cfg.distill
+    field, default = distill.teacher_field, distill.teacher is not None or distill.url is not None
+    source = task_prompts(cfg)
+    if source.size is None:  # a generated task: no dataset columns, so no prompt names a teacher
+        if not default:
+            raise ConfigError(
+                "distill.teacher_field",
+                field,
+                f"task.name={cfg.task.name} generates its prompts, which have no column {field!r} to name a "
+                "teacher; set distill.teacher (or distill.url) to score them",
+            )
+        return
+    for index in range(source.size):
+        prompt = source.get(index)
+        chosen = prompt.extra.get(field)
+        if (chosen is None and not default) or (chosen is not None and chosen not in distill.teachers):
+            said = "names no teacher" if chosen is None else f"names the teacher {chosen!r}"
+            known = f"distill.teachers {sorted(distill.teachers)}" + (
+                ""
+                if default
+                else ", and there is no distill.teacher (or distill.url) for a prompt that names none"
+            )
+            raise ConfigError(
+                "distill.teacher_field", field, f"prompt {prompt.prompt_id!r} {said}; the teachers: {known}"
+            )
