@@ -14,6 +14,7 @@ import json
 import tempfile
 import urllib.error
 import urllib.request
+from collections.abc import Collection
 from pathlib import Path
 from typing import Protocol
 
@@ -30,7 +31,7 @@ from asyncrl.models.loading import (
     tokenizer_fingerprint,
 )
 from asyncrl.server.token_logprobs import ScoringRequest, token_logprobs
-from asyncrl.types import Group, TeacherScores
+from asyncrl.types import Group, Prompt, TeacherScores
 
 
 class TeacherError(AsyncRLError):
@@ -260,6 +261,23 @@ class VllmTeacher(LocalTeacher):
         )
 
 
+def teacher_named_by(prompt: Prompt, field: str, teachers: Collection[str], has_default: bool) -> str | None:
+    """The teacher ``prompt``'s column ``field`` names (None: the default teacher); a ValueError
+    naming the prompt and the value when it names one not in ``teachers``, or none without a default."""
+    chosen = prompt.extra.get(field)
+    if chosen is None and not has_default:
+        raise ValueError(
+            f"prompt {prompt.prompt_id!r} names no teacher in its column {field!r} (distill.teacher_field), "
+            "and there is no distill.teacher (or distill.url) for it"
+        )
+    if chosen is not None and chosen not in teachers:
+        raise ValueError(
+            f"prompt {prompt.prompt_id!r} names the teacher {chosen!r} in its column {field!r} "
+            f"(distill.teacher_field), which is not one of distill.teachers {sorted(teachers)}"
+        )
+    return chosen
+
+
 class TeacherSet:
     """Several teachers (``distill.teachers``), each prompt's chosen by its column
     ``distill.teacher_field``; prompts without a name there go to ``default`` (``distill.teacher``
@@ -285,18 +303,10 @@ class TeacherSet:
 
     def teacher_of(self, group: Group) -> str | None:
         """The name of the teacher of ``group``'s prompt (None: the default), checked."""
-        chosen = group.prompt.extra.get(self.field)
-        if chosen is None and self.default is None:
-            raise TeacherError(
-                f"prompt {group.prompt.prompt_id!r} names no teacher in its column {self.field!r} "
-                f"(distill.teacher_field), and there is no distill.teacher (or distill.url) for it"
-            )
-        if chosen is not None and chosen not in self.named:
-            raise TeacherError(
-                f"prompt {group.prompt.prompt_id!r} names the teacher {chosen!r} in its column {self.field!r} "
-                f"(distill.teacher_field), which is not one of distill.teachers {sorted(self.named)}"
-            )
-        return chosen
+        try:
+            return teacher_named_by(group.prompt, self.field, self.named, self.default is not None)
+        except ValueError as exc:
+            raise TeacherError(str(exc)) from None
 
     def score(self, groups: list[Group]) -> list[TeacherScores]:
         by_teacher: dict[str | None, list[Group]] = {}

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from asyncrl.config import Config
-from asyncrl.distill.teacher import Teacher, check_teacher, load_teacher
+from asyncrl.distill.teacher import Teacher, check_teacher, load_teacher, teacher_named_by
 from asyncrl.errors import ConfigError
 from asyncrl.features.distillation.messages import Taught, Teach
 from asyncrl.models.loading import resolve_device
@@ -169,15 +169,7 @@ def check_teacher_column(cfg: Config) -> None:
             )
         return
     for index in range(source.size):
-        prompt = source.get(index)
-        chosen = prompt.extra.get(field)
-        if (chosen is None and not default) or (chosen is not None and chosen not in distill.teachers):
-            said = "names no teacher" if chosen is None else f"names the teacher {chosen!r}"
-            known = f"distill.teachers {sorted(distill.teachers)}" + (
-                ""
-                if default
-                else ", and there is no distill.teacher (or distill.url) for a prompt that names none"
-            )
-            raise ConfigError(
-                "distill.teacher_field", field, f"prompt {prompt.prompt_id!r} {said}; the teachers: {known}"
-            )
+        try:
+            teacher_named_by(source.get(index), field, distill.teachers, default)
+        except ValueError as exc:
+            raise ConfigError("distill.teacher_field", field, str(exc)) from None
