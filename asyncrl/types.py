@@ -365,6 +365,14 @@ class Group:
             s.loss_mask = keep
         return masked
 
+    def mask_truncated(self) -> int:
+        """Take the completions cut by their token budget (finish ``length``) out of the loss
+        (``algorithm.mask_truncated``); returns how many samples that masked."""
+        cut = [s for s in self.samples if s.finish_reason == "length" and any(s.loss_mask)]
+        for s in cut:
+            s.loss_mask = [0] * len(s.loss_mask)
+        return len(cut)
+
     @property
     def first_error(self) -> str | None:
         """The first sample's reward (or episode) error, for the run's notice."""

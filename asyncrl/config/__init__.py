@@ -13,6 +13,7 @@ The sections live in modules by concern, and this package re-exports every publi
 - :mod:`asyncrl.config.data`: the model, the task and its rewards, episodes, the judge;
 - :mod:`asyncrl.config.agents`: multi-agent episodes' roles and policies;
 - :mod:`asyncrl.config.training`: the rollout, the algorithm, the trainer, LoRA;
+- :mod:`asyncrl.config.distill`: on-policy distillation's teachers;
 - :mod:`asyncrl.config.running`: the run, the schedule, the runtime and Ray;
 - :mod:`asyncrl.config.root`: the root :class:`Config` and its cross-section checks;
 - :mod:`asyncrl.config.loading`: YAML and overrides in, errors described, YAML out.
@@ -34,6 +35,7 @@ from asyncrl.config.data import (
     RewardEntry,
     TaskConfig,
 )
+from asyncrl.config.distill import DistillConfig
 from asyncrl.config.loading import (
     SHORTHAND_KEYS,
     dump_config,
@@ -51,7 +53,7 @@ from asyncrl.config.running import (
     ScheduleConfig,
 )
 from asyncrl.config.section import Section
-from asyncrl.config.training import AlgorithmConfig, DistillConfig, LoraConfig, RolloutConfig, TrainerConfig
+from asyncrl.config.training import AlgorithmConfig, LoraConfig, RolloutConfig, TrainerConfig
 
 __all__ = [
     "DEFAULT_POLICY",

@@ -8,11 +8,12 @@ from pydantic import Field, model_validator
 
 from asyncrl.config.agents import BUILTIN_TEAMS, MultiAgentConfig, RoleSpec
 from asyncrl.config.data import EpisodeConfig, JudgeConfig, ModelConfig, TaskConfig
+from asyncrl.config.distill import DistillConfig
 from asyncrl.config.engines import VllmConfig, engine_problems
 from asyncrl.config.pivots import PivotConfig
 from asyncrl.config.running import RunConfig, RuntimeConfig, ScheduleConfig
 from asyncrl.config.section import Section
-from asyncrl.config.training import AlgorithmConfig, DistillConfig, LoraConfig, RolloutConfig, TrainerConfig
+from asyncrl.config.training import AlgorithmConfig, LoraConfig, RolloutConfig, TrainerConfig
 
 
 class Config(Section):

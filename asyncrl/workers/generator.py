@@ -230,6 +230,8 @@ class GeneratorWorker:
         groups, ready, empty = ready, [], []
         for g in groups:
             (empty if nothing_to_train(g) else ready).append(g)
+            if self.cfg.algorithm.mask_truncated:  # before its header counts the tokens to train
+                g.mask_truncated()
         events: list = [GroupReady.of(self.name, g) for g in ready]
         events += self.features.finished(self.name, ready)  # e.g. the pivots found in them
         events += [GroupDropped(self.name, g.group_id, "reward_error", g.first_error) for g in dropped]

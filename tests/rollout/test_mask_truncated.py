@@ -1,0 +1,54 @@
+"""algorithm.mask_truncated: completions cut by their token budget are kept out of the loss."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from asyncrl.config import load_config
+from asyncrl.control.run import train
+from asyncrl.types import Group, Prompt, Sample
+from tests.helpers import short_run
+
+
+def sample(finish: str, mask: list[int]) -> Sample:
+    n = len(mask)
+    return Sample(
+        prompt_id="p",
+        group_id=0,
+        prompt_ids=[3],
+        completion_ids=[4] * n,
+        logprobs=[-1.0] * n,
+        versions=[0] * n,
+        loss_mask=mask,
+        finish_reason=finish,
+        reward=1.0,
+    )
+
+
+def test_a_group_masks_only_its_truncated_completions() -> None:
+    group = Group(
+        0, Prompt("p", "x"), [sample("length", [1, 1, 0]), sample("stop", [1, 1]), sample("length", [0, 0])]
+    )
+    assert group.mask_truncated() == 1  # the third had nothing left to mask
+    assert [s.loss_mask for s in group.samples] == [[0, 0, 0], [1, 1], [0, 0]]
+    assert [s.reward for s in group.samples] == [1.0, 1.0, 1.0]  # rewards (and so advantages) stay
+
+
+def first_step(tmp_path: Path, *extra: str) -> dict:
+    """Step 1 of the built-in example (its samples depend only on the starting weights)."""
+    cfg = load_config(None, [*short_run(1, prompts=4, group_size=4), "rollout.max_new_tokens=3", *extra])
+    summary = train(cfg, tmp_path)
+    assert summary["accounting"]["reconciles"] and summary["accounting"]["trained"] == 4
+    return json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+
+
+def test_truncated_completions_leave_the_loss_and_the_others_stay(tmp_path: Path) -> None:
+    """The same 16 samples with and without the mask: the trained tokens drop by exactly the
+    truncated completions' 3 tokens each, and only by them."""
+    plain = first_step(tmp_path / "plain")
+    masked = first_step(tmp_path / "masked", "algorithm.mask_truncated=true")
+    truncated = round(plain["truncated_frac"] * 16)
+    assert 0 < truncated < 16 and masked["truncated_frac"] == plain["truncated_frac"]
+    assert masked["trained_tokens"] == plain["trained_tokens"] - 3 * truncated
+    assert masked["reward_mean"] == plain["reward_mean"]
