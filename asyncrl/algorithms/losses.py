@@ -76,6 +76,20 @@ def clipped_policy_loss(
     return loss, was_clipped
 
 
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """1 where a trained token's entropy is among the top ``quantile`` share of the trained
+    tokens' entropies (at or above their (1 - quantile)-quantile, linearly interpolated), else 0:
+    the forking tokens that "Beyond the 80/20 rule" trains on alone (TRL's
+    ``top_entropy_quantile``). ``quantile`` 1 keeps every token."""
+    if quantile >= 1.0:
+        return torch.ones_like(mask)
+    trained = entropy.detach()[mask.bool()].float()
+    if trained.numel() == 0:
+        return torch.ones_like(mask)
+    threshold = torch.quantile(trained, 1.0 - quantile)
+    return (entropy.detach() >= threshold).to(mask.dtype)
+
+
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator = "k3") -> torch.Tensor:
     """Per-token estimate of KL(π_θ || π_ref) from samples of π_θ (Schulman's k1/k2/k3)."""
     log_r = ref_logp - logp

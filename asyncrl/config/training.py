@@ -136,6 +136,15 @@ class AlgorithmConfig(Section):
     )
     beta: float = Field(0.0, ge=0, description="KL penalty weight towards the reference (initial) policy.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator.")
+    top_entropy_quantile: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Train the policy term on the highest-entropy tokens only: the top this share of each "
+        "micro-batch's trained tokens by the policy's entropy ('Beyond the 80/20 rule': 0.2; TRL's "
+        "top_entropy_quantile, whose threshold is also taken per forward batch). The other tokens stay in "
+        "the divisor and the KL term. 1 = every token.",
+    )
     entropy_coef: float = Field(
         0.0, description="Entropy bonus weight (aggregated like the policy loss); 0 logs entropy only."
     )

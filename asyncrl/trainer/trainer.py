@@ -317,6 +317,8 @@ class Trainer:
             )
         if self.algo.opsm_delta is not None:
             out["opsm_masked_seqs"] = s["opsm_masked_seqs"]
+        if self.algo.top_entropy_quantile < 1.0:
+            out["entropy_masked_frac"] = s["entropy_masked_sum"] / tokens
         return out
 
     def batch_divisor(self, samples: list[Sample]) -> float:
@@ -392,6 +394,10 @@ class Trainer:
         per_token, clipped = losses.clipped_policy_loss(
             log_ratio, mb.advantages, algo.epsilon_low, algo.epsilon_high, algo.delta
         )
+        if algo.top_entropy_quantile < 1.0:  # the policy term on the forking tokens only
+            forking = losses.high_entropy_mask(entropy, mask, algo.top_entropy_quantile)
+            per_token = per_token * forking
+            sums["entropy_masked_sum"] = ((1 - forking) * mask).sum()
         if algo.opsm_delta is not None:
             keep = corrections.off_policy_sequence_mask(
                 logp, mb.behaviour_logprobs, mb.advantages, mask, algo.opsm_delta

@@ -196,3 +196,18 @@ def test_entropy_of_uniform_and_peaked_rows() -> None:
     ent = losses.entropy_from_logits(logits)
     assert float(ent[0]) == pytest.approx(math.log(4), abs=1e-12)
     assert float(ent[1]) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_high_entropy_mask_keeps_the_top_share_of_trained_tokens_by_hand() -> None:
+    """Trained entropies 1..8 (and two masked tokens of 9 and 0): the 0.25-quantile of the top
+    share 0.75 is 1 + 0.25 x 7 = 2.75, so 3..8 stay; 0.5 keeps 4.5 and up, 5..8; masked tokens
+    do not move the threshold; 1 keeps everything."""
+    entropy = torch.tensor([[1.0, 2.0, 3.0, 4.0, 9.0], [5.0, 6.0, 7.0, 8.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0, 0.0]])
+    assert losses.high_entropy_mask(entropy, mask, 0.75).tolist() == [[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]]
+    assert losses.high_entropy_mask(entropy, mask, 0.5).tolist() == [[0, 0, 0, 0, 1], [1, 1, 1, 1, 0]]
+    assert losses.high_entropy_mask(entropy, mask, 1.0).tolist() == torch.ones_like(mask).tolist()
+    assert (
+        losses.high_entropy_mask(entropy, torch.zeros_like(mask), 0.5).tolist()
+        == torch.ones_like(mask).tolist()
+    )

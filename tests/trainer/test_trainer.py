@@ -334,3 +334,42 @@ def test_beta_creates_frozen_reference_with_zero_initial_kl(tiny_policy: Policy,
         assert torch.equal(p, initial[n])
     (second,) = train_groups(trainer, groups)
     assert second["kl_ref"] > 1e-7
+
+
+def test_top_entropy_quantile_trains_the_policy_term_on_the_forking_tokens_only(
+    tiny_policy: Policy, make_sample
+) -> None:
+    """top_entropy_quantile=0.3: the trainer's gradient is that of the batch's dapo loss written
+    out with the policy term kept on the tokens at or above the 0.7-quantile of the trained
+    tokens' entropies (the divisor unchanged), and the step logs the share it left out."""
+    pad = tiny_policy.pad_token_id
+    samples = random_samples(make_sample, 10, seed=4)
+    with_behaviour_near_policy(tiny_policy.model, samples, pad, seed=5)
+    trainer = make_trainer(
+        copy.deepcopy(tiny_policy.model),
+        pad,
+        loss_type="dapo",
+        micro_batch_tokens=10**6,
+        old_logprobs="behaviour",
+        top_entropy_quantile=0.3,
+    )
+    trainer.begin_step()
+    trainer.accumulate(trainer.prepare(samples))
+    got = flat_grad(trainer) / trainer.batch_divisor(samples)
+    metrics = trainer.finish_step(trainer.batch_divisor(samples))
+
+    model = copy.deepcopy(tiny_policy.model)
+    mb = collate(samples, pad)
+    logp, entropy = completion_logprobs(model, mb, TEMPERATURE, with_entropy=True)
+    trained = entropy.detach()[mb.mask.bool()]
+    ranked = trained.sort().values
+    position = 0.7 * (len(ranked) - 1)  # linear interpolation between the neighbouring ranks
+    low, frac = int(position), position - int(position)
+    threshold = ranked[low] + frac * (ranked[min(low + 1, len(ranked) - 1)] - ranked[low])
+    keep = (entropy.detach() >= threshold).float()
+    per_token, _ = losses.clipped_policy_loss(logp - mb.behaviour_logprobs, mb.advantages, 0.2, 0.2)
+    ((per_token * keep * mb.mask).sum() / mb.mask.sum()).backward()
+    reference = torch.cat([p.grad.flatten() for p in model.parameters()]).double()
+    assert got.norm() > 0 and rel_diff(got, reference) <= 1e-5
+    left_out = float(((1 - keep) * mb.mask).sum() / mb.mask.sum())
+    assert 0.6 <= left_out <= 0.75 and metrics["entropy_masked_frac"] == pytest.approx(left_out)
