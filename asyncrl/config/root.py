@@ -117,6 +117,7 @@ class Config(Section):
                 )
         self._pivot_combinations()
         self._multi_agent_combinations()
+        self._equal_rewards_combinations()
         problems = engine_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
@@ -152,6 +153,22 @@ class Config(Section):
                 f"pivot.branches={pivot.branches} is more than rollout.max_batch_size="
                 f"{self.rollout.max_batch_size}: a branch group's continuations run together"
             )
+
+    def _equal_rewards_combinations(self) -> None:
+        if not self.algorithm.drop_equal_rewards:
+            return
+        reasons = {
+            "rollout.group_size": self.rollout.group_size == 1
+            and "a group of one sample has one reward: every group would go",
+            "distill.teacher": self.distill.enabled
+            and "the teacher's per-token signal teaches a group whatever its rewards",
+            "algorithm.step_rewards": self.algorithm.step_rewards != "ignore"
+            and "step rewards give a group per-token advantages whatever its final rewards",
+            "pivot.branches": self.pivot.enabled and "pivots are found in the failed groups it would drop",
+        }
+        for key, reason in reasons.items():
+            if reason:
+                raise ValueError(f"algorithm.drop_equal_rewards cannot be used with {key}: {reason}")
 
     def _multi_agent_combinations(self) -> None:
         agents = self.multi_agent

@@ -125,6 +125,14 @@ class AlgorithmConfig(Section):
     delta: float | None = Field(
         None, gt=1, description="Two-sided clipping: cap the unclipped ratio at delta."
     )
+    drop_equal_rewards: bool = Field(
+        False,
+        description="Drop a generated group whose rewards are all equal (within each role): its advantages "
+        "are 0 and it teaches nothing. Its prompt is not issued again; another prompt takes its place in the "
+        "step, so every step trains prompts_per_step groups with a signal (DAPO's dynamic sampling; the "
+        "accounting counts dropped_equal_rewards, and run.max_dropped_batches stops a run that drops nearly "
+        "every group).",
+    )
     mask_truncated: bool = Field(
         False,
         description="Keep completions cut by their token budget (rollout.max_new_tokens, an episode's "

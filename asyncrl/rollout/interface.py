@@ -26,10 +26,12 @@ which generator makes it or what runs beside it.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from asyncrl.algorithms.advantages import role_subgroups
 from asyncrl.engine.types import GenerationStopped
 from asyncrl.types import Group, PartialGroup, Prompt, Versions
 
@@ -64,6 +66,17 @@ def nothing_to_train(group: Group) -> bool:
     the model's first turn, a role that never acted): the trainer cannot train it, so a generator
     drops it (an evaluation still scores it)."""
     return any(not s.completion_ids for s in group.samples)
+
+
+def equal_rewards(group: Group) -> bool:
+    """Each role's samples of ``group`` (one role: every sample) got one and the same reward: its
+    group advantages are all 0 and it teaches nothing (``algorithm.drop_equal_rewards``). A group
+    with a failed reward (None or NaN) is left to ``task.reward_on_error``."""
+    rewards = [s.reward for s in group.samples]
+    if any(r is None or math.isnan(r) for r in rewards):
+        return False
+    roles = role_subgroups([s.role for s in group.samples])
+    return all(len({rewards[i] for i in role}) == 1 for role in roles)
 
 
 class Rollout(ABC):

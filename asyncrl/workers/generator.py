@@ -26,7 +26,7 @@ from asyncrl.protocol.messages import (
     WeightsLoaded,
 )
 from asyncrl.rewards.scoring import ScoringStopped
-from asyncrl.rollout.interface import Rollout, nothing_to_train
+from asyncrl.rollout.interface import Rollout, equal_rewards, nothing_to_train
 from asyncrl.transports.weights.broadcast import UnjoinedReceiver
 from asyncrl.transports.weights.formation import (
     FormationAbandoned,
@@ -226,16 +226,23 @@ class GeneratorWorker:
             ready, dropped = self.rollout.step(admit=not draining)
         except ScoringStopped:
             return self._flush_span()
-        # A group the trainer could not train never reaches it.
-        groups, ready, empty = ready, [], []
+        # A group the trainer could not train, or (algorithm.drop_equal_rewards) one that would
+        # teach it nothing, never reaches it.
+        groups, ready, empty, equal = ready, [], [], []
         for g in groups:
-            (empty if nothing_to_train(g) else ready).append(g)
+            if nothing_to_train(g):
+                empty.append(g)
+            elif self.cfg.algorithm.drop_equal_rewards and equal_rewards(g):
+                equal.append(g)
+            else:
+                ready.append(g)
             if self.cfg.algorithm.mask_truncated:  # before its header counts the tokens to train
                 g.mask_truncated()
         events: list = [GroupReady.of(self.name, g) for g in ready]
         events += self.features.finished(self.name, ready)  # e.g. the pivots found in them
         events += [GroupDropped(self.name, g.group_id, "reward_error", g.first_error) for g in dropped]
         events += [GroupDropped(self.name, g.group_id, "nothing_to_train", g.first_error) for g in empty]
+        events += [GroupDropped(self.name, g.group_id, "equal_rewards", None) for g in equal]
         if not self.rollout.has_work or time.time() - self._busy_since > SPAN_FLUSH_S:
             events += self._flush_span()
         return events

@@ -1,0 +1,82 @@
+"""algorithm.drop_equal_rewards: groups that teach nothing are dropped and replaced (DAPO's dynamic sampling)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from asyncrl.cli import main
+from asyncrl.config import load_config
+from asyncrl.control.run import train
+from asyncrl.errors import ConfigError
+from asyncrl.rollout.interface import equal_rewards
+from asyncrl.types import Group, Prompt, Sample
+from tests.helpers import sets, short_run
+
+
+def group(rewards: list[float | None], roles: list[str | None] | None = None) -> Group:
+    roles = roles or [None] * len(rewards)
+    samples = [
+        Sample(
+            prompt_id="p",
+            group_id=0,
+            prompt_ids=[3],
+            completion_ids=[4],
+            logprobs=[-1.0],
+            versions=[0],
+            loss_mask=[1],
+            finish_reason="stop",
+            reward=r,
+            role=role,
+        )
+        for r, role in zip(rewards, roles, strict=True)
+    ]
+    return Group(0, Prompt("p", "x"), samples)
+
+
+def test_equal_rewards_within_each_role_by_hand() -> None:
+    assert equal_rewards(group([1.0, 1.0, 1.0])) and equal_rewards(group([0.0, 0.0]))
+    assert not equal_rewards(group([1.0, 0.0, 1.0]))
+    # Each role is normalised on its own: equal within each role teaches nothing, across roles or not.
+    assert equal_rewards(group([1.0, 1.0, 0.0, 0.0], ["a", "a", "b", "b"]))
+    assert not equal_rewards(group([1.0, 1.0, 0.0, 1.0], ["a", "a", "b", "b"]))
+    # A failed reward is task.reward_on_error's to decide.
+    assert not equal_rewards(group([None, None])) and not equal_rewards(group([float("nan"), float("nan")]))
+
+
+def test_settings_it_cannot_be_used_with_are_named() -> None:
+    for override, key in [
+        ("distill.teacher=tiny:1m", "distill.teacher"),
+        ("pivot.branches=4", "pivot.branches"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"algorithm.drop_equal_rewards cannot be used with {key}"):
+            load_config(None, ["algorithm.drop_equal_rewards=true", override])
+
+
+def test_every_step_trains_its_groups_with_a_signal_and_the_books_reconcile(tmp_path: Path) -> None:
+    """The built-in example (binary rewards), 4 steps of 8 groups of 4: groups whose 4 rewards agree
+    are dropped and other prompts take their places, so no trained group has advantages all 0."""
+    cfg = load_config(None, [*short_run(4, prompts=8), "algorithm.drop_equal_rewards=true"])
+    summary = train(cfg, tmp_path)
+    books = summary["accounting"]
+    assert books["reconciles"] and books["trained"] == 32 and books["prompts_trained_twice"] == 0
+    assert books["dropped_equal_rewards"] > 0
+    assert books["issued"] == books["trained"] + books["dropped_equal_rewards"]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["zero_advantage_frac"] for r in rows] == [0.0] * 4
+
+
+def test_a_run_where_every_group_is_dropped_stops_naming_why(tmp_path: Path, capsys) -> None:
+    """A reward that is always 0: every group goes, and run.max_dropped_batches stops the run."""
+    overrides = [
+        *short_run(4, prompts=4),
+        "algorithm.drop_equal_rewards=true",
+        "task.rewards=[{name: format_regex, args: {pattern: ZZZ}}]",
+        "run.max_dropped_batches=3",
+    ]
+    assert main(["train", *sets(overrides), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "no step for 12 groups in a row, each ended untrained: dropped_equal_rewards 12" in err
+    assert "(algorithm.drop_equal_rewards=true: every reward of each of these groups was the same)" in err
