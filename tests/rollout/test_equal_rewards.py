@@ -12,27 +12,15 @@ from asyncrl.config import load_config
 from asyncrl.control.run import train
 from asyncrl.errors import ConfigError
 from asyncrl.rollout.interface import equal_rewards
-from asyncrl.types import Group, Prompt, Sample
+from asyncrl.types import Group, Prompt
+from tests.conftest import build_sample
 from tests.helpers import sets, short_run
 
 
 def group(rewards: list[float | None], roles: list[str | None] | None = None) -> Group:
-    roles = roles or [None] * len(rewards)
-    samples = [
-        Sample(
-            prompt_id="p",
-            group_id=0,
-            prompt_ids=[3],
-            completion_ids=[4],
-            logprobs=[-1.0],
-            versions=[0],
-            loss_mask=[1],
-            finish_reason="stop",
-            reward=r,
-            role=role,
-        )
-        for r, role in zip(rewards, roles, strict=True)
-    ]
+    samples = [build_sample([3], [4], reward=r, finish_reason="stop", prompt_id="p") for r in rewards]
+    for sample, role in zip(samples, roles or [None] * len(rewards), strict=True):
+        sample.role = role
     return Group(0, Prompt("p", "x"), samples)
 
 

@@ -14,8 +14,9 @@ from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.errors import ConfigError
 from asyncrl.models.loading import load_policy
 from asyncrl.rollout.evaluation import evaluation_figures
-from asyncrl.types import Group, Prompt, Sample
+from asyncrl.types import Group, Prompt
 from asyncrl.workers.rollouts import build_rollout
+from tests.conftest import build_sample
 from tests.helpers import short_run
 
 
@@ -32,16 +33,8 @@ class ScoredRollout:
             if prompt.prompt_id not in self.rewards:
                 continue
             samples = [
-                Sample(
-                    prompt_id=prompt.prompt_id,
-                    group_id=gid,
-                    prompt_ids=[3],
-                    completion_ids=[4],
-                    logprobs=[-1.0],
-                    versions=[0],
-                    loss_mask=[1],
-                    finish_reason="stop",
-                    reward=r,
+                build_sample(
+                    [3], [4], reward=r, prompt_id=prompt.prompt_id, group_id=gid, finish_reason="stop"
                 )
                 for r in self.rewards[prompt.prompt_id]
             ]

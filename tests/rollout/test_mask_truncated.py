@@ -8,22 +8,12 @@ from pathlib import Path
 from asyncrl.config import load_config
 from asyncrl.control.run import train
 from asyncrl.types import Group, Prompt, Sample
+from tests.conftest import build_sample
 from tests.helpers import short_run
 
 
 def sample(finish: str, mask: list[int]) -> Sample:
-    n = len(mask)
-    return Sample(
-        prompt_id="p",
-        group_id=0,
-        prompt_ids=[3],
-        completion_ids=[4] * n,
-        logprobs=[-1.0] * n,
-        versions=[0] * n,
-        loss_mask=mask,
-        finish_reason=finish,
-        reward=1.0,
-    )
+    return build_sample([3], [4] * len(mask), loss_mask=mask, reward=1.0, finish_reason=finish, prompt_id="p")
 
 
 def test_a_group_masks_only_its_truncated_completions() -> None:
