@@ -110,7 +110,12 @@ class DistillConfig(Section):
 
     @property
     def enabled(self) -> bool:
-        return self.teacher is not None or self.url is not None or bool(self.teachers)
+        return self.has_default_teacher or bool(self.teachers)
+
+    @property
+    def has_default_teacher(self) -> bool:
+        """A teacher for every prompt that names none (distill.teacher or distill.url)."""
+        return self.teacher is not None or self.url is not None
 
     @property
     def source(self) -> str:

@@ -145,9 +145,7 @@ class Config(Section):
             "algorithm.advantage_scale": self.algorithm.advantage_scale == "batch"
             and "branch groups take their advantages within the group",
         }
-        for key, reason in reasons.items():
-            if reason:
-                raise ValueError(f"pivot.branches > 0 cannot be used with {key}: {reason}")
+        _refuse_any("pivot.branches > 0", reasons)
         if pivot.branches > self.rollout.max_batch_size:
             raise ValueError(
                 f"pivot.branches={pivot.branches} is more than rollout.max_batch_size="
@@ -166,9 +164,7 @@ class Config(Section):
             and "step rewards give a group per-token advantages whatever its final rewards",
             "pivot.branches": self.pivot.enabled and "pivots are found in the failed groups it would drop",
         }
-        for key, reason in reasons.items():
-            if reason:
-                raise ValueError(f"algorithm.drop_equal_rewards cannot be used with {key}: {reason}")
+        _refuse_any("algorithm.drop_equal_rewards", reasons)
 
     def _multi_agent_combinations(self) -> None:
         agents = self.multi_agent
@@ -245,3 +241,10 @@ def old_logprob_mode(algorithm: AlgorithmConfig, max_staleness: int) -> str:
     if algorithm.num_iterations > 1 or algorithm.is_level != "none":
         return "recompute"
     return "behaviour" if max_staleness > 0 else "current"
+
+
+def _refuse_any(setting: str, reasons: dict[str, str | bool]) -> None:
+    """Refuse ``setting`` with the first key of ``reasons`` whose reason holds (a falsy one does not)."""
+    for key, reason in reasons.items():
+        if reason:
+            raise ValueError(f"{setting} cannot be used with {key}: {reason}")

@@ -235,9 +235,9 @@ class GeneratorWorker:
             elif self.cfg.algorithm.drop_equal_rewards and equal_rewards(g):
                 equal.append(g)
             else:
+                if self.cfg.algorithm.mask_truncated:  # before its header counts the tokens to train
+                    g.mask_truncated()
                 ready.append(g)
-            if self.cfg.algorithm.mask_truncated:  # before its header counts the tokens to train
-                g.mask_truncated()
         events: list = [GroupReady.of(self.name, g) for g in ready]
         events += self.features.finished(self.name, ready)  # e.g. the pivots found in them
         events += [GroupDropped(self.name, g.group_id, "reward_error", g.first_error) for g in dropped]

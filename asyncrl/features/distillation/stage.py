@@ -157,7 +157,7 @@ def check_teacher_column(cfg: Config) -> None:
     none when distill.teacher (or distill.url) scores such prompts: refused before the run
     starts, naming the first prompt that does not and its value."""
     distill = cfg.distill
-    field, default = distill.teacher_field, distill.teacher is not None or distill.url is not None
+    field, default = distill.teacher_field, distill.has_default_teacher
     source = task_prompts(cfg)
     if source.size is None:  # a generated task: no dataset columns, so no prompt names a teacher
         if not default:
