@@ -205,6 +205,9 @@ class Sample(Tokens):
     # On-policy distillation: the teacher's log-prob of every completion token given what precedes
     # it (asyncrl.distill); None until the teacher stage has scored the sample.
     teacher_logprobs: list[float] | None = None
+    # With distill.top_k: the teacher's k most likely tokens at every completion position and their
+    # log-probs, as asyncrl.distill.top.pack_top's bytes; None without (or until scored).
+    teacher_top: bytes | None = None
     # Multi-agent episodes (asyncrl.episodes.team): the role whose transcript this is, the policy
     # that generated its turns (their ``versions`` are that policy's clock) and is trained on it,
     # and the episode's team reward (``reward`` mixes it with the role's own).
@@ -252,6 +255,8 @@ class TeacherScores:
 
     group_id: int
     logprobs: list[list[float]]
+    # With distill.top_k: per sample, the teacher's top-k tokens (asyncrl.distill.top.pack_top).
+    top: list[bytes] | None = None
 
     def apply_to(self, group: Group) -> None:
         group.take_scores(self)
@@ -327,6 +332,14 @@ class Group:
                     f"{len(sample.completion_ids)}-token completion"
                 )
             sample.teacher_logprobs = list(logprobs)
+        if scores.top is not None:
+            if len(scores.top) != len(self.samples):
+                raise ValueError(
+                    f"teacher scores of group {self.group_id} carry top-k tokens of {len(scores.top)} "
+                    f"samples, not of its {len(self.samples)}"
+                )
+            for sample, top in zip(self.samples, scores.top, strict=True):
+                sample.teacher_top = top  # made by pack_top of checked shapes (asyncrl.distill.teacher)
 
     @property
     def rewards(self) -> list[float | None]:

@@ -8,6 +8,10 @@ from pydantic import Field, model_validator
 
 from asyncrl.config.section import Section
 
+# The most tokens a teacher gives per position (distill.top_k, and the top_k of asyncrl serve's
+# POST /v1/logprobs): each costs the trainer a log-prob, and a sample 8 bytes, per token.
+MAX_TOP_K = 64
+
 
 class DistillConfig(Section):
     """On-policy distillation: a teacher scores the student's own tokens (asyncrl.distill).
@@ -46,9 +50,28 @@ class DistillConfig(Section):
     )
     weight: float = Field(
         1.0,
-        gt=0,
+        ge=0,
         description="Weight of the teacher's per-token signal (teacher log-prob - behaviour log-prob) in the "
-        "advantage.",
+        "advantage. 0 (with distill.top_k): the top-k divergence is the teacher's only signal.",
+    )
+    top_k: int = Field(
+        0,
+        ge=0,
+        le=MAX_TOP_K,
+        description="k > 0: the teacher also gives its k most likely tokens at every completion position, and "
+        "the loss adds distill.top_k_weight x the divergence between teacher and student over those k tokens "
+        "and one bucket for the rest of the vocabulary, on every trained token: a supervised term that moves "
+        "all k logits, not only the sampled token's. 0: the sampled token's signal alone.",
+    )
+    top_k_divergence: Literal["forward", "reverse"] = Field(
+        "forward",
+        description="With distill.top_k: 'forward' is KL(teacher || student), which covers every token the "
+        "teacher gives mass; 'reverse' is KL(student || teacher), which seeks the teacher's modes.",
+    )
+    top_k_weight: float = Field(
+        1.0,
+        gt=0,
+        description="Weight of the top-k divergence (distill.top_k) in the loss, per trained token.",
     )
     queue_groups: int = Field(
         0,
@@ -100,6 +123,11 @@ class DistillConfig(Section):
                     f"distill.teachers: {name!r}: {model!r}: each teacher needs a name ('default' stands for "
                     "distill.teacher) and a model of its own (the policy's snapshot is distill.teacher=self)"
                 )
+        if self.weight == 0 and not self.top_k:
+            raise ValueError(
+                "distill.weight=0 leaves no teacher signal: keep a weight, or set distill.top_k for the "
+                "top-k divergence"
+            )
         if self.teachers and self.engine == "vllm":
             raise ValueError("distill.teachers score with distill.engine=embedded only (one model each)")
         return self

@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from asyncrl.config import Config
+from asyncrl.distill.top import pack_top, top_width
 from asyncrl.errors import AsyncRLError, ConfigError
 from asyncrl.models.loading import (
     describe_tokenizer,
@@ -47,19 +48,50 @@ class Teacher(Protocol):
         ...
 
 
-def _rows(groups: list[Group]) -> ScoringRequest:
+def _rows(groups: list[Group], top_k: int) -> ScoringRequest:
     samples = [s for g in groups for s in g.samples]
     return ScoringRequest(
-        prompts=[list(s.prompt_ids) for s in samples], completions=[list(s.completion_ids) for s in samples]
+        prompts=[list(s.prompt_ids) for s in samples],
+        completions=[list(s.completion_ids) for s in samples],
+        top_k=top_k,
     )
 
 
-def _per_group(groups: list[Group], logprobs: list[list[float]]) -> list[TeacherScores]:
+def _per_group(name: str, groups: list[Group], scores: dict[str, list], top_k: int) -> list[TeacherScores]:
+    """A teacher's answer for the samples of ``groups`` in order (``logprobs``, with ``top_k`` also
+    ``top_ids`` and ``top_logprobs``), as one record per group; a TeacherError if it does not fit."""
+    logprobs = scores.get("logprobs")
+    lengths = [len(s.completion_ids) for g in groups for s in g.samples]
+    if not isinstance(logprobs, list) or [len(r) if isinstance(r, list) else -1 for r in logprobs] != lengths:
+        raise TeacherError(
+            f"{name}: the teacher answered log-prob rows that do not fit the completions asked"
+        )
+    top = None
+    if top_k:
+        try:
+            top = [
+                _top_row(ids, lps, length, top_k)
+                for ids, lps, length in zip(scores["top_ids"], scores["top_logprobs"], lengths, strict=True)
+            ]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TeacherError(
+                f"{name}: the teacher's top-{top_k} tokens (distill.top_k) do not fit the completions asked: {exc}"
+            ) from None
     out, start = [], 0
     for group in groups:
-        out.append(TeacherScores(group.group_id, logprobs[start : start + group.size]))
-        start += group.size
+        stop = start + group.size
+        out.append(
+            TeacherScores(group.group_id, logprobs[start:stop], None if top is None else top[start:stop])
+        )
+        start = stop
     return out
+
+
+def _top_row(ids: list, logprobs: list, length: int, top_k: int) -> bytes:
+    packed = pack_top(ids, logprobs)
+    if top_width(packed, length) != top_k:
+        raise ValueError(f"{len(packed) // (8 * length)} tokens a position where {top_k} were asked")
+    return packed
 
 
 class LocalTeacher:
@@ -85,6 +117,7 @@ class LocalTeacher:
                 f"{self.name}: the teacher failed to load: {type(exc).__name__}: {exc}"
             ) from None
         self.device = device
+        self.top_k = distill.top_k
         self.model = policy.model.eval()
         self.model.requires_grad_(False)
         self.pad_token_id = policy.pad_token_id
@@ -108,8 +141,8 @@ class LocalTeacher:
         if not groups:
             return []
         with torch.no_grad():
-            logprobs = token_logprobs(self.model, self.pad_token_id, _rows(groups))["logprobs"]
-        return _per_group(groups, logprobs)
+            scores = token_logprobs(self.model, self.pad_token_id, _rows(groups, self.top_k))
+        return _per_group(self.name, groups, scores, self.top_k)
 
 
 class ServedTeacher:
@@ -120,6 +153,7 @@ class ServedTeacher:
         self.device = torch.device("cpu")
         self.name = cfg.distill.source
         self.timeout_s = cfg.distill.timeout_s
+        self.top_k = cfg.distill.top_k
         models = self._call("GET", "/v1/models").get("data") or [{}]
         fingerprint = models[0].get("tokenizer")
         if fingerprint is None:
@@ -133,17 +167,9 @@ class ServedTeacher:
     def score(self, groups: list[Group]) -> list[TeacherScores]:
         if not groups:
             return []
-        request = _rows(groups)
-        body = {"prompt_ids": request.prompts, "completion_ids": request.completions}
-        answer = self._call("POST", "/v1/logprobs", body)
-        logprobs = answer.get("logprobs")
-        if not isinstance(logprobs, list) or [len(r) for r in logprobs] != [
-            len(c) for c in request.completions
-        ]:
-            raise TeacherError(
-                f"{self.name}: /v1/logprobs answered rows that do not fit the completions asked"
-            )
-        return _per_group(groups, logprobs)
+        request = _rows(groups, self.top_k)
+        body = {"prompt_ids": request.prompts, "completion_ids": request.completions, "top_k": self.top_k}
+        return _per_group(self.name, groups, self._call("POST", "/v1/logprobs", body), self.top_k)
 
     def _call(self, method: str, path: str, body: dict | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()
@@ -218,6 +244,9 @@ def _check_local(cfg: Config, named: str | None) -> None:
     check_same_tokenizer(cfg, tokenizer_fingerprint(tokenizer), describe_tokenizer(tokenizer), named)
 
 
+VLLM_MAX_LOGPROBS = 20  # vLLM's own default of max_logprobs
+
+
 class VllmTeacher(LocalTeacher):
     """A local teacher scored by vLLM (``distill.engine=vllm``): its prompt log-probs of the
     student's tokens, from a vLLM engine in this process over the teacher's model."""
@@ -234,6 +263,11 @@ class VllmTeacher(LocalTeacher):
             self.model.save_pretrained(self._scratch.name, safe_serialization=True)
             load_tokenizer(source)[0].save_pretrained(self._scratch.name)
             directory = Path(self._scratch.name)
+        engine_args = dict(cfg.vllm.engine_args)
+        if self.top_k:  # vLLM refuses prompt log-probs past its max_logprobs (20 unless raised)
+            engine_args["max_logprobs"] = max(
+                int(engine_args.get("max_logprobs", VLLM_MAX_LOGPROBS)), self.top_k
+            )
         settings = VllmSettings(
             model_path=str(directory),
             dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."),
@@ -242,7 +276,7 @@ class VllmTeacher(LocalTeacher):
             seed=cfg.run.seed,
             enforce_eager=cfg.vllm.enforce_eager,
             gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
-            engine_args=tuple(sorted(cfg.vllm.engine_args.items())),
+            engine_args=tuple(sorted(engine_args.items())),
         )
         self.engine = VllmEngine(settings)
         self.model.to("meta")  # vLLM holds the weights now
@@ -255,10 +289,9 @@ class VllmTeacher(LocalTeacher):
     def score(self, groups: list[Group]) -> list[TeacherScores]:
         if not groups:
             return []
-        rows = _rows(groups)
-        return _per_group(
-            groups, self.engine.prompt_logprobs(list(zip(rows.prompts, rows.completions, strict=True)))
-        )
+        rows = _rows(groups, self.top_k)
+        scores = self.engine.score(list(zip(rows.prompts, rows.completions, strict=True)), self.top_k)
+        return _per_group(self.name, groups, scores, self.top_k)
 
 
 def teacher_named_by(prompt: Prompt, field: str, teachers: Collection[str], has_default: bool) -> str | None:

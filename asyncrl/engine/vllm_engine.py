@@ -359,11 +359,6 @@ class VllmEngine(Engine):
             for r in self._running.values()
         }
 
-    def prompt_logprobs(self, rows: list[tuple[list[int], list[int]]]) -> list[list[float]]:
-        """For each (prompt, completion), the log-prob of every completion token given the tokens
-        before it, at temperature 1: a teacher scoring a student's tokens (:meth:`score`)."""
-        return self.score(rows)["logprobs"]
-
     def score(self, rows: list[tuple[list[int], list[int]]], top_k: int = 0) -> dict[str, list]:
         """vLLM's prompt log-probs of each (prompt, completion), at temperature 1: ``logprobs``,
         per row the log-prob of every completion token given the tokens before it, and with

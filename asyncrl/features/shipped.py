@@ -23,6 +23,7 @@ from asyncrl.control.features import FEATURES, START_CHECKS
 from asyncrl.features.distillation.books import teacher_queue
 from asyncrl.features.distillation.parts import teacher_signal
 from asyncrl.features.distillation.stage import TeacherStage, teacher_fits
+from asyncrl.features.distillation.training import top_k_distillation
 from asyncrl.features.pivots.books import pivot_book
 from asyncrl.features.pivots.parts import branch_steps, pivot_finder
 from asyncrl.features.policies.books import policy_feature
@@ -51,6 +52,7 @@ SERVED_MODELS.register("policies", served_policies)
 
 TOKEN_RECORDS.register("routes", RouteRecord())
 TRAINING_FEATURES.register("routing", routing_training)
+TRAINING_FEATURES.register("teacher_top_k", top_k_distillation)
 START_CHECKS.register("routing", routing_replay_fits)
 START_CHECKS.register("teacher", teacher_fits)
 START_CHECKS.register("policies", policy_models_fit)

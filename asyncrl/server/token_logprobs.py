@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncrl.config.distill import MAX_TOP_K
+
 # Tokens per forward pass (rows x the longest row): bounds the activation memory of long
 # completions, while short rows go many at a time (a forward's fixed cost dominates small ones).
 FORWARD_TOKENS = 8192
-MAX_TOP_K = 64
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,11 @@ engine's tokens reach the trainer's forwards on their own (:mod:`asyncrl.models.
 * ``loss_forward``: sums of the loss forward just run over a micro-batch;
 * ``step_sums``: at the optimizer step, sums the step's other sums take in (so ranks add theirs up);
 * ``step_metrics``: the step's metrics from the step's sums;
-* ``misfit``: why samples (carried in by a checkpoint) do not fit the model, or None.
+* ``misfit``: why samples (carried in by a checkpoint) do not fit the model, or None;
+* a loss term of its own (``adds_loss``): ``extra_tokens``, the tokens at each completion
+  position whose log-probs the term needs (the loss forward computes them with the sampled
+  token's), and ``loss_term``, the term per token, added to the policy's loss before it is
+  aggregated, with its sums.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncrl.config import TrainerConfig
+from asyncrl.config import Config, TrainerConfig
 from asyncrl.plugins import Registry
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.types import Sample
@@ -32,12 +36,16 @@ class TrainedModel:
 
     model: torch.nn.Module
     cfg: TrainerConfig
+    run: Config | None = None  # the run's whole config; None for a trainer built outside a run
 
 
 class TrainingFeature:
     """A feature's part of the Trainer's work (module docstring)."""
 
     name = "feature"
+    # A loss term of its own: then a zero advantage no longer leaves a sample without a gradient,
+    # and trainer.skip_zero_advantage keeps every sample.
+    adds_loss = False
 
     def prepared(self, samples: list[Sample]) -> None: ...
 
@@ -53,6 +61,17 @@ class TrainingFeature:
     def misfit(self, samples: list[Sample]) -> str | None:
         return None
 
+    def extra_tokens(self, mb: MicroBatch) -> torch.Tensor | None:
+        """(B, R, K) tokens at each completion position whose log-probs ``loss_term`` needs, or None."""
+        return None
+
+    def loss_term(
+        self, mb: MicroBatch, extra_logp: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """With ``adds_loss``: the (B, R) term added to the policy's per-token loss, given the policy's
+        log-probs of ``extra_tokens`` (B, R, K), and its detached 0-d sums for the step."""
+        raise TypeError(f"the training feature {self.name!r} has no loss term (adds_loss is False)")
+
 
 TRAINING_FEATURES: Registry[Callable[[TrainedModel], TrainingFeature | None]] = Registry("training feature")
 
@@ -64,8 +83,12 @@ class TrainingFeatures:
         self.members = list(members)
 
     @classmethod
-    def of(cls, model: torch.nn.Module, cfg: TrainerConfig) -> TrainingFeatures:
-        return cls(TRAINING_FEATURES.built(TrainedModel(model, cfg)))
+    def of(cls, model: torch.nn.Module, cfg: TrainerConfig, run: Config | None = None) -> TrainingFeatures:
+        return cls(TRAINING_FEATURES.built(TrainedModel(model, cfg, run)))
+
+    @property
+    def adds_loss(self) -> bool:
+        return any(f.adds_loss for f in self.members)
 
     def prepared(self, samples: list[Sample]) -> None:
         for f in self.members:
@@ -82,3 +105,28 @@ class TrainingFeatures:
 
     def misfit(self, samples: list[Sample]) -> str | None:
         return next((why for f in self.members if (why := f.misfit(samples)) is not None), None)
+
+    def extra_tokens(self, mb: MicroBatch) -> torch.Tensor | None:
+        """Every loss term's extra tokens, side by side on the last dimension (None: none)."""
+        wanted = [t for f in self.members if f.adds_loss and (t := f.extra_tokens(mb)) is not None]
+        return torch.cat(wanted, dim=-1) if wanted else None
+
+    def loss_terms(
+        self, mb: MicroBatch, extra_logp: torch.Tensor | None
+    ) -> tuple[torch.Tensor | float, dict[str, torch.Tensor]]:
+        """The sum of the features' loss terms (0.0 without any), each given its own columns of
+        ``extra_logp`` (in :meth:`extra_tokens`' order), and their sums."""
+        total: torch.Tensor | float = 0.0
+        sums: dict[str, torch.Tensor] = {}
+        start = 0
+        for f in self.members:
+            if not f.adds_loss:
+                continue
+            wanted = f.extra_tokens(mb)
+            width = 0 if wanted is None else wanted.shape[-1]
+            own = None if wanted is None else extra_logp[..., start : start + width]
+            term, more = f.loss_term(mb, own)
+            start += width
+            total = total + term
+            sums.update(more)
+        return total, sums

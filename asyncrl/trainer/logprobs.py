@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -162,6 +163,15 @@ def completion_logits(model: PreTrainedModel, batch: MicroBatch) -> torch.Tensor
     return flat[index]
 
 
+@dataclass
+class PolicyLogprobs:
+    """What a loss forward needs of the policy at each completion position."""
+
+    logp: torch.Tensor  # (B, R): log softmax(logits / temperature) at the completion token
+    entropy: torch.Tensor | None  # (B, R), or None when not asked for
+    extra: torch.Tensor | None  # (B, R, K): the same at K more tokens per position, or None
+
+
 def completion_logprobs(
     model: PreTrainedModel,
     batch: MicroBatch,
@@ -170,24 +180,56 @@ def completion_logprobs(
     entropy_grad: bool = False,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log softmax(logits / temperature) at each completion token, shape (B, R).
+    """log softmax(logits / temperature) at each completion token, shape (B, R), and the entropy
+    (see :func:`policy_logprobs`)."""
+    out = policy_logprobs(
+        model,
+        batch,
+        temperature,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+        chunk_tokens=chunk_tokens,
+    )
+    return out.logp, out.entropy
+
+
+def policy_logprobs(
+    model: PreTrainedModel,
+    batch: MicroBatch,
+    temperature: float,
+    *,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    extra_tokens: torch.Tensor | None = None,
+) -> PolicyLogprobs:
+    """log softmax(logits / temperature) at each completion token, shape (B, R), and with
+    ``extra_tokens`` (B, R, K) at those K tokens of each position too (a distillation's top-k).
 
     Only positions that predict completion tokens go through the LM head, ``chunk_tokens``
     of them at a time (0: all at once; see the module). The entropy keeps its graph only
-    when ``entropy_grad`` (an entropy bonus); as a metric it is detached.
+    when ``entropy_grad`` (an entropy bonus); as a metric it is detached. A recorded support
+    (Keep Sampling Mask) renormalises the completion token's log-prob, never the extra tokens'.
     """
     head = lm_head(model) if chunk_tokens > 0 else None
     if head is not None:
         hidden, index = predicting_hidden(model, batch)
+        rows, tokens = index.flatten(), batch.completion_ids.flatten()
         support = has_support = None
         if batch.support_ids is not None:
             support, has_support = batch.support_ids.flatten(0, 1), batch.has_support.flatten()
+        if extra_tokens is not None:  # more (row, token) pairs of the same rows, after the sampled ones
+            extra_rows = index.unsqueeze(-1).expand_as(extra_tokens).flatten()
+            rows, tokens = torch.cat([rows, extra_rows]), torch.cat([tokens, extra_tokens.flatten()])
+            if support is not None:
+                support = torch.cat([support, support.new_full((len(extra_rows), support.shape[1]), -1)])
+                has_support = torch.cat([has_support, has_support.new_zeros(len(extra_rows))])
         logp, entropy = chunked_logprobs(
             hidden,
             head.weight,
             head.bias,
-            index.flatten(),
-            batch.completion_ids.flatten(),
+            rows,
+            tokens,
             temperature,
             chunk_tokens,
             support=support,
@@ -195,7 +237,9 @@ def completion_logprobs(
             with_entropy=with_entropy,
             entropy_grad=entropy_grad,
         )
-        return logp.view(index.shape), None if entropy is None else entropy[index]
+        n = index.numel()
+        extra = None if extra_tokens is None else logp[n:].view(extra_tokens.shape)
+        return PolicyLogprobs(logp[:n].view(index.shape), None if entropy is None else entropy[index], extra)
     flat, index = predicting_logits(model, batch)
     flat = flat.float()
     if temperature != 1.0:  # a division of every logit, and of every gradient, saved when it is 1
@@ -210,9 +254,10 @@ def completion_logprobs(
         kept = kept.masked_fill(batch.support_ids < 0, float("-inf"))
         token = flat[index, batch.completion_ids]
         logp = torch.where(batch.has_support, token - torch.logsumexp(kept, dim=-1), logp)
+    extra = None if extra_tokens is None else full[index.unsqueeze(-1), extra_tokens]
     entropy = None
     if with_entropy:
         # Autocast would run the entropy's dot product (an einsum) in its low dtype.
         with torch.autocast(flat.device.type, enabled=False):
             entropy = entropy_from_logprobs(full if entropy_grad else full.detach())[index]
-    return logp, entropy
+    return PolicyLogprobs(logp, entropy, extra)

@@ -16,6 +16,7 @@ utilities, which know how to reduce their norms.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -89,3 +90,20 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
+
+
+def take_this_runs_settings(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    cfg: TrainerConfig,
+    lr_factor: Callable[[int], float],
+) -> None:
+    """After a restore: the moments and step counts are the checkpoint's, the settings this
+    run's. The saved optimizer and scheduler carry the settings they were made with (base rate,
+    betas, weight decay), which silently outranked a resume's ``--set trainer.lr=...``; and the
+    saved rate is the saved run's at that step, while a resume with a raised run.steps
+    spreads a decaying schedule over the new length from this very step."""
+    rate = cfg.lr * lr_factor(scheduler.last_epoch)
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    for group in optimizer.param_groups:
+        group.update(lr=rate, initial_lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay)

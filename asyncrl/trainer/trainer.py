@@ -35,15 +35,22 @@ import torch
 from transformers import PreTrainedModel
 
 from asyncrl.algorithms import corrections, losses
-from asyncrl.config import AlgorithmConfig, TrainerConfig, old_logprob_mode
+from asyncrl.config import AlgorithmConfig, Config, TrainerConfig, old_logprob_mode
 from asyncrl.models.activation_checkpointing import enable_activation_checkpointing
 from asyncrl.models.lora import ADAPTER, is_lora, published_weights
 from asyncrl.trainer.advantages import moves_weights
 from asyncrl.trainer.batching import MicroBatch, trained_span
 from asyncrl.trainer.features import TrainingFeatures
-from asyncrl.trainer.logprobs import completion_logprobs
+from asyncrl.trainer.logprobs import completion_logprobs, policy_logprobs
 from asyncrl.trainer.memory import resolve_micro_batch_tokens
-from asyncrl.trainer.optimizer import adamw, clip_gradients, divide_gradients, lr_lambda, total_norm
+from asyncrl.trainer.optimizer import (
+    adamw,
+    clip_gradients,
+    divide_gradients,
+    lr_lambda,
+    take_this_runs_settings,
+    total_norm,
+)
 from asyncrl.trainer.packing import packing_for
 from asyncrl.trainer.planning import collate_layout, collection_paused, plan_layouts
 from asyncrl.trainer.state import optimizer_state, restore_state
@@ -77,10 +84,12 @@ class Trainer:
         old_logprobs: str | None = None,
         compute_dtype: torch.dtype | None = None,
         adapter: str | None = None,
+        run_cfg: Config | None = None,
     ) -> None:
         """``adapter``: the one LoRA adapter this trainer trains, of a model carrying several
         (a multi-agent run's policies, :mod:`asyncrl.features.policies.trainer`, which makes it active
-        around every call); None: the model's only adapter, or no LoRA."""
+        around every call); None: the model's only adapter, or no LoRA. ``run_cfg``: the run's whole
+        config, for the features' builders (None: a trainer built outside a run)."""
         self.model = model
         self.adapter = adapter
         self.pad_token_id = pad_token_id
@@ -113,7 +122,7 @@ class Trainer:
         )
         # The features' parts of the work on the policy (asyncrl.trainer.features), built after the
         # reference copy: whatever they set on the policy's modules is the policy's alone.
-        self.features = TrainingFeatures.of(model, trainer_cfg)
+        self.features = TrainingFeatures.of(model, trainer_cfg, run_cfg)
         if trainer_cfg.activation_checkpointing:  # the policy only: the reference computes no gradients
             enable_activation_checkpointing(model)
         self.micro_batch_tokens = resolve_micro_batch_tokens(
@@ -134,7 +143,10 @@ class Trainer:
         self._busy_s = 0.0
         # trainer.skip_zero_advantage, where the loss has no term a zero advantage leaves standing.
         self.skips_zero_advantage = (
-            trainer_cfg.skip_zero_advantage and algo_cfg.beta == 0 and not algo_cfg.entropy_coef
+            trainer_cfg.skip_zero_advantage
+            and algo_cfg.beta == 0
+            and not algo_cfg.entropy_coef
+            and not self.features.adds_loss
         )
         # (tokens, samples) skipped by prepare since the last optimizer step, and in the last step
         # (a batch's later optimizer steps reuse its micro-batches, and so its skips).
@@ -375,14 +387,16 @@ class Trainer:
     def _micro_batch_loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
         algo = self.algo
         with self.compute():
-            logp, entropy = completion_logprobs(
+            out = policy_logprobs(
                 self.model,
                 mb,
                 self.temperature,
                 with_entropy=True,
                 entropy_grad=bool(algo.entropy_coef),
                 chunk_tokens=self.cfg.logprob_chunk_tokens,
+                extra_tokens=self.features.extra_tokens(mb),
             )
+        logp, entropy = out.logp, out.entropy
         stats: dict[str, float] = {}
         stats.update(self.features.loss_forward(mb, self.version))
         # Diagnostic sums as 0-d tensors, read in one transfer at the end (a read per figure
@@ -413,6 +427,8 @@ class Trainer:
             sums["is_weight_sum"] = (w * mask).sum()
             sums["is_ratio_max"] = (raw * mask).max()  # ratios are positive: 0 where masked
             sums["is_clipped_sum"] = ((w != raw).to(mask.dtype) * mask).sum()
+        features_loss, features_sums = self.features.loss_terms(mb, out.extra)  # not importance-weighted
+        per_token, sums = per_token + features_loss, sums | features_sums
         kl = None
         if mb.ref_logprobs is not None:
             kl = losses.kl_penalty(logp, mb.ref_logprobs, algo.kl_estimator)
@@ -465,25 +481,9 @@ class Trainer:
         adapter = (self.adapter or ADAPTER) if self.lora else None
         restore_state(self.model, self.optimizer, weights, state["optimizer"], adapter=adapter)
         self.scheduler.load_state_dict(state["scheduler"])
-        self._take_this_runs_settings()
+        take_this_runs_settings(self.optimizer, self.scheduler, self.cfg, self._lr_factor)
         self.version = int(state["version"])
         return self.version
-
-    def _take_this_runs_settings(self) -> None:
-        """After a restore: the moments and step counts are the checkpoint's, the settings this
-        run's. The saved optimizer and scheduler carry the settings they were made with (base rate,
-        betas, weight decay), which silently outranked a resume's ``--set trainer.lr=...``; and the
-        saved rate is the saved run's at that step, while a resume with a raised run.steps
-        spreads a decaying schedule over the new length from this very step."""
-        rate = self.cfg.lr * self._lr_factor(self.scheduler.last_epoch)
-        self.scheduler.base_lrs = [self.cfg.lr] * len(self.optimizer.param_groups)
-        for group in self.optimizer.param_groups:
-            group.update(
-                lr=rate,
-                initial_lr=self.cfg.lr,
-                betas=tuple(self.cfg.adam_betas),
-                weight_decay=self.cfg.weight_decay,
-            )
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """The trained weights in the master dtype: with LoRA the adapters (saved-format names), else every parameter."""

@@ -138,6 +138,7 @@ def build_trainer(
         total_steps=cfg.run.steps,
         old_logprobs=cfg.old_logprob_mode,
         compute_dtype=compute_dtype(cfg, next(policy.model.parameters()).device),
+        run_cfg=cfg,
     )
     if adapter is not None:
         # Its optimizer (and with ranks its DDP wrapper's gradient buckets) holds that adapter's

@@ -183,12 +183,16 @@ def test_generator_features_run_on_vllm(tmp_path: Path, feature: str) -> None:
 @pytest.mark.vllm
 def test_a_vllm_teacher_scores_as_the_local_one() -> None:
     """distill.engine=vllm: the teacher's prompt log-probs of the student's tokens from vLLM equal
-    the local teacher's forward within 1e-4 (float32)."""
+    the local teacher's forward within 1e-4 (float32), and so do its top-24 tokens (distill.top_k,
+    past vLLM's default max_logprobs of 20): the same 5 most likely in order, and the 24 log-probs."""
     from asyncrl.config.loading import load_config
     from asyncrl.distill.teacher import LocalTeacher, VllmTeacher
+    from asyncrl.distill.top import unpack_top
     from asyncrl.types import Group, Prompt
 
-    cfg = load_config(None, ["distill.teacher=builtin:arith-teacher", "distill.dtype=float32"])
+    cfg = load_config(
+        None, ["distill.teacher=builtin:arith-teacher", "distill.dtype=float32", "distill.top_k=24"]
+    )
     g = torch.Generator().manual_seed(3)
     groups = []
     for gid in range(3):
@@ -218,6 +222,13 @@ def test_a_vllm_teacher_scores_as_the_local_one() -> None:
         for x, y in zip(a.logprobs, b.logprobs, strict=True):
             assert len(x) == len(y) > 0
             assert max(abs(u - v) for u, v in zip(x, y, strict=True)) < 1e-4
+        for x, y in zip(a.top, b.top, strict=True):
+            (ids_x, lps_x), (ids_y, lps_y) = (
+                unpack_top(x, len(x) // (8 * 24)),
+                unpack_top(y, len(y) // (8 * 24)),
+            )
+            assert ids_x[:, :5].tolist() == ids_y[:, :5].tolist()
+            assert float((lps_x - lps_y).abs().max()) < 1e-4
 
 
 @pytest.mark.vllm

@@ -144,9 +144,16 @@ class TeacherStage(Stage):
 def teacher_fits(cfg: Config, model_config) -> None:
     """At the start of a run (:data:`~asyncrl.control.features.START_CHECKS`): every teacher exists
     and shares the student's tokenizer, and with several every prompt names one of them (or
-    none, for distill.teacher)."""
+    none, for distill.teacher); distill.top_k asks for no more tokens than the vocabulary holds."""
     if not cfg.distill.enabled:
         return
+    vocab = getattr(model_config, "vocab_size", None)
+    if vocab is not None and cfg.distill.top_k > vocab:
+        raise ConfigError(
+            "distill.top_k",
+            cfg.distill.top_k,
+            f"asks for more tokens than the student's {vocab}-token vocabulary",
+        )
     check_teacher(cfg)
     if cfg.distill.teachers:
         check_teacher_column(cfg)
