@@ -13,6 +13,12 @@ default: sync, inline): RL alone (``algorithm.advantage=group``), distillation a
 Per run: wall time, and the time, step and student tokens generated until the 10-step mean
 sampled reward first reaches ``--target``.
 
+``topk``: the teacher's top-k tokens (``distill.top_k=8``) against its sampled-token signal, with
+the same runs as ``compare``'s: the sampled signal alone (``compare``'s distillation alone), the
+top-k divergence alone (``distill.weight=0``), forward and reverse, and both (the sampled signal at
+w = 1 plus the forward divergence). Per run also the student's reverse KL to the teacher on its own
+samples and the top-k divergence, first and last 10 steps' means.
+
 ``overhead``: the teacher stage's cost with the teacher in its own process (local runtime,
 async schedule): RL alone against the same run with the teacher stage scoring every group at a
 weight so small (``distill.weight=1e-9``) that the learning is that of RL alone. Seconds per step
@@ -68,6 +74,12 @@ def run(run_dir: Path, overrides: list[str], target: float) -> dict:
         "reward_last10": round(statistics.fmean(r["reward_mean"] for r in rows[-WINDOW:]), 3),
         "to_target": to_target(rows, target),
         "accounting_reconciles": summary["accounting"]["reconciles"],
+        **{
+            f"{name}_{end}": round(statistics.fmean(r[name] for r in window), 4)
+            for name in ("distill_reverse_kl", "distill_top_k_kl")
+            if name in rows[0]
+            for end, window in (("first10", rows[:WINDOW]), ("last10", rows[-WINDOW:]))
+        },
     }
 
 
@@ -89,7 +101,7 @@ def main() -> None:
     parser.add_argument("--teacher-steps", type=int, default=400)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--target", type=float, default=0.8)
-    parser.add_argument("--parts", default="teacher,compare,overhead")
+    parser.add_argument("--parts", default="teacher,compare,topk,overhead")
     parser.add_argument("--timeline", type=Path, default=None)
     args = parser.parse_args()
     parts = args.parts.split(",")
@@ -106,6 +118,19 @@ def main() -> None:
                 ("rl", []),
                 ("distill", [*distill, "algorithm.advantage=distill"]),
                 ("both", distill),
+            ]
+        }
+        print(json.dumps(out), flush=True)
+    if "topk" in parts:
+        alone = [*steps, *distill, "algorithm.advantage=distill"]
+        top = ["distill.top_k=8"]
+        out["topk"] = {
+            name: run(args.work / f"topk-{name}", extra, args.target)
+            for name, extra in [
+                ("sampled", alone),
+                ("top_k_forward", [*alone, *top, "distill.weight=0"]),
+                ("top_k_reverse", [*alone, *top, "distill.weight=0", "distill.top_k_divergence=reverse"]),
+                ("sampled_and_top_k", [*alone, *top]),
             ]
         }
         print(json.dumps(out), flush=True)

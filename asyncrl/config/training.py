@@ -365,7 +365,15 @@ class LoraConfig(Section):
         0, ge=0, description="Adapter rank r; 0 or null = no LoRA (every parameter is trained and synced)."
     )
     alpha: float = Field(
-        16.0, gt=0, description="LoRA alpha: the adapter's update B @ A is scaled by alpha / rank."
+        16.0,
+        gt=0,
+        description="LoRA alpha: the adapter's update B @ A is scaled by alpha / rank (alpha / sqrt(rank) with "
+        "lora.rslora).",
+    )
+    rslora: bool = Field(
+        False,
+        description="Rank-stabilized LoRA (peft's use_rslora): scale the update by alpha / sqrt(rank), so that "
+        "a higher rank does not shrink each adapter's learning.",
     )
     dropout: float = Field(
         0.0,

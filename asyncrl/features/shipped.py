@@ -6,8 +6,8 @@ the trainer and the generators (:data:`~asyncrl.workers.features.TRAINED_MODELS`
 :data:`~asyncrl.workers.features.SERVED_MODELS`).
 
 In the order their hooks are called: pivot resampling (:mod:`.pivots`), the teacher stage
-(:mod:`.distillation`: also a stage of the run, :data:`~asyncrl.workers.interface.STAGES`, and a check
-at the start), several policies and roles (:mod:`.policies`), a mixture of experts'
+(:mod:`.distillation`: also a stage of the run, :data:`~asyncrl.workers.interface.STAGES`, a check
+at the start, and with ``distill.top_k`` a term of the trainer's loss), several policies and roles (:mod:`.policies`), a mixture of experts'
 routes (:mod:`.routing`: its record of each token, :data:`~asyncrl.models.token_records.TOKEN_RECORDS`,
 its part of the trainer's work, :data:`~asyncrl.trainer.features.TRAINING_FEATURES`, and its
 check at the start, :data:`~asyncrl.control.features.START_CHECKS`). Each builder returns

@@ -47,6 +47,7 @@ def peft_config(cfg: LoraConfig) -> PeftLoraConfig:
     return PeftLoraConfig(
         r=int(cfg.rank or 0),
         lora_alpha=cfg.alpha,
+        use_rslora=cfg.rslora,
         lora_dropout=cfg.dropout,
         target_modules=cfg.target_modules,
         bias="none",
@@ -235,7 +236,7 @@ class LoraTarget:
     weight: str  # the layer's weight in the plain model, e.g. model.layers.0.self_attn.q_proj.weight
     a_name: str  # saved-format names of the adapter tensors
     b_name: str
-    scaling: float  # alpha / rank
+    scaling: float  # alpha / rank (alpha / sqrt(rank) with rsLoRA)
     fan_in_fan_out: bool  # the weight is stored (in, out), as in GPT-2's Conv1D
 
 

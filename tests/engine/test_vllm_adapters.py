@@ -178,3 +178,32 @@ def test_an_adapter_never_loaded_adds_nothing() -> None:
         assert adapted.versions == [0] * len(adapted.completion_ids)
     finally:
         engine.close()
+
+
+def test_rslora_adapters_compute_with_alpha_over_the_square_root_of_the_rank() -> None:
+    """lora.rslora: vLLM reads use_rslora from the adapter's config, so the served adapter computes
+    the peft forward's log-probs (within 1e-4) and the check of B's scaling (12 / sqrt(4) = 6) passes."""
+    from asyncrl.engine.vllm_adapters import VllmAdapters
+    from asyncrl.engine.vllm_engine import VllmEngine, VllmSettings
+
+    lora = LoraConfig(rank=4, alpha=12.0, rslora=True)
+    targets, tensors = lora_targets(plain().model, lora)
+    assert {t.scaling for t in targets} == {6.0}
+    served = VllmAdapters(["solver"], lora, targets, WeightLayout.of(tensors))
+    engine = VllmEngine(VllmSettings(str(local_directory(MODEL)), "float32", 512, 8, seed=0), adapters=served)
+    try:
+        weights = random_adapter(served.layout, seed=5)
+        engine.load_adapter("solver", weights, 1)
+        reference = add_adapters(plain().model, lora, ["solver"], seed=0)
+        with torch.no_grad():
+            for saved, param in adapter_parameters(reference, "solver"):
+                param.copy_(weights[saved])
+        batch = requests(["solver"])
+        for q, r in zip(batch, engine.generate(batch), strict=True):
+            gap = (
+                peft_logprobs(reference, "solver", q.prompt_ids, r.completion_ids) - torch.tensor(r.logprobs)
+            ).abs()
+            assert gap.max().item() < 1e-4, (q.request_id, gap.max().item())
+        engine.adapters.verify("solver", tensor_checksums(list(weights.items())), "generator-0's engine")
+    finally:
+        engine.close()

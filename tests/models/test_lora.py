@@ -7,6 +7,7 @@ an engine that did not apply an update is caught, naming the version and the ten
 from __future__ import annotations
 
 import json
+import math
 import socket
 import threading
 from collections.abc import Callable
@@ -40,13 +41,14 @@ from asyncrl.workers.generator import GeneratorWorker
 from tests.helpers import train_groups
 
 LORA = LoraConfig(rank=8)  # alpha 16: the delta is 2 * B @ A
+RSLORA = LoraConfig(rank=16, rslora=True)  # alpha 16: the delta is 16 / sqrt(16) = 4 * B @ A
 MAX_COMPLETION = 8
 PARITY_BOUND = 1e-4  # engine (merged) vs trainer (unmerged) log-prob; measured ~1e-6
 
 
-def lora_trainer(policy: Policy, lr: float = 1e-2, **algo) -> Trainer:
+def lora_trainer(policy: Policy, lr: float = 1e-2, lora: LoraConfig = LORA, **algo) -> Trainer:
     return Trainer(
-        apply_lora(policy.model, LORA, seed=0),
+        apply_lora(policy.model, lora, seed=0),
         pad_token_id=policy.pad_token_id,
         trainer_cfg=TrainerConfig(lr=lr),
         algo_cfg=AlgorithmConfig(**algo),
@@ -81,19 +83,19 @@ def random_groups(
     return out
 
 
-def trained(policy: Policy, make_sample, steps: int = 3, **algo) -> Trainer:
+def trained(policy: Policy, make_sample, steps: int = 3, lora: LoraConfig = LORA, **algo) -> Trainer:
     """A LoRA trainer after ``steps`` updates at lr 1e-2: adapters far from their B = 0 start."""
-    trainer = lora_trainer(policy, **algo)
+    trainer = lora_trainer(policy, lora=lora, **algo)
     for step in range(steps):
         train_groups(trainer, random_groups(make_sample, seed=step))
     return trainer
 
 
 def merged_engine(
-    source: str, adapters: dict[str, torch.Tensor], version: int
+    source: str, adapters: dict[str, torch.Tensor], version: int, config: LoraConfig = LORA
 ) -> tuple[EmbeddedEngine, MergedLora]:
     base = load_policy(source, device="cpu", dtype="float32", seed=0)
-    lora = MergedLora(base.model, LORA)
+    lora = MergedLora(base.model, config)
     engine = EmbeddedEngine(base.model, pad_token_id=base.pad_token_id, seed=0)
     lora.load(engine, adapters, version)
     return engine, lora
@@ -140,14 +142,18 @@ def test_fresh_adapters_compute_the_base_model_exactly(tiny_policy: Policy) -> N
         assert torch.equal(wrapped(input_ids=ids).logits, base)
 
 
-def test_adapters_save_in_peft_format_and_load_with_peft(tmp_path: Path, make_sample) -> None:
+@pytest.mark.parametrize("lora", [LORA, RSLORA], ids=["lora", "rslora"])
+def test_adapters_save_in_peft_format_and_load_with_peft(
+    lora: LoraConfig, tmp_path: Path, make_sample
+) -> None:
     """save_policy writes adapter_config.json + adapter_model.safetensors; PeftModel.from_pretrained on
-    the base reproduces the trained model's logits exactly."""
+    the base reproduces the trained model's logits exactly (rsLoRA's scaling too)."""
     policy = load_policy("tiny:1m", device="cpu", dtype="float32", seed=0)
-    trainer = trained(policy, make_sample)
+    trainer = trained(policy, make_sample, lora=lora)
     save_policy(Policy(trainer.model, policy.tokenizer, policy.source), tmp_path)
     config = json.loads((tmp_path / "adapter_config.json").read_text())
-    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 8, 16)
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", lora.rank, 16)
+    assert config["use_rslora"] is lora.rslora
     assert set(config["target_modules"]) == {
         "q_proj",
         "k_proj",
@@ -176,12 +182,16 @@ def test_adapters_save_in_peft_format_and_load_with_peft(tmp_path: Path, make_sa
 # -- the sync and the engine ------------------------------------------------------------------
 
 
-def test_engine_with_merged_adapters_matches_the_trainer_logprobs(make_sample) -> None:
+@pytest.mark.parametrize("lora", [LORA, RSLORA], ids=["lora", "rslora"])
+def test_engine_with_merged_adapters_matches_the_trainer_logprobs(lora: LoraConfig, make_sample) -> None:
     """Completions sampled by an engine holding base + merged adapters have the trainer's (unmerged
-    peft) log-probs: max |diff| <= 1e-4 (measured ~1e-6); the base alone is far off."""
+    peft) log-probs: max |diff| <= 1e-4 (measured ~1e-6); the base alone is far off. With rsLoRA
+    both ends scale by alpha / sqrt(rank)."""
     policy = load_policy("builtin:arith", device="cpu", dtype="float32", seed=0)
-    trainer = trained(policy, make_sample)
-    engine, _ = merged_engine("builtin:arith", dict(trainer.named_weights()), trainer.version)
+    trainer = trained(policy, make_sample, lora=lora)
+    engine, merged = merged_engine("builtin:arith", dict(trainer.named_weights()), trainer.version, lora)
+    want = lora.alpha / (math.sqrt(lora.rank) if lora.rslora else lora.rank)
+    assert {t.scaling for t in merged.targets} == {want}
     base = load_policy("builtin:arith", device="cpu", dtype="float32", seed=0)
     base_engine = EmbeddedEngine(base.model, pad_token_id=base.pad_token_id, seed=0)
     sampling = SamplingParams(max_new_tokens=MAX_COMPLETION, stop_token_ids=(policy.eos_token_id,))
