@@ -115,6 +115,11 @@ class Config(Section):
                     "distill.refresh_every with LoRA: the teacher would need the base and the adapters merged; "
                     "distill from the starting weights (refresh_every=0) or train without LoRA"
                 )
+        if self.algorithm.ref_sync_every and self.lora.enabled:
+            raise ValueError(
+                "algorithm.ref_sync_every cannot be used with LoRA (lora.rank > 0): the reference is then the "
+                "base with the adapters switched off, and syncing it would need a copy of the base"
+            )
         self._pivot_combinations()
         self._multi_agent_combinations()
         self._equal_rewards_combinations()

@@ -144,6 +144,20 @@ class AlgorithmConfig(Section):
     )
     beta: float = Field(0.0, ge=0, description="KL penalty weight towards the reference (initial) policy.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator.")
+    ref_sync_every: int = Field(
+        0,
+        ge=0,
+        description="With algorithm.beta > 0: every this many optimizer steps the KL reference takes the "
+        "policy's weights, mixed ref_sync_alpha x policy + (1 - ref_sync_alpha) x reference (TRL's "
+        "sync_ref_model, ref_model_sync_steps and ref_model_mixup_alpha; ProRL's reference reset is alpha 1). "
+        "0: the reference stays the initial policy.",
+    )
+    ref_sync_alpha: float = Field(
+        0.6,
+        gt=0,
+        le=1,
+        description="With algorithm.ref_sync_every: the policy's share of the synced reference (1: a copy).",
+    )
     top_entropy_quantile: float = Field(
         1.0,
         gt=0,
@@ -208,6 +222,11 @@ class AlgorithmConfig(Section):
             )
         if self.is_low > self.is_cap:
             raise ValueError(f"is_low ({self.is_low}) must not exceed is_cap ({self.is_cap})")
+        if self.ref_sync_every and not self.beta:
+            raise ValueError(
+                f"ref_sync_every={self.ref_sync_every} syncs the KL reference, which beta=0 does not use: "
+                "set algorithm.beta > 0, or ref_sync_every=0"
+            )
         return self
 
 

@@ -15,7 +15,8 @@ log-probs (the ratio's denominator) are the engine's behaviour log-probs, a reco
 with ``model`` before the first update, or the detached current ones (``old_logprobs``; the
 choice is logged as ``old_logprobs_source``). The KL reference (``algorithm.beta`` > 0) is
 the initial policy: with LoRA (``model`` a ``peft.PeftModel``) that is ``model`` with its
-adapters switched off, so no second model is held; otherwise a frozen copy made at start.
+adapters switched off, so no second model is held; otherwise a frozen copy made at start,
+which ``algorithm.ref_sync_every`` moves toward the policy (:mod:`asyncrl.trainer.reference`).
 With LoRA only the adapters are trained, and only they are published and checkpointed.
 
 A step's samples get their advantages before (:mod:`asyncrl.trainer.advantages`); batching,
@@ -25,7 +26,6 @@ packing, log-probs, the optimizer and ranks live in their own modules.
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -53,6 +53,7 @@ from asyncrl.trainer.optimizer import (
 )
 from asyncrl.trainer.packing import packing_for
 from asyncrl.trainer.planning import collate_layout, collection_paused, plan_layouts
+from asyncrl.trainer.reference import KLReference
 from asyncrl.trainer.state import optimizer_state, restore_state
 from asyncrl.types import Sample
 
@@ -113,13 +114,8 @@ class Trainer:
         self.packing = packing_for(model.config, trainer_cfg.packing)
         self.version = 0
         self.lora = is_lora(model)
-        # The KL reference: with LoRA the base itself (see _reference_logprobs); otherwise a
-        # frozen copy of the initial policy, made only when it is used. It stays in the master
-        # dtype and runs under the same autocast as the policy, so that the KL of the initial
-        # policy to itself is exactly 0.
-        self.ref_model = (
-            copy.deepcopy(model).eval().requires_grad_(False) if algo_cfg.beta > 0 and not self.lora else None
-        )
+        # The KL reference (asyncrl.trainer.reference), made only when it is used.
+        self.reference = KLReference(model, self.lora, algo_cfg) if algo_cfg.beta > 0 else None
         # The features' parts of the work on the policy (asyncrl.trainer.features), built after the
         # reference copy: whatever they set on the policy's modules is the policy's alone.
         self.features = TrainingFeatures.of(model, trainer_cfg, run_cfg)
@@ -219,7 +215,9 @@ class Trainer:
                 elif mode == "behaviour":
                     mb.old_logprobs = mb.behaviour_logprobs
                 if self.algo.beta > 0:
-                    mb.ref_logprobs = self._reference_logprobs(mb)
+                    mb.ref_logprobs = self.reference.logprobs(
+                        self.model, mb, self.temperature, self.cfg.logprob_chunk_tokens
+                    )
         return batches
 
     def compute(self) -> contextlib.AbstractContextManager:
@@ -241,16 +239,6 @@ class Trainer:
             yield
         finally:
             self.model.train(was_training)
-
-    def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
-        if self.ref_model is not None:
-            return completion_logprobs(
-                self.ref_model, mb, self.temperature, chunk_tokens=self.cfg.logprob_chunk_tokens
-            )[0]
-        with self.model.disable_adapter():  # LoRA: the base model is the initial policy
-            return completion_logprobs(
-                self.model, mb, self.temperature, chunk_tokens=self.cfg.logprob_chunk_tokens
-            )[0]
 
     def accumulate(self, batches: list[MicroBatch], stop: Callable[[], bool] | None = None) -> float:
         """Forward/backward on micro-batches, adding their undivided loss to the gradients.
@@ -291,6 +279,8 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.version += 1
+        if self.reference is not None:
+            self.reference.after_step(self.model, self.version)
         self._busy_s += time.perf_counter() - t0
         self._stats["skipped_tokens"], self._stats["skipped_samples"] = self._step_skipped
         self._stats.update(self.features.step_sums())  # summed across ranks with the other step sums
@@ -468,10 +458,17 @@ class Trainer:
     # -- checkpoints -------------------------------------------------------------------------
 
     def checkpoint_state(self) -> dict:
-        """Optimizer (keyed by parameter name), scheduler and version; the weights are saved apart
-        (with LoRA only the adapters, as peft saves them; see :mod:`asyncrl.trainer.state`)."""
+        """Optimizer (keyed by parameter name), scheduler, version and a synced KL reference; the
+        weights are saved apart (with LoRA only the adapters, as peft saves them; see
+        :mod:`asyncrl.trainer.state`)."""
         optim = optimizer_state(self.model, self.optimizer, lora=self.lora, ranks=self.ranked)
-        return {"optimizer": optim, "scheduler": self.scheduler.state_dict(), "version": self.version}
+        reference = None if self.reference is None else self.reference.state()
+        return {
+            "optimizer": optim,
+            "scheduler": self.scheduler.state_dict(),
+            "version": self.version,
+            "reference": reference,
+        }
 
     def load_checkpoint_state(self, weights: dict[str, torch.Tensor], state: dict) -> int:
         """Restore weights and :meth:`checkpoint_state`; returns the restored version.
@@ -483,6 +480,8 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         take_this_runs_settings(self.optimizer, self.scheduler, self.cfg, self._lr_factor)
         self.version = int(state["version"])
+        if self.reference is not None:
+            self.reference.load_state(state.get("reference"))
         return self.version
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:

@@ -329,20 +329,22 @@ def test_every_transport_carries_the_adapters_into_the_engine(
 # -- the reference policy -------------------------------------------------------------------
 
 
+def held_numel(trainer: Trainer) -> int:
+    """Parameters the trainer's models hold, each tensor once (the policy, its reference's copy)."""
+    modules = [v for v in vars(trainer).values() if isinstance(v, torch.nn.Module)]
+    if trainer.reference is not None and trainer.reference.model is not None:
+        modules.append(trainer.reference.model)
+    return sum({id(p): p.numel() for m in modules for p in m.parameters()}.values())
+
+
 def test_lora_kl_reference_is_the_base_without_a_second_model(make_sample) -> None:
     """beta > 0 with LoRA: no reference copy (the trainer holds base + adapters, a full trainer twice the
     base); reference log-probs equal the base model's while the policy moves away from it."""
     policy = load_policy("tiny:1m", device="cpu", dtype="float32", seed=0)
     base_numel = sum(p.numel() for p in policy.model.parameters())
     trainer = lora_trainer(policy, beta=0.1)
-    held = {
-        id(p): p.numel()
-        for v in vars(trainer).values()
-        if isinstance(v, torch.nn.Module)
-        for p in v.parameters()
-    }
-    assert trainer.ref_model is None
-    assert sum(held.values()) == base_numel + 90112
+    assert trainer.reference.model is None
+    assert held_numel(trainer) == base_numel + 90112
     full = Trainer(
         load_policy("tiny:1m", device="cpu", dtype="float32", seed=0).model,
         pad_token_id=policy.pad_token_id,
@@ -352,13 +354,7 @@ def test_lora_kl_reference_is_the_base_without_a_second_model(make_sample) -> No
         max_completion_length=MAX_COMPLETION,
         total_steps=10,
     )
-    full_held = {
-        id(p): p.numel()
-        for v in vars(full).values()
-        if isinstance(v, torch.nn.Module)
-        for p in v.parameters()
-    }
-    assert sum(full_held.values()) == 2 * base_numel
+    assert held_numel(full) == 2 * base_numel
 
     kls = [train_groups(trainer, random_groups(make_sample, seed=step))[0]["kl_ref"] for step in range(3)]
     assert abs(kls[0]) <= 1e-7 < kls[2]  # B = 0 at the first step: policy == reference
@@ -389,7 +385,7 @@ def test_lora_kl_reference_is_the_base_without_a_second_model(make_sample) -> No
         ("lora.dropout=1.0", "lora.dropout=1.0: Input should be less than 1"),
         ("lora.target_modules=[]", "lora.target_modules=[]: must name at least one module"),
         ("lora.target_modules=5", "lora.target_modules=5: expected 'all-linear' or a list of module names"),
-        ("lora.ranks=8", "allowed keys here: alpha, dropout, rank, target_modules"),
+        ("lora.ranks=8", "allowed keys here: alpha, dropout, rank, rslora, target_modules"),
     ],
 )
 def test_bad_lora_values_name_their_key(override: str, needle: str) -> None:

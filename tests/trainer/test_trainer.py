@@ -318,9 +318,9 @@ def test_old_logprobs_behaviour_are_the_sample_logprobs(tiny_policy: Policy, mak
 
 def test_beta_creates_frozen_reference_with_zero_initial_kl(tiny_policy: Policy, make_sample) -> None:
     """beta > 0 keeps a frozen copy of the initial policy; the first step's kl_ref is 0 within 1e-7."""
-    assert make_trainer(copy.deepcopy(tiny_policy.model), tiny_policy.pad_token_id).ref_model is None
+    assert make_trainer(copy.deepcopy(tiny_policy.model), tiny_policy.pad_token_id).reference is None
     trainer = make_trainer(tiny_policy.model, tiny_policy.pad_token_id, beta=0.1, lr=1e-2)
-    ref = trainer.ref_model
+    ref = trainer.reference.model
     assert ref is not None and ref is not trainer.model
     assert all(not p.requires_grad for p in ref.parameters())
     initial = {n: p.detach().clone() for n, p in ref.named_parameters()}
@@ -334,6 +334,53 @@ def test_beta_creates_frozen_reference_with_zero_initial_kl(tiny_policy: Policy,
         assert torch.equal(p, initial[n])
     (second,) = train_groups(trainer, groups)
     assert second["kl_ref"] > 1e-7
+
+
+def test_the_reference_takes_the_policy_every_n_steps_mixed_by_alpha(
+    tiny_policy: Policy, make_sample
+) -> None:
+    """algorithm.ref_sync_every=2, ref_sync_alpha=0.6: after steps 2 and 4 the reference is
+    0.6 x the policy + 0.4 x the reference before (float32 rounding: 1e-6), and unchanged after the
+    others; a checkpoint carries it into a new trainer."""
+    trainer = make_trainer(
+        copy.deepcopy(tiny_policy.model), tiny_policy.pad_token_id, beta=0.1, lr=1e-2, ref_sync_every=2
+    )
+    ref = trainer.reference.model
+    expected = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    groups = make_groups(make_sample, [[1.0, 0.0, 0.0], [0.0, 1.0, 0.5]], seed=8)
+    for step in range(1, 5):
+        train_groups(trainer, groups)
+        if step % 2 == 0:
+            policy = dict(trainer.model.named_parameters())
+            expected = {n: 0.6 * policy[n].detach() + 0.4 * w for n, w in expected.items()}
+        assert max(float((p - expected[n]).abs().max()) for n, p in ref.named_parameters()) <= 1e-6
+        assert trainer.reference.version == 2 * (step // 2)
+    moved = max(
+        float((p - tiny_policy.model.get_parameter(n)).abs().max()) for n, p in ref.named_parameters()
+    )
+    assert moved > 1e-3  # the reference left the initial policy
+    state = trainer.checkpoint_state()
+    resumed = make_trainer(
+        copy.deepcopy(tiny_policy.model), tiny_policy.pad_token_id, beta=0.1, lr=1e-2, ref_sync_every=2
+    )
+    resumed.load_checkpoint_state(dict(trainer.model.named_parameters()), state)
+    assert resumed.reference.version == 4
+    theirs = dict(resumed.reference.model.named_parameters())
+    assert all(torch.equal(p, theirs[n]) for n, p in ref.named_parameters())
+
+
+def test_a_reference_reset_to_the_policy_gives_a_zero_kl_on_the_next_step(
+    tiny_policy: Policy, make_sample
+) -> None:
+    """ref_sync_alpha=1 (ProRL's reset) every 2 steps: the step after a reset scores its batch with a
+    reference equal to the weights that prepare it, so its kl_ref is 0 (1e-7), the others' not."""
+    trainer = make_trainer(
+        tiny_policy.model, tiny_policy.pad_token_id, beta=0.1, lr=1e-2, ref_sync_every=2, ref_sync_alpha=1.0
+    )
+    groups = make_groups(make_sample, [[1.0, 0.0, 0.0], [0.0, 1.0, 0.5]], seed=8)
+    kls = [train_groups(trainer, groups)[0]["kl_ref"] for _ in range(4)]
+    assert abs(kls[0]) <= 1e-7 and abs(kls[2]) <= 1e-7  # the initial policy, then the reset's
+    assert kls[1] > 1e-7 and kls[3] > 1e-7
 
 
 def test_top_entropy_quantile_trains_the_policy_term_on_the_forking_tokens_only(
