@@ -63,6 +63,13 @@ class RunConfig(Section):
         "as prefixes; a resume trains the groups and continues the prefixes. false: they are issued again "
         "and generated anew.",
     )
+    log_completions: int = Field(
+        0,
+        ge=0,
+        description="Completions of each step to log: this many, one of each group in turn, with prompt, text, "
+        "reward (and each reward function's), advantage and versions, into RUN_DIR/completions.jsonl and the "
+        "trackers (a W&B table, TensorBoard text); TRL's log_completions. 0: none.",
+    )
     report_to: list[Literal["tensorboard", "wandb"]] = Field(
         default_factory=list,
         description="Experiment trackers that receive every metrics.jsonl record under the same names: "

@@ -319,6 +319,8 @@ class Controller:
         self.books.trained(g.group_id for g in groups)
         event.metrics.update(self.features.step_done(batch, event.version))
         step = self.steps_done = self.session.record_step(self._step_record(event, groups, trained_by))
+        if event.completions:
+            self.session.record_completions(step, event.completions)
         if event.published:
             self.published_version, self.published_checksums = event.version, event.checksums
         if event.published and step < self.cfg.run.steps:

@@ -2,7 +2,8 @@
 
 ``RUN_DIR/config.yaml`` (the resolved configuration), ``metrics.jsonl`` (one object per
 optimizer step), ``timeline.jsonl`` (spans per component), ``events.jsonl`` (membership
-changes: generators lost, restarted, added, removed), ``summary.json`` (written at the
+changes: generators lost, restarted, added, removed), ``completions.jsonl`` (with
+``run.log_completions``: completions each step trained on), ``summary.json`` (written at the
 end) and ``final/`` (the trained policy).
 """
 
@@ -20,6 +21,8 @@ from asyncrl.errors import AsyncRLError
 from asyncrl.reports.jsonl import JsonlWriter, append_record, read_jsonl
 from asyncrl.reports.progress import ProgressDisplay
 from asyncrl.reports.trackers import build_trackers
+
+COMPLETIONS_FILE = "completions.jsonl"
 
 
 def _keep_until(path: Path, step: int) -> list[dict[str, Any]]:
@@ -43,7 +46,7 @@ class RunSession:
     """Writes a run directory; with ``resume_step``, continues one whose checkpoint is at that step.
 
     On resume, records after the checkpoint's step (written before the run stopped, and to
-    be produced again) are cut from ``metrics.jsonl`` and ``eval.jsonl``.
+    be produced again) are cut from ``metrics.jsonl``, ``eval.jsonl`` and ``completions.jsonl``.
     """
 
     def __init__(self, cfg: Config, run_dir: Path, resume_step: int | None = None) -> None:
@@ -61,11 +64,13 @@ class RunSession:
         if resume_step is not None:
             self.history = _keep_until(run_dir / "metrics.jsonl", resume_step)
             self.evals = _keep_until(run_dir / "eval.jsonl", resume_step)
+            _keep_until(run_dir / COMPLETIONS_FILE, resume_step)
             self.step = resume_step
             # time_s continues from where the run stopped.
             self.t0 -= self.history[-1]["time_s"] if self.history else 0.0
         self._metrics = JsonlWriter(run_dir / "metrics.jsonl")
         self._timeline = JsonlWriter(run_dir / "timeline.jsonl")
+        self._completions = JsonlWriter(run_dir / COMPLETIONS_FILE) if cfg.run.log_completions else None
         self.accounting: dict[str, Any] = {}
         self.progress = ProgressDisplay(cfg.run.steps, enabled=cfg.run.progress)
         self.trackers = build_trackers(cfg, run_dir)  # run.report_to: the same records, same names
@@ -119,6 +124,16 @@ class RunSession:
         for tracker in self.trackers:
             tracker.log(step, dict(figures))
 
+    def record_completions(self, step: int, records: list[dict[str, Any]]) -> None:
+        """Completions step ``step`` trained on (asyncrl.reports.completions) into completions.jsonl
+        and the trackers."""
+        if self._completions is None:
+            return
+        for record in records:
+            self._completions.write({"step": step, **record})
+        for tracker in self.trackers:
+            tracker.log_completions(step, records)
+
     def summary(self) -> dict[str, Any]:
         # With several optimizer steps per batch, only a batch's first step carries its rewards.
         rewards = [r["reward_mean"] for r in self.history if "reward_mean" in r]
@@ -141,6 +156,8 @@ class RunSession:
         self.progress.close()
         self._metrics.close()
         self._timeline.close()
+        if self._completions is not None:
+            self._completions.close()
         for tracker in self.trackers:
             tracker.close()
         summary = self.summary()

@@ -236,6 +236,8 @@ class StepDone:
     checksums: dict[str, float] | None = None  # of the published tensors, with runtime.verify_weight_sync
     # Several policies: each one's version (its clock: the steps that trained it) after this step.
     policy_versions: dict[str, int] | None = None
+    # run.log_completions: records of completions the step trained on (asyncrl.reports.completions).
+    completions: list[dict] | None = None
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 ``run.report_to: [tensorboard, wandb]``. Each tracker receives the per-step records (keyed
 by ``step``) and the evaluation records as the run session writes them; non-numeric values
-(none today) and nulls are left out. TensorBoard event files go to ``RUN_DIR/tensorboard``.
+(none today) and nulls are left out. With ``run.log_completions`` each step's completion
+records go to W&B as a table (``completions``) and to TensorBoard as a Markdown table (its text
+tab, tag ``completions``). TensorBoard event files go to ``RUN_DIR/tensorboard``.
 Weights & Biases runs in offline mode (files in ``RUN_DIR/wandb``, ``wandb sync`` uploads
 them later) unless an API key is configured or ``run.wandb_mode=online``; ``WANDB_MODE`` in
 the environment overrides both. Both packages are optional extras, imported only when
@@ -19,6 +21,7 @@ from typing import Any, Protocol
 
 from asyncrl.config import Config
 from asyncrl.errors import ConfigError
+from asyncrl.reports.completions import COLUMNS, markdown_table
 
 SKIPPED_KEYS = ("step", "wall_time")
 
@@ -36,6 +39,8 @@ def numeric_items(record: dict[str, Any]) -> dict[str, float]:
 
 class Tracker(Protocol):
     def log(self, step: int, record: dict[str, Any]) -> None: ...
+
+    def log_completions(self, step: int, records: list[dict[str, Any]]) -> None: ...
 
     def close(self) -> None: ...
 
@@ -55,6 +60,10 @@ class TensorBoardTracker:
     def log(self, step: int, record: dict[str, Any]) -> None:
         for key, value in numeric_items(record).items():
             self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()
+
+    def log_completions(self, step: int, records: list[dict[str, Any]]) -> None:
+        self.writer.add_text("completions", markdown_table(step, records), global_step=step)
         self.writer.flush()
 
     def close(self) -> None:
@@ -102,6 +111,12 @@ class WandbTracker:
 
     def log(self, step: int, record: dict[str, Any]) -> None:
         self.run.log({**numeric_items(record), "step": step})
+
+    def log_completions(self, step: int, records: list[dict[str, Any]]) -> None:
+        import wandb
+
+        rows = [[step, *(r.get(c) for c in COLUMNS)] for r in records]
+        self.run.log({"completions": wandb.Table(columns=["step", *COLUMNS], data=rows), "step": step})
 
     def close(self) -> None:
         self.run.finish()

@@ -35,6 +35,7 @@ from asyncrl.protocol.messages import (
     StepDone,
     Stop,
 )
+from asyncrl.reports.completions import completion_records
 from asyncrl.trainer.advantages import assign_advantages, zero_advantage_frac
 from asyncrl.trainer.batching import BatchInProgress, MicroBatch
 from asyncrl.trainer.distributed import RankGroup, RankSpec, rank_device
@@ -370,14 +371,17 @@ class TrainerWorker:
         steps = [self.trainer.finish_step(divisor)]
         iterations = self.cfg.algorithm.num_iterations - 1
         steps += self._iterate(self._step_batches, iterations, divisor, command.publish)
-        shared = {"zero_advantage_frac": zero_advantage_frac(list(self._step_groups.values()))}
-        shared.update(self.features.step_metrics(list(self._step_groups.values())))
+        groups = list(self._step_groups.values())
+        shared = {"zero_advantage_frac": zero_advantage_frac(groups)}
+        shared.update(self.features.step_metrics(groups))
         for metrics in steps:
             metrics.update(shared)
+        logged = self.cfg.run.log_completions
+        completions = completion_records(groups, logged) if logged else None
         self._step_open = False
         self._step_batches = []
         self._step_groups = {}
-        return self._step_events(steps, start, command.publish and self._in_progress is None)
+        return self._step_events(steps, start, command.publish and self._in_progress is None, completions)
 
     def _continue(self, command: ContinueBatch) -> list:
         batch, self._in_progress = self._in_progress, None
@@ -407,8 +411,11 @@ class TrainerWorker:
             self._in_progress = BatchInProgress(batches, iterations - len(steps), divisor, publish)
         return steps
 
-    def _step_events(self, steps: list[dict], start: float, publish: bool) -> list:
-        """A Span of the optimizer steps, the publication (``publish``), and a StepDone per step."""
+    def _step_events(
+        self, steps: list[dict], start: float, publish: bool, completions: list[dict] | None = None
+    ) -> list:
+        """A Span of the optimizer steps, the publication (``publish``), and a StepDone per step
+        (the first with ``completions``, records of the batch's completions)."""
         events: list = [Span(self.name, "train", start, time.time(), {"optimizer_steps": len(steps)})]
         publish_s, sync_bytes, checksums = 0.0, 0, None
         if publish:
@@ -434,6 +441,7 @@ class TrainerWorker:
                     publish_s=publish_s if last else 0.0,
                     checksums=checksums if last else None,
                     policy_versions=self._clocks_at(metrics),
+                    completions=completions if i == 0 else None,
                 )
             )
         return events

@@ -13,7 +13,9 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.control.session import RunSession
+from asyncrl.reports.completions import completion_records
 from asyncrl.reports.trackers import numeric_items, wandb_mode
+from tests.reports.test_completions import groups_of
 
 RECORDS = [
     {"reward_mean": 0.25, "reward/exact_match": 0.25, "loss": -0.1, "kl": None, "staleness_max": 0},
@@ -23,10 +25,11 @@ RECORDS = [
 
 
 def write_run(tmp_path: Path, tracker: str) -> tuple[Path, list[dict]]:
-    cfg = load_config(None, [f"run.report_to=[{tracker}]", "run.progress=false"])
+    cfg = load_config(None, [f"run.report_to=[{tracker}]", "run.progress=false", "run.log_completions=2"])
     session = RunSession(cfg, tmp_path / "run")
     for record in RECORDS:
         session.record_step(dict(record))
+        session.record_completions(session.step, completion_records(groups_of([2]), 2))
         if session.step == 2:
             session.record_eval(2, {"eval_accuracy": 0.875, "eval_best_of_n": 1.0})
     session.close()
@@ -113,6 +116,11 @@ def test_wandb_offline_run_holds_every_metric(tmp_path: Path, monkeypatch: pytes
         numeric_items(m) for m in metrics
     ]
     assert [r["step"] for r in steps] == [1, 2, 3]
+    # A table a step (its fields nested under its key), stored as a file beside the run.
+    tables = [r for r in rows if "completions/_type" in r]
+    assert [r["step"] for r in tables] == [1, 2, 3]
+    assert all(r["completions/_type"] == "table-file" for r in tables)
+    assert all((r["completions/nrows"], r["completions/ncols"]) == (2, 8) for r in tables)
     (evaluation,) = [r for r in rows if "eval_accuracy" in r]
     assert (evaluation["step"], evaluation["eval_accuracy"], evaluation["eval_best_of_n"]) == (2, 0.875, 1.0)
 
