@@ -48,6 +48,27 @@ class RolloutConfig(Section):
         lt=1,
         description="Keep tokens with at least min_p times the top token's probability (0 = off).",
     )
+    repetition_penalty: float = Field(
+        1.0,
+        gt=0,
+        description="Divide the logit of every token already in the prompt or the completion by this (multiply "
+        "a negative one): > 1 discourages repeats (HF's and vLLM's repetition_penalty, TRL's; 1 = off). The "
+        "recorded log-probs are then the penalised distribution's, which the policy is not: "
+        "algorithm.is_level corrects the gap.",
+    )
+    presence_penalty: float = Field(
+        0.0,
+        ge=-2,
+        le=2,
+        description="Subtract this from the logit of every token the completion already holds (OpenAI's; 0 = off).",
+    )
+    frequency_penalty: float = Field(
+        0.0,
+        ge=-2,
+        le=2,
+        description="Subtract this times the number of times the completion already holds a token from its "
+        "logit (OpenAI's; 0 = off).",
+    )
     keep_sampling_mask: bool = Field(
         False,
         description="Record, per sampled token, the set of tokens top-k/top-p/min-p allowed, and have the "

@@ -54,6 +54,9 @@ class PrefillPlan:
     # (slot, adapter) of every newcomer: the adapter its rows use in every forward, on an
     # engine serving several (asyncrl.engine.multi_lora); written before the first round.
     adapters: list[tuple[int, str | None]] = field(default_factory=list)
+    # (slot, prompt ids, completion ids so far) of every newcomer with penalties
+    # (SamplingParams.penalized): what its repetition, presence and frequency penalties count.
+    penalized: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
 
     @property
     def prefill_tokens(self) -> int:

@@ -37,6 +37,13 @@ takes the slot (before its prefill) and moved with compaction; every forward run
 (a view of that buffer for a decode step), so each row adds its own adapter's delta and a
 replayed decode graph reads the slots' adapters as they are at replay.
 
+**Penalties** (``SamplingParams.penalized``, :func:`~asyncrl.engine.sampling.apply_penalties`).
+From the first newcomer with penalties on, the runner keeps per slot which tokens its prompt
+holds and how often its completion holds each (two (slots, vocabulary) tensors), with each
+slot's penalties; a prefill writes a newcomer's from its prompt and what it generated before (a
+resumed prefix), every draw counts the drawn tokens (inside the replayed graph), and compaction
+moves them with the rest. Rows without penalties draw exactly as before.
+
 **One transfer per step.** A draw copies from the device once: the drawn tokens over their
 log-probs, packed into one float64 tensor; nothing on the step asks the device a question
 (``.item()``, ``bool()``). Rows that record their kept set (``keep_support``) draw eagerly,
@@ -55,7 +62,7 @@ from asyncrl.engine.graphs import StepRunner
 from asyncrl.engine.kv_cache import SlotKVCache, length_mask
 from asyncrl.engine.multi_lora import BASE, MultiLora
 from asyncrl.engine.plans import DecodePlan, Drawn, DrawPlan, PrefillPlan, PrefillRound
-from asyncrl.engine.sampling import sample_tokens
+from asyncrl.engine.sampling import Penalties, sample_tokens
 from asyncrl.models.experts import use_capturable_experts
 from asyncrl.models.forward import with_cache
 from asyncrl.models.token_records import Recorder, TokenRecord, recorders_of
@@ -94,6 +101,7 @@ class Runner:
         self.min_p = torch.zeros(n, dtype=torch.float32, device=dev)
         self.keep_support = torch.zeros(n, dtype=torch.bool, device=dev)
         self.seeds = torch.zeros(n, dtype=torch.long, device=dev)
+        self.penalties: Penalties | None = None  # every slot's, from the first newcomer with penalties
         # Inputs of the accelerator layout's steps, written in place before each one.
         self.ids_in = torch.zeros(n, 1, dtype=torch.long, device=dev)
         self.starts_in = torch.zeros(n, dtype=torch.long, device=dev)
@@ -164,6 +172,57 @@ class Runner:
         self.min_p[index] = torch.tensor([p.min_p for p in params], device=dev)
         self.keep_support[index] = torch.tensor([p.keep_support for p in params], device=dev)
         self.seeds[index] = torch.tensor([seed for _, _, seed in plan.sampling], dtype=torch.long, device=dev)
+        if plan.penalized or self.penalties is not None:
+            self._set_penalties(index, params, plan.penalized)
+
+    def _set_penalties(
+        self, index: torch.Tensor, params: list, penalized: list[tuple[int, list[int], list[int]]]
+    ) -> None:
+        """The newcomers' penalties and what they count: their prompts' tokens and the tokens they
+        generated before (a resumed prefix); newcomers without penalties get neutral ones."""
+        dev = self.device
+        if self.penalties is None:
+            vocab, n = self.logits.shape[-1], self.cache.slots
+            self.penalties = Penalties(
+                prompt_seen=torch.zeros((n, vocab), dtype=torch.bool, device=dev),
+                counts=torch.zeros((n, vocab), dtype=torch.int32, device=dev),
+                repetition=torch.ones(n, dtype=torch.float32, device=dev),
+                presence=torch.zeros(n, dtype=torch.float32, device=dev),
+                frequency=torch.zeros(n, dtype=torch.float32, device=dev),
+            )
+        pen = self.penalties
+        pen.repetition[index] = torch.tensor([p.repetition_penalty for p in params], device=dev)
+        pen.presence[index] = torch.tensor([p.presence_penalty for p in params], device=dev)
+        pen.frequency[index] = torch.tensor([p.frequency_penalty for p in params], device=dev)
+        pen.prompt_seen[index] = False
+        pen.counts[index] = 0
+        for slot, prompt, completion in penalized:
+            pen.prompt_seen[slot, torch.tensor(prompt, dtype=torch.long, device=dev)] = True
+            if completion:
+                ids = torch.tensor(completion, dtype=torch.long, device=dev)
+                pen.counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+
+    def _row_penalties(self, rows: slice | torch.Tensor) -> Penalties | None:
+        pen = self.penalties
+        if pen is None:
+            return None
+        return Penalties(
+            pen.prompt_seen[rows],
+            pen.counts[rows],
+            pen.repetition[rows],
+            pen.presence[rows],
+            pen.frequency[rows],
+        )
+
+    def _count(self, rows: slice | torch.Tensor, tokens: torch.Tensor) -> None:
+        """The drawn ``tokens`` of ``rows`` join their completions' counts (with penalties only)."""
+        if self.penalties is None:
+            return
+        ones = torch.ones_like(tokens, dtype=torch.int32)
+        if isinstance(rows, slice):  # a view: scattered in place, as a replayed graph does
+            self.penalties.counts[rows].scatter_add_(1, tokens.unsqueeze(-1), ones.unsqueeze(-1))
+        else:
+            self.penalties.counts.index_put_((rows, tokens), ones, accumulate=True)
 
     def _prefill_round(self, batch: PrefillRound) -> None:
         dev = self.device
@@ -203,12 +262,15 @@ class Runner:
             # Kept sets are variable-length lists: drawn eagerly, over the planned rows only.
             index = self._index(plan.slots)
             positions = torch.tensor(plan.positions, dtype=torch.long, device=self.device)
-            draw = sample_tokens(*self._sampling_inputs(index, positions), self.keep_support[index])
+            draw = sample_tokens(
+                *self._sampling_inputs(index, positions), self.keep_support[index], self._row_penalties(index)
+            )
+            self._count(index, draw.tokens)
             host = torch.stack([draw.tokens.double(), draw.logprobs.double()]).tolist()
             return Drawn([int(t) for t in host[0]], host[1], draw.supports)
         if not self.static:
             positions = torch.tensor(plan.positions, dtype=torch.long, device=self.device)
-            host = _draw_packed(*self._sampling_inputs(self._index(plan.slots), positions)).tolist()
+            host = self._draw_packed(self._index(plan.slots), positions).tolist()
             return Drawn([int(t) for t in host[0]], host[1], None)
         # Accelerator layout: every row of the bucket is drawn (holes draw garbage, unread)
         # from static buffers, so the step replays as a graph.
@@ -219,10 +281,18 @@ class Runner:
         self.positions_in[:width].copy_(torch.tensor(positions, dtype=torch.long))
         rows = slice(0, width)
         packed = self.graphs.run(
-            ("draw", width), lambda: _draw_packed(*self._sampling_inputs(rows, self.positions_in[rows]))
+            ("draw", width, self.penalties is not None),
+            lambda: self._draw_packed(rows, self.positions_in[rows]),
         )
         host = packed.tolist()
         return Drawn([int(host[0][s]) for s in plan.slots], [host[1][s] for s in plan.slots], None)
+
+    def _draw_packed(self, rows: slice | torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(2, rows) float64: the drawn tokens (exact: ids < 2**53) over their log-probs, so that
+        the host reads both in one transfer; the tokens are counted for the rows' penalties."""
+        draw = sample_tokens(*self._sampling_inputs(rows, positions), penalties=self._row_penalties(rows))
+        self._count(rows, draw.tokens)
+        return torch.stack([draw.tokens.double(), draw.logprobs.double()])
 
     def _index(self, slots: list[int]) -> slice | torch.Tensor:
         if slots == list(range(len(slots))):
@@ -258,6 +328,7 @@ class Runner:
                 self.keep_support,
                 self.seeds,
                 *([] if self.slot_adapter is None else [self.slot_adapter]),
+                *([] if self.penalties is None else vars(self.penalties).values()),
             ):
                 buf[target] = buf[source]
         dev, width, length = self.device, plan.rows, plan.length
@@ -329,10 +400,3 @@ class Runner:
             # Each real token's record at its cache column.
             slots[write_slots, write_cols] = per_token if source is None else per_token[source]
         return out.logits[:, -1]
-
-
-def _draw_packed(logits, temperature, top_k, top_p, seeds, positions, min_p) -> torch.Tensor:
-    """(2, rows) float64: the drawn tokens (exact: ids < 2**53) over their log-probs, so that
-    the host reads both in one transfer."""
-    draw = sample_tokens(logits, temperature, top_k, top_p, seeds, positions, min_p)
-    return torch.stack([draw.tokens.double(), draw.logprobs.double()])

@@ -1,4 +1,4 @@
-"""Sampling: temperature, top-k, top-p, min-p, seeded per request, with per-token log-probs.
+"""Sampling: penalties, temperature, top-k, top-p, min-p, seeded per request, with per-token log-probs.
 
 **Randomness is a function of (request seed, token position)**, not of a shared stream:
 each draw uses one uniform number computed by hashing the pair, and picks the token by
@@ -39,6 +39,15 @@ instead records the *kept set* of every sampled token (the tokens the sampler co
 chosen) and the log-prob under the distribution renormalised over that set; the trainer
 applies the same set to its own logits (Keep Sampling Mask), so behaviour and target
 policies share one support.
+
+**Penalties** (:func:`apply_penalties`; HF's and vLLM's ``repetition_penalty``, OpenAI's
+``presence_penalty`` and ``frequency_penalty``) change the logits before everything above: a
+token already in the prompt or the completion has its logit divided by the repetition penalty
+(multiplied, where it is negative); a token the completion holds n times loses the presence
+penalty once and the frequency penalty n times. The recorded log-prob is then the penalised
+distribution's at the temperature: what the token was actually drawn from (vLLM's
+``processed_logprobs`` too), which the trainer's policy is not — its importance corrections
+(``algorithm.is_level``) see the difference as the off-policy gap it is.
 """
 
 from __future__ import annotations
@@ -65,6 +74,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     stop: tuple[str, ...] = field(default_factory=tuple)
     keep_support: bool = False
+    repetition_penalty: float = 1.0  # > 1 discourages any token of the prompt or the completion
+    presence_penalty: float = 0.0  # subtracted once from a token the completion holds
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the completion
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -76,6 +92,11 @@ class SamplingParams:
                 f"need top_k >= 0, 0 < top_p <= 1 and 0 <= min_p < 1, got top_k={self.top_k}, "
                 f"top_p={self.top_p}, min_p={self.min_p}"
             )
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be from -2 to 2 (0 = off), got {getattr(self, name)}")
 
 
 def _masses(logp: torch.Tensor) -> torch.Tensor:
@@ -186,6 +207,32 @@ def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tenso
 
 
 @dataclass
+class Penalties:
+    """Per-row penalty state of the rows being drawn: which tokens the prompt holds (bool, rows x
+    vocabulary), how often the completion holds each (int32, rows x vocabulary), and each row's
+    repetition, presence and frequency penalties (rows,)."""
+
+    prompt_seen: torch.Tensor
+    counts: torch.Tensor
+    repetition: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    """``logits`` (float32) with the rows' penalties applied (module docstring); a row without
+    penalties (1, 0, 0) is left exactly as it was."""
+    seen = p.prompt_seen | (p.counts > 0)
+    repetition = p.repetition.unsqueeze(-1)
+    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalised, logits)
+    counts = p.counts.to(logits.dtype)
+    return (
+        logits - p.presence.unsqueeze(-1) * (counts > 0).to(logits.dtype) - p.frequency.unsqueeze(-1) * counts
+    )
+
+
+@dataclass
 class Draw:
     tokens: torch.Tensor  # (B,)
     logprobs: torch.Tensor  # (B,) behaviour log-probs (full or renormalised, see module doc)
@@ -201,14 +248,17 @@ def sample_tokens(
     positions: torch.Tensor,
     min_p: torch.Tensor | None = None,
     keep_support: torch.Tensor | None = None,
+    penalties: Penalties | None = None,
 ) -> Draw:
     """Draw one token per row by inverse CDF, over the row's kept set, with its counter-based uniform.
 
     A temperature of 0 is greedy; its log-prob is reported at temperature 1. Without
     ``keep_support`` (pass None when no row asks for it) this never waits for the device.
+    ``penalties``: the rows' penalty state (None: no row has penalties).
     """
     greedy = temperature == 0
-    scaled = logits.float() / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
+    logits = logits.float() if penalties is None else apply_penalties(logits.float(), penalties)
+    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
     logp = torch.log_softmax(scaled, dim=-1)
     masses = _masses(logp)
     kept = _kept(logp, masses, top_k, top_p, min_p)

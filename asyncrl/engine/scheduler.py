@@ -286,6 +286,11 @@ class Scheduler:
             twins=[(slots[lead], slots[i], len(contexts[i])) for i, lead in twin_of.items() if i != lead],
             sampling=[(slot, r.sampling, r.seed) for r, slot in zip(requests, slots, strict=True)],
             adapters=[(slot, r.adapter) for r, slot in zip(requests, slots, strict=True)],
+            penalized=[
+                (slot, r.prompt_ids, r.prefix.completion_ids if r.prefix else [])
+                for r, slot in zip(requests, slots, strict=True)
+                if r.sampling.penalized
+            ],
         )
         for req, slot, ctx, (row_version, epoch) in zip(requests, slots, contexts, clocks, strict=True):
             self.rows[slot] = Row(req, row_version, epoch, ctx[:MIN_SHARED_PREFIX])

@@ -320,6 +320,11 @@ class VllmEngine(Engine):
         params = VllmSampling(
             max_tokens=s.max_new_tokens - done,
             temperature=s.temperature,
+            # A resumed prefix is part of vLLM's prompt here: its repetition penalty counts it, its
+            # presence and frequency penalties (output tokens only) do not.
+            repetition_penalty=s.repetition_penalty,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
             seed=seed,
             logprobs=0,
             stop_token_ids=list(s.stop_token_ids),

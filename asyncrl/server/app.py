@@ -172,6 +172,9 @@ class OpenAIServer:
                 top_p=number("top_p", 1.0),
                 top_k=number("top_k", 0, int),
                 min_p=number("min_p", 0.0),
+                repetition_penalty=number("repetition_penalty", 1.0),
+                presence_penalty=number("presence_penalty", 0.0),
+                frequency_penalty=number("frequency_penalty", 0.0),
                 stop_token_ids=(self.policy.eos_token_id,),
                 stop=tuple(stop),
             )

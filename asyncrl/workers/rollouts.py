@@ -25,6 +25,9 @@ def sampling_params(cfg: Config, policy: Policy, *, evaluation: bool = False) ->
         top_k=r.top_k,
         top_p=r.top_p,
         min_p=r.min_p,
+        repetition_penalty=r.repetition_penalty,
+        presence_penalty=r.presence_penalty,
+        frequency_penalty=r.frequency_penalty,
         keep_support=r.keep_sampling_mask and not evaluation,
         stop_token_ids=()
         if (r.ignore_eos or r.decode_past_eos) and not evaluation

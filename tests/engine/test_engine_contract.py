@@ -163,6 +163,51 @@ def test_abort_and_resume_keep_the_prefix(fresh: Engine, policy: Policy) -> None
         assert r.seed == a.seed
 
 
+PENALTIES = {"repetition_penalty": 1.4, "presence_penalty": 0.6, "frequency_penalty": 0.4}
+
+
+def penalised_logprobs(
+    model: torch.nn.Module, prompt: list[int], completion: list[int], temperature: float, **penalties: float
+) -> list[float]:
+    """By hand: each completion token's log-prob under the model's logits after the penalties (a token
+    of the prompt or of the completion so far divided by the repetition penalty, or multiplied where
+    negative; one presence penalty and a frequency penalty per occurrence in the completion so far)."""
+    rep = penalties.get("repetition_penalty", 1.0)
+    presence, frequency = penalties.get("presence_penalty", 0.0), penalties.get("frequency_penalty", 0.0)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].float()
+    out = []
+    for t, token in enumerate(completion):
+        z = logits[t].clone()
+        before = completion[:t]
+        for v in set(prompt) | set(before):
+            z[v] = z[v] / rep if z[v] > 0 else z[v] * rep
+        for v in set(before):
+            z[v] -= presence + frequency * before.count(v)
+        out.append(float(torch.log_softmax(z / temperature, dim=-1)[token]))
+    return out
+
+
+def test_penalties_draw_from_the_penalised_distribution(fresh: Engine, policy: Policy) -> None:
+    """Repetition, presence and frequency penalties: every recorded log-prob is the penalised
+    distribution's at the temperature, by hand (1e-4), not the plain one's; the penalties change what
+    is drawn; a request without them beside penalised ones draws as it does alone."""
+    group = sampled(3, seed=500, max_new_tokens=12, **PENALTIES)
+    plain = sampled(3, seed=500, max_new_tokens=12)
+    companion = GenerationRequest("plain", OTHER_PROMPTS[1], plain[0].sampling, seed=77)
+    alone = fresh.generate([companion])[0]
+    results = fresh.generate([*group, companion])
+    for r in results[:3]:
+        by_hand = penalised_logprobs(policy.model, PROMPT, r.completion_ids, 1.0, **PENALTIES)
+        assert max(abs(a - b) for a, b in zip(r.logprobs, by_hand, strict=True)) < 1e-4
+        unpenalised = penalised_logprobs(policy.model, PROMPT, r.completion_ids, 1.0)
+        assert max(abs(a - b) for a, b in zip(r.logprobs, unpenalised, strict=True)) > 1e-2
+    assert results[3].completion_ids == alone.completion_ids
+    assert max(abs(a - b) for a, b in zip(results[3].logprobs, alone.logprobs, strict=True)) < 1e-4
+    without = fresh.generate(plain)
+    assert [r.completion_ids for r in results[:3]] != [r.completion_ids for r in without]
+
+
 def test_stops_by_token_and_by_string(fresh: Engine, policy: Policy) -> None:
     """A stop token id ends a request with 'stop' (the token kept), a stop string too (the token that
     completes it kept), the token budget with 'length'."""

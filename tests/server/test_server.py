@@ -179,6 +179,32 @@ def test_completion_reports_one_logprob_per_token_and_consistent_usage(
     assert max_gap(lp.token_logprobs, expected) < 1e-4
 
 
+def test_penalties_reach_the_engine(server: Server, policy: Policy) -> None:
+    """presence_penalty, frequency_penalty and (vLLM's extension) repetition_penalty: the reported
+    log-probs are the penalised distribution's (1e-4), which the plain model's are not."""
+    from tests.engine.test_engine_contract import penalised_logprobs
+
+    penalties = {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.5}
+    out = server.client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=1.0,
+        seed=11,
+        logprobs=1,
+        presence_penalty=penalties["presence_penalty"],
+        frequency_penalty=penalties["frequency_penalty"],
+        extra_body={"repetition_penalty": penalties["repetition_penalty"]},
+    )
+    lp = out.choices[0].logprobs
+    prompt_ids = policy.tokenizer(PROMPT, add_special_tokens=False).input_ids
+    ids = token_ids(policy, lp.tokens)
+    assert (
+        max_gap(lp.token_logprobs, penalised_logprobs(policy.model, prompt_ids, ids, 1.0, **penalties)) < 1e-4
+    )
+    assert max_gap(lp.token_logprobs, reference_logprobs(policy.model, prompt_ids, ids)) > 1e-2
+
+
 def test_n_gives_n_choices_and_counts_the_prompt_once(server: Server) -> None:
     """n=3: three choices indexed 0..2; completion_tokens is their sum, prompt_tokens the prompt's 5 tokens once."""
     out = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, n=3, seed=5, logprobs=1)
@@ -334,10 +360,13 @@ def test_stop_strings_cut_the_text_streamed_or_not(server: Server) -> None:
         ({"temperature": -1}, "temperature"),
         ({"prompt": "1+1=" * 200}, "512 positions"),
         ({"n": 0}, "'n'"),
+        ({"presence_penalty": 3}, "presence_penalty must be from -2 to 2"),
+        ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty must be > 0"),
     ],
 )
 def test_bad_completion_request_is_a_400_naming_the_problem(server: Server, kwargs: dict, named: str) -> None:
-    """max_tokens=0, temperature=-1, an 800-token prompt, n=0: 400 with a message naming it; serving goes on."""
+    """max_tokens=0, temperature=-1, an 800-token prompt, n=0, penalties out of range: 400 with a message
+    naming it; serving goes on."""
     args = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **kwargs}
     with pytest.raises(openai.BadRequestError) as info:
         server.client.completions.create(**args)
