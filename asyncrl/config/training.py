@@ -285,6 +285,11 @@ class TrainerConfig(Section):
         "micro-batch are never held. Exact (same log-probs and gradients as unchunked). 0 = the model's "
         "own logits for the whole micro-batch at once. See docs/trainer_memory.md.",
     )
+    disable_dropout: bool = Field(
+        True,
+        description="Set the policy's dropout to 0 (but lora.dropout): the engines sample without it, so a "
+        "training forward with dropout gives other log-probs for the same weights (TRL's disable_dropout).",
+    )
     activation_checkpointing: bool = Field(
         False,
         # trainer.gradient_checkpointing, the old name, is still read.
