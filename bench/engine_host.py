@@ -15,7 +15,7 @@ is what bounds a small model's decode step on a GPU, and it is measured here on 
 engine at once; after the admission and a few warm-up steps, ``--steps`` steps are timed.
 Around each step the wall time is taken; the model's forward
 (:meth:`asyncrl.engine.runner.Runner._forward`) and the sampler
-(:func:`asyncrl.engine.runner._draw_packed`) are timed inside it (with a device sync on
+(:meth:`asyncrl.engine.runner.Runner._draw_packed`) are timed inside it (with a device sync on
 either side on a GPU, so their time is the device's), and the host cost is the step's wall
 time less both. It is split into the scheduler's share (its plans and bookkeeping) and the
 rest (the runner's input writes and the transfer, the engine's own). Per case the medians
@@ -72,19 +72,15 @@ class StepClock:
 @contextlib.contextmanager
 def instrumented(engine, clock: StepClock) -> Iterator[None]:
     """Time the model's forward, the sampler and the scheduler's calls of ``engine``'s step."""
-    from asyncrl.engine import runner as runner_module
-
     runner, scheduler = engine._runner, engine._scheduler
     runner._forward = clock.timed("forward", runner._forward, device_work=True)
-    draw_packed = runner_module._draw_packed
-    runner_module._draw_packed = clock.timed("sample", draw_packed, device_work=True)
+    runner._draw_packed = clock.timed("sample", runner._draw_packed, device_work=True)
     for name in ("admit", "schedule_draw", "postprocess", "schedule_decode"):
         setattr(scheduler, name, clock.timed("scheduler", getattr(scheduler, name), device_work=False))
     try:
         yield
     finally:
-        runner_module._draw_packed = draw_packed
-        del runner._forward
+        del runner._forward, runner._draw_packed
         for name in ("admit", "schedule_draw", "postprocess", "schedule_decode"):
             delattr(scheduler, name)
 

@@ -40,7 +40,8 @@ def test_the_profile_counts_operator_calls_and_the_sampler_shares_wall_time(repo
     sampler = report["python_sampler"]
     assert sampler["samples"] >= 0
     shares = [share for _, share in sampler["self"]]
-    assert all(0 < s <= 1 for s in shares) and sum(shares) <= 1.0 + 1e-6
+    # Each share is rounded to 4 decimals: their sum may pass 1 by half a unit of the last place each.
+    assert all(0 < s <= 1 for s in shares) and sum(shares) <= 1.0 + 5e-5 * len(shares)
 
 
 def test_the_sampler_counts_a_stack_once_per_place() -> None:
