@@ -203,16 +203,9 @@ class Runner:
                 pen.counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
 
     def _row_penalties(self, rows: slice | torch.Tensor) -> Penalties | None:
-        pen = self.penalties
-        if pen is None:
+        if self.penalties is None:
             return None
-        return Penalties(
-            pen.prompt_seen[rows],
-            pen.counts[rows],
-            pen.repetition[rows],
-            pen.presence[rows],
-            pen.frequency[rows],
-        )
+        return Penalties(*(every_slot[rows] for every_slot in vars(self.penalties).values()))
 
     def _count(self, rows: slice | torch.Tensor, tokens: torch.Tensor) -> None:
         """The drawn ``tokens`` of ``rows`` join their completions' counts (with penalties only)."""
