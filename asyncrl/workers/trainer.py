@@ -377,7 +377,7 @@ class TrainerWorker:
         for metrics in steps:
             metrics.update(shared)
         logged = self.cfg.run.log_completions
-        completions = completion_records(groups, logged) if logged else None
+        completions = completion_records(groups, logged) if logged and self.is_leader else None
         self._step_open = False
         self._step_batches = []
         self._step_groups = {}
