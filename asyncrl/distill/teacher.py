@@ -89,8 +89,8 @@ def _per_group(name: str, groups: list[Group], scores: dict[str, list], top_k: i
 
 def _top_row(ids: list, logprobs: list, length: int, top_k: int) -> bytes:
     packed = pack_top(ids, logprobs)
-    if top_width(packed, length) != top_k:
-        raise ValueError(f"{len(packed) // (8 * length)} tokens a position where {top_k} were asked")
+    if (k := top_width(packed, length)) != top_k:
+        raise ValueError(f"{k} tokens a position where {top_k} were asked")
     return packed
 
 

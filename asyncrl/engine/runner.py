@@ -196,11 +196,20 @@ class Runner:
         pen.frequency[index] = torch.tensor([p.frequency_penalty for p in params], device=dev)
         pen.prompt_seen[index] = False
         pen.counts[index] = 0
-        for slot, prompt, completion in penalized:
-            pen.prompt_seen[slot, torch.tensor(prompt, dtype=torch.long, device=dev)] = True
-            if completion:
-                ids = torch.tensor(completion, dtype=torch.long, device=dev)
-                pen.counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        # Every newcomer's tokens in one scatter per buffer (not a few launches per newcomer).
+        rows, ids = self._flat([(slot, prompt) for slot, prompt, _ in penalized])
+        pen.prompt_seen[rows, ids] = True
+        rows, ids = self._flat([(slot, completion) for slot, _, completion in penalized])
+        pen.counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
+
+    def _flat(self, tokens: list[tuple[int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot, token ids) pairs as two flat index tensors: each token's slot, and the token."""
+        rows = [slot for slot, ids in tokens for _ in ids]
+        ids = [t for _, own in tokens for t in own]
+        dev = self.device
+        return torch.tensor(rows, dtype=torch.long, device=dev), torch.tensor(
+            ids, dtype=torch.long, device=dev
+        )
 
     def _row_penalties(self, rows: slice | torch.Tensor) -> Penalties | None:
         if self.penalties is None:
