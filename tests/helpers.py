@@ -323,3 +323,24 @@ def train_groups(trainer, groups: list) -> list[dict]:
     return trainer.train_batch(
         trainer.prepare(samples), trainer.batch_divisor(samples), trainer.algo.num_iterations
     )
+
+
+def save_tiny_reward_model(path: Path, seed: int = 0, num_labels: int = 1) -> Path:
+    """A seeded tiny Qwen2 sequence-classification model (the tiny policy's shape, ``num_labels``
+    scores) and the character tokenizer, saved as a reward model directory."""
+    import copy
+
+    from transformers import AutoModelForSequenceClassification
+
+    from asyncrl.models.loading import load_policy
+
+    policy = load_policy("tiny:1m", device="cpu", dtype="float32", seed=seed)
+    config = copy.deepcopy(policy.model.config)
+    config.num_labels, config.pad_token_id = num_labels, policy.tokenizer.pad_token_id
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config)
+    with torch.no_grad():  # a score head of the same scale as the body's outputs, not near 0
+        model.score.weight.normal_(0.0, 1.0)
+    model.save_pretrained(path)
+    policy.tokenizer.save_pretrained(path)
+    return path

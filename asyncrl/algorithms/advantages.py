@@ -19,6 +19,14 @@ PRIME does with its implicit process rewards). A token's advantage is then its s
 outcome advantage plus the step advantage of the turn it belongs to: a turn is credited
 for what it and the turns after it earned, relative to the group.
 
+**Decoupled rewards** (GDPO; ``algorithm.reward_aggregation=normalize_then_sum``). With several
+reward functions, the weighted sum lets the one with the largest spread drown the others'
+signal: a completion better on a rarely-varying objective barely moves its advantage. Instead
+each function's values are normalised within the group first, (r_k - mean_k) / (std_k + eps)
+over the completions it scored, and the advantage is taken of their weighted sum
+(:func:`decoupled_rewards`). A value a function did not give (None) is left out of its
+normalisation and adds nothing; a completion without a reward stays without one.
+
 **Roles** (multi-agent episodes). The samples of a group are the G episodes' transcripts of
 each role; advantages are normalised within each role's G samples (:func:`role_subgroups`),
 and with ``by turn`` (:func:`turn_advantages`) each turn t of a role within the episodes of
@@ -36,7 +44,8 @@ to the outcome (and step) advantage of every token.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -78,6 +87,26 @@ def group_advantages(
             centred = centred / (batch_std + eps) if not torch.isnan(batch_std) else torch.zeros_like(centred)
         out.append(torch.nan_to_num(centred, nan=0.0))
     return out
+
+
+def decoupled_rewards(
+    components: Sequence[Mapping[str, float | None] | None],
+    rewards: torch.Tensor,
+    weights: Mapping[str, float],
+    eps: float = ADVANTAGE_EPS,
+) -> torch.Tensor:
+    """One group's rewards as the weighted sum of each reward function's group-normalised values
+    (see the module doc): ``components[i]`` holds sample i's value of each function by label,
+    ``weights`` each function's weight; NaN where ``rewards`` is NaN (no reward)."""
+    total = torch.zeros(len(components), dtype=torch.float64)
+    for label, weight in weights.items():
+        values = torch.tensor(
+            [math.nan if c is None or c.get(label) is None else float(c[label]) for c in components],  # type: ignore[arg-type]
+            dtype=torch.float64,
+        )
+        z = (values - torch.nanmean(values)) / (nan_std(values) + eps)  # NaN where not given, or no spread
+        total += weight * torch.nan_to_num(z, nan=0.0)
+    return torch.where(torch.isnan(rewards), rewards, total)
 
 
 def step_advantages(

@@ -25,6 +25,7 @@ the package to be initialised first.
 from __future__ import annotations
 
 from asyncrl.config.agents import DEFAULT_POLICY, MultiAgentConfig, PolicySpec, RoleSpec
+from asyncrl.config.algorithm import AlgorithmConfig
 from asyncrl.config.data import (
     JUDGE_FIELDS,
     ArithmeticConfig,
@@ -53,7 +54,7 @@ from asyncrl.config.running import (
     ScheduleConfig,
 )
 from asyncrl.config.section import Section
-from asyncrl.config.training import AlgorithmConfig, LoraConfig, RolloutConfig, TrainerConfig
+from asyncrl.config.training import LoraConfig, RolloutConfig, TrainerConfig
 
 __all__ = [
     "DEFAULT_POLICY",

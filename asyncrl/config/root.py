@@ -7,13 +7,14 @@ import os
 from pydantic import Field, model_validator
 
 from asyncrl.config.agents import BUILTIN_TEAMS, MultiAgentConfig, RoleSpec
+from asyncrl.config.algorithm import AlgorithmConfig
 from asyncrl.config.data import EpisodeConfig, JudgeConfig, ModelConfig, TaskConfig
 from asyncrl.config.distill import DistillConfig
 from asyncrl.config.engines import VllmConfig, engine_problems
 from asyncrl.config.pivots import PivotConfig
 from asyncrl.config.running import RunConfig, RuntimeConfig, ScheduleConfig
 from asyncrl.config.section import Section
-from asyncrl.config.training import AlgorithmConfig, LoraConfig, RolloutConfig, TrainerConfig
+from asyncrl.config.training import LoraConfig, RolloutConfig, TrainerConfig
 
 
 class Config(Section):
@@ -63,6 +64,11 @@ class Config(Section):
             raise ValueError(
                 "task.step_delimiter gives step rewards that algorithm.step_rewards=ignore would not train on: "
                 "set algorithm.step_rewards=return_to_go"
+            )
+        if self.algorithm.reward_aggregation == "normalize_then_sum" and env is not None:
+            raise ValueError(
+                "algorithm.reward_aggregation=normalize_then_sum normalises each of task.rewards' functions; "
+                "an episode's reward comes from its environment (episode.environment): use sum_then_normalize"
             )
         if self.algorithm.advantage_scale == "group" and self.rollout.group_size < 2:
             raise ValueError(

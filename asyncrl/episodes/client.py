@@ -101,7 +101,7 @@ class EpisodeClient:
         return self.max_episode_tokens - self.record.length
 
     async def generate(self) -> str:
-        """The model's next turn, appended to the episode; returns its text (stop tokens left out)."""
+        """The model's next turn, appended to the episode; returns its text (EOS left out)."""
         budget = min(self.max_turn_tokens, self.tokens_left())
         if self.turns >= self.max_turns or budget < 1:
             self.record.truncated = True

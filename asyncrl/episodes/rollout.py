@@ -140,7 +140,9 @@ class EpisodeRollout(Rollout):
             self.stats,
         )
         self.seed = seed
-        self.stop_ids = set(sampling.stop_token_ids)
+        # A turn's text leaves EOS out but keeps a stop token of rollout.stop_token_ids: agent code
+        # reads what was sampled, the token that completed a stop string included.
+        self.eos_ids = set(sampling.stop_token_ids) & {tokenizer.eos_token_id}
         self._pending: dict[int, _PendingGroup] = {}
         self._turns: dict[str, _Turn] = {}  # request id -> the turn waiting for it
         self._requests: queue.SimpleQueue[tuple[str, GenerationRequest, _Turn]] = queue.SimpleQueue()
@@ -374,7 +376,7 @@ class EpisodeRollout(Rollout):
             turn.engine.add_request(request)
 
     def _decode_turn(self, ids: list[int]) -> str:
-        return self.tokenizer.decode([t for t in ids if t not in self.stop_ids], skip_special_tokens=True)
+        return self.tokenizer.decode([t for t in ids if t not in self.eos_ids], skip_special_tokens=True)
 
     def _episode_done(self, group_id: int, k: int) -> None:
         self._finished.put((group_id, k))

@@ -14,24 +14,20 @@ from asyncrl.errors import ConfigError
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
-def check_model_directory(path: Path, source: str) -> None:
-    """Refuse, naming ``model.path`` and ``source``, a directory that is missing or is not a
+def check_model_directory(path: Path, source: str, key: str = "model.path") -> None:
+    """Refuse, naming ``key`` and ``source``, a directory that is missing or is not a
     Hugging Face model with its tokenizer."""
     if not path.is_dir():
         raise ConfigError(
-            "model.path",
+            key,
             source,
             "no such directory (a local Hugging Face model directory is expected; nothing is downloaded)",
         )
     if not (path / "config.json").is_file():
-        raise ConfigError(
-            "model.path", source, "the directory has no config.json, so it is not a Hugging Face model"
-        )
+        raise ConfigError(key, source, "the directory has no config.json, so it is not a Hugging Face model")
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         # transformers would build an empty tokenizer from the model config instead of failing.
-        raise ConfigError(
-            "model.path", source, f"the directory has no tokenizer (none of {list(TOKENIZER_FILES)})"
-        )
+        raise ConfigError(key, source, f"the directory has no tokenizer (none of {list(TOKENIZER_FILES)})")
 
 
 def is_directory_source(source: str) -> bool:

@@ -188,14 +188,14 @@ def _from_directory(path: Path, source: str) -> Policy:
 def _checked_tokenizer(path: Path, source: str) -> PreTrainedTokenizerBase:
     check_model_directory(path, source)
     try:
-        tok = _load_tokenizer(path)
+        tok = tokenizer_from_directory(path)
     except (OSError, ValueError) as exc:
         raise ConfigError("model.path", source, f"no usable tokenizer in the directory ({exc})") from None
     check_tokenizer(tok, source)
     return tok
 
 
-def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+def tokenizer_from_directory(path: Path) -> PreTrainedTokenizerBase:
     """A tokenizer saved as a generic ``tokenizer.json`` is loaded as exactly that.
 
     For some model types (qwen2 among them) ``AutoTokenizer`` ignores the saved class and

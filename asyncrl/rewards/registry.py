@@ -18,7 +18,8 @@ message (``completion_message``; batched completions are then ``[{"role": "assis
 With ``task.step_delimiter`` a function also gets ``completion_steps`` (the completion's
 steps' texts) and may return :class:`~asyncrl.rewards.step_rewards.StepRewards` (process
 rewards, :mod:`asyncrl.rewards.step_rewards`). :func:`resolve_reward` checks a function's
-signature when the run starts, naming the config key.
+signature when the run starts, naming the config key; a shipped function with a
+``check_args(args, key)`` attribute (``reward_model``) has its entry's arguments checked then too.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from asyncrl.errors import ConfigError
 from asyncrl.plugins import Registry
 from asyncrl.rewards.judges.reward import judge_reward
 from asyncrl.rewards.library import format_regex, math_verify, overlong_penalty
+from asyncrl.rewards.reward_model import reward_model
 
 RewardFn = Callable[..., Any]
 # The named reward functions: the general ones below, and a plugin's own (the chain task's
@@ -70,6 +72,7 @@ for _name, _fn in (
     ("math_verify", math_verify),
     ("format_regex", format_regex),
     ("overlong_penalty", overlong_penalty),
+    ("reward_model", reward_model),
 ):
     register_reward(_name)(_fn)
 

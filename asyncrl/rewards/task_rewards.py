@@ -37,8 +37,11 @@ def reward_set(cfg: Config) -> RewardSet:
     """
     key = "task.rewards" if cfg.task.rewards else "task.reward"
     terms = []
-    for label, spec, weight, args in reward_terms(cfg):
+    for index, (label, spec, weight, args) in enumerate(reward_terms(cfg)):
         fn = resolve_reward(spec, key)
+        check_args = getattr(fn, "check_args", None)
+        if check_args is not None:
+            check_args(args, f"task.rewards.{index}" if cfg.task.rewards else "task.reward")
         batched = is_batched(fn)
         if cfg.task.reward_timeout_s is not None:
             fn = TimedReward(spec, cfg.task.reward_timeout_s, processes=cfg.task.reward_processes)

@@ -93,7 +93,11 @@ class CompletionRollout(Rollout):
         self.engine = engine
         self.seed = seed
         self.eos_after = eos_after
-        self.stop_ids = set(sampling.stop_token_ids) | ({eos_after} if eos_after is not None else set())
+        # EOS is left out of the text where it ends the answer; a stop token of rollout.stop_token_ids
+        # stays in it, as the token completing a stop string does (TRL decodes the sampled ids alike).
+        self.eos_ids = set(sampling.stop_token_ids) & {tokenizer.eos_token_id}
+        if eos_after is not None:
+            self.eos_ids.add(eos_after)
         self.tokenizer = tokenizer
         self.rewards = RewardSet.of(reward_fn)
         self.sampling = sampling
@@ -354,7 +358,7 @@ class CompletionRollout(Rollout):
             # at the first EOS, and the tokens after it are neither scored nor trained.
             answer_len, finish = ids.index(self.eos_after) + 1, "stop"
         text = self.tokenizer.decode(
-            [t for t in ids[:answer_len] if t not in self.stop_ids], skip_special_tokens=True
+            [t for t in ids[:answer_len] if t not in self.eos_ids], skip_special_tokens=True
         )
         return Sample(
             **vars(res.tokens()),
@@ -382,7 +386,7 @@ class CompletionRollout(Rollout):
             steps = []
             for sample, answer in zip(group.samples, ids, strict=True):
                 sample.turn_spans, step_texts = cut_steps(
-                    answer, self.tokenizer, self.step_delimiter, self.stop_ids
+                    answer, self.tokenizer, self.step_delimiter, self.eos_ids
                 )
                 steps.append(step_texts)
             batch.append((group.prompt, texts, ids, steps))  # the functions get completion_steps

@@ -9,9 +9,12 @@ subgroups of multi-agent episodes, on-policy distillation's per-token teacher ga
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from asyncrl.algorithms.advantages import (
+    decoupled_rewards,
     distill_advantages,
     group_advantages,
     role_subgroups,
@@ -28,6 +31,7 @@ def assign_advantages(
     distill: str | None = None,
     distill_weight: float = 1.0,
     by_turn: bool = False,
+    reward_weights: Mapping[str, float] | None = None,
 ) -> None:
     """Set ``sample.advantage`` for every sample, from its group's rewards (None counts as NaN).
 
@@ -45,6 +49,10 @@ def assign_advantages(
     (:func:`asyncrl.algorithms.advantages.distill_advantages`, times ``distill_weight``); with
     ``"alone"`` that signal is the whole advantage. The samples must hold ``teacher_logprobs``;
     untrained tokens (an episode's observations) get no signal.
+
+    ``reward_weights`` (``algorithm.reward_aggregation=normalize_then_sum``): each reward
+    function's weight by label; the rewards normalised are then the weighted sums of each
+    function's group-normalised values (:func:`asyncrl.algorithms.advantages.decoupled_rewards`).
     """
     subgroups = [
         [group.samples[i] for i in indices]
@@ -55,6 +63,11 @@ def assign_advantages(
         torch.tensor([float("nan") if s.reward is None else s.reward for s in samples], dtype=torch.float64)
         for samples in subgroups
     ]
+    if reward_weights is not None:
+        rewards = [
+            decoupled_rewards([s.reward_components for s in samples], r, reward_weights)
+            for samples, r in zip(subgroups, rewards, strict=True)
+        ]
     for samples, adv, reward in zip(subgroups, group_advantages(rewards, scale), rewards, strict=True):  # type: ignore[arg-type]
         for sample, a in zip(samples, adv.tolist(), strict=True):
             sample.advantage = a

@@ -95,7 +95,7 @@ class Trainer:
         self.adapter = adapter
         self.pad_token_id = pad_token_id
         self.cfg = trainer_cfg
-        self.algo = algo_cfg
+        self.algo, self.objective = algo_cfg, losses.Objective.of(algo_cfg)
         self.temperature = temperature
         self.max_completion_length = max_completion_length
         if old_logprobs is None:  # a trainer built without a run's schedule: on-policy
@@ -394,10 +394,13 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}
         mask = mb.mask
         old = logp.detach() if mb.old_logprobs is None else mb.old_logprobs
-        log_ratio = losses.log_importance_ratio(logp, old, mask, algo.ratio_level)
-        per_token, clipped = losses.clipped_policy_loss(
-            log_ratio, mb.advantages, algo.epsilon_low, algo.epsilon_high, algo.delta
+        is_weights = corrections.importance_weights(
+            old, mb.behaviour_logprobs, mask, algo.is_level, algo.is_mode, algo.is_cap, algo.is_low
         )
+        term = losses.policy_term(
+            self.objective, logp, old, mask, mb.advantages, None if is_weights is None else is_weights.weights
+        )
+        per_token, clipped, log_ratio = term.per_token, term.clipped, term.log_ratio
         if algo.top_entropy_quantile < 1.0:  # the policy term on the forking tokens only
             forking = losses.high_entropy_mask(entropy, mask, algo.top_entropy_quantile)
             per_token = per_token * forking
@@ -408,11 +411,7 @@ class Trainer:
             )
             per_token = per_token * keep
             sums["opsm_masked_seqs"] = (keep == 0).sum()
-        is_weights = corrections.importance_weights(
-            old, mb.behaviour_logprobs, mask, algo.is_level, algo.is_mode, algo.is_cap, algo.is_low
-        )
         if is_weights is not None:
-            per_token = per_token * is_weights.weights
             w, raw = is_weights.weights.expand_as(mask), is_weights.raw.expand_as(mask)
             sums["is_weight_sum"] = (w * mask).sum()
             sums["is_ratio_max"] = (raw * mask).max()  # ratios are positive: 0 where masked

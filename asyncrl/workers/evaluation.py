@@ -69,6 +69,8 @@ class TrainerEvaluation:
             owns_model=adapters is not None,  # a copy of the base of its own
             cuda_graphs=False,
             adapters=adapters,
+            # Without it the engine matches no stop string: evaluations stop at rollout.stop too.
+            decode=lambda ids: policy.tokenizer.decode(ids, skip_special_tokens=True),
         )
 
     def abandon(self) -> None:

@@ -9,6 +9,7 @@ from asyncrl.episodes.environment import EpisodeFunction
 from asyncrl.episodes.resolve import resolve_episode
 from asyncrl.episodes.rollout import EpisodeRollout
 from asyncrl.episodes.team import Role
+from asyncrl.errors import ConfigError
 from asyncrl.models.loading import Policy
 from asyncrl.rewards.task_rewards import build_reward
 from asyncrl.rollout.completions import CompletionRollout
@@ -17,8 +18,11 @@ from asyncrl.rollout.interface import Rollout
 
 def sampling_params(cfg: Config, policy: Policy, *, evaluation: bool = False) -> SamplingParams:
     """rollout.* as the engine's sampling parameters; ``evaluation``: an evaluation's (at
-    run.eval_temperature, 0 = greedy; no sampling mask; ending at EOS)."""
+    run.eval_temperature, 0 = greedy; no sampling mask; ending at EOS). Both stop at rollout.stop
+    and rollout.stop_token_ids, checked here against ``policy``'s vocabulary and special tokens."""
     r = cfg.rollout
+    past_eos = (r.ignore_eos or r.decode_past_eos) and not evaluation
+    eos = () if past_eos else (policy.eos_token_id,)
     return SamplingParams(
         max_new_tokens=r.max_new_tokens,
         temperature=cfg.run.eval_temperature if evaluation else r.temperature,
@@ -29,10 +33,47 @@ def sampling_params(cfg: Config, policy: Policy, *, evaluation: bool = False) ->
         presence_penalty=r.presence_penalty,
         frequency_penalty=r.frequency_penalty,
         keep_support=r.keep_sampling_mask and not evaluation,
-        stop_token_ids=()
-        if (r.ignore_eos or r.decode_past_eos) and not evaluation
-        else (policy.eos_token_id,),
+        stop_token_ids=eos + tuple(t for t in _stop_token_ids(cfg, policy) if t not in eos),
+        stop=tuple(_stop_strings(cfg, policy)),
     )
+
+
+def _stop_token_ids(cfg: Config, policy: Policy) -> list[int]:
+    """rollout.stop_token_ids, each one a token ``policy``'s model can draw, and not EOS where the
+    rollout generates past it (rollout.ignore_eos, decode_past_eos)."""
+    r = cfg.rollout
+    vocab = policy.model.config.get_text_config().vocab_size
+    for token in r.stop_token_ids:
+        if token >= vocab:
+            raise ConfigError(
+                "rollout.stop_token_ids",
+                r.stop_token_ids,
+                f"{token} is not a token of the model, whose vocabulary has {vocab} tokens (ids 0 to {vocab - 1})",
+            )
+        if token == policy.eos_token_id and (r.ignore_eos or r.decode_past_eos):
+            past = "rollout.ignore_eos" if r.ignore_eos else "rollout.decode_past_eos"
+            raise ConfigError(
+                "rollout.stop_token_ids",
+                r.stop_token_ids,
+                f"{token} is EOS, which {past} generates past; leave it out",
+            )
+    return r.stop_token_ids
+
+
+def _stop_strings(cfg: Config, policy: Policy) -> list[str]:
+    """rollout.stop, none holding a special token of ``policy``'s tokenizer: the engines match stop
+    strings on the text decoded without special tokens, where such a string never appears."""
+    for text in cfg.rollout.stop:
+        for special in policy.tokenizer.all_special_tokens:
+            if special in text:
+                raise ConfigError(
+                    "rollout.stop",
+                    cfg.rollout.stop,
+                    f"{text!r} holds the special token {special!r}, which stop strings never see (they are "
+                    f"matched on the text without special tokens); give its id "
+                    f"{policy.tokenizer.convert_tokens_to_ids(special)} in rollout.stop_token_ids",
+                )
+    return cfg.rollout.stop
 
 
 def build_episode(cfg: Config) -> EpisodeFunction | None:

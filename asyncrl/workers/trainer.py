@@ -36,6 +36,7 @@ from asyncrl.protocol.messages import (
     Stop,
 )
 from asyncrl.reports.completions import completion_records
+from asyncrl.rewards.task_rewards import reward_terms
 from asyncrl.trainer.advantages import assign_advantages, zero_advantage_frac
 from asyncrl.trainer.batching import BatchInProgress, MicroBatch
 from asyncrl.trainer.distributed import RankGroup, RankSpec, rank_device
@@ -127,6 +128,11 @@ class TrainerWorker:
         )
         self.inbox = inbox if inbox is not None else Inbox()
         self.features = StepFeatures.of(cfg)  # what the run's features add to its steps
+        self._reward_weights = (  # algorithm.reward_aggregation: each function's weight, by label
+            {label: weight for label, _, weight, _ in reward_terms(cfg)}
+            if cfg.algorithm.reward_aggregation == "normalize_then_sum"
+            else None
+        )
         # Taken from the inbox for the open step (and, once the run is stopping, for every step
         # given up since the last one finished).
         self._step_groups: dict[int, Group] = {}
@@ -244,7 +250,11 @@ class TrainerWorker:
                 group.mask_older_than(command.min_version)
         algorithm = self.cfg.algorithm
         assign_advantages(
-            groups, algorithm.advantage_scale, algorithm.step_rewards, **self.features.advantage_options()
+            groups,
+            algorithm.advantage_scale,
+            algorithm.step_rewards,
+            reward_weights=self._reward_weights,
+            **self.features.advantage_options(),
         )
         self._step_groups.update((g.group_id, g) for g in groups)
         return dataclasses.replace(command, groups=groups)

@@ -9,7 +9,7 @@ import torch
 from torch.testing import assert_close
 
 from asyncrl.algorithms import losses
-from asyncrl.algorithms.advantages import group_advantages
+from asyncrl.algorithms.advantages import decoupled_rewards, group_advantages
 
 NAN = float("nan")
 
@@ -148,6 +148,11 @@ MAX_LEN = 4
         ("dapo", [1.0, 1.0], 18.0, 5.0, 3.6),
         # constant divisor B * L = 2 * 4
         ("dr_grpo", [1.0, 1.0], 18.0, 8.0, 2.25),
+        # each sequence's token sum, averaged over sequences: (3 + 15) / 2
+        ("luspo", [1.0, 1.0], 18.0, 2.0, 9.0),
+        ("cispo", [1.0, 1.0], 18.0, 5.0, 3.6),
+        ("vespo", [1.0, 1.0], 18.0, 5.0, 3.6),
+        ("sapo", [0.5, 1 / 3], 6.5, 2.0, 3.25),
     ],
 )
 def test_aggregation_per_loss_type(
@@ -211,3 +216,97 @@ def test_high_entropy_mask_keeps_the_top_share_of_trained_tokens_by_hand() -> No
         losses.high_entropy_mask(entropy, torch.zeros_like(mask), 0.5).tolist()
         == torch.ones_like(mask).tolist()
     )
+
+
+# -- the losses that replace the clip ---------------------------------------------------------
+
+LOGP = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, -1.5]], dtype=torch.float64)
+OLD = torch.tensor([[-1.1, -1.8, -3.7], [-0.8, -0.8, -0.6]], dtype=torch.float64)
+TOKEN_MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+ADV = torch.tensor([0.8, -1.2], dtype=torch.float64)
+
+
+def _grad_of_term(objective: losses.Objective, is_weights: torch.Tensor | None = None):
+    logp = LOGP.clone().requires_grad_(True)
+    term = losses.policy_term(objective, logp, OLD, TOKEN_MASK, ADV, is_weights)
+    (term.per_token * TOKEN_MASK).sum().backward()
+    return term, logp.grad
+
+
+def test_cispo_weights_the_reinforce_term_by_the_clipped_detached_ratio() -> None:
+    """CISPO's gradient per token is -min(r, r_max) x A, and it is 'clipped' where r > r_max."""
+    term, grad = _grad_of_term(losses.Objective(loss_type="cispo", cispo_max_ratio=1.3))
+    ratio = (LOGP - OLD).exp()  # [[1.105, 0.819, 2.014], [1.350, 1.350, 0.407]]
+    expected = -ratio.clamp(max=1.3) * ADV.unsqueeze(-1) * TOKEN_MASK
+    assert_close(grad, expected, rtol=0, atol=1e-12)
+    assert term.clipped.tolist() == [[0.0, 0.0, 1.0], [1.0, 1.0, 0.0]]
+    # A ratio beyond anything a clip would keep still gives its token a gradient.
+    assert float(grad[0, 0]) != 0 and float(grad[1, 0]) == pytest.approx(-1.3 * -1.2)
+
+
+def test_sapo_gate_has_the_ratio_gradient_at_one_and_fades_away_from_it() -> None:
+    """SAPO's gradient in log pi is -4 s(1 - s) r A with s = sigmoid(tau (r - 1)): -A at r = 1, less
+    away from it, with the temperature of the advantage's sign."""
+    objective = losses.Objective(loss_type="sapo", sapo_temperatures=(1.0, 2.0))
+    term, grad = _grad_of_term(objective)
+    ratio = (LOGP - OLD).exp()
+    tau = torch.tensor([[1.0], [2.0]], dtype=torch.float64)  # A > 0 in row 0, A < 0 in row 1
+    s = torch.sigmoid(tau * (ratio - 1))
+    assert_close(grad, -4 * s * (1 - s) * ratio * ADV.unsqueeze(-1) * TOKEN_MASK, rtol=0, atol=1e-12)
+    assert float(term.clipped.sum()) == 0
+    # At r = 1 the gate's gradient is the surrogate's, -A, at either temperature.
+    logp = LOGP.clone().requires_grad_(True)
+    losses.policy_term(objective, logp, LOGP, TOKEN_MASK, ADV).per_token.sum().backward()
+    assert_close(logp.grad, -ADV.unsqueeze(-1).expand_as(LOGP), rtol=0, atol=1e-12)
+    # A wildly off-policy token saturates the gate: a zero gradient, not NaN.
+    far = LOGP.clone().requires_grad_(True)
+    losses.policy_term(objective, far, OLD - 80.0, TOKEN_MASK, ADV).per_token.sum().backward()
+    assert torch.isfinite(far.grad).all() and float(far.grad.abs().max()) == 0.0
+
+
+def test_vespo_weight_by_hand_and_the_off_policy_correction_folded_into_it() -> None:
+    """VESPO: phi(w) = exp(lam + k log w - lam w) of the sequence's product of ratios, detached, on
+    -A log pi; phi(1) = 1; importance weights pi_old/mu join w instead of multiplying the term."""
+    objective = losses.Objective(loss_type="vespo", vespo_positive=(2.0, 3.0), vespo_negative=(3.0, 2.0))
+    term, grad = _grad_of_term(objective)
+    log_w = torch.tensor([[0.1 - 0.2], [0.3 + 0.3 - 0.9]], dtype=torch.float64)  # masked token sums
+    k, lam = torch.tensor([[2.0], [3.0]]), torch.tensor([[3.0], [2.0]])
+    phi = torch.exp(lam + k * log_w - lam * log_w.exp())
+    assert_close(grad, -phi * ADV.unsqueeze(-1) * TOKEN_MASK, rtol=0, atol=1e-12)
+    assert float(term.clipped.sum()) == 0  # a soft weight: nothing is clipped
+    on_policy = losses.vespo_weights(LOGP, LOGP, TOKEN_MASK, ADV.unsqueeze(-1), objective)
+    assert_close(on_policy, torch.ones(2, 1, dtype=torch.float64), rtol=0, atol=1e-12)
+    # With pi_old/mu per token, w is pi_theta/mu: the same as taking mu as the old policy.
+    behaviour = OLD - torch.tensor([[0.2, -0.1, 0.4], [0.05, 0.1, -0.3]], dtype=torch.float64)
+    is_weights = (OLD - behaviour).exp()
+    folded = losses.vespo_weights(LOGP, OLD, TOKEN_MASK, ADV.unsqueeze(-1), objective, is_weights)
+    direct = losses.vespo_weights(LOGP, behaviour, TOKEN_MASK, ADV.unsqueeze(-1), objective)
+    assert_close(folded, direct, rtol=0, atol=1e-12)
+    folded_term = losses.policy_term(objective, LOGP, OLD, TOKEN_MASK, ADV, is_weights)
+    assert_close(folded_term.per_token, -direct * ADV.unsqueeze(-1) * LOGP, rtol=0, atol=1e-12)
+
+
+def test_clipped_losses_take_the_importance_weights_as_a_factor() -> None:
+    """For every loss but VESPO the importance weights multiply the policy term."""
+    weights = torch.tensor([[0.5], [2.0]], dtype=torch.float64)
+    for kind in ("dapo", "luspo", "cispo", "sapo"):
+        objective = losses.Objective(loss_type=kind)  # type: ignore[arg-type]
+        plain = losses.policy_term(objective, LOGP, OLD, TOKEN_MASK, ADV).per_token
+        weighted = losses.policy_term(objective, LOGP, OLD, TOKEN_MASK, ADV, weights).per_token
+        assert_close(weighted, plain * weights, rtol=0, atol=1e-12)
+
+
+def test_decoupled_rewards_normalise_each_function_in_the_group_then_sum() -> None:
+    """GDPO: each function's values become (v - mean) / (std + eps) over the values it gave, weighted
+    and summed; a missing value adds nothing, a function without spread adds 0, no reward stays NaN."""
+    components = [
+        {"wide": 1.0, "narrow": 0.01, "flat": 3.0},
+        {"wide": 0.0, "narrow": 0.03, "flat": 3.0},
+        {"wide": 0.5, "narrow": None, "flat": 3.0},
+        None,
+    ]
+    rewards = torch.tensor([1.0, 0.0, 0.5, float("nan")], dtype=torch.float64)
+    out = decoupled_rewards(components, rewards, {"wide": 1.0, "narrow": 2.0, "flat": 5.0}, eps=0.0)
+    # wide: mean 0.5, std 0.5 -> [1, -1, 0]; narrow: mean 0.02, std 0.01414 -> [-0.7071, 0.7071, -].
+    assert out[:3].tolist() == pytest.approx([1 - 2 * 0.70710678, -1 + 2 * 0.70710678, 0.0], abs=1e-6)
+    assert math.isnan(float(out[3]))

@@ -107,7 +107,21 @@ def test_overrides_win_over_file(tmp_path: Path) -> None:
         (["rollout.group_size=0"], ["rollout.group_size=0", "greater than or equal to 1"]),
         (["rollout.top_p=1.5"], ["rollout.top_p=1.5", "less than or equal to 1"]),
         (["task.arithmetic.max_digits=10"], ["task.arithmetic.max_digits=10", "less than or equal to 9"]),
-        (["algorithm.loss_type=ppo"], ["algorithm.loss_type='ppo'", "'grpo', 'bnpo', 'dapo' or 'dr_grpo'"]),
+        (
+            ["algorithm.loss_type=ppo"],
+            ["algorithm.loss_type='ppo'", "'dr_grpo', 'luspo', 'cispo', 'sapo' or 'vespo'"],
+        ),
+        (
+            ["algorithm.loss_type=cispo", "algorithm.delta=1.5"],
+            ["delta=1.5", "loss_type='cispo'", "'grpo', 'bnpo', 'dapo', 'dr_grpo', 'luspo'"],
+        ),
+        (
+            ["algorithm.reward_aggregation=normalize_then_sum", "episode.environment=my_env:play"],
+            ["reward_aggregation=normalize_then_sum", "episode.environment", "sum_then_normalize"],
+        ),
+        (["algorithm.cispo.max_ratio=0.9"], ["algorithm.cispo.max_ratio=0.9", "greater than 1"]),
+        (["algorithm.sapo.temperature_neg=0"], ["algorithm.sapo.temperature_neg=0", "greater than 0"]),
+        (["algorithm.vespo.bogus=1"], ["algorithm.vespo.bogus", "unknown key", "k_neg, k_pos"]),
         (["task.name=csv"], ["task.name='csv'", "'arithmetic', 'chain', 'jsonl', 'dataset' or 'guess'"]),
         (["trainer.packing=dense"], ["trainer.packing='dense'", "'tree', 'prompts' or 'off'"]),
         (["trainer.share_prompts=maybe"], ["trainer.share_prompts='maybe'", "true or false", "'prompts'"]),

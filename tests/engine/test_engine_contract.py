@@ -7,6 +7,7 @@ that loads weights puts the starting ones back before it ends."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 import torch
@@ -226,6 +227,27 @@ def test_stops_by_token_and_by_string(fresh: Engine, policy: Policy) -> None:
     assert by_string.finish_reason == "stop"
     assert by_string.completion_ids == free.completion_ids[: len(by_string.completion_ids)]
     assert policy.tokenizer.decode(by_string.completion_ids, skip_special_tokens=True).endswith(word)
+
+
+def test_a_stop_string_across_a_resumed_prefix_ends_the_request(fresh: Engine, policy: Policy) -> None:
+    """A stop string begun in an aborted request's prefix and completed by the resumed request's first
+    token ends the resumed request at that token: the engines match stop strings on the whole
+    completion, its prefix included (lossless preemption keeps stops as they were)."""
+    text = lambda ids: policy.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    [request] = sampled(1, seed=700, max_new_tokens=12)
+    fresh.add_request(request)
+    for _ in range(4):
+        assert fresh.step() == []
+    [aborted] = fresh.abort()
+    n = len(aborted.completion_ids)
+    free = fresh.generate([resume_request(aborted, request.sampling)])[0]
+    assert free.finish_reason == "length" and len(free.completion_ids) == 12 > n
+    word = text(free.completion_ids[n - 1 : n + 1])
+    assert len(word) == 2 and word not in text(aborted.completion_ids)  # the first new token completes it
+    stopping = replace(request.sampling, stop=(word,))
+    stopped = fresh.generate([resume_request(aborted, stopping)])[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.completion_ids == free.completion_ids[: n + 1]
 
 
 def test_admit_false_starts_nothing_new(fresh: Engine) -> None:

@@ -471,7 +471,8 @@ def trainer_samples(make_sample) -> list[Sample]:
 @pytest.mark.parametrize(
     "loss_type",
     # dapo's token sums packed: test_trimmed_loss_and_gradient_equal_the_full_sequence[tree-dapo] and [prompts-dapo].
-    [pytest.param("dapo", marks=pytest.mark.slow), "grpo"],
+    # vespo: a weight of each whole sequence's ratios, which a packed row must not mix.
+    [pytest.param("dapo", marks=pytest.mark.slow), "grpo", "vespo"],
 )
 def test_trainer_gradient_is_the_same_with_and_without_packing(
     tiny_policy: Policy, make_sample, loss_type: str

@@ -92,12 +92,15 @@ def reference_loss(model: torch.nn.Module, samples: list[Sample], pad: int, loss
     """The loss of the whole batch written out from its definition (module docstring of losses)."""
     mb = collate(samples, pad)
     logp, _ = completion_logprobs(model, mb, TEMPERATURE)
-    per_token, _ = losses.clipped_policy_loss(logp - mb.behaviour_logprobs, mb.advantages, 0.2, 0.2)
+    objective = losses.Objective(loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.2)  # type: ignore[arg-type]
+    per_token = losses.policy_term(objective, logp, mb.behaviour_logprobs, mb.mask, mb.advantages).per_token
     tok_sum = (per_token * mb.mask).sum(-1)
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return (tok_sum / mb.mask.sum(-1)).mean()
-    if loss_type in ("bnpo", "dapo"):
+    if loss_type in ("bnpo", "dapo", "cispo", "vespo"):
         return tok_sum.sum() / mb.mask.sum()
+    if loss_type == "luspo":
+        return tok_sum.mean()
     return tok_sum.sum() / (len(samples) * MAX_COMPLETION)
 
 
@@ -356,7 +359,8 @@ def test_the_reference_takes_the_policy_every_n_steps_mixed_by_alpha(
         assert max(float((p - expected[n]).abs().max()) for n, p in ref.named_parameters()) <= 1e-6
         assert trainer.reference.version == 2 * (step // 2)
     moved = max(
-        float((p - tiny_policy.model.get_parameter(n).detach()).abs().max()) for n, p in ref.named_parameters()
+        float((p - tiny_policy.model.get_parameter(n).detach()).abs().max())
+        for n, p in ref.named_parameters()
     )
     assert moved > 1e-3  # the reference left the initial policy
     state = trainer.checkpoint_state()

@@ -136,18 +136,35 @@ def _completion_ids(tokenizer, n: int) -> list[list[int]]:
     return out
 
 
-def _trl_trainer(model_dir: Path, tokenizer, output_dir: Path, prompts, rewards, **config):
-    """A real GRPOTrainer whose generation returns COMPLETIONS and whose reward is ``rewards``."""
+def _trl_trainer(
+    model_dir: Path,
+    tokenizer,
+    output_dir: Path,
+    prompts,
+    rewards,
+    reward_tables=(),
+    trainer_kwargs=None,
+    **config,
+):
+    """A real GRPOTrainer whose generation returns COMPLETIONS and whose reward is ``rewards``
+    (or, with ``reward_tables``, one reward function per table; ``trainer_kwargs`` may give
+    the trainer's ``reward_funcs`` and other arguments instead)."""
     n = len(prompts) * G
-    flat_rewards = [r for group in rewards for r in group]
     completions = _completion_ids(tokenizer, n)
     expected_prompt_ids = [
         tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts for _ in range(G)
     ]
 
-    def fixed_reward(prompts, completions, **kwargs):
-        assert len(completions) == n
-        return list(flat_rewards)
+    def fixed(table):
+        flat = [r for group in table for r in group]
+
+        def fixed_reward(prompts, completions, **kwargs):
+            assert len(completions) == n
+            return list(flat)
+
+        return fixed_reward
+
+    reward_funcs = [fixed(t) for t in reward_tables] if reward_tables else fixed(rewards or [])
 
     args = trl.GRPOConfig(
         output_dir=str(output_dir),
@@ -168,17 +185,20 @@ def _trl_trainer(model_dir: Path, tokenizer, output_dir: Path, prompts, rewards,
         top_entropy_quantile=1.0,
         mask_truncated_completions=False,
         activation_checkpointing=False,
-        epsilon=EPSILON_LOW,
-        epsilon_high=EPSILON_HIGH,
-        **config,
+        **({"epsilon": EPSILON_LOW, "epsilon_high": EPSILON_HIGH} | config),
     )
     dataset = datasets.Dataset.from_dict({"prompt": list(prompts)})
     trainer = trl.GRPOTrainer(
         model=_load_model(model_dir),
-        reward_funcs=fixed_reward,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
+        **(
+            {
+                "reward_funcs": reward_funcs,
+                "args": args,
+                "train_dataset": dataset,
+                "processing_class": tokenizer,
+            }
+            | (trainer_kwargs or {})
+        ),
     )
 
     def fixed_generation(prompt_ids, images, multimodal_fields, num_generations):
@@ -266,6 +286,91 @@ def test_advantages_match_trl(scale, model_dir, tokenizer, tmp_path):
     torch.testing.assert_close(ours, trl_adv, atol=ADV_ATOL, rtol=0)
 
 
+# Two reward functions over ADV_PROMPTS: a wide one and a narrow one, with values missing (None).
+WIDE = [
+    [1.0, 0.0, 0.3, 0.7],
+    [0.5, 0.5, 0.5, 0.5],
+    [1.9, None, -0.4, 0.75],
+    [None, 2.0, None, None],
+    [None, None, None, None],
+]
+NARROW = [
+    [0.01, 0.02, 0.0, 0.02],
+    [0.0, 0.01, None, 0.03],
+    [0.02, None, 0.0, 0.01],
+    [0.05, 0.01, 0.02, None],
+    [None, None, None, None],
+]
+WEIGHTS = [1.0, 0.5]
+
+
+def test_normalize_then_sum_advantages_match_trl(model_dir, tokenizer, tmp_path):
+    """GDPO's decoupled normalisation (algorithm.reward_aggregation=normalize_then_sum with
+    advantage_scale=batch) gives TRL's multi_objective_aggregation='normalize_then_sum'."""
+    trainer = _trl_trainer(
+        model_dir,
+        tokenizer,
+        tmp_path,
+        ADV_PROMPTS,
+        None,
+        reward_tables=[WIDE, NARROW],
+        reward_weights=WEIGHTS,
+        multi_objective_aggregation="normalize_then_sum",
+    )
+    out = _trl_inputs(trainer, ADV_PROMPTS)
+    trl_adv = out["advantages"].to(torch.float64)
+
+    def summed(a, b):  # asyncrl's reward: the weighted sum of the values given (None if none)
+        given = [w * v for w, v in zip(WEIGHTS, (a, b), strict=True) if v is not None]
+        return sum(given) if given else None
+
+    rewards = [
+        [summed(a, b) for a, b in zip(wa, na, strict=True)] for wa, na in zip(WIDE, NARROW, strict=True)
+    ]
+    groups = _asyncrl_groups(
+        ADV_PROMPTS,
+        _unpadded_rows(out["prompt_ids"], out["prompt_mask"]),
+        _unpadded_rows(out["completion_ids"], out["completion_mask"]),
+        rewards,
+    )
+    for g, group in enumerate(groups):
+        for j, sample in enumerate(group.samples):
+            sample.reward_components = {"wide": WIDE[g][j], "narrow": NARROW[g][j]}
+    assign_advantages(groups, "batch", reward_weights={"wide": WEIGHTS[0], "narrow": WEIGHTS[1]})
+    ours = torch.tensor([s.advantage for g in groups for s in g.samples], dtype=torch.float64)
+    torch.testing.assert_close(ours, trl_adv, atol=ADV_ATOL, rtol=0)
+    # The narrow function moves advantages as much as the wide one: not the summed rewards' advantages.
+    assign_advantages(groups, "batch")
+    plain = torch.tensor([s.advantage for g in groups for s in g.samples], dtype=torch.float64)
+    assert (plain - ours).abs().max() > 0.3
+    assert ours[16:].abs().max() == 0.0  # the group no function scored
+
+
+def test_reward_model_scores_match_trl(model_dir, tokenizer, tmp_path):
+    """The shipped reward_model gives the scores TRL's GRPOTrainer gives with the model's path as a
+    reward function (its _calculate_rewards), prompts and completions of different lengths."""
+    from asyncrl.rewards.reward_model import reward_model
+    from tests.helpers import save_tiny_reward_model
+
+    rm_dir = save_tiny_reward_model(tmp_path / "rm", seed=3)
+    trainer = _trl_trainer(
+        model_dir,
+        tokenizer,
+        tmp_path / "out",
+        PROMPTS,
+        None,
+        trainer_kwargs={"reward_funcs": str(rm_dir), "reward_processing_classes": tokenizer},
+    )
+    completions = [text for text, _ in COMPLETIONS]
+    prompts = [p for p in PROMPTS for _ in range(G)]
+    ids = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in completions]
+    inputs = [{"prompt": p} for p in prompts]
+    trl_scores = trainer._calculate_rewards(inputs, prompts, completions, ids)[:, 0]
+    ours = reward_model(prompts, completions, path=str(rm_dir), device="cpu", batch_size=5)
+    assert trl_scores.abs().max() > 0.05 and trl_scores.std() > 0.01
+    torch.testing.assert_close(torch.tensor(ours), trl_scores.float(), atol=1e-5, rtol=0)
+
+
 # -- losses and gradients ------------------------------------------------------------------
 
 VARIANTS = {
@@ -277,9 +382,24 @@ VARIANTS = {
 
 
 def _run_both(
-    loss_type, level, beta, delta, off_policy, model_dir, tokenizer, policy_state, tmp_path
+    loss_type,
+    level,
+    beta,
+    delta,
+    off_policy,
+    model_dir,
+    tokenizer,
+    policy_state,
+    tmp_path,
+    trl_extra: dict | None = None,
+    ours_extra: dict | None = None,
+    offset_scale: float = 1.0,
 ) -> tuple[dict, dict]:
-    """Loss, gradients and diagnostics from TRL's _compute_loss and asyncrl's Trainer on the same batch."""
+    """Loss, gradients and diagnostics from TRL's _compute_loss and asyncrl's Trainer on the same batch.
+
+    ``trl_extra`` / ``ours_extra``: more GRPOConfig / AlgorithmConfig settings (a loss type's
+    shape); ``offset_scale`` shrinks the off-policy offsets (VESPO's weight is of the product of
+    the token ratios, which the full offsets would drive to 0 or infinity)."""
     torch.manual_seed(0)
     trainer = _trl_trainer(
         model_dir,
@@ -293,6 +413,7 @@ def _run_both(
         delta=delta,
         scale_rewards="group",
         use_bias_correction_kl=False,  # asyncrl's KL term is not importance-weighted
+        **(trl_extra or {}),
     )
     assert (trainer.ref_model is not None) == (beta > 0)
     trainer.model.load_state_dict(policy_state)
@@ -309,8 +430,9 @@ def _run_both(
     old = None
     if off_policy:
         gen = torch.Generator().manual_seed(7)
-        shift = torch.tensor(OLD_LOGPROB_OFFSETS).unsqueeze(1) + OLD_LOGPROB_NOISE * torch.randn(
-            current.shape, generator=gen
+        shift = offset_scale * (
+            torch.tensor(OLD_LOGPROB_OFFSETS).unsqueeze(1)
+            + OLD_LOGPROB_NOISE * torch.randn(current.shape, generator=gen)
         )
         old = ((current - shift) * mask).detach()
         out["old_per_token_logps"] = old
@@ -348,6 +470,7 @@ def _run_both(
         entropy_coef=0.0,
         num_iterations=1,
         old_logprobs="behaviour" if off_policy else "auto",
+        **(ours_extra or {}),
     )
     ours = Trainer(
         policy,
@@ -447,3 +570,87 @@ def test_on_policy_loss_and_gradients_match_trl(loss_type, model_dir, tokenizer,
         loss_type, "token", BETA, None, False, model_dir, tokenizer, policy_state, tmp_path
     )
     _assert_parity(trl_side, our_side)
+
+
+# -- the losses that replace the clip, and LUSPO's aggregation -----------------------------
+
+CISPO_MAX_RATIO = 1.5  # below the largest ratios here, so the weight is truncated somewhere
+SAPO_TEMPERATURES = (0.9, 1.3)
+VESPO_SHAPE = {"k_pos": 2.5, "lambda_pos": 3.5, "k_neg": 3.0, "lambda_neg": 1.5}
+VESPO_OFFSET_SCALE = 0.08  # sequence ratios from about 0.6 to 1.6
+
+
+def _shape_settings(loss_type: str) -> tuple[dict, dict, float]:
+    """(TRL's settings, asyncrl's, offset scale) of a loss type's shape, none at their defaults."""
+    if loss_type == "cispo":
+        return {"epsilon_high": CISPO_MAX_RATIO}, {"cispo": {"max_ratio": CISPO_MAX_RATIO}}, 1.0
+    if loss_type == "sapo":
+        pos, neg = SAPO_TEMPERATURES
+        return (
+            {"sapo_temperature_pos": pos, "sapo_temperature_neg": neg},
+            {"sapo": {"temperature_pos": pos, "temperature_neg": neg}},
+            1.0,
+        )
+    if loss_type == "vespo":
+        trl_names = {f"vespo_{k}": v for k, v in VESPO_SHAPE.items()}
+        return trl_names, {"vespo": dict(VESPO_SHAPE)}, VESPO_OFFSET_SCALE
+    return {}, {}, 1.0
+
+
+SHAPED_CASES = [
+    ("cispo", "token", "plain"),
+    ("cispo", "sequence", "kl"),
+    ("sapo", "token", "kl"),
+    ("sapo", "sequence", "plain"),
+    ("luspo", "sequence", "delta"),
+    ("luspo", "token", "kl"),
+    ("vespo", "token", "plain"),
+    ("vespo", "token", "kl"),
+]
+QUICK_SHAPED = {
+    ("cispo", "token", "plain"),
+    ("sapo", "token", "kl"),
+    ("luspo", "sequence", "delta"),
+    ("vespo", "token", "plain"),
+}
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "level", "variant"),
+    [
+        pytest.param(*case, id="-".join(case), marks=() if case in QUICK_SHAPED else pytest.mark.slow)
+        for case in SHAPED_CASES
+    ],
+)
+def test_shaped_loss_types_match_trl(loss_type, level, variant, model_dir, tokenizer, policy_state, tmp_path):
+    """CISPO, SAPO, VESPO and LUSPO off-policy: asyncrl's loss and every gradient equal TRL's _compute_loss."""
+    beta, delta = VARIANTS[variant]["beta"], VARIANTS[variant]["delta"]
+    trl_extra, ours_extra, offset_scale = _shape_settings(loss_type)
+    trl_side, our_side = _run_both(
+        loss_type,
+        level,
+        beta,
+        delta,
+        True,
+        model_dir,
+        tokenizer,
+        policy_state,
+        tmp_path,
+        trl_extra=trl_extra,
+        ours_extra=ours_extra,
+        offset_scale=offset_scale,
+    )
+    out, mask = trl_side["out"], trl_side["out"]["completion_mask"].bool()
+    log_ratio = trl_side["current"] - trl_side["old"]
+    if loss_type == "cispo":  # the weight is truncated on some tokens and not on others
+        ratio = (log_ratio if level == "token" else _sequence_mean(log_ratio, mask)).exp()[mask]
+        assert (ratio > CISPO_MAX_RATIO).any() and (ratio < CISPO_MAX_RATIO).any()
+    if loss_type == "vespo":  # sequence ratios on both sides of 1, none with a vanishing weight
+        w = (log_ratio * mask).sum(-1).exp()
+        assert w.min() < 0.9 and w.max() > 1.1 and w.min() > 0.3 and w.max() < 3.0
+    assert out["advantages"].abs().max() > 0.5
+    _assert_parity(trl_side, our_side)
+
+
+def _sequence_mean(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return ((log_ratio * mask).sum(-1) / mask.sum(-1)).unsqueeze(-1).expand_as(log_ratio)
