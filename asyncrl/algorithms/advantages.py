@@ -1,7 +1,9 @@
 """Group-relative advantages (GRPO family).
 
-For the rewards r_i of one group, A_i = (r_i - mean_g) / (std + eps), where the baseline is
-always the group mean and ``scale`` picks the denominator:
+For the rewards r_i of one group, A_i = (r_i - b_i) / (std + eps). The baseline b_i is the
+group mean, or (``baseline="leave_one_out"``, RLOO) the mean of the group's other rewards,
+which makes the estimate unbiased: A_i = n/(n-1) (r_i - mean_g) over the n rewards given.
+``scale`` picks the denominator:
 - ``group``: the group's standard deviation (Bessel-corrected, as TRL and verl do);
 - ``batch``: one standard deviation over every reward of the batch;
 - ``none``: no division (Dr. GRPO).
@@ -51,6 +53,7 @@ from typing import Literal
 import torch
 
 AdvantageScale = Literal["group", "batch", "none"]
+Baseline = Literal["mean", "leave_one_out"]
 ADVANTAGE_EPS = 1e-4
 
 
@@ -65,11 +68,16 @@ def nan_std(x: torch.Tensor) -> torch.Tensor:
 
 
 def group_advantages(
-    group_rewards: Sequence[torch.Tensor], scale: AdvantageScale = "group", eps: float = ADVANTAGE_EPS
+    group_rewards: Sequence[torch.Tensor],
+    scale: AdvantageScale = "group",
+    eps: float = ADVANTAGE_EPS,
+    baseline: Baseline = "mean",
 ) -> list[torch.Tensor]:
     """Advantages for each group of a batch; groups may have different sizes."""
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"advantage scale must be 'group', 'batch' or 'none', got {scale!r}")
+    if baseline not in ("mean", "leave_one_out"):
+        raise ValueError(f"advantage baseline must be 'mean' or 'leave_one_out', got {baseline!r}")
     batch_std = (
         nan_std(torch.cat(list(group_rewards)).to(torch.float64))
         if scale == "batch" and group_rewards
@@ -79,6 +87,10 @@ def group_advantages(
     for rewards in group_rewards:
         rewards = rewards.to(torch.float64)
         centred = rewards - torch.nanmean(rewards) if rewards.numel() else rewards
+        if baseline == "leave_one_out":
+            given = int((~torch.isnan(rewards)).sum())
+            # r_i minus the mean of the others; a reward with no other to compare to teaches nothing.
+            centred = centred * given / (given - 1) if given > 1 else torch.zeros_like(centred)
         if scale == "group":
             std = nan_std(rewards)
             # A group of one has no spread to normalise by; it gets advantage 0 like a zero-std group.
@@ -154,7 +166,11 @@ def role_subgroups(roles: Sequence[str | None]) -> list[list[int]]:
 
 
 def turn_advantages(
-    rewards: torch.Tensor, turns: Sequence[int], scale: AdvantageScale = "group", eps: float = ADVANTAGE_EPS
+    rewards: torch.Tensor,
+    turns: Sequence[int],
+    scale: AdvantageScale = "group",
+    eps: float = ADVANTAGE_EPS,
+    baseline: Baseline = "mean",
 ) -> list[list[float]]:
     """Per sample of one role's subgroup, the advantage of each of its ``turns[i]`` turns: turn t's
     is the sample's reward normalised (as :func:`group_advantages` does) over the samples that
@@ -166,7 +182,7 @@ def turn_advantages(
     out: list[list[float]] = [[] for _ in turns]
     for t in range(max(turns, default=0)):
         reached = [i for i, n in enumerate(turns) if n > t]
-        (advantages,) = group_advantages([rewards[reached]], scale, eps)
+        (advantages,) = group_advantages([rewards[reached]], scale, eps, baseline)
         for i, a in zip(reached, advantages.tolist(), strict=True):
             out[i].append(a)
     return out

@@ -70,6 +70,12 @@ class AlgorithmConfig(Section):
     advantage_scale: Literal["group", "batch", "none"] = Field(
         "group", description="Divide centred rewards by the group std, the batch std, or nothing."
     )
+    advantage_baseline: Literal["mean", "leave_one_out"] = Field(
+        "mean",
+        description="What each reward is compared to: its group's mean (GRPO), or the mean of the group's other "
+        "rewards (RLOO: unbiased, n/(n-1) x the centred reward; TRL's RLOOTrainer and verl's rloo estimator, "
+        "whose advantages are not divided by a std: advantage_scale none).",
+    )
     reward_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
         "sum_then_normalize",
         description="With several reward functions (task.rewards): advantages of their weighted sum, or "

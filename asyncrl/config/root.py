@@ -70,6 +70,11 @@ class Config(Section):
                 "algorithm.reward_aggregation=normalize_then_sum normalises each of task.rewards' functions; "
                 "an episode's reward comes from its environment (episode.environment): use sum_then_normalize"
             )
+        if self.algorithm.advantage_baseline == "leave_one_out" and self.rollout.group_size < 2:
+            raise ValueError(
+                "algorithm.advantage_baseline=leave_one_out needs rollout.group_size >= 2 (a completion "
+                "alone has no other to compare to)"
+            )
         if self.algorithm.advantage_scale == "group" and self.rollout.group_size < 2:
             raise ValueError(
                 "algorithm.advantage_scale=group needs rollout.group_size >= 2 (a group of one has no spread)"

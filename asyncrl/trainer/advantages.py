@@ -32,6 +32,7 @@ def assign_advantages(
     distill_weight: float = 1.0,
     by_turn: bool = False,
     reward_weights: Mapping[str, float] | None = None,
+    baseline: str = "mean",
 ) -> None:
     """Set ``sample.advantage`` for every sample, from its group's rewards (None counts as NaN).
 
@@ -53,6 +54,7 @@ def assign_advantages(
     ``reward_weights`` (``algorithm.reward_aggregation=normalize_then_sum``): each reward
     function's weight by label; the rewards normalised are then the weighted sums of each
     function's group-normalised values (:func:`asyncrl.algorithms.advantages.decoupled_rewards`).
+    ``baseline``: ``mean`` or ``leave_one_out`` (RLOO), for every (sub)group.
     """
     subgroups = [
         [group.samples[i] for i in indices]
@@ -68,12 +70,16 @@ def assign_advantages(
             decoupled_rewards([s.reward_components for s in samples], r, reward_weights)
             for samples, r in zip(subgroups, rewards, strict=True)
         ]
-    for samples, adv, reward in zip(subgroups, group_advantages(rewards, scale), rewards, strict=True):  # type: ignore[arg-type]
+    for samples, adv, reward in zip(
+        subgroups, group_advantages(rewards, scale, baseline=baseline), rewards, strict=True
+    ):  # type: ignore[arg-type]
         for sample, a in zip(samples, adv.tolist(), strict=True):
             sample.advantage = a
             sample.token_advantages = None
         if by_turn:
-            per_turn = turn_advantages(reward, [len(s.turn_spans or ()) for s in samples], scale)  # type: ignore[arg-type]
+            per_turn = turn_advantages(
+                reward, [len(s.turn_spans or ()) for s in samples], scale, baseline=baseline
+            )  # type: ignore[arg-type]
             for sample, turns in zip(samples, per_turn, strict=True):
                 tokens = [0.0] * len(sample.completion_ids)  # observations: not trained
                 for (start, end), a in zip(sample.turn_spans or [], turns, strict=True):

@@ -254,6 +254,7 @@ class TrainerWorker:
             algorithm.advantage_scale,
             algorithm.step_rewards,
             reward_weights=self._reward_weights,
+            baseline=algorithm.advantage_baseline,
             **self.features.advantage_options(),
         )
         self._step_groups.update((g.group_id, g) for g in groups)

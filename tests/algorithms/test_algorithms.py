@@ -310,3 +310,22 @@ def test_decoupled_rewards_normalise_each_function_in_the_group_then_sum() -> No
     # wide: mean 0.5, std 0.5 -> [1, -1, 0]; narrow: mean 0.02, std 0.01414 -> [-0.7071, 0.7071, -].
     assert out[:3].tolist() == pytest.approx([1 - 2 * 0.70710678, -1 + 2 * 0.70710678, 0.0], abs=1e-6)
     assert math.isnan(float(out[3]))
+
+
+def test_leave_one_out_baseline_by_hand() -> None:
+    """RLOO: each reward minus the mean of the others given; NaN rewards left out; one given reward: 0."""
+    rewards = [
+        torch.tensor([1.0, 0.0, 0.5, 0.25], dtype=torch.float64),
+        torch.tensor([2.0, float("nan"), 0.0], dtype=torch.float64),
+        torch.tensor([float("nan"), 3.0], dtype=torch.float64),
+    ]
+    plain, nan_group, single = group_advantages(rewards, "none", baseline="leave_one_out")
+    assert plain.tolist() == pytest.approx([1 - 0.75 / 3, 0 - 1.75 / 3, 0.5 - 1.25 / 3, 0.25 - 1.5 / 3])
+    assert nan_group.tolist() == pytest.approx([2.0, 0.0, -2.0])
+    assert single.tolist() == [0.0, 0.0]
+    # With a std: n/(n-1) times the GRPO advantage.
+    (scaled,) = group_advantages(rewards[:1], "group", baseline="leave_one_out")
+    (grpo,) = group_advantages(rewards[:1], "group")
+    assert_close(scaled, grpo * 4 / 3, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="'mean' or 'leave_one_out'"):
+        group_advantages(rewards, "none", baseline="median")  # type: ignore[arg-type]

@@ -119,6 +119,14 @@ def test_overrides_win_over_file(tmp_path: Path) -> None:
             ["algorithm.reward_aggregation=normalize_then_sum", "episode.environment=my_env:play"],
             ["reward_aggregation=normalize_then_sum", "episode.environment", "sum_then_normalize"],
         ),
+        (
+            [
+                "algorithm.advantage_baseline=leave_one_out",
+                "algorithm.advantage_scale=none",
+                "rollout.group_size=1",
+            ],
+            ["advantage_baseline=leave_one_out", "rollout.group_size >= 2"],
+        ),
         (["algorithm.cispo.max_ratio=0.9"], ["algorithm.cispo.max_ratio=0.9", "greater than 1"]),
         (["algorithm.sapo.temperature_neg=0"], ["algorithm.sapo.temperature_neg=0", "greater than 0"]),
         (["algorithm.vespo.bogus=1"], ["algorithm.vespo.bogus", "unknown key", "k_neg, k_pos"]),

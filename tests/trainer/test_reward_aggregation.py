@@ -1,5 +1,6 @@
-"""algorithm.reward_aggregation=normalize_then_sum (GDPO) in a run: the trainer's advantages are
-those of each reward function's group-normalised values, summed with the configured weights."""
+"""algorithm.reward_aggregation=normalize_then_sum (GDPO) and algorithm.advantage_baseline=leave_one_out
+(RLOO) in a run: the trainer's advantages are those of each reward function's group-normalised
+values, summed with the configured weights, each compared to the mean of its group's others."""
 
 from __future__ import annotations
 
@@ -21,15 +22,17 @@ REWARDS = (
 WEIGHTS = {"exact_match": 1.0, "format_regex": 0.5}
 
 
-def test_a_run_trains_on_the_decoupled_advantages(tmp_path: Path) -> None:
+def test_a_run_trains_on_the_decoupled_leave_one_out_advantages(tmp_path: Path) -> None:
     """Every logged completion's advantage (all of them: log_completions covers the batch) equals
-    the decoupled advantage recomputed from its group's logged reward values."""
+    the decoupled leave-one-out advantage recomputed from its group's logged reward values."""
     cfg = load_config(
         None,
         [
             *short_run(3, prompts=4, group_size=4),
             REWARDS,
             "algorithm.reward_aggregation=normalize_then_sum",
+            "algorithm.advantage_baseline=leave_one_out",
+            "algorithm.advantage_scale=none",
             "run.log_completions=16",
             "rollout.max_new_tokens=6",
             "rollout.temperature=1.5",  # varied completions, so the format reward varies within groups
@@ -46,7 +49,9 @@ def test_a_run_trains_on_the_decoupled_advantages(tmp_path: Path) -> None:
         assert len(members) == 4
         components = [{label: r["rewards"].get(label) for label in WEIGHTS} for r in members]
         rewards = torch.tensor([r["reward"] for r in members], dtype=torch.float64)
-        (expected,) = group_advantages([decoupled_rewards(components, rewards, WEIGHTS)], "group")
+        (expected,) = group_advantages(
+            [decoupled_rewards(components, rewards, WEIGHTS)], "none", baseline="leave_one_out"
+        )
         assert [r["advantage"] for r in members] == pytest.approx(expected.tolist(), abs=1e-9)
         spread += len({r["rewards"]["format_regex"] for r in members}) > 1
     assert spread > 0  # some group's format reward varies: the test checks a non-trivial sum

@@ -27,6 +27,7 @@ rounding, not bit-for-bit.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from pathlib import Path
@@ -144,11 +145,12 @@ def _trl_trainer(
     rewards,
     reward_tables=(),
     trainer_kwargs=None,
+    rloo=False,
     **config,
 ):
-    """A real GRPOTrainer whose generation returns COMPLETIONS and whose reward is ``rewards``
-    (or, with ``reward_tables``, one reward function per table; ``trainer_kwargs`` may give
-    the trainer's ``reward_funcs`` and other arguments instead)."""
+    """A real GRPOTrainer (``rloo``: RLOOTrainer) whose generation returns COMPLETIONS and whose
+    reward is ``rewards`` (or, with ``reward_tables``, one reward function per table;
+    ``trainer_kwargs`` may give the trainer's ``reward_funcs`` and other arguments instead)."""
     n = len(prompts) * G
     completions = _completion_ids(tokenizer, n)
     expected_prompt_ids = [
@@ -166,7 +168,10 @@ def _trl_trainer(
 
     reward_funcs = [fixed(t) for t in reward_tables] if reward_tables else fixed(rewards or [])
 
-    args = trl.GRPOConfig(
+    config_class, trainer_class = (
+        (trl.RLOOConfig, trl.RLOOTrainer) if rloo else (trl.GRPOConfig, trl.GRPOTrainer)
+    )
+    settings = dict(
         output_dir=str(output_dir),
         report_to="none",
         use_cpu=True,
@@ -187,8 +192,11 @@ def _trl_trainer(
         activation_checkpointing=False,
         **({"epsilon": EPSILON_LOW, "epsilon_high": EPSILON_HIGH} | config),
     )
+    # RLOOConfig lacks GRPO's entropy, vLLM-correction and loss settings, which are off here anyway.
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    args = config_class(**{k: v for k, v in settings.items() if k in fields or k in config})
     dataset = datasets.Dataset.from_dict({"prompt": list(prompts)})
-    trainer = trl.GRPOTrainer(
+    trainer = trainer_class(
         model=_load_model(model_dir),
         **(
             {
@@ -201,9 +209,10 @@ def _trl_trainer(
         ),
     )
 
-    def fixed_generation(prompt_ids, images, multimodal_fields, num_generations):
+    def fixed_generation(prompt_ids, images, multimodal_fields, num_generations=G):
         assert [list(p) for p in prompt_ids] == expected_prompt_ids and num_generations == G
-        return [list(c) for c in completions], None
+        # RLOOTrainer takes the completions alone; GRPOTrainer also a second (unused) value.
+        return [list(c) for c in completions] if rloo else ([list(c) for c in completions], None)
 
     trainer._generate_single_turn = fixed_generation
     # Set by HF Trainer's training loop; one micro-step per optimizer step here.
@@ -211,7 +220,10 @@ def _trl_trainer(
     trainer.model.train()
     assert trainer.args.steps_per_generation == 1 and trainer.accelerator.num_processes == 1
     assert trainer.accelerator.mixed_precision == "no"
-    assert not trainer.use_vllm and trainer.top_entropy_quantile == 1.0 and not trainer._entropy_bonus_enabled
+    assert not trainer.use_vllm
+    assert getattr(trainer, "top_entropy_quantile", 1.0) == 1.0 and not getattr(
+        trainer, "_entropy_bonus_enabled", False
+    )
     return trainer
 
 
@@ -442,6 +454,32 @@ def _run_both(
     trl_loss.backward()
     trl_grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()}
 
+    our_side = _asyncrl_step(
+        out,
+        model_dir,
+        tokenizer,
+        policy_state,
+        old,
+        loss_type=loss_type,
+        epsilon_low=EPSILON_LOW,
+        epsilon_high=EPSILON_HIGH,
+        delta=delta,
+        ratio_level=level,
+        beta=beta,
+        kl_estimator="k3",
+        entropy_coef=0.0,
+        num_iterations=1,
+        old_logprobs="behaviour" if off_policy else "auto",
+        **(ours_extra or {}),
+    )
+    trl_side = {"loss": trl_loss.item(), "grads": trl_grads, "current": current, "old": old, "out": out}
+    return trl_side, our_side
+
+
+def _asyncrl_step(out: dict, model_dir, tokenizer, policy_state, old, **algorithm) -> dict:
+    """asyncrl's loss and gradients on TRL's batch ``out`` (its advantages; ``old``: the behaviour
+    log-probs, or None), through the Trainer's public flow, with these algorithm settings."""
+    mask = out["completion_mask"]
     # asyncrl on the very same token sequences (checked against TRL's padded tensors).
     prompt_rows = _unpadded_rows(out["prompt_ids"], out["prompt_mask"])
     completion_rows = _unpadded_rows(out["completion_ids"], mask)
@@ -459,25 +497,12 @@ def _run_both(
         s.advantage = a  # isolate the loss from the advantage computation (tested above)
 
     policy = _load_model(model_dir)  # the reference weights: the Trainer copies them as its ref model
-    algo = AlgorithmConfig(
-        loss_type=loss_type,
-        epsilon_low=EPSILON_LOW,
-        epsilon_high=EPSILON_HIGH,
-        delta=delta,
-        ratio_level=level,
-        beta=beta,
-        kl_estimator="k3",
-        entropy_coef=0.0,
-        num_iterations=1,
-        old_logprobs="behaviour" if off_policy else "auto",
-        **(ours_extra or {}),
-    )
     ours = Trainer(
         policy,
         pad_token_id=tokenizer.pad_token_id,
         # A small token budget splits the batch into several micro-batches.
         trainer_cfg=TrainerConfig(micro_batch_tokens=48),
-        algo_cfg=algo,
+        algo_cfg=AlgorithmConfig(**algorithm),
         temperature=TEMPERATURE,
         max_completion_length=MAX_COMPLETION_LENGTH,
         total_steps=1,
@@ -489,11 +514,8 @@ def _run_both(
     loss_sum = ours.accumulate(batches)
     divisor = ours.batch_divisor(samples)
     our_grads = {n: p.grad.detach() / divisor for n, p in policy.named_parameters()}
-
-    assert int(out["num_items_in_batch"]) == sum(s.num_trained_tokens for s in samples)
-    trl_side = {"loss": trl_loss.item(), "grads": trl_grads, "current": current, "old": old, "out": out}
-    our_side = {"loss": loss_sum / divisor, "grads": our_grads}
-    return trl_side, our_side
+    assert int(mask.sum()) == sum(s.num_trained_tokens for s in samples)
+    return {"loss": loss_sum / divisor, "grads": our_grads}
 
 
 def _assert_parity(trl_side: dict, our_side: dict) -> None:
@@ -654,3 +676,59 @@ def test_shaped_loss_types_match_trl(loss_type, level, variant, model_dir, token
 
 def _sequence_mean(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return ((log_ratio * mask).sum(-1) / mask.sum(-1)).unsqueeze(-1).expand_as(log_ratio)
+
+
+# -- RLOO (TRL's RLOOTrainer) ---------------------------------------------------------------
+
+
+def test_rloo_advantages_match_trl(model_dir, tokenizer, tmp_path):
+    """algorithm.advantage_baseline=leave_one_out with advantage_scale=none gives RLOOTrainer's
+    advantages (normalize_advantages off), unscorable completions included."""
+    trainer = _trl_trainer(
+        model_dir,
+        tokenizer,
+        tmp_path,
+        ADV_PROMPTS,
+        ADV_REWARDS,
+        rloo=True,
+        beta=0.0,
+        normalize_advantages=False,
+    )
+    out = _trl_inputs(trainer, ADV_PROMPTS)
+    groups = _asyncrl_groups(
+        ADV_PROMPTS,
+        _unpadded_rows(out["prompt_ids"], out["prompt_mask"]),
+        _unpadded_rows(out["completion_ids"], out["completion_mask"]),
+        ADV_REWARDS,
+    )
+    assign_advantages(groups, "none", baseline="leave_one_out")
+    ours = torch.tensor([s.advantage for g in groups for s in g.samples], dtype=torch.float64)
+    assert ours.abs().max() > 0.5
+    torch.testing.assert_close(ours, out["advantages"].to(torch.float64), atol=ADV_ATOL, rtol=0)
+
+
+def test_rloo_loss_and_gradients_match_trl(model_dir, tokenizer, policy_state, tmp_path):
+    """On-policy without KL, RLOOTrainer's step (each sequence's log-prob sum times its advantage,
+    averaged over sequences) is asyncrl's loss_type=luspo: the same gradients. The loss values differ
+    by construction: RLOO's ratio is one per sequence (-mean A, 0 here), luspo's sums each token's
+    (-sum |y| A / B)."""
+    trainer = _trl_trainer(
+        model_dir, tokenizer, tmp_path, PROMPTS, LOSS_REWARDS, rloo=True, beta=0.0, normalize_advantages=False
+    )
+    trainer.model.load_state_dict(policy_state)
+    out = _trl_inputs(trainer, PROMPTS)
+    trainer.model.zero_grad(set_to_none=True)
+    trl_loss = trainer._compute_loss(trainer.model, out)
+    trl_loss.backward()
+    trl_side = {
+        "loss": trl_loss.item(),
+        "grads": {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()},
+    }
+    our_side = _asyncrl_step(
+        out, model_dir, tokenizer, policy_state, None, loss_type="luspo", beta=0.0, old_logprobs="auto"
+    )
+    lengths, advantages = out["completion_mask"].sum(-1), out["advantages"]
+    assert trl_side["loss"] == pytest.approx(float(-advantages.mean()), abs=LOSS_ATOL)
+    assert our_side["loss"] == pytest.approx(float(-(lengths * advantages).mean()), abs=LOSS_ATOL)
+    trl_side["loss"] = our_side["loss"]  # compared above, each to its own definition
+    _assert_parity(trl_side, our_side)
