@@ -146,7 +146,34 @@ class AlgorithmConfig(Section):
         "the divisor and the KL term. 1 = every token.",
     )
     entropy_coef: float = Field(
-        0.0, description="Entropy bonus weight (aggregated like the policy loss); 0 logs entropy only."
+        0.0,
+        description="Entropy bonus weight: -entropy_coef x each token's entropy is added to the loss, aggregated "
+        "like the policy loss; 0 logs entropy only. With algorithm.entropy_target, the initial coefficient of "
+        "the adaptive control (TRL's entropy_coef).",
+    )
+    entropy_target: float | None = Field(
+        None,
+        ge=0,
+        description="Adaptive entropy control (Skywork-OR1; TRL's use_adaptive_entropy with entropy_target): "
+        "after each optimizer step, the step's mean entropy over its trained tokens (the entropy metric, all "
+        "ranks) at or below this raises the coefficient by entropy_coef_delta, above it lowers it, within "
+        "[entropy_coef_min, entropy_coef_max]; a step applies the bonus only when the step before it ended at "
+        "or below the target (none before the first step), with the coefficient that step left (logged as "
+        "entropy_coef: 0 when not applied). Checkpoints carry the coefficient. Null: entropy_coef is fixed.",
+    )
+    entropy_coef_delta: float = Field(
+        0.005,
+        gt=0,
+        description="With algorithm.entropy_target: the coefficient's change per optimizer step (TRL's "
+        "entropy_coef_delta).",
+    )
+    entropy_coef_min: float = Field(
+        0.0,
+        description="With algorithm.entropy_target: the coefficient's lower bound (TRL's entropy_coef_min).",
+    )
+    entropy_coef_max: float = Field(
+        1.0,
+        description="With algorithm.entropy_target: the coefficient's upper bound (TRL's entropy_coef_max).",
     )
     num_iterations: int = Field(
         1, ge=1, description="Optimizer steps taken on each generated batch (PPO epochs)."
@@ -205,6 +232,13 @@ class AlgorithmConfig(Section):
             )
         if self.is_low > self.is_cap:
             raise ValueError(f"is_low ({self.is_low}) must not exceed is_cap ({self.is_cap})")
+        low, high = self.entropy_coef_min, self.entropy_coef_max
+        if self.entropy_target is not None and not low <= self.entropy_coef <= high:
+            raise ValueError(
+                f"entropy_target={self.entropy_target} adapts entropy_coef within [entropy_coef_min, "
+                f"entropy_coef_max], and entropy_coef_min={low} <= entropy_coef={self.entropy_coef} <= "
+                f"entropy_coef_max={high} does not hold: set the initial entropy_coef inside the bounds"
+            )
         if self.ref_sync_every and not self.beta:
             raise ValueError(
                 f"ref_sync_every={self.ref_sync_every} syncs the KL reference, which beta=0 does not use: "

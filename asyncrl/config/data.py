@@ -33,6 +33,12 @@ class ModelConfig(Section):
         description="Chat template for conversational prompts, replacing the tokenizer's: a path to a Jinja "
         "file, or the template itself (any value containing '{'). null = the tokenizer's own.",
     )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra variables for the chat template wherever it renders the policy's conversations "
+        "(prompts, episodes' turns, asyncrl serve's chat endpoint): TRL's chat_template_kwargs, e.g. "
+        "{enable_thinking: false} for a Qwen3 template.",
+    )
 
 
 class ArithmeticConfig(Section):

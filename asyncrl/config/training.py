@@ -246,8 +246,9 @@ class TrainerConfig(Section):
         True,
         description="Run no forward or backward for samples whose every token has advantage 0 (a "
         "group whose rewards are all equal) when nothing else in the loss depends on them "
-        "(algorithm.beta = 0 and algorithm.entropy_coef = 0): their tokens add exactly 0 to the "
-        "gradient. They stay in the loss divisor and in trained_tokens, so the step is the same; "
+        "(algorithm.beta = 0, algorithm.entropy_coef = 0 and no algorithm.entropy_target): their "
+        "tokens add exactly 0 to the gradient. They stay in the loss divisor and in trained_tokens, "
+        "so the step is the same; "
         "the per-token diagnostics (entropy, clip_frac, ratio_mean, logprob_diff_*, mismatch_kl, "
         "routing_*) then cover the computed tokens only. false computes every sample.",
     )

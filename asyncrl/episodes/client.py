@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl.engine.types import GenerationResult
+from asyncrl.prompts.chat import render_chat
 from asyncrl.types import Prompt, Tokens
 
 
@@ -144,10 +145,8 @@ def observation_ids(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, text: st
     if prompt.messages is None:
         return tokenizer(text, add_special_tokens=False).input_ids
     before = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
-    head = tokenizer.apply_chat_template(before, tokenize=False)
-    full = tokenizer.apply_chat_template(
-        [*before, {"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-    )
+    head = render_chat(tokenizer, before)
+    full = render_chat(tokenizer, [*before, {"role": "user", "content": text}], add_generation_prompt=True)
     if not full.startswith(head):
         raise ValueError("the chat template renders a conversation differently once it goes on")
     turn = full[len(head) :]

@@ -18,6 +18,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -37,6 +38,9 @@ from asyncrl.models.tiny import TINY_ARCHITECTURES, TINY_SIZES, build_tiny_model
 from asyncrl.plugins import Registry
 
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+CHAT_TEMPLATE_KWARGS = (
+    "asyncrl_chat_template_kwargs"  # the tokenizer's attribute of model.chat_template_kwargs
+)
 
 # ``builtin:NAME``: model directories a plugin ships (asyncrl's own warm starts: asyncrl.builtin.register).
 SHIPPED_MODELS: Registry[Path] = Registry("built-in model")
@@ -103,28 +107,32 @@ def load_policy(
     dtype: str | torch.dtype = "auto",
     seed: int = 0,
     chat_template: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> Policy:
-    """``chat_template``: replaces the tokenizer's (a file path or the template; see ``model.chat_template``)."""
+    """``chat_template``: replaces the tokenizer's (a file path or the template; see ``model.chat_template``);
+    ``chat_template_kwargs``: the template's extra variables (``model.chat_template_kwargs``)."""
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     if source.startswith("tiny:"):
         policy = _random_tiny(source, seed)
     else:
         policy = _from_directory(_directory(source), source)
-    apply_chat_template_override(policy.tokenizer, chat_template)
+    apply_chat_template_override(policy.tokenizer, chat_template, chat_template_kwargs)
     policy.model.to(device=dev, dtype=torch_dtype)
     return policy
 
 
-def load_tokenizer(source: str, chat_template: str | None = None) -> tuple[PreTrainedTokenizerBase, int]:
+def load_tokenizer(
+    source: str, chat_template: str | None = None, chat_template_kwargs: dict[str, Any] | None = None
+) -> tuple[PreTrainedTokenizerBase, int]:
     """The tokenizer and maximum positions of a model source, validated, without loading weights."""
     if source.startswith("tiny:"):
         tok = build_char_tokenizer()
-        apply_chat_template_override(tok, chat_template)
+        apply_chat_template_override(tok, chat_template, chat_template_kwargs)
         return tok, load_model_config(source).max_position_embeddings
     path = _directory(source)
     tok = _checked_tokenizer(path, source)
-    apply_chat_template_override(tok, chat_template)
+    apply_chat_template_override(tok, chat_template, chat_template_kwargs)
     config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     return tok, int(config.get("max_position_embeddings") or 1 << 30)
 
@@ -244,7 +252,12 @@ def load_chat_template(spec: str) -> str:
     return spec
 
 
-def apply_chat_template_override(tokenizer, spec: str | None) -> None:
-    """Replace the tokenizer's chat template with ``model.chat_template`` when it is set."""
+def apply_chat_template_override(tokenizer, spec: str | None, kwargs: dict[str, Any] | None = None) -> None:
+    """Replace the tokenizer's chat template with ``model.chat_template`` when it is set, and keep
+    ``model.chat_template_kwargs`` with the tokenizer for every rendering of it
+    (:func:`asyncrl.prompts.chat.render_chat` reads them)."""
     if spec is not None:
         tokenizer.chat_template = load_chat_template(spec)
+    # An attribute of our own on the tokenizer: it goes wherever the tokenizer goes in this
+    # process, and save_pretrained leaves it out (the saved template stays the template).
+    setattr(tokenizer, CHAT_TEMPLATE_KWARGS, dict(kwargs or {}))

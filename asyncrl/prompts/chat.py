@@ -6,7 +6,8 @@ format of TRL's GRPOTrainer. A conversation is rendered with the tokenizer's cha
 and the generation prompt (the opening of the assistant's turn), then tokenised without
 adding special tokens again, so the template alone decides the prompt's tokens.
 ``model.chat_template`` replaces the tokenizer's template (a file path or the template
-itself).
+itself), and ``model.chat_template_kwargs`` are its extra variables at every rendering
+(:func:`render_chat`, which every conversation of the policy goes through).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from asyncrl.errors import ConfigError
+from asyncrl.models.loading import CHAT_TEMPLATE_KWARGS
 from asyncrl.types import Prompt
 
 ROLES = ("system", "user", "assistant")
@@ -73,7 +75,18 @@ def render_prompt(tokenizer, prompt: Prompt) -> str:
             f"prompt {prompt.prompt_id} is a conversation but the tokenizer has no chat template; "
             "set model.chat_template to a template file or the template text",
         )
-    return tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
+    return render_chat(tokenizer, prompt.messages, add_generation_prompt=True)
+
+
+def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+    """``messages`` through the tokenizer's chat template, with ``model.chat_template_kwargs``
+    (kept with the tokenizer when it was loaded) as the template's extra variables."""
+    return tokenizer.apply_chat_template(
+        messages,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        **getattr(tokenizer, CHAT_TEMPLATE_KWARGS, {}),
+    )
 
 
 def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:

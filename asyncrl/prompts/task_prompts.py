@@ -50,7 +50,9 @@ def eval_prompts(cfg: Config, policy: Policy) -> list[Prompt]:
 
 def task_prompts(cfg: Config) -> PromptSource:
     """The training prompt source, validated against the model's tokenizer without loading weights."""
-    tokenizer, max_positions = load_tokenizer(cfg.model.path, cfg.model.chat_template)
+    tokenizer, max_positions = load_tokenizer(
+        cfg.model.path, cfg.model.chat_template, cfg.model.chat_template_kwargs
+    )
     source = prompt_source(cfg, tokenizer, max_positions)
     if cfg.task.name not in GENERATED_TASKS:  # generated: no eval split to check
         prompt_source(cfg, tokenizer, max_positions, evaluation=True)  # a bad eval split fails here too

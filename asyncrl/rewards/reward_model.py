@@ -12,7 +12,7 @@ The model is a local Hugging Face sequence-classification model with one label
 (``AutoModelForSequenceClassification``, ``num_labels: 1``) and its tokenizer. It scores each
 prompt and completion as one text — the prompt's text followed by the completion's, or, for a
 conversational prompt, the model tokenizer's chat template over the prompt's messages and the
-assistant's answer — with no special tokens added, and the reward is its one logit (the
+assistant's answer, ``chat_template_kwargs`` its extra variables — with no special tokens added, and the reward is its one logit (the
 model pools the last non-pad token), as TRL computes it.
 
 It is loaded once per process and path, at its first call, in the process that scores: a
@@ -58,8 +58,14 @@ class ReadyRewardModel:
         self.model.to(self.device).eval()
         self._forward = threading.Lock()  # scoring threads share one model
 
-    def texts(self, prompts: Sequence[Any], completions: Sequence[Any]) -> list[str]:
-        """Prompt and completion as the one text the model reads (see the module docstring)."""
+    def texts(
+        self,
+        prompts: Sequence[Any],
+        completions: Sequence[Any],
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[str]:
+        """Prompt and completion as the one text the model reads (see the module docstring);
+        ``template_kwargs``: the chat template's extra variables."""
         out = []
         for prompt, completion in zip(prompts, completions, strict=True):
             if isinstance(prompt, list):  # a conversation: the model's own chat template
@@ -68,7 +74,11 @@ class ReadyRewardModel:
                     if isinstance(completion, list)
                     else [{"role": "assistant", "content": completion}]
                 )
-                out.append(self.tokenizer.apply_chat_template(prompt + answer, tokenize=False))
+                out.append(
+                    self.tokenizer.apply_chat_template(
+                        prompt + answer, tokenize=False, **(template_kwargs or {})
+                    )
+                )
             else:
                 out.append(
                     prompt + (completion if isinstance(completion, str) else completion[-1]["content"])
@@ -103,6 +113,9 @@ def loaded(path: str, device: str = "auto", dtype: str = "auto") -> ReadyRewardM
         return _LOADED[key]
 
 
+ARGUMENTS = ("path", "device", "dtype", "batch_size", "max_length", "chat_template_kwargs")
+
+
 def reward_model(
     prompts: list,
     completions: list,
@@ -111,11 +124,19 @@ def reward_model(
     dtype: str = "auto",
     batch_size: int = DEFAULT_BATCH_SIZE,
     max_length: int | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
     **_: Any,
 ) -> list[float]:
     """The reward model's score of each completion (TRL's batched signature; chat completions too)."""
-    model = loaded(str(path), device, dtype)
-    return model.score(model.texts(prompts, completions), batch_size, max_length)
+    args = dict(
+        path=path,
+        device=device,
+        dtype=dtype,
+        batch_size=batch_size,
+        max_length=max_length,
+        chat_template_kwargs=chat_template_kwargs,
+    )
+    return _score_many([{"prompts": prompts, "completions": completions, **args}])[0]
 
 
 def _score_many(calls: list[dict[str, Any]]) -> list[list[float]]:
@@ -124,7 +145,7 @@ def _score_many(calls: list[dict[str, Any]]) -> list[list[float]]:
         return []
     first = calls[0]
     model = loaded(str(first.get("path")), first.get("device", "auto"), first.get("dtype", "auto"))
-    texts = [model.texts(c["prompts"], c["completions"]) for c in calls]
+    texts = [model.texts(c["prompts"], c["completions"], first.get("chat_template_kwargs")) for c in calls]
     flat = model.score(
         [t for group in texts for t in group],
         first.get("batch_size", DEFAULT_BATCH_SIZE),
@@ -144,13 +165,9 @@ def check_reward_model(args: dict[str, Any], key: str) -> None:
     """Refuse at start, naming ``key``'s argument, what could not be loaded as a reward model."""
     from asyncrl.models.directories import check_model_directory
 
-    unknown = sorted(set(args) - {"path", "device", "dtype", "batch_size", "max_length"})
+    unknown = sorted(set(args) - set(ARGUMENTS))
     if unknown:
-        raise ConfigError(
-            f"{key}.args",
-            unknown,
-            "not arguments of reward_model (path, device, dtype, batch_size, max_length)",
-        )
+        raise ConfigError(f"{key}.args", unknown, f"not arguments of reward_model ({', '.join(ARGUMENTS)})")
     path = args.get("path")
     if not path:
         raise ConfigError(f"{key}.args.path", path, "reward_model needs the path of a local reward model")

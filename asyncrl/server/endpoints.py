@@ -10,6 +10,7 @@ from typing import Protocol
 
 from asyncrl.engine.interface import Engine
 from asyncrl.models.loading import Policy
+from asyncrl.prompts.chat import render_chat
 from asyncrl.rewards.judges.verdicts import candidate_ids
 from asyncrl.server.engine_loop import EngineLoop
 from asyncrl.server.scoring import Scoring
@@ -42,7 +43,7 @@ def chat_prompt(tokenizer, messages: list[dict]) -> str:
         if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
             raise BadRequest("each message needs a 'role' and a string 'content'", "messages")
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return render_chat(tokenizer, messages, add_generation_prompt=True)
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
 
 

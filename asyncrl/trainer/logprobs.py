@@ -113,6 +113,18 @@ def lm_head(model: PreTrainedModel) -> torch.nn.Linear | None:
 
 
 @contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` in eval mode for the block: old-policy and reference log-probs are of the policy
+    itself, without (LoRA) dropout."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+@contextmanager
 def _final_hidden(model: PreTrainedModel) -> Iterator[Callable[[], torch.Tensor]]:
     """Within the block, the last hidden states (B, L, H) the model's decoder returned."""
     seen: list[torch.Tensor] = []

@@ -28,8 +28,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 
 import torch
 from transformers import PreTrainedModel
@@ -40,8 +39,9 @@ from asyncrl.models.activation_checkpointing import enable_activation_checkpoint
 from asyncrl.models.lora import ADAPTER, is_lora, published_weights
 from asyncrl.trainer.advantages import moves_weights
 from asyncrl.trainer.batching import MicroBatch, trained_span
+from asyncrl.trainer.entropy import EntropyControl
 from asyncrl.trainer.features import TrainingFeatures
-from asyncrl.trainer.logprobs import completion_logprobs, policy_logprobs
+from asyncrl.trainer.logprobs import completion_logprobs, eval_mode, policy_logprobs
 from asyncrl.trainer.memory import resolve_micro_batch_tokens
 from asyncrl.trainer.optimizer import (
     adamw,
@@ -116,6 +116,7 @@ class Trainer:
         self.lora = is_lora(model)
         # The KL reference (asyncrl.trainer.reference), made only when it is used.
         self.reference = KLReference(model, self.lora, algo_cfg) if algo_cfg.beta > 0 else None
+        self.entropy_control = EntropyControl(algo_cfg)  # the entropy bonus's coefficient, fixed or adapted
         # The features' parts of the work on the policy (asyncrl.trainer.features), built after the
         # reference copy: whatever they set on the policy's modules is the policy's alone.
         self.features = TrainingFeatures.of(model, trainer_cfg, run_cfg)
@@ -141,7 +142,7 @@ class Trainer:
         self.skips_zero_advantage = (
             trainer_cfg.skip_zero_advantage
             and algo_cfg.beta == 0
-            and not algo_cfg.entropy_coef
+            and not self.entropy_control.on
             and not self.features.adds_loss
         )
         # (tokens, samples) skipped by prepare since the last optimizer step, and in the last step
@@ -206,7 +207,7 @@ class Trainer:
             ]
         self.features.prepared(samples)
         mode = self.old_logprob_mode
-        with torch.no_grad(), self._eval_mode(), self.compute():
+        with torch.no_grad(), eval_mode(self.model), self.compute():
             for mb in batches:
                 if mode == "recompute":
                     mb.old_logprobs = completion_logprobs(
@@ -229,16 +230,6 @@ class Trainer:
         if not self.autocast:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
-
-    @contextmanager
-    def _eval_mode(self) -> Iterator[None]:
-        """Old-policy and reference log-probs are of the policy itself, without (LoRA) dropout."""
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            yield
-        finally:
-            self.model.train(was_training)
 
     def accumulate(self, batches: list[MicroBatch], stop: Callable[[], bool] | None = None) -> float:
         """Forward/backward on micro-batches, adding their undivided loss to the gradients.
@@ -286,11 +277,13 @@ class Trainer:
         self._stats.update(self.features.step_sums())  # summed across ranks with the other step sums
         s = self._step_stats()
         tokens = max(s["tokens"], 1.0)
+        entropy = s["entropy_sum"] / tokens
         return {
             "loss": s["loss_sum"] / divisor,
             "grad_norm": grad_norm,
             "lr": lr,
-            "entropy": s["entropy_sum"] / tokens,
+            "entropy": entropy,
+            **self.entropy_control.after_step(entropy),  # the coefficient it applied; the next step's from it
             "clip_frac": s["clipped_sum"] / tokens,
             "ratio_mean": s["ratio_sum"] / tokens,
             "kl_ref": s["kl_sum"] / tokens if self.algo.beta > 0 else 0.0,
@@ -382,7 +375,7 @@ class Trainer:
                 mb,
                 self.temperature,
                 with_entropy=True,
-                entropy_grad=bool(algo.entropy_coef),
+                entropy_grad=bool(self.entropy_control.applied),
                 chunk_tokens=self.cfg.logprob_chunk_tokens,
                 extra_tokens=self.features.extra_tokens(mb),
             )
@@ -424,8 +417,8 @@ class Trainer:
             if algo.kl_ratio_correction:
                 kl = kl * torch.exp(log_ratio)
             per_token = per_token + algo.beta * kl
-        if algo.entropy_coef:
-            per_token = per_token - algo.entropy_coef * entropy
+        if coef := self.entropy_control.applied:
+            per_token = per_token - coef * entropy
         loss_sum = losses.aggregate(per_token, mask, algo.loss_type)
         if mb.scale != 1.0:
             loss_sum = loss_sum * mb.scale
@@ -457,9 +450,9 @@ class Trainer:
     # -- checkpoints -------------------------------------------------------------------------
 
     def checkpoint_state(self) -> dict:
-        """Optimizer (keyed by parameter name), scheduler, version and a synced KL reference; the
-        weights are saved apart (with LoRA only the adapters, as peft saves them; see
-        :mod:`asyncrl.trainer.state`)."""
+        """Optimizer (keyed by parameter name), scheduler, version, a synced KL reference and the
+        adaptive entropy coefficient (:mod:`asyncrl.trainer.entropy`); the weights are saved apart
+        (with LoRA only the adapters, as peft saves them; see :mod:`asyncrl.trainer.state`)."""
         optim = optimizer_state(self.model, self.optimizer, lora=self.lora, ranks=self.ranked)
         reference = None if self.reference is None else self.reference.state()
         return {
@@ -467,6 +460,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "version": self.version,
             "reference": reference,
+            "entropy_control": self.entropy_control.state(),
         }
 
     def load_checkpoint_state(self, weights: dict[str, torch.Tensor], state: dict) -> int:
@@ -481,6 +475,7 @@ class Trainer:
         self.version = int(state["version"])
         if self.reference is not None:
             self.reference.load_state(state.get("reference"))
+        self.entropy_control.load_state(state.get("entropy_control"))
         return self.version
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:

@@ -68,6 +68,7 @@ def build_policy(
         dtype=held,
         seed=cfg.run.seed,
         chat_template=cfg.model.chat_template,
+        chat_template_kwargs=cfg.model.chat_template_kwargs,
     )
     if trainable and cfg.lora.enabled:
         if adapters:

@@ -199,3 +199,42 @@ def test_shipped_chat_example_loads_its_data_and_rewards(monkeypatch: pytest.Mon
     assert rewards.labels == ["correct", "digits_only"]
     (right, wrong) = rewards.score(first, [first.answer, "x"], [[0], [0]])
     assert (right.reward, wrong.reward) == (1.2, 0.0)
+
+
+# A template with a switch, as Qwen3's enable_thinking: off, the assistant's turn opens with an empty think block.
+SWITCHED = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% if enable_thinking is defined and not enable_thinking %}"
+    "<think></think>{% endif %}{% endif %}"
+)
+
+
+def test_chat_template_kwargs_reach_every_rendering_of_the_policys_template() -> None:
+    """model.chat_template_kwargs are the template's variables for the prompts of a loaded tokenizer and
+    of the policy a worker builds, an episode's observation turns and the server's chat endpoint."""
+    from asyncrl.episodes.client import observation_ids
+    from asyncrl.server.endpoints import chat_prompt
+    from asyncrl.workers.assembly import build_policy
+
+    prompt = make_prompt("q", CONVERSATION[:2], None, {})
+    off, _ = load_tokenizer("tiny:1m", SWITCHED, {"enable_thinking": False})
+    default, _ = load_tokenizer("tiny:1m", SWITCHED)
+    assert render_prompt(off, prompt) == "system: Add.\nuser: 1+2=\nassistant: <think></think>"
+    assert render_prompt(default, prompt) == "system: Add.\nuser: 1+2=\nassistant: "
+    messages = [{"role": "user", "content": "hi"}]
+    assert chat_prompt(off, messages).endswith("<think></think>")
+    assert not chat_prompt(default, messages).endswith("</think>")
+    observed = off.decode(observation_ids(off, prompt, "ok"))
+    assert observed.endswith("<think></think>") and observed != default.decode(
+        observation_ids(default, prompt, "ok")
+    )
+
+    settings = [
+        "model.path=tiny:1m",
+        "model.device=cpu",
+        f"model.chat_template={SWITCHED}",
+        "model.chat_template_kwargs={enable_thinking: false}",
+    ]
+    cfg = load_config(None, settings)
+    assert cfg.model.chat_template_kwargs == {"enable_thinking": False}
+    assert encode_prompt(build_policy(cfg).tokenizer, prompt) == encode_prompt(off, prompt)

@@ -105,3 +105,13 @@ def test_a_run_rewards_with_the_model(rm_dir: Path, tmp_path: Path) -> None:
         )
     metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert all("reward/reward_model" in m for m in metrics)
+
+
+def test_chat_template_kwargs_are_the_reward_models_template_variables(rm_dir: Path) -> None:
+    model = ReadyRewardModel(str(rm_dir), device="cpu")
+    model.tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ tail | default('') }}"
+    )
+    messages, answer = [{"role": "user", "content": "1+2="}], [{"role": "assistant", "content": "3"}]
+    assert model.texts([messages], [answer]) == ["1+2=3"]
+    assert model.texts([messages], [answer], {"tail": "!"}) == ["1+2=3!"]

@@ -27,7 +27,7 @@ def policy_models_fit(cfg: Config, model_config: Callable[[], PretrainedConfig])
     ]
     if not own or not cfg.multi_agent.enabled:
         return
-    run_tokenizer, _ = load_tokenizer(cfg.model.path, cfg.model.chat_template)
+    run_tokenizer, _ = load_tokenizer(cfg.model.path, cfg.model.chat_template, cfg.model.chat_template_kwargs)
     for i, policy in own:
         key = f"multi_agent.policies[{i}].model"
         try:
