@@ -33,6 +33,7 @@ from transformers import (
 
 from asyncrl.errors import ConfigError
 from asyncrl.models.char_tokenizer import build_char_tokenizer
+from asyncrl.models.chat_templates import apply_chat_template_override
 from asyncrl.models.directories import check_model_directory
 from asyncrl.models.tiny import TINY_ARCHITECTURES, TINY_SIZES, build_tiny_model, tiny_config
 from asyncrl.plugins import Registry
@@ -240,24 +241,3 @@ def describe_tokenizer(tokenizer: PreTrainedTokenizerBase) -> str:
     return (
         f"{type(tokenizer).__name__}, {len(tokenizer)} tokens, fingerprint {tokenizer_fingerprint(tokenizer)}"
     )
-
-
-def load_chat_template(spec: str) -> str:
-    """``model.chat_template``: a path to a template file, or the Jinja template itself."""
-    if "{" not in spec:
-        path = Path(spec)
-        if not path.is_file():
-            raise ConfigError("model.chat_template", spec, "not a file, and not a template (no '{' in it)")
-        return path.read_text(encoding="utf-8")
-    return spec
-
-
-def apply_chat_template_override(tokenizer, spec: str | None, kwargs: dict[str, Any] | None = None) -> None:
-    """Replace the tokenizer's chat template with ``model.chat_template`` when it is set, and keep
-    ``model.chat_template_kwargs`` with the tokenizer for every rendering of it
-    (:func:`asyncrl.prompts.chat.render_chat` reads them)."""
-    if spec is not None:
-        tokenizer.chat_template = load_chat_template(spec)
-    # An attribute of our own on the tokenizer: it goes wherever the tokenizer goes in this
-    # process, and save_pretrained leaves it out (the saved template stays the template).
-    setattr(tokenizer, CHAT_TEMPLATE_KWARGS, dict(kwargs or {}))

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from asyncrl.errors import ConfigError
-from asyncrl.models.loading import CHAT_TEMPLATE_KWARGS
+from asyncrl.models.chat_templates import CHAT_TEMPLATE_KWARGS
 from asyncrl.types import Prompt
 
 ROLES = ("system", "user", "assistant")

@@ -30,8 +30,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from asyncrl.errors import ConfigError
 
 DEFAULT_BATCH_SIZE = 16
@@ -43,6 +41,8 @@ class ReadyRewardModel:
     """A loaded reward model and its tokenizer, scoring texts without gradient."""
 
     def __init__(self, path: str, device: str = "auto", dtype: str = "auto") -> None:
+        # Imported here: the registry imports this module in every reward process, most of which
+        # never score with a model and should not pay for torch and transformers.
         from transformers import AutoModelForSequenceClassification
 
         from asyncrl.models.loading import resolve_device, resolve_dtype, tokenizer_from_directory
@@ -85,8 +85,9 @@ class ReadyRewardModel:
                 )
         return out
 
-    @torch.no_grad()
     def score(self, texts: Sequence[str], batch_size: int, max_length: int | None = None) -> list[float]:
+        import torch
+
         scores: list[float] = []
         for start in range(0, len(texts), batch_size):
             batch = self.tokenizer(
@@ -98,7 +99,7 @@ class ReadyRewardModel:
                 truncation=max_length is not None,
                 max_length=max_length,
             ).to(self.device)
-            with self._forward:
+            with self._forward, torch.no_grad():
                 logits = self.model(**batch).logits
             scores.extend(logits[:, 0].float().tolist())
         return scores

@@ -219,7 +219,7 @@ def test_a_failing_episode_is_recorded_as_a_reward_error(policy) -> None:
 
 
 def test_chat_observations_are_user_turns_of_the_template(policy) -> None:
-    from asyncrl.models.loading import apply_chat_template_override
+    from asyncrl.models.chat_templates import apply_chat_template_override
 
     tokenizer = copy.deepcopy(policy.tokenizer)
     apply_chat_template_override(tokenizer, "examples/data/char_chat.jinja")
