@@ -181,6 +181,16 @@ def check_reward_model(args: dict[str, Any], key: str) -> None:
             path,
             f"a reward model has one label (num_labels: 1, one score per text); this model has {labels}",
         )
+    device, dtype = str(args.get("device", "auto")), args.get("dtype", "auto")
+    if device != "auto" and device != "cpu" and not device.startswith("cuda"):
+        raise ConfigError(f"{key}.args.device", device, "must be 'auto', 'cpu' or 'cuda[:N]'")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{key}.args.device", device, "CUDA was asked for but no GPU is visible")
+    if dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ConfigError(f"{key}.args.dtype", dtype, "must be 'auto', 'float32', 'bfloat16' or 'float16'")
     batch_size = args.get("batch_size", DEFAULT_BATCH_SIZE)
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"{key}.args.batch_size", batch_size, "must be an integer >= 1")
