@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import torch
 
 from asyncrl.algorithms.advantages import (
+    Baseline,
     decoupled_rewards,
     distill_advantages,
     group_advantages,
@@ -32,7 +33,7 @@ def assign_advantages(
     distill_weight: float = 1.0,
     by_turn: bool = False,
     reward_weights: Mapping[str, float] | None = None,
-    baseline: str = "mean",
+    baseline: Baseline = "mean",
 ) -> None:
     """Set ``sample.advantage`` for every sample, from its group's rewards (None counts as NaN).
 
