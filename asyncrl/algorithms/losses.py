@@ -53,18 +53,18 @@ from asyncrl.config.algorithm import CLIPPED_LOSSES, AlgorithmConfig
 LossType = Literal["grpo", "bnpo", "dapo", "dr_grpo", "luspo", "cispo", "sapo", "vespo"]
 KLEstimator = Literal["k1", "k2", "k3"]
 RatioLevel = Literal["token", "sequence"]
-LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dapo", "dr_grpo", "luspo", "cispo", "sapo", "vespo")
 # How each loss type aggregates: (sequence weight, batch divisor) as in the module docstring.
 _AGGREGATION = {
     "grpo": ("token_mean", "sequences"),
-    "sapo": ("token_mean", "sequences"),
     "bnpo": ("sum", "tokens"),
     "dapo": ("sum", "tokens"),
-    "cispo": ("sum", "tokens"),
-    "vespo": ("sum", "tokens"),
     "dr_grpo": ("sum", "sequences_x_length"),
     "luspo": ("sum", "sequences"),
+    "cispo": ("sum", "tokens"),
+    "sapo": ("token_mean", "sequences"),
+    "vespo": ("sum", "tokens"),
 }
+LOSS_TYPES: tuple[str, ...] = tuple(_AGGREGATION)
 VESPO_LOG_W_MIN = math.log(1e-8)  # the sequence weight's floor (VESPO's own), in log space
 
 

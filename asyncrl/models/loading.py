@@ -14,8 +14,10 @@ Nothing is ever downloaded: Hugging Face loaders are called with ``local_files_o
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -234,6 +236,12 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     vocab = sorted(tokenizer.get_vocab().items())
     specials = [tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id]
     return hashlib.sha256(json.dumps([vocab, specials]).encode()).hexdigest()[:16]
+
+
+def text_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int]], str]:
+    """Token ids to text without special tokens: the text an engine matches stop strings on
+    (an engine given no decoder matches none)."""
+    return functools.partial(tokenizer.decode, skip_special_tokens=True)
 
 
 def describe_tokenizer(tokenizer: PreTrainedTokenizerBase) -> str:

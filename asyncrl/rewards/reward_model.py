@@ -117,26 +117,10 @@ def loaded(path: str, device: str = "auto", dtype: str = "auto") -> ReadyRewardM
 ARGUMENTS = ("path", "device", "dtype", "batch_size", "max_length", "chat_template_kwargs")
 
 
-def reward_model(
-    prompts: list,
-    completions: list,
-    path: str | None = None,
-    device: str = "auto",
-    dtype: str = "auto",
-    batch_size: int = DEFAULT_BATCH_SIZE,
-    max_length: int | None = None,
-    chat_template_kwargs: dict[str, Any] | None = None,
-    **_: Any,
-) -> list[float]:
-    """The reward model's score of each completion (TRL's batched signature; chat completions too)."""
-    args = dict(
-        path=path,
-        device=device,
-        dtype=dtype,
-        batch_size=batch_size,
-        max_length=max_length,
-        chat_template_kwargs=chat_template_kwargs,
-    )
+def reward_model(prompts: list, completions: list, **args: Any) -> list[float]:
+    """The reward model's score of each completion (TRL's batched signature; chat completions
+    too). ``args``: the entry's arguments (:data:`ARGUMENTS`; the defaults are
+    :func:`_score_many`'s) beside the row's columns, which it does not read."""
     return _score_many([{"prompts": prompts, "completions": completions, **args}])[0]
 
 

@@ -45,7 +45,7 @@ from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.interface import Engine
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest, RequestError
-from asyncrl.models.loading import Policy, tokenizer_fingerprint
+from asyncrl.models.loading import Policy, text_decoder, tokenizer_fingerprint
 from asyncrl.server.endpoints import BadRequest, chat_prompt, load_policy, logprobs, verdicts
 from asyncrl.server.engine_loop import EngineLoop, Ticket
 from asyncrl.server.scoring import ModelScoring, Scoring
@@ -92,7 +92,7 @@ class OpenAIServer:
                     pad_token_id=policy.pad_token_id,
                     max_batch_size=max_batch_size,
                     seed=seed,
-                    decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+                    decode=text_decoder(tok),
                 )
                 return (
                     engine,

@@ -24,6 +24,7 @@ from asyncrl.models.loading import (
     resolve_device,
     resolve_dtype,
     save_policy,
+    text_decoder,
 )
 from asyncrl.models.lora import active_adapter, add_adapters, apply_lora, lora_targets, synced_parameters
 from asyncrl.trainer.distributed import RankGroup
@@ -112,10 +113,9 @@ def vllm_engine(cfg: Config, policy: Policy, seed: int, adapters: list[str] | No
     if adapters:
         targets, tensors = lora_targets(policy.model, cfg.lora)
         served = VllmAdapters(adapters, cfg.lora, targets, WeightLayout.of(tensors))
-    tokenizer = policy.tokenizer
     engine = VllmEngine(
         settings,
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        decode=text_decoder(policy.tokenizer),
         scratch=scratch,
         adapters=served,
     )

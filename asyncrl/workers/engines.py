@@ -17,7 +17,7 @@ from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.interface import Engine
 from asyncrl.engine.lora import MergedLora
 from asyncrl.engine.multi_lora import MultiLora
-from asyncrl.models.loading import Policy
+from asyncrl.models.loading import Policy, text_decoder
 from asyncrl.transports.weights.interface import WeightLayout
 from asyncrl.workers import assembly
 
@@ -43,7 +43,7 @@ def policy_engine(
         kv_cache_fraction=cfg.rollout.kv_cache_fraction,
         cuda_graphs=cfg.rollout.cuda_graphs,
         seed=seed,
-        decode=lambda ids: policy.tokenizer.decode(ids, skip_special_tokens=True),
+        decode=text_decoder(policy.tokenizer),
         adapters=served,
     )
     return policy, engine, lora

@@ -16,7 +16,7 @@ from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.interface import Engine
 from asyncrl.engine.multi_lora import MultiLora
 from asyncrl.engine.types import GenerationStopped
-from asyncrl.models.loading import Policy
+from asyncrl.models.loading import Policy, text_decoder
 from asyncrl.prompts.task_prompts import eval_prompts
 from asyncrl.rewards.scoring import ScoringStopped
 from asyncrl.rollout.evaluation import evaluation_figures
@@ -70,7 +70,7 @@ class TrainerEvaluation:
             cuda_graphs=False,
             adapters=adapters,
             # Without it the engine matches no stop string: evaluations stop at rollout.stop too.
-            decode=lambda ids: policy.tokenizer.decode(ids, skip_special_tokens=True),
+            decode=text_decoder(policy.tokenizer),
         )
 
     def abandon(self) -> None:
