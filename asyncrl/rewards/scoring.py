@@ -236,7 +236,14 @@ class RewardSet:
         """(value, error) of each call: concurrently where the function can, else in order."""
         many = getattr(fn, "call_many", None)
         if many is not None:
-            return [(None, r.recorded) if isinstance(r, RewardCallError) else (r, None) for r in many(calls)]
+            try:
+                results = many(calls)
+            except ScoringStopped:
+                raise
+            except Exception as exc:  # the batch failed as a whole (a reward model that cannot load):
+                # recorded for each of its calls, as one call's error is
+                return [(None, f"raised {describe_user_error(exc)}")] * len(calls)
+            return [(None, r.recorded) if isinstance(r, RewardCallError) else (r, None) for r in results]
         if is_async(fn):  # an async function's calls of a batch run concurrently, on one event loop
             if self._stopped:
                 raise ScoringStopped("reward scoring abandoned: the run is stopping")

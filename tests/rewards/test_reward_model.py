@@ -13,6 +13,7 @@ from asyncrl.errors import ConfigError
 from asyncrl.reports.jsonl import read_jsonl
 from asyncrl.rewards.reward_model import ReadyRewardModel, check_reward_model, reward_model
 from asyncrl.rewards.task_rewards import reward_set
+from asyncrl.types import Prompt
 from tests.helpers import save_tiny_reward_model, short_run
 
 PROMPTS = ["1+2=", "13+4=", "27+705=", "9*9="]
@@ -119,3 +120,24 @@ def test_chat_template_kwargs_are_the_reward_models_template_variables(rm_dir: P
     messages, answer = [{"role": "user", "content": "1+2="}], [{"role": "assistant", "content": "3"}]
     assert model.texts([messages], [answer]) == ["1+2=3"]
     assert model.texts([messages], [answer], {"tail": "!"}) == ["1+2=3!"]
+
+
+def test_a_model_that_cannot_load_is_a_reward_error_naming_it(rm_dir: Path, tmp_path: Path) -> None:
+    """Weights that do not load pass the start's checks and fail the first call: every completion
+    of the batch records the error (the run's failure count then names the entry), nothing raises."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(rm_dir, broken)
+    (broken / "model.safetensors").write_bytes((rm_dir / "model.safetensors").read_bytes()[:100])
+    cfg = load_config(
+        None,
+        [
+            f'task.rewards=[{{name: exact_match}}, {{name: reward_model, args: {{path: "{broken}", device: cpu}}}}]'
+        ],
+    )
+    rewards = reward_set(cfg)
+    [scored] = rewards.score_groups([(Prompt("p", "1+2=", "3"), ["3", "4"], [[1], [2]])])
+    assert [s.reward for s in scored] == [None, None]
+    assert all(s.error.startswith("reward_model: raised SafetensorError") for s in scored), scored[0].error
+    assert rewards.failures["reward_model"] == 1
