@@ -269,8 +269,11 @@ class GeneratorWorker:
                 )
             self._verify_engine()
 
+        # Requests decoding when the update landed: with abort each is interrupted (and waiting
+        # ones with it); with never they go on under the old weights.
+        running = self.engine.num_running
         try:
-            if self.interrupt == "abort" and self.engine.num_running:
+            if self.interrupt == "abort" and running:
                 interrupted = self.rollout.abort_and_resume(before_resume=load)
             else:
                 interrupted = 0
@@ -287,7 +290,11 @@ class GeneratorWorker:
         self.pending_version = None if version >= self.pending_version else self.pending_version
         events.append(
             Span(
-                self.name, "weight_sync", start, time.time(), {"version": version, "interrupted": interrupted}
+                self.name,
+                "weight_sync",
+                start,
+                time.time(),
+                {"version": version, "running": running, "interrupted": interrupted},
             )
         )
         events.append(WeightsLoaded(self.name, version, time.perf_counter() - t0))

@@ -178,7 +178,7 @@ def test_abort_keeps_each_prefix_and_resumes_it_under_the_new_weights() -> None:
     announce(worker, channel, perturbed(worker, seed=1), 1)
     events = worker.work()
     sync = [e for e in of_type(events, Span) if e.name == "weight_sync"]
-    assert [s.fields for s in sync] == [{"version": 1, "interrupted": 4}]
+    assert [s.fields for s in sync] == [{"version": 1, "running": 4, "interrupted": 4}]
     assert [e.version for e in of_type(events, WeightsLoaded)] == [1]
     assert (worker.engine.version, worker.engine.num_running, worker.engine.num_waiting) == (1, 0, 4)
     groups = ready(work_until_idle(worker))
@@ -407,7 +407,12 @@ def straggler_overrides(directory: Path, straggler: int = STRAGGLER) -> list[str
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("interrupt", ["never", "abort"])
 def test_async_run_with_interrupt_completes_and_reconciles(tmp_path: Path, interrupt: str) -> None:
-    """async (max_staleness 2), never/abort, stragglers in flight at updates: reconciles, staleness <= 2, aborts counted."""
+    """async (max_staleness 2), never/abort, with stragglers: reconciles, staleness <= 2; at every update,
+    abort interrupts all that run (never: none).
+
+    Whether an update finds requests decoding is a race between generator and trainer (the last
+    one often finds the run's work done), so this asserts what each update did with what it
+    found; the GeneratorWorker tests above interrupt requests at a chosen step."""
     cfg = load_config(
         None, [*E2E, "schedule=async", f"schedule.interrupt={interrupt}", *straggler_overrides(tmp_path)]
     )
@@ -419,11 +424,13 @@ def test_async_run_with_interrupt_completes_and_reconciles(tmp_path: Path, inter
     timeline = read_jsonl(tmp_path / "run" / "timeline.jsonl")
     loads = [e for e in timeline if e["component"] == "generator-0" and e["name"] == "weight_sync"]
     assert [e["version"] for e in loads] == list(range(1, STEPS))  # every published version, in order
-    interrupted = [e["interrupted"] for e in loads]
+    found = [(e["running"], e["interrupted"]) for e in loads]
     if interrupt == "never":
-        assert interrupted == [0] * (STEPS - 1)
-    else:  # a straggler (and what runs beside it) is always in flight when an update lands
-        assert min(interrupted) >= 1, interrupted
+        assert [interrupted for _, interrupted in found] == [0] * (STEPS - 1), found
+    else:  # abort takes the waiting requests with the running ones
+        assert all(
+            interrupted >= running and (interrupted > 0) == (running > 0) for running, interrupted in found
+        ), found
 
 
 @pytest.mark.slow  # cancelling stale groups: test_group_with_v0_tokens_is_cancelled_... and test_only_the_group_older_than_...
