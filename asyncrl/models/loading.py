@@ -41,9 +41,6 @@ from asyncrl.models.tiny import TINY_ARCHITECTURES, TINY_SIZES, build_tiny_model
 from asyncrl.plugins import Registry
 
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
-CHAT_TEMPLATE_KWARGS = (
-    "asyncrl_chat_template_kwargs"  # the tokenizer's attribute of model.chat_template_kwargs
-)
 
 # ``builtin:NAME``: model directories a plugin ships (asyncrl's own warm starts: asyncrl.builtin.register).
 SHIPPED_MODELS: Registry[Path] = Registry("built-in model")
