@@ -344,3 +344,45 @@ def save_tiny_reward_model(path: Path, seed: int = 0, num_labels: int = 1) -> Pa
     model.save_pretrained(path)
     policy.tokenizer.save_pretrained(path)
     return path
+
+
+class TurnEngine:
+    """An engine whose "model" is a function of each request: ``turn(request)`` gives the tokens
+    it samples (log-prob ``logprob`` each, version 0), all in the step after the request arrives.
+    A turn that ends with ``eos`` finishes with "stop", another with "length"."""
+
+    version = 0
+
+    def __init__(self, eos: int, turn: Callable[..., list[int]], logprob: float = 0.0) -> None:
+        self.eos, self.turn, self.logprob, self.waiting = eos, turn, logprob, []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting)
+
+    def add_request(self, request) -> None:
+        self.waiting.append(request)
+
+    def oldest_versions(self) -> dict[str, int]:
+        return {}
+
+    def abort(self, request_ids=None) -> list:
+        return []
+
+    def step(self, admit: bool = True) -> list:
+        from asyncrl.engine.types import GenerationResult
+
+        results = []
+        for request in self.waiting:
+            ids = self.turn(request)
+            results.append(
+                GenerationResult(
+                    completion_ids=ids,
+                    logprobs=[self.logprob] * len(ids),
+                    versions=[0] * len(ids),
+                    request_id=request.request_id,
+                    finish_reason="stop" if ids and ids[-1] == self.eos else "length",
+                )
+            )
+        self.waiting = []
+        return results

@@ -220,7 +220,21 @@ class EpisodeConfig(Section):
         "`async def episode(client, task)` function (`async def episode(team, task)` with multi_agent.roles). "
         "The episode's reward replaces task.reward.",
     )
-    max_turns: int = Field(4, ge=1, description="Most model turns per episode; more truncates it.")
+    tools: list[str] = Field(
+        default_factory=list,
+        description="Tool calling (TRL's `tools`): 'module:function' of Python functions (sync or async, "
+        "with type hints and a docstring documenting each argument) the model calls in its turns, in "
+        'the Hermes format (<tool_call>{"name": ..., "arguments": {...}}</tool_call>, as Qwen2.5 '
+        "and Qwen3 templates write). Their schemas go to the chat template; each call's result is "
+        "appended as a tool message, and the task's reward functions score the episode. Needs a "
+        "conversational task and a template that renders tool calls; not with environment.",
+    )
+    max_turns: int = Field(
+        4,
+        ge=1,
+        description="Most model turns per episode; more truncates it. With tools: TRL's "
+        "max_tool_calling_iterations + 1 (a last turn's calls are not run).",
+    )
     step_timeout_s: float | None = Field(
         60.0,
         gt=0,
@@ -239,6 +253,11 @@ class EpisodeConfig(Section):
         description="Most tokens after the prompt (turns and observations); a turn gets at most "
         "min(rollout.max_new_tokens, what is left). An episode that runs out is truncated.",
     )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run plays multi-turn episodes (an environment or tool calling)."""
+        return self.environment is not None or bool(self.tools)
 
 
 JUDGE_FIELDS = ("prompt", "completion", "answer")

@@ -55,7 +55,11 @@ class Config(Section):
         judged = "judge" in [self.task.reward, *(r.name for r in self.task.rewards)]
         if judged and self.judge.model is None and self.judge.url is None:
             raise ValueError("the reward 'judge' needs a judge: set judge.model (or judge.url)")
-        if self.task.step_delimiter is not None and env is not None:
+        if self.episode.tools and env is not None:
+            raise ValueError(
+                "episode.tools runs the tool-calling episode; episode.environment runs its own: set one of them"
+            )
+        if self.task.step_delimiter is not None and self.episode.enabled:
             raise ValueError(
                 "task.step_delimiter cuts single completions into steps; episodes reward their turns "
                 "(episode.environment) instead: set one of them"
@@ -156,6 +160,7 @@ class Config(Section):
         reasons = {
             "episode.environment": self.episode.environment is not None
             and "episodes are branched by turns, not tokens",
+            "episode.tools": bool(self.episode.tools) and "episodes are branched by turns, not tokens",
             "task.step_delimiter": self.task.step_delimiter is not None
             and "step rewards of a branch would cover only its continuation",
             "algorithm.advantage_scale": self.algorithm.advantage_scale == "batch"

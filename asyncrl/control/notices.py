@@ -83,7 +83,9 @@ def _setting(reason: str, cfg: Config) -> str:
     if reason == "dropped_reward_error":
         return f"task.reward_on_error={cfg.task.reward_on_error}"
     if reason == "dropped_nothing_to_train":
-        return f"episode.environment={cfg.episode.environment}"
+        return (
+            f"episode.environment={cfg.episode.environment}" if cfg.episode.environment else "episode.tools"
+        )
     if reason == "dropped_equal_rewards":
         return "algorithm.drop_equal_rewards=true: every reward of each of these groups was the same"
     return ""

@@ -53,6 +53,19 @@ def batch_metrics(groups: list[GroupHeader], trained_by: Versions) -> dict[str, 
         "staleness_mean": sum(lag * n for lag, n in lags) / trained if trained else 0.0,
         "staleness_max": max((lag for lag, n in lags if n), default=0),
         **reward_components(groups),
+        **tool_metrics(groups),
+    }
+
+
+def tool_metrics(groups: list[GroupHeader]) -> dict[str, float]:
+    """Tool-calling episodes (episode.tools): calls per episode, and the fraction that failed."""
+    counts = [c for g in groups for c in g.tool_calls or ()]
+    if not counts:
+        return {}
+    calls = sum(n for n, _ in counts)
+    return {
+        "tool_calls_mean": calls / len(counts),
+        "tool_failure_frac": sum(f for _, f in counts) / calls if calls else 0.0,
     }
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -43,6 +44,11 @@ class EpisodeRecord:
     turn_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each model turn
     turn_rewards: list[float | None] = field(default_factory=list)  # a step reward per turn, if given
     truncated: bool = False
+    # The episode as chat messages after the prompt, when its agent code keeps them (tool calling:
+    # assistant turns with their tool calls, tool results); reward functions receive them.
+    messages: list[dict[str, Any]] | None = None
+    tool_calls: int = 0  # calls run (episode.tools), and how many of them failed
+    tool_failures: int = 0
 
     @property
     def length(self) -> int:
@@ -120,7 +126,11 @@ class EpisodeClient:
 
     def observe(self, text: str) -> None:
         """Append what the environment answers (not trained); cut at the token budget."""
-        ids = self._encode_observation(text)
+        self.observe_ids(self._encode_observation(text))
+
+    def observe_ids(self, ids: list[int]) -> None:
+        """Append an observation already encoded (e.g. tool results in the chat template's
+        format); cut at the token budget."""
         room = max(0, self.tokens_left())
         if len(ids) > room:
             ids = ids[:room]
@@ -140,18 +150,28 @@ class EpisodeClient:
 
 def observation_ids(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, text: str) -> list[int]:
     """An observation's tokens: for a conversational task, a user turn in the chat
-    template's format (what the template puts between an assistant turn and the next
-    generation prompt); otherwise the text itself."""
+    template's format (see :func:`template_continuation`); otherwise the text itself."""
     if prompt.messages is None:
         return tokenizer(text, add_special_tokens=False).input_ids
     before = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
+    turn = template_continuation(tokenizer, before, [{"role": "user", "content": text}])
+    return tokenizer(turn, add_special_tokens=False).input_ids
+
+
+def template_continuation(
+    tokenizer: PreTrainedTokenizerBase, before: list[dict[str, Any]], after: list[dict[str, Any]]
+) -> str:
+    """The text the chat template puts after a conversation ``before`` that ends with an
+    assistant turn: the ``after`` messages and the next generation prompt.
+
+    The model's own turn ended with its end-of-turn token (EOS: sampled, trained), so the text
+    starts right after the last EOS the template renders for ``before`` — what a template puts
+    after EOS (ChatML's newline) belongs to the continuation.
+    """
     head = render_chat(tokenizer, before)
-    full = render_chat(tokenizer, [*before, {"role": "user", "content": text}], add_generation_prompt=True)
+    full = render_chat(tokenizer, [*before, *after], add_generation_prompt=True)
     if not full.startswith(head):
         raise ValueError("the chat template renders a conversation differently once it goes on")
-    turn = full[len(head) :]
-    # The model's own turn already ended with its end-of-turn token (sampled, trained).
     eos = tokenizer.eos_token
-    if eos and head.rstrip().endswith(eos) and turn.startswith("\n"):
-        turn = turn[1:]
-    return tokenizer(turn, add_special_tokens=False).input_ids
+    cut = head.rfind(eos) + len(eos) if eos and eos in head else len(head)
+    return full[cut:]

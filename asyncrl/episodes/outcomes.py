@@ -14,10 +14,22 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+from dataclasses import dataclass
 from typing import Protocol
 
 from asyncrl.episodes.client import EpisodeRecord, EpisodeTruncated
 from asyncrl.errors import UserCodeFailing, describe_user_error
+from asyncrl.rollout.interface import RolloutStats
+
+
+@dataclass
+class EpisodeStats(RolloutStats):
+    """An episode rollout's counts."""
+
+    episodes: int = 0
+    truncated: int = 0
+    turns: int = 0
+    episode_errors: int = 0
 
 
 class FailureCounts(Protocol):

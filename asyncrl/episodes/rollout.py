@@ -2,12 +2,12 @@
 
 :class:`EpisodeRollout` is a :class:`~asyncrl.rollout.interface.Rollout`, so a generator runs
 episodes exactly as it runs single-turn completions. For each task it runs G episodes; all
-episodes run at once as coroutines on one event loop in a background thread. An episode
-that asks for a model turn hands a request to the engine, which decodes it in its
-continuous batch beside every other episode's turn; an episode that waits on its
-environment (a blocking tool in a thread, or an ``async`` one) holds no engine slot, and
-the engine goes on decoding the others. A group is complete when its G episodes are; it
-is scored and returned like a group of completions.
+episodes run at once as coroutines on one event loop in a background thread. An episode that
+asks for a model turn hands a request to the engine, which decodes it in its continuous batch
+beside every other episode's turn; an episode that waits on its environment (a blocking tool in
+a thread, or an ``async`` one) holds no engine slot, and the engine goes on decoding the others.
+A group is complete when its G episodes are; it is returned like a group of completions (scored
+by the task's functions with episode.tools).
 
 Episode k of group g has seed ``(run seed, g, k)``: its turns sample with seeds derived
 from it and its turn index, and its environment gets it, so an episode does not depend on
@@ -43,23 +43,17 @@ from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest, GenerationResult
 from asyncrl.episodes.client import EpisodeClient, EpisodeRecord, observation_ids
 from asyncrl.episodes.environment import EpisodeFunction
-from asyncrl.episodes.outcomes import EpisodeOutcomes
+from asyncrl.episodes.outcomes import EpisodeOutcomes, EpisodeStats
+from asyncrl.episodes.scoring import score_episodes
 from asyncrl.episodes.team import Role, Team, role_prompt
 from asyncrl.prompts.chat import encode_prompt
-from asyncrl.rollout.interface import Rollout, RolloutStats, Work
+from asyncrl.rewards.scoring import RewardSet
+from asyncrl.rollout.interface import Rollout, Work
 from asyncrl.types import Group, PartialGroup, Prompt, Sample, Versions, oldest_for
 
 # Longest a step waits for an episode to do something when the engine has nothing to decode.
 IDLE_WAIT_S = 0.05
 CLOSE_TIMEOUT_S = 10.0  # for cancelled episodes to unwind when the worker closes
-
-
-@dataclass
-class EpisodeStats(RolloutStats):
-    episodes: int = 0
-    truncated: int = 0
-    turns: int = 0
-    episode_errors: int = 0
 
 
 @dataclass
@@ -112,13 +106,15 @@ class EpisodeRollout(Rollout):
         adapters: list[str] | None = None,
         max_consecutive_failures: int = 0,
         name: str | None = None,
+        rewards: RewardSet | None = None,
     ) -> None:
         """``tool_threads``: threads for blocking environment calls (tools), shared by all episodes.
         ``roles``: a multi-agent episode's (see the module doc); ``engines``: the engine of each
         policy a role names (default: ``engine`` for all); ``adapters``: the policies served as
         adapters of their engine (a turn's request names its policy's adapter).
         ``max_consecutive_failures``: episodes failing in a row that stop the run (0: never);
-        ``name``: the episode function as the user named it (episode.environment)."""
+        ``name``: the episode function as the user named it (episode.environment). ``rewards``:
+        the task's functions, which score the episodes (episode.tools: :mod:`.scoring`)."""
         super().__init__(group_size, EpisodeStats())
         self.engine = engine
         self.roles = list(roles or [])
@@ -133,6 +129,7 @@ class EpisodeRollout(Rollout):
         self.max_turns = max_turns
         self.max_episode_tokens = max_episode_tokens
         self.reward_on_error = reward_on_error
+        self.rewards = rewards
         self.outcome = EpisodeOutcomes(
             name or getattr(episode, "__name__", type(episode).__name__),
             reward_on_error,
@@ -316,10 +313,10 @@ class EpisodeRollout(Rollout):
         return cancelled
 
     def _abandon_scoring(self) -> None:
-        # Nothing is scored apart from the episodes themselves, and a step that waits on the
-        # environments does so for at most IDLE_WAIT_S. (No event is set here: this may run in a
-        # signal handler, which must not take a lock the interrupted thread may hold.)
-        return
+        # A step waits on the environments for at most IDLE_WAIT_S. (No event is set here: this
+        # may run in a signal handler, which must not take a lock the interrupted thread holds.)
+        if self.rewards is not None:
+            self.rewards.stop()
 
     def close(self) -> None:
         """Cancel the episodes still running and stop their event loop."""
@@ -339,6 +336,8 @@ class EpisodeRollout(Rollout):
         if not self._thread.is_alive():
             self._loop.close()  # else the loop still runs in the blocked thread: left to it
         self._tools.shutdown(wait=False, cancel_futures=True)
+        if self.rewards is not None:
+            self.rewards.close()
 
     # -- observations ---------------------------------------------------------------------------
 
@@ -410,6 +409,8 @@ class EpisodeRollout(Rollout):
                 continue
             del self._pending[group_id]
             complete.append(Group(group_id, pending.prompt, [pending.samples[i] for i in range(size)]))
+        if self.rewards is not None:
+            score_episodes(self.rewards, complete, self.reward_on_error, self.stats)
         return self.stats.admit(complete, self.reward_on_error)
 
     def _episode_samples(self, group_id: int, pending: _PendingGroup, k: int) -> dict[int, Sample]:
@@ -468,6 +469,9 @@ class EpisodeRollout(Rollout):
             reward_error=error,
             turn_spans=record.turn_spans,
             turn_rewards=record.turn_rewards,
+            tool_calls=record.tool_calls if record.messages is not None else None,
+            tool_failures=record.tool_failures,
+            messages=record.messages,
         )
 
     def outcomes(self, group: Group) -> list[float]:

@@ -29,6 +29,9 @@ def group_header(group: Group) -> GroupHeader:
         policies=[s.policy for s in samples] if any(s.policy != "default" for s in samples) else None,
         roles=[s.role or "" for s in samples] if any(s.role for s in samples) else None,
         turns=[len(s.turn_spans or ()) for s in samples] if any(s.role for s in samples) else None,
+        tool_calls=[(s.tool_calls or 0, s.tool_failures) for s in samples]
+        if any(s.tool_calls is not None for s in samples)
+        else None,
         first_error=group.first_error,
     )
 
@@ -80,6 +83,7 @@ class GroupHeader:
     policies: list[str] | None = None
     roles: list[str] | None = None
     turns: list[int] | None = None
+    tool_calls: list[tuple[int, int]] | None = None  # tool-calling episodes: (calls, failed) per sample
     first_error: str | None = None  # the first sample's reward (or episode) error, for the run's notice
 
     def policy_of(self, index: int) -> str:

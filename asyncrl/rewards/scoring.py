@@ -62,6 +62,11 @@ def _clash(columns: dict[str, Any], own: dict[str, Any]) -> str | None:
     return f"the row's field(s) {same} clash with the reward function's own arguments" if same else None
 
 
+def _copied(value: Any) -> Any:
+    """A list argument copied, so that a function that edits its arguments edits only its own."""
+    return list(value) if isinstance(value, list) else value
+
+
 def is_async(fn: RewardFn) -> bool:
     """An ``async def`` reward function (also behind the wrapper that filters its arguments)."""
     return inspect.iscoroutinefunction(inspect.unwrap(fn))
@@ -126,9 +131,13 @@ class Scored:
     steps: list[float | None] | None = None  # step rewards, when a function returned StepRewards
 
 
-# prompt, completion texts, completion ids[, each completion's steps' texts (task.step_delimiter)]
+# prompt, completion texts, completion ids[, more arguments: keyword -> one value per completion]
+# The more arguments are ``completion_steps`` (each completion's steps' texts, task.step_delimiter)
+# and ``completion_messages`` (an episode's messages, episode.tools: a batched function gets them
+# as its ``completions``, as TRL's get a tool-calling conversation).
 GroupToScore = (
-    tuple[Prompt, list[str], list[list[int]]] | tuple[Prompt, list[str], list[list[int]], list[list[str]]]
+    tuple[Prompt, list[str], list[list[int]]]
+    | tuple[Prompt, list[str], list[list[int]], dict[str, list[Any]]]
 )
 TermResults = tuple[
     list[float | None], list[str | None], list[list[float | None] | None]
@@ -283,14 +292,15 @@ class RewardSet:
         out: list[TermResults] = [
             ([None] * len(g[1]), [None] * len(g[1]), [None] * len(g[1])) for g in groups
         ]
-        for g, (prompt, texts, completion_ids, *steps) in enumerate(groups):
+        for g, (prompt, texts, completion_ids, *more) in enumerate(groups):
+            columns = more[0] if more else {}
             for i, text in enumerate(texts):
                 own = dict(
                     completion=text,
                     prompt=reward_prompt(prompt),
                     answer=prompt.answer,
                     completion_ids=completion_ids[i],
-                    **({"completion_steps": steps[0][i]} if steps else {}),
+                    **{key: values[i] for key, values in columns.items()},
                     **term.args,
                 )
                 if prompt.messages is not None:
@@ -312,15 +322,18 @@ class RewardSet:
         out: list[TermResults] = []
         slots: list[int] = []
         calls: list[dict[str, Any]] = []
-        for g, (prompt, texts, completion_ids, *steps) in enumerate(groups):
+        for g, (prompt, texts, completion_ids, *more) in enumerate(groups):
             n = len(texts)
-            messages = [{"role": "assistant", "content": t} for t in texts]
+            columns = dict(more[0]) if more else {}
+            messages = columns.pop("completion_messages", None) or [
+                [{"role": "assistant", "content": t}] for t in texts
+            ]
             own: dict[str, Any] = {
                 "prompts": [reward_prompt(prompt)] * n,
-                "completions": [[m] for m in messages] if prompt.messages is not None else list(texts),
+                "completions": [list(m) for m in messages] if prompt.messages is not None else list(texts),
                 "completion_ids": [list(ids) for ids in completion_ids],
                 "answer": [prompt.answer] * n,
-                **({"completion_steps": [list(s) for s in steps[0]]} if steps else {}),
+                **{key: [_copied(v) for v in values] for key, values in columns.items()},
                 **term.args,
             }
             clash = _clash(prompt.extra, own)

@@ -389,7 +389,7 @@ class CompletionRollout(Rollout):
                     answer, self.tokenizer, self.step_delimiter, self.eos_ids
                 )
                 steps.append(step_texts)
-            batch.append((group.prompt, texts, ids, steps))  # the functions get completion_steps
+            batch.append((group.prompt, texts, ids, {"completion_steps": steps}))
         scored = self.rewards.score_groups(batch)
         for group, results in zip(groups, scored, strict=True):
             for sample, result in zip(group.samples, results, strict=True):

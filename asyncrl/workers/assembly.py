@@ -137,7 +137,7 @@ def build_trainer(
         algo_cfg=cfg.algorithm,
         temperature=cfg.rollout.temperature,
         max_completion_length=cfg.episode.max_episode_tokens
-        if cfg.episode.environment
+        if cfg.episode.enabled
         else cfg.rollout.max_new_tokens,
         total_steps=cfg.run.steps,
         old_logprobs=cfg.old_logprob_mode,

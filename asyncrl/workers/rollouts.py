@@ -9,6 +9,7 @@ from asyncrl.episodes.environment import EpisodeFunction
 from asyncrl.episodes.resolve import resolve_episode
 from asyncrl.episodes.rollout import EpisodeRollout
 from asyncrl.episodes.team import Role
+from asyncrl.episodes.tools import ToolBox, check_tool_template, tool_episode, tool_tokenizer
 from asyncrl.errors import ConfigError
 from asyncrl.models.loading import Policy
 from asyncrl.rewards.task_rewards import build_reward
@@ -76,8 +77,16 @@ def _stop_strings(cfg: Config, policy: Policy) -> list[str]:
     return cfg.rollout.stop
 
 
-def build_episode(cfg: Config) -> EpisodeFunction | None:
-    """The episode function of episode.environment (None for single-turn completions)."""
+def build_episode(cfg: Config, tokenizer=None) -> EpisodeFunction | None:
+    """The episode function of episode.environment, or of episode.tools (None for single-turn
+    completions). Tools are checked here; with ``tokenizer`` (the policy's, as
+    :func:`tool_tokenizer` makes it) so is the chat template that renders them."""
+    if cfg.episode.tools:
+        tools = ToolBox.from_specs(cfg.episode.tools)
+        if tokenizer is None:
+            return None
+        check_tool_template(tokenizer, cfg.model.chat_template)
+        return tool_episode(tools, tokenizer, cfg.episode.step_timeout_s)
     if cfg.episode.environment is None:
         return None
     return resolve_episode(cfg.episode.environment, cfg.episode.max_turns, cfg.episode.step_timeout_s)
@@ -87,14 +96,15 @@ def build_rollout(
     cfg: Config, policy: Policy, engine, *, evaluation: bool = False, engines: dict | None = None
 ) -> Rollout:
     """The run's rollout on ``engine``: single-turn completions, or multi-turn episodes with
-    episode.environment. ``evaluation``: an evaluation's — run.eval_samples completions per
-    prompt at run.eval_temperature, scored in this thread. ``engines``: a multi-agent run's engine of each policy besides 'default' (or
-    the same engine, serving adapters)."""
-    episode = build_episode(cfg)
+    episode.environment or episode.tools. ``evaluation``: an evaluation's — run.eval_samples
+    completions per prompt at run.eval_temperature, scored in this thread. ``engines``: a
+    multi-agent run's engine of each policy besides 'default' (or the same engine, serving adapters)."""
+    tokenizer = tool_tokenizer(policy.tokenizer, cfg.episode.tools)
+    episode = build_episode(cfg, tokenizer)
     if episode is not None:
         return EpisodeRollout(
             engine,
-            policy.tokenizer,
+            tokenizer,
             episode,
             sampling_params(cfg, policy, evaluation=evaluation),
             cfg.run.eval_samples if evaluation else cfg.rollout.group_size,
@@ -109,7 +119,9 @@ def build_rollout(
             role_weight=cfg.multi_agent.role_weight,
             adapters=cfg.multi_agent.adapter_policies,
             max_consecutive_failures=cfg.task.reward_max_consecutive_failures,
-            name=cfg.episode.environment,
+            name=cfg.episode.environment or f"tools {cfg.episode.tools}",
+            # Tool-calling episodes have no reward of their own: the task's functions score them.
+            rewards=build_reward(cfg) if cfg.episode.tools else None,
         )
     return CompletionRollout(
         engine,

@@ -21,7 +21,6 @@ from asyncrl.builtin.sft_settings import SFTConfig, sft_config
 from asyncrl.builtin.warm_start import run_sft
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.sampling import SamplingParams
-from asyncrl.engine.types import GenerationResult
 from asyncrl.episodes.environment import environment_episode
 from asyncrl.episodes.resolve import builtin_environment
 from asyncrl.episodes.rollout import EpisodeRollout
@@ -30,6 +29,7 @@ from asyncrl.models.char_tokenizer import build_char_tokenizer
 from asyncrl.models.loading import load_policy
 from asyncrl.rollout.evaluation import evaluate
 from asyncrl.types import Prompt
+from tests.helpers import TurnEngine
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = build_char_tokenizer()
@@ -135,51 +135,24 @@ def test_noisy_teachers_are_imperfect_but_earn_rewards() -> None:
 # -- rendering: token for token what RL records -----------------------------------------------
 
 
-class ReplayEngine:
+class ReplayEngine(TurnEngine):
     """An engine that "samples" the scripted turns: each request (episode/turn) gets the
     teacher's tokens for that turn, provided its context is exactly the scripted episode's
     prefix up to the turn."""
 
-    version = 0
-
     def __init__(self, episodes: dict[str, ScriptedEpisode]) -> None:
-        self.episodes, self.waiting, self.contexts_checked = episodes, [], 0
+        super().__init__(EOS, self._replay)
+        self.episodes, self.contexts_checked = episodes, 0
 
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting)
-
-    def add_request(self, request) -> None:
-        self.waiting.append(request)
-
-    def oldest_versions(self) -> dict[str, int]:
-        return {}
-
-    def abort(self, request_ids=None) -> list:
-        return []
-
-    def step(self, admit: bool = True) -> list[GenerationResult]:
-        results = []
-        for request in self.waiting:
-            episode_key, _, turn = request.request_id.rpartition("/")
-            scripted = self.episodes[episode_key]
-            start, end = scripted.record.turn_spans[int(turn)]
-            completion = scripted.record.tokens.completion_ids
-            assert request.prompt_ids == scripted.prompt_ids + completion[:start]
-            assert request.sampling.max_new_tokens >= end - start
-            self.contexts_checked += 1
-            turn_ids = completion[start:end]
-            results.append(
-                GenerationResult(
-                    completion_ids=turn_ids,
-                    logprobs=[0.0] * len(turn_ids),
-                    versions=[0] * len(turn_ids),
-                    request_id=request.request_id,
-                    finish_reason="stop" if turn_ids[-1] == EOS else "length",
-                )
-            )
-        self.waiting = []
-        return results
+    def _replay(self, request) -> list[int]:
+        episode_key, _, turn = request.request_id.rpartition("/")
+        scripted = self.episodes[episode_key]
+        start, end = scripted.record.turn_spans[int(turn)]
+        completion = scripted.record.tokens.completion_ids
+        assert request.prompt_ids == scripted.prompt_ids + completion[:start]
+        assert request.sampling.max_new_tokens >= end - start
+        self.contexts_checked += 1
+        return completion[start:end]
 
 
 @pytest.mark.parametrize("name", ["calculator", "guess"])

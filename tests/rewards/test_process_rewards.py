@@ -119,7 +119,9 @@ def steps_reward(completion: str, completion_steps: list[str], **_) -> StepRewar
 def test_a_reward_set_passes_the_steps_and_keeps_the_step_rewards() -> None:
     prompt = Prompt("p", "q")
     steps = [["1\n", "22\n", "3"], ["4\n"]]
-    (a, b) = RewardSet.of(steps_reward).score_groups([(prompt, ["1\n22\n3", "4\n"], [[1], [2]], steps)])[0]
+    (a, b) = RewardSet.of(steps_reward).score_groups(
+        [(prompt, ["1\n22\n3", "4\n"], [[1], [2]], {"completion_steps": steps})]
+    )[0]
     assert (a.reward, a.steps, a.error) == (1.0, [1.0, 0.0, 0.0], None)  # outcome: the sum of the steps
     assert (b.reward, b.steps) == (1.0, [1.0])
 
@@ -132,7 +134,7 @@ def test_a_reward_set_passes_the_steps_and_keeps_the_step_rewards() -> None:
     def other_length(completion_steps, **_):
         return StepRewards([1.0])
 
-    two = [(prompt, ["1\nb"], [[1, 2, 3]], [["1\n", "b"]])]
+    two = [(prompt, ["1\nb"], [[1, 2, 3]], {"completion_steps": [["1\n", "b"]]})]
     (scored,) = RewardSet.of(given_outcome).score_groups(two)[0]
     assert (scored.reward, scored.steps) == (-1.0, [None, 0.5])
     (scored,) = RewardSet.of(bad_step).score_groups(two)[0]
@@ -152,7 +154,9 @@ def test_a_batched_function_gets_the_steps_of_every_completion() -> None:
         seen.append(completion_steps)
         return [StepRewards([1.0] * len(s)) for s in completion_steps]
 
-    groups = [(Prompt("p", "q"), ["a\nb", "c"], [[1, 2, 3], [4]], [["a\n", "b"], ["c"]])]
+    groups = [
+        (Prompt("p", "q"), ["a\nb", "c"], [[1, 2, 3], [4]], {"completion_steps": [["a\n", "b"], ["c"]]})
+    ]
     a, b = RewardSet.of(batched).score_groups(groups)[0]
     assert seen == [[["a\n", "b"], ["c"]]] and (a.steps, b.steps) == ([1.0, 1.0], [1.0])
 

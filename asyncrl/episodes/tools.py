@@ -1,0 +1,234 @@
+"""Tool calling: ``episode.tools``, Python functions the model calls in its turns (TRL's ``tools``).
+
+The tools are plain functions (or ``async def``) with type hints and a docstring that
+documents every argument; their JSON schemas (``transformers.utils.get_json_schema``) are
+given to the chat template at every rendering, so the prompt lists them as the model's
+template lists tools. An episode is then:
+
+1. the model's turn;
+2. the tool calls in it, in the Hermes format that Qwen2.5, Qwen3 and Hermes templates
+   teach — ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one block per call;
+   a turn without one ends the episode (it is the answer);
+3. each call run (a blocking one in a thread of ``episode.tool_threads``, all of a turn's
+   at once, each bounded by ``episode.step_timeout_s``), and the results appended as tool
+   messages in the template's format (not trained);
+4. the next turn, up to ``episode.max_turns`` turns (TRL's ``max_tool_calling_iterations``
+   + 1): a last turn that still calls tools ends the episode with its calls unrun.
+
+A call that cannot be run — its JSON does not parse, it names no tool, its arguments do not
+fit, the tool raises or runs late — gives the model ``{'error': '...'}`` as the tool's result,
+as TRL does, and the episode goes on: calling tools well is what is being learned.
+
+The episode has no reward of its own: the task's reward functions score it
+(:class:`~asyncrl.episodes.rollout.EpisodeRollout` with ``rewards``), a batched (TRL-style)
+function receiving each completion as its messages — assistant turns with their
+``tool_calls``, then ``tool`` messages — as TRL's do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import functools
+import inspect
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from transformers import PreTrainedTokenizerBase
+
+from asyncrl.config.user_code import import_named
+from asyncrl.episodes.client import template_continuation
+from asyncrl.episodes.environment import EnvironmentTimeout, EpisodeFunction, bounded
+from asyncrl.errors import ConfigError
+from asyncrl.models.chat_templates import CHAT_TEMPLATE_KWARGS
+from asyncrl.prompts.chat import render_chat
+from asyncrl.types import Prompt
+
+if TYPE_CHECKING:
+    from asyncrl.episodes.client import EpisodeClient
+
+KEY = "episode.tools"
+_CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model wrote: its tool and arguments, or why it cannot be run."""
+
+    name: str
+    arguments: dict[str, Any]
+    error: str | None = None
+
+    def as_message_call(self) -> dict[str, Any]:
+        """The call as a chat message's ``tool_calls`` entry (the format transformers templates read)."""
+        return {"type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def parse_tool_calls(turn: str) -> list[ToolCall]:
+    """The Hermes-format calls in a model turn, in order (none: the turn is an answer)."""
+    calls = []
+    for block in _CALL_BLOCK.findall(turn):
+        try:
+            body = json.loads(block)
+        except json.JSONDecodeError as exc:
+            calls.append(ToolCall("unknown", {}, f"the tool call is not JSON ({exc.msg})"))
+            continue
+        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+            calls.append(ToolCall("unknown", {}, 'the tool call has no "name" string'))
+            continue
+        arguments = body.get("arguments", {})
+        if isinstance(arguments, str):  # some models write the arguments as a JSON string
+            with contextlib.suppress(json.JSONDecodeError):  # left a string: refused below
+                arguments = json.loads(arguments)
+        if not isinstance(arguments, dict):
+            calls.append(ToolCall(body["name"], {}, '"arguments" is not an object'))
+            continue
+        calls.append(ToolCall(body["name"], arguments))
+    return calls
+
+
+class ToolBox:
+    """The functions ``episode.tools`` names, with their JSON schemas; checked at start."""
+
+    def __init__(self, functions: list[Callable[..., Any]], specs: list[str] | None = None) -> None:
+        """``specs``: how each function was configured, named in errors with its key (``episode.tools.N``)."""
+        specs = specs or [getattr(fn, "__name__", repr(fn)) for fn in functions]
+        self.functions: dict[str, Callable[..., Any]] = {}
+        self.schemas: list[dict[str, Any]] = []
+        for i, (fn, spec) in enumerate(zip(functions, specs, strict=True)):
+            key = f"{KEY}.{i}"
+            if not callable(fn):
+                raise ConfigError(key, spec, f"is a {type(fn).__name__}, not a function")
+            try:
+                schema = _json_schema(fn)
+            except Exception as exc:  # transformers' DocstringParsingException, TypeHintParsingException
+                raise ConfigError(key, spec, f"has no tool schema: {exc}") from None
+            name = schema["function"]["name"]
+            if name in self.functions:
+                raise ConfigError(key, spec, f"a second tool named {name!r}")
+            self.functions[name] = fn
+            self.schemas.append(schema)
+
+    @classmethod
+    def from_specs(cls, specs: list[str]) -> ToolBox:
+        """The tools ``module:function`` specs name."""
+        functions = []
+        for i, spec in enumerate(specs):
+            if ":" not in spec:
+                raise ConfigError(f"{KEY}.{i}", spec, "not 'module:function'")
+            functions.append(import_named(spec, f"{KEY}.{i}", "function"))
+        return cls(functions, specs)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.functions)
+
+    async def run(self, call: ToolCall, timeout_s: float | None) -> tuple[Any, bool]:
+        """(the call's result, whether it failed): a failure's result is ``{'error': ...}``."""
+        if call.error is not None:
+            return {"error": call.error}, True
+        fn = self.functions.get(call.name)
+        if fn is None:
+            return {"error": f"no tool named {call.name!r}; the tools are {self.names}"}, True
+        try:
+            inspect.signature(fn).bind(**call.arguments)
+        except TypeError as exc:
+            return {"error": f"{call.name}: {exc}"}, True
+        try:
+            return await bounded(
+                f"tool {call.name}", timeout_s, functools.partial(fn, **call.arguments)
+            ), False
+        except EnvironmentTimeout as exc:
+            return {"error": str(exc)}, True
+        except Exception as exc:  # the user's tool raised: the model is told, as TRL tells it
+            return {"error": f"{type(exc).__name__}: {exc}"}, True
+
+
+def tool_tokenizer(tokenizer: PreTrainedTokenizerBase, specs: list[str]) -> PreTrainedTokenizerBase:
+    """``tokenizer`` unchanged without tools; with them, a copy whose every chat rendering passes
+    the tools' schemas to the template (``tools=``, as transformers and TRL pass them), so the
+    prompt lists them. The policy's own tokenizer is left as it is."""
+    if not specs:
+        return tokenizer
+    rendering = copy.copy(tokenizer)
+    kwargs = getattr(tokenizer, CHAT_TEMPLATE_KWARGS, {})
+    setattr(rendering, CHAT_TEMPLATE_KWARGS, {**kwargs, "tools": ToolBox.from_specs(specs).schemas})
+    return rendering
+
+
+def _json_schema(fn: Callable[..., Any]) -> dict[str, Any]:
+    from transformers.utils import get_json_schema
+
+    return get_json_schema(fn)
+
+
+def tool_result_ids(tokenizer: PreTrainedTokenizerBase, results: list[dict[str, Any]]) -> list[int]:
+    """Tool messages' tokens in the chat template's format, after a model turn that ended with
+    EOS, up to the next generation prompt. The turn before them is rendered with calls to the
+    same tools: some templates name the tool in its result's header."""
+    calls = [ToolCall(m["name"], {}).as_message_call() for m in results]
+    before = [{"role": "user", "content": "."}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    return tokenizer(template_continuation(tokenizer, before, results), add_special_tokens=False).input_ids
+
+
+def check_tool_template(tokenizer: PreTrainedTokenizerBase, spec: str | None = None) -> None:
+    """Refuse, naming ``model.chat_template`` (``spec``; None: the tokenizer's own template), a
+    template that cannot render a tool-calling conversation (user, assistant with tool calls,
+    tool result)."""
+    call = ToolCall("probe", {"x": 1})
+    conversation = [
+        {"role": "user", "content": "."},
+        {"role": "assistant", "content": "", "tool_calls": [call.as_message_call()]},
+        {"role": "tool", "name": "probe", "content": "1"},
+    ]
+    try:
+        render_chat(tokenizer, conversation, add_generation_prompt=True)
+        tool_result_ids(tokenizer, conversation[2:])
+    except Exception as exc:  # a Jinja error of the template
+        whose = "the tokenizer's" if spec is None else "this"
+        raise ConfigError(
+            "model.chat_template",
+            spec,
+            f"{whose} chat template cannot render a tool-calling conversation for {KEY} "
+            f"({type(exc).__name__}: {exc}); use a template with tool calls and tool messages",
+        ) from None
+
+
+def tool_episode(
+    tools: ToolBox, tokenizer: PreTrainedTokenizerBase, step_timeout_s: float | None
+) -> EpisodeFunction:
+    """The episode function of ``episode.tools`` (see the module doc)."""
+
+    async def episode(client: EpisodeClient, task: Prompt) -> None:
+        if task.messages is None:
+            raise ValueError(
+                f"{KEY} needs a conversational task (a prompt given as messages), so that the chat "
+                f"template shows the tools; prompt {task.prompt_id!r} is a string"
+            )
+        messages = client.record.messages = []
+        while True:
+            turn = await client.generate()
+            calls = parse_tool_calls(turn)
+            content = turn if not calls else turn[: turn.index("<tool_call>")].rstrip()
+            messages.append(
+                {"role": "assistant", "content": content}
+                | ({"tool_calls": [c.as_message_call() for c in calls]} if calls else {})
+            )
+            if not calls or client.turns >= client.max_turns:
+                return None  # the task's reward functions score the episode
+            outcomes = await asyncio.gather(*(tools.run(c, step_timeout_s) for c in calls))
+            client.record.tool_calls += len(calls)
+            client.record.tool_failures += sum(failed for _, failed in outcomes)
+            results = [
+                {"role": "tool", "name": c.name, "content": r if isinstance(r, str) else str(r)}
+                for c, (r, _) in zip(calls, outcomes, strict=True)
+            ]
+            messages += results
+            client.observe_ids(tool_result_ids(tokenizer, results))
+
+    episode.__name__ = f"tool_episode({', '.join(tools.names)})"
+    return episode

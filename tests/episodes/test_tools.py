@@ -1,0 +1,399 @@
+"""Tool calling (episode.tools): parsing calls, running tools, tool results in the template's
+format, the episode loop on a scripted engine, scoring by the task's reward functions, the
+run's settings and a run end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.control.run import train
+from asyncrl.episodes.tools import (
+    ToolBox,
+    ToolCall,
+    check_tool_template,
+    parse_tool_calls,
+    tool_result_ids,
+    tool_tokenizer,
+)
+from asyncrl.errors import ConfigError
+from asyncrl.models.char_tokenizer import build_char_tokenizer
+from asyncrl.models.chat_templates import apply_chat_template_override
+from asyncrl.models.loading import load_policy
+from asyncrl.reports.jsonl import read_jsonl
+from asyncrl.workers.rollouts import build_rollout
+from tests.helpers import REPO, TurnEngine, short_run
+
+CHAR_TOOLS = str(REPO / "examples" / "data" / "char_tools.jinja")
+ADD = "tests.episodes.test_tools:add"
+# ChatML's shape on the char tokenizer: every message ends with EOS and a newline, and tools
+# are listed first. The newline after EOS is not sampled: it opens the next message.
+CHATML_TOOLS = (
+    "{%- if tools -%}{{ 'tools:' }}{%- for t in tools -%}{{ ' ' + t['function']['name'] }}{%- endfor -%}"
+    "{{ '\\n' }}{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{{ '[' + m['role'] + ']' }}{{ m['content'] }}"
+    "{%- if m.tool_calls is defined and m.tool_calls -%}{%- for c in m.tool_calls -%}"
+    "{{ '<tool_call>' + (c['function'] | tojson) + '</tool_call>' }}{%- endfor -%}{%- endif -%}"
+    "{{ eos_token + '\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '[assistant]' }}{%- endif -%}"
+)
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first integer
+        b: the second integer
+    """
+    return a + b
+
+
+def broken(x: int) -> int:
+    """Always fails.
+
+    Args:
+        x: anything
+    """
+    raise RuntimeError(f"broken on {x}")
+
+
+async def slow_add(a: int, b: int) -> int:
+    """Add two integers, slowly.
+
+    Args:
+        a: the first integer
+        b: the second integer
+    """
+    await asyncio.sleep(30)
+    return a + b
+
+
+def undocumented(a: int) -> int:
+    return a
+
+
+def tokenizer(template: str = CHAR_TOOLS):
+    tok = build_char_tokenizer()
+    apply_chat_template_override(tok, template)
+    return tok
+
+
+def call(name: str, **arguments) -> str:
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+# -- parsing ------------------------------------------------------------------------------------
+
+
+def test_tool_calls_are_parsed_from_hermes_blocks_and_bad_ones_say_why() -> None:
+    turn = (
+        "let me add " + call("add", a=2, b=3) + ' and <tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}'
+        "</tool_call><tool_call>{oops</tool_call><tool_call>[1]</tool_call>"
+        '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>'
+    )
+    calls = parse_tool_calls(turn)
+    assert calls[:2] == [ToolCall("add", {"a": 2, "b": 3}), ToolCall("add", {"a": 1})]
+    assert [c.error is not None for c in calls] == [False, False, True, True, True]
+    assert "not JSON" in calls[2].error and '"name"' in calls[3].error and "not an object" in calls[4].error
+    assert parse_tool_calls("the answer is 5") == []
+    assert parse_tool_calls("<tool_call>" + json.dumps({"name": "add"})) == []  # cut before it closed
+
+
+# -- the tools ----------------------------------------------------------------------------------
+
+
+def test_tools_are_checked_at_start_by_their_key() -> None:
+    box = ToolBox.from_specs([ADD, "tests.episodes.test_tools:slow_add"])
+    assert box.names == ["add", "slow_add"]
+    assert box.schemas[0]["function"]["parameters"]["required"] == ["a", "b"]
+    cases = {
+        "add": ("episode.tools.0", "not 'module:function'"),
+        "no_such_module:add": ("episode.tools.0", "cannot import module"),
+        "tests.episodes.test_tools:CHAR_TOOLS": ("episode.tools.0", "not a function"),
+        "tests.episodes.test_tools:undocumented": ("episode.tools.0", "has no tool schema"),
+    }
+    for spec, (key, problem) in cases.items():
+        with pytest.raises(ConfigError) as err:
+            ToolBox.from_specs([spec])
+        assert err.value.key == key and problem in err.value.problem, (spec, str(err.value))
+    with pytest.raises(
+        ConfigError, match=r"episode\.tools\.1='tests.episodes.test_tools:add': a second tool named 'add'"
+    ):
+        ToolBox.from_specs([ADD, ADD])
+
+
+def test_a_call_that_cannot_run_gives_the_model_an_error_and_a_failure() -> None:
+    box = ToolBox.from_specs([ADD, "tests.episodes.test_tools:broken", "tests.episodes.test_tools:slow_add"])
+
+    def run(c: ToolCall, timeout_s: float | None = 5.0):
+        return asyncio.run(box.run(c, timeout_s))
+
+    assert run(ToolCall("add", {"a": 2, "b": 3})) == (5, False)
+    result, failed = run(ToolCall("mul", {"a": 2}))
+    assert (
+        failed
+        and "no tool named 'mul'" in result["error"]
+        and "['add', 'broken', 'slow_add']" in result["error"]
+    )
+    result, failed = run(ToolCall("add", {"a": 2}))
+    assert failed and "missing a required argument: 'b'" in result["error"]
+    result, failed = run(ToolCall("add", {"a": 2, "b": 3, "c": 4}))
+    assert failed and "unexpected keyword argument 'c'" in result["error"]
+    assert run(ToolCall("broken", {"x": 7})) == ({"error": "RuntimeError: broken on 7"}, True)
+    assert run(ToolCall("unknown", {}, "the tool call is not JSON (x)")) == (
+        {"error": "the tool call is not JSON (x)"},
+        True,
+    )
+    start = time.monotonic()
+    result, failed = run(ToolCall("slow_add", {"a": 1, "b": 1}), timeout_s=0.2)
+    assert failed and "did not return within 0.2s (episode.step_timeout_s)" in result["error"]
+    assert time.monotonic() - start < 20  # given up at its limit, not waited for
+
+
+# -- tool results in the template's format --------------------------------------------------------
+
+
+@pytest.mark.parametrize("template", [CHAR_TOOLS, CHATML_TOOLS], ids=["char", "chatml"])
+def test_prompt_turn_and_tool_results_are_the_templates_rendering_of_the_conversation(template) -> None:
+    """Token for token: the prompt (with the tool list), the model's turn up to its EOS and the
+    tool results as appended equal the template's rendering of the whole conversation."""
+    tok = tool_tokenizer(tokenizer(template), [ADD])
+    user = {"role": "user", "content": "2+3="}
+    assistant = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [ToolCall("add", {"a": 2, "b": 3}).as_message_call()],
+    }
+    results = [
+        {"role": "tool", "name": "add", "content": "5"},
+        {"role": "tool", "name": "add", "content": "6"},
+    ]
+    rendered = lambda messages, gen: tok.apply_chat_template(  # noqa: E731
+        messages, tools=[ToolBox([add]).schemas[0]], tokenize=False, add_generation_prompt=gen
+    )
+    prompt = rendered([user], True)
+    turn = rendered([user, assistant], False)[len(prompt) :]
+    turn = turn[: turn.rindex(tok.eos_token) + len(tok.eos_token)]  # what the model samples
+    appended = tok.decode(tool_result_ids(tok, results))
+    assert prompt + turn + appended == rendered([user, assistant, *results], True)
+    assert (template == CHATML_TOOLS) == prompt.startswith("tools: add\n")
+    # The policy's own tokenizer renders without the tools.
+    assert "tools:" not in tokenizer(template).apply_chat_template([user], tokenize=False)
+
+
+def test_a_template_without_tool_messages_is_refused_naming_the_key() -> None:
+    plain = tokenizer("{%- for m in messages -%}{{ m['content'] }}{%- endfor -%}")
+    check_tool_template(plain)  # renders tool messages (as plain content): accepted
+    raising = tokenizer(
+        "{%- for m in messages -%}{%- if m['role'] == 'tool' -%}{{ raise_exception('no tool role') }}"
+        "{%- endif -%}{{ m['content'] }}{%- endfor -%}"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.chat_template=None: the tokenizer's chat template cannot render .*no tool role",
+    ):
+        check_tool_template(raising)
+
+
+# -- the episode loop on a scripted engine ----------------------------------------------------------
+
+
+class ScriptedTools(TurnEngine):
+    """An engine whose "model" calls ``add`` on the prompt's numbers, then answers with the
+    number in the tool's result (or with whatever ``answer`` says when it saw an error)."""
+
+    def __init__(self, tok, first=None, answer=None) -> None:
+        super().__init__(tok.eos_token_id, self._respond, logprob=-0.5)
+        self.tok = tok
+        self.first = first or (lambda a, b: call("add", a=a, b=b))
+        self.answer = answer or (lambda result: result)
+        self.contexts: list[str] = []
+
+    def _respond(self, request) -> list[int]:
+        context = self.tok.decode(request.prompt_ids)
+        self.contexts.append(context)
+        responses = re.findall(r"<tool_response>(.*?)</tool_response>", context)
+        if responses:
+            text = self.answer(responses[-1])
+        else:
+            a, b = re.search(r"(\d+)\+(\d+)=", context).groups()
+            text = self.first(int(a), int(b))
+        ids = self.tok(text, add_special_tokens=False).input_ids + [self.tok.eos_token_id]
+        return ids[: request.sampling.max_new_tokens]
+
+
+SEEN: list = []  # every completion a batched function was given
+
+
+def batched_last_message(prompts, completions, answer, **_):
+    """TRL-style: the last message's content against the answer; records what it was given."""
+    SEEN.extend(completions)
+    return [float(c[-1]["content"] == a) for c, a in zip(completions, answer, strict=True)]
+
+
+def tool_config(tmp_path: Path, *overrides: str):
+    task = tmp_path / "sums.jsonl"
+    rows = [
+        {"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}
+        for a, b in [(2, 3), (40, 2)]
+    ]
+    task.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return load_config(
+        None,
+        [
+            "model.path=tiny:1m",
+            f"model.chat_template={CHAR_TOOLS}",
+            "task.name=dataset",
+            f"task.path={task}",
+            "task.eval_fraction=0",
+            f"episode.tools=[{ADD}]",
+            "episode.max_turns=3",
+            "episode.max_episode_tokens=300",
+            "rollout.max_new_tokens=100",
+            "rollout.group_size=2",
+            *overrides,
+        ],
+    )
+
+
+def run_groups(cfg, engine_of, prompts):
+    policy = load_policy("tiny:1m", device="cpu", dtype="float32", chat_template=CHAR_TOOLS)
+    engine = engine_of(tool_tokenizer(policy.tokenizer, cfg.episode.tools))
+    rollout = build_rollout(cfg, policy, engine)
+    try:
+        rollout.submit(list(enumerate(prompts)))
+        done = []
+        for _ in range(200):
+            ready, dropped = rollout.step()
+            done += ready + dropped
+            if len(done) == len(prompts):
+                return sorted(done, key=lambda g: g.group_id), engine
+        raise AssertionError("the episodes did not finish")
+    finally:
+        rollout.close()
+
+
+def test_an_episode_calls_the_tool_reads_its_result_and_is_scored_by_the_task(tmp_path: Path) -> None:
+    cfg = tool_config(
+        tmp_path,
+        "task.rewards=[{name: numeric_match, label: correct}, "
+        "{name: tests.episodes.test_tools:batched_last_message, label: last, weight: 0.5}]",
+    )
+    from asyncrl.prompts.task_prompts import task_prompts
+
+    prompts = [task_prompts(cfg).get(i) for i in range(2)]
+    SEEN.clear()
+    groups, _ = run_groups(cfg, ScriptedTools, prompts)
+    assert len(SEEN) == 4  # each episode, once
+    tok = tokenizer()
+    for group in groups:
+        a, b = map(int, re.findall(r"\d+", group.prompt.text))
+        for sample in group.samples:
+            text = tok.decode(sample.completion_ids)
+            expected = (
+                call("add", a=a, b=b) + "<eos>" + f"<tool_response>{a + b}</tool_response>" + f"{a + b}<eos>"
+            )
+            assert text == expected
+            # Turn tokens are trained, the tool's result is not.
+            masked = "".join(
+                c for c, m in zip(text.replace("<eos>", "\x00"), sample.loss_mask, strict=True) if not m
+            )
+            assert masked == f"<tool_response>{a + b}</tool_response>"
+            assert (sample.reward, sample.reward_components) == (1.5, {"correct": 1.0, "last": 1.0})
+            assert (sample.tool_calls, sample.tool_failures, sample.messages) == (1, 0, None)
+            assert len(sample.turn_spans) == 2 and sample.finish_reason == "stop"
+    assert SEEN[0] == [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [ToolCall("add", {"a": 2, "b": 3}).as_message_call()],
+        },
+        {"role": "tool", "name": "add", "content": "5"},
+        {"role": "assistant", "content": "5"},
+    ]
+
+
+def test_a_failing_call_is_shown_to_the_model_and_the_turn_budget_ends_the_episode(tmp_path: Path) -> None:
+    cfg = tool_config(tmp_path, "task.rewards=[{name: numeric_match}]", "episode.max_episode_tokens=600")
+    from asyncrl.prompts.task_prompts import task_prompts
+
+    prompts = [task_prompts(cfg).get(0)]
+    # The model calls add with a missing argument, then calls again (it never answers): the
+    # third turn's call is not run, and the episode ends, scored, not truncated.
+    groups, engine = run_groups(
+        cfg,
+        lambda tok: ScriptedTools(
+            tok, first=lambda a, b: call("add", a=a), answer=lambda r: call("add", a=1, b=1)
+        ),
+        prompts,
+    )
+    [sample, _] = groups[0].samples
+    text = tokenizer().decode(sample.completion_ids)
+    assert text.count("<tool_call>") == 3 and text.count("<tool_response>") == 2
+    assert "{'error': \"add: missing a required argument: 'b'\"}" in text
+    assert (sample.tool_calls, sample.tool_failures) == (2, 1)
+    assert (sample.finish_reason, sample.reward, sample.reward_error) == ("stop", 0.0, None)
+    assert len(engine.contexts) == 6  # 3 turns x 2 episodes
+
+
+def test_a_string_prompt_fails_its_episodes_by_name(tmp_path: Path) -> None:
+    cfg = tool_config(tmp_path, "task.rewards=[{name: numeric_match}]")
+    from asyncrl.types import Prompt
+
+    groups, _ = run_groups(cfg, ScriptedTools, [Prompt("p0", "2+3=", "5")])
+    for sample in groups[0].samples:
+        assert sample.reward == 0.0
+        assert "episode.tools needs a conversational task" in sample.reward_error
+        assert "prompt 'p0' is a string" in sample.reward_error
+
+
+def test_tool_settings_are_checked_by_name(tmp_path: Path) -> None:
+    with pytest.raises(
+        ConfigError, match=r"episode\.tools runs the tool-calling episode; episode\.environment"
+    ):
+        tool_config(tmp_path, "episode.environment=tests.episodes.test_episodes:Echo")
+    with pytest.raises(ConfigError, match=r"task\.step_delimiter"):
+        tool_config(tmp_path, "task.step_delimiter=\\n")
+    with pytest.raises(ConfigError, match=r"pivot\.branches > 0.*episode\.tools"):
+        tool_config(tmp_path, "pivot.branches=2")
+    with pytest.raises(ConfigError, match=r"episode\.tools\.0='tests.episodes.test_tools:undocumented'"):
+        train(tool_config(tmp_path, "episode.tools=[tests.episodes.test_tools:undocumented]"), tmp_path / "a")
+    bad_template = "{%- for m in messages -%}{%- if m['role'] == 'tool' -%}{{ raise_exception('no') }}{%- endif -%}{%- endfor -%}"
+    (tmp_path / "bad.jinja").write_text(bad_template, encoding="utf-8")
+    with pytest.raises(
+        ConfigError, match=r"model\.chat_template=.*bad\.jinja': this chat template cannot render"
+    ):
+        train(tool_config(tmp_path, f"model.chat_template={tmp_path / 'bad.jinja'}"), tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.multiprocess
+def test_the_shipped_tools_example_trains_and_logs_tool_metrics(tmp_path: Path) -> None:
+    """examples/tools.yaml, shortened, async with worker processes: the task's function scores every
+    episode, the books reconcile, and each step logs its tool metrics."""
+    cfg = load_config(
+        REPO / "examples" / "tools.yaml",
+        [
+            f"model.chat_template={CHAR_TOOLS}",
+            f"task.path={REPO / 'examples' / 'data' / 'arith_chat.jsonl'}",
+            *short_run(2, prompts=4, group_size=4),
+            "schedule=async",
+            "runtime.kind=local",
+        ],
+    )
+    summary = train(cfg, tmp_path / "run")
+    assert summary["accounting"]["reconciles"] and summary["accounting"]["trained"] == 8
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["reward_errors"] == 0 and 0.0 <= m["reward/numeric_match"] <= 1.0
+        assert m["tool_calls_mean"] >= 0.0 and 0.0 <= m["tool_failure_frac"] <= 1.0
