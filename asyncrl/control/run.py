@@ -18,7 +18,6 @@ from asyncrl.control.features import START_CHECKS
 from asyncrl.control.run_start import Resume, start_point
 from asyncrl.control.session import RunSession, default_run_dir
 from asyncrl.engine.vllm_engine import unsupported_model
-from asyncrl.episodes.tools import tool_tokenizer
 from asyncrl.errors import AsyncRLError, ConfigError
 from asyncrl.lifeline import STOP_SIGNALS
 from asyncrl.models.loading import load_model_config, load_tokenizer
@@ -51,15 +50,6 @@ def make_runtime(cfg: Config, session: RunSession):
     return LocalRuntime(cfg, session.run_dir)
 
 
-def start_tokenizer(cfg: Config):
-    """With episode.tools, the tokenizer that renders them (its chat template is checked at start);
-    otherwise None: nothing at start needs one."""
-    if not cfg.episode.tools:
-        return None
-    tokenizer, _ = load_tokenizer(cfg.model.path, cfg.model.chat_template, cfg.model.chat_template_kwargs)
-    return tool_tokenizer(tokenizer, cfg.episode.tools)
-
-
 def train(cfg: Config, run_dir: Path | None = None, *, resume: Resume = False) -> dict[str, Any]:
     """Run training in ``run_dir``: a new run, or with ``resume`` the run it holds continued from
     its newest checkpoint (``"if_exists"``: when it holds one; see :mod:`asyncrl.control.run_start`)."""
@@ -68,7 +58,9 @@ def train(cfg: Config, run_dir: Path | None = None, *, resume: Resume = False) -
     model_config = functools.cache(lambda: load_model_config(cfg.model.path))  # read once, if at all
     if cfg.lora.enabled:  # adapters the model's layers cannot carry, refused before any process starts
         check_lora_fits(model_config(), cfg.lora)
-    build_episode(cfg, start_tokenizer(cfg))  # as does a bad episode.environment, or episode.tools
+    if cfg.episode.enabled:  # as does a bad episode.environment, or episode.tools and their template
+        tokenizer, _ = load_tokenizer(cfg.model.path, cfg.model.chat_template, cfg.model.chat_template_kwargs)
+        build_episode(cfg, tokenizer)
     check_engines_installed(cfg)
     if cfg.rollout.engine == "vllm" and (why := unsupported_model(model_config())):
         raise ConfigError("model.path", cfg.model.path, f"with rollout.engine=vllm: {why}")

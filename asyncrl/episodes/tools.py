@@ -148,18 +148,6 @@ class ToolBox:
             return {"error": f"{type(exc).__name__}: {exc}"}, True
 
 
-def tool_tokenizer(tokenizer: PreTrainedTokenizerBase, specs: list[str]) -> PreTrainedTokenizerBase:
-    """``tokenizer`` unchanged without tools; with them, a copy whose every chat rendering passes
-    the tools' schemas to the template (``tools=``, as transformers and TRL pass them), so the
-    prompt lists them. The policy's own tokenizer is left as it is."""
-    if not specs:
-        return tokenizer
-    rendering = copy.copy(tokenizer)
-    kwargs = getattr(tokenizer, CHAT_TEMPLATE_KWARGS, {})
-    setattr(rendering, CHAT_TEMPLATE_KWARGS, {**kwargs, "tools": ToolBox.from_specs(specs).schemas})
-    return rendering
-
-
 def _json_schema(fn: Callable[..., Any]) -> dict[str, Any]:
     from transformers.utils import get_json_schema
 
@@ -196,6 +184,21 @@ def check_tool_template(tokenizer: PreTrainedTokenizerBase, spec: str | None = N
             f"{whose} chat template cannot render a tool-calling conversation for {KEY} "
             f"({type(exc).__name__}: {exc}); use a template with tool calls and tool messages",
         ) from None
+
+
+def tool_calling(
+    specs: list[str], tokenizer: PreTrainedTokenizerBase, template: str | None, step_timeout_s: float | None
+) -> tuple[PreTrainedTokenizerBase, EpisodeFunction]:
+    """``episode.tools`` checked (the functions, and ``template``, model.chat_template, rendering
+    them): the tokenizer an episode rollout renders with — a copy of ``tokenizer`` whose every
+    chat rendering passes the tools' schemas to the template (``tools=``, as transformers and TRL
+    pass them), so the prompt lists them — and the episode function."""
+    tools = ToolBox.from_specs(specs)
+    rendering = copy.copy(tokenizer)  # the policy's own renders as before
+    kwargs = getattr(tokenizer, CHAT_TEMPLATE_KWARGS, {})
+    setattr(rendering, CHAT_TEMPLATE_KWARGS, {**kwargs, "tools": tools.schemas})
+    check_tool_template(rendering, template)
+    return rendering, tool_episode(tools, rendering, step_timeout_s)
 
 
 def tool_episode(

@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+from transformers import PreTrainedTokenizerBase
+
 from asyncrl.config import Config
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.episodes.environment import EpisodeFunction
 from asyncrl.episodes.resolve import resolve_episode
 from asyncrl.episodes.rollout import EpisodeRollout
 from asyncrl.episodes.team import Role
-from asyncrl.episodes.tools import ToolBox, check_tool_template, tool_episode, tool_tokenizer
+from asyncrl.episodes.tools import tool_calling
 from asyncrl.errors import ConfigError
 from asyncrl.models.loading import Policy
 from asyncrl.rewards.task_rewards import build_reward
@@ -77,19 +79,18 @@ def _stop_strings(cfg: Config, policy: Policy) -> list[str]:
     return cfg.rollout.stop
 
 
-def build_episode(cfg: Config, tokenizer=None) -> EpisodeFunction | None:
-    """The episode function of episode.environment, or of episode.tools (None for single-turn
-    completions). Tools are checked here; with ``tokenizer`` (the policy's, as
-    :func:`tool_tokenizer` makes it) so is the chat template that renders them."""
-    if cfg.episode.tools:
-        tools = ToolBox.from_specs(cfg.episode.tools)
-        if tokenizer is None:
-            return None
-        check_tool_template(tokenizer, cfg.model.chat_template)
-        return tool_episode(tools, tokenizer, cfg.episode.step_timeout_s)
-    if cfg.episode.environment is None:
-        return None
-    return resolve_episode(cfg.episode.environment, cfg.episode.max_turns, cfg.episode.step_timeout_s)
+def build_episode(
+    cfg: Config, tokenizer: PreTrainedTokenizerBase
+) -> tuple[PreTrainedTokenizerBase, EpisodeFunction | None]:
+    """The episode function of episode.environment or of episode.tools (None for single-turn
+    completions), with the tokenizer its rollout renders with (``tokenizer``, the policy's;
+    with tools, one that also renders them: :func:`~asyncrl.episodes.tools.tool_calling`)."""
+    episode = cfg.episode
+    if episode.tools:
+        return tool_calling(episode.tools, tokenizer, cfg.model.chat_template, episode.step_timeout_s)
+    if episode.environment is None:
+        return tokenizer, None
+    return tokenizer, resolve_episode(episode.environment, episode.max_turns, episode.step_timeout_s)
 
 
 def build_rollout(
@@ -99,8 +100,7 @@ def build_rollout(
     episode.environment or episode.tools. ``evaluation``: an evaluation's — run.eval_samples
     completions per prompt at run.eval_temperature, scored in this thread. ``engines``: a
     multi-agent run's engine of each policy besides 'default' (or the same engine, serving adapters)."""
-    tokenizer = tool_tokenizer(policy.tokenizer, cfg.episode.tools)
-    episode = build_episode(cfg, tokenizer)
+    tokenizer, episode = build_episode(cfg, policy.tokenizer)
     if episode is not None:
         return EpisodeRollout(
             engine,

@@ -19,8 +19,8 @@ from asyncrl.episodes.tools import (
     ToolCall,
     check_tool_template,
     parse_tool_calls,
+    tool_calling,
     tool_result_ids,
-    tool_tokenizer,
 )
 from asyncrl.errors import ConfigError
 from asyncrl.models.char_tokenizer import build_char_tokenizer
@@ -166,7 +166,7 @@ def test_a_call_that_cannot_run_gives_the_model_an_error_and_a_failure() -> None
 def test_prompt_turn_and_tool_results_are_the_templates_rendering_of_the_conversation(template) -> None:
     """Token for token: the prompt (with the tool list), the model's turn up to its EOS and the
     tool results as appended equal the template's rendering of the whole conversation."""
-    tok = tool_tokenizer(tokenizer(template), [ADD])
+    tok, _ = tool_calling([ADD], tokenizer(template), template, None)
     user = {"role": "user", "content": "2+3="}
     assistant = {
         "role": "assistant",
@@ -267,7 +267,7 @@ def tool_config(tmp_path: Path, *overrides: str):
 
 def run_groups(cfg, engine_of, prompts):
     policy = load_policy("tiny:1m", device="cpu", dtype="float32", chat_template=CHAR_TOOLS)
-    engine = engine_of(tool_tokenizer(policy.tokenizer, cfg.episode.tools))
+    engine = engine_of(tool_calling(cfg.episode.tools, policy.tokenizer, None, None)[0])
     rollout = build_rollout(cfg, policy, engine)
     try:
         rollout.submit(list(enumerate(prompts)))
