@@ -20,7 +20,7 @@ from asyncrl.control.session import RunSession, default_run_dir
 from asyncrl.engine.vllm_engine import unsupported_model
 from asyncrl.errors import AsyncRLError, ConfigError
 from asyncrl.lifeline import STOP_SIGNALS
-from asyncrl.models.loading import load_model_config, load_tokenizer
+from asyncrl.models.loading import load_model_config
 from asyncrl.models.lora import check_lora_fits
 from asyncrl.prompts.sources import PromptSource
 from asyncrl.prompts.task_prompts import task_prompts
@@ -54,13 +54,12 @@ def train(cfg: Config, run_dir: Path | None = None, *, resume: Resume = False) -
     """Run training in ``run_dir``: a new run, or with ``resume`` the run it holds continued from
     its newest checkpoint (``"if_exists"``: when it holds one; see :mod:`asyncrl.control.run_start`)."""
     seed_everything(cfg.run.seed)
-    prompts = task_prompts(cfg)  # a bad model path or dataset fails here, before a run directory is made
+    # A bad model path or dataset fails here, before a run directory is made, as do a bad
+    # episode.environment, or episode.tools and their template (prompts are measured listing them).
+    prompts = task_prompts(cfg, lambda tokenizer: build_episode(cfg, tokenizer)[0])
     model_config = functools.cache(lambda: load_model_config(cfg.model.path))  # read once, if at all
     if cfg.lora.enabled:  # adapters the model's layers cannot carry, refused before any process starts
         check_lora_fits(model_config(), cfg.lora)
-    if cfg.episode.enabled:  # as does a bad episode.environment, or episode.tools and their template
-        tokenizer, _ = load_tokenizer(cfg.model.path, cfg.model.chat_template, cfg.model.chat_template_kwargs)
-        build_episode(cfg, tokenizer)
     check_engines_installed(cfg)
     if cfg.rollout.engine == "vllm" and (why := unsupported_model(model_config())):
         raise ConfigError("model.path", cfg.model.path, f"with rollout.engine=vllm: {why}")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from asyncrl.config import Config
 from asyncrl.models.loading import Policy, load_tokenizer
 from asyncrl.prompts.chat import render_prompt
@@ -39,20 +42,25 @@ def prompt_source(
     return rows
 
 
-def eval_prompts(cfg: Config, policy: Policy) -> list[Prompt]:
+def eval_prompts(cfg: Config, policy: Policy, tokenizer=None) -> list[Prompt]:
     """Held-out prompts: a disjoint seed for the generated tasks; for datasets, task.eval_split or the
-    task.eval_fraction held out, else the first rows of the training data."""
-    source = prompt_source(cfg, policy.tokenizer, policy.max_positions, evaluation=True)
+    task.eval_fraction held out, else the first rows of the training data. ``tokenizer``: the one
+    the evaluation renders prompts with (episode.tools: listing the tools), the policy's by default."""
+    source = prompt_source(cfg, tokenizer or policy.tokenizer, policy.max_positions, evaluation=True)
     return PromptStream(source, seed=cfg.task.seed, shuffle=False).take(
         min(cfg.run.eval_prompts, source.size or cfg.run.eval_prompts)
     )
 
 
-def task_prompts(cfg: Config) -> PromptSource:
-    """The training prompt source, validated against the model's tokenizer without loading weights."""
+def task_prompts(cfg: Config, rendering: Callable[[Any], Any] | None = None) -> PromptSource:
+    """The training prompt source, validated against the model's tokenizer without loading weights.
+    ``rendering``: from the model's tokenizer, the one rollouts render prompts with (episode.tools:
+    one that lists the tools), so that prompt lengths are measured as the engine will see them."""
     tokenizer, max_positions = load_tokenizer(
         cfg.model.path, cfg.model.chat_template, cfg.model.chat_template_kwargs
     )
+    if rendering is not None:
+        tokenizer = rendering(tokenizer)
     source = prompt_source(cfg, tokenizer, max_positions)
     if cfg.task.name not in GENERATED_TASKS:  # generated: no eval split to check
         prompt_source(cfg, tokenizer, max_positions, evaluation=True)  # a bad eval split fails here too

@@ -30,6 +30,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from asyncrl.algorithms.advantages import role_subgroups
 from asyncrl.engine.types import GenerationStopped
@@ -90,6 +91,7 @@ class Rollout(ABC):
 
     group_size: int  # samples per group (G)
     stats: RolloutStats
+    tokenizer: Any  # what prompts are rendered and encoded with (see encode)
 
     def __init__(self, group_size: int, stats: RolloutStats) -> None:
         if group_size < 1:

@@ -47,7 +47,7 @@ class TrainerEvaluation:
                 engine, engines = self._engine(policy), None
             self.rollout = build_rollout(self.cfg, policy, engine, evaluation=True, engines=engines)
             self._engines = engines or {}
-            self._prompts = eval_prompts(self.cfg, policy)
+            self._prompts = eval_prompts(self.cfg, policy, self.rollout.tokenizer)
         evaluated = [policy.model] if models is None else models.before_evaluation(self._engines)
         was_training = [model.training for model in evaluated]
         for model in evaluated:

@@ -22,10 +22,11 @@ from asyncrl.episodes.tools import (
     tool_calling,
     tool_result_ids,
 )
-from asyncrl.errors import ConfigError
+from asyncrl.errors import ConfigError, DatasetError
 from asyncrl.models.char_tokenizer import build_char_tokenizer
 from asyncrl.models.chat_templates import apply_chat_template_override
 from asyncrl.models.loading import load_policy
+from asyncrl.prompts.task_prompts import task_prompts
 from asyncrl.reports.jsonl import read_jsonl
 from asyncrl.workers.rollouts import build_rollout
 from tests.helpers import REPO, TurnEngine, short_run
@@ -288,8 +289,6 @@ def test_an_episode_calls_the_tool_reads_its_result_and_is_scored_by_the_task(tm
         "task.rewards=[{name: numeric_match, label: correct}, "
         "{name: tests.episodes.test_tools:batched_last_message, label: last, weight: 0.5}]",
     )
-    from asyncrl.prompts.task_prompts import task_prompts
-
     prompts = [task_prompts(cfg).get(i) for i in range(2)]
     SEEN.clear()
     groups, _ = run_groups(cfg, ScriptedTools, prompts)
@@ -324,8 +323,6 @@ def test_an_episode_calls_the_tool_reads_its_result_and_is_scored_by_the_task(tm
 
 def test_a_failing_call_is_shown_to_the_model_and_the_turn_budget_ends_the_episode(tmp_path: Path) -> None:
     cfg = tool_config(tmp_path, "task.rewards=[{name: numeric_match}]", "episode.max_episode_tokens=600")
-    from asyncrl.prompts.task_prompts import task_prompts
-
     prompts = [task_prompts(cfg).get(0)]
     # The model calls add with a missing argument, then calls again (it never answers): the
     # third turn's call is not run, and the episode ends, scored, not truncated.
@@ -397,3 +394,22 @@ def test_the_shipped_tools_example_trains_and_logs_tool_metrics(tmp_path: Path) 
     for m in metrics:
         assert m["reward_errors"] == 0 and 0.0 <= m["reward/numeric_match"] <= 1.0
         assert m["tool_calls_mean"] >= 0.0 and 0.0 <= m["tool_failure_frac"] <= 1.0
+
+
+def test_prompts_are_measured_as_rendered_with_the_tool_list(tmp_path: Path) -> None:
+    """A prompt that fits the model's positions alone but not with the template's tool list is a
+    bad row at start (the engine would have got it too long)."""
+    (tmp_path / "chatml.jinja").write_text(CHATML_TOOLS, encoding="utf-8")
+    content = "1+1=" + " " * 386  # 409 tokens rendered alone, 420 with "tools: add\n"
+    cfg = tool_config(
+        tmp_path, f"model.chat_template={tmp_path / 'chatml.jinja'}", "task.skip_bad_rows=false"
+    )
+    cfg.task.path = str(tmp_path / "long.jsonl")
+    Path(cfg.task.path).write_text(
+        json.dumps({"prompt": [{"role": "user", "content": content}], "answer": "2"}) + "\n"
+    )
+    with pytest.raises(DatasetError, match="prompt has 420 tokens, more than the 412 allowed"):
+        train(cfg, tmp_path / "run")
+    cfg.episode.tools = []
+    cfg.episode.environment = "tests.episodes.test_episodes:Echo"
+    assert task_prompts(cfg).size == 1  # alone, it fits
