@@ -127,6 +127,14 @@ def test_an_inline_run_on_vllm_verifies_every_update(tmp_path: Path) -> None:
 # Each generator feature once on vLLM: (config file, overrides, a metric the feature writes).
 FEATURES = {
     "episodes": ("examples/calculator.yaml", ["episode.max_turns=3"], None),
+    "tools": (
+        "examples/tools.yaml",
+        [
+            f"model.chat_template={REPO / 'examples' / 'data' / 'char_tools.jinja'}",
+            f"task.path={REPO / 'examples' / 'data' / 'arith_chat.jsonl'}",
+        ],
+        "tool_calls_mean",
+    ),
     "pivots": ("examples/pivots.yaml", ["pivot.max_groups=2"], "branch_groups"),
     "distill": ("examples/distill.yaml", ["distill.batch_groups=2"], "distill_reverse_kl"),
     "distill-vllm-teacher": (
@@ -164,7 +172,7 @@ FEATURES = {
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_generator_features_run_on_vllm(tmp_path: Path, feature: str) -> None:
-    """Episodes, pivot resampling, distillation, every interrupt mode, the file and broadcast
+    """Episodes, tool calling, pivot resampling, distillation, every interrupt mode, the file and broadcast
     transports, and two adapter policies served by one vLLM engine on vLLM generators: each run ends with its books reconciled and the engine's
     weights checked after every update."""
     config, extra, metric = FEATURES[feature]
