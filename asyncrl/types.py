@@ -196,11 +196,11 @@ class Sample(Tokens):
     # reward each turn got (None: none given). None for single-turn completions.
     turn_spans: list[tuple[int, int]] | None = None
     turn_rewards: list[float | None] | None = None
-    # Tool-calling episodes (episode.tools): the calls the episode ran, and how many failed.
+    # Tool-calling episodes (episode.tools): the calls the episode ran, and how many failed; what
+    # its reward functions receive besides the text (dropped once it is scored).
     tool_calls: int | None = None
     tool_failures: int = 0
-    # ... and the episode as chat messages, for its reward functions (dropped once it is scored).
-    messages: list[dict] | None = None
+    reward_inputs: dict[str, Any] | None = None
     # Per completion token, when step rewards make advantages differ along the completion
     # (algorithm.step_rewards); None: every token takes ``advantage``.
     token_advantages: list[float] | None = None

@@ -225,9 +225,11 @@ class EpisodeConfig(Section):
         description="Tool calling (TRL's `tools`): 'module:function' of Python functions (sync or async, "
         "with type hints and a docstring documenting each argument) the model calls in its turns, in "
         'the Hermes format (<tool_call>{"name": ..., "arguments": {...}}</tool_call>, as Qwen2.5 '
-        "and Qwen3 templates write). Their schemas go to the chat template; each call's result is "
-        "appended as a tool message, and the task's reward functions score the episode. Needs a "
-        "conversational task and a template that renders tool calls; not with environment.",
+        "and Qwen3 templates write), and at most one 'module:Class' (TRL's `environment_factory`): one "
+        "instance per episode, reset(**row) first, its public methods tools, an optional get_reward() "
+        "added to the reward. The schemas go to the chat template; each call's result is appended as a "
+        "tool message, and the task's reward functions score the episode. Needs a conversational task "
+        "and a template that renders tool calls; not with environment.",
     )
     max_turns: int = Field(
         4,

@@ -44,10 +44,12 @@ class EpisodeRecord:
     turn_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each model turn
     turn_rewards: list[float | None] = field(default_factory=list)  # a step reward per turn, if given
     truncated: bool = False
-    # The episode as chat messages after the prompt, when its agent code keeps them (tool calling:
-    # assistant turns with their tool calls, tool results); reward functions receive them.
-    messages: list[dict[str, Any]] | None = None
-    tool_calls: int = 0  # calls run (episode.tools), and how many of them failed
+    # Tool calling (episode.tools): what the task's reward functions receive besides the text
+    # (the episode as messages, its environment), the rewards of its own that add to theirs
+    # (an environment's get_reward, by label), and the calls run and how many failed.
+    reward_inputs: dict[str, Any] | None = None
+    own_rewards: dict[str, float] | None = None
+    tool_calls: int = 0
     tool_failures: int = 0
 
     @property

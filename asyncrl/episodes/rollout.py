@@ -469,9 +469,10 @@ class EpisodeRollout(Rollout):
             reward_error=error,
             turn_spans=record.turn_spans,
             turn_rewards=record.turn_rewards,
-            tool_calls=record.tool_calls if record.messages is not None else None,
+            tool_calls=record.tool_calls if record.reward_inputs is not None else None,
             tool_failures=record.tool_failures,
-            messages=record.messages,
+            reward_inputs=record.reward_inputs,
+            reward_components=record.own_rewards,
         )
 
     def outcomes(self, group: Group) -> list[float]:

@@ -13,35 +13,40 @@ def score_episodes(
     """The task's reward functions on finished groups of episodes, as one batch.
 
     A function's ``completion`` is the episode's final answer (its last model turn's text, tool
-    calls left out) and ``completion_messages`` the whole episode as messages; a batched
-    (TRL-style) function gets those as its ``completions`` for a conversational task. An episode
+    calls left out); the episode's reward inputs come as more arguments: ``completion_messages``
+    (the whole episode as messages: a batched, TRL-style function gets them as its
+    ``completions`` for a conversational task) and, with a tool environment, ``environment``
+    (batched: ``environments``). The episode's own rewards (an environment's ``get_reward``,
+    already in ``reward_components``) add to the functions' weighted sum, weight 1. An episode
     that failed keeps its error (and ``task.reward_on_error``'s reward); a reward that fails is
     recorded as in a completion rollout.
     """
     if not groups:
         return
-    batch = [
-        (
-            g.prompt,
-            [_final_answer(s) for s in g.samples],
-            [s.completion_ids for s in g.samples],
-            {"completion_messages": [s.messages or [] for s in g.samples]},
-        )
-        for g in groups
-    ]
+    batch = []
+    for g in groups:
+        inputs = [s.reward_inputs or {} for s in g.samples]
+        keys = sorted({k for i in inputs for k in i})
+        columns = {k: [i.get(k) for i in inputs] for k in keys}
+        ids = [s.completion_ids for s in g.samples]
+        batch.append((g.prompt, [_final_answer(s) for s in g.samples], ids, columns))
     for group, results in zip(groups, rewards.score_groups(batch), strict=True):
         for sample, result in zip(group.samples, results, strict=True):
-            sample.messages = None  # given to the reward functions; the trainer needs tokens only
+            sample.reward_inputs = None  # given to the reward functions; the trainer needs tokens only
             if sample.reward_error is not None:
                 continue
+            own = sample.reward_components or {}
+            sample.reward_components = {**result.components, **own}
             sample.reward, sample.reward_error = result.reward, result.error
-            sample.reward_components = result.components
             if result.error is not None:
                 stats.reward_errors += 1
                 sample.reward = 0.0 if reward_on_error == "zero" else None
+            else:
+                sample.reward += sum(own.values())
 
 
 def _final_answer(sample: Sample) -> str:
     """The text of an episode's last model turn, from its messages (its whole text without them)."""
-    turns = [m for m in sample.messages or () if m["role"] == "assistant"]
+    messages = (sample.reward_inputs or {}).get("completion_messages") or ()
+    turns = [m for m in messages if m["role"] == "assistant"]
     return turns[-1]["content"] if turns else sample.completion_text

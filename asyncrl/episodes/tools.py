@@ -1,9 +1,11 @@
 """Tool calling: ``episode.tools``, Python functions the model calls in its turns (TRL's ``tools``).
 
 The tools are plain functions (or ``async def``) with type hints and a docstring that
-documents every argument; their JSON schemas (``transformers.utils.get_json_schema``) are
-given to the chat template at every rendering, so the prompt lists them as the model's
-template lists tools. An episode is then:
+documents every argument, and at most one environment class (TRL's ``environment_factory``,
+see :class:`ToolBox`) whose public methods are tools on an instance of each episode's own;
+their JSON schemas (``transformers.utils.get_json_schema``) are given to the chat template at
+every rendering, so the prompt lists them as the model's template lists tools. An episode is
+then (after its environment's ``reset(**row)``):
 
 1. the model's turn;
 2. the tool calls in it, in the Hermes format that Qwen2.5, Qwen3 and Hermes templates
@@ -19,10 +21,10 @@ A call that cannot be run — its JSON does not parse, it names no tool, its arg
 fit, the tool raises or runs late — gives the model ``{'error': '...'}`` as the tool's result,
 as TRL does, and the episode goes on: calling tools well is what is being learned.
 
-The episode has no reward of its own: the task's reward functions score it
-(:class:`~asyncrl.episodes.rollout.EpisodeRollout` with ``rewards``), a batched (TRL-style)
-function receiving each completion as its messages — assistant turns with their
-``tool_calls``, then ``tool`` messages — as TRL's do.
+The task's reward functions score the episode (:mod:`asyncrl.episodes.scoring`), a batched
+(TRL-style) function receiving each completion as its messages — assistant turns with their
+``tool_calls``, then ``tool`` messages — and the episodes' environments, as TRL's do; an
+environment's ``get_reward()`` adds to their sum.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import copy
 import functools
 import inspect
 import json
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,9 +44,9 @@ from typing import TYPE_CHECKING, Any
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl.config.user_code import import_named
-from asyncrl.episodes.client import template_continuation
+from asyncrl.episodes.client import EpisodeTruncated, template_continuation
 from asyncrl.episodes.environment import EnvironmentTimeout, EpisodeFunction, bounded
-from asyncrl.errors import ConfigError
+from asyncrl.errors import ConfigError, describe_user_error
 from asyncrl.models.chat_templates import CHAT_TEMPLATE_KWARGS
 from asyncrl.prompts.chat import render_chat
 from asyncrl.types import Prompt
@@ -92,60 +95,101 @@ def parse_tool_calls(turn: str) -> list[ToolCall]:
 
 
 class ToolBox:
-    """The functions ``episode.tools`` names, with their JSON schemas; checked at start."""
+    """The tools ``episode.tools`` names, with their JSON schemas; checked at start.
 
-    def __init__(self, functions: list[Callable[..., Any]], specs: list[str] | None = None) -> None:
-        """``specs``: how each function was configured, named in errors with its key (``episode.tools.N``)."""
-        specs = specs or [getattr(fn, "__name__", repr(fn)) for fn in functions]
-        self.functions: dict[str, Callable[..., Any]] = {}
+    An entry is a function, or an environment class (TRL's ``environment_factory``): one instance
+    per episode, built with no arguments, whose public methods are tools; ``reset(**row)`` sets it
+    up before the first turn, and an optional ``get_reward()`` adds its score to the episode's
+    reward (weight 1, labelled with the class's name).
+    """
+
+    def __init__(self, entries: list[Any], specs: list[str] | None = None) -> None:
+        """``specs``: how each entry was configured, named in errors with its key (``episode.tools.N``)."""
+        specs = specs or [getattr(e, "__name__", repr(e)) for e in entries]
+        self.functions: dict[str, Callable[..., Any]] = {}  # the functions, by tool name
+        self.environment: type | None = None
+        self.methods: list[str] = []  # the environment's tools
         self.schemas: list[dict[str, Any]] = []
-        for i, (fn, spec) in enumerate(zip(functions, specs, strict=True)):
+        for i, (entry, spec) in enumerate(zip(entries, specs, strict=True)):
             key = f"{KEY}.{i}"
-            if not callable(fn):
-                raise ConfigError(key, spec, f"is a {type(fn).__name__}, not a function")
-            try:
-                schema = _json_schema(fn)
-            except Exception as exc:  # transformers' DocstringParsingException, TypeHintParsingException
-                raise ConfigError(key, spec, f"has no tool schema: {exc}") from None
-            name = schema["function"]["name"]
-            if name in self.functions:
-                raise ConfigError(key, spec, f"a second tool named {name!r}")
-            self.functions[name] = fn
-            self.schemas.append(schema)
+            if inspect.isclass(entry):
+                self._add_environment(entry, key, spec)
+            elif callable(entry):
+                self.functions[self._add(entry, key, spec)] = entry
+            else:
+                raise ConfigError(key, spec, f"is a {type(entry).__name__}, not a function or a class")
+
+    def _add(self, fn: Callable[..., Any], key: str, spec: str) -> str:
+        """Add ``fn``'s schema; returns its tool name."""
+        try:
+            schema = _json_schema(fn)
+        except Exception as exc:  # transformers' DocstringParsingException, TypeHintParsingException
+            raise ConfigError(key, spec, f"has no tool schema: {exc}") from None
+        name = schema["function"]["name"]
+        if name in self.names:
+            raise ConfigError(key, spec, f"a second tool named {name!r}")
+        self.schemas.append(schema)
+        return name
+
+    def _add_environment(self, cls: type, key: str, spec: str) -> None:
+        if self.environment is not None:
+            raise ConfigError(
+                key, spec, f"a second environment class (after {self.environment.__name__}): one per run"
+            )
+        if not callable(getattr(cls, "reset", None)):
+            raise ConfigError(key, spec, "an environment class needs a reset method (it may do nothing)")
+        try:
+            probe = cls()  # as TRL probes one: its tools' schemas come from a built instance
+        except Exception as exc:  # the user's constructor
+            raise ConfigError(
+                key, spec, f"could not be built with no arguments: {describe_user_error(exc)}"
+            ) from None
+        self.environment = cls
+        for name, _ in inspect.getmembers(cls, predicate=inspect.isfunction):
+            if name not in ("reset", "get_reward") and not name.startswith("_"):
+                self.methods.append(self._add(getattr(probe, name), key, spec))
 
     @classmethod
     def from_specs(cls, specs: list[str]) -> ToolBox:
-        """The tools ``module:function`` specs name."""
-        functions = []
+        """The tools ``module:name`` specs name."""
+        entries = []
         for i, spec in enumerate(specs):
             if ":" not in spec:
-                raise ConfigError(f"{KEY}.{i}", spec, "not 'module:function'")
-            functions.append(import_named(spec, f"{KEY}.{i}", "function"))
-        return cls(functions, specs)
+                raise ConfigError(f"{KEY}.{i}", spec, "not 'module:function' (or 'module:Class')")
+            entries.append(import_named(spec, f"{KEY}.{i}", "function or class"))
+        return cls(entries, specs)
 
     @property
     def names(self) -> list[str]:
-        return list(self.functions)
+        return [*self.functions, *self.methods]
 
-    async def run(self, call: ToolCall, timeout_s: float | None) -> tuple[Any, bool]:
-        """(the call's result, whether it failed): a failure's result is ``{'error': ...}``."""
-        if call.error is not None:
-            return {"error": call.error}, True
-        fn = self.functions.get(call.name)
-        if fn is None:
-            return {"error": f"no tool named {call.name!r}; the tools are {self.names}"}, True
-        try:
-            inspect.signature(fn).bind(**call.arguments)
-        except TypeError as exc:
-            return {"error": f"{call.name}: {exc}"}, True
-        try:
-            return await bounded(
-                f"tool {call.name}", timeout_s, functools.partial(fn, **call.arguments)
-            ), False
-        except EnvironmentTimeout as exc:
-            return {"error": str(exc)}, True
-        except Exception as exc:  # the user's tool raised: the model is told, as TRL tells it
-            return {"error": f"{type(exc).__name__}: {exc}"}, True
+    def for_episode(self) -> tuple[dict[str, Callable[..., Any]], Any]:
+        """An episode's tools by name, and its environment (None without a class): a new instance."""
+        if self.environment is None:
+            return dict(self.functions), None
+        environment = self.environment()
+        return {**self.functions, **{m: getattr(environment, m) for m in self.methods}}, environment
+
+
+async def run_tool(
+    tools: dict[str, Callable[..., Any]], call: ToolCall, timeout_s: float | None
+) -> tuple[Any, bool]:
+    """(the call's result, whether it failed): a failure's result is ``{'error': ...}``."""
+    if call.error is not None:
+        return {"error": call.error}, True
+    fn = tools.get(call.name)
+    if fn is None:
+        return {"error": f"no tool named {call.name!r}; the tools are {list(tools)}"}, True
+    try:
+        inspect.signature(fn).bind(**call.arguments)
+    except TypeError as exc:
+        return {"error": f"{call.name}: {exc}"}, True
+    try:
+        return await bounded(f"tool {call.name}", timeout_s, functools.partial(fn, **call.arguments)), False
+    except EnvironmentTimeout as exc:
+        return {"error": str(exc)}, True
+    except Exception as exc:  # the user's tool raised: the model is told, as TRL tells it
+        return {"error": f"{type(exc).__name__}: {exc}"}, True
 
 
 def _json_schema(fn: Callable[..., Any]) -> dict[str, Any]:
@@ -187,13 +231,25 @@ def check_tool_template(tokenizer: PreTrainedTokenizerBase, spec: str | None = N
 
 
 def tool_calling(
-    specs: list[str], tokenizer: PreTrainedTokenizerBase, template: str | None, step_timeout_s: float | None
+    specs: list[str],
+    tokenizer: PreTrainedTokenizerBase,
+    template: str | None,
+    step_timeout_s: float | None,
+    reward_workers: int = 0,
 ) -> tuple[PreTrainedTokenizerBase, EpisodeFunction]:
-    """``episode.tools`` checked (the functions, and ``template``, model.chat_template, rendering
-    them): the tokenizer an episode rollout renders with — a copy of ``tokenizer`` whose every
-    chat rendering passes the tools' schemas to the template (``tools=``, as transformers and TRL
-    pass them), so the prompt lists them — and the episode function."""
+    """``episode.tools`` checked (the tools, ``template``, model.chat_template, rendering them,
+    and an environment's rewards in this process: ``reward_workers``, task.reward_workers, 0): the
+    tokenizer an episode rollout renders with — a copy of ``tokenizer`` whose every chat
+    rendering passes the tools' schemas to the template (``tools=``, as transformers and TRL pass
+    them), so the prompt lists them — and the episode function."""
     tools = ToolBox.from_specs(specs)
+    if tools.environment is not None and reward_workers:
+        raise ConfigError(
+            "task.reward_workers",
+            reward_workers,
+            f"the reward functions get each episode's {tools.environment.__name__} ({KEY}), which "
+            "stays in its generator's process: set task.reward_workers=0",
+        )
     rendering = copy.copy(tokenizer)  # the policy's own renders as before
     kwargs = getattr(tokenizer, CHAT_TEMPLATE_KWARGS, {})
     setattr(rendering, CHAT_TEMPLATE_KWARGS, {**kwargs, "tools": tools.schemas})
@@ -212,26 +268,62 @@ def tool_episode(
                 f"{KEY} needs a conversational task (a prompt given as messages), so that the chat "
                 f"template shows the tools; prompt {task.prompt_id!r} is a string"
             )
-        messages = client.record.messages = []
-        while True:
-            turn = await client.generate()
-            calls = parse_tool_calls(turn)
-            content = turn if not calls else turn[: turn.index("<tool_call>")].rstrip()
-            messages.append(
-                {"role": "assistant", "content": content}
-                | ({"tool_calls": [c.as_message_call() for c in calls]} if calls else {})
-            )
-            if not calls or client.turns >= client.max_turns:
-                return None  # the task's reward functions score the episode
-            outcomes = await asyncio.gather(*(tools.run(c, step_timeout_s) for c in calls))
-            client.record.tool_calls += len(calls)
-            client.record.tool_failures += sum(failed for _, failed in outcomes)
-            results = [
-                {"role": "tool", "name": c.name, "content": r if isinstance(r, str) else str(r)}
-                for c, (r, _) in zip(calls, outcomes, strict=True)
-            ]
-            messages += results
-            client.observe_ids(tool_result_ids(tokenizer, results))
+        callables, environment = tools.for_episode()
+        record, messages = client.record, []
+        record.reward_inputs = {"completion_messages": messages}
+        if environment is not None:
+            record.reward_inputs["environment"] = environment
+            await _reset(environment, task, step_timeout_s)
+        with contextlib.suppress(EpisodeTruncated):  # a truncated episode is scored as it stands
+            await _turns(client, callables, messages, tokenizer, step_timeout_s)
+        if environment is not None and callable(getattr(environment, "get_reward", None)):
+            name = type(environment).__name__
+            value = await bounded(f"{name}.get_reward", step_timeout_s, environment.get_reward)
+            if not isinstance(value, int | float) or not math.isfinite(value):
+                raise ValueError(f"{name}.get_reward returned {value!r}, not a finite number")
+            record.own_rewards = {name: float(value)}
+        return None  # the task's reward functions score the episode
 
     episode.__name__ = f"tool_episode({', '.join(tools.names)})"
     return episode
+
+
+async def _reset(environment: Any, task: Prompt, timeout_s: float | None) -> None:
+    """``environment.reset(**row)``, the row as TRL gives it (prompt, answer, other columns)."""
+    name = type(environment).__name__
+    row = {"prompt": task.messages, "answer": task.answer, **task.extra}
+    opening = await bounded(f"{name}.reset", timeout_s, functools.partial(environment.reset, **row))
+    if opening is not None:
+        raise ValueError(
+            f"{name}.reset returned {type(opening).__name__} {opening!r}: a tool environment's reset sets it "
+            "up and returns None here (the prompt is the row's: put any text for the model in it)"
+        )
+
+
+async def _turns(
+    client: EpisodeClient,
+    callables: dict[str, Callable[..., Any]],
+    messages: list[dict[str, Any]],
+    tokenizer: PreTrainedTokenizerBase,
+    timeout_s: float | None,
+) -> None:
+    """Turns, and the calls in them, until a turn calls no tool or the last turn is taken."""
+    while True:
+        turn = await client.generate()
+        calls = parse_tool_calls(turn)
+        content = turn if not calls else turn[: turn.index("<tool_call>")].rstrip()
+        messages.append(
+            {"role": "assistant", "content": content}
+            | ({"tool_calls": [c.as_message_call() for c in calls]} if calls else {})
+        )
+        if not calls or client.turns >= client.max_turns:
+            return
+        outcomes = await asyncio.gather(*(run_tool(callables, c, timeout_s) for c in calls))
+        client.record.tool_calls += len(calls)
+        client.record.tool_failures += sum(failed for _, failed in outcomes)
+        results = [
+            {"role": "tool", "name": c.name, "content": r if isinstance(r, str) else str(r)}
+            for c, (r, _) in zip(calls, outcomes, strict=True)
+        ]
+        messages += results
+        client.observe_ids(tool_result_ids(tokenizer, results))

@@ -132,9 +132,10 @@ class Scored:
 
 
 # prompt, completion texts, completion ids[, more arguments: keyword -> one value per completion]
-# The more arguments are ``completion_steps`` (each completion's steps' texts, task.step_delimiter)
-# and ``completion_messages`` (an episode's messages, episode.tools: a batched function gets them
-# as its ``completions``, as TRL's get a tool-calling conversation).
+# The more arguments are ``completion_steps`` (each completion's steps' texts, task.step_delimiter),
+# and for episode.tools ``completion_messages`` (an episode's messages: a batched function gets them
+# as its ``completions``, as TRL's get a tool-calling conversation) and ``environment`` (its tool
+# environment: a batched function gets ``environments``, as TRL's).
 GroupToScore = (
     tuple[Prompt, list[str], list[list[int]]]
     | tuple[Prompt, list[str], list[list[int]], dict[str, list[Any]]]
@@ -328,6 +329,8 @@ class RewardSet:
             messages = columns.pop("completion_messages", None) or [
                 [{"role": "assistant", "content": t}] for t in texts
             ]
+            if "environment" in columns:  # TRL's name for a batch of them
+                columns["environments"] = columns.pop("environment")
             own: dict[str, Any] = {
                 "prompts": [reward_prompt(prompt)] * n,
                 "completions": [list(m) for m in messages] if prompt.messages is not None else list(texts),

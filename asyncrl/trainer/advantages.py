@@ -68,7 +68,7 @@ def assign_advantages(
     ]
     if reward_weights is not None:
         rewards = [
-            decoupled_rewards([s.reward_components for s in samples], r, reward_weights)
+            decoupled_rewards([s.reward_components for s in samples], r, _with_own(samples, reward_weights))
             for samples, r in zip(subgroups, rewards, strict=True)
         ]
     for samples, adv, reward in zip(
@@ -148,3 +148,10 @@ def zero_advantage_frac(groups: list[Group]) -> float:
         return all(a == 0 for a in sample.token_advantages)
 
     return sum(all(zero(s) for s in g.samples) for g in groups) / max(len(groups), 1)
+
+
+def _with_own(samples: list, weights: Mapping[str, float]) -> dict[str, float]:
+    """The functions' weights, and weight 1 for a reward an episode gives itself beside them (a
+    tool environment's get_reward, labelled with its class), as it is added to their sum."""
+    own = {label for s in samples for label in s.reward_components or () if label not in weights}
+    return {**dict.fromkeys(sorted(own), 1.0), **weights}

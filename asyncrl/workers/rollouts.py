@@ -87,7 +87,9 @@ def build_episode(
     with tools, one that also renders them: :func:`~asyncrl.episodes.tools.tool_calling`)."""
     episode = cfg.episode
     if episode.tools:
-        return tool_calling(episode.tools, tokenizer, cfg.model.chat_template, episode.step_timeout_s)
+        return tool_calling(
+            episode.tools, tokenizer, cfg.model.chat_template, episode.step_timeout_s, cfg.task.reward_workers
+        )
     if episode.environment is None:
         return tokenizer, None
     return tokenizer, resolve_episode(episode.environment, episode.max_turns, episode.step_timeout_s)

@@ -19,6 +19,7 @@ from asyncrl.episodes.tools import (
     ToolCall,
     check_tool_template,
     parse_tool_calls,
+    run_tool,
     tool_calling,
     tool_result_ids,
 )
@@ -82,6 +83,52 @@ def undocumented(a: int) -> int:
     return a
 
 
+class Counter:
+    """A tool environment (TRL's environment_factory): ``add`` counts its calls, the reward is the count."""
+
+    def __init__(self) -> None:
+        self.calls, self.row = 0, None
+
+    def reset(self, **row) -> None:
+        self.row = row
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: the first integer
+            b: the second integer
+        """
+        self.calls += 1
+        return a + b
+
+    def get_reward(self) -> float:
+        return float(self.calls)
+
+    def _helper(self) -> None:  # private: not a tool
+        return None
+
+
+class Opening(Counter):
+    def reset(self, **row) -> str:
+        return "here is a hint"
+
+
+class NoReset:
+    def add(self, a: int) -> int:
+        """Nothing.
+
+        Args:
+            a: anything
+        """
+        return a
+
+
+class Unbuildable(Counter):
+    def __init__(self) -> None:
+        raise OSError("no sandbox here")
+
+
 def tokenizer(template: str = CHAR_TOOLS):
     tok = build_char_tokenizer()
     apply_chat_template_override(tok, template)
@@ -134,9 +181,11 @@ def test_tools_are_checked_at_start_by_their_key() -> None:
 
 def test_a_call_that_cannot_run_gives_the_model_an_error_and_a_failure() -> None:
     box = ToolBox.from_specs([ADD, "tests.episodes.test_tools:broken", "tests.episodes.test_tools:slow_add"])
+    tools, environment = box.for_episode()
+    assert environment is None
 
     def run(c: ToolCall, timeout_s: float | None = 5.0):
-        return asyncio.run(box.run(c, timeout_s))
+        return asyncio.run(run_tool(tools, c, timeout_s))
 
     assert run(ToolCall("add", {"a": 2, "b": 3})) == (5, False)
     result, failed = run(ToolCall("mul", {"a": 2}))
@@ -232,7 +281,13 @@ class ScriptedTools(TurnEngine):
         return ids[: request.sampling.max_new_tokens]
 
 
-SEEN: list = []  # every completion a batched function was given
+SEEN: list = []  # every completion (or environment) a batched function was given
+
+
+def batched_environments(completions, environments, **_):
+    """TRL-style: records the episodes' environments, scores 0."""
+    SEEN.extend(environments)
+    return [0.0] * len(completions)
 
 
 def batched_last_message(prompts, completions, answer, **_):
@@ -308,7 +363,7 @@ def test_an_episode_calls_the_tool_reads_its_result_and_is_scored_by_the_task(tm
             )
             assert masked == f"<tool_response>{a + b}</tool_response>"
             assert (sample.reward, sample.reward_components) == (1.5, {"correct": 1.0, "last": 1.0})
-            assert (sample.tool_calls, sample.tool_failures, sample.messages) == (1, 0, None)
+            assert (sample.tool_calls, sample.tool_failures, sample.reward_inputs) == (1, 0, None)
             assert len(sample.turn_spans) == 2 and sample.finish_reason == "stop"
     assert SEEN[0] == [
         {
@@ -413,3 +468,72 @@ def test_prompts_are_measured_as_rendered_with_the_tool_list(tmp_path: Path) -> 
     cfg.episode.tools = []
     cfg.episode.environment = "tests.episodes.test_episodes:Echo"
     assert task_prompts(cfg).size == 1  # alone, it fits
+
+
+# -- tool environments (TRL's environment_factory) ----------------------------------------------------
+
+COUNTER = "tests.episodes.test_tools:Counter"
+
+
+def test_an_environment_class_gives_its_public_methods_as_tools_and_is_checked_at_start(
+    tmp_path: Path,
+) -> None:
+    box = ToolBox.from_specs([COUNTER])
+    assert (box.names, [s["function"]["name"] for s in box.schemas]) == (["add"], ["add"])
+    tools, first = box.for_episode()
+    _, second = box.for_episode()
+    assert first is not second and tools["add"].__self__ is first  # one instance per episode
+    cases = {
+        "tests.episodes.test_tools:NoReset": "an environment class needs a reset method",
+        "tests.episodes.test_tools:Unbuildable": "could not be built with no arguments: OSError: no sandbox here (",
+    }
+    for spec, problem in cases.items():
+        with pytest.raises(ConfigError) as err:
+            ToolBox.from_specs([spec])
+        assert err.value.key == "episode.tools.0" and problem in err.value.problem, str(err.value)
+    assert "test_tools.py:" in str(err.value)  # the user's constructor, by file and line
+    with pytest.raises(
+        ConfigError, match=r"episode\.tools\.1=.*a second environment class \(after Counter\)"
+    ):
+        ToolBox.from_specs([COUNTER, "tests.episodes.test_tools:Opening"])
+    with pytest.raises(ConfigError, match=r"episode\.tools\.1=.*a second tool named 'add'"):
+        ToolBox.from_specs([COUNTER, ADD])
+    with pytest.raises(
+        ConfigError, match=r"task\.reward_workers=2: .* each episode's Counter .* set task\.reward_workers=0"
+    ):
+        train(tool_config(tmp_path, f"episode.tools=[{COUNTER}]", "task.reward_workers=2"), tmp_path / "run")
+
+
+def test_an_environment_is_reset_with_the_row_its_reward_adds_and_reward_functions_get_it(
+    tmp_path: Path,
+) -> None:
+    cfg = tool_config(
+        tmp_path,
+        f"episode.tools=[{COUNTER}]",
+        "task.rewards=[{name: numeric_match}, {name: tests.episodes.test_tools:batched_environments, weight: 0}]",
+    )
+    prompts = [task_prompts(cfg).get(i) for i in range(2)]
+    SEEN.clear()
+    groups, _ = run_groups(cfg, ScriptedTools, prompts)
+    environments = [e for e in SEEN]
+    assert len(environments) == 4 and len({id(e) for e in environments}) == 4
+    for group in groups:
+        for sample in group.samples:
+            # The task's 1.0 for the right answer, plus Counter's 1.0 for one call.
+            assert (sample.reward, sample.reward_components) == (
+                2.0,
+                {"numeric_match": 1.0, "batched_environments": 0.0, "Counter": 1.0},
+            )
+    rows = sorted((e.row["answer"], e.row["prompt"][0]["content"]) for e in environments)
+    assert rows == [("42", "40+2="), ("42", "40+2="), ("5", "2+3="), ("5", "2+3=")]
+    assert all(e.calls == 1 for e in environments)
+
+
+def test_an_environment_whose_reset_returns_text_fails_its_episodes_by_name(tmp_path: Path) -> None:
+    cfg = tool_config(
+        tmp_path, "episode.tools=[tests.episodes.test_tools:Opening]", "task.rewards=[{name: numeric_match}]"
+    )
+    groups, _ = run_groups(cfg, ScriptedTools, [task_prompts(cfg).get(0)])
+    for sample in groups[0].samples:
+        assert sample.reward == 0.0 and sample.reward_components is None
+        assert "Opening.reset returned str 'here is a hint'" in sample.reward_error

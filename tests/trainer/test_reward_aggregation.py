@@ -55,3 +55,36 @@ def test_a_run_trains_on_the_decoupled_leave_one_out_advantages(tmp_path: Path) 
         assert [r["advantage"] for r in members] == pytest.approx(expected.tolist(), abs=1e-9)
         spread += len({r["rewards"]["format_regex"] for r in members}) > 1
     assert spread > 0  # some group's format reward varies: the test checks a non-trivial sum
+
+
+def test_an_episodes_own_reward_is_normalised_with_weight_one_beside_the_functions() -> None:
+    """A tool environment's get_reward (a label the functions' weights lack) counts with weight 1,
+    as it is added to their sum."""
+    from asyncrl.trainer.advantages import assign_advantages
+    from asyncrl.types import Group, Prompt, Sample
+
+    values = [(1.0, 0.0), (0.0, 2.0), (1.0, 1.0), (0.0, 0.0)]
+    samples = [
+        Sample(
+            prompt_id="p",
+            group_id=0,
+            prompt_ids=[1],
+            loss_mask=[1],
+            finish_reason="stop",
+            completion_ids=[2],
+            logprobs=[0.0],
+            versions=[0],
+            reward=a + b,
+            reward_components={"exact_match": a, "Counter": b},
+        )
+        for a, b in values
+    ]
+    assign_advantages([Group(0, Prompt("p", "q"), samples)], "none", reward_weights={"exact_match": 1.0})
+    components = [s.reward_components for s in samples]
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    (expected,) = group_advantages(
+        [decoupled_rewards(components, rewards, {"exact_match": 1.0, "Counter": 1.0})], "none"
+    )
+    assert [s.advantage for s in samples] == pytest.approx(expected.tolist(), abs=1e-12)
+    (without,) = group_advantages([decoupled_rewards(components, rewards, {"exact_match": 1.0})], "none")
+    assert not torch.allclose(expected, without)  # the own reward is not left out
