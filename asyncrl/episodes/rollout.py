@@ -279,11 +279,15 @@ class EpisodeRollout(Rollout):
     def preempt(self) -> list[PartialGroup]:
         """Stop every group in flight; returns each group's finished episodes. An episode still
         running is not kept: its environment's state cannot be saved, so after a resume it is
-        played again from the start."""
+        played again from the start — as is a finished one whose reward functions are still to
+        read its tool environment."""
         self._take_requests()
         partials = []
         for group_id, pending in sorted(self._pending.items()):
-            partials.append(PartialGroup(group_id, pending.prompt, dict(pending.samples)))
+            kept = {
+                i: s for i, s in pending.samples.items() if (s.reward_inputs or {}).get("environment") is None
+            }
+            partials.append(PartialGroup(group_id, pending.prompt, kept))
             self._cancel(group_id)
         return partials
 

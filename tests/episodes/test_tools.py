@@ -32,6 +32,7 @@ from asyncrl.reports.jsonl import read_jsonl
 from asyncrl.workers.rollouts import build_rollout
 from tests.helpers import REPO, TurnEngine, short_run
 
+DEADLINE_S = 120.0  # for scripted episodes to finish (they take well under a second)
 CHAR_TOOLS = str(REPO / "examples" / "data" / "char_tools.jinja")
 ADD = "tests.episodes.test_tools:add"
 # ChatML's shape on the char tokenizer: every message ends with EOS and a newline, and tools
@@ -328,12 +329,13 @@ def run_groups(cfg, engine_of, prompts):
     try:
         rollout.submit(list(enumerate(prompts)))
         done = []
-        for _ in range(200):
-            ready, dropped = rollout.step()
+        deadline = time.monotonic() + DEADLINE_S
+        while time.monotonic() < deadline:
+            ready, dropped = rollout.step()  # waits for the episodes when the engine has nothing to do
             done += ready + dropped
             if len(done) == len(prompts):
                 return sorted(done, key=lambda g: g.group_id), engine
-        raise AssertionError("the episodes did not finish")
+        raise AssertionError(f"the episodes did not finish within {DEADLINE_S}s")
     finally:
         rollout.close()
 
@@ -537,3 +539,46 @@ def test_an_environment_whose_reset_returns_text_fails_its_episodes_by_name(tmp_
     for sample in groups[0].samples:
         assert sample.reward == 0.0 and sample.reward_components is None
         assert "Opening.reset returned str 'here is a hint'" in sample.reward_error
+
+
+class HoldingSecond(ScriptedTools):
+    """ScriptedTools that never answers the second episode of a group: a stop finds it running."""
+
+    def step(self, admit: bool = True) -> list:
+        held = [r for r in self.waiting if r.request_id.split("/")[1] == "1"]
+        self.waiting = [r for r in self.waiting if r not in held]
+        out = super().step(admit)
+        self.waiting = held
+        return out
+
+
+@pytest.mark.parametrize("tools", [ADD, COUNTER])
+def test_a_stop_keeps_a_finished_tool_episode_unless_its_environment_is_still_to_be_read(
+    tmp_path: Path, tools: str
+) -> None:
+    """Preempted with episode 0 finished and episode 1 running: plain tools keep episode 0 (its
+    messages go with it, for the reward functions after the resume); with a tool environment it is
+    played again, as a running one is, since the environment cannot be saved."""
+    cfg = tool_config(tmp_path, f"episode.tools=[{tools}]", "task.rewards=[{name: numeric_match}]")
+    policy = load_policy("tiny:1m", device="cpu", dtype="float32", chat_template=CHAR_TOOLS)
+    rollout = build_rollout(
+        cfg, policy, HoldingSecond(tool_calling(cfg.episode.tools, policy.tokenizer, None, None)[0])
+    )
+    try:
+        rollout.submit([(0, task_prompts(cfg).get(0))])
+        deadline = time.monotonic() + DEADLINE_S
+        while not rollout._pending[0].samples and time.monotonic() < deadline:
+            rollout.step()
+            time.sleep(0.01)  # the held episode keeps the engine busy: step() would not wait for the other
+        assert rollout._pending[0].samples, f"episode 0 did not finish within {DEADLINE_S}s"
+        [partial] = rollout.preempt()
+    finally:
+        rollout.close()
+    if tools == ADD:
+        [(index, sample)] = partial.samples.items()
+        assert index == 0 and sample.reward_inputs["completion_messages"][-1] == {
+            "role": "assistant",
+            "content": "5",
+        }
+    else:
+        assert partial.samples == {}
