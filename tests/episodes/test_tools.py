@@ -430,16 +430,32 @@ def test_tool_settings_are_checked_by_name(tmp_path: Path) -> None:
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+def last_message_matches(completions, answer, **_):
+    """TRL-style: 1 when the last message's content is the answer as a number."""
+    out = []
+    for messages, a in zip(completions, answer, strict=True):
+        try:
+            out.append(float(float(messages[-1]["content"]) == float(a)))
+        except ValueError:
+            out.append(0.0)
+    return out
+
+
 @pytest.mark.multiprocess
-def test_the_shipped_tools_example_trains_and_logs_tool_metrics(tmp_path: Path) -> None:
-    """examples/tools.yaml, shortened, async with worker processes: the task's function scores every
-    episode, the books reconcile, and each step logs its tool metrics."""
+@pytest.mark.parametrize("reward_workers", [0, pytest.param(1, marks=pytest.mark.slow)])
+def test_the_shipped_tools_example_trains_and_logs_tool_metrics(tmp_path: Path, reward_workers: int) -> None:
+    """examples/tools.yaml, shortened, async with worker processes (and a reward pool): the task's
+    functions score every episode — a batched one reading the messages agrees with numeric_match
+    on the final answer, sample by sample — the books reconcile, and each step logs its tool metrics."""
     cfg = load_config(
         REPO / "examples" / "tools.yaml",
         [
             f"model.chat_template={CHAR_TOOLS}",
             f"task.path={REPO / 'examples' / 'data' / 'arith_chat.jsonl'}",
+            "task.rewards=[{name: numeric_match}, {name: tests.episodes.test_tools:last_message_matches, weight: 0}]",
+            f"task.reward_workers={reward_workers}",
             *short_run(2, prompts=4, group_size=4),
+            "run.log_completions=16",
             "schedule=async",
             "runtime.kind=local",
         ],
@@ -451,6 +467,9 @@ def test_the_shipped_tools_example_trains_and_logs_tool_metrics(tmp_path: Path) 
     for m in metrics:
         assert m["reward_errors"] == 0 and 0.0 <= m["reward/numeric_match"] <= 1.0
         assert m["tool_calls_mean"] >= 0.0 and 0.0 <= m["tool_failure_frac"] <= 1.0
+    completions = read_jsonl(tmp_path / "run" / "completions.jsonl")
+    assert len(completions) == 32
+    assert all(c["rewards"]["numeric_match"] == c["rewards"]["last_message_matches"] for c in completions)
 
 
 def test_prompts_are_measured_as_rendered_with_the_tool_list(tmp_path: Path) -> None:
