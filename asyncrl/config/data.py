@@ -231,6 +231,13 @@ class EpisodeConfig(Section):
         "tool message, and the task's reward functions score the episode. Needs a conversational task "
         "and a template that renders tool calls; not with environment.",
     )
+    tool_parser: str = Field(
+        "hermes",
+        description="How tool calls are read from a turn (episode.tools): 'hermes' (<tool_call>{json}"
+        "</tool_call> blocks), 'response_template' (the tokenizer's own response template, read by "
+        "transformers' parse_response: Qwen3.5's XML parameters, Llama's or GPT-OSS's formats), or a "
+        "JSON file holding a response template.",
+    )
     max_turns: int = Field(
         4,
         ge=1,

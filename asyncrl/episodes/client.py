@@ -126,6 +126,14 @@ class EpisodeClient:
             self.record.truncated = True  # cut by the episode budget mid-turn
         return self._decode(list(result.completion_ids))
 
+    def last_turn(self) -> tuple[list[int], list[int]]:
+        """The tokens before the latest model turn (prompt and episode so far), and the turn's."""
+        start, end = self.record.turn_spans[-1]
+        ids = self.context_ids
+        return ids[: len(self.prompt_ids) + start], ids[
+            len(self.prompt_ids) + start : len(self.prompt_ids) + end
+        ]
+
     def observe(self, text: str) -> None:
         """Append what the environment answers (not trained); cut at the token budget."""
         self.observe_ids(self._encode_observation(text))

@@ -8,8 +8,9 @@ every rendering, so the prompt lists them as the model's template lists tools. A
 then (after its environment's ``reset(**row)``):
 
 1. the model's turn;
-2. the tool calls in it, in the Hermes format that Qwen2.5, Qwen3 and Hermes templates
-   teach — ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one block per call;
+2. the tool calls in it, by default in the Hermes format that Qwen2.5, Qwen3 and Hermes
+   templates teach — ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one block
+   per call — or read by a response template (``episode.tool_parser``, :class:`TemplateParser`);
    a turn without one ends the episode (it is the answer);
 3. each call run (a blocking one in a thread of ``episode.tool_threads``, all of a turn's
    at once, each bounded by ``episode.step_timeout_s``), and the results appended as tool
@@ -39,7 +40,8 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 from transformers import PreTrainedTokenizerBase
 
@@ -55,6 +57,7 @@ if TYPE_CHECKING:
     from asyncrl.episodes.client import EpisodeClient
 
 KEY = "episode.tools"
+PARSER_KEY = "episode.tool_parser"
 _CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
@@ -92,6 +95,84 @@ def parse_tool_calls(turn: str) -> list[ToolCall]:
             continue
         calls.append(ToolCall(body["name"], arguments))
     return calls
+
+
+class ToolCallParser(Protocol):
+    """Reads a model turn: its assistant message (``content``, ``tool_calls`` and what else the
+    format holds) and the calls to run, in order (none: the turn is an answer)."""
+
+    def __call__(self, client: EpisodeClient, turn: str) -> tuple[dict[str, Any], list[ToolCall]]: ...
+
+
+def hermes_parser(client: EpisodeClient, turn: str) -> tuple[dict[str, Any], list[ToolCall]]:
+    """``episode.tool_parser: hermes``: :func:`parse_tool_calls` on the turn's text."""
+    calls = parse_tool_calls(turn)
+    if not calls:
+        return {"role": "assistant", "content": turn}, []
+    content = turn[: turn.index("<tool_call>")].rstrip()
+    return {
+        "role": "assistant",
+        "content": content,
+        "tool_calls": [c.as_message_call() for c in calls],
+    }, calls
+
+
+class TemplateParser:
+    """``episode.tool_parser``: a response template (transformers' ``parse_response``), the
+    tokenizer's own or one from a JSON file, for formats other than Hermes (Qwen3.5's XML
+    parameters, Llama's, GPT-OSS's...). The turn is read with its special tokens, after the
+    context that precedes it (the template's start anchor is in the generation prompt)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: dict[str, Any]) -> None:
+        self.tokenizer, self.template = tokenizer, template
+
+    def __call__(self, client: EpisodeClient, turn: str) -> tuple[dict[str, Any], list[ToolCall]]:
+        before, ids = client.last_turn()
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=False)
+        message = dict(self.tokenizer.parse_response(decode(ids), self.template, prefix=decode(before)))
+        message["content"] = message.get("content") or ""
+        calls = [_template_call(c) for c in message.get("tool_calls") or ()]
+        return message, calls
+
+
+def _template_call(entry: Any) -> ToolCall:
+    function = entry.get("function") if isinstance(entry, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        return ToolCall("unknown", {}, f"the tool call {entry!r} has no function name")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        with contextlib.suppress(json.JSONDecodeError):
+            arguments = json.loads(arguments)
+    if not isinstance(arguments, dict):
+        return ToolCall(function["name"], {}, '"arguments" is not an object')
+    return ToolCall(function["name"], arguments)
+
+
+def tool_parser(spec: str, tokenizer: PreTrainedTokenizerBase) -> ToolCallParser:
+    """``episode.tool_parser``: 'hermes', 'response_template' (the tokenizer's own, as transformers
+    reads it from tokenizer_config.json) or a JSON file holding a response template; a template
+    is tried on a rendered generation prompt at start."""
+    if spec == "hermes":
+        return hermes_parser
+    if spec == "response_template":
+        template = getattr(tokenizer, "response_template", None)
+        if not template:
+            raise ConfigError(
+                PARSER_KEY, spec, "the tokenizer has no response_template: give one as a JSON file instead"
+            )
+    else:
+        try:
+            template = json.loads(Path(spec).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(
+                PARSER_KEY, spec, f"neither 'hermes', 'response_template' nor a JSON file ({exc})"
+            ) from None
+    prompt = render_chat(tokenizer, [{"role": "user", "content": "."}], add_generation_prompt=True)
+    try:
+        tokenizer.parse_response("", template, prefix=prompt)
+    except Exception as exc:  # transformers' ValueError on a template it cannot use
+        raise ConfigError(PARSER_KEY, spec, f"the response template does not parse a turn: {exc}") from None
+    return TemplateParser(tokenizer, template)
 
 
 class ToolBox:
@@ -236,9 +317,11 @@ def tool_calling(
     template: str | None,
     step_timeout_s: float | None,
     reward_workers: int = 0,
+    parser: str = "hermes",
 ) -> tuple[PreTrainedTokenizerBase, EpisodeFunction]:
     """``episode.tools`` checked (the tools, ``template``, model.chat_template, rendering them,
-    and an environment's rewards in this process: ``reward_workers``, task.reward_workers, 0): the
+    an environment's rewards in this process: ``reward_workers``, task.reward_workers, 0, and
+    ``parser``, episode.tool_parser): the
     tokenizer an episode rollout renders with — a copy of ``tokenizer`` whose every chat
     rendering passes the tools' schemas to the template (``tools=``, as transformers and TRL pass
     them), so the prompt lists them — and the episode function."""
@@ -254,11 +337,14 @@ def tool_calling(
     kwargs = getattr(tokenizer, CHAT_TEMPLATE_KWARGS, {})
     setattr(rendering, CHAT_TEMPLATE_KWARGS, {**kwargs, "tools": tools.schemas})
     check_tool_template(rendering, template)
-    return rendering, tool_episode(tools, rendering, step_timeout_s)
+    return rendering, tool_episode(tools, rendering, step_timeout_s, tool_parser(parser, rendering))
 
 
 def tool_episode(
-    tools: ToolBox, tokenizer: PreTrainedTokenizerBase, step_timeout_s: float | None
+    tools: ToolBox,
+    tokenizer: PreTrainedTokenizerBase,
+    step_timeout_s: float | None,
+    parser: ToolCallParser = hermes_parser,
 ) -> EpisodeFunction:
     """The episode function of ``episode.tools`` (see the module doc)."""
 
@@ -275,7 +361,7 @@ def tool_episode(
             record.reward_inputs["environment"] = environment
             await _reset(environment, task, step_timeout_s)
         with contextlib.suppress(EpisodeTruncated):  # a truncated episode is scored as it stands
-            await _turns(client, callables, messages, tokenizer, step_timeout_s)
+            await _turns(client, callables, messages, tokenizer, parser, step_timeout_s)
         if environment is not None and callable(getattr(environment, "get_reward", None)):
             name = type(environment).__name__
             value = await bounded(f"{name}.get_reward", step_timeout_s, environment.get_reward)
@@ -305,17 +391,13 @@ async def _turns(
     callables: dict[str, Callable[..., Any]],
     messages: list[dict[str, Any]],
     tokenizer: PreTrainedTokenizerBase,
+    parser: ToolCallParser,
     timeout_s: float | None,
 ) -> None:
     """Turns, and the calls in them, until a turn calls no tool or the last turn is taken."""
     while True:
-        turn = await client.generate()
-        calls = parse_tool_calls(turn)
-        content = turn if not calls else turn[: turn.index("<tool_call>")].rstrip()
-        messages.append(
-            {"role": "assistant", "content": content}
-            | ({"tool_calls": [c.as_message_call() for c in calls]} if calls else {})
-        )
+        message, calls = parser(client, await client.generate())
+        messages.append(message)
         if not calls or client.turns >= client.max_turns:
             return
         outcomes = await asyncio.gather(*(run_tool(callables, c, timeout_s) for c in calls))

@@ -88,7 +88,12 @@ def build_episode(
     episode = cfg.episode
     if episode.tools:
         return tool_calling(
-            episode.tools, tokenizer, cfg.model.chat_template, episode.step_timeout_s, cfg.task.reward_workers
+            episode.tools,
+            tokenizer,
+            cfg.model.chat_template,
+            episode.step_timeout_s,
+            cfg.task.reward_workers,
+            episode.tool_parser,
         )
     if episode.environment is None:
         return tokenizer, None

@@ -15,12 +15,15 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.control.run import train
 from asyncrl.episodes.tools import (
+    TemplateParser,
     ToolBox,
     ToolCall,
     check_tool_template,
+    hermes_parser,
     parse_tool_calls,
     run_tool,
     tool_calling,
+    tool_parser,
     tool_result_ids,
 )
 from asyncrl.errors import ConfigError, DatasetError
@@ -262,17 +265,18 @@ class ScriptedTools(TurnEngine):
     """An engine whose "model" calls ``add`` on the prompt's numbers, then answers with the
     number in the tool's result (or with whatever ``answer`` says when it saw an error)."""
 
-    def __init__(self, tok, first=None, answer=None) -> None:
+    def __init__(self, tok, first=None, answer=None, results=r"<tool_response>(.*?)</tool_response>") -> None:
         super().__init__(tok.eos_token_id, self._respond, logprob=-0.5)
         self.tok = tok
         self.first = first or (lambda a, b: call("add", a=a, b=b))
         self.answer = answer or (lambda result: result)
+        self.results = results  # how the template shows a tool's result
         self.contexts: list[str] = []
 
     def _respond(self, request) -> list[int]:
         context = self.tok.decode(request.prompt_ids)
         self.contexts.append(context)
-        responses = re.findall(r"<tool_response>(.*?)</tool_response>", context)
+        responses = re.findall(self.results, context)
         if responses:
             text = self.answer(responses[-1])
         else:
@@ -280,6 +284,16 @@ class ScriptedTools(TurnEngine):
             text = self.first(int(a), int(b))
         ids = self.tok(text, add_special_tokens=False).input_ids + [self.tok.eos_token_id]
         return ids[: request.sampling.max_new_tokens]
+
+
+def add_2_3_messages(before_the_call: str) -> list[dict]:
+    """The messages of the episode on 2+3= that calls add once and answers 5."""
+    call_message = [ToolCall("add", {"a": 2, "b": 3}).as_message_call()]
+    return [
+        {"role": "assistant", "content": before_the_call, "tool_calls": call_message},
+        {"role": "tool", "name": "add", "content": "5"},
+        {"role": "assistant", "content": "5"},
+    ]
 
 
 SEEN: list = []  # every completion (or environment) a batched function was given
@@ -323,7 +337,7 @@ def tool_config(tmp_path: Path, *overrides: str):
 
 
 def run_groups(cfg, engine_of, prompts):
-    policy = load_policy("tiny:1m", device="cpu", dtype="float32", chat_template=CHAR_TOOLS)
+    policy = load_policy("tiny:1m", device="cpu", dtype="float32", chat_template=cfg.model.chat_template)
     engine = engine_of(tool_calling(cfg.episode.tools, policy.tokenizer, None, None)[0])
     rollout = build_rollout(cfg, policy, engine)
     try:
@@ -367,15 +381,7 @@ def test_an_episode_calls_the_tool_reads_its_result_and_is_scored_by_the_task(tm
             assert (sample.reward, sample.reward_components) == (1.5, {"correct": 1.0, "last": 1.0})
             assert (sample.tool_calls, sample.tool_failures, sample.reward_inputs) == (1, 0, None)
             assert len(sample.turn_spans) == 2 and sample.finish_reason == "stop"
-    assert SEEN[0] == [
-        {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [ToolCall("add", {"a": 2, "b": 3}).as_message_call()],
-        },
-        {"role": "tool", "name": "add", "content": "5"},
-        {"role": "assistant", "content": "5"},
-    ]
+    assert SEEN[0] == add_2_3_messages("")
 
 
 def test_a_failing_call_is_shown_to_the_model_and_the_turn_budget_ends_the_episode(tmp_path: Path) -> None:
@@ -601,3 +607,81 @@ def test_a_stop_keeps_a_finished_tool_episode_unless_its_environment_is_still_to
         }
     else:
         assert partial.samples == {}
+
+
+# -- other call formats: response templates ----------------------------------------------------------
+
+# Qwen3.5's shape of a call (XML parameters, not JSON), read by a response template whose anchor is
+# the generation prompt of CHATML_TOOLS.
+XML_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "[assistant]",
+    "fields": {
+        "tool_calls": {
+            "open_pattern": r"<tool_call>\s*<function=(?P<name>[^\n>]+)>",
+            "close_pattern": r"</tool_call>\s*",
+            "repeats": True,
+            "content": "xml-inline",
+            "content_args": {
+                "tag_pattern": r"<parameter=(?P<key>[^>\n]+)>\s*(?P<value>.*?)\s*</parameter>",
+                "value_parser": {"name": "json", "args": {"allow_non_json": True}},
+            },
+            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
+        },
+        "content": {"close_pattern": r"<eos>\s*", "content": "text"},
+    },
+}
+
+
+def xml_call(name: str, **arguments) -> str:
+    parameters = "".join(f"<parameter={k}>{v}</parameter>" for k, v in arguments.items())
+    return f"<tool_call><function={name}>{parameters}</tool_call>"
+
+
+def test_a_response_template_reads_calls_in_another_format(tmp_path: Path) -> None:
+    (tmp_path / "chatml.jinja").write_text(CHATML_TOOLS, encoding="utf-8")
+    (tmp_path / "xml.json").write_text(json.dumps(XML_TEMPLATE), encoding="utf-8")
+    cfg = tool_config(
+        tmp_path,
+        f"model.chat_template={tmp_path / 'chatml.jinja'}",
+        f"episode.tool_parser={tmp_path / 'xml.json'}",
+        "task.rewards=[{name: numeric_match}, {name: tests.episodes.test_tools:batched_last_message, weight: 0}]",
+    )
+    SEEN.clear()
+    groups, _ = run_groups(
+        cfg,
+        lambda tok: ScriptedTools(
+            tok, first=lambda a, b: "let me " + xml_call("add", a=a, b=b), results=r"\[tool\](.*?)<eos>"
+        ),
+        [task_prompts(cfg).get(0)],
+    )
+    for sample in groups[0].samples:
+        assert (sample.reward, sample.reward_error, sample.tool_calls, sample.tool_failures) == (
+            1.0,
+            None,
+            1,
+            0,
+        )
+    assert SEEN[0] == add_2_3_messages("let me")
+
+
+def test_tool_parsers_are_checked_at_start_by_name(tmp_path: Path) -> None:
+    tok = tokenizer(CHATML_TOOLS)
+    with pytest.raises(
+        ConfigError, match=r"episode\.tool_parser='response_template': the tokenizer has no response_template"
+    ):
+        tool_parser("response_template", tok)
+    (tmp_path / "bad.json").write_text("{not json", encoding="utf-8")
+    with pytest.raises(
+        ConfigError,
+        match=r"episode\.tool_parser=.*bad\.json': neither 'hermes', 'response_template' nor a JSON file",
+    ):
+        tool_parser(str(tmp_path / "bad.json"), tok)
+    (tmp_path / "anchorless.json").write_text(
+        json.dumps({**XML_TEMPLATE, "start_anchor": None}), encoding="utf-8"
+    )
+    with pytest.raises(ConfigError, match=r"the response template does not parse a turn: .*start_anchor"):
+        tool_parser(str(tmp_path / "anchorless.json"), tok)
+    tok.response_template = XML_TEMPLATE  # as transformers sets it from tokenizer_config.json
+    assert isinstance(tool_parser("response_template", tok), TemplateParser)
+    assert tool_parser("hermes", tok) is hermes_parser
