@@ -14,16 +14,18 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.control.run import train
-from asyncrl.episodes.tools import (
+from asyncrl.episodes.tool_calls import (
     TemplateParser,
-    ToolBox,
     ToolCall,
-    check_tool_template,
     hermes_parser,
     parse_tool_calls,
+    tool_parser,
+)
+from asyncrl.episodes.tools import (
+    ToolBox,
+    check_tool_template,
     run_tool,
     tool_calling,
-    tool_parser,
     tool_result_ids,
 )
 from asyncrl.errors import ConfigError, DatasetError
