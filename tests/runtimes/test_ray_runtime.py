@@ -458,16 +458,18 @@ def test_actors_the_cluster_cannot_place_fail_the_start_within_start_timeout(tmp
             *short_run(1),
             "runtime.kind=ray",
             "runtime.ray.num_cpus=4",
-            "runtime.start_timeout_s=20",  # also the bound of Ray's own start, on a loaded machine
+            # Also the bound of Ray's own start and of the trainer's actor answering, which on a
+            # loaded machine (the whole suite and a busy loop on 2 cores) took more than 20 s.
+            "runtime.start_timeout_s=60",
             "runtime.ray.generator.memory_gb=100000",
         ],
     )
     t0 = time.monotonic()
     with pytest.raises(
-        WorkerError, match=r"\['generator-0'\] did not start within 20s \(runtime\.start_timeout_s\)"
+        WorkerError, match=r"\['generator-0'\] did not start within 60s \(runtime\.start_timeout_s\)"
     ):
         train(cfg, tmp_path / "run")  # (the fixture checks that no process is left)
-    assert 20.0 <= time.monotonic() - t0 < 120
+    assert 60.0 <= time.monotonic() - t0 < 300
 
 
 def test_actors_that_need_more_than_the_local_instance_holds_are_refused_at_once(tmp_path: Path) -> None:
