@@ -3,7 +3,9 @@
 ``hermes`` (the default) finds ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
 blocks, the format Qwen2.5, Qwen3 and Hermes templates teach. Other formats are read by a
 response template, transformers' ``parse_response`` as TRL uses it: the tokenizer's own
-(``response_template`` from its tokenizer_config.json) or one from a JSON file.
+(``response_template`` from its tokenizer_config.json) or one from a JSON file. A Hermes block
+that cannot be run (bad JSON, no name) is a call that fails, and the model is told why; a turn a
+response template cannot read at all is an answer.
 """
 
 from __future__ import annotations
@@ -96,7 +98,10 @@ class TemplateParser:
     def __call__(self, client: EpisodeClient, turn: str) -> tuple[dict[str, Any], list[ToolCall]]:
         before, ids = client.last_turn()
         decode = functools.partial(self.tokenizer.decode, skip_special_tokens=False)
-        message = dict(self.tokenizer.parse_response(decode(ids), self.template, prefix=decode(before)))
+        try:
+            message = dict(self.tokenizer.parse_response(decode(ids), self.template, prefix=decode(before)))
+        except ValueError:  # what the model wrote does not fit the template: an answer, as text
+            return {"role": "assistant", "content": turn}, []
         message["content"] = message.get("content") or ""
         calls = [_template_call(c) for c in message.get("tool_calls") or ()]
         return message, calls

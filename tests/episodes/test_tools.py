@@ -687,3 +687,42 @@ def test_tool_parsers_are_checked_at_start_by_name(tmp_path: Path) -> None:
     tok.response_template = XML_TEMPLATE  # as transformers sets it from tokenizer_config.json
     assert isinstance(tool_parser("response_template", tok), TemplateParser)
     assert tool_parser("hermes", tok) is hermes_parser
+
+
+def test_a_turn_the_response_template_cannot_read_is_an_answer() -> None:
+    """A JSON-call template on a call whose JSON is broken: transformers cannot parse the turn, so
+    it is read as an answer (no call to run), not as the failure of the episode."""
+    tok = tokenizer(CHATML_TOOLS)
+    json_calls = {
+        "defaults": {"role": "assistant"},
+        "start_anchor": "[assistant]",
+        "fields": {
+            "tool_calls": {
+                "open": "<tool_call>",
+                "close_pattern": r"</tool_call>\s*",
+                "repeats": True,
+                "content": "json",
+                "transform": {"type": "function", "function": "{content}"},
+            },
+            "content": {"close_pattern": r"<eos>\s*", "content": "text"},
+        },
+    }
+    parser = TemplateParser(tok, json_calls)
+
+    class Client:  # the context before the turn, and the turn
+        def __init__(self, turn: str) -> None:
+            self.ids = (
+                tok("[user]2+3=<eos>\n[assistant]", add_special_tokens=False).input_ids,
+                tok(turn, add_special_tokens=False).input_ids,
+            )
+
+        def last_turn(self):
+            return self.ids
+
+    broken = '<tool_call>{"name": "add", oops</tool_call>'
+    assert parser(Client(broken), broken) == ({"role": "assistant", "content": broken}, [])
+    good = call("add", a=2, b=3)
+    message, calls = parser(Client(good), good)
+    assert calls == [ToolCall("add", {"a": 2, "b": 3})] and message["tool_calls"] == [
+        calls[0].as_message_call()
+    ]
