@@ -198,9 +198,12 @@ class Config(Section):
             if not agents.roles:
                 agents.roles = [RoleSpec(name=name, prompt=prompt) for name, prompt in BUILTIN_TEAMS[env]]
         elif env in (None, "calculator", "guess") and agents.roles:
-            raise ValueError(
-                f"multi_agent.roles needs an episode function that plays roles; episode.environment={env} does not"
+            plays = (
+                "episode.tools plays one agent"
+                if self.episode.tools
+                else f"episode.environment={env} does not"
             )
+            raise ValueError(f"multi_agent.roles needs an episode function that plays roles; {plays}")
         if not agents.enabled:
             if agents.policies:
                 raise ValueError(

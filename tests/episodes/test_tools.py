@@ -423,6 +423,11 @@ def test_tool_settings_are_checked_by_name(tmp_path: Path) -> None:
         ConfigError, match=r"episode\.tools runs the tool-calling episode; episode\.environment"
     ):
         tool_config(tmp_path, "episode.environment=tests.episodes.test_episodes:Echo")
+    with pytest.raises(
+        ConfigError,
+        match=r"multi_agent\.roles needs an episode function that plays roles; episode\.tools plays one agent",
+    ):
+        tool_config(tmp_path, "multi_agent.roles=[{name: a}, {name: b}]")
     with pytest.raises(ConfigError, match=r"task\.step_delimiter"):
         tool_config(tmp_path, "task.step_delimiter=\\n")
     with pytest.raises(ConfigError, match=r"pivot\.branches > 0.*episode\.tools"):
