@@ -200,6 +200,7 @@ class Sample(Tokens):
     # its reward functions receive besides the text (dropped once it is scored).
     tool_calls: int | None = None
     tool_failures: int = 0
+    tool_error: str | None = None
     reward_inputs: dict[str, Any] | None = None
     # Per completion token, when step rewards make advantages differ along the completion
     # (algorithm.step_rewards); None: every token takes ``advantage``.

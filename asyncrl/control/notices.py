@@ -27,33 +27,47 @@ NOTICE_EVERY_S = 60.0  # the least time between two notices of sample errors
 
 
 class ErrorNotices:
-    """Warning lines for the sample errors of generated groups (see the module doc)."""
+    """Warning lines for the sample errors of generated groups (see the module doc), and for the
+    user's tools that raise (episode.tools: the model is told, the episode goes on, and the run's
+    user would otherwise read of it only as ``tool_failure_frac``)."""
 
     def __init__(self, cfg: Config, warn: Callable[[str], None]) -> None:
         self.rule = cfg.task.reward_on_error
-        self.warn = warn
-        self._unreported = 0
-        self._last_notice: float | None = None
+        self._samples = _Notice(warn, "failed samples")
+        self._tools = _Notice(warn, "groups with a tool that failed")
 
     def trained(self, header: GroupHeader) -> None:
         """A generated group whose failed samples (if any) were scored by reward_on_error=zero."""
+        where = f"prompt {header.prompt_id!r} (group {header.group_id})"
         if header.reward_errors:
-            where = f"prompt {header.prompt_id!r} (group {header.group_id})"
-            self._note(
-                header.reward_errors,
-                _placed(header.first_error, where),
-                f"scored 0 (task.reward_on_error={self.rule})",
+            outcome = f"scored 0 (task.reward_on_error={self.rule})"
+            self._samples.note(header.reward_errors, _placed(header.first_error, where), outcome)
+        if header.tool_error:
+            self._tools.note(
+                1, f"{header.tool_error} on {where}", "the model was given the error as the result"
             )
 
     def dropped(self, event: GroupDropped) -> None:
         """A group its generator dropped (a reward error under drop_group, or nothing to train)."""
         error = _placed(event.error, f"group {event.group_id}")
         if event.reason == "nothing_to_train":
-            self._note(1, error, "its group dropped: a sample with no model turn has nothing to train")
+            self._samples.note(
+                1, error, "its group dropped: a sample with no model turn has nothing to train"
+            )
         elif event.error is not None:
-            self._note(1, error, f"its group dropped (task.reward_on_error={self.rule})")
+            self._samples.note(1, error, f"its group dropped (task.reward_on_error={self.rule})")
 
-    def _note(self, count: int, error: str | None, outcome: str) -> None:
+
+class _Notice:
+    """One kind of failure's warning lines: the first at once, later ones at most every
+    ``NOTICE_EVERY_S`` with their count since the last."""
+
+    def __init__(self, warn: Callable[[str], None], counted: str) -> None:
+        self.warn, self.counted = warn, counted
+        self._unreported = 0
+        self._last_notice: float | None = None
+
+    def note(self, count: int, error: str | None, outcome: str) -> None:
         self._unreported += count
         now = time.monotonic()
         if self._last_notice is not None and now - self._last_notice < NOTICE_EVERY_S:
@@ -63,7 +77,7 @@ class ErrorNotices:
             self.warn(f"{what}; {outcome}")
         else:
             self.warn(
-                f"{self._unreported} more failed samples in the last {now - self._last_notice:.0f}s; "
+                f"{self._unreported} more {self.counted} in the last {now - self._last_notice:.0f}s; "
                 f"the last: {what}; {outcome}"
             )
         self._last_notice, self._unreported = now, 0

@@ -51,10 +51,22 @@ class EpisodeRecord:
     own_rewards: dict[str, float] | None = None
     tool_calls: int = 0
     tool_failures: int = 0
+    tool_error: str | None = None  # the first a user's tool raised (or ran late), named
 
     @property
     def length(self) -> int:
         return self.tokens.num_completion_tokens
+
+    def tool_fields(self) -> dict[str, Any]:
+        """A tool-calling episode's fields of its :class:`~asyncrl.types.Sample` (none of another)."""
+        if self.reward_inputs is None:
+            return {}
+        return dict(
+            tool_calls=self.tool_calls,
+            tool_failures=self.tool_failures,
+            tool_error=self.tool_error,
+            reward_inputs=self.reward_inputs,
+        )
 
     def append(self, tokens: Tokens, trained: bool) -> None:
         self.tokens.extend(tokens)

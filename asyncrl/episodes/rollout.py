@@ -473,10 +473,8 @@ class EpisodeRollout(Rollout):
             reward_error=error,
             turn_spans=record.turn_spans,
             turn_rewards=record.turn_rewards,
-            tool_calls=record.tool_calls if record.reward_inputs is not None else None,
-            tool_failures=record.tool_failures,
-            reward_inputs=record.reward_inputs,
             reward_components=record.own_rewards,
+            **record.tool_fields(),
         )
 
     def outcomes(self, group: Group) -> list[float]:

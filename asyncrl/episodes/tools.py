@@ -37,6 +37,7 @@ import functools
 import inspect
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerBase
@@ -133,25 +134,41 @@ class ToolBox:
         return {**self.functions, **{m: getattr(environment, m) for m in self.methods}}, environment
 
 
+@dataclass(frozen=True)
+class ToolOutcome:
+    """A call's result (a failure's is ``{'error': ...}``, what the model is told), and, when the
+    user's tool raised or ran late, that error named for the run's user (file and line)."""
+
+    result: Any
+    failed: bool = False
+    user_error: str | None = None
+
+
 async def run_tool(
     tools: dict[str, Callable[..., Any]], call: ToolCall, timeout_s: float | None
-) -> tuple[Any, bool]:
-    """(the call's result, whether it failed): a failure's result is ``{'error': ...}``."""
+) -> ToolOutcome:
+    """Run one call; a call the model got wrong, or a tool that fails, is a failed outcome."""
     if call.error is not None:
-        return {"error": call.error}, True
+        return ToolOutcome({"error": call.error}, True)
     fn = tools.get(call.name)
     if fn is None:
-        return {"error": f"no tool named {call.name!r}; the tools are {list(tools)}"}, True
+        return ToolOutcome({"error": f"no tool named {call.name!r}; the tools are {list(tools)}"}, True)
     try:
         inspect.signature(fn).bind(**call.arguments)
     except TypeError as exc:
-        return {"error": f"{call.name}: {exc}"}, True
+        return ToolOutcome({"error": f"{call.name}: {exc}"}, True)
     try:
-        return await bounded(f"tool {call.name}", timeout_s, functools.partial(fn, **call.arguments)), False
+        return ToolOutcome(
+            await bounded(f"tool {call.name}", timeout_s, functools.partial(fn, **call.arguments))
+        )
     except EnvironmentTimeout as exc:
-        return {"error": str(exc)}, True
+        return ToolOutcome({"error": str(exc)}, True, str(exc))
     except Exception as exc:  # the user's tool raised: the model is told, as TRL tells it
-        return {"error": f"{type(exc).__name__}: {exc}"}, True
+        return ToolOutcome(
+            {"error": f"{type(exc).__name__}: {exc}"},
+            True,
+            f"tool {call.name} raised {describe_user_error(exc)}",
+        )
 
 
 def _json_schema(fn: Callable[..., Any]) -> dict[str, Any]:
@@ -282,11 +299,17 @@ async def _turns(
         if not calls or client.turns >= client.max_turns:
             return
         outcomes = await asyncio.gather(*(run_tool(callables, c, timeout_s) for c in calls))
-        client.record.tool_calls += len(calls)
-        client.record.tool_failures += sum(failed for _, failed in outcomes)
+        record = client.record
+        record.tool_calls += len(calls)
+        record.tool_failures += sum(o.failed for o in outcomes)
+        record.tool_error = record.tool_error or next((o.user_error for o in outcomes if o.user_error), None)
         results = [
-            {"role": "tool", "name": c.name, "content": r if isinstance(r, str) else str(r)}
-            for c, (r, _) in zip(calls, outcomes, strict=True)
+            {
+                "role": "tool",
+                "name": c.name,
+                "content": o.result if isinstance(o.result, str) else str(o.result),
+            }
+            for c, o in zip(calls, outcomes, strict=True)
         ]
         messages += results
         client.observe_ids(tool_result_ids(tokenizer, results))

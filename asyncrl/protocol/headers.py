@@ -33,6 +33,7 @@ def group_header(group: Group) -> GroupHeader:
         if any(s.tool_calls is not None for s in samples)
         else None,
         first_error=group.first_error,
+        tool_error=next((s.tool_error for s in samples if s.tool_error), None),
     )
 
 
@@ -85,6 +86,7 @@ class GroupHeader:
     turns: list[int] | None = None
     tool_calls: list[tuple[int, int]] | None = None  # tool-calling episodes: (calls, failed) per sample
     first_error: str | None = None  # the first sample's reward (or episode) error, for the run's notice
+    tool_error: str | None = None  # the first error a user's tool raised in the group, for another
 
     def policy_of(self, index: int) -> str:
         return "default" if self.policies is None else self.policies[index]

@@ -23,6 +23,7 @@ from asyncrl.episodes.tool_calls import (
 )
 from asyncrl.episodes.tools import (
     ToolBox,
+    ToolOutcome,
     check_tool_template,
     run_tool,
     tool_calling,
@@ -193,25 +194,30 @@ def test_a_call_that_cannot_run_gives_the_model_an_error_and_a_failure() -> None
     def run(c: ToolCall, timeout_s: float | None = 5.0):
         return asyncio.run(run_tool(tools, c, timeout_s))
 
-    assert run(ToolCall("add", {"a": 2, "b": 3})) == (5, False)
-    result, failed = run(ToolCall("mul", {"a": 2}))
+    assert run(ToolCall("add", {"a": 2, "b": 3})) == ToolOutcome(5)
+    # The model's mistakes fail the call; the run's user hears only of tools that raise or run late.
+    outcome = run(ToolCall("mul", {"a": 2}))
+    assert outcome.failed and outcome.user_error is None
     assert (
-        failed
-        and "no tool named 'mul'" in result["error"]
-        and "['add', 'broken', 'slow_add']" in result["error"]
+        "no tool named 'mul'" in outcome.result["error"]
+        and "['add', 'broken', 'slow_add']" in outcome.result["error"]
     )
-    result, failed = run(ToolCall("add", {"a": 2}))
-    assert failed and "missing a required argument: 'b'" in result["error"]
-    result, failed = run(ToolCall("add", {"a": 2, "b": 3, "c": 4}))
-    assert failed and "unexpected keyword argument 'c'" in result["error"]
-    assert run(ToolCall("broken", {"x": 7})) == ({"error": "RuntimeError: broken on 7"}, True)
-    assert run(ToolCall("unknown", {}, "the tool call is not JSON (x)")) == (
-        {"error": "the tool call is not JSON (x)"},
-        True,
+    outcome = run(ToolCall("add", {"a": 2}))
+    assert outcome.failed and "missing a required argument: 'b'" in outcome.result["error"]
+    outcome = run(ToolCall("add", {"a": 2, "b": 3, "c": 4}))
+    assert outcome.failed and "unexpected keyword argument 'c'" in outcome.result["error"]
+    assert run(ToolCall("unknown", {}, "the tool call is not JSON (x)")) == ToolOutcome(
+        {"error": "the tool call is not JSON (x)"}, True
+    )
+    outcome = run(ToolCall("broken", {"x": 7}))
+    assert (outcome.result, outcome.failed) == ({"error": "RuntimeError: broken on 7"}, True)
+    assert re.fullmatch(
+        r"tool broken raised RuntimeError: broken on 7 \(.*test_tools\.py:\d+ in broken\)", outcome.user_error
     )
     start = time.monotonic()
-    result, failed = run(ToolCall("slow_add", {"a": 1, "b": 1}), timeout_s=0.2)
-    assert failed and "did not return within 0.2s (episode.step_timeout_s)" in result["error"]
+    outcome = run(ToolCall("slow_add", {"a": 1, "b": 1}), timeout_s=0.2)
+    assert outcome.failed and "did not return within 0.2s (episode.step_timeout_s)" in outcome.result["error"]
+    assert outcome.user_error == "tool slow_add did not return within 0.2s (episode.step_timeout_s)"
     assert time.monotonic() - start < 20  # given up at its limit, not waited for
 
 
@@ -731,3 +737,34 @@ def test_a_turn_the_response_template_cannot_read_is_an_answer() -> None:
     assert calls == [ToolCall("add", {"a": 2, "b": 3})] and message["tool_calls"] == [
         calls[0].as_message_call()
     ]
+
+
+def test_a_tool_that_raises_is_named_to_the_runs_user(tmp_path: Path) -> None:
+    """The model is given the error as the tool's result; the run's user gets a warning line naming
+    the tool, its exception, file and line and the prompt, once (later ones are counted)."""
+    from asyncrl.control.notices import ErrorNotices
+    from asyncrl.protocol.headers import group_header
+
+    cfg = tool_config(
+        tmp_path, "episode.tools=[tests.episodes.test_tools:broken]", "task.rewards=[{name: numeric_match}]"
+    )
+    groups, _ = run_groups(
+        cfg,
+        lambda tok: ScriptedTools(tok, first=lambda a, b: call("broken", x=a), answer=lambda result: "0"),
+        [task_prompts(cfg).get(0)],
+    )
+    [group] = groups
+    for sample in group.samples:
+        assert (sample.tool_calls, sample.tool_failures, sample.reward_error) == (1, 1, None)
+        text = tokenizer().decode(sample.completion_ids)
+        assert "<tool_response>{'error': 'RuntimeError: broken on 2'}</tool_response>" in text
+    warned: list[str] = []
+    notices = ErrorNotices(cfg, warned.append)
+    notices.trained(group_header(group))
+    notices.trained(group_header(group))  # within a minute: counted, not printed
+    [line] = warned
+    assert re.fullmatch(
+        r"tool broken raised RuntimeError: broken on 2 \(.*test_tools\.py:\d+ in broken\) on prompt '.*' "
+        r"\(group 0\); the model was given the error as the result",
+        line,
+    ), line
