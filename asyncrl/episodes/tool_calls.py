@@ -55,15 +55,19 @@ def parse_tool_calls(turn: str) -> list[ToolCall]:
         if not isinstance(body, dict) or not isinstance(body.get("name"), str):
             calls.append(ToolCall("unknown", {}, 'the tool call has no "name" string'))
             continue
-        arguments = body.get("arguments", {})
-        if isinstance(arguments, str):  # some models write the arguments as a JSON string
-            with contextlib.suppress(json.JSONDecodeError):  # left a string: refused below
-                arguments = json.loads(arguments)
-        if not isinstance(arguments, dict):
-            calls.append(ToolCall(body["name"], {}, '"arguments" is not an object'))
-            continue
-        calls.append(ToolCall(body["name"], arguments))
+        calls.append(_named_call(body["name"], body.get("arguments", {})))
     return calls
+
+
+def _named_call(name: str, arguments: Any) -> ToolCall:
+    """A call of ``name``, or why it cannot run: its arguments must be an object (some models
+    write that object as a JSON string)."""
+    if isinstance(arguments, str):
+        with contextlib.suppress(json.JSONDecodeError):  # left a string: refused below
+            arguments = json.loads(arguments)
+    if not isinstance(arguments, dict):
+        return ToolCall(name, {}, '"arguments" is not an object')
+    return ToolCall(name, arguments)
 
 
 class ToolCallParser(Protocol):
@@ -111,13 +115,7 @@ def _template_call(entry: Any) -> ToolCall:
     function = entry.get("function") if isinstance(entry, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         return ToolCall("unknown", {}, f"the tool call {entry!r} has no function name")
-    arguments = function.get("arguments", {})
-    if isinstance(arguments, str):
-        with contextlib.suppress(json.JSONDecodeError):
-            arguments = json.loads(arguments)
-    if not isinstance(arguments, dict):
-        return ToolCall(function["name"], {}, '"arguments" is not an object')
-    return ToolCall(function["name"], arguments)
+    return _named_call(function["name"], function.get("arguments", {}))
 
 
 def tool_parser(spec: str, tokenizer: PreTrainedTokenizerBase) -> ToolCallParser:
