@@ -247,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="arithmetic",
         help="arithmetic (answers; builtin:arith), chain (running results of a chain of additions; "
         "builtin:chain), calculator or guess (scripted episodes of that environment; builtin:calculator, "
-        "builtin:guess), verify (scripted episodes of the two-role verify task, both roles; builtin:verify)",
+        "builtin:guess), tools (the calculator's episodes with calculate as a tool, episode.tools' Hermes calls; "
+        "builtin:tools), verify (scripted episodes of the two-role verify task, both roles; builtin:verify)",
     )
     sft.add_argument("--model", default="tiny:1m", help="model to start from (default tiny:1m)")
     sft.add_argument(
@@ -261,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--answer-noise",
         type=float,
         help="share of the noisy teacher's answers (arithmetic, chain, verify: and of its verdicts) or "
-        "episodes (calculator) or turns (guess) that go wrong (default: the task's, "
+        "episodes (calculator, tools) or turns (guess) that go wrong (default: the task's, "
         + ", ".join(f"{t} {TASK_DEFAULTS[t].get('answer_noise', SFTConfig.answer_noise)}" for t in TASKS)
         + ")",
     )

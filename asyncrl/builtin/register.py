@@ -27,6 +27,9 @@ BUILTIN_MODELS = {
     "chain": SHIPPED_DIR / "tiny-chain",
     "calculator": SHIPPED_DIR / "tiny-calculator",
     "guess": SHIPPED_DIR / "tiny-guess",
+    # The calculator's episodes with calculate as a tool (episode.tools, Hermes calls), in the
+    # char tokenizer's tool template (asyncrl/builtin/char_tools.jinja), which it carries.
+    "tools": SHIPPED_DIR / "tiny-tools",
     # Both roles of the two-role verify task (asyncrl.builtin.verify), solver and verifier.
     "verify": SHIPPED_DIR / "tiny-verify",
     # tiny:moe warm-started on arithmetic like builtin:arith (`asyncrl sft --model tiny:moe`).

@@ -15,7 +15,10 @@ replays them through an :class:`~asyncrl.episodes.EpisodeRollout`).
 A multi-agent episode function (:mod:`asyncrl.episodes.team`) is rendered the same way by
 :func:`render_team_episode`, a script for every role: each role's transcript (its role prompt
 before the task, its turns, what the episode showed it) is one such record
-(``asyncrl sft --task verify``, :mod:`asyncrl.builtin.verify`).
+(``asyncrl sft --task verify``, :mod:`asyncrl.builtin.verify`). Tool-calling episodes
+(``episode.tools``, :mod:`asyncrl.episodes.tools`) by :func:`render_tool_episodes`: the script
+writes the calls, and the tools run and their results come back as RL runs and renders them
+(``asyncrl sft --task tools``).
 
 Scripts are imperfect on purpose, with probability ``noise``: RL learns nothing from a
 policy that never earns a reward and shows nothing from one that is already perfect.
@@ -23,6 +26,8 @@ policy that never earns a reward and shows nothing from one that is already perf
 
 from __future__ import annotations
 
+import asyncio
+import json
 import random
 import re
 from collections.abc import Callable, Coroutine
@@ -35,7 +40,13 @@ from asyncrl.builtin.arithmetic import near_miss
 from asyncrl.builtin.games import TOOL_CALL
 from asyncrl.engine.types import GenerationResult
 from asyncrl.episodes.client import EpisodeClient, EpisodeRecord, EpisodeTruncated
-from asyncrl.episodes.environment import Environment, EnvironmentFactory, StepResult, environment_episode
+from asyncrl.episodes.environment import (
+    Environment,
+    EnvironmentFactory,
+    EpisodeFunction,
+    StepResult,
+    environment_episode,
+)
 from asyncrl.episodes.rollout import observation_ids
 from asyncrl.episodes.team import Role, Team, role_prompt
 from asyncrl.prompts.chat import encode_prompt
@@ -81,13 +92,41 @@ class CalculatorScript:
         if observation is None:
             if self.mistake == "direct":
                 return self.answer if self.rng.random() < 0.5 else near_miss(self.answer, self.rng)
-            return TOOL_CALL + (
+            return self.call(
                 _miscopy(self.expression, self.rng) if self.mistake == "call" else self.expression
             )
-        result = observation.removeprefix("=").removesuffix(";")
-        if not re.fullmatch(r"-?\d+", result):  # "=error;": cannot happen to the calls above
+        result = self.result(observation)
+        if not re.fullmatch(r"-?\d+", result):  # an error: cannot happen to the calls above
             result = self.answer
         return near_miss(result, self.rng) if self.mistake == "answer" else result
+
+    def call(self, expression: str) -> str:
+        """The turn that calls the tool on ``expression``."""
+        return TOOL_CALL + expression
+
+    def result(self, observation: str) -> str:
+        """The tool's result in what the episode showed after the call (``=408;``)."""
+        return observation.removeprefix("=").removesuffix(";")
+
+
+class ToolCallScript(CalculatorScript):
+    """:class:`CalculatorScript` with ``episode.tools`` instead of the calculator environment:
+    the call is a Hermes block for ``calculate`` (:mod:`asyncrl.builtin.tool_functions`),
+    ``<tool_call>{"name": "calculate", "arguments": {"expression": "12*34"}}</tool_call>``, as a
+    Qwen2.5 or Qwen3 model writes one, and the result is read from the tool message that follows
+    (``<tool_response>408</tool_response>`` in the built-in tool template). Its mistakes are the
+    calculator script's."""
+
+    def call(self, expression: str) -> str:
+        return (
+            "<tool_call>"
+            + json.dumps({"name": "calculate", "arguments": {"expression": expression}})
+            + "</tool_call>"
+        )
+
+    def result(self, observation: str) -> str:
+        numbers = re.findall(r"-?\d+", observation)
+        return numbers[0] if len(numbers) == 1 else observation
 
 
 class GuessScript:
@@ -237,6 +276,43 @@ def render_episode(
     value, truncated = _play(play(client, task), task.prompt_id)
     reward = sum(r for r in client.record.turn_rewards if r is not None) if truncated else float(value)
     return ScriptedEpisode(client.prompt_ids, client.record, reward)
+
+
+def render_tool_episodes(
+    episode: EpisodeFunction,
+    plays: list[tuple[Prompt, Script]],
+    tokenizer: PreTrainedTokenizerBase,
+    score: Callable[[str, str | None], float],
+    *,
+    first_seed: int,
+    max_turns: int,
+    max_episode_tokens: int,
+    max_turn_tokens: int,
+) -> list[ScriptedEpisode]:
+    """Play tool-calling episodes (``episode``: episode.tools' function,
+    :func:`~asyncrl.episodes.tools.tool_episode`), each task with its script in the engine's
+    place, under the budgets of ``render_episode``. They run together on one event loop, their
+    tools in threads as RL runs them; ``tokenizer`` is the one the episodes render with (the
+    tools' schemas with it). An episode's reward is ``score(final answer, the task's answer)``."""
+    budgets = dict(
+        max_turns=max_turns, max_episode_tokens=max_episode_tokens, max_turn_tokens=max_turn_tokens
+    )
+    clients = [
+        _scripted_client(task.prompt_id, task, script, tokenizer, seed=first_seed + i, **budgets)
+        for i, (task, script) in enumerate(plays)
+    ]
+
+    async def play_all() -> None:
+        await asyncio.gather(*(episode(c, task) for c, (task, _) in zip(clients, plays, strict=True)))
+
+    asyncio.run(play_all())
+    played = []
+    for client, (task, _) in zip(clients, plays, strict=True):
+        turns = [m for m in client.record.reward_inputs["completion_messages"] if m["role"] == "assistant"]
+        played.append(
+            ScriptedEpisode(client.prompt_ids, client.record, score(turns[-1]["content"], task.answer))
+        )
+    return played
 
 
 @dataclass

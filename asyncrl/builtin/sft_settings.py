@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from asyncrl.errors import ConfigError
 
-TASKS = ("arithmetic", "chain", "calculator", "guess", "verify")
+TASKS = ("arithmetic", "chain", "calculator", "guess", "tools", "verify")
 LEARN_SCHEDULES = ("constant", "cosine")
 
 
@@ -38,7 +38,7 @@ class SFTConfig:
     eval_seed: int = 999
     task: str = "arithmetic"
     terms: int = 4  # task chain: task.chain.terms (ops and digits as above)
-    # Scripted episodes (task calculator, guess or verify); these match the RL config's episode.*
+    # Scripted episodes (task calculator, guess, tools or verify); these match the RL config's episode.*
     # keys (for verify, per role: max_turns is also the most answers the solver gives).
     guess_max: int = 16  # task.guess_max
     max_turns: int = 4  # episode.max_turns (the guessing game's reward counts turns out of it)
@@ -61,8 +61,22 @@ class SFTConfig:
             raise ConfigError("learn_schedule", self.learn_schedule, f"allowed: {list(LEARN_SCHEDULES)}")
 
 
+# The calculator task's (and, with its own budgets, the tools task's).
+_CALCULATOR = dict(
+    ops=["+", "-", "*"],
+    max_turns=3,
+    max_episode_tokens=32,
+    max_turn_tokens=8,
+    learn_accuracy=0.95,
+    blur_steps=300,
+    answer_noise=0.6,
+    eval_every=100,
+    eval_prompts=200,
+)
+
 # What `asyncrl sft --task NAME` changes from the SFTConfig defaults: the shipped
-# builtin:chain, builtin:calculator and builtin:guess are these, with seed 0 (arithmetic: the defaults).
+# builtin:chain, builtin:calculator, builtin:guess, builtin:tools and builtin:verify are these, with
+# seed 0 (arithmetic: the defaults).
 TASK_DEFAULTS: dict[str, dict] = {
     "arithmetic": {},
     # Chains take longer to learn than one addition: a cosine-settled learn phase of a fixed
@@ -80,17 +94,10 @@ TASK_DEFAULTS: dict[str, dict] = {
         eval_every=500,
         eval_prompts=400,
     ),
-    "calculator": dict(
-        ops=["+", "-", "*"],
-        max_turns=3,
-        max_episode_tokens=32,
-        max_turn_tokens=8,
-        learn_accuracy=0.95,
-        blur_steps=300,
-        answer_noise=0.6,
-        eval_every=100,
-        eval_prompts=200,
-    ),
+    "calculator": _CALCULATOR,
+    # The calculator's episodes with calculate as a tool: a Hermes call (at most 82 characters
+    # and EOS), its result, the answer.
+    "tools": {**_CALCULATOR, "max_turns": 2, "max_episode_tokens": 136, "max_turn_tokens": 88},
     "guess": dict(
         guess_max=16,
         max_turns=6,

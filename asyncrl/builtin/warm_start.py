@@ -8,7 +8,7 @@ shows nothing from one that is already perfect. The warm start runs in two phase
 2. *blur*: continue for ``blur_steps`` on a noisy teacher, wrong with probability
    ``answer_noise``.
 
-Five tasks (``task``):
+Six tasks (``task``):
 
 * ``arithmetic``: ``prompt + answer + EOS`` (loss on the answer and EOS only); the noisy
   teacher's answer is a near miss (off by a little, or one digit changed). The result
@@ -24,6 +24,10 @@ Five tasks (``task``):
   environment of that name, rendered token for token as RL renders them, the loss on the
   teacher's turns only (:mod:`asyncrl.builtin.scripted`: the scripts and their noise).
   Accuracy is then the mean episode reward, as in RL's evaluation.
+* ``tools``: the calculator's episodes with ``calculate`` as a tool (``episode.tools``): the
+  script writes Hermes tool calls, the tool runs and its result comes back as a tool message,
+  as RL runs and renders them (:func:`~asyncrl.builtin.scripted.render_tool_episodes`); scored by
+  ``numeric_match`` on the final answer, as ``examples/tools.yaml`` scores it.
 * ``verify``: two roles, a solver and a verifier (:mod:`asyncrl.builtin.verify`), both learned
   by the one model from the scripts' episodes, each role's transcript rendered as
   RL's multi-agent rollout records it (:func:`~asyncrl.builtin.scripted.render_team_episode`).
@@ -32,12 +36,13 @@ Five tasks (``task``):
 
 Everything is seeded. The shipped checkpoints are ``asyncrl sft`` with a task's defaults
 (:data:`~asyncrl.builtin.sft_settings.TASK_DEFAULTS`): ``builtin:arith`` (``--task arithmetic``, the default),
-``builtin:chain``, ``builtin:calculator``, ``builtin:guess`` and ``builtin:verify``.
+``builtin:chain``, ``builtin:calculator``, ``builtin:guess``, ``builtin:tools`` and ``builtin:verify``.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import math
@@ -51,8 +56,16 @@ import torch
 from asyncrl.builtin.arithmetic import ArithmeticTask, near_miss
 from asyncrl.builtin.chains import ChainTask, chain_match, fails_late, late_slip, max_answer_chars
 from asyncrl.builtin.games import GuessTask
-from asyncrl.builtin.scripted import CalculatorScript, GuessScript, render_episode, render_team_episode
+from asyncrl.builtin.scripted import (
+    CalculatorScript,
+    GuessScript,
+    ToolCallScript,
+    render_episode,
+    render_team_episode,
+    render_tool_episodes,
+)
 from asyncrl.builtin.sft_settings import SFTConfig
+from asyncrl.builtin.tool_functions import CALCULATE, CHAR_TOOLS_TEMPLATE
 from asyncrl.builtin.verify import SOLVER, VERIFIER, VERIFY_ROLES, verdicts, verify_episode
 from asyncrl.builtin.verify import scripts as verify_scripts
 from asyncrl.engine.embedded import EmbeddedEngine
@@ -60,12 +73,16 @@ from asyncrl.engine.sampling import SamplingParams
 from asyncrl.episodes.environment import environment_episode
 from asyncrl.episodes.resolve import builtin_environment
 from asyncrl.episodes.rollout import EpisodeRollout
+from asyncrl.episodes.tools import tool_calling
+from asyncrl.models.chat_templates import apply_chat_template_override
 from asyncrl.models.loading import Policy, load_policy, save_policy
 from asyncrl.prompts.sources import PromptSource, PromptStream
-from asyncrl.rewards.registry import RewardFn, exact_match
+from asyncrl.rewards.registry import RewardFn, exact_match, numeric_match
+from asyncrl.rewards.scoring import RewardSet, RewardTerm
 from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.rollout.evaluation import evaluate
 from asyncrl.rollout.interface import Rollout
+from asyncrl.types import Prompt
 
 Row = tuple[list[int], list[int]]  # (input ids, labels: -100 where no loss)
 
@@ -177,6 +194,67 @@ class _Episodes:
             max_turns=cfg.max_turns,
             max_episode_tokens=cfg.max_episode_tokens,
             seed=cfg.seed,
+        )
+
+
+class _UserMessages:
+    """A prompt source whose prompts are one user message each: tool episodes render a conversation."""
+
+    def __init__(self, source: PromptSource) -> None:
+        self.source, self.name = source, source.name
+
+    @property
+    def size(self) -> int | None:
+        return self.source.size
+
+    def get(self, index: int) -> Prompt:
+        prompt = self.source.get(index)
+        return dataclasses.replace(prompt, messages=[{"role": "user", "content": prompt.text}])
+
+
+class _ToolEpisodes(_Episodes):
+    """The tools task: the calculator's arithmetic with ``calculate`` as a tool (episode.tools),
+    in the built-in tool template, which the policy's tokenizer takes (so the saved warm start
+    carries it)."""
+
+    def __init__(self, cfg: SFTConfig, policy: Policy) -> None:
+        self.cfg, self.policy = cfg, policy
+        apply_chat_template_override(policy.tokenizer, str(CHAR_TOOLS_TEMPLATE))
+        self.tokenizer, self.episode = tool_calling(
+            [CALCULATE], policy.tokenizer, str(CHAR_TOOLS_TEMPLATE), None
+        )
+        source = functools.partial(ArithmeticTask, cfg.ops, cfg.min_digits, cfg.max_digits)
+        self.train = PromptStream(_UserMessages(source(seed=cfg.data_seed)))
+        self.held_out = PromptStream(_UserMessages(source(seed=cfg.eval_seed))).take(cfg.eval_prompts)
+
+    def rows(self, n: int, noise: float, rng: random.Random) -> list[Row]:
+        cfg = self.cfg
+        start = self.train.position
+        played = render_tool_episodes(
+            self.episode,
+            [(task, ToolCallScript(task, rng, noise)) for task in self.train.take(n)],
+            self.tokenizer,
+            numeric_match,
+            first_seed=start,
+            max_turns=cfg.max_turns,
+            max_episode_tokens=cfg.max_episode_tokens,
+            max_turn_tokens=cfg.max_turn_tokens,
+        )
+        return [episode.sft_row() for episode in played]
+
+    def rollout(self, engine: EmbeddedEngine, sampling: SamplingParams) -> Rollout:
+        """One episode per held-out task, the tool run as RL runs it, scored by ``numeric_match``."""
+        cfg = self.cfg
+        return EpisodeRollout(
+            engine,
+            self.tokenizer,
+            self.episode,
+            sampling,
+            1,
+            max_turns=cfg.max_turns,
+            max_episode_tokens=cfg.max_episode_tokens,
+            seed=cfg.seed,
+            rewards=RewardSet([RewardTerm("numeric_match", numeric_match)]),
         )
 
 
@@ -324,7 +402,7 @@ def run_sft(cfg: SFTConfig, out_dir: Path, log=print) -> dict:
     torch.manual_seed(cfg.seed)
     policy = load_policy(cfg.model, device="cpu", seed=cfg.seed)
     model = policy.model
-    tasks = {"arithmetic": _Answers, "chain": _Chains, "verify": _Team}
+    tasks = {"arithmetic": _Answers, "chain": _Chains, "tools": _ToolEpisodes, "verify": _Team}
     data = tasks.get(cfg.task, _Episodes)(cfg, policy)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     noise_rng = random.Random(cfg.data_seed)

@@ -17,7 +17,9 @@ class ModelConfig(Section):
         "builtin:arith",
         description="A local Hugging Face model directory, a shipped warm-started tiny model ('builtin:arith'; "
         "'builtin:chain' for task.name=chain; 'builtin:calculator' and 'builtin:guess' for those "
-        "episode.environment values; 'builtin:verify' for the two-role asyncrl.builtin.verify:verify_episode), or "
+        "episode.environment values; 'builtin:tools' for episode.tools' Hermes calls of "
+        "asyncrl.builtin.tool_functions:calculate; 'builtin:verify' for the two-role "
+        "asyncrl.builtin.verify:verify_episode), or "
         "'tiny:<size>[:<arch>]' for a random tiny model (sizes 1m, 6m; arch qwen2, llama).",
     )
     device: str = Field("auto", description="'auto' (CUDA when available, else CPU), 'cpu', or 'cuda[:N]'.")

@@ -129,10 +129,7 @@ FEATURES = {
     "episodes": ("examples/calculator.yaml", ["episode.max_turns=3"], None),
     "tools": (
         "examples/tools.yaml",
-        [
-            f"model.chat_template={REPO / 'examples' / 'data' / 'char_tools.jinja'}",
-            f"task.path={REPO / 'examples' / 'data' / 'arith_chat.jsonl'}",
-        ],
+        [f"task.path={REPO / 'examples' / 'data' / 'arith_tools.jsonl'}"],
         "tool_calls_mean",
     ),
     "pivots": ("examples/pivots.yaml", ["pivot.max_groups=2"], "branch_groups"),

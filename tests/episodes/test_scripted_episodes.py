@@ -226,6 +226,9 @@ def test_sft_rows_train_only_the_teachers_turns() -> None:
         # SFT on episodes: calculator; the guessing game's episodes as RL records them:
         # test_scripted_episodes_are_token_for_token_what_rl_records[guess].
         pytest.param("guess", marks=pytest.mark.slow),
+        # Tool-calling episodes (episode.tools), rendered as RL renders them:
+        # tests/episodes/test_scripted_tools.py.
+        pytest.param("tools", marks=pytest.mark.slow),
     ],
 )
 def test_sft_on_episodes_lowers_the_loss(tmp_path: Path, task: str) -> None:
