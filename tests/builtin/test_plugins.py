@@ -28,7 +28,7 @@ def test_the_toy_world_registers_every_name_the_config_offers() -> None:
     assert ENVIRONMENTS.names() == ["calculator", "guess"]
     assert EPISODES.names() == ["verify"]
     assert set(SHIPPED_MODELS.names()) == {
-        "arith", "arith-teacher", "calculator", "chain", "guess", "moe", "verify",
+        "arith", "arith-teacher", "calculator", "chain", "guess", "moe", "tools", "verify",
     }  # fmt: skip
     assert "chain_match" in REWARDS and "exact_match" in REWARDS
     assert all((SHIPPED_MODELS.get(name) / "config.json").is_file() for name in SHIPPED_MODELS.names())

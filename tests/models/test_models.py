@@ -205,7 +205,7 @@ def test_load_policy_tokenizer_without_pad_uses_eos(saved_tiny, tmp_path: Path) 
         ("tiny:", "expected tiny:<size>[:<architecture>]"),
         (
             "builtin:chess",
-            "unknown built-in model; allowed: ['builtin:arith', 'builtin:arith-teacher', 'builtin:calculator', 'builtin:chain', 'builtin:guess', 'builtin:moe', 'builtin:verify']",
+            "unknown built-in model; allowed: ['builtin:arith', 'builtin:arith-teacher', 'builtin:calculator', 'builtin:chain', 'builtin:guess', 'builtin:moe', 'builtin:tools', 'builtin:verify']",
         ),
     ],
 )
