@@ -30,6 +30,14 @@ class ModelConfig(Section):
         "trainer.master_dtype. 'auto' is bfloat16 on CUDA and float32 on the CPU. Log-probs, entropies "
         "and losses are always computed in float32 from the logits.",
     )
+    head_dtype: Literal["model", "float32"] = Field(
+        "model",
+        description="The LM head's logits: 'model' in the compute dtype, as the model computes them; "
+        "'float32' from the same operands in float32, in the trainer (the policy and the KL reference), "
+        "the embedded engine and vLLM (hf_overrides head_dtype) alike: TRL's cast_lm_head_to_fp32, "
+        "ScaleRL's fix of the training-inference log-prob mismatch of a bfloat16 head (docs/engine.md). "
+        "Needs a plain Linear output layer.",
+    )
     chat_template: str | None = Field(
         None,
         description="Chat template for conversational prompts, replacing the tokenizer's: a path to a Jinja "

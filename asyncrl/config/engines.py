@@ -157,6 +157,10 @@ def engine_problems(cfg: Any) -> list[str]:
             for key in cfg.vllm.engine_args
             if key in OWNED_ENGINE_ARGS
         ]
+        if "head_dtype" in (cfg.vllm.engine_args.get("hf_overrides") or {}):  # the trainer's head too
+            problems.append(
+                "vllm.engine_args.hf_overrides.head_dtype is set by asyncrl from model.head_dtype: set that instead"
+            )
     limits = ENGINE_LIMITS[engine]
     for need in ENGINE_NEEDS:
         if need.capability in limits and (setting := need.setting(cfg)) is not None:

@@ -90,6 +90,7 @@ class VllmSettings:
     gpu_memory_utilization: float | None = None
     enforce_eager: bool = True
     enable_prefix_caching: bool = True
+    head_dtype: str = "model"  # model.head_dtype: "float32" computes the logits in float32
     engine_args: tuple[tuple[str, object], ...] = ()  # any other EngineArgs field, checked by the config
 
 
@@ -143,6 +144,8 @@ class VllmEngine(Engine):
             extra.setdefault("enable_chunked_prefill", False)
         if settings.gpu_memory_utilization is not None:
             extra["gpu_memory_utilization"] = settings.gpu_memory_utilization
+        if settings.head_dtype != "model":  # vLLM's own switch for it, beside any other overrides
+            extra["hf_overrides"] = {**(extra.get("hf_overrides") or {}), "head_dtype": settings.head_dtype}
         if extra.get("tensor_parallel_size", 1) * extra.get("pipeline_parallel_size", 1) == 1:
             # One worker, in this process: inside a Ray actor vLLM would otherwise start its own
             # Ray workers in the actor's placement group.

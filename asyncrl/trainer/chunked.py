@@ -226,10 +226,12 @@ def chunked_logprobs(
     has_support: torch.Tensor | None = None,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``tokens`` predicted by ``hidden[rows]`` (T,), and each row's entropy (N,) or None.
 
-    See :class:`ChunkedLogprobs`; ``chunk_tokens`` must be positive.
+    See :class:`ChunkedLogprobs`; ``chunk_tokens`` must be positive. ``dtype``: the matmul's
+    (float32 for a float32 head, :mod:`asyncrl.models.head`); None: :func:`compute_dtype`.
     """
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
@@ -245,7 +247,7 @@ def chunked_logprobs(
         has_support,
         float(temperature),
         int(chunk_tokens),
-        compute_dtype(weight),
+        dtype or compute_dtype(weight),
         with_entropy,
         with_entropy and entropy_grad,
     )

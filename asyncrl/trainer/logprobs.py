@@ -30,6 +30,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from asyncrl.algorithms.losses import entropy_from_logprobs
 from asyncrl.models.forward import base_model, with_cache
+from asyncrl.models.head import Float32Head
 from asyncrl.models.token_records import forward_with
 from asyncrl.trainer.batching import MicroBatch, TreeInputs, TreeLevel
 from asyncrl.trainer.chunked import chunked_logprobs
@@ -99,13 +100,13 @@ def tree_logits(model: PreTrainedModel, tree: TreeInputs) -> torch.Tensor:
 def lm_head(model: PreTrainedModel) -> torch.nn.Linear | None:
     """The model's output layer when the chunked path reproduces its logits, else None.
 
-    That is a plain ``Linear`` (tied to the input embedding or not) whose output the model
-    uses as is; not a peft layer or wrapper (adapters or ``modules_to_save`` on the head) and
-    not a model that soft-caps or scales its logits.
+    That is a plain ``Linear`` or a :class:`~asyncrl.models.head.Float32Head` (tied to the input
+    embedding or not) whose output the model uses as is; not a peft layer or wrapper (adapters
+    or ``modules_to_save`` on the head) and not a model that soft-caps or scales its logits.
     """
     base = base_model(model)
     head = base.get_output_embeddings()
-    if type(head) is not torch.nn.Linear:
+    if type(head) not in (torch.nn.Linear, Float32Head):
         return None
     if any(getattr(base.config, name, None) not in (None, 1, 1.0) for name in _LOGIT_TRANSFORMS):
         return None
@@ -248,6 +249,7 @@ def policy_logprobs(
             has_support=has_support,
             with_entropy=with_entropy,
             entropy_grad=entropy_grad,
+            dtype=torch.float32 if type(head) is Float32Head else None,
         )
         n = index.numel()
         extra = None if extra_tokens is None else logp[n:].view(extra_tokens.shape)

@@ -16,6 +16,7 @@ from asyncrl.config import Config
 from asyncrl.engine.vllm_adapters import VllmAdapters
 from asyncrl.engine.vllm_engine import VllmEngine, VllmSettings
 from asyncrl.models.dropout import disable_dropout
+from asyncrl.models.head import use_float32_head
 from asyncrl.models.loading import (
     DTYPES,
     Policy,
@@ -71,6 +72,8 @@ def build_policy(
         chat_template=cfg.model.chat_template,
         chat_template_kwargs=cfg.model.chat_template_kwargs,
     )
+    if cfg.model.head_dtype == "float32":
+        use_float32_head(policy.model, cfg.model.path)
     if trainable and cfg.lora.enabled:
         if adapters:
             policy.model = add_adapters(policy.model, cfg.lora, adapters, seed=cfg.run.seed)
@@ -107,6 +110,7 @@ def vllm_engine(cfg: Config, policy: Policy, seed: int, adapters: list[str] | No
         gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
         enforce_eager=cfg.vllm.enforce_eager,
         enable_prefix_caching=cfg.vllm.enable_prefix_caching,
+        head_dtype=cfg.model.head_dtype,
         engine_args=tuple(sorted(cfg.vllm.engine_args.items())),
     )
     served = None

@@ -5,6 +5,7 @@ refuses and how a missing install is reported."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import signal
@@ -18,6 +19,7 @@ from asyncrl.config import Config, load_config
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest
 from asyncrl.errors import ConfigError
+from asyncrl.models.head import use_float32_head
 from asyncrl.models.loading import load_policy, local_directory
 from asyncrl.trainer.batching import collate
 from asyncrl.trainer.logprobs import completion_logprobs
@@ -94,6 +96,30 @@ def test_vllm_logprobs_match_the_trainers_before_and_after_an_update() -> None:
 
 
 @pytest.mark.vllm
+def test_a_float32_head_reaches_vllm_and_keeps_parity_with_the_trainers() -> None:
+    """model.head_dtype=float32 on a bfloat16 engine: vLLM's model config computes the head in
+    float32 (its hf_overrides switch), and its log-probs stay as near the trainer's float32-head
+    recomputation as the bfloat16 head's are to the trainer's bfloat16 one (measured 0.083 both:
+    on this CPU build the bfloat16 trunks' gap dominates)."""
+    from asyncrl.engine.vllm_engine import VllmEngine, VllmSettings
+
+    policy = load_policy(MODEL, device="cpu", dtype="bfloat16")
+    gaps = {}
+    for head in ("model", "float32"):
+        engine = VllmEngine(
+            VllmSettings(str(local_directory(MODEL)), "bfloat16", 256, 64, seed=0, head_dtype=head)
+        )
+        expected = torch.float32 if head == "float32" else torch.bfloat16
+        assert engine._llm.vllm_config.model_config.head_dtype == expected
+        model = copy.deepcopy(policy.model)
+        if head == "float32":
+            use_float32_head(model, MODEL)
+        gaps[head] = max_logprob_gap(engine, model)
+        engine.close()
+    assert gaps["float32"] <= max(0.15, 1.5 * gaps["model"])
+
+
+@pytest.mark.vllm
 def test_a_reload_without_repacking_the_tied_head_is_caught() -> None:
     """vLLM's CPU build computes the tied output layer with a packed copy that its reload does not
     rebuild: the raw reload leaves the old head (the check names it), asyncrl's load does not."""
@@ -150,6 +176,8 @@ FEATURES = {
         None,
     ),
     "periodic": (None, ["schedule=periodic"], None),
+    # A bfloat16 run with float32 heads in the trainer and in vLLM (hf_overrides head_dtype).
+    "float32-head": (None, ["model.dtype=bfloat16", "model.head_dtype=float32"], "logprob_diff_mean"),
     "adapter-policies": (
         None,
         [
@@ -170,7 +198,7 @@ FEATURES = {
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_generator_features_run_on_vllm(tmp_path: Path, feature: str) -> None:
     """Episodes, tool calling, pivot resampling, distillation, every interrupt mode, the file and broadcast
-    transports, and two adapter policies served by one vLLM engine on vLLM generators: each run ends with its books reconciled and the engine's
+    transports, a float32 head, and two adapter policies served by one vLLM engine on vLLM generators: each run ends with its books reconciled and the engine's
     weights checked after every update."""
     config, extra, metric = FEATURES[feature]
     overrides = [*short_run(4), "rollout.engine=vllm", "runtime.verify_weight_sync=true", *extra]
@@ -335,6 +363,10 @@ def test_what_vllm_cannot_do_is_refused_by_name() -> None:
     message = config_error("rollout.engine=vllm", 'vllm.engine_args={"max_model_len": 64, "block_size": 16}')
     assert "vllm.engine_args.max_model_len is set by asyncrl from rollout.max_seq_len" in message
     assert "vllm.engine_args.block_size" not in message
+    message = config_error(
+        "rollout.engine=vllm", 'vllm.engine_args={"hf_overrides": {"head_dtype": "float32"}}'
+    )
+    assert "vllm.engine_args.hf_overrides.head_dtype is set by asyncrl from model.head_dtype" in message
     with pytest.raises(ConfigError) as info:
         load_config(
             None,
