@@ -7,6 +7,7 @@ which makes the estimate unbiased: A_i = n/(n-1) (r_i - mean_g) over the n rewar
 - ``group``: the group's standard deviation (Bessel-corrected, as TRL and verl do);
 - ``batch``: one standard deviation over every reward of the batch;
 - ``none``: no division (Dr. GRPO).
+The batch's advantages may then be whitened (:func:`whitened`, RLOOTrainer's ``normalize_advantages``).
 
 A reward of NaN marks a completion no reward function could score: it is left out of the
 group's mean and std and its advantage is 0, so it neither biases the baseline nor moves
@@ -65,6 +66,22 @@ def nan_std(x: torch.Tensor) -> torch.Tensor:
         return torch.tensor(float("nan"), dtype=x.dtype)
     mean = torch.nanmean(x)
     return torch.sqrt(torch.nansum((x - mean) ** 2) / (n - 1))
+
+
+def whitened(
+    advantages: Sequence[torch.Tensor], defined: Sequence[torch.Tensor], eps: float = ADVANTAGE_EPS
+) -> list[torch.Tensor]:
+    """The advantages of a whole batch (one tensor per group) centred on the mean of the ``defined``
+    ones (bool masks alike) and divided by their standard deviation (Bessel-corrected) + ``eps``:
+    TRL's RLOOTrainer ``normalize_advantages``, whose statistics leave out the completions without
+    an advantage (no reward, or none to compare it with). Those stay 0; fewer than two defined: zeros."""
+    values = (
+        torch.cat([a[d] for a, d in zip(advantages, defined, strict=True)]) if advantages else torch.zeros(0)
+    )
+    if values.numel() < 2:
+        return [torch.zeros_like(a) for a in advantages]
+    mean, std = values.mean(), values.std()
+    return [torch.where(d, (a - mean) / (std + eps), 0.0) for a, d in zip(advantages, defined, strict=True)]
 
 
 def group_advantages(

@@ -76,6 +76,13 @@ class AlgorithmConfig(Section):
         "rewards (RLOO: unbiased, n/(n-1) x the centred reward; TRL's RLOOTrainer and verl's rloo estimator, "
         "whose advantages are not divided by a std: advantage_scale none).",
     )
+    normalize_advantages: bool = Field(
+        False,
+        description="After the baseline and advantage_scale, whiten the step's advantages: (A - mean) / "
+        "(std + 1e-4) over every sample of the step (TRL's RLOOTrainer normalize_advantages). Per-token "
+        "parts (step rewards, by-turn roles, a distillation signal) are added after, unwhitened. Needs the "
+        "whole step before training: not with schedule.streaming.",
+    )
     reward_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
         "sum_then_normalize",
         description="With several reward functions (task.rewards): advantages of their weighted sum, or "

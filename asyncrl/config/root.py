@@ -146,6 +146,11 @@ class Config(Section):
                 "algorithm.advantage_scale=batch needs the whole batch before training; it cannot be used "
                 "with schedule.streaming=true (use advantage_scale=group or none)"
             )
+        if self.schedule.streaming and self.algorithm.normalize_advantages:
+            raise ValueError(
+                "algorithm.normalize_advantages=true needs the whole batch before training; it cannot be "
+                "used with schedule.streaming=true (a sync or one_step_off schedule, or streaming=false)"
+            )
         return self
 
     def _pivot_combinations(self) -> None:

@@ -21,6 +21,7 @@ from asyncrl.algorithms.advantages import (
     role_subgroups,
     step_advantages,
     turn_advantages,
+    whitened,
 )
 from asyncrl.types import Group, Sample
 
@@ -34,6 +35,7 @@ def assign_advantages(
     by_turn: bool = False,
     reward_weights: Mapping[str, float] | None = None,
     baseline: Baseline = "mean",
+    normalize: bool = False,
 ) -> None:
     """Set ``sample.advantage`` for every sample, from its group's rewards (None counts as NaN).
 
@@ -55,7 +57,9 @@ def assign_advantages(
     ``reward_weights`` (``algorithm.reward_aggregation=normalize_then_sum``): each reward
     function's weight by label; the rewards normalised are then the weighted sums of each
     function's group-normalised values (:func:`asyncrl.algorithms.advantages.decoupled_rewards`).
-    ``baseline``: ``mean`` or ``leave_one_out`` (RLOO), for every (sub)group.
+    ``baseline``: ``mean`` or ``leave_one_out`` (RLOO), for every (sub)group. ``normalize``: the
+    outcome advantages of all ``groups`` whitened together (:func:`~asyncrl.algorithms.advantages.whitened`),
+    before any per-token part is added.
     """
     subgroups = [
         [group.samples[i] for i in indices]
@@ -71,9 +75,10 @@ def assign_advantages(
             decoupled_rewards([s.reward_components for s in samples], r, _with_own(samples, reward_weights))
             for samples, r in zip(subgroups, rewards, strict=True)
         ]
-    for samples, adv, reward in zip(
-        subgroups, group_advantages(rewards, scale, baseline=baseline), rewards, strict=True
-    ):  # type: ignore[arg-type]
+    outcome = group_advantages(rewards, scale, baseline=baseline)
+    if normalize:
+        outcome = whitened(outcome, [_has_advantage(r, baseline) for r in rewards])
+    for samples, adv, reward in zip(subgroups, outcome, rewards, strict=True):  # type: ignore[arg-type]
         for sample, a in zip(samples, adv.tolist(), strict=True):
             sample.advantage = a
             sample.token_advantages = None
@@ -155,3 +160,10 @@ def _with_own(samples: list, weights: Mapping[str, float]) -> dict[str, float]:
     tool environment's get_reward, labelled with its class), as it is added to their sum."""
     own = {label for s in samples for label in s.reward_components or () if label not in weights}
     return {**dict.fromkeys(sorted(own), 1.0), **weights}
+
+
+def _has_advantage(rewards: torch.Tensor, baseline: Baseline) -> torch.Tensor:
+    """Which of a group's samples have an advantage: a reward, and with a leave-one-out baseline
+    another reward in the group to compare it with."""
+    given = ~torch.isnan(rewards)
+    return given & (given.sum() > 1) if baseline == "leave_one_out" else given

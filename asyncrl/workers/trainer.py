@@ -255,6 +255,7 @@ class TrainerWorker:
             algorithm.step_rewards,
             reward_weights=self._reward_weights,
             baseline=algorithm.advantage_baseline,
+            normalize=algorithm.normalize_advantages,
             **self.features.advantage_options(),
         )
         self._step_groups.update((g.group_id, g) for g in groups)

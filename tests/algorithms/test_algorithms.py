@@ -1,4 +1,5 @@
-"""Pure loss and advantage functions against values computed by hand (literals, not re-derived in code)."""
+"""Pure loss and advantage functions against values computed by hand (literals, not re-derived in code),
+and one short run of whitened advantages."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ import torch
 from torch.testing import assert_close
 
 from asyncrl.algorithms import losses
-from asyncrl.algorithms.advantages import decoupled_rewards, group_advantages
+from asyncrl.algorithms.advantages import decoupled_rewards, group_advantages, whitened
+from asyncrl.config import load_config
+from asyncrl.control.run import train
+from asyncrl.errors import ConfigError
+from asyncrl.reports.jsonl import read_jsonl
+from tests.helpers import short_run
 
 NAN = float("nan")
 
@@ -310,6 +316,37 @@ def test_decoupled_rewards_normalise_each_function_in_the_group_then_sum() -> No
     # wide: mean 0.5, std 0.5 -> [1, -1, 0]; narrow: mean 0.02, std 0.01414 -> [-0.7071, 0.7071, -].
     assert out[:3].tolist() == pytest.approx([1 - 2 * 0.70710678, -1 + 2 * 0.70710678, 0.0], abs=1e-6)
     assert math.isnan(float(out[3]))
+
+
+def test_whitened_advantages_by_hand() -> None:
+    """normalize_advantages: the defined advantages of the batch centred and divided by their
+    Bessel std + 1e-4; undefined ones stay 0; fewer than two defined: zeros."""
+    advs = [
+        torch.tensor([1.0, -1.0, 0.0], dtype=torch.float64),
+        torch.tensor([3.0, 0.0], dtype=torch.float64),
+    ]
+    defined = [torch.tensor([True, True, False]), torch.tensor([True, False])]
+    # Defined: 1, -1, 3 -> mean 1, std sqrt((0 + 4 + 4) / 2) = 2.
+    first, second = whitened(advs, defined)
+    assert first.tolist() == pytest.approx([0.0, -2 / (2 + 1e-4), 0.0])
+    assert second.tolist() == pytest.approx([2 / (2 + 1e-4), 0.0])
+    lone = whitened([torch.tensor([5.0], dtype=torch.float64)], [torch.tensor([True])])
+    assert lone[0].tolist() == [0.0]
+
+
+def test_normalize_advantages_whitens_each_step_of_a_run(tmp_path) -> None:
+    """A sync RLOO run with algorithm.normalize_advantages: every step's 16 logged advantages have
+    mean 0 and std 1 / (1 + 1e-4 / std); streaming schedules, which train a step in chunks, refuse it."""
+    rloo = ["algorithm.advantage_baseline=leave_one_out", "algorithm.advantage_scale=none"]
+    overrides = [*short_run(2), *rloo, "algorithm.normalize_advantages=true", "run.log_completions=16"]
+    train(load_config(None, overrides), tmp_path / "run")
+    rows = read_jsonl(tmp_path / "run" / "completions.jsonl")
+    for step in (1, 2):
+        advantages = torch.tensor([r["advantage"] for r in rows if r["step"] == step], dtype=torch.float64)
+        assert len(advantages) == 16 and float(advantages.mean()) == pytest.approx(0.0, abs=1e-6)
+        assert float(advantages.std()) == pytest.approx(1.0, abs=1e-3)
+    with pytest.raises(ConfigError, match="normalize_advantages=true needs the whole batch"):
+        load_config(None, ["schedule=async", "algorithm.normalize_advantages=true"])
 
 
 def test_leave_one_out_baseline_by_hand() -> None:

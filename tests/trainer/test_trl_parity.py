@@ -681,9 +681,11 @@ def _sequence_mean(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 # -- RLOO (TRL's RLOOTrainer) ---------------------------------------------------------------
 
 
-def test_rloo_advantages_match_trl(model_dir, tokenizer, tmp_path):
+@pytest.mark.parametrize("normalize", [False, True])
+def test_rloo_advantages_match_trl(model_dir, tokenizer, tmp_path, normalize):
     """algorithm.advantage_baseline=leave_one_out with advantage_scale=none gives RLOOTrainer's
-    advantages (normalize_advantages off), unscorable completions included."""
+    advantages, unscorable completions included; with algorithm.normalize_advantages, its whitened
+    ones (normalize_advantages=True)."""
     trainer = _trl_trainer(
         model_dir,
         tokenizer,
@@ -692,7 +694,7 @@ def test_rloo_advantages_match_trl(model_dir, tokenizer, tmp_path):
         ADV_REWARDS,
         rloo=True,
         beta=0.0,
-        normalize_advantages=False,
+        normalize_advantages=normalize,
     )
     out = _trl_inputs(trainer, ADV_PROMPTS)
     groups = _asyncrl_groups(
@@ -701,9 +703,15 @@ def test_rloo_advantages_match_trl(model_dir, tokenizer, tmp_path):
         _unpadded_rows(out["completion_ids"], out["completion_mask"]),
         ADV_REWARDS,
     )
-    assign_advantages(groups, "none", baseline="leave_one_out")
+    assign_advantages(groups, "none", baseline="leave_one_out", normalize=normalize)
     ours = torch.tensor([s.advantage for g in groups for s in g.samples], dtype=torch.float64)
     assert ours.abs().max() > 0.5
+    if normalize:  # over the advantages that exist: a reward and another in the group to compare with
+        has = [r is not None and sum(x is not None for x in rs) > 1 for rs in ADV_REWARDS for r in rs]
+        kept = ours[torch.tensor(has)]
+        assert len(kept) == 11 and float(kept.mean()) == pytest.approx(0.0, abs=1e-9)
+        assert float(kept.std()) == pytest.approx(1.0, abs=1e-3)  # 1 / (1 + 1e-4 / std)
+        assert all(a == 0.0 for a, h in zip(ours.tolist(), has, strict=True) if not h)
     torch.testing.assert_close(ours, out["advantages"].to(torch.float64), atol=ADV_ATOL, rtol=0)
 
 
