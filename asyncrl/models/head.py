@@ -27,6 +27,9 @@ from asyncrl.models.forward import base_model
 
 KEY = "model.head_dtype"
 HALF = (torch.bfloat16, torch.float16)
+# torch.mm(..., out_dtype=float32) from half-precision operands: CUDA kernels in the torch
+# versions that have the overload (older ones take the cast path below).
+_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
 
 
 class Float32Head(torch.nn.Linear):
@@ -39,7 +42,7 @@ class Float32Head(torch.nn.Linear):
 
 def float32_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``hidden @ weight.T + bias`` in float32 from operands of any dtype."""
-    if hidden.is_cuda and hidden.dtype in HALF and weight.dtype == hidden.dtype:
+    if _MM_OUT_DTYPE and hidden.is_cuda and hidden.dtype in HALF and weight.dtype == hidden.dtype:
         flat = torch.mm(hidden.reshape(-1, hidden.shape[-1]), weight.t(), out_dtype=torch.float32)
         if bias is not None:
             flat = flat + bias.float()

@@ -100,3 +100,24 @@ def test_a_float32_head_narrows_the_engine_trainer_log_prob_gap_of_a_bfloat16_ru
         assert [m["step"] for m in metrics] == [1, 2, 3] and all(m["parity_tokens"] > 0 for m in metrics)
         gaps[head] = [sum(m[k] for m in metrics) for k in ("logprob_diff_mean", "mismatch_kl")]
     assert all(f < 0.9 * m for f, m in zip(gaps["float32"], gaps["model"], strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_cuda_float32_head_accumulates_half_precision_operands_into_float32() -> None:
+    """On CUDA a bfloat16 model's float32 head computes its logits from the bfloat16 operands into
+    float32 (torch.mm with a float32 output), as the float32 matmul of their exact float32 values
+    does, at a decode step's shape and a prefill's; the bfloat16 head's logits are those rounded."""
+    model = load_policy("builtin:arith", device="cuda", dtype="bfloat16").model
+    plain = copy.deepcopy(model)
+    use_float32_head(model, "builtin:arith")
+    weight = model.get_output_embeddings().weight
+    for shape in ((64, 1), (4, 37)):
+        hidden = torch.randn(*shape, weight.shape[1], device="cuda", dtype=torch.bfloat16) * 4
+        got = model.get_output_embeddings()(hidden)
+        exact = hidden.float() @ weight.float().t()
+        assert got.dtype == torch.float32 and got.shape == (*shape, weight.shape[0])
+        torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-4)
+        rounded = plain.get_output_embeddings()(hidden)
+        assert rounded.dtype == torch.bfloat16
+        torch.testing.assert_close(rounded.float(), exact.to(torch.bfloat16).float(), rtol=0.01, atol=0.05)
