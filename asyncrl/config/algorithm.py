@@ -76,6 +76,12 @@ class AlgorithmConfig(Section):
         "rewards (RLOO: unbiased, n/(n-1) x the centred reward; TRL's RLOOTrainer and verl's rloo estimator, "
         "whose advantages are not divided by a std: advantage_scale none).",
     )
+    reward_clip: tuple[float, float] | None = Field(
+        None,
+        description="[low, high]: each completion's reward is clamped to it before its advantage is taken "
+        "(TRL's RLOOTrainer reward_clip_range); the rewards logged stay as scored. null: no clamp. "
+        "Not with reward_aggregation=normalize_then_sum, which normalises each function's values instead.",
+    )
     normalize_advantages: bool = Field(
         False,
         description="After the baseline and advantage_scale, whiten the step's advantages: (A - mean) / "
@@ -237,6 +243,15 @@ class AlgorithmConfig(Section):
                 f"delta={self.delta} caps the clipped surrogate's ratio, which loss_type={self.loss_type!r} does "
                 f"not have: set delta to null, or loss_type to one of {list(CLIPPED_LOSSES)}"
             )
+        if self.reward_clip is not None:
+            low, high = self.reward_clip
+            if not low < high:
+                raise ValueError(f"reward_clip {list(self.reward_clip)}: low must be below high")
+            if self.reward_aggregation == "normalize_then_sum":
+                raise ValueError(
+                    "reward_clip clamps the summed reward, which reward_aggregation=normalize_then_sum does not "
+                    "use: set one of them"
+                )
         if self.is_low > self.is_cap:
             raise ValueError(f"is_low ({self.is_low}) must not exceed is_cap ({self.is_cap})")
         low, high = self.entropy_coef_min, self.entropy_coef_max

@@ -36,6 +36,7 @@ def assign_advantages(
     reward_weights: Mapping[str, float] | None = None,
     baseline: Baseline = "mean",
     normalize: bool = False,
+    clip: tuple[float, float] | None = None,
 ) -> None:
     """Set ``sample.advantage`` for every sample, from its group's rewards (None counts as NaN).
 
@@ -59,7 +60,8 @@ def assign_advantages(
     function's group-normalised values (:func:`asyncrl.algorithms.advantages.decoupled_rewards`).
     ``baseline``: ``mean`` or ``leave_one_out`` (RLOO), for every (sub)group. ``normalize``: the
     outcome advantages of all ``groups`` whitened together (:func:`~asyncrl.algorithms.advantages.whitened`),
-    before any per-token part is added.
+    before any per-token part is added. ``clip``: (low, high) each reward is clamped to first
+    (``algorithm.reward_clip``; the samples keep their rewards).
     """
     subgroups = [
         [group.samples[i] for i in indices]
@@ -70,6 +72,8 @@ def assign_advantages(
         torch.tensor([float("nan") if s.reward is None else s.reward for s in samples], dtype=torch.float64)
         for samples in subgroups
     ]
+    if clip is not None:  # NaN (no reward) stays NaN
+        rewards = [r.clamp(*clip) for r in rewards]
     if reward_weights is not None:
         rewards = [
             decoupled_rewards([s.reward_components for s in samples], r, _with_own(samples, reward_weights))

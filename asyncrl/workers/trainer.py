@@ -256,6 +256,7 @@ class TrainerWorker:
             reward_weights=self._reward_weights,
             baseline=algorithm.advantage_baseline,
             normalize=algorithm.normalize_advantages,
+            clip=algorithm.reward_clip,
             **self.features.advantage_options(),
         )
         self._step_groups.update((g.group_id, g) for g in groups)

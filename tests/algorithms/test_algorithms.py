@@ -349,6 +349,16 @@ def test_normalize_advantages_whitens_each_step_of_a_run(tmp_path) -> None:
         load_config(None, ["schedule=async", "algorithm.normalize_advantages=true"])
 
 
+def test_reward_clip_is_checked_by_name() -> None:
+    """algorithm.reward_clip (its TRL parity: tests/trainer/test_trl_parity.py) needs low < high and
+    a summed reward to clamp."""
+    assert load_config(None, ["algorithm.reward_clip=[-1, 1]"]).algorithm.reward_clip == (-1.0, 1.0)
+    with pytest.raises(ConfigError, match=r"reward_clip \[1.0, 0.0\]: low must be below high"):
+        load_config(None, ["algorithm.reward_clip=[1, 0]"])
+    with pytest.raises(ConfigError, match="reward_clip clamps the summed reward"):
+        load_config(None, ["algorithm.reward_clip=[0, 1]", "algorithm.reward_aggregation=normalize_then_sum"])
+
+
 def test_leave_one_out_baseline_by_hand() -> None:
     """RLOO: each reward minus the mean of the others given; NaN rewards left out; one given reward: 0."""
     rewards = [

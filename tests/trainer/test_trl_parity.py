@@ -681,11 +681,12 @@ def _sequence_mean(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 # -- RLOO (TRL's RLOOTrainer) ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("normalize", [False, True])
-def test_rloo_advantages_match_trl(model_dir, tokenizer, tmp_path, normalize):
+@pytest.mark.parametrize(("normalize", "clip"), [(False, None), (True, None), (False, (-0.2, 1.0))])
+def test_rloo_advantages_match_trl(model_dir, tokenizer, tmp_path, normalize, clip):
     """algorithm.advantage_baseline=leave_one_out with advantage_scale=none gives RLOOTrainer's
     advantages, unscorable completions included; with algorithm.normalize_advantages, its whitened
-    ones (normalize_advantages=True)."""
+    ones (normalize_advantages=True); with algorithm.reward_clip, those of its clamped rewards
+    (reward_clip_range: 1.9 and -0.4 are clamped here)."""
     trainer = _trl_trainer(
         model_dir,
         tokenizer,
@@ -695,6 +696,7 @@ def test_rloo_advantages_match_trl(model_dir, tokenizer, tmp_path, normalize):
         rloo=True,
         beta=0.0,
         normalize_advantages=normalize,
+        reward_clip_range=clip,
     )
     out = _trl_inputs(trainer, ADV_PROMPTS)
     groups = _asyncrl_groups(
@@ -703,7 +705,7 @@ def test_rloo_advantages_match_trl(model_dir, tokenizer, tmp_path, normalize):
         _unpadded_rows(out["completion_ids"], out["completion_mask"]),
         ADV_REWARDS,
     )
-    assign_advantages(groups, "none", baseline="leave_one_out", normalize=normalize)
+    assign_advantages(groups, "none", baseline="leave_one_out", normalize=normalize, clip=clip)
     ours = torch.tensor([s.advantage for g in groups for s in g.samples], dtype=torch.float64)
     assert ours.abs().max() > 0.5
     if normalize:  # over the advantages that exist: a reward and another in the group to compare with
