@@ -85,7 +85,8 @@ class AlgorithmConfig(Section):
     normalize_advantages: bool = Field(
         False,
         description="After the baseline and advantage_scale, whiten the step's advantages: (A - mean) / "
-        "(std + 1e-4) over every sample of the step (TRL's RLOOTrainer normalize_advantages). Per-token "
+        "(std + 1e-4) over the step's samples that have one (a reward, and with advantage_baseline "
+        "leave_one_out another in the group); TRL's RLOOTrainer normalize_advantages. Per-token "
         "parts (step rewards, by-turn roles, a distillation signal) are added after, unwhitened. Needs the "
         "whole step before training: not with schedule.streaming.",
     )

@@ -65,8 +65,3 @@ def use_float32_head(model: torch.nn.Module, source: str) -> None:
             "float32 head can replace",
         )
     head.__class__ = Float32Head
-
-
-def head_is_float32(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s LM head computes float32 logits (:class:`Float32Head`)."""
-    return type(base_model(model).get_output_embeddings()) is Float32Head

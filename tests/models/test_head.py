@@ -12,7 +12,7 @@ import torch
 from asyncrl.config import load_config
 from asyncrl.control.run import train
 from asyncrl.errors import ConfigError
-from asyncrl.models.head import Float32Head, head_is_float32, use_float32_head
+from asyncrl.models.head import Float32Head, use_float32_head
 from asyncrl.models.loading import load_policy
 from asyncrl.reports.jsonl import read_jsonl
 from asyncrl.trainer.logprobs import lm_head
@@ -34,7 +34,7 @@ def test_a_float32_head_keeps_the_models_parameter_and_names_and_gives_float32_l
     names = list(model.state_dict())
     use_float32_head(model, "tiny:1m")
     head = model.get_output_embeddings()
-    assert type(head) is Float32Head and head_is_float32(model) and not head_is_float32(plain)
+    assert type(head) is Float32Head and type(plain.get_output_embeddings()) is torch.nn.Linear
     assert head.weight is model.get_input_embeddings().weight  # still tied
     assert list(model.state_dict()) == names
     ids = torch.tensor([[5, 17, 23, 9, 40, 2]])
