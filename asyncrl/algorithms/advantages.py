@@ -68,6 +68,13 @@ def nan_std(x: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(torch.nansum((x - mean) ** 2) / (n - 1))
 
 
+def has_advantage(rewards: torch.Tensor, baseline: Baseline = "mean") -> torch.Tensor:
+    """Which of a group's rewards :func:`group_advantages` gives an advantage: a reward (not NaN),
+    and with a leave-one-out baseline another reward in the group to compare it with."""
+    given = ~torch.isnan(rewards)
+    return given & (given.sum() > 1) if baseline == "leave_one_out" else given
+
+
 def whitened(
     advantages: Sequence[torch.Tensor], defined: Sequence[torch.Tensor], eps: float = ADVANTAGE_EPS
 ) -> list[torch.Tensor]:

@@ -48,6 +48,7 @@ from asyncrl.episodes.environment import (
     environment_episode,
 )
 from asyncrl.episodes.rollout import observation_ids
+from asyncrl.episodes.scoring import final_answer
 from asyncrl.episodes.team import Role, Team, role_prompt
 from asyncrl.prompts.chat import encode_prompt
 from asyncrl.types import Prompt
@@ -306,13 +307,14 @@ def render_tool_episodes(
         await asyncio.gather(*(episode(c, task) for c, (task, _) in zip(clients, plays, strict=True)))
 
     asyncio.run(play_all())
-    played = []
-    for client, (task, _) in zip(clients, plays, strict=True):
-        turns = [m for m in client.record.reward_inputs["completion_messages"] if m["role"] == "assistant"]
-        played.append(
-            ScriptedEpisode(client.prompt_ids, client.record, score(turns[-1]["content"], task.answer))
+    return [
+        ScriptedEpisode(
+            client.prompt_ids,
+            client.record,
+            score(final_answer(client.record.reward_inputs["completion_messages"]), task.answer),
         )
-    return played
+        for client, (task, _) in zip(clients, plays, strict=True)
+    ]
 
 
 @dataclass

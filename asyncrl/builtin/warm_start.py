@@ -163,6 +163,13 @@ class _Episodes:
         self.environment = builtin_environment(cfg.task, cfg.max_turns)
         self.train = PromptStream(source(seed=cfg.data_seed))
         self.held_out = PromptStream(source(seed=cfg.eval_seed)).take(cfg.eval_prompts)
+        # What the evaluation rollout plays: the environment's episodes, scored by the environment.
+        self.tokenizer, self.episode, self.rewards = (
+            policy.tokenizer,
+            environment_episode(self.environment),
+            None,
+        )
+        self.budget = cfg.max_turn_tokens
 
     def rows(self, n: int, noise: float, rng: random.Random) -> list[Row]:
 
@@ -183,17 +190,18 @@ class _Episodes:
         ]
 
     def rollout(self, engine: EmbeddedEngine, sampling: SamplingParams) -> Rollout:
-        """One episode per held-out task, against the built-in environment."""
+        """One episode per held-out task, as RL plays and scores them."""
         cfg = self.cfg
         return EpisodeRollout(
             engine,
-            self.policy.tokenizer,
-            environment_episode(self.environment),
+            self.tokenizer,
+            self.episode,
             sampling,
             1,
             max_turns=cfg.max_turns,
             max_episode_tokens=cfg.max_episode_tokens,
             seed=cfg.seed,
+            rewards=self.rewards,
         )
 
 
@@ -223,6 +231,8 @@ class _ToolEpisodes(_Episodes):
         self.tokenizer, self.episode = tool_calling(
             [CALCULATE], policy.tokenizer, str(CHAR_TOOLS_TEMPLATE), None
         )
+        self.rewards = RewardSet([RewardTerm("numeric_match", numeric_match)])  # as examples/tools.yaml
+        self.budget = cfg.max_turn_tokens
         source = functools.partial(ArithmeticTask, cfg.ops, cfg.min_digits, cfg.max_digits)
         self.train = PromptStream(_UserMessages(source(seed=cfg.data_seed)))
         self.held_out = PromptStream(_UserMessages(source(seed=cfg.eval_seed))).take(cfg.eval_prompts)
@@ -241,21 +251,6 @@ class _ToolEpisodes(_Episodes):
             max_turn_tokens=cfg.max_turn_tokens,
         )
         return [episode.sft_row() for episode in played]
-
-    def rollout(self, engine: EmbeddedEngine, sampling: SamplingParams) -> Rollout:
-        """One episode per held-out task, the tool run as RL runs it, scored by ``numeric_match``."""
-        cfg = self.cfg
-        return EpisodeRollout(
-            engine,
-            self.tokenizer,
-            self.episode,
-            sampling,
-            1,
-            max_turns=cfg.max_turns,
-            max_episode_tokens=cfg.max_episode_tokens,
-            seed=cfg.seed,
-            rewards=RewardSet([RewardTerm("numeric_match", numeric_match)]),
-        )
 
 
 class _Team:
@@ -277,6 +272,7 @@ class _Team:
         # One solver answer a turn: the turn budget bounds the answers.
         self.episode = functools.partial(verify_episode, attempts=cfg.max_turns)
         self.steps = 0  # rows() is called once a training step
+        self.budget = cfg.max_turn_tokens
 
     def rows(self, n: int, noise: float, rng: random.Random) -> list[Row]:
         cfg = self.cfg
@@ -358,10 +354,9 @@ def _accuracy(data: _Answers | _Episodes | _Team, model: torch.nn.Module, cfg: S
     evaluates; for chains also ``failures_late`` of the sampled completions."""
     policy = data.policy
     engine = EmbeddedEngine(copy.deepcopy(model), pad_token_id=policy.pad_token_id, seed=cfg.seed)
-    budget = cfg.max_turn_tokens if isinstance(data, _Episodes | _Team) else data.budget
     figures = {}
     for name, temperature in (("accuracy_sampled", 1.0), ("accuracy_greedy", 0.0)):
-        sampling = SamplingParams(budget, temperature=temperature, stop_token_ids=(policy.eos_token_id,))
+        sampling = SamplingParams(data.budget, temperature=temperature, stop_token_ids=(policy.eos_token_id,))
         rollout = data.rollout(engine, sampling)
         try:
             figures[name] = evaluate(rollout, data.held_out)

@@ -140,11 +140,9 @@ class EpisodeClient:
 
     def last_turn(self) -> tuple[list[int], list[int]]:
         """The tokens before the latest model turn (prompt and episode so far), and the turn's."""
-        start, end = self.record.turn_spans[-1]
+        start, end = (len(self.prompt_ids) + i for i in self.record.turn_spans[-1])
         ids = self.context_ids
-        return ids[: len(self.prompt_ids) + start], ids[
-            len(self.prompt_ids) + start : len(self.prompt_ids) + end
-        ]
+        return ids[:start], ids[start:end]
 
     def observe(self, text: str) -> None:
         """Append what the environment answers (not trained); cut at the token budget."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from asyncrl.rewards.scoring import RewardSet
 from asyncrl.rollout.interface import RolloutStats
 from asyncrl.types import Group, Sample
@@ -47,6 +50,11 @@ def score_episodes(
 
 def _final_answer(sample: Sample) -> str:
     """The text of an episode's last model turn, from its messages (its whole text without them)."""
-    messages = (sample.reward_inputs or {}).get("completion_messages") or ()
+    return final_answer((sample.reward_inputs or {}).get("completion_messages") or (), sample.completion_text)
+
+
+def final_answer(messages: Sequence[dict[str, Any]], otherwise: str = "") -> str:
+    """What a tool-calling episode answered: its last assistant message's text (tool calls left
+    out), or ``otherwise`` if it has none."""
     turns = [m for m in messages if m["role"] == "assistant"]
-    return turns[-1]["content"] if turns else sample.completion_text
+    return turns[-1]["content"] if turns else otherwise

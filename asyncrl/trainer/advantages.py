@@ -18,6 +18,7 @@ from asyncrl.algorithms.advantages import (
     decoupled_rewards,
     distill_advantages,
     group_advantages,
+    has_advantage,
     role_subgroups,
     step_advantages,
     turn_advantages,
@@ -81,7 +82,7 @@ def assign_advantages(
         ]
     outcome = group_advantages(rewards, scale, baseline=baseline)
     if normalize:
-        outcome = whitened(outcome, [_has_advantage(r, baseline) for r in rewards])
+        outcome = whitened(outcome, [has_advantage(r, baseline) for r in rewards])
     for samples, adv, reward in zip(subgroups, outcome, rewards, strict=True):  # type: ignore[arg-type]
         for sample, a in zip(samples, adv.tolist(), strict=True):
             sample.advantage = a
@@ -164,10 +165,3 @@ def _with_own(samples: list, weights: Mapping[str, float]) -> dict[str, float]:
     tool environment's get_reward, labelled with its class), as it is added to their sum."""
     own = {label for s in samples for label in s.reward_components or () if label not in weights}
     return {**dict.fromkeys(sorted(own), 1.0), **weights}
-
-
-def _has_advantage(rewards: torch.Tensor, baseline: Baseline) -> torch.Tensor:
-    """Which of a group's samples have an advantage: a reward, and with a leave-one-out baseline
-    another reward in the group to compare it with."""
-    given = ~torch.isnan(rewards)
-    return given & (given.sum() > 1) if baseline == "leave_one_out" else given
