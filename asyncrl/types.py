@@ -192,6 +192,9 @@ class Sample(Tokens):
     # Each reward function's unweighted value, by label (None: it did not apply or failed).
     reward_components: dict[str, float | None] | None = None
     advantage: float | None = None
+    # algorithm.kl_in_reward: the completion's KL to the reference summed over its trained tokens,
+    # set by the trainer before its advantage is taken (None: not scored).
+    reference_kl: float | None = None
     # Multi-turn episodes: [start, end) of each model turn in the completion, and the step
     # reward each turn got (None: none given). None for single-turn completions.
     turn_spans: list[tuple[int, int]] | None = None

@@ -8,8 +8,9 @@ same settings otherwise; by default the async schedule of examples/async.yaml wi
 decoupled objective, so tokens up to 2 versions old reach every loss through its own ratio),
 then prints one JSON object: per loss type the step at which the 10-step mean reward first
 reaches ``--target``, the first and last 10-step mean rewards, the mean clip fraction (where
-a ratio was clipped or a weight truncated), the mean ratio, the greedy held-out accuracy at
-the end, and seconds per step.
+a ratio was clipped or a weight truncated), the mean ratio, the last 10 steps' mean KL to the
+reference (with ``--set algorithm.beta=...``), the greedy held-out accuracy at the end, and
+seconds per step.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def run(loss_type: str, steps: int, target: float, extra: list[str], out_dir: Pa
         "reward_last": round(statistics.fmean(r["reward_mean"] for r in rows[-WINDOW:]), 4),
         "clip_frac_mean": round(statistics.fmean(r["clip_frac"] for r in rows), 5),
         "ratio_mean": round(statistics.fmean(r["ratio_mean"] for r in rows), 5),
+        "kl_ref_last": round(statistics.fmean(r["kl_ref"] for r in rows[-WINDOW:]), 6),
         "eval_accuracy_last": evals[-1]["eval_accuracy"] if evals else None,
         "s_per_step": round((rows[-1]["time_s"] - rows[WINDOW - 1]["time_s"]) / (len(rows) - WINDOW), 4),
         "wall_s": round(summary["wall_s"], 1),

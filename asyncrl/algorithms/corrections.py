@@ -22,10 +22,13 @@ multiply the per-token loss:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+from asyncrl.config.algorithm import AlgorithmConfig
 
 ISLevel = Literal["none", "token", "sequence"]
 ISMode = Literal["truncate", "mask"]
@@ -75,3 +78,20 @@ def off_policy_sequence_mask(
         seq_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
         adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
         return ((adv >= 0) | (seq_kl <= delta)).to(logp.dtype)
+
+
+def step_figures(algo: AlgorithmConfig, sums: Mapping[str, float], tokens: float) -> dict[str, float]:
+    """What the weights and masks ``algo`` turns on did in a step, from the trainer's step sums
+    (``tokens``: the step's computed trained tokens): importance weights, OPSM, the entropy mask."""
+    out = {}
+    if algo.is_level != "none":
+        out.update(
+            is_weight_mean=sums["is_weight_sum"] / tokens,
+            is_ratio_max=sums["is_ratio_max"],
+            is_clipped_frac=sums["is_clipped_sum"] / tokens,
+        )
+    if algo.opsm_delta is not None:
+        out["opsm_masked_seqs"] = sums["opsm_masked_seqs"]
+    if algo.top_entropy_quantile < 1.0:
+        out["entropy_masked_frac"] = sums["entropy_masked_sum"] / tokens
+    return out

@@ -136,6 +136,15 @@ class AlgorithmConfig(Section):
     )
     beta: float = Field(0.0, ge=0, description="KL penalty weight towards the reference (initial) policy.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator.")
+    kl_in_reward: bool = Field(
+        False,
+        description="Where the KL penalty goes: false, a loss term on every trained token (GRPO); true, "
+        "subtracted from each completion's reward before its advantage is taken (after reward_clip): "
+        "reward - beta x the completion's KL summed over its trained tokens, the behaviour log-probs "
+        "against the reference's (TRL's RLOOTrainer beta with kl_estimator k1; verl's use_kl_in_reward). "
+        "The reference scores the whole step on the first trainer rank before the samples are split "
+        "across ranks. The logged rewards stay as scored; kl_ref is the per-token mean.",
+    )
     ref_sync_every: int = Field(
         0,
         ge=0,
@@ -261,6 +270,18 @@ class AlgorithmConfig(Section):
                 f"entropy_target={self.entropy_target} adapts entropy_coef within [entropy_coef_min, "
                 f"entropy_coef_max], and entropy_coef_min={low} <= entropy_coef={self.entropy_coef} <= "
                 f"entropy_coef_max={high} does not hold: set the initial entropy_coef inside the bounds"
+            )
+        if self.kl_in_reward and not self.beta:
+            raise ValueError("kl_in_reward=true subtracts beta x KL from the rewards: set algorithm.beta > 0")
+        if self.kl_in_reward and self.kl_ratio_correction:
+            raise ValueError(
+                "kl_ratio_correction weights the KL loss term per token by the importance ratio, which "
+                "kl_in_reward=true (the KL in the reward, taken once per completion) does not have: set one of them"
+            )
+        if self.kl_in_reward and self.advantage == "distill":
+            raise ValueError(
+                "kl_in_reward=true subtracts the KL from the rewards, which advantage=distill does not "
+                "train on: set kl_in_reward=false (a KL loss term), or advantage=group"
             )
         if self.ref_sync_every and not self.beta:
             raise ValueError(

@@ -135,6 +135,13 @@ class Config(Section):
                 "algorithm.ref_sync_every cannot be used with LoRA (lora.rank > 0): the reference is then the "
                 "base with the adapters switched off, and syncing it would need a copy of the base"
             )
+        sharded = self.trainer.ranks > 1 and self.trainer.parallel == "fsdp2"
+        if self.algorithm.kl_in_reward and self.lora.enabled and sharded:
+            raise ValueError(
+                "algorithm.kl_in_reward with LoRA on FSDP2 ranks: the reference (the sharded base, adapters "
+                "off) would have to score the whole step on the first rank alone; use trainer.parallel=ddp, "
+                "or kl_in_reward=false"
+            )
         self._pivot_combinations()
         self._multi_agent_combinations()
         self._equal_rewards_combinations()

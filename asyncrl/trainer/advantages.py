@@ -38,6 +38,7 @@ def assign_advantages(
     baseline: Baseline = "mean",
     normalize: bool = False,
     clip: tuple[float, float] | None = None,
+    kl_coef: float = 0.0,
 ) -> None:
     """Set ``sample.advantage`` for every sample, from its group's rewards (None counts as NaN).
 
@@ -62,7 +63,9 @@ def assign_advantages(
     ``baseline``: ``mean`` or ``leave_one_out`` (RLOO), for every (sub)group. ``normalize``: the
     outcome advantages of all ``groups`` whitened together (:func:`~asyncrl.algorithms.advantages.whitened`),
     before any per-token part is added. ``clip``: (low, high) each reward is clamped to first
-    (``algorithm.reward_clip``; the samples keep their rewards).
+    (``algorithm.reward_clip``; the samples keep their rewards). ``kl_coef``: with
+    ``algorithm.kl_in_reward``, ``beta``: each reward (clamped, or with ``reward_weights`` the
+    weighted sum) less ``kl_coef`` x the sample's ``reference_kl``, which the trainer has set.
     """
     subgroups = [
         [group.samples[i] for i in indices]
@@ -79,6 +82,10 @@ def assign_advantages(
         rewards = [
             decoupled_rewards([s.reward_components for s in samples], r, _with_own(samples, reward_weights))
             for samples, r in zip(subgroups, rewards, strict=True)
+        ]
+    if kl_coef:
+        rewards = [
+            r - kl_coef * _reference_kls(samples) for samples, r in zip(subgroups, rewards, strict=True)
         ]
     outcome = group_advantages(rewards, scale, baseline=baseline)
     if normalize:
@@ -158,6 +165,23 @@ def zero_advantage_frac(groups: list[Group]) -> float:
         return all(a == 0 for a in sample.token_advantages)
 
     return sum(all(zero(s) for s in g.samples) for g in groups) / max(len(groups), 1)
+
+
+def reference_kl_mean(groups: list[Group]) -> float:
+    """With ``algorithm.kl_in_reward``: the groups' KL to the reference per trained token (TRL's
+    ``kl``; the loss term's ``kl_ref`` is the same mean)."""
+    samples = [s for g in groups for s in g.samples if s.reference_kl is not None]
+    return sum(s.reference_kl for s in samples) / max(sum(s.num_trained_tokens for s in samples), 1)
+
+
+def _reference_kls(samples: list[Sample]) -> torch.Tensor:
+    missing = [s for s in samples if s.reference_kl is None]
+    if missing:
+        raise ValueError(
+            f"{missing[0]._label()} of group {missing[0].group_id} has no reference KL to take from its reward "
+            "(algorithm.kl_in_reward): the trainer scores it before advantages"
+        )
+    return torch.tensor([s.reference_kl for s in samples], dtype=torch.float64)
 
 
 def _with_own(samples: list, weights: Mapping[str, float]) -> dict[str, float]:

@@ -12,7 +12,9 @@ recomputing old log-probs where the algorithm needs them) and ``accumulate`` (fo
 backward of each micro-batch; gradients add up), then ``finish_step(divisor)`` (gradients
 divided by the step's divisor — per policy for a :class:`PolicySet` — clipped, the optimizer
 steps, ``version`` advances by one). ``train_batch`` takes a batch's further optimizer steps
-(PPO epochs) at once. ``version`` is the run's policy version: the number of optimizer steps
+(PPO epochs) at once. With ``algorithm.kl_in_reward``, ``score_reference_kl`` comes first, on
+the first rank alone: the reference's KL of every sample, taken from its reward before the
+step's advantages. ``version`` is the run's policy version: the number of optimizer steps
 taken; it never goes back except by ``load_checkpoint_state``.
 """
 
@@ -47,6 +49,10 @@ class StepTrainer(Protocol):
         ...
 
     def begin_step(self) -> None: ...
+
+    def score_reference_kl(self, samples: list[Sample]) -> None:
+        """``algorithm.kl_in_reward``: set each sample's ``reference_kl``, on one rank (no collective)."""
+        ...
 
     def prepare(self, samples: list[Sample]) -> list[MicroBatch]: ...
 

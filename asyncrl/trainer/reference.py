@@ -12,6 +12,10 @@ the policy near where it was lately rather than where it started. A sharded (FSD
 parameters are gathered one at a time for it, on every rank at once (each holds a whole copy).
 A reference that has synced is not the initial policy any more, so checkpoints carry it
 (:meth:`KLReference.state`) and a resume restores it.
+
+The penalty is a loss term on every trained token (its log-probs ride on each micro-batch), or
+with ``algorithm.kl_in_reward`` one number per completion, taken from its reward before its
+advantage (:meth:`KLReference.sequence_kls`; TRL's RLOO, verl's ``use_kl_in_reward``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import copy
 import torch
 from torch.distributed.tensor import DTensor
 
+from asyncrl.algorithms import losses
 from asyncrl.config import AlgorithmConfig
 from asyncrl.trainer.batching import MicroBatch
 from asyncrl.trainer.logprobs import completion_logprobs
@@ -33,6 +38,7 @@ class KLReference:
         self.model = None if lora else copy.deepcopy(model).eval().requires_grad_(False)
         self.every = algo.ref_sync_every
         self.alpha = algo.ref_sync_alpha
+        self.estimator = algo.kl_estimator
         self.version = 0  # the policy version it last took (0: the initial policy)
 
     def logprobs(
@@ -43,6 +49,19 @@ class KLReference:
             return completion_logprobs(self.model, mb, temperature, chunk_tokens=chunk_tokens)[0]
         with policy.disable_adapter():  # LoRA: the base model is the initial policy
             return completion_logprobs(policy, mb, temperature, chunk_tokens=chunk_tokens)[0]
+
+    def sequence_kls(
+        self, policy: torch.nn.Module, batches: list[MicroBatch], temperature: float, chunk_tokens: int
+    ) -> dict[int, float]:
+        """``algorithm.kl_in_reward``: each sample's KL to the reference summed over its trained
+        tokens, keyed by ``id(sample)``: ``kl_estimator`` of its behaviour log-probs (the policy that
+        sampled it, the one whose KL the estimate is unbiased for) against the reference's."""
+        out = {}
+        for mb in batches:
+            ref = self.logprobs(policy, mb, temperature, chunk_tokens)
+            kl = losses.kl_penalty(mb.behaviour_logprobs, ref, self.estimator) * mb.mask
+            out.update(zip(map(id, mb.samples), kl.sum(-1).tolist(), strict=True))
+        return out
 
     def after_step(self, policy: torch.nn.Module, version: int) -> None:
         """Take the policy's weights (``version``: the step just taken) when a sync is due."""

@@ -26,6 +26,7 @@ packing, log-probs, the optimizer and ranks live in their own modules.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -141,7 +142,7 @@ class Trainer:
         # trainer.skip_zero_advantage, where the loss has no term a zero advantage leaves standing.
         self.skips_zero_advantage = (
             trainer_cfg.skip_zero_advantage
-            and algo_cfg.beta == 0
+            and (algo_cfg.beta == 0 or algo_cfg.kl_in_reward)
             and not self.entropy_control.on
             and not self.features.adds_loss
         )
@@ -198,13 +199,31 @@ class Trainer:
             )
         return kept
 
-    def _micro_batches(self, samples: list[Sample]) -> list[MicroBatch]:
-        """Samples planned into micro-batches, with old-policy and reference log-probs attached."""
+    def score_reference_kl(self, samples: list[Sample]) -> None:
+        """``algorithm.kl_in_reward``: set each sample's ``reference_kl`` before its advantage is
+        taken (:meth:`KLReference.sequence_kls`). No collective runs: the reference is whole on
+        every rank, so the first scores a whole step alone. A sample with no trained token has 0."""
+        trained = [s for s in samples if any(s.loss_mask)]
+        unscored = [dataclasses.replace(s, advantage=0.0) for s in trained]  # collation wants one
+        with torch.no_grad(), eval_mode(self.model), self.compute():
+            kls = self.reference.sequence_kls(
+                self.model, self._collated(unscored), self.temperature, self.cfg.logprob_chunk_tokens
+            )
+        for sample in samples:
+            sample.reference_kl = 0.0
+        for sample, copy in zip(trained, unscored, strict=True):
+            sample.reference_kl = kls[id(copy)]
+
+    def _collated(self, samples: list[Sample]) -> list[MicroBatch]:
         with collection_paused():
-            batches = [
+            return [
                 collate_layout(chunk, layout, self.pad_token_id).to(self.device)
                 for chunk, layout in plan_layouts(samples, self.micro_batch_tokens, self.packing)
             ]
+
+    def _micro_batches(self, samples: list[Sample]) -> list[MicroBatch]:
+        """Samples planned into micro-batches, with old-policy and reference log-probs attached."""
+        batches = self._collated(samples)
         self.features.prepared(samples)
         mode = self.old_logprob_mode
         with torch.no_grad(), eval_mode(self.model), self.compute():
@@ -215,7 +234,7 @@ class Trainer:
                     )[0]
                 elif mode == "behaviour":
                     mb.old_logprobs = mb.behaviour_logprobs
-                if self.algo.beta > 0:
+                if self.algo.beta > 0 and not self.algo.kl_in_reward:  # else the rewards hold the KL
                     mb.ref_logprobs = self.reference.logprobs(
                         self.model, mb, self.temperature, self.cfg.logprob_chunk_tokens
                     )
@@ -296,25 +315,11 @@ class Trainer:
             "trained_tokens": s["tokens"] + s["skipped_tokens"],
             "skipped_tokens": s["skipped_tokens"],
             "skipped_samples": s["skipped_samples"],
-            **self._correction_metrics(s, tokens),
+            **corrections.step_figures(self.algo, s, tokens),
             **self.features.step_metrics(s),
             "train_s": self._busy_s,
             "old_logprobs_source": self.old_logprob_mode,
         }
-
-    def _correction_metrics(self, s: dict[str, float], tokens: float) -> dict[str, float]:
-        out = {}
-        if self.algo.is_level != "none":
-            out.update(
-                is_weight_mean=s["is_weight_sum"] / tokens,
-                is_ratio_max=s["is_ratio_max"],
-                is_clipped_frac=s["is_clipped_sum"] / tokens,
-            )
-        if self.algo.opsm_delta is not None:
-            out["opsm_masked_seqs"] = s["opsm_masked_seqs"]
-        if self.algo.top_entropy_quantile < 1.0:
-            out["entropy_masked_frac"] = s["entropy_masked_sum"] / tokens
-        return out
 
     def batch_divisor(self, samples: list[Sample]) -> float:
         return losses.batch_divisor(

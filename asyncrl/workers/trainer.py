@@ -37,7 +37,7 @@ from asyncrl.protocol.messages import (
 )
 from asyncrl.reports.completions import completion_records
 from asyncrl.rewards.task_rewards import reward_terms
-from asyncrl.trainer.advantages import assign_advantages, zero_advantage_frac
+from asyncrl.trainer.advantages import assign_advantages, reference_kl_mean, zero_advantage_frac
 from asyncrl.trainer.batching import BatchInProgress, MicroBatch
 from asyncrl.trainer.distributed import RankGroup, RankSpec, rank_device
 from asyncrl.trainer.interface import StepTrainer
@@ -249,6 +249,8 @@ class TrainerWorker:
             for group in groups:
                 group.mask_older_than(command.min_version)
         algorithm = self.cfg.algorithm
+        if algorithm.kl_in_reward:  # taken from the rewards: the reference scores the whole groups here
+            self.trainer.score_reference_kl([s for g in groups for s in g.samples])
         assign_advantages(
             groups,
             algorithm.advantage_scale,
@@ -257,6 +259,7 @@ class TrainerWorker:
             baseline=algorithm.advantage_baseline,
             normalize=algorithm.normalize_advantages,
             clip=algorithm.reward_clip,
+            kl_coef=algorithm.beta if algorithm.kl_in_reward else 0.0,
             **self.features.advantage_options(),
         )
         self._step_groups.update((g.group_id, g) for g in groups)
@@ -386,6 +389,8 @@ class TrainerWorker:
         steps += self._iterate(self._step_batches, iterations, divisor, command.publish)
         groups = list(self._step_groups.values())
         shared = {"zero_advantage_frac": zero_advantage_frac(groups)}
+        if self.cfg.algorithm.kl_in_reward:  # the KL was taken in the rewards, not in the loss
+            shared["kl_ref"] = reference_kl_mean(groups)
         shared.update(self.features.step_metrics(groups))
         for metrics in steps:
             metrics.update(shared)

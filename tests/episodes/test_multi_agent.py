@@ -241,6 +241,26 @@ def test_two_adapters_of_one_base_train_each_on_its_own_roles_samples(tmp_path) 
     assert 0.0 <= summary["eval"][-1]["eval_accuracy"] <= 1.0
 
 
+@pytest.mark.parametrize(
+    "policies",
+    [
+        "multi_agent.policies=[{name: checker, kind: adapter}]",
+        pytest.param(
+            "multi_agent.policies=[{name: checker, kind: model, train: false}]", marks=pytest.mark.slow
+        ),
+    ],
+)
+def test_each_policys_reference_scores_its_own_samples_for_the_kl_in_the_reward(tmp_path, policies) -> None:
+    """algorithm.kl_in_reward with two policies: each trained policy's reference (an adapter's: the
+    base, adapters off) scores its role's samples; the policies start as their references (kl_ref 0
+    but for float32 arithmetic) and move away; beside a frozen policy (whose samples are not trained,
+    so not scored) the trained one is scored as alone."""
+    kl = ("algorithm.beta=0.5", "algorithm.kl_in_reward=true", "trainer.lr=1e-2")
+    _, rows = _run(tmp_path, "schedule=sync", "lora.rank=4", policies, *kl)
+    assert abs(rows[0]["kl_ref"]) < 1e-4 and abs(rows[-1]["kl_ref"]) > 1e-4
+    assert rows[-1]["policy/default/version"] == 3
+
+
 @pytest.mark.slow  # two trainer ranks in local processes; the ranks' parity: tests/features/test_policy_ranks.py
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)

@@ -268,6 +268,9 @@ def fsdp2_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
         # The KL reference takes the policy after step 1: FSDP2 gathers each sharded parameter on every rank.
         pytest.param("fsdp2", "tiny:1m", ("algorithm.ref_sync_every=1",), marks=pytest.mark.slow),
         pytest.param("ddp", "tiny:1m", ("algorithm.ref_sync_every=1",), marks=pytest.mark.slow),
+        # The KL in the reward: rank 0's reference scores the whole step before the split, alone.
+        ("ddp", "tiny:1m", ("algorithm.kl_in_reward=true",)),
+        pytest.param("fsdp2", "tiny:1m", ("algorithm.kl_in_reward=true",), marks=pytest.mark.slow),
         # Keep Routing: every rank forces its share's recorded experts (tests/features/routing/test_routing.py).
         pytest.param("ddp", "tiny:moe", (), marks=pytest.mark.slow),
         pytest.param("fsdp2", "tiny:moe", (), marks=pytest.mark.slow),

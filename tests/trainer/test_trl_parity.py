@@ -39,6 +39,8 @@ import transformers
 from asyncrl.config import AlgorithmConfig, TrainerConfig
 from asyncrl.models.loading import load_policy, save_policy
 from asyncrl.trainer.advantages import assign_advantages
+from asyncrl.trainer.batching import collate
+from asyncrl.trainer.logprobs import completion_logprobs
 from asyncrl.trainer.trainer import Trainer
 from asyncrl.types import Group, Prompt, Sample
 
@@ -681,29 +683,30 @@ def _sequence_mean(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 # -- RLOO (TRL's RLOOTrainer) ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("normalize", "clip"), [(False, None), (True, None), (False, (-0.2, 1.0))])
-def test_rloo_advantages_match_trl(model_dir, tokenizer, tmp_path, normalize, clip):
-    """algorithm.advantage_baseline=leave_one_out with advantage_scale=none gives RLOOTrainer's
-    advantages, unscorable completions included; with algorithm.normalize_advantages, its whitened
-    ones (normalize_advantages=True); with algorithm.reward_clip, those of its clamped rewards
-    (reward_clip_range: 1.9 and -0.4 are clamped here)."""
-    trainer = _trl_trainer(
-        model_dir,
-        tokenizer,
-        tmp_path,
-        ADV_PROMPTS,
-        ADV_REWARDS,
-        rloo=True,
-        beta=0.0,
-        normalize_advantages=normalize,
-        reward_clip_range=clip,
-    )
+def _rloo_batch(model_dir, tokenizer, tmp_path, policy_state=None, **config) -> tuple[dict, list[Group]]:
+    """RLOOTrainer's scored batch of ADV_PROMPTS with these settings (``policy_state``: its policy's
+    weights, its reference staying at ``model_dir``'s), and asyncrl's groups of the same tokens."""
+    trainer = _trl_trainer(model_dir, tokenizer, tmp_path, ADV_PROMPTS, ADV_REWARDS, rloo=True, **config)
+    if policy_state is not None:
+        trainer.model.load_state_dict(policy_state)
     out = _trl_inputs(trainer, ADV_PROMPTS)
     groups = _asyncrl_groups(
         ADV_PROMPTS,
         _unpadded_rows(out["prompt_ids"], out["prompt_mask"]),
         _unpadded_rows(out["completion_ids"], out["completion_mask"]),
         ADV_REWARDS,
+    )
+    return out, groups
+
+
+@pytest.mark.parametrize(("normalize", "clip"), [(False, None), (True, None), (False, (-0.2, 1.0))])
+def test_rloo_advantages_match_trl(model_dir, tokenizer, tmp_path, normalize, clip):
+    """algorithm.advantage_baseline=leave_one_out with advantage_scale=none gives RLOOTrainer's
+    advantages, unscorable completions included; with algorithm.normalize_advantages, its whitened
+    ones (normalize_advantages=True); with algorithm.reward_clip, those of its clamped rewards
+    (reward_clip_range: 1.9 and -0.4 are clamped here)."""
+    out, groups = _rloo_batch(
+        model_dir, tokenizer, tmp_path, beta=0.0, normalize_advantages=normalize, reward_clip_range=clip
     )
     assign_advantages(groups, "none", baseline="leave_one_out", normalize=normalize, clip=clip)
     ours = torch.tensor([s.advantage for g in groups for s in g.samples], dtype=torch.float64)
@@ -715,6 +718,49 @@ def test_rloo_advantages_match_trl(model_dir, tokenizer, tmp_path, normalize, cl
         assert float(kept.std()) == pytest.approx(1.0, abs=1e-3)  # 1 / (1 + 1e-4 / std)
         assert all(a == 0.0 for a, h in zip(ours.tolist(), has, strict=True) if not h)
     torch.testing.assert_close(ours, out["advantages"].to(torch.float64), atol=ADV_ATOL, rtol=0)
+
+
+def test_rloo_kl_penalty_in_the_reward_matches_trl(model_dir, tokenizer, policy_state, tmp_path):
+    """RLOOTrainer's beta (beta x each completion's summed log-ratio to the reference, taken from its
+    reward before the leave-one-out baseline) is algorithm.kl_in_reward with kl_estimator=k1: with the
+    policy apart from its reference, the same advantages. asyncrl reads the behaviour log-probs, which
+    on-policy are the policy's own (TRL's old_logps)."""
+    out, groups = _rloo_batch(
+        model_dir, tokenizer, tmp_path, policy_state, beta=BETA, normalize_advantages=False
+    )
+    samples = [s for g in groups for s in g.samples]
+    policy = _load_model(model_dir)  # the reference weights: the Trainer copies them as its ref model
+    algorithm = AlgorithmConfig(
+        beta=BETA,
+        kl_in_reward=True,
+        kl_estimator="k1",
+        advantage_baseline="leave_one_out",
+        advantage_scale="none",
+    )
+    ours = Trainer(
+        policy,
+        pad_token_id=tokenizer.pad_token_id,
+        trainer_cfg=TrainerConfig(micro_batch_tokens=48),
+        algo_cfg=algorithm,
+        temperature=TEMPERATURE,
+        max_completion_length=MAX_COMPLETION_LENGTH,
+        total_steps=1,
+    )
+    policy.load_state_dict(policy_state)
+    with torch.no_grad():  # on-policy behaviour log-probs: the policy's own
+        for s in samples:
+            s.advantage = 0.0  # collation wants one; assign_advantages sets it below
+            logp = completion_logprobs(policy, collate([s], tokenizer.pad_token_id), TEMPERATURE)[0]
+            s.logprobs = logp[0].tolist()
+    sums = torch.tensor([sum(s.logprobs) for s in samples], dtype=torch.float64)
+    torch.testing.assert_close(sums, out["old_logps"].to(torch.float64), atol=1e-4, rtol=0)
+    ours.score_reference_kl(samples)
+    assert min(abs(s.reference_kl) for s in samples) > 0.05  # the policy is not its reference
+    assign_advantages(groups, "none", baseline="leave_one_out", kl_coef=BETA)
+    got = torch.tensor([s.advantage for s in samples], dtype=torch.float64)
+    without, _ = _rloo_batch(model_dir, tokenizer, tmp_path, beta=0.0, normalize_advantages=False)
+    assert (got - without["advantages"].to(torch.float64)).abs().max() > 0.01  # the penalty moved them
+    torch.testing.assert_close(got, out["advantages"].to(torch.float64), atol=1e-5, rtol=0)
 
 
 def test_rloo_loss_and_gradients_match_trl(model_dir, tokenizer, policy_state, tmp_path):
