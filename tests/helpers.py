@@ -352,6 +352,7 @@ class TurnEngine:
     A turn that ends with ``eos`` finishes with "stop", another with "length"."""
 
     version = 0
+    max_positions = 1 << 20  # no bound its tests reach
 
     def __init__(self, eos: int, turn: Callable[..., list[int]], logprob: float = 0.0) -> None:
         self.eos, self.turn, self.logprob, self.waiting = eos, turn, logprob, []

@@ -140,12 +140,13 @@ class TaskConfig(Section):
     answer_field: str | None = Field(
         "answer", description="Column holding the reference answer (null = rows have none)."
     )
-    reward: str = Field(
+    reward: str | None = Field(
         "exact_match",
         description="Reward function: a registered name (exact_match, chain_match, numeric_match, math_verify, "
         "format_regex, overlong_penalty, judge: the LLM judge of the judge section) or 'module:function'. Per-completion "
         "(`completion, prompt, answer, **fields`) and TRL's batched signature (`prompts, completions, "
-        "**columns` -> list) are both accepted.",
+        "**columns` -> list) are both accepted. null: none, with episode.tools whose environment classes "
+        "all define get_reward(), which is then the reward (TRL without reward_funcs).",
     )
     rewards: list[RewardEntry] = Field(
         default_factory=list,
@@ -235,9 +236,10 @@ class EpisodeConfig(Section):
         description="Tool calling (TRL's `tools`): 'module:function' of Python functions (sync or async, "
         "with type hints and a docstring documenting each argument) the model calls in its turns, in "
         'the Hermes format (<tool_call>{"name": ..., "arguments": {...}}</tool_call>, as Qwen2.5 '
-        "and Qwen3 templates write), and at most one 'module:Class' (TRL's `environment_factory`): one "
-        "instance per episode, reset(**row) first, its public methods tools, an optional get_reward() "
-        "added to the reward. The schemas go to the chat template; each call's result is appended as a "
+        "and Qwen3 templates write), and 'module:Class' environments (TRL's `environment_factory`): one "
+        "instance per episode, reset(**row) first (text it returns ends the prompt), its public methods "
+        "tools, an optional get_reward() added to the reward; with several classes each row names its "
+        "own in an 'environment' column. The schemas go to the chat template; each call's result is appended as a "
         "tool message, and the task's reward functions score the episode. Needs a conversational task "
         "and a template that renders tool calls; not with environment.",
     )

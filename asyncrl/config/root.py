@@ -52,6 +52,11 @@ class Config(Section):
                 "task.reward_workers scores task rewards; episodes are rewarded by their environment "
                 "(episode.environment): set task.reward_workers=0"
             )
+        if self.task.reward is None and not self.task.rewards and not self.episode.enabled:
+            raise ValueError(
+                "task.reward=null leaves completions without a reward: name a reward function (or set "
+                "task.rewards), or let environments score episodes (episode.tools classes with get_reward)"
+            )
         judged = "judge" in [self.task.reward, *(r.name for r in self.task.rewards)]
         if judged and self.judge.model is None and self.judge.url is None:
             raise ValueError("the reward 'judge' needs a judge: set judge.model (or judge.url)")

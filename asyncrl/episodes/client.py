@@ -95,7 +95,9 @@ class EpisodeClient:
         submit: SubmitTurn,
         encode_observation: Callable[[str], list[int]],
         decode: Callable[[list[int]], str],
+        max_positions: int | None = None,
     ) -> None:
+        """``max_positions``: the engine's (prompt and episode must fit it; None: no bound)."""
         self.name = name  # "group/episode": its turns' request ids are "group/episode/turn"
         self.prompt_ids = list(prompt_ids)
         self.seed = seed  # for the episode's environment: episodes are reproducible
@@ -108,6 +110,7 @@ class EpisodeClient:
         self._encode_observation = encode_observation
         self._decode = decode
         self._version = version  # of the newest model token (observations take it: no staleness of their own)
+        self._max_positions = max_positions
 
     @property
     def turns(self) -> int:
@@ -143,6 +146,20 @@ class EpisodeClient:
         start, end = (len(self.prompt_ids) + i for i in self.record.turn_spans[-1])
         ids = self.context_ids
         return ids[:start], ids[start:end]
+
+    def reprompt(self, prompt_ids: list[int], by: str) -> None:
+        """The episode's own prompt in place of its group's, before its first turn (a tool
+        environment's opening, ``by`` its reset): its sample is trained on this one. Refused when it
+        leaves no room in the engine's positions for the episode's first turn."""
+        if self.record.length:
+            raise RuntimeError(f"{by}: an episode's prompt can change before its first turn only")
+        need = len(prompt_ids) + min(self.max_turn_tokens, self.max_episode_tokens)
+        if self._max_positions is not None and need > self._max_positions:
+            raise ValueError(
+                f"{by} made the prompt {len(prompt_ids)} tokens: with a turn's {need - len(prompt_ids)} more, "
+                f"more than the engine's {self._max_positions} positions"
+            )
+        self.prompt_ids = list(prompt_ids)
 
     def observe(self, text: str) -> None:
         """Append what the environment answers (not trained); cut at the token budget."""

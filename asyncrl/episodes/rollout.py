@@ -225,6 +225,7 @@ class EpisodeRollout(Rollout):
             submit=self._submit_turn,
             encode_observation=lambda text, p=prompt: self.observation_ids(p, text),
             decode=self._decode_turn,
+            max_positions=self._engine_of(policy).max_positions,
         )
 
     def _role_client(
@@ -426,7 +427,8 @@ class EpisodeRollout(Rollout):
             record = pending.clients[k].record
             reward, error = self.outcome(future, [record], where)
             self.stats.truncated += record.truncated
-            return {k: self._sample(group_id, pending, record, pending.prompt_ids, reward, error)}
+            prompt_ids = pending.clients[k].prompt_ids  # the group's, or the episode's own (reprompt)
+            return {k: self._sample(group_id, pending, record, prompt_ids, reward, error)}
         team = pending.teams[k]
         records = {r.name: team.clients[r.name].record for r in self.roles if r.name in team.clients}
         team_reward, error = self.outcome(future, list(records.values()), where)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,7 +33,12 @@ def score_episodes(
         keys = sorted({k for i in inputs for k in i})
         columns = {k: [i.get(k) for i in inputs] for k in keys}
         ids = [s.completion_ids for s in g.samples]
-        batch.append((g.prompt, [_final_answer(s) for s in g.samples], ids, columns))
+        # A row column an episode input shares its name with (the 'environment' column that picked
+        # the class, TRL's control field) gives way to the input (the instance).
+        prompt = dataclasses.replace(
+            g.prompt, extra={k: v for k, v in g.prompt.extra.items() if k not in keys}
+        )
+        batch.append((prompt, [_final_answer(s) for s in g.samples], ids, columns))
     for group, results in zip(groups, rewards.score_groups(batch), strict=True):
         for sample, result in zip(group.samples, results, strict=True):
             sample.reward_inputs = None  # given to the reward functions; the trainer needs tokens only

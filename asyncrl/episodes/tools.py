@@ -1,11 +1,12 @@
 """Tool calling: ``episode.tools``, Python functions the model calls in its turns (TRL's ``tools``).
 
 The tools are plain functions (or ``async def``) with type hints and a docstring that
-documents every argument, and at most one environment class (TRL's ``environment_factory``,
-see :class:`ToolBox`) whose public methods are tools on an instance of each episode's own;
-their JSON schemas (``transformers.utils.get_json_schema``) are given to the chat template at
-every rendering, so the prompt lists them as the model's template lists tools. An episode is
-then (after its environment's ``reset(**row)``):
+documents every argument, and environment classes (TRL's ``environment_factory``, see
+:class:`ToolBox`) whose public methods are tools on an instance of each episode's own (with
+several, each row names its class); their JSON schemas (``transformers.utils.get_json_schema``)
+are given to the chat template at every rendering, so the prompt lists them as the model's
+template lists tools. An episode is then (after its environment's ``reset(**row)``, whose text
+ends the prompt's last message):
 
 1. the model's turn;
 2. the tool calls in it, by default in the Hermes format that Qwen2.5, Qwen3 and Hermes
@@ -33,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import functools
 import inspect
 import math
@@ -48,7 +50,7 @@ from asyncrl.episodes.environment import EnvironmentTimeout, EpisodeFunction, bo
 from asyncrl.episodes.tool_calls import ToolCall, ToolCallParser, hermes_parser, tool_parser
 from asyncrl.errors import ConfigError, describe_user_error
 from asyncrl.models.chat_templates import CHAT_TEMPLATE_KWARGS
-from asyncrl.prompts.chat import render_chat
+from asyncrl.prompts.chat import encode_prompt, render_chat
 from asyncrl.types import Prompt
 
 if TYPE_CHECKING:
@@ -62,43 +64,46 @@ class ToolBox:
 
     An entry is a function, or an environment class (TRL's ``environment_factory``): one instance
     per episode, built with no arguments, whose public methods are tools; ``reset(**row)`` sets it
-    up before the first turn, and an optional ``get_reward()`` adds its score to the episode's
-    reward (weight 1, labelled with the class's name).
+    up before the first turn (text it returns is appended to the prompt's last message), and an
+    optional ``get_reward()`` adds its score to the episode's reward (weight 1, labelled with the
+    class's name). With several classes each row names its own in an ``environment`` column
+    (TRL's dict of factories), and its prompt lists only that class's tools beside the functions.
     """
 
     def __init__(self, entries: list[Any], specs: list[str] | None = None) -> None:
         """``specs``: how each entry was configured, named in errors with its key (``episode.tools.N``)."""
         specs = specs or [getattr(e, "__name__", repr(e)) for e in entries]
         self.functions: dict[str, Callable[..., Any]] = {}  # the functions, by tool name
-        self.environment: type | None = None
-        self.methods: list[str] = []  # the environment's tools
-        self.schemas: list[dict[str, Any]] = []
+        self.function_schemas: list[dict[str, Any]] = []
+        self.environments: dict[str, type] = {}  # the environment classes, by class name
+        self.methods: dict[str, list[str]] = {}  # each environment's tools
+        self.environment_schemas: dict[str, list[dict[str, Any]]] = {}
         for i, (entry, spec) in enumerate(zip(entries, specs, strict=True)):
             key = f"{KEY}.{i}"
             if inspect.isclass(entry):
                 self._add_environment(entry, key, spec)
             elif callable(entry):
-                self.functions[self._add(entry, key, spec)] = entry
+                name, schema = self._schema(entry, key, spec, self.names)
+                self.functions[name] = entry
+                self.function_schemas.append(schema)
             else:
                 raise ConfigError(key, spec, f"is a {type(entry).__name__}, not a function or a class")
 
-    def _add(self, fn: Callable[..., Any], key: str, spec: str) -> str:
-        """Add ``fn``'s schema; returns its tool name."""
+    @staticmethod
+    def _schema(fn: Callable[..., Any], key: str, spec: str, taken: list[str]) -> tuple[str, dict[str, Any]]:
+        """``fn``'s tool name and schema; its name must not be one of ``taken``."""
         try:
             schema = _json_schema(fn)
         except Exception as exc:  # transformers' DocstringParsingException, TypeHintParsingException
             raise ConfigError(key, spec, f"has no tool schema: {exc}") from None
         name = schema["function"]["name"]
-        if name in self.names:
+        if name in taken:
             raise ConfigError(key, spec, f"a second tool named {name!r}")
-        self.schemas.append(schema)
-        return name
+        return name, schema
 
     def _add_environment(self, cls: type, key: str, spec: str) -> None:
-        if self.environment is not None:
-            raise ConfigError(
-                key, spec, f"a second environment class (after {self.environment.__name__}): one per run"
-            )
+        if cls.__name__ in self.environments:
+            raise ConfigError(key, spec, f"a second environment class named {cls.__name__}")
         if not callable(getattr(cls, "reset", None)):
             raise ConfigError(key, spec, "an environment class needs a reset method (it may do nothing)")
         try:
@@ -107,10 +112,14 @@ class ToolBox:
             raise ConfigError(
                 key, spec, f"could not be built with no arguments: {describe_user_error(exc)}"
             ) from None
-        self.environment = cls
+        methods, schemas = [], []
         for name, _ in inspect.getmembers(cls, predicate=inspect.isfunction):
             if name not in ("reset", "get_reward") and not name.startswith("_"):
-                self.methods.append(self._add(getattr(probe, name), key, spec))
+                tool, schema = self._schema(getattr(probe, name), key, spec, [*self.functions, *methods])
+                methods.append(tool)
+                schemas.append(schema)
+        self.environments[cls.__name__] = cls
+        self.methods[cls.__name__], self.environment_schemas[cls.__name__] = methods, schemas
 
     @classmethod
     def from_specs(cls, specs: list[str]) -> ToolBox:
@@ -124,14 +133,47 @@ class ToolBox:
 
     @property
     def names(self) -> list[str]:
-        return [*self.functions, *self.methods]
+        """Every tool's name, each once (environments may share one)."""
+        return list(dict.fromkeys([*self.functions, *(m for own in self.methods.values() for m in own)]))
 
-    def for_episode(self) -> tuple[dict[str, Callable[..., Any]], Any]:
-        """An episode's tools by name, and its environment (None without a class): a new instance."""
-        if self.environment is None:
+    @property
+    def schemas(self) -> list[dict[str, Any]]:
+        """Every tool's schema, a name shared by environments once: a prompt's tools before its episode
+        picks its environment."""
+        seen = dict.fromkeys(self.functions)
+        out = list(self.function_schemas)
+        for schemas in self.environment_schemas.values():
+            for schema in schemas:
+                if schema["function"]["name"] not in seen:
+                    seen[schema["function"]["name"]] = None
+                    out.append(schema)
+        return out
+
+    def schemas_of(self, environment: str) -> list[dict[str, Any]]:
+        """The tools an episode in ``environment`` is shown: the functions and that class's methods."""
+        return [*self.function_schemas, *self.environment_schemas[environment]]
+
+    def environment_of(self, task: Prompt) -> str | None:
+        """The environment class ``task`` plays in (None without one): the only one, or with several
+        the one its row names in its ``environment`` column."""
+        if len(self.environments) < 2:
+            return next(iter(self.environments), None)
+        name = task.extra.get("environment")
+        if name not in self.environments:
+            raise ValueError(
+                f"prompt {task.prompt_id!r} has environment={name!r}, not one of {KEY}'s classes "
+                f"{list(self.environments)}: with several, every row names its own in an 'environment' column"
+            )
+        return name
+
+    def for_episode(self, environment: str | None = None) -> tuple[dict[str, Callable[..., Any]], Any]:
+        """An episode's tools by name, and a new instance of ``environment`` (by default the only
+        class; None without one)."""
+        environment = environment or next(iter(self.environments), None)
+        if environment is None:
             return dict(self.functions), None
-        environment = self.environment()
-        return {**self.functions, **{m: getattr(environment, m) for m in self.methods}}, environment
+        instance = self.environments[environment]()
+        return {**self.functions, **{m: getattr(instance, m) for m in self.methods[environment]}}, instance
 
 
 @dataclass(frozen=True)
@@ -216,26 +258,45 @@ def tool_calling(
     step_timeout_s: float | None,
     reward_workers: int = 0,
     parser: str = "hermes",
+    reward_functions: bool = True,
 ) -> tuple[PreTrainedTokenizerBase, EpisodeFunction]:
     """``episode.tools`` checked (the tools, ``template``, model.chat_template, rendering them,
-    an environment's rewards in this process: ``reward_workers``, task.reward_workers, 0, and
-    ``parser``, episode.tool_parser): the
-    tokenizer an episode rollout renders with — a copy of ``tokenizer`` whose every chat
-    rendering passes the tools' schemas to the template (``tools=``, as transformers and TRL pass
-    them), so the prompt lists them — and the episode function."""
+    an environment's rewards in this process: ``reward_workers``, task.reward_workers, 0,
+    ``parser``, episode.tool_parser, and without ``reward_functions`` (task.reward null) a
+    ``get_reward`` on every environment class): the tokenizer an episode rollout renders with — a
+    copy of ``tokenizer`` whose every chat rendering passes the tools' schemas to the template
+    (``tools=``, as transformers and TRL pass them), so the prompt lists them — and the episode
+    function."""
     tools = ToolBox.from_specs(specs)
-    if tools.environment is not None and reward_workers:
+    if tools.environments and reward_workers:
         raise ConfigError(
             "task.reward_workers",
             reward_workers,
-            f"the reward functions get each episode's {tools.environment.__name__} ({KEY}), which "
+            f"the reward functions get each episode's {next(iter(tools.environments))} ({KEY}), which "
             "stays in its generator's process: set task.reward_workers=0",
         )
-    rendering = copy.copy(tokenizer)  # the policy's own renders as before
-    kwargs = getattr(tokenizer, CHAT_TEMPLATE_KWARGS, {})
-    setattr(rendering, CHAT_TEMPLATE_KWARGS, {**kwargs, "tools": tools.schemas})
+    unscored = [n for n, c in tools.environments.items() if not callable(getattr(c, "get_reward", None))]
+    if not reward_functions and (unscored or not tools.environments):
+        raise ConfigError(
+            "task.reward",
+            None,
+            "no reward function: the episodes' environments must score them, and "
+            + (f"{unscored[0]} has no get_reward()" if unscored else f"{KEY} names no environment class"),
+        )
+    rendering = with_tools(tokenizer, tools.schemas)
     check_tool_template(rendering, template)
-    return rendering, tool_episode(tools, rendering, step_timeout_s, tool_parser(parser, rendering))
+    episode = tool_episode(
+        tools, rendering, step_timeout_s, tool_parser(parser, rendering), own_reward=not reward_functions
+    )
+    return rendering, episode
+
+
+def with_tools(tokenizer: PreTrainedTokenizerBase, schemas: list[dict[str, Any]]) -> PreTrainedTokenizerBase:
+    """A copy of ``tokenizer`` whose chat renderings list these tools (the original renders as before)."""
+    rendering = copy.copy(tokenizer)
+    kwargs = getattr(tokenizer, CHAT_TEMPLATE_KWARGS, {})
+    setattr(rendering, CHAT_TEMPLATE_KWARGS, {**kwargs, "tools": schemas})
+    return rendering
 
 
 def tool_episode(
@@ -243,45 +304,72 @@ def tool_episode(
     tokenizer: PreTrainedTokenizerBase,
     step_timeout_s: float | None,
     parser: ToolCallParser = hermes_parser,
+    own_reward: bool = False,
 ) -> EpisodeFunction:
-    """The episode function of ``episode.tools`` (see the module doc)."""
+    """The episode function of ``episode.tools`` (see the module doc). ``own_reward``: the
+    environment's ``get_reward()`` is the episode's whole reward (no reward function scores it)."""
+    # Each environment's prompt lists its own tools when several share the run.
+    renderings = {
+        name: with_tools(tokenizer, tools.schemas_of(name)) if len(tools.environments) > 1 else tokenizer
+        for name in tools.environments
+    }
 
-    async def episode(client: EpisodeClient, task: Prompt) -> None:
+    async def episode(client: EpisodeClient, task: Prompt) -> float | None:
         if task.messages is None:
             raise ValueError(
                 f"{KEY} needs a conversational task (a prompt given as messages), so that the chat "
                 f"template shows the tools; prompt {task.prompt_id!r} is a string"
             )
-        callables, environment = tools.for_episode()
+        name = tools.environment_of(task)
+        callables, environment = tools.for_episode(name)
         record, messages = client.record, []
         record.reward_inputs = {"completion_messages": messages}
         if environment is not None:
             record.reward_inputs["environment"] = environment
-            await _reset(environment, task, step_timeout_s)
+            opening = await _reset(environment, task, step_timeout_s, routed=len(tools.environments) > 1)
+            if opening is not None or len(tools.environments) > 1:
+                client.reprompt(encode_prompt(renderings[name], _opened(task, opening)), f"{name}.reset")
         with contextlib.suppress(EpisodeTruncated):  # a truncated episode is scored as it stands
             await _turns(client, callables, messages, tokenizer, parser, step_timeout_s)
         if environment is not None and callable(getattr(environment, "get_reward", None)):
-            name = type(environment).__name__
             value = await bounded(f"{name}.get_reward", step_timeout_s, environment.get_reward)
             if not isinstance(value, int | float) or not math.isfinite(value):
                 raise ValueError(f"{name}.get_reward returned {value!r}, not a finite number")
             record.own_rewards = {name: float(value)}
+            if own_reward:
+                return float(value)
         return None  # the task's reward functions score the episode
 
     episode.__name__ = f"tool_episode({', '.join(tools.names)})"
     return episode
 
 
-async def _reset(environment: Any, task: Prompt, timeout_s: float | None) -> None:
-    """``environment.reset(**row)``, the row as TRL gives it (prompt, answer, other columns)."""
+async def _reset(environment: Any, task: Prompt, timeout_s: float | None, routed: bool = False) -> str | None:
+    """``environment.reset(**row)``, the row as TRL gives it (prompt, answer, other columns; without
+    the ``environment`` column that ``routed`` it here); the text it returns for the prompt (a list of
+    text parts joined), or None."""
     name = type(environment).__name__
-    row = {"prompt": task.messages, "answer": task.answer, **task.extra}
+    extra = {k: v for k, v in task.extra.items() if not (routed and k == "environment")}
+    row = {"prompt": task.messages, "answer": task.answer, **extra}
     opening = await bounded(f"{name}.reset", timeout_s, functools.partial(environment.reset, **row))
-    if opening is not None:
+    if isinstance(opening, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in opening):
+        opening = "".join(str(p.get("text", "")) for p in opening)
+    if opening is not None and not isinstance(opening, str):
         raise ValueError(
-            f"{name}.reset returned {type(opening).__name__} {opening!r}: a tool environment's reset sets it "
-            "up and returns None here (the prompt is the row's: put any text for the model in it)"
+            f"{name}.reset returned {type(opening).__name__} {opening!r}: a tool environment's reset returns "
+            "None, or text (a string or text parts) appended to the prompt's last message"
         )
+    return opening
+
+
+def _opened(task: Prompt, opening: str | None) -> Prompt:
+    """The task with ``opening`` appended to its last message (TRL's reset observation)."""
+    if not opening:
+        return task
+    last = task.messages[-1]
+    return dataclasses.replace(
+        task, messages=[*task.messages[:-1], {**last, "content": last["content"] + opening}]
+    )
 
 
 async def _turns(

@@ -20,7 +20,9 @@ from asyncrl.rewards.timed import TimedReward
 def reward_terms(cfg: Config) -> list[tuple[str, str, float, dict]]:
     """(label, spec, weight, args) of each configured reward function."""
     t = cfg.task
-    entries = [(e.label, e.name, e.weight, dict(e.args)) for e in t.rewards] or [(None, t.reward, 1.0, {})]
+    entries = [(e.label, e.name, e.weight, dict(e.args)) for e in t.rewards]
+    if not entries and t.reward is not None:  # null: the episodes' environments score them
+        entries = [(None, t.reward, 1.0, {})]
     terms = []
     for label, spec, weight, args in entries:
         if spec == "overlong_penalty":

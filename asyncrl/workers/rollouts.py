@@ -14,7 +14,7 @@ from asyncrl.episodes.team import Role
 from asyncrl.episodes.tools import tool_calling
 from asyncrl.errors import ConfigError
 from asyncrl.models.loading import Policy
-from asyncrl.rewards.task_rewards import build_reward
+from asyncrl.rewards.task_rewards import build_reward, reward_terms
 from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.rollout.interface import Rollout
 
@@ -94,6 +94,7 @@ def build_episode(
             episode.step_timeout_s,
             cfg.task.reward_workers,
             episode.tool_parser,
+            reward_functions=bool(reward_terms(cfg)),
         )
     if episode.environment is None:
         return tokenizer, None
@@ -127,8 +128,9 @@ def build_rollout(
             adapters=cfg.multi_agent.adapter_policies,
             max_consecutive_failures=cfg.task.reward_max_consecutive_failures,
             name=cfg.episode.environment or f"tools {cfg.episode.tools}",
-            # Tool-calling episodes have no reward of their own: the task's functions score them.
-            rewards=build_reward(cfg) if cfg.episode.tools else None,
+            # Tool-calling episodes have no reward of their own: the task's functions score them (with
+            # none, the environments' get_reward does).
+            rewards=build_reward(cfg) if cfg.episode.tools and reward_terms(cfg) else None,
         )
     return CompletionRollout(
         engine,

@@ -119,7 +119,44 @@ class Counter:
 
 class Opening(Counter):
     def reset(self, **row) -> str:
-        return "here is a hint"
+        return " here is a hint"
+
+
+class Parts(Counter):
+    def reset(self, **row) -> list:
+        return [{"type": "text", "text": " a"}, {"type": "text", "text": "b"}]
+
+
+class Numbered(Counter):
+    def reset(self, **row) -> int:
+        return 7
+
+
+class Subtractor(Counter):
+    """A second environment beside Counter: its own tool ``sub`` as well as ``add``."""
+
+    def sub(self, a: int, b: int) -> int:
+        """Subtract an integer.
+
+        Args:
+            a: the integer
+            b: what is taken from it
+        """
+        return a - b
+
+
+class Unscored:
+    def reset(self, **row) -> None:
+        return None
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: the first integer
+            b: the second integer
+        """
+        return a + b
 
 
 class NoReset:
@@ -534,10 +571,11 @@ def test_an_environment_class_gives_its_public_methods_as_tools_and_is_checked_a
             ToolBox.from_specs([spec])
         assert err.value.key == "episode.tools.0" and problem in err.value.problem, str(err.value)
     assert "test_tools.py:" in str(err.value)  # the user's constructor, by file and line
-    with pytest.raises(
-        ConfigError, match=r"episode\.tools\.1=.*a second environment class \(after Counter\)"
-    ):
-        ToolBox.from_specs([COUNTER, "tests.episodes.test_tools:Opening"])
+    with pytest.raises(ConfigError, match=r"episode\.tools\.1=.*a second environment class named Counter"):
+        ToolBox.from_specs([COUNTER, COUNTER])
+    both = ToolBox.from_specs([COUNTER, "tests.episodes.test_tools:Subtractor"])  # each row picks one
+    assert (both.names, [s["function"]["name"] for s in both.schemas]) == (["add", "sub"], ["add", "sub"])
+    assert [s["function"]["name"] for s in both.schemas_of("Counter")] == ["add"]
     with pytest.raises(ConfigError, match=r"episode\.tools\.1=.*a second tool named 'add'"):
         ToolBox.from_specs([COUNTER, ADD])
     with pytest.raises(
@@ -571,14 +609,108 @@ def test_an_environment_is_reset_with_the_row_its_reward_adds_and_reward_functio
     assert all(e.calls == 1 for e in environments)
 
 
-def test_an_environment_whose_reset_returns_text_fails_its_episodes_by_name(tmp_path: Path) -> None:
+@pytest.mark.parametrize("opening", ["Opening", "Parts"])
+def test_the_text_an_environments_reset_returns_ends_the_episodes_prompt(
+    tmp_path: Path, opening: str
+) -> None:
+    """TRL's reset observation: text (or text parts) reset returns is appended to the prompt's last
+    message; the episode sees that prompt and its sample is trained on it."""
     cfg = tool_config(
-        tmp_path, "episode.tools=[tests.episodes.test_tools:Opening]", "task.rewards=[{name: numeric_match}]"
+        tmp_path,
+        f"episode.tools=[tests.episodes.test_tools:{opening}]",
+        "task.rewards=[{name: numeric_match}]",
+    )
+    groups, engine = run_groups(cfg, ScriptedTools, [task_prompts(cfg).get(0)])
+    text = {"Opening": " here is a hint", "Parts": " ab"}[opening]
+    tok = tokenizer()
+    for sample in groups[0].samples:
+        assert tok.decode(sample.prompt_ids) == "2+3=" + text
+        assert (sample.reward, sample.reward_error) == (2.0, None)  # answered 5, one call
+    assert sum(c.startswith("2+3=" + text) for c in engine.contexts) == 4  # each episode's two turns
+
+
+def test_an_environment_whose_reset_returns_anything_else_fails_its_episodes_by_name(tmp_path: Path) -> None:
+    cfg = tool_config(
+        tmp_path, "episode.tools=[tests.episodes.test_tools:Numbered]", "task.rewards=[{name: numeric_match}]"
     )
     groups, _ = run_groups(cfg, ScriptedTools, [task_prompts(cfg).get(0)])
     for sample in groups[0].samples:
         assert sample.reward == 0.0 and sample.reward_components is None
-        assert "Opening.reset returned str 'here is a hint'" in sample.reward_error
+        assert (
+            "Numbered.reset returned int 7: a tool environment's reset returns None, or text"
+            in sample.reward_error
+        )
+
+
+def test_an_opening_too_long_for_the_engine_fails_its_episode_by_name(tmp_path: Path) -> None:
+    cfg = tool_config(
+        tmp_path, "episode.tools=[tests.episodes.test_tools:Opening]", "task.rewards=[{name: numeric_match}]"
+    )
+
+    class Short(ScriptedTools):
+        max_positions = 110  # the prompt fits with a turn's 100 tokens; with the opening it does not
+
+    groups, _ = run_groups(cfg, Short, [task_prompts(cfg).get(0)])
+    for sample in groups[0].samples:
+        assert (
+            "Opening.reset made the prompt 19 tokens: with a turn's 100 more, more than the engine's 110"
+            in (sample.reward_error)
+        )
+
+
+def test_several_environments_each_serve_the_rows_that_name_them(tmp_path: Path) -> None:
+    """TRL's dict of environment factories: each row's ``environment`` column picks its class, whose
+    tools alone its prompt lists beside the functions, and which is reset without that column; a row
+    naming no class fails its episodes by name."""
+    (tmp_path / "chatml.jinja").write_text(CHATML_TOOLS, encoding="utf-8")
+    rows = [
+        {"prompt": [{"role": "user", "content": "2+3="}], "answer": "5", "environment": "Counter"},
+        {"prompt": [{"role": "user", "content": "40+2="}], "answer": "42", "environment": "Subtractor"},
+        {"prompt": [{"role": "user", "content": "1+1="}], "answer": "2", "environment": "Nowhere"},
+    ]
+    cfg = tool_config(
+        tmp_path,
+        f"model.chat_template={tmp_path / 'chatml.jinja'}",
+        f"episode.tools=[{COUNTER}, tests.episodes.test_tools:Subtractor]",
+        "task.rewards=[{name: numeric_match}, {name: tests.episodes.test_tools:batched_environments, weight: 0}]",
+    )
+    Path(cfg.task.path).write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    SEEN.clear()
+    groups, _ = run_groups(
+        cfg,
+        lambda tok: ScriptedTools(tok, results=r"\[tool\](\d+)<eos>"),
+        [task_prompts(cfg).get(i) for i in range(3)],
+    )
+    tok = load_policy("tiny:1m", device="cpu", dtype="float32").tokenizer
+    listed = {g.prompt.answer: {tok.decode(s.prompt_ids).split("\n")[0] for s in g.samples} for g in groups}
+    assert listed["5"] == {"tools: add"} and listed["42"] == {"tools: add sub"}
+    for group in groups[:2]:
+        assert all((s.reward, s.reward_components["numeric_match"]) == (2.0, 1.0) for s in group.samples)
+    assert sorted(type(e).__name__ for e in SEEN) == ["Counter", "Counter", "Subtractor", "Subtractor"]
+    assert all("environment" not in e.row and e.row["answer"] in ("5", "42") for e in SEEN)
+    for sample in groups[2].samples:
+        assert (
+            "prompt 'sums.jsonl:3' has environment='Nowhere', not one of episode.tools's classes"
+            in sample.reward_error
+        )
+
+
+def test_an_environments_get_reward_alone_scores_its_episodes(tmp_path: Path) -> None:
+    """task.reward=null: no reward function; the environment's get_reward is each episode's reward
+    (TRL without reward_funcs); refused where nothing would score the episodes."""
+    cfg = tool_config(tmp_path, f"episode.tools=[{COUNTER}]", "task.reward=null")
+    groups, _ = run_groups(cfg, ScriptedTools, [task_prompts(cfg).get(i) for i in range(2)])
+    for sample in (s for g in groups for s in g.samples):
+        assert (sample.reward, sample.reward_components, sample.reward_error) == (1.0, {"Counter": 1.0}, None)
+    refused = {
+        f"episode.tools=[{ADD}]": "task.reward=None: no reward function: .* episode.tools names no environment",
+        "episode.tools=[tests.episodes.test_tools:Unscored]": "Unscored has no get_reward",
+    }
+    for tools, message in refused.items():
+        with pytest.raises(ConfigError, match=message):
+            train(tool_config(tmp_path, tools, "task.reward=null"), tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"task\.reward=null leaves completions without a reward"):
+        load_config(None, ["task.reward=null"])
 
 
 class HoldingSecond(ScriptedTools):
