@@ -205,6 +205,8 @@ class Sample(Tokens):
     tool_failures: int = 0
     tool_error: str | None = None
     reward_inputs: dict[str, Any] | None = None
+    # A tool episode's own prompt (its environment's reset text appended), as text; None: its group's.
+    prompt_text: str | None = None
     # Per completion token, when step rewards make advantages differ along the completion
     # (algorithm.step_rewards); None: every token takes ``advantage``.
     token_advantages: list[float] | None = None

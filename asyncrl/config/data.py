@@ -110,13 +110,15 @@ class RewardEntry(Section):
 class TaskConfig(Section):
     """Where prompts come from and how completions are scored."""
 
-    name: Literal["arithmetic", "chain", "jsonl", "dataset", "guess"] = Field(
+    name: Literal["arithmetic", "chain", "jsonl", "dataset", "guess", "environment"] = Field(
         "arithmetic",
         description="'arithmetic' (built-in, generated), 'chain' (built-in, generated: running results of "
         "a chain of additions and subtractions, scored by reward chain_match), 'jsonl' (a JSONL file), 'dataset' (Hugging Face "
         "`datasets`: a directory saved with save_to_disk, a folder of data files, or a .parquet, .jsonl, "
-        ".json or .csv file; a row's prompt is a string or a list of chat messages), or 'guess' (the "
-        "built-in guessing game's secrets, played with episode.environment=guess).",
+        ".json or .csv file; a row's prompt is a string or a list of chat messages), 'guess' (the "
+        "built-in guessing game's secrets, played with episode.environment=guess), or 'environment' (no "
+        "data: the one environment class of episode.tools returns each prompt from reset, appended to an "
+        "empty user message; TRL's environment_factory without a train_dataset).",
     )
     arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
     chain: ChainConfig = Field(default_factory=ChainConfig)

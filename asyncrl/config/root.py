@@ -52,6 +52,11 @@ class Config(Section):
                 "task.reward_workers scores task rewards; episodes are rewarded by their environment "
                 "(episode.environment): set task.reward_workers=0"
             )
+        if self.task.name == "environment" and not self.episode.tools:
+            raise ValueError(
+                "task.name=environment takes each prompt from an environment's reset: set episode.tools "
+                "to a 'module:Class' environment"
+            )
         if self.task.reward is None and not self.task.rewards and not self.episode.enabled:
             raise ValueError(
                 "task.reward=null leaves completions without a reward: name a reward function (or set "

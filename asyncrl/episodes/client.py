@@ -52,6 +52,7 @@ class EpisodeRecord:
     tool_calls: int = 0
     tool_failures: int = 0
     tool_error: str | None = None  # the first a user's tool raised (or ran late), named
+    prompt_text: str | None = None  # its own prompt's text, when not its group's (EpisodeClient.reprompt)
 
     @property
     def length(self) -> int:
@@ -66,6 +67,7 @@ class EpisodeRecord:
             tool_failures=self.tool_failures,
             tool_error=self.tool_error,
             reward_inputs=self.reward_inputs,
+            prompt_text=self.prompt_text,
         )
 
     def append(self, tokens: Tokens, trained: bool) -> None:
@@ -147,10 +149,11 @@ class EpisodeClient:
         ids = self.context_ids
         return ids[:start], ids[start:end]
 
-    def reprompt(self, prompt_ids: list[int], by: str) -> None:
+    def reprompt(self, prompt_ids: list[int], by: str, text: str | None = None) -> None:
         """The episode's own prompt in place of its group's, before its first turn (a tool
-        environment's opening, ``by`` its reset): its sample is trained on this one. Refused when it
-        leaves no room in the engine's positions for the episode's first turn."""
+        environment's opening, ``by`` its reset; ``text``: as its records show it): its sample is
+        trained on this one. Refused when it leaves no room in the engine's positions for the
+        episode's first turn."""
         if self.record.length:
             raise RuntimeError(f"{by}: an episode's prompt can change before its first turn only")
         need = len(prompt_ids) + min(self.max_turn_tokens, self.max_episode_tokens)
@@ -160,6 +163,7 @@ class EpisodeClient:
                 f"more than the engine's {self._max_positions} positions"
             )
         self.prompt_ids = list(prompt_ids)
+        self.record.prompt_text = text
 
     def observe(self, text: str) -> None:
         """Append what the environment answers (not trained); cut at the token budget."""

@@ -50,7 +50,7 @@ from asyncrl.episodes.environment import EnvironmentTimeout, EpisodeFunction, bo
 from asyncrl.episodes.tool_calls import ToolCall, ToolCallParser, hermes_parser, tool_parser
 from asyncrl.errors import ConfigError, describe_user_error
 from asyncrl.models.chat_templates import CHAT_TEMPLATE_KWARGS
-from asyncrl.prompts.chat import encode_prompt, render_chat
+from asyncrl.prompts.chat import conversation_label, encode_prompt, render_chat
 from asyncrl.types import Prompt
 
 if TYPE_CHECKING:
@@ -259,11 +259,13 @@ def tool_calling(
     reward_workers: int = 0,
     parser: str = "hermes",
     reward_functions: bool = True,
+    prompts_from_reset: bool = False,
 ) -> tuple[PreTrainedTokenizerBase, EpisodeFunction]:
     """``episode.tools`` checked (the tools, ``template``, model.chat_template, rendering them,
     an environment's rewards in this process: ``reward_workers``, task.reward_workers, 0,
-    ``parser``, episode.tool_parser, and without ``reward_functions`` (task.reward null) a
-    ``get_reward`` on every environment class): the tokenizer an episode rollout renders with — a
+    ``parser``, episode.tool_parser, without ``reward_functions`` (task.reward null) a
+    ``get_reward`` on every environment class, and with ``prompts_from_reset``
+    (task.name=environment) one class): the tokenizer an episode rollout renders with — a
     copy of ``tokenizer`` whose every chat rendering passes the tools' schemas to the template
     (``tools=``, as transformers and TRL pass them), so the prompt lists them — and the episode
     function."""
@@ -283,10 +285,22 @@ def tool_calling(
             "no reward function: the episodes' environments must score them, and "
             + (f"{unscored[0]} has no get_reward()" if unscored else f"{KEY} names no environment class"),
         )
+    if prompts_from_reset and len(tools.environments) != 1:
+        raise ConfigError(
+            "task.name",
+            "environment",
+            f"each prompt comes from the reset of {KEY}'s one environment class, and it names "
+            f"{len(tools.environments)} ({list(tools.environments)})",
+        )
     rendering = with_tools(tokenizer, tools.schemas)
     check_tool_template(rendering, template)
     episode = tool_episode(
-        tools, rendering, step_timeout_s, tool_parser(parser, rendering), own_reward=not reward_functions
+        tools,
+        rendering,
+        step_timeout_s,
+        tool_parser(parser, rendering),
+        own_reward=not reward_functions,
+        prompts_from_reset=prompts_from_reset,
     )
     return rendering, episode
 
@@ -305,9 +319,11 @@ def tool_episode(
     step_timeout_s: float | None,
     parser: ToolCallParser = hermes_parser,
     own_reward: bool = False,
+    prompts_from_reset: bool = False,
 ) -> EpisodeFunction:
     """The episode function of ``episode.tools`` (see the module doc). ``own_reward``: the
-    environment's ``get_reward()`` is the episode's whole reward (no reward function scores it)."""
+    environment's ``get_reward()`` is the episode's whole reward (no reward function scores it).
+    ``prompts_from_reset``: the task's prompts are empty, and the text reset returns is the prompt."""
     # Each environment's prompt lists its own tools when several share the run.
     renderings = {
         name: with_tools(tokenizer, tools.schemas_of(name)) if len(tools.environments) > 1 else tokenizer
@@ -327,8 +343,14 @@ def tool_episode(
         if environment is not None:
             record.reward_inputs["environment"] = environment
             opening = await _reset(environment, task, step_timeout_s, routed=len(tools.environments) > 1)
+            if prompts_from_reset and not opening:
+                raise ValueError(
+                    f"{name}.reset returned {opening!r}: with task.name=environment the prompt is the text it returns"
+                )
             if opening is not None or len(tools.environments) > 1:
-                client.reprompt(encode_prompt(renderings[name], _opened(task, opening)), f"{name}.reset")
+                opened = _opened(task, opening)
+                ids = encode_prompt(renderings[name], opened)
+                client.reprompt(ids, f"{name}.reset", conversation_label(opened.messages))
         with contextlib.suppress(EpisodeTruncated):  # a truncated episode is scored as it stands
             await _turns(client, callables, messages, tokenizer, parser, step_timeout_s)
         if environment is not None and callable(getattr(environment, "get_reward", None)):

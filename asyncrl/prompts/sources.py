@@ -26,6 +26,21 @@ class PromptSource(Protocol):
 GENERATED_TASKS: Registry[Callable[[Any, int], PromptSource]] = Registry("generated task")
 
 
+class EnvironmentPrompts:
+    """``task.name=environment``: a tool environment owns the data (TRL's ``environment_factory``
+    without a ``train_dataset``). Every prompt is an empty user message, to which the episode's
+    environment appends the text its ``reset`` returns (:mod:`asyncrl.episodes.tools`)."""
+
+    name = "environment"
+    size = None  # endless: each episode's environment makes its own
+
+    def get(self, index: int) -> Prompt:
+        return Prompt(prompt_id=f"environment:{index}", text="", messages=[{"role": "user", "content": ""}])
+
+
+GENERATED_TASKS.register("environment", lambda task, seed: EnvironmentPrompts())
+
+
 class PromptStream:
     """Issues prompts in a seeded order, one epoch after another, and can resume.
 

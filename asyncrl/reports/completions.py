@@ -3,7 +3,8 @@
 The trainer picks them from the step's groups once their advantages are set: one completion of
 each group in turn (the step's first groups first, then each group's second completion, ...), so
 that a few records show as many prompts as they can. Each record is plain JSON: the prompt (its
-text; a conversation's last user message), the completion's text, its reward and each reward
+text; a conversation's last user message; a tool episode's own, its environment's opening
+appended), the completion's text, its reward and each reward
 function's value, its advantage, why it ended, its length, and the policy versions that sampled it.
 The run writes them to ``completions.jsonl`` (with the step) and to the trackers: a table in W&B,
 a Markdown table in TensorBoard's text tab.
@@ -35,7 +36,7 @@ def _record(group: Group, sample: Sample) -> dict[str, Any]:
     record = {
         "group_id": group.group_id,
         "prompt_id": group.prompt.prompt_id,
-        "prompt": group.prompt.text,
+        "prompt": group.prompt.text if sample.prompt_text is None else sample.prompt_text,
         "completion": sample.completion_text,
         "reward": sample.reward,
         "rewards": {k: v for k, v in (sample.reward_components or {}).items() if v is not None},

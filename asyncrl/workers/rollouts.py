@@ -95,6 +95,7 @@ def build_episode(
             cfg.task.reward_workers,
             episode.tool_parser,
             reward_functions=bool(reward_terms(cfg)),
+            prompts_from_reset=cfg.task.name == "environment",
         )
     if episode.environment is None:
         return tokenizer, None

@@ -145,6 +145,14 @@ class Subtractor(Counter):
         return a - b
 
 
+class Quiz(Counter):
+    """An environment that owns the data: reset gives the question (TRL without a train_dataset)."""
+
+    def reset(self, **row) -> str:
+        self.row = row
+        return "2+3="
+
+
 class Unscored:
     def reset(self, **row) -> None:
         return None
@@ -902,3 +910,61 @@ def test_a_tool_that_raises_is_named_to_the_runs_user(tmp_path: Path) -> None:
         r"\(group 0\); the model was given the error as the result",
         line,
     ), line
+
+
+def test_an_environment_that_owns_the_data_gives_every_prompt(tmp_path: Path) -> None:
+    """task.name=environment: each prompt is an empty user message and the text reset returns (TRL's
+    environment_factory without a train_dataset); refused without one environment class, and an
+    episode whose reset gives no text fails by name."""
+    cfg = tool_config(
+        tmp_path,
+        "task.name=environment",
+        "episode.tools=[tests.episodes.test_tools:Quiz]",
+        "task.reward=null",
+    )
+    prompts = [task_prompts(cfg).get(i) for i in range(2)]
+    assert [(p.prompt_id, p.messages) for p in prompts] == [
+        (f"environment:{i}", [{"role": "user", "content": ""}]) for i in range(2)
+    ]
+    groups, _ = run_groups(cfg, ScriptedTools, prompts)
+    tok = tokenizer()
+    for sample in (s for g in groups for s in g.samples):
+        assert tok.decode(sample.prompt_ids) == "2+3="
+        assert (sample.reward, sample.reward_components, sample.reward_error) == (1.0, {"Quiz": 1.0}, None)
+    cfg = tool_config(tmp_path, "task.name=environment", f"episode.tools=[{COUNTER}]", "task.reward=null")
+    groups, _ = run_groups(cfg, ScriptedTools, [task_prompts(cfg).get(0)])
+    for sample in groups[0].samples:
+        assert (
+            "Counter.reset returned None: with task.name=environment the prompt is the text"
+            in sample.reward_error
+        )
+    with pytest.raises(ConfigError, match=r"task\.name='environment': .* names 2 \(\['Counter', 'Quiz'\]\)"):
+        train(
+            tool_config(
+                tmp_path,
+                "task.name=environment",
+                f"episode.tools=[{COUNTER}, tests.episodes.test_tools:Quiz]",
+                "task.reward=null",
+            ),
+            tmp_path / "run",
+        )
+    with pytest.raises(
+        ConfigError, match=r"task\.name=environment takes each prompt from an environment's reset"
+    ):
+        load_config(None, ["task.name=environment"])
+
+
+def test_the_shipped_environment_example_trains_on_the_sums_its_environments_draw(tmp_path: Path) -> None:
+    """examples/tool_environment.yaml, shortened: every prompt is the sum an ArithEnv drew, the reward
+    function reads that environment's truth, and builtin:tools earns some of it."""
+    cfg = load_config(
+        REPO / "examples" / "tool_environment.yaml",
+        [*short_run(2, prompts=4, group_size=4), "run.log_completions=16"],
+    )
+    summary = train(cfg, tmp_path / "run")
+    assert summary["accounting"]["reconciles"] and summary["accounting"]["trained"] == 8
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert all(m["reward_errors"] == 0 for m in metrics)
+    assert 0.0 < sum(m["reward_mean"] for m in metrics) / 2 <= 1.0
+    completions = read_jsonl(tmp_path / "run" / "completions.jsonl")
+    assert len(completions) == 32 and all(re.fullmatch(r"\d\d\+\d\d=", c["prompt"]) for c in completions)
