@@ -22,7 +22,8 @@ class PromptSource(Protocol):
 
 
 # task.name -> a generated task's prompt source, made from the task section and a seed
-# (asyncrl's own: arithmetic, chain, guess; registered by asyncrl.builtin.register).
+# (asyncrl's toys arithmetic, chain and guess, registered by asyncrl.builtin.register; and
+# 'environment', below).
 GENERATED_TASKS: Registry[Callable[[Any, int], PromptSource]] = Registry("generated task")
 
 
