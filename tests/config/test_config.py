@@ -130,7 +130,10 @@ def test_overrides_win_over_file(tmp_path: Path) -> None:
         (["algorithm.cispo.max_ratio=0.9"], ["algorithm.cispo.max_ratio=0.9", "greater than 1"]),
         (["algorithm.sapo.temperature_neg=0"], ["algorithm.sapo.temperature_neg=0", "greater than 0"]),
         (["algorithm.vespo.bogus=1"], ["algorithm.vespo.bogus", "unknown key", "k_neg, k_pos"]),
-        (["task.name=csv"], ["task.name='csv'", "'arithmetic', 'chain', 'jsonl', 'dataset', 'guess' or 'environment'"]),
+        (
+            ["task.name=csv"],
+            ["task.name='csv'", "'arithmetic', 'chain', 'jsonl', 'dataset', 'guess' or 'environment'"],
+        ),
         (["trainer.packing=dense"], ["trainer.packing='dense'", "'tree', 'prompts' or 'off'"]),
         (["trainer.share_prompts=maybe"], ["trainer.share_prompts='maybe'", "true or false", "'prompts'"]),
         (
