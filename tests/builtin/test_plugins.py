@@ -24,7 +24,7 @@ from asyncrl.rewards.registry import REWARDS, resolve_reward
 
 
 def test_the_toy_world_registers_every_name_the_config_offers() -> None:
-    assert GENERATED_TASKS.names() == ["arithmetic", "chain", "guess"]
+    assert GENERATED_TASKS.names() == ["arithmetic", "chain", "environment", "guess"]  # environment: core
     assert ENVIRONMENTS.names() == ["calculator", "guess"]
     assert EPISODES.names() == ["verify"]
     assert set(SHIPPED_MODELS.names()) == {
