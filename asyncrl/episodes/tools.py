@@ -324,9 +324,9 @@ def tool_episode(
     """The episode function of ``episode.tools`` (see the module doc). ``own_reward``: the
     environment's ``get_reward()`` is the episode's whole reward (no reward function scores it).
     ``prompts_from_reset``: the task's prompts are empty, and the text reset returns is the prompt."""
-    # Each environment's prompt lists its own tools when several share the run.
+    routed = len(tools.environments) > 1  # each row names its class, whose prompt lists its own tools
     renderings = {
-        name: with_tools(tokenizer, tools.schemas_of(name)) if len(tools.environments) > 1 else tokenizer
+        name: with_tools(tokenizer, tools.schemas_of(name)) if routed else tokenizer
         for name in tools.environments
     }
 
@@ -342,12 +342,12 @@ def tool_episode(
         record.reward_inputs = {"completion_messages": messages}
         if environment is not None:
             record.reward_inputs["environment"] = environment
-            opening = await _reset(environment, task, step_timeout_s, routed=len(tools.environments) > 1)
+            opening = await _reset(environment, task, step_timeout_s, routed=routed)
             if prompts_from_reset and not opening:
                 raise ValueError(
                     f"{name}.reset returned {opening!r}: with task.name=environment the prompt is the text it returns"
                 )
-            if opening is not None or len(tools.environments) > 1:
+            if opening is not None or routed:
                 opened = _opened(task, opening)
                 ids = encode_prompt(renderings[name], opened)
                 client.reprompt(ids, f"{name}.reset", conversation_label(opened.messages))
