@@ -1,6 +1,7 @@
 """Keep Routing on the CPU: routing mismatch, log-prob gap and mismatch KL with replay off and on.
 
     python bench/moe.py [--steps 100] [--runs sync-off sync-on async-off async-on] [--device cpu]
+                        [--router-aux-loss-coef 0.0]
 
 Each run trains the shipped tiny mixture of experts (``builtin:moe``, 8 experts, top-2) on
 the default arithmetic task, in this process (inline runtime), with the engine in bfloat16
@@ -9,13 +10,16 @@ on a CPU that reproduces the engine/trainer mismatch of a GPU run (``--device cu
 batch on the weights that sampled it; ``async`` lets tokens be up to 2 versions old
 (``schedule.max_staleness=2``). ``off``/``on`` is ``trainer.routing_replay``. The padded
 layout (``trainer.packing=off``) is used so that route staleness is reported by version lag.
+``--router-aux-loss-coef`` sets ``trainer.router_aux_loss_coef`` of every run (the routers'
+load-balancing loss; 0: none).
 
 Prints one JSON object after every run (the runs so far): per run, the means over its steps
 of the routing mismatch (router decisions and tokens whose experts differ between engine and
 trainer), the drift (decisions the trainer's live router makes otherwise, also by version
 lag), the engine/trainer log-prob gap on tokens of the current version (mean, and the largest),
 the mismatch KL, the route bytes per sample, the reward over the first and last 10 steps, the
-reward per step, and the seconds per step.
+reward per step, the seconds per step and, with a load-balancing coefficient, the
+load-balancing loss over the first and last 10 steps (2 = top-2 over an even load).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ COMMON = [
 ]
 
 
-def run(name: str, steps: int, device: str = "cpu") -> dict:
+def run(name: str, steps: int, device: str = "cpu", router_aux_loss_coef: float = 0.0) -> dict:
     from asyncrl.config import load_config
     from asyncrl.control.run import train
 
@@ -54,6 +58,8 @@ def run(name: str, steps: int, device: str = "cpu") -> dict:
         f"trainer.routing_replay={REPLAY[replay]}",
         f"run.steps={steps}",
     ]
+    if router_aux_loss_coef:
+        overrides.append(f"trainer.router_aux_loss_coef={router_aux_loss_coef}")
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         train(load_config(None, overrides), Path(tmp) / "run")
@@ -65,6 +71,7 @@ def run(name: str, steps: int, device: str = "cpu") -> dict:
         return round(statistics.fmean(values), 6) if values else None
 
     rewards = [r["reward_mean"] for r in rows]
+    balance = [r["router_aux_loss"] for r in rows if "router_aux_loss" in r]
     return {
         "overrides": overrides[len(COMMON) + 1 :],
         "steps": len(rows),
@@ -85,6 +92,14 @@ def run(name: str, steps: int, device: str = "cpu") -> dict:
         "reward_first10": round(statistics.fmean(rewards[:10]), 4),
         "reward_last10": round(statistics.fmean(rewards[-10:]), 4),
         "reward_per_step": [round(x, 4) for x in rewards],
+        **(
+            {
+                "router_aux_loss_first10": round(statistics.fmean(balance[:10]), 4),
+                "router_aux_loss_last10": round(statistics.fmean(balance[-10:]), 4),
+            }
+            if balance
+            else {}
+        ),
     }
 
 
@@ -93,6 +108,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--runs", nargs="+", default=["sync-off", "sync-on", "async-off", "async-on"])
     parser.add_argument("--device", default="cpu", help="model.device of the runs (cpu, cuda)")
+    parser.add_argument(
+        "--router-aux-loss-coef", type=float, default=0.0, help="trainer.router_aux_loss_coef of every run"
+    )
     args = parser.parse_args()
     for name in args.runs:
         if name.split("-")[0] not in SCHEDULES or name.split("-")[-1] not in REPLAY:
@@ -101,8 +119,13 @@ def main() -> None:
             )
     results: dict[str, dict] = {}
     for name in args.runs:
-        results[name] = run(name, args.steps, args.device)
-        print(json.dumps({"device": args.device, "steps": args.steps, "runs": results}), flush=True)
+        results[name] = run(name, args.steps, args.device, args.router_aux_loss_coef)
+        report = {
+            "device": args.device,
+            "steps": args.steps,
+            "router_aux_loss_coef": args.router_aux_loss_coef,
+        }
+        print(json.dumps({**report, "runs": results}), flush=True)
 
 
 if __name__ == "__main__":

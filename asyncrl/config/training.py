@@ -216,6 +216,17 @@ class TrainerConfig(Section):
         "metrics compare the two (routing_mismatch_frac, routing_drift_frac). 'rollout' with a dense "
         "model, or a router asyncrl cannot hook, is refused at start. See docs/moe.md.",
     )
+    router_aux_loss_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Load balancing of a mixture-of-experts policy's routers (the routers of routing_replay): "
+        "the Switch Transformer auxiliary loss over each micro-batch's real tokens, prompt and completion "
+        "(transformers' load_balancing_loss_func with the attention mask; the experts counted are those each "
+        "token used), times this coefficient, added to every trained token's loss so it is aggregated as "
+        "the policy loss is; reported as router_aux_loss. 0: none. TRL's GRPOTrainer adds it by default "
+        "(router_aux_loss_coef 0.001). Above 0 with a dense model, or a router asyncrl cannot hook, is "
+        "refused at start. See docs/moe.md.",
+    )
 
     @field_validator("micro_batch_tokens", mode="before")
     @classmethod

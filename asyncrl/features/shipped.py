@@ -31,6 +31,7 @@ from asyncrl.features.policies.engines import served_policies
 from asyncrl.features.policies.parts import role_turns
 from asyncrl.features.policies.start import policy_models_fit
 from asyncrl.features.policies.trainer import trained_policies
+from asyncrl.features.routing.balance import load_balancing
 from asyncrl.features.routing.record import RouteRecord
 from asyncrl.features.routing.start import routing_replay_fits
 from asyncrl.features.routing.training import routing_training
@@ -52,6 +53,7 @@ SERVED_MODELS.register("policies", served_policies)
 
 TOKEN_RECORDS.register("routes", RouteRecord())
 TRAINING_FEATURES.register("routing", routing_training)
+TRAINING_FEATURES.register("load_balancing", load_balancing)
 TRAINING_FEATURES.register("teacher_top_k", top_k_distillation)
 START_CHECKS.register("routing", routing_replay_fits)
 START_CHECKS.register("teacher", teacher_fits)

@@ -1,4 +1,5 @@
-"""bench/moe.py: its runs report routing mismatch (none with replay), drift, log-prob gaps and rewards."""
+"""bench/moe.py: its runs report routing mismatch (none with replay), drift, log-prob gaps, rewards
+and the load-balancing loss."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from tests.helpers import run_bench
 @pytest.mark.slow  # ~15 s of training; the metrics it averages: test_routing's test_a_run_reports_routing_mismatch_and_drift
 @pytest.mark.multiprocess
 def test_the_moe_bench_reports_each_run_with_replay_off_and_on() -> None:
-    lines = run_bench("moe", "--steps", "3", "--runs", "sync-off", "async-on")
+    lines = run_bench(
+        "moe", "--steps", "3", "--runs", "sync-off", "async-on", "--router-aux-loss-coef", "0.01"
+    )
     assert len(lines) == 2 and list(lines[-1]["runs"]) == ["sync-off", "async-on"]
     off, on = lines[-1]["runs"]["sync-off"], lines[-1]["runs"]["async-on"]
     assert off["steps"] == on["steps"] == 3 and lines[-1]["device"] == "cpu"
@@ -22,4 +25,7 @@ def test_the_moe_bench_reports_each_run_with_replay_off_and_on() -> None:
         "schedule.max_staleness=2",
         "trainer.routing_replay=rollout",
         "run.steps=3",
+        "trainer.router_aux_loss_coef=0.01",
     ]
+    assert lines[-1]["router_aux_loss_coef"] == 0.01
+    assert 1.9 < on["router_aux_loss_first10"] < 8.0 and 1.9 < on["router_aux_loss_last10"] < 8.0

@@ -274,6 +274,13 @@ def fsdp2_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
         # Keep Routing: every rank forces its share's recorded experts (tests/features/routing/test_routing.py).
         pytest.param("ddp", "tiny:moe", (), marks=pytest.mark.slow),
         pytest.param("fsdp2", "tiny:moe", (), marks=pytest.mark.slow),
+        # Load balancing: one sample per micro-batch, so each rank's losses are the single process's.
+        pytest.param(
+            "ddp",
+            "tiny:moe",
+            ("trainer.router_aux_loss_coef=0.5", "trainer.micro_batch_tokens=1"),
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_two_ranks_match_one_process(
@@ -313,6 +320,8 @@ def test_two_ranks_match_one_process(
         assert got_m["logprob_diff_max"] == pytest.approx(ref_m["logprob_diff_max"], abs=1e-5)
         for key in ("loss", "grad_norm", "kl_ref", "entropy", "clip_frac", "ratio_mean"):
             assert got_m[key] == pytest.approx(ref_m[key], rel=1e-4, abs=1e-6), key
+        if "router_aux_loss" in ref_m:  # each rank's share of the sums, added up
+            assert got_m["router_aux_loss"] == pytest.approx(ref_m["router_aux_loss"], rel=1e-5)
         if model.endswith("moe"):
             # Every rank compares the routes of what it forwards (a prompt split across ranks is
             # forwarded by each) and the counts are summed; the random routes are rarely the live

@@ -21,7 +21,9 @@ in :data:`ROUTER_FAMILIES`; any other mixture of experts is refused by class nam
   they carry gradient to the router for every recorded expert, whichever the live top-k is;
 * **counts**, for every token with a recorded route, the layers whose live top-k set differs
   from the recorded one (``drift``) and the layers whose experts used differ from the
-  recorded ones (``mismatch``: the drift without replay, zero with it), per token.
+  recorded ones (``mismatch``: the drift without replay, zero with it), per token;
+* **keeps**, while :attr:`Routing.balance_inputs` is a list, every call's probabilities and
+  the experts it used in forwards with gradients, for the load-balancing loss (:mod:`.balance`).
 
 The engine and the trainer reach a model's :class:`Routing` as the recorder of the route
 record (:mod:`.record`, a per-token record: :mod:`asyncrl.models.token_records`); routes on
@@ -87,12 +89,12 @@ def routing_of(model: torch.nn.Module, *, required_by: str | None = None) -> Rou
     if not routers:
         if required_by is not None:
             kind = (
-                "a mixture of experts whose router"
+                "a mixture of experts whose router asyncrl cannot hook"
                 if is_mixture_of_experts(model)
-                else "a dense model, which"
+                else "a dense model, without routers"
             )
             raise RoutingError(
-                f"{required_by}: {type(base).__name__} is {kind} asyncrl cannot record and replay; "
+                f"{required_by}: {type(base).__name__} is {kind}; "
                 f"supported routers: {', '.join(sorted(ROUTER_FAMILIES))}"
             )
         return None
@@ -108,7 +110,7 @@ class _LayerState:
         self.forced: torch.Tensor | None = None  # (N, k) long expert ids, -1: none recorded
         self.force = False  # use ``forced`` (else only compare with it)
         self.recorded: torch.Tensor | None = None  # where recording writes this layer's ids
-        self.count = True  # add to the drift and mismatch counts (not in a checkpoint's replay)
+        self.count = True  # add to the counts and the balancing inputs (not in a checkpoint's replay)
 
     def replay_state(self) -> dict:
         """As an activation checkpoint's replay of this layer must see it: the forward's forced
@@ -138,6 +140,10 @@ class Routing:
         self.compared: torch.Tensor | None = None
         self.drifted: torch.Tensor | None = None
         self.mismatched: torch.Tensor | None = None
+        # Load balancing (asyncrl.features.routing.balance): every router call of forwards with
+        # gradients, in call order, as (probabilities (tokens, experts), experts used (tokens, k));
+        # None: not kept.
+        self.balance_inputs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         for index, router in enumerate(routers):
             family = ROUTER_FAMILIES[type(router).__name__]
             router.forward = functools.partial(_routed_forward, router, family, self.states[index], self)
@@ -266,4 +272,6 @@ def _routed_forward(
         top = top.to(logits.dtype)
     if state.recorded is not None:
         state.recorded.copy_(ids)
+    if routing.balance_inputs is not None and state.count and torch.is_grad_enabled():
+        routing.balance_inputs.append((probs, ids))  # not in a checkpoint's replay: kept once
     return logits, top, ids

@@ -1,6 +1,6 @@
-"""Keep Routing's check at the start of a run (:data:`~asyncrl.control.features.START_CHECKS`):
-``trainer.routing_replay=rollout`` needs a model whose routers asyncrl records and replays,
-read from the model's configuration before any weight is loaded."""
+"""The routers' checks at the start of a run (:data:`~asyncrl.control.features.START_CHECKS`):
+``trainer.routing_replay=rollout`` and a ``trainer.router_aux_loss_coef`` above 0 need a model
+whose routers asyncrl hooks, read from the model's configuration before any weight is loaded."""
 
 from __future__ import annotations
 
@@ -16,17 +16,23 @@ from asyncrl.models.experts import has_experts
 ROUTED_MODEL_TYPES = {"qwen2_moe", "qwen3_moe", "mixtral", "olmoe"}
 
 
-def check_routing_replay(config: PretrainedConfig, source: str) -> None:
-    """``trainer.routing_replay=rollout`` needs a model whose routers asyncrl records and replays:
-    checked from the model's configuration at the start of a run, before any weight is loaded."""
+def check_routing_replay(
+    config: PretrainedConfig,
+    source: str,
+    key: str = "trainer.routing_replay",
+    value: object = "rollout",
+    what_for: str = "routing replay",
+) -> None:
+    """A model whose routers asyncrl records, replays and balances, or a :class:`ConfigError`
+    naming ``key`` (which needs them) and the model: checked from the model's configuration."""
     if config.model_type in ROUTED_MODEL_TYPES:
         return
     architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
     what = "a mixture of experts whose router asyncrl cannot hook" if has_experts(config) else "a dense model"
     raise ConfigError(
-        "trainer.routing_replay",
-        "rollout",
-        f"model.path={source!r} is {architecture} ({config.model_type}), {what}; routing replay works "
+        key,
+        value,
+        f"model.path={source!r} is {architecture} ({config.model_type}), {what}; {what_for} works "
         f"with the model types {', '.join(sorted(ROUTED_MODEL_TYPES))}",
     )
 
@@ -34,3 +40,7 @@ def check_routing_replay(config: PretrainedConfig, source: str) -> None:
 def routing_replay_fits(cfg: Config, model_config: Callable[[], PretrainedConfig]) -> None:
     if cfg.trainer.routing_replay == "rollout":
         check_routing_replay(model_config(), cfg.model.path)
+    if coefficient := cfg.trainer.router_aux_loss_coef:
+        check_routing_replay(
+            model_config(), cfg.model.path, "trainer.router_aux_loss_coef", coefficient, "load balancing"
+        )
