@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from asyncrl.prompts.chat import reward_prompt
 from asyncrl.rewards.scoring import RewardSet
 from asyncrl.rollout.interface import RolloutStats
 from asyncrl.types import Group, Sample
@@ -20,8 +21,10 @@ def score_episodes(
     calls left out); the episode's reward inputs come as more arguments: ``completion_messages``
     (the whole episode as messages: a batched, TRL-style function gets them as its
     ``completions`` for a conversational task) and, with a tool environment, ``environment``
-    (batched: ``environments``). The episode's own rewards (an environment's ``get_reward``,
-    already in ``reward_components``) add to the functions' weighted sum, weight 1. An episode
+    (batched: ``environments``); an episode whose environment's reset added to its prompt has
+    that prompt as its ``prompt`` (batched: in ``prompts``), as TRL's functions do. The episode's
+    own rewards (an environment's ``get_reward``, already in ``reward_components``) add to the
+    functions' weighted sum, weight 1. An episode
     that failed keeps its error (and ``task.reward_on_error``'s reward); a reward that fails is
     recorded as in a completion rollout.
     """
@@ -32,6 +35,8 @@ def score_episodes(
         inputs = [s.reward_inputs or {} for s in g.samples]
         keys = sorted({k for i in inputs for k in i})
         columns = {k: [i.get(k) for i in inputs] for k in keys}
+        if "prompt" in columns:  # an episode without a prompt of its own has its group's
+            columns["prompt"] = [reward_prompt(g.prompt) if p is None else p for p in columns["prompt"]]
         ids = [s.completion_ids for s in g.samples]
         # A row column an episode input shares its name with (the 'environment' column that picked
         # the class, TRL's control field) gives way to the input (the instance).

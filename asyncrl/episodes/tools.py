@@ -351,6 +351,8 @@ def tool_episode(
                 opened = _opened(task, opening)
                 ids = encode_prompt(renderings[name], opened)
                 client.reprompt(ids, f"{name}.reset", conversation_label(opened.messages))
+                if opening:  # reward functions get the prompt the episode saw, as TRL's do
+                    record.reward_inputs["prompt"] = opened.messages
         with contextlib.suppress(EpisodeTruncated):  # a truncated episode is scored as it stands
             await _turns(client, callables, messages, tokenizer, parser, step_timeout_s)
         if environment is not None and callable(getattr(environment, "get_reward", None)):

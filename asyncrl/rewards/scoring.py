@@ -134,8 +134,9 @@ class Scored:
 # prompt, completion texts, completion ids[, more arguments: keyword -> one value per completion]
 # The more arguments are ``completion_steps`` (each completion's steps' texts, task.step_delimiter),
 # and for episode.tools ``completion_messages`` (an episode's messages: a batched function gets them
-# as its ``completions``, as TRL's get a tool-calling conversation) and ``environment`` (its tool
-# environment: a batched function gets ``environments``, as TRL's).
+# as its ``completions``, as TRL's get a tool-calling conversation), ``environment`` (its tool
+# environment: a batched function gets ``environments``, as TRL's) and ``prompt`` (an episode's
+# own prompt, the group's with what its environment's reset added: in place of the group's).
 GroupToScore = (
     tuple[Prompt, list[str], list[list[int]]]
     | tuple[Prompt, list[str], list[list[int]], dict[str, list[Any]]]
@@ -294,11 +295,12 @@ class RewardSet:
             ([None] * len(g[1]), [None] * len(g[1]), [None] * len(g[1])) for g in groups
         ]
         for g, (prompt, texts, completion_ids, *more) in enumerate(groups):
-            columns = more[0] if more else {}
+            columns = dict(more[0]) if more else {}
+            prompts = columns.pop("prompt", None) or [reward_prompt(prompt)] * len(texts)
             for i, text in enumerate(texts):
                 own = dict(
                     completion=text,
-                    prompt=reward_prompt(prompt),
+                    prompt=prompts[i],
                     answer=prompt.answer,
                     completion_ids=completion_ids[i],
                     **{key: values[i] for key, values in columns.items()},
@@ -326,13 +328,14 @@ class RewardSet:
         for g, (prompt, texts, completion_ids, *more) in enumerate(groups):
             n = len(texts)
             columns = dict(more[0]) if more else {}
+            prompts = columns.pop("prompt", None) or [reward_prompt(prompt)] * n
             messages = columns.pop("completion_messages", None) or [
                 [{"role": "assistant", "content": t}] for t in texts
             ]
             if "environment" in columns:  # TRL's name for a batch of them
                 columns["environments"] = columns.pop("environment")
             own: dict[str, Any] = {
-                "prompts": [reward_prompt(prompt)] * n,
+                "prompts": [_copied(p) for p in prompts],
                 "completions": [list(m) for m in messages] if prompt.messages is not None else list(texts),
                 "completion_ids": [list(ids) for ids in completion_ids],
                 "answer": [prompt.answer] * n,

@@ -365,6 +365,18 @@ def batched_last_message(prompts, completions, answer, **_):
     return [float(c[-1]["content"] == a) for c, a in zip(completions, answer, strict=True)]
 
 
+def prompt_seen(completion, prompt, **_):
+    """Per completion: records the prompt it was given, scores 0."""
+    SEEN.append(("one", prompt))
+    return 0.0
+
+
+def batched_prompts(prompts, completions, **_):
+    """TRL-style: records the prompts it was given, scores 0."""
+    SEEN.extend(("batched", p) for p in prompts)
+    return [0.0] * len(completions)
+
+
 def tool_config(tmp_path: Path, *overrides: str):
     task = tmp_path / "sums.jsonl"
     rows = [
@@ -622,12 +634,15 @@ def test_the_text_an_environments_reset_returns_ends_the_episodes_prompt(
     tmp_path: Path, opening: str
 ) -> None:
     """TRL's reset observation: text (or text parts) reset returns is appended to the prompt's last
-    message; the episode sees that prompt and its sample is trained on it."""
+    message; the episode sees that prompt, its sample is trained on it and reward functions, per
+    completion and batched, are given it (TRL's)."""
     cfg = tool_config(
         tmp_path,
         f"episode.tools=[tests.episodes.test_tools:{opening}]",
-        "task.rewards=[{name: numeric_match}]",
+        "task.rewards=[{name: numeric_match}, {name: tests.episodes.test_tools:prompt_seen, weight: 0}, "
+        "{name: tests.episodes.test_tools:batched_prompts, weight: 0}]",
     )
+    SEEN.clear()
     groups, engine = run_groups(cfg, ScriptedTools, [task_prompts(cfg).get(0)])
     text = {"Opening": " here is a hint", "Parts": " ab"}[opening]
     tok = tokenizer()
@@ -635,6 +650,8 @@ def test_the_text_an_environments_reset_returns_ends_the_episodes_prompt(
         assert tok.decode(sample.prompt_ids) == "2+3=" + text
         assert (sample.reward, sample.reward_error) == (2.0, None)  # answered 5, one call
     assert sum(c.startswith("2+3=" + text) for c in engine.contexts) == 4  # each episode's two turns
+    opened = [{"role": "user", "content": "2+3=" + text}]
+    assert sorted(SEEN, key=lambda seen: seen[0]) == [("batched", opened)] * 2 + [("one", opened)] * 2
 
 
 def test_an_environment_whose_reset_returns_anything_else_fails_its_episodes_by_name(tmp_path: Path) -> None:
