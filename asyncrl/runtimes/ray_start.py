@@ -61,6 +61,10 @@ def start_ray(
         # Actors of a local instance import what this process can (e.g. a reward module next to
         # the user's script): they inherit PYTHONPATH from the Ray processes.
         kwargs["runtime_env"] = {"env_vars": {"PYTHONPATH": import_path()}}
+        # Ray runs its workers at niceness 15, below everything else on the machine: the run's
+        # actors (the engines, the trainer) would then yield their cores to any other busy
+        # process and the run crawl, where the processes of the other runtimes take their share.
+        kwargs["_system_config"] = {"worker_niceness": 0}
     else:
         kwargs["address"] = rcfg.address
     ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True

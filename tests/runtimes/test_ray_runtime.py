@@ -9,6 +9,7 @@ every prompt is trained exactly once or reported, and the run still completes.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import threading
@@ -22,6 +23,7 @@ import ray
 
 from asyncrl.cli import main as cli_main
 from asyncrl.config import load_config
+from asyncrl.config.running import RayConfig
 from asyncrl.control.controller import Controller
 from asyncrl.control.run import train
 from asyncrl.control.saving import RunInterrupted
@@ -38,7 +40,7 @@ from asyncrl.protocol.messages import (
     WorkerLost,
 )
 from asyncrl.runtimes.ray_runtime import RayRuntime
-from asyncrl.runtimes.ray_start import check_fits
+from asyncrl.runtimes.ray_start import check_fits, start_ray
 from asyncrl.transports.weights.factory import free_port
 from asyncrl.workers.assembly import seed_everything
 from tests.helpers import (
@@ -436,6 +438,34 @@ def test_a_local_ray_start_that_does_not_finish_fails_within_start_timeout(
     assert str(err.value) == "the local Ray instance did not start within 1s (runtime.start_timeout_s)"
     # Waited out the bound (less a timer's tolerance), not the blocked call's 120 s.
     assert 0.95 <= failed_after < 30
+
+
+@pytest.mark.ray
+@pytest.mark.multiprocess
+def test_the_local_instances_actors_take_their_share_of_a_busy_machine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ray starts its workers at niceness 15, below every other process: on a busy machine the run's
+    actors would crawl. The run's local instance starts them at the run's own niceness."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    released = threading.Event()
+    start_ray(ray, RayConfig(num_cpus=1), 120.0, released=released, stopping=lambda: False)
+    try:
+
+        @ray.remote
+        class Probe:
+            def niceness(self) -> int:
+                return os.nice(0)
+
+        @ray.remote
+        def niceness() -> int:
+            return os.nice(0)
+
+        probe = Probe.remote()
+        assert ray.get([probe.niceness.remote(), niceness.remote()], timeout=120) == [os.nice(0)] * 2
+    finally:
+        ray.shutdown()
+        released.set()
 
 
 def test_scale_command_rejects_bad_input(tmp_path: Path, capsys) -> None:
