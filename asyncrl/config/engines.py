@@ -112,6 +112,12 @@ ENGINE_NEEDS = (
     ),
     EngineNeed("truncated_sampling", _truncated_sampling),
     EngineNeed(
+        "constrained_decoding",
+        lambda cfg: (
+            f"rollout.output_regex={cfg.rollout.output_regex!r}" if cfg.rollout.output_regex else None
+        ),
+    ),
+    EngineNeed(
         "cache_fraction",
         lambda cfg: "rollout.kv_cache_fraction" if cfg.rollout.kv_cache_fraction is not None else None,
     ),
@@ -134,6 +140,9 @@ ENGINE_LIMITS: dict[str, dict[str, str]] = {
         "sampling_mask": "vLLM does not report the kept set of a sampled token",
         "truncated_sampling": "vLLM's log-probs are then renormalised over the kept tokens, not the "
         "distribution the trainer recomputes; leave them off",
+        "constrained_decoding": "vLLM's log-probs are then renormalised over the tokens the regex allows, "
+        "not the distribution the trainer recomputes, and a resumed request would start the regex again "
+        "after its prefix; use rollout.engine=embedded",
         "cache_fraction": "size vLLM's cache with vllm.gpu_memory_utilization",
         "policy_models": "a process holds one vLLM engine (vLLM's parallel state is process-wide), so a "
         "policy of its own model cannot have one beside the run's; make them kind=adapter (LoRA adapters "
@@ -161,6 +170,11 @@ def engine_problems(cfg: Any) -> list[str]:
             problems.append(
                 "vllm.engine_args.hf_overrides.head_dtype is set by asyncrl from model.head_dtype: set that instead"
             )
+    if cfg.rollout.output_regex and importlib.util.find_spec("xgrammar") is None:
+        problems.append(
+            f"rollout.output_regex={cfg.rollout.output_regex!r} needs xgrammar, which is not installed: "
+            'pip install "asyncrl[structured]"'
+        )
     limits = ENGINE_LIMITS[engine]
     for need in ENGINE_NEEDS:
         if need.capability in limits and (setting := need.setting(cfg)) is not None:

@@ -3,6 +3,7 @@ LoRA adapters (the policy objective: algorithm.py; on-policy distillation's teac
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, TypeAdapter, ValidationError, field_validator, model_validator
@@ -54,6 +55,16 @@ class RolloutConfig(Section):
         "model's vocabulary (checked when the model is loaded). Evaluations stop at them too. EOS stops "
         "without being listed; rollout.ignore_eos and decode_past_eos go past EOS only, these still stop "
         "(EOS itself is then refused here).",
+    )
+    output_regex: str | None = Field(
+        None,
+        description="Constrained decoding (TRL's vllm_structured_outputs_regex): every completion, and every "
+        "turn of an episode, draws only tokens that keep its text a prefix of a match of this regular "
+        "expression, EOS only once it matches, and ends with finish reason 'stop' when it matches and can "
+        "go no further. Applied before top-k/top-p/min-p; the recorded log-probs stay the full "
+        "distribution's, as the trainer recomputes it (with keep_sampling_mask the kept set is the "
+        "constrained one). Evaluations are held to it too. Needs xgrammar (pip install "
+        '"asyncrl[structured]") and the embedded engine. Null: none.',
     )
     temperature: float = Field(
         1.0, gt=0, description="Sampling temperature; log-probs are of logits/temperature."
@@ -148,6 +159,19 @@ class RolloutConfig(Section):
         for i, token in enumerate(value if isinstance(value, list) else []):
             if isinstance(token, bool) or (isinstance(token, int) and token < 0):
                 raise ValueError(f"item {i} is {token!r}, not a token id (an integer >= 0)")
+        return value
+
+    @field_validator("output_regex")
+    @classmethod
+    def _a_regex(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        if not value:
+            raise ValueError("the empty regular expression matches only the empty completion")
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"not a regular expression: {exc}") from exc
         return value
 
     @model_validator(mode="after")

@@ -60,6 +60,7 @@ from dataclasses import replace
 import torch
 from transformers import PreTrainedModel
 
+from asyncrl.engine.constraints import Constraints
 from asyncrl.engine.interface import Engine, check_fits
 from asyncrl.engine.kv_cache import free_memory_bytes, kv_bytes_per_token
 from asyncrl.engine.multi_lora import MultiLora
@@ -89,6 +90,7 @@ class EmbeddedEngine(Engine):
         decode: Callable[[list[int]], str] | None = None,
         cuda_graphs: bool = True,
         adapters: MultiLora | None = None,
+        constraints: Constraints | None = None,
     ) -> None:
         # An engine that owns its model keeps it in eval mode without gradients; one that
         # borrows a model (e.g. the trainer's, for evaluation) leaves its state alone.
@@ -100,6 +102,7 @@ class EmbeddedEngine(Engine):
         self.max_tokens_in_flight = max_tokens_in_flight
         self.version = version
         self.decode = decode
+        self.constraints = constraints  # for requests with a sampling.regex (asyncrl.engine.constraints)
         self.device = next(model.parameters()).device
         # Decode steps replay as CUDA graphs (asyncrl.engine.graphs); only on CUDA devices.
         self.cuda_graphs = cuda_graphs
@@ -144,6 +147,7 @@ class EmbeddedEngine(Engine):
             self.slot_len,
             max_tokens_in_flight=max_tokens_in_flight,
             static=static_layout(self.device),
+            constraints=constraints,
         )
         self._runner: Runner | None = None  # its cache is allocated at the first admission, then kept
 
@@ -227,6 +231,17 @@ class EmbeddedEngine(Engine):
                 f"does not serve ({serves})",
                 "adapter",
             )
+        if request.sampling.regex is not None:
+            if self.constraints is None:
+                raise RequestError(
+                    f"request {request.request_id!r} asks for a regex, and this engine was built without "
+                    "constrained decoding (constraints=None)",
+                    "sampling",
+                )
+            try:
+                self.constraints.compile(request.sampling.regex)
+            except ValueError as exc:
+                raise RequestError(f"request {request.request_id!r}: {exc}", "sampling") from exc
         if self.max_tokens_in_flight is not None and need > self.max_tokens_in_flight:
             raise RequestError(
                 f"request {request.request_id!r} needs {need} tokens of KV cache, more than "

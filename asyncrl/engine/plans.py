@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from asyncrl.engine.sampling import SamplingParams
 
 
@@ -80,6 +82,9 @@ class DrawPlan:
     positions: list[int]
     rows: int  # batch rows of the accelerator layout's draw: the bucket covering ``slots``
     keep_support: bool  # some row records its kept set: draw eagerly over ``slots`` alone
+    # Some row has a regex: per row of ``slots``, the tokens it may draw, (rows, words) int32 on
+    # the host (asyncrl.engine.constraints); drawn eagerly over ``slots`` alone. None: no row has.
+    allowed: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ import torch
 from transformers import PreTrainedModel
 
 from asyncrl.engine.attention import engine_attention
+from asyncrl.engine.constraints import unpack
 from asyncrl.engine.graphs import StepRunner
 from asyncrl.engine.kv_cache import SlotKVCache, length_mask
 from asyncrl.engine.multi_lora import BASE, MultiLora
@@ -260,12 +261,19 @@ class Runner:
     def draw(self, plan: DrawPlan) -> Drawn:
         """Each planned row's next token and its log-prob (and kept set, for keep_support
         rows), copied to the host in one transfer."""
-        if plan.keep_support:
-            # Kept sets are variable-length lists: drawn eagerly, over the planned rows only.
+        if plan.keep_support or plan.allowed is not None:
+            # Kept sets are variable-length lists, the constrained rows' allowed tokens change every
+            # step: drawn eagerly, over the planned rows only.
             index = self._index(plan.slots)
             positions = torch.tensor(plan.positions, dtype=torch.long, device=self.device)
+            allowed = None
+            if plan.allowed is not None:
+                allowed = unpack(plan.allowed.to(self.device, non_blocking=True), self.logits.shape[-1])
             draw = sample_tokens(
-                *self._sampling_inputs(index, positions), self.keep_support[index], self._row_penalties(index)
+                *self._sampling_inputs(index, positions),
+                self.keep_support[index] if plan.keep_support else None,
+                self._row_penalties(index),
+                allowed,
             )
             self._count(index, draw.tokens)
             host = torch.stack([draw.tokens.double(), draw.logprobs.double()]).tolist()

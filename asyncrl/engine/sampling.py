@@ -73,6 +73,9 @@ class SamplingParams:
     min_p: float = 0.0
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     stop: tuple[str, ...] = field(default_factory=tuple)
+    regex: str | None = (
+        None  # the completion must match it (constrained decoding: asyncrl.engine.constraints)
+    )
     keep_support: bool = False
     repetition_penalty: float = 1.0  # > 1 discourages any token of the prompt or the completion
     presence_penalty: float = 0.0  # subtracted once from a token the completion holds
@@ -249,29 +252,36 @@ def sample_tokens(
     min_p: torch.Tensor | None = None,
     keep_support: torch.Tensor | None = None,
     penalties: Penalties | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> Draw:
     """Draw one token per row by inverse CDF, over the row's kept set, with its counter-based uniform.
 
     A temperature of 0 is greedy; its log-prob is reported at temperature 1. Without
     ``keep_support`` (pass None when no row asks for it) this never waits for the device.
-    ``penalties``: the rows' penalty state (None: no row has penalties).
+    ``penalties``: the rows' penalty state (None: no row has penalties). ``allowed``: (B, V)
+    bool, the tokens each row may draw at all (constrained decoding, :mod:`.constraints`),
+    applied before top-k / top-p / min-p; the log-prob stays the full distribution's.
     """
     greedy = temperature == 0
     logits = logits.float() if penalties is None else apply_penalties(logits.float(), penalties)
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
     logp = torch.log_softmax(scaled, dim=-1)
-    masses = _masses(logp)
-    kept = _kept(logp, masses, top_k, top_p, min_p)
+    drawable, drawable_logp = scaled, logp
+    if allowed is not None:
+        drawable = scaled.masked_fill(~allowed, float("-inf"))
+        drawable_logp = torch.log_softmax(drawable, dim=-1)
+    masses = _masses(drawable_logp)
+    kept = _kept(drawable_logp, masses, top_k, top_p, min_p)
     cdf = torch.where(kept, masses, 0).cumsum(-1)
     total = cdf[:, -1:]
     u = counter_uniform(seeds, positions).to(logits.device).unsqueeze(-1)
     target = torch.minimum((u * total.double()).long(), total - 1)
     drawn = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    tokens = torch.where(greedy, scaled.argmax(-1), drawn)
+    tokens = torch.where(greedy, drawable.argmax(-1), drawn)
     logprobs = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     supports = None
     if keep_support is not None and bool(keep_support.any()):
-        kept &= logp > float("-inf")
+        kept &= drawable_logp > float("-inf")
         recorded = keep_support & ~greedy & (kept.sum(-1) <= MAX_RECORDED_SUPPORT)
         kept_logp = torch.log_softmax(scaled.masked_fill(~kept, float("-inf")), dim=-1)
         logprobs = torch.where(recorded, kept_logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), logprobs)

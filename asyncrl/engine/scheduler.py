@@ -54,6 +54,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from asyncrl.engine.constraints import Constraints, allowed_bitmask
 from asyncrl.engine.plans import DecodePlan, Drawn, DrawPlan, Prefill, PrefillPlan, PrefillRound
 from asyncrl.engine.types import GenerationRequest, GenerationResult
 from asyncrl.types import Tokens
@@ -126,6 +127,7 @@ class Row:
     """Python-side state of one running sequence."""
 
     __slots__ = (
+        "constraint",
         "done",
         "generated",
         "head",
@@ -138,7 +140,12 @@ class Row:
     )
 
     def __init__(
-        self, request: GenerationRequest, logits_version: int, kv_epoch: int, head: list[int]
+        self,
+        request: GenerationRequest,
+        logits_version: int,
+        kv_epoch: int,
+        head: list[int],
+        constraints: Constraints | None = None,
     ) -> None:
         self.request = request
         # The version of the weights that computed the logits this row samples from next: after
@@ -157,6 +164,12 @@ class Row:
         self.reserved = reserve(request)
         self.stop_chars = max((len(s) for s in request.sampling.stop), default=0)
         self.stop_ids = frozenset(request.sampling.stop_token_ids)
+        regex = request.sampling.regex
+        self.constraint = (  # its regex's matcher, past a resumed prefix (asyncrl.engine.constraints)
+            None
+            if regex is None
+            else constraints.start(regex, request.sampling.stop_token_ids, self.generated.completion_ids)
+        )
 
     def hit_stop_string(self, decode: Callable[[list[int]], str] | None) -> bool:
         if not self.stop_chars or decode is None:
@@ -174,12 +187,19 @@ class Scheduler:
     """The waiting queue and the running rows, one per slot of the static KV cache."""
 
     def __init__(
-        self, num_slots: int, slot_len: int, *, max_tokens_in_flight: int | None, static: bool
+        self,
+        num_slots: int,
+        slot_len: int,
+        *,
+        max_tokens_in_flight: int | None,
+        static: bool,
+        constraints: Constraints | None = None,
     ) -> None:
         self.num_slots = num_slots
         self.slot_len = slot_len
         self.max_tokens_in_flight = max_tokens_in_flight
         self.static = static  # the accelerator layout's shapes (module docstring)
+        self.constraints = constraints  # the engine's, for rows with a regex
         self.waiting: list[GenerationRequest] = []
         self.rows: list[Row | None] = [None] * num_slots
         self.lengths = [0] * num_slots
@@ -293,7 +313,7 @@ class Scheduler:
             ],
         )
         for req, slot, ctx, (row_version, epoch) in zip(requests, slots, contexts, clocks, strict=True):
-            self.rows[slot] = Row(req, row_version, epoch, ctx[:MIN_SHARED_PREFIX])
+            self.rows[slot] = Row(req, row_version, epoch, ctx[:MIN_SHARED_PREFIX], self.constraints)
             self.lengths[slot] = len(ctx)
         self.num_running += len(requests)
         return plan
@@ -353,20 +373,26 @@ class Scheduler:
         """Every running row draws its next token (there is at least one)."""
         slots = [s for s, row in enumerate(self.rows) if row is not None]
         rows = [self.rows[s] for s in slots]
+        constrained = [row.constraint for row in rows]
         return DrawPlan(
             slots=slots,
             positions=[row.done for row in rows],
             rows=self.decode_rows(slots[-1]),
             # Checked on the host rows: asking the device would wait for it every step.
             keep_support=any(row.generated.supports is not None for row in rows),
+            allowed=(
+                allowed_bitmask(constrained, self.constraints.vocab_size)
+                if any(c is not None for c in constrained)
+                else None
+            ),
         )
 
     def postprocess(
         self, plan: DrawPlan, drawn: Drawn, decode: Callable[[list[int]], str] | None
     ) -> list[GenerationResult]:
         """Append each row's drawn token and free the rows that finished (a stop token id, a
-        stop string — matched on ``decode``'s text, when given — or the token budget);
-        returns their results."""
+        stop string — matched on ``decode``'s text, when given —, a regex matched to its end, or
+        the token budget); returns their results."""
         finished = []
         self.left = []
         rows, supports = self.rows, drawn.supports
@@ -374,7 +400,13 @@ class Scheduler:
             row = rows[slot]
             row.generated.append(tok, lp, row.logits_version, supports[i] if supports else None)
             row.done += 1
-            if tok in row.stop_ids or (row.stop_chars and row.hit_stop_string(decode)):
+            if row.constraint is not None:
+                row.constraint.accept(tok)
+            if (
+                tok in row.stop_ids
+                or (row.stop_chars and row.hit_stop_string(decode))
+                or (row.constraint is not None and row.constraint.finished)
+            ):
                 finished.append(row.result("stop"))
             elif row.done >= row.request.sampling.max_new_tokens:
                 finished.append(row.result("length"))

@@ -284,6 +284,12 @@ class VllmEngine(Engine):
                 "which vLLM does not report",
                 "keep_support",
             )
+        if s.regex is not None:
+            raise RequestError(
+                f"request {request.request_id!r} asks for a regex: vLLM's log-probs would be renormalised "
+                "over the tokens it allows, and a resumed request would start it again after its prefix",
+                "regex",
+            )
         restricted = [
             k
             for k, off in (("top_k", s.top_k == 0), ("top_p", s.top_p == 1), ("min_p", s.min_p == 0))

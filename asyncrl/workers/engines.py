@@ -13,10 +13,12 @@ from collections.abc import Mapping
 import torch
 
 from asyncrl.config import DEFAULT_POLICY, Config
+from asyncrl.engine.constraints import Constraints
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.interface import Engine
 from asyncrl.engine.lora import MergedLora
 from asyncrl.engine.multi_lora import MultiLora
+from asyncrl.errors import ConfigError
 from asyncrl.models.loading import Policy, text_decoder
 from asyncrl.transports.weights.interface import WeightLayout
 from asyncrl.workers import assembly
@@ -45,8 +47,23 @@ def policy_engine(
         seed=seed,
         decode=text_decoder(policy.tokenizer),
         adapters=served,
+        constraints=output_constraints(cfg, policy),
     )
     return policy, engine, lora
+
+
+def output_constraints(cfg: Config, policy: Policy) -> Constraints | None:
+    """The automata of rollout.output_regex over ``policy``'s vocabulary (None: no regex); a regex
+    the automaton compiler cannot read is named by its key."""
+    regex = cfg.rollout.output_regex
+    if regex is None:
+        return None
+    constraints = Constraints(policy.tokenizer, policy.model.config.get_text_config().vocab_size)
+    try:
+        constraints.compile(regex)
+    except ValueError as exc:
+        raise ConfigError("rollout.output_regex", regex, str(exc)) from exc
+    return constraints
 
 
 class OneEngine:

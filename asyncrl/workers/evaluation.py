@@ -22,6 +22,7 @@ from asyncrl.rewards.scoring import ScoringStopped
 from asyncrl.rollout.evaluation import evaluation_figures
 from asyncrl.rollout.interface import Rollout
 from asyncrl.trainer.interface import StepTrainer
+from asyncrl.workers.engines import output_constraints
 from asyncrl.workers.features import TrainedModels
 from asyncrl.workers.rollouts import build_rollout
 
@@ -71,6 +72,7 @@ class TrainerEvaluation:
             adapters=adapters,
             # Without it the engine matches no stop string: evaluations stop at rollout.stop too.
             decode=text_decoder(policy.tokenizer),
+            constraints=output_constraints(self.cfg, policy),  # held to rollout.output_regex too
         )
 
     def abandon(self) -> None:

@@ -38,6 +38,7 @@ def sampling_params(cfg: Config, policy: Policy, *, evaluation: bool = False) ->
         keep_support=r.keep_sampling_mask and not evaluation,
         stop_token_ids=eos + tuple(t for t in _stop_token_ids(cfg, policy) if t not in eos),
         stop=tuple(_stop_strings(cfg, policy)),
+        regex=r.output_regex,
     )
 
 

@@ -388,9 +388,23 @@ def test_every_engine_declares_its_limits_against_the_one_table_of_needs() -> No
     offered = set(get_args(RolloutConfig.model_fields["engine"].annotation))
     assert set(ENGINE_LIMITS) == offered == {"embedded", "vllm"}
     needed = {need.capability for need in ENGINE_NEEDS}
-    assert len(needed) == len(ENGINE_NEEDS) == 5
+    assert len(needed) == len(ENGINE_NEEDS) == 6
     assert ENGINE_LIMITS["embedded"] == {} and set(ENGINE_LIMITS["vllm"]) == needed
     load_config(None, ["rollout.keep_sampling_mask=true", "rollout.top_k=5"])  # the embedded engine
     with pytest.raises(ConfigError) as info:
         load_config(None, ["rollout.engine=vllm", "rollout.kv_cache_fraction=0.5"])
     assert "rollout.kv_cache_fraction with rollout.engine=vllm: size vLLM's cache" in str(info.value)
+
+
+def test_an_output_regex_without_xgrammar_is_refused_naming_the_extra(monkeypatch) -> None:
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "xgrammar" else find_spec(name)
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["rollout.output_regex=[0-9]+"])
+    assert str(info.value).endswith(
+        "rollout.output_regex='[0-9]+' needs xgrammar, which is not installed: pip install \"asyncrl[structured]\""
+    ), str(info.value)

@@ -277,6 +277,12 @@ def test_bad_requests_are_refused_by_name(fresh: Engine) -> None:
         fresh.add_request(GenerationRequest("empty", [], sampling))
     with pytest.raises(ValueError, match=r"'long'.*exceeds"):
         fresh.add_request(GenerationRequest("long", [5] * 510, SamplingParams(max_new_tokens=8)))
+    # Neither engine constrains here: the embedded one is built without constraints (with them:
+    # tests/engine/test_constraints.py), vLLM would renormalise its log-probs over what the regex allows.
+    with pytest.raises(ValueError, match=r"'regex' asks for a regex"):
+        fresh.add_request(
+            GenerationRequest("regex", [5, 6], SamplingParams(max_new_tokens=4, regex="[0-9]+"))
+        )
     assert not fresh.has_work
 
 
