@@ -19,10 +19,12 @@ from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.interface import resume_request
 from asyncrl.engine.sampling import SamplingParams, sample_tokens
 from asyncrl.engine.types import GenerationRequest, RequestError
+from asyncrl.episodes.rollout import EpisodeRollout
 from asyncrl.errors import ConfigError
 from asyncrl.models.loading import Policy, load_policy
 from asyncrl.trainer.batching import collate
 from asyncrl.trainer.logprobs import completion_logprobs
+from asyncrl.types import Prompt
 from tests.engine.test_engine import random_prompts, to_sample
 from tests.helpers import sets, short_run
 
@@ -117,6 +119,28 @@ def test_an_aborted_request_resumes_where_its_regex_was(policy: Policy) -> None:
     for request_id, r in resumed.items():
         assert r.completion_ids == straight[request_id].completion_ids
         assert re.fullmatch(r"x[0-9]{2,6}", text(policy, r.completion_ids)) or r.finish_reason == "length"
+
+
+def test_every_turn_of_an_episode_is_held_to_the_regex(policy: Policy) -> None:
+    """Two turns per episode, an observation between them: each turn is digits from its own start."""
+    turns: list[str] = []
+
+    async def episode(client, task):
+        for _ in range(2):
+            turns.append(await client.generate())
+            client.observe(" ok ")
+        return 1.0
+
+    sampling = SamplingParams(6, stop_token_ids=(policy.eos_token_id,), regex=DIGITS)
+    worker = EpisodeRollout(
+        engine_for(policy), policy.tokenizer, episode, sampling, 3, max_turns=3, max_episode_tokens=64, seed=7
+    )
+    try:
+        groups = worker.generate_groups([Prompt("a", "12+3="), Prompt("b", "7*8=")])
+    finally:
+        worker.close()
+    assert sum(len(g.samples) for g in groups) == 6
+    assert len(turns) == 12 and all(re.fullmatch(DIGITS, t) for t in turns), turns
 
 
 def test_the_constraint_applies_before_top_k_and_greedy() -> None:
