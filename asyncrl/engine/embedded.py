@@ -236,12 +236,12 @@ class EmbeddedEngine(Engine):
                 raise RequestError(
                     f"request {request.request_id!r} asks for a regex, and this engine was built without "
                     "constrained decoding (constraints=None)",
-                    "sampling",
+                    "regex",
                 )
             try:
                 self.constraints.compile(request.sampling.regex)
             except ValueError as exc:
-                raise RequestError(f"request {request.request_id!r}: {exc}", "sampling") from exc
+                raise RequestError(f"request {request.request_id!r}: {exc}", "regex") from exc
         if self.max_tokens_in_flight is not None and need > self.max_tokens_in_flight:
             raise RequestError(
                 f"request {request.request_id!r} needs {need} tokens of KV cache, more than "

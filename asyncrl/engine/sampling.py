@@ -73,9 +73,8 @@ class SamplingParams:
     min_p: float = 0.0
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     stop: tuple[str, ...] = field(default_factory=tuple)
-    regex: str | None = (
-        None  # the completion must match it (constrained decoding: asyncrl.engine.constraints)
-    )
+    # The completion must match it (constrained decoding: asyncrl.engine.constraints); None: free.
+    regex: str | None = None
     keep_support: bool = False
     repetition_penalty: float = 1.0  # > 1 discourages any token of the prompt or the completion
     presence_penalty: float = 0.0  # subtracted once from a token the completion holds
