@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -420,3 +421,22 @@ def test_ctrl_c_stops_a_command_started_with_sigint_ignored(
     finally:
         signal.signal(signal.SIGINT, before)
     assert capsys.readouterr().err == "asyncrl: interrupted\n" and stopped == []
+
+
+def test_the_exit_freezes_objects_out_of_the_last_collection_unless_a_module_checks_for_leaks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Frozen objects are never collected; nanobind's leak check (triton's, loaded where a CUDA
+    torch is) would print each one after the run's last line, so with it loaded nothing is frozen."""
+    import gc
+    import types
+
+    from asyncrl.cli import freeze_for_exit
+
+    try:
+        monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
+        assert freeze_for_exit() is False and gc.get_freeze_count() == 0
+        monkeypatch.delitem(sys.modules, "triton")
+        assert freeze_for_exit() is True and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
