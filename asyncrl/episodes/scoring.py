@@ -24,9 +24,8 @@ def score_episodes(
     (batched: ``environments``); an episode whose environment's reset added to its prompt has
     that prompt as its ``prompt`` (batched: in ``prompts``), as TRL's functions do. The episode's
     own rewards (an environment's ``get_reward``, already in ``reward_components``) add to the
-    functions' weighted sum, weight 1. An episode
-    that failed keeps its error (and ``task.reward_on_error``'s reward); a reward that fails is
-    recorded as in a completion rollout.
+    functions' weighted sum, weight 1. An episode that failed keeps its error (and
+    ``task.reward_on_error``'s reward); a reward that fails is recorded as in a completion rollout.
     """
     if not groups:
         return

@@ -33,7 +33,7 @@ from asyncrl.features.policies.start import policy_models_fit
 from asyncrl.features.policies.trainer import trained_policies
 from asyncrl.features.routing.balance import load_balancing
 from asyncrl.features.routing.record import RouteRecord
-from asyncrl.features.routing.start import routing_replay_fits
+from asyncrl.features.routing.start import routers_fit
 from asyncrl.features.routing.training import routing_training
 from asyncrl.models.token_records import TOKEN_RECORDS
 from asyncrl.trainer.features import TRAINING_FEATURES
@@ -55,7 +55,7 @@ TOKEN_RECORDS.register("routes", RouteRecord())
 TRAINING_FEATURES.register("routing", routing_training)
 TRAINING_FEATURES.register("load_balancing", load_balancing)
 TRAINING_FEATURES.register("teacher_top_k", top_k_distillation)
-START_CHECKS.register("routing", routing_replay_fits)
+START_CHECKS.register("routing", routers_fit)
 START_CHECKS.register("teacher", teacher_fits)
 START_CHECKS.register("policies", policy_models_fit)
 STAGES.register("teacher", TeacherStage())

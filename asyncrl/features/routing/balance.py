@@ -8,10 +8,11 @@ even load: over every real token and every MoE layer of a forward,
 
 where ``f[e]`` is the number of (token, layer) pairs that use expert ``e`` among their ``k``,
 over the number of pairs, and ``P[e]`` the mean router probability of ``e``. ``f`` counts and
-carries no gradient; ``P`` carries it to every router. A perfectly even router gives ``k``. This is the loss
-transformers computes with ``output_router_logits`` (its ``load_balancing_loss_func``, with
-the attention mask) and TRL's GRPOTrainer adds with ``router_aux_loss_coef``; here the counts
-are of the experts each token used (the recorded ones under routing replay).
+carries no gradient; ``P`` carries it to every router. A perfectly even router gives ``k``.
+This is the loss transformers computes with ``output_router_logits`` (its
+``load_balancing_loss_func``, with the attention mask) and TRL's GRPOTrainer adds with
+``router_aux_loss_coef``; here the counts are of the experts each token used (the recorded
+ones under routing replay).
 
 :class:`LoadBalancing` is a training feature with a loss term of its own: the policy's
 :class:`~asyncrl.features.routing.routers.Routing` keeps every router call of the loss

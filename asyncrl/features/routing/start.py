@@ -16,7 +16,7 @@ from asyncrl.models.experts import has_experts
 ROUTED_MODEL_TYPES = {"qwen2_moe", "qwen3_moe", "mixtral", "olmoe"}
 
 
-def check_routing_replay(
+def check_hookable_routers(
     config: PretrainedConfig,
     source: str,
     key: str = "trainer.routing_replay",
@@ -37,10 +37,10 @@ def check_routing_replay(
     )
 
 
-def routing_replay_fits(cfg: Config, model_config: Callable[[], PretrainedConfig]) -> None:
+def routers_fit(cfg: Config, model_config: Callable[[], PretrainedConfig]) -> None:
     if cfg.trainer.routing_replay == "rollout":
-        check_routing_replay(model_config(), cfg.model.path)
+        check_hookable_routers(model_config(), cfg.model.path)
     if coefficient := cfg.trainer.router_aux_loss_coef:
-        check_routing_replay(
+        check_hookable_routers(
             model_config(), cfg.model.path, "trainer.router_aux_loss_coef", coefficient, "load balancing"
         )

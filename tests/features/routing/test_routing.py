@@ -558,11 +558,11 @@ def family_checkpoint(directory, family: str) -> str:
 def test_local_checkpoints_of_each_family_record_and_replay(tmp_path, family: str) -> None:
     """A checkpoint of each family loads from its directory; the engine records its routers'
     choices; forcing altered routes changes exactly the altered decisions and is counted."""
-    from asyncrl.features.routing.start import check_routing_replay
+    from asyncrl.features.routing.start import check_hookable_routers
     from asyncrl.models.loading import load_model_config
 
     source = family_checkpoint(tmp_path / family, family)
-    check_routing_replay(load_model_config(source), source)  # accepted at the start of a run
+    check_hookable_routers(load_model_config(source), source)  # accepted at the start of a run
     policy = load_policy(source, device="cpu", dtype="float32", seed=0)
     routing = routing_of(policy.model)
     assert (routing.layers, routing.top_k, routing.num_experts) == (3, 2, 6)
