@@ -373,7 +373,8 @@ class Scheduler:
         """Every running row draws its next token (there is at least one)."""
         slots = [s for s, row in enumerate(self.rows) if row is not None]
         rows = [self.rows[s] for s in slots]
-        constrained = [row.constraint for row in rows]
+        # Only an engine built with constraints has constrained rows: others skip the per-row look.
+        constrained = [row.constraint for row in rows] if self.constraints is not None else []
         return DrawPlan(
             slots=slots,
             positions=[row.done for row in rows],
