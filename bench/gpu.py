@@ -602,7 +602,8 @@ def weight_sync_part(device: torch.device, quick: bool, out: dict, emit) -> None
     broadcast and files: a time limit cuts the least used. Every receiver process starts at
     once, before the sender's model is built, so that their start-ups (a spawned interpreter,
     torch, CUDA) overlap instead of adding up; each waits for its sender, idle."""
-    from asyncrl.transports.weights.factory import TransportSpec, free_port
+    from asyncrl.transports.ports import free_port
+    from asyncrl.transports.weights.factory import TransportSpec
     from asyncrl.transports.weights.interface import WeightLayout
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -71,6 +71,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncrl.runtimes.processes import worker_context
+from asyncrl.transports.ports import free_port
 from asyncrl.transports.weights.broadcast import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_STREAMS,
@@ -139,12 +140,6 @@ def digest(tensors: Iterator[torch.Tensor]) -> str:
     for t in tensors:
         h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
     return h.hexdigest()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ import concurrent.futures
 import json
 import multiprocessing
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -33,6 +32,7 @@ from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest
 from asyncrl.trainer.batching import collate
 from asyncrl.trainer.logprobs import completion_logprobs
+from asyncrl.transports.ports import free_port
 from asyncrl.types import Sample
 from asyncrl.workers import assembly
 from tests.helpers import final_weights, max_abs_diff, straight_and_stopped, train_to_end
@@ -162,9 +162,7 @@ def _one_rank_step(parallel: str, port: int, device: str) -> float:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
 def test_one_rank_of_ddp_and_fsdp2_matches_the_plain_trainer(parallel: str) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
         diff = pool.submit(_one_rank_step, parallel, port, DEVICE).result(timeout=240)

@@ -56,8 +56,8 @@ from collections.abc import Callable, Mapping
 
 from asyncrl.engine.constraints import Constraints, allowed_bitmask
 from asyncrl.engine.plans import DecodePlan, Drawn, DrawPlan, Prefill, PrefillPlan, PrefillRound
+from asyncrl.engine.rows import Row, abort_waiting, reserve
 from asyncrl.engine.types import GenerationRequest, GenerationResult
-from asyncrl.types import Tokens
 
 MIN_SHARED_PREFIX = 8  # shorter shared prefixes are prefilled again rather than copied
 SHORTEST_BUCKET = 256  # decode columns below this are one bucket: attention over them costs little
@@ -90,97 +90,6 @@ def clock_of(
     if adapters is None or adapter not in adapters:
         raise ValueError(f"a row of adapter {adapter!r}, which the engine does not serve")
     return adapters[adapter]
-
-
-def reserve(request: GenerationRequest) -> int:
-    """Tokens a request holds in the budget while it runs: its context and its token budget."""
-    return len(request.prompt_ids) + request.sampling.max_new_tokens
-
-
-def abort_waiting(
-    waiting: list[GenerationRequest], wanted: set[str] | None
-) -> tuple[list[GenerationResult], list[GenerationRequest]]:
-    """The wanted requests of a waiting queue (all when None) aborted — each returns its resumed
-    prefix, or nothing — and the requests that stay queued."""
-    out, keep = [], []
-    for req in waiting:
-        if wanted is None or req.request_id in wanted:
-            out.append(result_of(req, req.prefix.tokens() if req.prefix else Tokens.empty(), "abort"))
-        else:
-            keep.append(req)
-    return out, keep
-
-
-def result_of(req: GenerationRequest, generated: Tokens, finish: str) -> GenerationResult:
-    """A request's result: everything it generated (a resumed prefix included) and how it ended."""
-    return GenerationResult(
-        **vars(generated),
-        request_id=req.request_id,
-        finish_reason=finish,
-        seed=req.seed,
-        prompt_ids=list(req.prompt_ids),
-        adapter=req.adapter,
-    )
-
-
-class Row:
-    """Python-side state of one running sequence."""
-
-    __slots__ = (
-        "constraint",
-        "done",
-        "generated",
-        "head",
-        "kv_epoch",
-        "logits_version",
-        "request",
-        "reserved",
-        "stop_chars",
-        "stop_ids",
-    )
-
-    def __init__(
-        self,
-        request: GenerationRequest,
-        logits_version: int,
-        kv_epoch: int,
-        head: list[int],
-        constraints: Constraints | None = None,
-    ) -> None:
-        self.request = request
-        # The version of the weights that computed the logits this row samples from next: after
-        # a swap between steps, the first token drawn still comes from the old weights' logits.
-        self.logits_version = logits_version
-        self.kv_epoch = kv_epoch  # the engine's weights_epoch when this row's cache was prefilled
-        self.head = tuple(head)  # the first MIN_SHARED_PREFIX tokens of its context
-        # Everything generated for the request: the prefix it resumed from, then this run's tokens.
-        keep_support = request.sampling.keep_support
-        self.generated = request.prefix.tokens() if request.prefix else Tokens.empty(keep_support)
-        if keep_support and self.generated.supports is None:
-            self.generated.supports = [None] * self.generated.num_completion_tokens
-        # Tokens generated so far, a resumed prefix included: counted here rather than read from
-        # the record's length, since every step asks it of every row.
-        self.done = self.generated.num_completion_tokens
-        self.reserved = reserve(request)
-        self.stop_chars = max((len(s) for s in request.sampling.stop), default=0)
-        self.stop_ids = frozenset(request.sampling.stop_token_ids)
-        regex = request.sampling.regex
-        self.constraint = (  # its regex's matcher, past a resumed prefix (asyncrl.engine.constraints)
-            None
-            if regex is None
-            else constraints.start(regex, request.sampling.stop_token_ids, self.generated.completion_ids)
-        )
-
-    def hit_stop_string(self, decode: Callable[[list[int]], str] | None) -> bool:
-        if not self.stop_chars or decode is None:
-            return False
-        # The stop string may span tokens; a window of stop_chars tokens covers it (every token is
-        # at least one character), plus one token so a match ending in the new token is seen.
-        tail = decode(self.generated.completion_ids[-(self.stop_chars + 1) :])
-        return any(s in tail for s in self.request.sampling.stop)
-
-    def result(self, finish: str) -> GenerationResult:
-        return result_of(self.request, self.generated, finish)
 
 
 class Scheduler:

@@ -52,7 +52,7 @@ import torch
 
 from asyncrl.config.engines import VLLM_INSTALL_HINT, vllm_installed
 from asyncrl.engine.interface import Engine, check_fits
-from asyncrl.engine.scheduler import abort_waiting, result_of
+from asyncrl.engine.rows import abort_waiting, result_of
 from asyncrl.engine.types import GenerationRequest, GenerationResult, RequestError
 from asyncrl.engine.vllm_adapters import VllmAdapters
 from asyncrl.engine.vllm_worker import HEAD_KEY, TIED_NAME, read_back, read_slots, reload

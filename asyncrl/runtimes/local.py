@@ -41,11 +41,11 @@ from asyncrl.runtimes.processes import adopt_environment, start_process_helpers,
 from asyncrl.runtimes.serving import build_worker, drain, failed, is_trainer, ready, serve_worker
 from asyncrl.transports.groups.factory import make_group_sender, make_inbox
 from asyncrl.transports.groups.interface import sender_for
+from asyncrl.transports.ports import free_port
 from asyncrl.transports.weights.factory import (
     SEGMENT_RECORD,
     TransportSpec,
     claim_segment,
-    free_port,
     transport_spec,
     unlink_segment,
 )

@@ -19,7 +19,8 @@ from asyncrl.protocol.messages import Stop
 from asyncrl.runtimes.serving import build_worker, drain, failed, ready, serve_worker
 from asyncrl.transports.groups.factory import make_group_sender
 from asyncrl.transports.groups.interface import Delivery, GroupSender, sender_for
-from asyncrl.transports.weights.factory import TransportSpec, free_port, make_broadcast_sender, make_receiver
+from asyncrl.transports.ports import free_port
+from asyncrl.transports.weights.factory import TransportSpec, make_broadcast_sender, make_receiver
 from asyncrl.workers.interface import recipients
 
 

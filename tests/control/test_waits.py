@@ -39,8 +39,8 @@ from asyncrl.prompts.task_prompts import task_prompts
 from asyncrl.protocol.messages import WorkerError
 from asyncrl.runtimes.local import LocalRuntime
 from asyncrl.trainer.distributed import RankGroup, RankSpec
+from asyncrl.transports.ports import free_port
 from asyncrl.transports.weights.broadcast import BroadcastReceiver, BroadcastSender, _BroadcastEnd
-from asyncrl.transports.weights.factory import free_port
 from asyncrl.transports.weights.interface import SyncInterrupted, WeightLayout, WeightSyncError
 from asyncrl.transports.weights.publisher import BackgroundPublisher
 from asyncrl.types import Prompt

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +29,7 @@ from asyncrl.protocol.messages import LoadWeights, WeightsLoaded
 from asyncrl.trainer.batching import collate
 from asyncrl.trainer.logprobs import completion_logprobs
 from asyncrl.trainer.trainer import Trainer
+from asyncrl.transports.ports import free_port
 from asyncrl.transports.weights.broadcast import BroadcastReceiver, BroadcastSender
 from asyncrl.transports.weights.files import FileReceiver, FileSender
 from asyncrl.transports.weights.inprocess import InProcessChannel
@@ -254,12 +254,6 @@ def test_adapter_layout_is_the_same_at_both_ends_and_a_small_fraction(tiny_polic
     assert ratio < 0.1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _deliver(transport: str, layout: WeightLayout, named: list[tuple[str, torch.Tensor]], tmp_path: Path):
     """Publish ``named`` as version 1 over ``transport`` and return what a receiver of ``layout`` gets."""
     if transport == "inprocess":
@@ -278,7 +272,7 @@ def _deliver(transport: str, layout: WeightLayout, named: list[tuple[str, torch.
         finally:
             receiver.close()
             sender.close()
-    port, got = _free_port(), {}
+    port, got = free_port(), {}
 
     def receive() -> None:
         receiver = BroadcastReceiver(layout, "127.0.0.1", port, 1, 2, bucket_bytes=1 << 16, timeout_s=30)

@@ -28,6 +28,7 @@ from asyncrl.rewards.judges.service import served_judge
 from asyncrl.rewards.judges.verdicts import candidate_ids, next_token_probs
 from asyncrl.rewards.timed import TimedReward
 from asyncrl.server.app import OpenAIServer
+from asyncrl.transports.ports import free_port
 from tests.helpers import child_pids, short_run, survivors_of_a_killed_parent, wait_dead
 
 TINY_JUDGE = [
@@ -35,12 +36,6 @@ TINY_JUDGE = [
     "judge.yes=Y",
     "judge.no=N",
 ]  # the character tokenizer: one-letter verdicts
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -41,7 +41,7 @@ from asyncrl.protocol.messages import (
 )
 from asyncrl.runtimes.ray_runtime import RayRuntime
 from asyncrl.runtimes.ray_start import check_fits, start_ray
-from asyncrl.transports.weights.factory import free_port
+from asyncrl.transports.ports import free_port
 from asyncrl.workers.assembly import seed_everything
 from tests.helpers import (
     child_env,

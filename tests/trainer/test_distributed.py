@@ -26,7 +26,7 @@ from asyncrl.runtimes.processes import worker_context
 from asyncrl.runtimes.serving import run_follower
 from asyncrl.trainer.batching import trained_span
 from asyncrl.trainer.distributed import reduce_step_stats, split_samples
-from asyncrl.transports.weights.factory import free_port
+from asyncrl.transports.ports import free_port
 from asyncrl.transports.weights.inprocess import InProcessChannel
 from asyncrl.types import Group, Prompt, Sample
 from asyncrl.workers.trainer import TrainerWorker

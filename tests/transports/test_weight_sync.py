@@ -8,7 +8,6 @@ import itertools
 import json
 import os
 import queue
-import socket
 import struct
 import threading
 import time
@@ -23,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from asyncrl.runtimes.processes import worker_context
+from asyncrl.transports.ports import free_port
 from asyncrl.transports.weights import shm
 from asyncrl.transports.weights.broadcast import (
     DIRECT_BYTES,
@@ -107,12 +107,6 @@ def pack(tensors: dict[str, torch.Tensor]) -> bytes:
 
 def unpack(data: bytes) -> dict[str, torch.Tensor]:
     return torch.load(io.BytesIO(data))
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(autouse=True)

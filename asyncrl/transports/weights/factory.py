@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import os
 import secrets
-import socket
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -23,6 +22,7 @@ from asyncrl.config import Config
 from asyncrl.errors import ConfigError
 from asyncrl.models.loading import resolve_device
 from asyncrl.trainer.distributed import rank_device
+from asyncrl.transports.ports import free_port
 from asyncrl.transports.weights.interface import WeightLayout, WeightReceiver, WeightSender
 
 TransportKind = Literal["shm", "cuda_ipc", "files", "broadcast"]
@@ -52,12 +52,6 @@ class TransportSpec:
     def segment(self) -> str | None:
         """The shared-memory segment the trainer owns, if any (a killed trainer leaves it for the runtime)."""
         return self.name if self.kind in ("shm", "cuda_ipc") else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def weight_sync_kind(cfg: Config) -> TransportKind:
