@@ -210,6 +210,10 @@ class Sample(Tokens):
     # Per completion token, when step rewards make advantages differ along the completion
     # (algorithm.step_rewards); None: every token takes ``advantage``.
     token_advantages: list[float] | None = None
+    # algorithm.advantage=gae: the critic's value of the state before each completion token (before
+    # the step's update) and the return it is trained towards; None until the trainer scores it.
+    values: list[float] | None = None
+    returns: list[float] | None = None
     # A mixture-of-experts policy's experts for every prompt token (pack_routes bytes; None:
     # not recorded). The samples of a group share one object, so a group pickles it once.
     prompt_routes: bytes | None = None
@@ -228,7 +232,7 @@ class Sample(Tokens):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("loss_mask", "teacher_logprobs"):
+        for name in ("loss_mask", "teacher_logprobs", "values", "returns"):
             values = getattr(self, name)
             if values is not None and len(values) != len(self.completion_ids):
                 raise ValueError(

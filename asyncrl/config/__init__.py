@@ -14,6 +14,7 @@ The sections live in modules by concern, and this package re-exports every publi
 - :mod:`asyncrl.config.agents`: multi-agent episodes' roles and policies;
 - :mod:`asyncrl.config.training`: the rollout, the algorithm, the trainer, LoRA;
 - :mod:`asyncrl.config.distill`: on-policy distillation's teachers;
+- :mod:`asyncrl.config.critic`: PPO's value model;
 - :mod:`asyncrl.config.running`: the run, the schedule, the runtime and Ray;
 - :mod:`asyncrl.config.root`: the root :class:`Config` and its cross-section checks;
 - :mod:`asyncrl.config.loading`: YAML and overrides in, errors described, YAML out.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 from asyncrl.config.agents import DEFAULT_POLICY, MultiAgentConfig, PolicySpec, RoleSpec
 from asyncrl.config.algorithm import AlgorithmConfig
+from asyncrl.config.critic import CriticConfig
 from asyncrl.config.data import (
     JUDGE_FIELDS,
     ArithmeticConfig,
@@ -65,6 +67,7 @@ __all__ = [
     "ArithmeticConfig",
     "ChainConfig",
     "Config",
+    "CriticConfig",
     "DistillConfig",
     "EpisodeConfig",
     "JudgeConfig",

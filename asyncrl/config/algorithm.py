@@ -97,12 +97,15 @@ class AlgorithmConfig(Section):
         "within the group first, then summed with their weights, so that one function's spread does not "
         "drown another's signal. TRL's normalize_then_sum is this with advantage_scale=batch.",
     )
-    advantage: Literal["group", "distill"] = Field(
+    advantage: Literal["group", "distill", "gae"] = Field(
         "group",
         description="'group': advantages from the group's rewards (GRPO), plus distill.weight x the teacher's "
         "per-token signal when a teacher is set (distill.teacher or distill.url). 'distill': the teacher's "
         "signal alone, per token: distill.weight x (teacher log-prob - behaviour log-prob) of the sampled token "
-        "(on-policy distillation; rewards are still computed and logged).",
+        "(on-policy distillation; rewards are still computed and logged). 'gae': PPO's per-token advantages "
+        "from a learned value model (the critic section; verl's adv_estimator=gae), whatever the group; "
+        "advantage_scale and advantage_baseline do not apply, normalize_advantages whitens over the step's "
+        "trained tokens.",
     )
     step_rewards: Literal["ignore", "return_to_go"] = Field(
         "ignore",

@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from asyncrl.config.agents import BUILTIN_TEAMS, MultiAgentConfig, RoleSpec
 from asyncrl.config.algorithm import AlgorithmConfig
+from asyncrl.config.critic import CriticConfig
 from asyncrl.config.data import EpisodeConfig, JudgeConfig, ModelConfig, TaskConfig
 from asyncrl.config.distill import DistillConfig
 from asyncrl.config.engines import VllmConfig, engine_problems
@@ -29,6 +30,7 @@ class Config(Section):
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     distill: DistillConfig = Field(default_factory=DistillConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
     pivot: PivotConfig = Field(default_factory=PivotConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
@@ -84,12 +86,13 @@ class Config(Section):
                 "algorithm.reward_aggregation=normalize_then_sum normalises each of task.rewards' functions; "
                 "an episode's reward comes from its environment (episode.environment): use sum_then_normalize"
             )
-        if self.algorithm.advantage_baseline == "leave_one_out" and self.rollout.group_size < 2:
+        grouped = self.algorithm.advantage != "gae"  # GAE's advantages come from the critic, not the group
+        if grouped and self.algorithm.advantage_baseline == "leave_one_out" and self.rollout.group_size < 2:
             raise ValueError(
                 "algorithm.advantage_baseline=leave_one_out needs rollout.group_size >= 2 (a completion "
                 "alone has no other to compare to)"
             )
-        if self.algorithm.advantage_scale == "group" and self.rollout.group_size < 2:
+        if grouped and self.algorithm.advantage_scale == "group" and self.rollout.group_size < 2:
             raise ValueError(
                 "algorithm.advantage_scale=group needs rollout.group_size >= 2 (a group of one has no spread)"
             )
@@ -155,7 +158,7 @@ class Config(Section):
         self._pivot_combinations()
         self._multi_agent_combinations()
         self._equal_rewards_combinations()
-        problems = engine_problems(self)
+        problems = engine_problems(self) + critic_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
         if self.schedule.streaming and self.algorithm.advantage_scale == "batch":
@@ -206,6 +209,8 @@ class Config(Section):
             "algorithm.step_rewards": self.algorithm.step_rewards != "ignore"
             and "step rewards give a group per-token advantages whatever its final rewards",
             "pivot.branches": self.pivot.enabled and "pivots are found in the failed groups it would drop",
+            "algorithm.advantage": self.algorithm.advantage == "gae"
+            and "the critic's advantages teach a group whatever its rewards",
         }
         _refuse_any("algorithm.drop_equal_rewards", reasons)
 
@@ -287,6 +292,28 @@ def old_logprob_mode(algorithm: AlgorithmConfig, max_staleness: int) -> str:
     if algorithm.num_iterations > 1 or algorithm.is_level != "none":
         return "recompute"
     return "behaviour" if max_staleness > 0 else "current"
+
+
+def critic_problems(cfg: Config) -> list[str]:
+    """Why ``cfg``'s critic settings cannot be used together, each naming the keys (empty: they can)."""
+    if cfg.algorithm.advantage != "gae":
+        return []
+    reasons = {
+        "trainer.ranks": cfg.trainer.ranks > 1
+        and f"the critic is trained in one trainer process (trainer.ranks={cfg.trainer.ranks})",
+        "multi_agent.policies": bool(cfg.multi_agent.policies) and "one critic values one policy's samples",
+        "multi_agent.advantage": cfg.multi_agent.advantage == "role_turn"
+        and "role_turn gives each turn its group's advantage; the critic gives every token its own",
+        "algorithm.kl_in_reward": cfg.algorithm.kl_in_reward
+        and "the KL in the reward is one number per completion, not a reward per token; use the loss term "
+        "(algorithm.beta with kl_in_reward=false)",
+        "algorithm.reward_aggregation": cfg.algorithm.reward_aggregation == "normalize_then_sum"
+        and "it normalises rewards within groups, which GAE does not take advantages over",
+        "pivot.branches": cfg.pivot.enabled and "branch groups take their advantages within the group",
+    }
+    return [
+        f"algorithm.advantage=gae cannot be used with {key}: {why}" for key, why in reasons.items() if why
+    ]
 
 
 def _refuse_any(setting: str, reasons: dict[str, str | bool]) -> None:

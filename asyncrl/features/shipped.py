@@ -10,7 +10,8 @@ In the order their hooks are called: pivot resampling (:mod:`.pivots`), the teac
 at the start, and with ``distill.top_k`` a term of the trainer's loss), several policies and roles (:mod:`.policies`), a mixture of experts'
 routes (:mod:`.routing`: its record of each token, :data:`~asyncrl.models.token_records.TOKEN_RECORDS`,
 its part of the trainer's work, :data:`~asyncrl.trainer.features.TRAINING_FEATURES`, and its
-check at the start, :data:`~asyncrl.control.features.START_CHECKS`). Each builder returns
+check at the start, :data:`~asyncrl.control.features.START_CHECKS`), PPO's value model (:mod:`.critic`: its part
+of the trainer's work and the trainer worker's advantages). Each builder returns
 None when the run's config does not use it. Each feature's panels of a run report are
 registered apart, by :mod:`asyncrl.features.report_panels`, which ``asyncrl report`` loads
 without the rest. A new feature is a package beside these and its
@@ -20,6 +21,8 @@ lines here; the core is not edited.
 from __future__ import annotations
 
 from asyncrl.control.features import FEATURES, START_CHECKS
+from asyncrl.features.critic.parts import critic_advantages
+from asyncrl.features.critic.training import critic
 from asyncrl.features.distillation.books import teacher_queue
 from asyncrl.features.distillation.parts import teacher_signal
 from asyncrl.features.distillation.stage import TeacherStage, teacher_fits
@@ -48,6 +51,7 @@ GENERATION_FEATURES.register("pivots", pivot_finder)
 STEP_FEATURES.register("pivots", branch_steps)
 STEP_FEATURES.register("teacher", teacher_signal)
 STEP_FEATURES.register("role_turns", role_turns)
+STEP_FEATURES.register("critic", critic_advantages)
 TRAINED_MODELS.register("policies", trained_policies)
 SERVED_MODELS.register("policies", served_policies)
 
@@ -55,6 +59,7 @@ TOKEN_RECORDS.register("routes", RouteRecord())
 TRAINING_FEATURES.register("routing", routing_training)
 TRAINING_FEATURES.register("load_balancing", load_balancing)
 TRAINING_FEATURES.register("teacher_top_k", top_k_distillation)
+TRAINING_FEATURES.register("critic", critic)
 START_CHECKS.register("routing", routers_fit)
 START_CHECKS.register("teacher", teacher_fits)
 START_CHECKS.register("policies", policy_models_fit)

@@ -24,6 +24,8 @@ from asyncrl.algorithms.advantages import (
     turn_advantages,
     whitened,
 )
+from asyncrl.algorithms.gae import gae, token_rewards, whitened_tokens
+from asyncrl.trainer.batching import ragged_rows
 from asyncrl.types import Group, Sample
 
 
@@ -39,8 +41,10 @@ def assign_advantages(
     normalize: bool = False,
     clip: tuple[float, float] | None = None,
     kl_coef: float = 0.0,
+    gae: tuple[float, float] | None = None,
 ) -> None:
-    """Set ``sample.advantage`` for every sample, from its group's rewards (None counts as NaN).
+    """Set ``sample.advantage`` for every sample, from its group's rewards (None counts as NaN),
+    or with ``gae`` (gamma, lam) from its own rewards and its critic's values (:func:`critic_advantages`).
 
     The samples of a multi-agent group are normalised role by role (``Sample.role``); with
     ``by_turn`` each turn of a role gets its own advantage, normalised over the samples of
@@ -67,6 +71,48 @@ def assign_advantages(
     ``algorithm.kl_in_reward``, ``beta``: each reward (clamped, or with ``reward_weights`` the
     weighted sum) less ``kl_coef`` x the sample's ``reference_kl``, which the trainer has set.
     """
+    if gae is not None:
+        critic_advantages(
+            [s for g in groups for s in g.samples],
+            *gae,
+            normalize=normalize,
+            clip=clip,
+            step_rewards=step_rewards,
+        )
+    else:
+        _group_advantages(
+            groups, scale, step_rewards, by_turn, reward_weights, baseline, normalize, clip, kl_coef
+        )
+    for group in groups:
+        if distill is not None:
+            for sample in group.samples:
+                if sample.teacher_logprobs is None:
+                    raise ValueError(
+                        f"{sample._label()} of group {group.group_id} has no teacher log-probs to distill from"
+                    )
+                signal = distill_advantages(sample.teacher_logprobs, sample.logprobs, distill_weight)
+                # An episode's observations are context, scored by the teacher but never sampled
+                # (no behaviour log-prob) nor trained: no signal there.
+                signal = [d if m else 0.0 for d, m in zip(signal, sample.loss_mask, strict=True)]
+                if distill == "alone":
+                    sample.advantage, sample.token_advantages = 0.0, signal
+                else:
+                    base = sample.token_advantages or [sample.advantage] * len(signal)
+                    sample.token_advantages = [a + d for a, d in zip(base, signal, strict=True)]
+
+
+def _group_advantages(
+    groups: list[Group],
+    scale: str,
+    step_rewards: str,
+    by_turn: bool,
+    reward_weights: Mapping[str, float] | None,
+    baseline: Baseline,
+    normalize: bool,
+    clip: tuple[float, float] | None,
+    kl_coef: float,
+) -> None:
+    """:func:`assign_advantages`' group-relative advantages (every option as it documents)."""
     subgroups = [
         [group.samples[i] for i in indices]
         for group in groups
@@ -112,22 +158,55 @@ def assign_advantages(
                 for (start, end), a in zip(sample.turn_spans or [], steps, strict=True):
                     tokens[start:end] = [t + a for t in tokens[start:end]]
                 sample.token_advantages = tokens
-    for group in groups:
-        if distill is not None:
-            for sample in group.samples:
-                if sample.teacher_logprobs is None:
-                    raise ValueError(
-                        f"{sample._label()} of group {group.group_id} has no teacher log-probs to distill from"
-                    )
-                signal = distill_advantages(sample.teacher_logprobs, sample.logprobs, distill_weight)
-                # An episode's observations are context, scored by the teacher but never sampled
-                # (no behaviour log-prob) nor trained: no signal there.
-                signal = [d if m else 0.0 for d, m in zip(signal, sample.loss_mask, strict=True)]
-                if distill == "alone":
-                    sample.advantage, sample.token_advantages = 0.0, signal
-                else:
-                    base = sample.token_advantages or [sample.advantage] * len(signal)
-                    sample.token_advantages = [a + d for a, d in zip(base, signal, strict=True)]
+
+
+def critic_advantages(
+    samples: list[Sample],
+    gamma: float,
+    lam: float,
+    *,
+    normalize: bool = False,
+    clip: tuple[float, float] | None = None,
+    step_rewards: str = "ignore",
+) -> None:
+    """``algorithm.advantage=gae``: every sample's ``token_advantages`` and ``returns`` by GAE
+    (:func:`asyncrl.algorithms.gae.gae`) from its reward (clamped to ``clip``) and its critic's
+    ``values``, which the trainer has set; with ``step_rewards="return_to_go"`` each turn's step
+    reward is earned at that turn's end (:func:`~asyncrl.algorithms.gae.token_rewards`).
+    ``normalize``: the advantages whitened over every trained token of ``samples``. A sample's
+    ``advantage`` is the mean of its trained tokens' (what its records show). A sample without a
+    reward (no function could score it) or without a trained token gets advantage 0 on every token
+    and no returns: neither the policy nor the critic trains on it."""
+    unscored = [s for s in samples if s.values is None]
+    if unscored:
+        raise ValueError(
+            f"{unscored[0]._label()} of group {unscored[0].group_id} has no critic values for its advantages "
+            "(algorithm.advantage=gae): the trainer scores it before advantages"
+        )
+    scored = [s for s in samples if s.reward is not None and any(s.loss_mask)]
+    for s in samples:
+        s.advantage, s.token_advantages, s.returns = 0.0, [0.0] * len(s.completion_ids), None
+    if not scored:
+        return
+    rows = []
+    for s in scored:
+        reward = s.reward if clip is None else min(max(s.reward, clip[0]), clip[1])
+        steps = s.turn_rewards if step_rewards == "return_to_go" else None
+        rows.append(token_rewards(len(s.completion_ids), s.loss_mask, reward, s.turn_spans, steps))
+    width = max(len(s.completion_ids) for s in scored)
+
+    def padded(name: str) -> torch.Tensor:
+        return ragged_rows([getattr(s, name) for s in scored], width, 0, torch.float64)
+
+    adv, ret = gae(
+        ragged_rows(rows, width, 0, torch.float64), padded("values"), padded("loss_mask"), gamma, lam
+    )
+    advantages = [a[: len(s.completion_ids)] for s, a in zip(scored, adv.tolist(), strict=True)]
+    if normalize:
+        advantages = whitened_tokens(advantages, [s.loss_mask for s in scored])
+    for s, a, r in zip(scored, advantages, ret.tolist(), strict=True):
+        s.token_advantages, s.returns = a, r[: len(s.completion_ids)]
+        s.advantage = sum(v for v, m in zip(a, s.loss_mask, strict=True) if m) / s.num_trained_tokens
 
 
 def distill_metrics(samples: list[Sample]) -> dict[str, float]:

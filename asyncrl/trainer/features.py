@@ -14,7 +14,13 @@ engine's tokens reach the trainer's forwards on their own (:mod:`asyncrl.models.
 * a loss term of its own (``adds_loss``): ``extra_tokens``, the tokens at each completion
   position whose log-probs the term needs (the loss forward computes them with the sampled
   token's), and ``loss_term``, the term per token, added to the policy's loss before it is
-  aggregated, with its sums.
+  aggregated, with its sums;
+* a model of its own trained beside the policy (a critic): ``score`` (with ``scores``), what it
+  scores of a step's samples before their advantages; ``begin_step``; ``trained``, its own
+  forward and backward of a micro-batch after the policy's, with its sums; ``holds_policy``,
+  whether an optimizer step leaves the policy as it is; ``stepped``, its own optimizer step
+  after the policy's, given the step's sums; ``state`` and ``load_state``, its part of a
+  checkpoint. ``keeps_every_sample``: its work needs every sample, whatever its advantage.
 """
 
 from __future__ import annotations
@@ -46,8 +52,37 @@ class TrainingFeature:
     # A loss term of its own: then a zero advantage no longer leaves a sample without a gradient,
     # and trainer.skip_zero_advantage keeps every sample.
     adds_loss = False
+    # Its own work needs every sample of a step (a critic trains on each), so
+    # trainer.skip_zero_advantage keeps every sample.
+    keeps_every_sample = False
+    scores = False  # it scores a step's samples before their advantages (score)
 
     def prepared(self, samples: list[Sample]) -> None: ...
+
+    def score(self, mb: MicroBatch, samples: list[Sample]) -> None:
+        """With ``scores``: set what it scores on ``samples``, the step's own samples that
+        ``mb.samples`` copy (in order), before their advantages; no gradient is kept."""
+
+    def begin_step(self) -> None: ...
+
+    def trained(self, mb: MicroBatch) -> dict[str, float]:
+        """After the policy's forward and backward of ``mb``: its own, if any; its sums for the step."""
+        return {}
+
+    def holds_policy(self, version: int) -> bool:
+        """Whether the optimizer step from ``version`` leaves the policy's weights as they are."""
+        return False
+
+    def stepped(self, sums: dict[str, float]) -> dict[str, float]:
+        """At the optimizer step, after the policy's: its own, given the step's sums; its metrics."""
+        return {}
+
+    def state(self) -> dict | None:
+        """Its part of a checkpoint (None: nothing to keep)."""
+        return None
+
+    def load_state(self, state: dict | None) -> None:
+        """Restore :meth:`state` (None: a checkpoint that holds none of it)."""
 
     def loss_forward(self, mb: MicroBatch, version: int) -> dict[str, float]:
         return {}
@@ -89,6 +124,35 @@ class TrainingFeatures:
     @property
     def adds_loss(self) -> bool:
         return any(f.adds_loss for f in self.members)
+
+    @property
+    def keeps_every_sample(self) -> bool:
+        return any(f.keeps_every_sample for f in self.members)
+
+    @property
+    def scorers(self) -> list[TrainingFeature]:
+        return [f for f in self.members if f.scores]
+
+    def begin_step(self) -> None:
+        for f in self.members:
+            f.begin_step()
+
+    def trained(self, mb: MicroBatch) -> dict[str, float]:
+        return {k: v for f in self.members for k, v in f.trained(mb).items()}
+
+    def holds_policy(self, version: int) -> bool:
+        return any(f.holds_policy(version) for f in self.members)
+
+    def stepped(self, sums: dict[str, float]) -> dict[str, float]:
+        return {k: v for f in self.members for k, v in f.stepped(sums).items()}
+
+    def state(self) -> dict[str, dict]:
+        """Each feature's part of a checkpoint, by its name (those that keep one)."""
+        return {f.name: own for f in self.members if (own := f.state()) is not None}
+
+    def load_state(self, states: dict[str, dict] | None) -> None:
+        for f in self.members:
+            f.load_state((states or {}).get(f.name))
 
     def prepared(self, samples: list[Sample]) -> None:
         for f in self.members:

@@ -14,7 +14,8 @@ divided by the step's divisor — per policy for a :class:`PolicySet` — clippe
 steps, ``version`` advances by one). ``train_batch`` takes a batch's further optimizer steps
 (PPO epochs) at once. With ``algorithm.kl_in_reward``, ``score_reference_kl`` comes first, on
 the first rank alone: the reference's KL of every sample, taken from its reward before the
-step's advantages. ``version`` is the run's policy version: the number of optimizer steps
+step's advantages, and so does ``score``: what the training features score of the samples
+(a critic's values, for ``algorithm.advantage=gae``). ``version`` is the run's policy version: the number of optimizer steps
 taken; it never goes back except by ``load_checkpoint_state``.
 """
 
@@ -52,6 +53,11 @@ class StepTrainer(Protocol):
 
     def score_reference_kl(self, samples: list[Sample]) -> None:
         """``algorithm.kl_in_reward``: set each sample's ``reference_kl``, on one rank (no collective)."""
+        ...
+
+    def score(self, samples: list[Sample]) -> None:
+        """What its training features score of a step's samples before their advantages (a
+        critic's values), on one rank (no collective)."""
         ...
 
     def prepare(self, samples: list[Sample]) -> list[MicroBatch]: ...

@@ -40,6 +40,7 @@ from asyncrl.models.activation_checkpointing import enable_activation_checkpoint
 from asyncrl.models.lora import ADAPTER, is_lora, published_weights
 from asyncrl.trainer.advantages import moves_weights
 from asyncrl.trainer.batching import MicroBatch, trained_span
+from asyncrl.trainer.diagnostics import loss_forward_figures, loss_forward_sums
 from asyncrl.trainer.entropy import EntropyControl
 from asyncrl.trainer.features import TrainingFeatures
 from asyncrl.trainer.logprobs import completion_logprobs, eval_mode, policy_logprobs
@@ -145,6 +146,7 @@ class Trainer:
             and (algo_cfg.beta == 0 or algo_cfg.kl_in_reward)
             and not self.entropy_control.on
             and not self.features.adds_loss
+            and not self.features.keeps_every_sample
         )
         # (tokens, samples) skipped by prepare since the last optimizer step, and in the last step
         # (a batch's later optimizer steps reuse its micro-batches, and so its skips).
@@ -158,6 +160,7 @@ class Trainer:
 
     def begin_step(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        self.features.begin_step()
         self._stats = defaultdict(float)
         self._busy_s = 0.0
         self._computed_in_step = False
@@ -214,6 +217,21 @@ class Trainer:
         for sample, copy in zip(trained, unscored, strict=True):
             sample.reference_kl = kls[id(copy)]
 
+    def score(self, samples: list[Sample]) -> None:
+        """What the training features score of a step's samples before their advantages (a critic's
+        values), on the first rank: the samples with a trained token, planned into micro-batches as
+        for training. Nothing without a feature that scores."""
+        scorers = self.features.scorers
+        trained = [s for s in samples if any(s.loss_mask)]
+        if not scorers or not trained:
+            return
+        copies = [dataclasses.replace(s, advantage=0.0) for s in trained]  # collation wants one
+        own = {id(c): s for c, s in zip(copies, trained, strict=True)}
+        with torch.no_grad():
+            for mb in self._collated(copies):
+                for feature in scorers:
+                    feature.score(mb, [own[id(c)] for c in mb.samples])
+
     def _collated(self, samples: list[Sample]) -> list[MicroBatch]:
         with collection_paused():
             return [
@@ -267,6 +285,7 @@ class Trainer:
                 self.before_micro_batch()
             loss_sum, stats = self._micro_batch_loss(mb)
             loss_sum.backward()
+            stats.update(self.features.trained(mb))  # a feature's own model's forward and backward
             total += stats["loss_sum"]
             for k, v in stats.items():
                 self._stats[k] = max(self._stats[k], v) if k.endswith("_max") else self._stats[k] + v
@@ -286,8 +305,10 @@ class Trainer:
             clip_gradients(self.params, grads, self.cfg.max_grad_norm, norm)
         grad_norm = float(norm)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step takes
-        self.optimizer.step()
-        self.scheduler.step()
+        held = self.features.holds_policy(self.version)  # e.g. while a critic warms up alone
+        if not held:
+            self.optimizer.step()
+            self.scheduler.step()
         self.version += 1
         if self.reference is not None:
             self.reference.after_step(self.model, self.version)
@@ -295,28 +316,18 @@ class Trainer:
         self._stats["skipped_tokens"], self._stats["skipped_samples"] = self._step_skipped
         self._stats.update(self.features.step_sums())  # summed across ranks with the other step sums
         s = self._step_stats()
+        feature_steps = self.features.stepped(s)  # a feature's own model steps after the policy
         tokens = max(s["tokens"], 1.0)
         entropy = s["entropy_sum"] / tokens
         return {
-            "loss": s["loss_sum"] / divisor,
+            **loss_forward_figures(s, divisor, kl=self.algo.beta > 0),
             "grad_norm": grad_norm,
-            "lr": lr,
+            "lr": 0.0 if held else lr,
             "entropy": entropy,
             **self.entropy_control.after_step(entropy),  # the coefficient it applied; the next step's from it
-            "clip_frac": s["clipped_sum"] / tokens,
-            "ratio_mean": s["ratio_sum"] / tokens,
-            "kl_ref": s["kl_sum"] / tokens if self.algo.beta > 0 else 0.0,
-            "old_behaviour_abs_gap": s["old_behav_gap_sum"] / tokens,
-            "logprob_diff_mean": s["parity_abs_sum"] / max(s["parity_tokens"], 1.0),
-            "logprob_diff_max": s["parity_abs_max"],
-            "mismatch_kl": s["mismatch_kl_sum"] / max(s["parity_tokens"], 1.0),
-            "parity_tokens": s["parity_tokens"],
-            # Skipped samples' tokens are trained too: in the divisor, with a gradient of exactly 0.
-            "trained_tokens": s["tokens"] + s["skipped_tokens"],
-            "skipped_tokens": s["skipped_tokens"],
-            "skipped_samples": s["skipped_samples"],
             **corrections.step_figures(self.algo, s, tokens),
             **self.features.step_metrics(s),
+            **feature_steps,
             "train_s": self._busy_s,
             "old_logprobs_source": self.old_logprob_mode,
         }
@@ -387,9 +398,7 @@ class Trainer:
         logp, entropy = out.logp, out.entropy
         stats: dict[str, float] = {}
         stats.update(self.features.loss_forward(mb, self.version))
-        # Diagnostic sums as 0-d tensors, read in one transfer at the end (a read per figure
-        # would be a device synchronisation each on a GPU).
-        sums: dict[str, torch.Tensor] = {}
+        sums: dict[str, torch.Tensor] = {}  # 0-d tensors, read at once (asyncrl.trainer.diagnostics)
         mask = mb.mask
         old = logp.detach() if mb.old_logprobs is None else mb.old_logprobs
         is_weights = corrections.importance_weights(
@@ -427,24 +436,8 @@ class Trainer:
         loss_sum = losses.aggregate(per_token, mask, algo.loss_type)
         if mb.scale != 1.0:
             loss_sum = loss_sum * mb.scale
+        sums |= loss_forward_sums(mb, logp, old, log_ratio, clipped, entropy, loss_sum, self.version)
         with torch.no_grad():
-            ratio = torch.exp(log_ratio).expand_as(mask)
-            behav_gap = (old - mb.behaviour_logprobs).abs() * mask
-            # Engine/trainer parity on tokens sampled by exactly these weights.
-            on_policy = mask * (mb.versions == self.version).to(mask.dtype)
-            gap = logp.detach() - mb.behaviour_logprobs
-            sums.update(
-                parity_tokens=on_policy.sum(),
-                parity_abs_sum=(gap.abs() * on_policy).sum(),
-                parity_abs_max=(gap.abs() * on_policy).max(),  # 0 without on-policy tokens
-                mismatch_kl_sum=((torch.exp(gap) - gap - 1) * on_policy).sum(),
-                loss_sum=loss_sum.detach(),
-                tokens=mask.sum(),
-                entropy_sum=(entropy * mask).sum(),
-                clipped_sum=(clipped.expand_as(mask) * mask).sum(),
-                ratio_sum=(ratio * mask).sum(),
-                old_behav_gap_sum=behav_gap.sum(),
-            )
             if kl is not None:
                 sums["kl_sum"] = (kl * mask).sum()
             values = torch.stack([v.float() for v in sums.values()]).tolist()
@@ -466,6 +459,7 @@ class Trainer:
             "version": self.version,
             "reference": reference,
             "entropy_control": self.entropy_control.state(),
+            "features": self.features.state(),
         }
 
     def load_checkpoint_state(self, weights: dict[str, torch.Tensor], state: dict) -> int:
@@ -481,6 +475,7 @@ class Trainer:
         if self.reference is not None:
             self.reference.load_state(state.get("reference"))
         self.entropy_control.load_state(state.get("entropy_control"))
+        self.features.load_state(state.get("features"))
         return self.version
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:

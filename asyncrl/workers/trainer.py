@@ -249,8 +249,10 @@ class TrainerWorker:
             for group in groups:
                 group.mask_older_than(command.min_version)
         algorithm = self.cfg.algorithm
+        samples = [s for g in groups for s in g.samples]
         if algorithm.kl_in_reward:  # taken from the rewards: the reference scores the whole groups here
-            self.trainer.score_reference_kl([s for g in groups for s in g.samples])
+            self.trainer.score_reference_kl(samples)
+        self.trainer.score(samples)  # what the training features score before advantages (a critic)
         assign_advantages(
             groups,
             algorithm.advantage_scale,

@@ -91,7 +91,7 @@ def test_overrides_win_over_file(tmp_path: Path) -> None:
             [
                 "bogus",
                 "unknown key",
-                "allowed keys here: algorithm, distill, episode, judge, lora, model, multi_agent, pivot, rollout, run, runtime, schedule, task, trainer",
+                "allowed keys here: algorithm, critic, distill, episode, judge, lora, model, multi_agent, pivot, rollout, run, runtime, schedule, task, trainer",
             ],
         ),
         (["trainer.bogus=1"], ["trainer.bogus", "unknown key", "lr", "warmup_steps"]),

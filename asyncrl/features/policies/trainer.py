@@ -146,6 +146,14 @@ class PolicySet:
             with member.active():
                 member.trainer.score_reference_kl(own)
 
+    def score(self, samples: list[Sample]) -> None:
+        """Each trained policy's training features score that policy's samples."""
+        for name, own in self._by_policy(samples).items():
+            member = self.members[name]
+            if member.train:
+                with member.active():
+                    member.trainer.score(own)
+
     def _by_policy(self, samples: list[Sample]) -> dict[str, list[Sample]]:
         by_policy: dict[str, list[Sample]] = defaultdict(list)
         for sample in samples:

@@ -1,0 +1,57 @@
+"""The ``critic`` section: PPO's learned value model (``algorithm.advantage=gae``; asyncrl.features.critic,
+docs/critic.md); what it cannot be combined with is checked with the other sections
+(:mod:`asyncrl.config.root`)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from asyncrl.config.section import Section
+
+
+class CriticConfig(Section):
+    """A value model trained beside the policy, whose values make PPO's advantages (GAE).
+
+    Used with ``algorithm.advantage=gae``: the trainer holds a second model — the decoder of a
+    causal LM with a one-output value head — scores every sample of a step with it before the
+    step's advantages, and trains it on the same micro-batches towards the GAE returns, with an
+    AdamW of its own (``trainer``'s betas, weight decay and learning-rate schedule, its own rate).
+    """
+
+    path: str | None = Field(
+        None,
+        description="The critic's starting weights: a local Hugging Face causal-LM directory (or a builtin: or "
+        "tiny: name, seeded with run.seed), its decoder under a fresh value head of zeros (every value starts "
+        "at 0). null = model.path: the critic starts as the initial policy's decoder (verl's default).",
+    )
+    lr: float | None = Field(
+        None, gt=0, description="The critic's peak learning rate (AdamW). null = trainer.lr."
+    )
+    gamma: float = Field(
+        1.0, ge=0, le=1, description="GAE's discount: a reward k trained tokens later counts gamma^k."
+    )
+    lam: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="GAE's lambda: 1 takes each token's advantage as the rewards to go less its value (Monte "
+        "Carlo, verl's default); lower leans on the critic's later values (less variance, more bias; TRL's "
+        "PPOTrainer uses 0.95).",
+    )
+    value_clip: float | None = Field(
+        0.5,
+        gt=0,
+        description="PPO's value clipping (verl's cliprange_value): a value prediction more than this from the "
+        "critic's value before the step counts at the clipped value where that is the larger error. "
+        "null = no clipping.",
+    )
+    max_grad_norm: float | None = Field(
+        1.0, gt=0, description="Clip the critic's gradient to this global norm (null: no clipping)."
+    )
+    warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="Optimizer steps that train the critic alone at the start of a run (verl's critic_warmup): "
+        "the policy's weights, optimizer and learning-rate schedule stay as they are meanwhile (the run's "
+        "version still counts the steps).",
+    )

@@ -1,0 +1,229 @@
+"""The critic's part in the trainer (``algorithm.advantage=gae``; hooks of :mod:`asyncrl.trainer.features`).
+
+A step, as PPO takes it with a value model:
+
+1. ``score``: before the step's advantages the critic values every sample of the step — the
+   value of the state before each completion token (:class:`~asyncrl.features.critic.model.ValueModel`)
+   — as it is before the step's update; the advantages are then GAE's of each sample's rewards
+   and these values (:func:`asyncrl.trainer.advantages.critic_advantages`), and so are the
+   returns R_t = A_t + V_t the critic is trained towards;
+2. ``trained``: after the policy's forward and backward of each micro-batch, the critic's own
+   over the same micro-batch: its loss is PPO's clipped value loss over the trained tokens,
+
+       0.5 x max((v - R)^2, (V + clip(v - V, -c, c) - R)^2)
+
+   with v its current prediction, V its value before the step and c ``critic.value_clip``
+   (without clipping 0.5 x (v - R)^2), summed undivided as the policy's loss is;
+3. ``stepped``: after the policy's optimizer step, the critic's gradient is divided by the
+   step's trained tokens (a token mean over the whole step, verl's ``token-mean``, whatever
+   micro-batches it came in), clipped to ``critic.max_grad_norm``, and its own AdamW steps.
+
+A batch's later optimizer steps (``algorithm.num_iterations``, PPO's epochs) repeat 2 and 3
+against the same values and returns. For its first ``critic.warmup_steps`` steps the policy is
+held (``holds_policy``): its gradients are computed and dropped, its optimizer and schedule wait.
+A sample without returns (no reward, or no trained token) is out of the value loss. The
+critic's weights, optimizer and schedule are part of every checkpoint (``state``), so a resumed
+run continues exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from asyncrl.config import Config, TrainerConfig
+from asyncrl.features.critic.model import ValueModel
+from asyncrl.models.activation_checkpointing import enable_activation_checkpointing
+from asyncrl.models.dropout import disable_dropout
+from asyncrl.models.loading import DTYPES, load_policy, resolve_dtype
+from asyncrl.trainer.batching import MicroBatch, ragged_rows, trained_span
+from asyncrl.trainer.features import TrainedModel, TrainingFeature
+from asyncrl.trainer.optimizer import (
+    adamw,
+    clip_gradients,
+    divide_gradients,
+    lr_lambda,
+    take_this_runs_settings,
+    total_norm,
+)
+from asyncrl.types import Sample
+
+_OLD, _RETURNS, _WHERE = "critic_old_values", "critic_returns", "critic_value_mask"
+
+
+def value_targets(samples: list[Sample], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The samples' values before the step, their returns, and where the value loss counts — the
+    trained tokens of samples with returns — each (B, ``width``), completion-aligned as a
+    micro-batch's per-token tensors."""
+    spans = [min(trained_span(s), width) for s in samples]
+    if any(s.values is None for s in samples):
+        missing = next(s for s in samples if s.values is None)
+        raise ValueError(f"{missing._label()} of group {missing.group_id} reached the critic's loss unscored")
+    old = ragged_rows([s.values[:n] for s, n in zip(samples, spans, strict=True)], width, 0, torch.float32)
+    returns = ragged_rows(
+        [(s.returns or [])[:n] for s, n in zip(samples, spans, strict=True)], width, 0, torch.float32
+    )
+    where = ragged_rows(
+        [s.loss_mask[:n] if s.returns is not None else [] for s, n in zip(samples, spans, strict=True)],
+        width,
+        0,
+        torch.float32,
+    )
+    return old, returns, where
+
+
+def value_loss(
+    values: torch.Tensor, old: torch.Tensor, returns: torch.Tensor, clip: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's per-token value loss (module docstring) and where the clipped error was the larger."""
+    error = (values - returns) ** 2
+    if clip is None:
+        return 0.5 * error, torch.zeros_like(error, dtype=torch.bool)
+    clipped = (old + (values - old).clamp(-clip, clip) - returns) ** 2
+    return 0.5 * torch.maximum(error, clipped), clipped > error
+
+
+class Critic(TrainingFeature):
+    """The value model, its optimizer and its part of each step (module docstring)."""
+
+    name = "critic"
+    keeps_every_sample = True  # a sample whose advantages are 0 still trains the critic
+    scores = True
+
+    def __init__(self, model: ValueModel, trainer: TrainerConfig, run: Config, compute: torch.dtype) -> None:
+        self.model = model
+        critic = run.critic
+        self.clip, self.max_grad_norm, self.warmup = (
+            critic.value_clip,
+            critic.max_grad_norm,
+            critic.warmup_steps,
+        )
+        self.optimizer_cfg = trainer.model_copy(update={"lr": critic.lr or trainer.lr})
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = adamw(self.params, self.optimizer_cfg)
+        self._lr_factor = lr_lambda(trainer.lr_schedule, trainer.warmup_steps, run.run.steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        device = next(model.parameters()).device
+        master = next(model.parameters()).dtype
+        self.compute = (
+            (lambda: torch.autocast(device.type, dtype=compute))
+            if compute != master
+            else contextlib.nullcontext
+        )
+
+    # -- scoring ---------------------------------------------------------------------------
+
+    def score(self, mb: MicroBatch, samples: list[Sample]) -> None:
+        """Each sample's values up to its trained span (0 after it: those tokens are never trained)."""
+        self.model.eval()
+        with self.compute():
+            values = self.model.values(mb).tolist()
+        for sample, row in zip(samples, values, strict=True):
+            span = trained_span(sample)
+            sample.values = row[:span] + [0.0] * (len(sample.completion_ids) - span)
+
+    # -- training --------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def holds_policy(self, version: int) -> bool:
+        return version < self.warmup
+
+    def trained(self, mb: MicroBatch) -> dict[str, float]:
+        if _OLD not in mb.extras:  # made once per micro-batch (a batch's later steps reuse it)
+            device = mb.completion_ids.device
+            old, returns, where = (t.to(device) for t in value_targets(mb.samples, mb.completion_width))
+            mb.extras[_OLD], mb.extras[_RETURNS], mb.extras[_WHERE] = old, returns, where
+        old, returns, where = mb.extras[_OLD], mb.extras[_RETURNS], mb.extras[_WHERE]
+        self.model.train()
+        with self.compute():
+            values = self.model.values(mb)
+        per_token, clipped = value_loss(values, old, returns, self.clip)
+        loss_sum = (per_token * where).sum()
+        if mb.scale != 1.0:
+            loss_sum = loss_sum * mb.scale
+        loss_sum.backward()
+        with torch.no_grad():
+            v, residual = values.detach(), returns - values.detach()
+            sums = {
+                "value_loss_sum": loss_sum.detach(),
+                "value_tokens": where.sum(),
+                "value_clipped_sum": (clipped.to(where.dtype) * where).sum(),
+                "value_sum": (v * where).sum(),
+                "return_sum": (returns * where).sum(),
+                "return_sq_sum": (returns**2 * where).sum(),
+                "residual_sum": (residual * where).sum(),
+                "residual_sq_sum": (residual**2 * where).sum(),
+            }
+            figures = torch.stack([t.float() for t in sums.values()]).tolist()  # one transfer
+        return dict(zip(sums, figures, strict=True))
+
+    def stepped(self, sums: dict[str, float]) -> dict[str, float]:
+        """The critic's optimizer step: its gradient divided by the step's value tokens, clipped."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads:
+            divide_gradients(grads, max(sums.get("value_tokens", 0.0), 1.0))
+        norm = total_norm(grads) if grads else torch.zeros(())
+        if grads and self.max_grad_norm is not None:
+            clip_gradients(self.params, grads, self.max_grad_norm, norm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        return {"critic_grad_norm": float(norm), "critic_lr": lr}
+
+    def step_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """The value loss and clipping, the mean value and return, and the explained variance
+        1 - Var(R - v) / Var(R) over the step's value tokens (verl's ``vf_explained_var``)."""
+        n = sums.get("value_tokens", 0.0)
+        if not n:
+            return {"value_loss": 0.0, "value_clip_frac": 0.0, "value_mean": 0.0, "return_mean": 0.0}
+        mean_return, mean_residual = sums["return_sum"] / n, sums["residual_sum"] / n
+        var_return = sums["return_sq_sum"] / n - mean_return**2
+        var_residual = sums["residual_sq_sum"] / n - mean_residual**2
+        figures = {
+            "value_loss": sums["value_loss_sum"] / n,
+            "value_clip_frac": sums["value_clipped_sum"] / n,
+            "value_mean": sums["value_sum"] / n,
+            "return_mean": mean_return,
+        }
+        if var_return > 0:
+            figures["value_explained_var"] = 1.0 - var_residual / var_return
+        return figures
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def state(self) -> dict:
+        return {
+            "weights": {name: t.detach().cpu() for name, t in self.model.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
+
+    def load_state(self, state: dict | None) -> None:
+        """Restore :meth:`state`; a checkpoint without a critic leaves this one as it started."""
+        if state is None:
+            return
+        self.model.load_state_dict(state["weights"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        take_this_runs_settings(self.optimizer, self.scheduler, self.optimizer_cfg, self._lr_factor)
+
+
+def critic(trained: TrainedModel) -> Critic | None:
+    """The critic of a run with ``algorithm.advantage=gae`` (None: without, or outside a run), on
+    the policy's device, held in ``trainer.master_dtype`` and run in ``model.dtype``."""
+    run = trained.run
+    if run is None or run.algorithm.advantage != "gae":
+        return None
+    device = next(trained.model.parameters()).device
+    master = DTYPES[run.trainer.master_dtype]
+    lm = load_policy(
+        run.critic.path or run.model.path, device=str(device), dtype=master, seed=run.run.seed
+    ).model
+    if trained.cfg.disable_dropout:
+        disable_dropout(lm)
+    if trained.cfg.activation_checkpointing:
+        enable_activation_checkpointing(lm)
+    return Critic(ValueModel(lm), trained.cfg, run, resolve_dtype(run.model.dtype, device))

@@ -1,0 +1,302 @@
+"""PPO's critic in the trainer (asyncrl.features.critic): its values, its clipped value loss, its own
+optimizer step, the critic's warm-up, checkpoints, and the settings it refuses."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncrl import checkpoints
+from asyncrl.config import Config, load_config
+from asyncrl.control.run import train
+from asyncrl.errors import ConfigError
+from asyncrl.features.critic.model import ValueModel
+from asyncrl.features.critic.training import Critic, value_loss, value_targets
+from asyncrl.models.loading import load_policy
+from asyncrl.reports.jsonl import read_jsonl
+from asyncrl.trainer.advantages import assign_advantages
+from asyncrl.trainer.batching import collate
+from asyncrl.trainer.packing import collate_tree
+from asyncrl.trainer.trainer import Trainer
+from asyncrl.types import Group, Prompt, Sample
+from asyncrl.workers import assembly
+from tests.helpers import (
+    ONE_THREAD_EACH,
+    final_weights,
+    max_abs_diff,
+    short_run,
+    straight_and_stopped,
+    train_to_end,
+)
+from tests.trainer.test_trainer import random_samples
+
+GAE = ["model.path=tiny:1m", "algorithm.advantage=gae", "rollout.group_size=1", "rollout.max_new_tokens=8"]
+
+
+def gae_config(*extra: str) -> Config:
+    return load_config(None, [*GAE, *extra])
+
+
+def critic_trainer(cfg: Config) -> tuple[Trainer, Critic]:
+    policy = assembly.build_policy(cfg, torch.device("cpu"), trainable=True)
+    trainer = assembly.build_trainer(cfg, policy)
+    (critic,) = [f for f in trainer.features.members if isinstance(f, Critic)]
+    return trainer, critic
+
+
+def rewarded(make_sample: Callable[..., Sample], n: int, seed: int) -> list[Group]:
+    """n one-sample groups of varied lengths, some tokens untrained, rewards 0 or 1 (one without)."""
+    samples = random_samples(make_sample, n, seed)
+    groups = []
+    for i, s in enumerate(samples):
+        s.prompt_id, s.group_id, s.advantage = f"p{i}", i, None
+        s.reward = None if i == 1 else float(i % 3 == 0)
+        groups.append(Group(i, Prompt(f"p{i}", "x"), [s]))
+    return groups
+
+
+def step(trainer: Trainer, cfg: Config, groups: list[Group]) -> dict[str, float]:
+    """One optimizer step as the trainer worker takes it: scores, advantages, then the step."""
+    samples = [s for g in groups for s in g.samples]
+    trainer.score(samples)
+    assign_advantages(groups, "group", gae=(cfg.critic.gamma, cfg.critic.lam))
+    trainer.begin_step()
+    trainer.accumulate(trainer.prepare(samples))
+    return trainer.finish_step(trainer.batch_divisor(samples))
+
+
+def params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def test_values_start_at_zero_and_agree_across_layouts(make_sample) -> None:
+    """The head starts at zeros (every value 0); with a random head the values of the padded and the
+    prefix-tree layout agree within 1e-5 at every trained position."""
+    model = ValueModel(load_policy("tiny:1m", device="cpu", dtype="float32", seed=0).model)
+    samples = random_samples(make_sample, 6, seed=3)
+    for s in samples[3:]:
+        s.prompt_ids = list(samples[0].prompt_ids)  # shared prompts: the tree forwards them once
+    padded, tree = collate(samples, 0), collate_tree(samples, 0)
+    with torch.no_grad():
+        assert model.values(padded).abs().max() == 0.0
+        torch.nn.init.normal_(model.head.weight, std=0.5)
+        a, b = model.values(padded), model.values(tree)
+    mask = padded.mask.bool()
+    assert (a - b)[mask].abs().max() < 1e-5
+
+
+def test_the_clipped_value_loss_takes_the_larger_error() -> None:
+    old, returns = torch.tensor([0.0, 0.0, 1.0]), torch.tensor([1.0, -1.0, 1.0])
+    values = torch.tensor([2.0, 0.25, 1.0], requires_grad=True)
+    loss, clipped = value_loss(values, old, returns, clip=0.5)
+    # v=2 against R=1: 0.5 x max(1, (0.5 - 1)^2) = 0.5, unclipped wins; v=0.25 against -1: 0.5 x max(1.5625, 0.25)
+    assert loss.tolist() == pytest.approx([0.5, 0.78125, 0.0])
+    assert clipped.tolist() == [False, False, False]
+    loss, clipped = value_loss(torch.tensor([-0.75]), torch.tensor([0.0]), torch.tensor([1.0]), clip=0.5)
+    assert loss.tolist() == pytest.approx([0.5 * 1.75**2]) and not clipped.item()
+    loss, clipped = value_loss(torch.tensor([1.75]), torch.tensor([0.0]), torch.tensor([-1.0]), clip=0.5)
+    assert loss.tolist() == pytest.approx([0.5 * 2.75**2]) and not clipped.item()
+    loss, clipped = value_loss(torch.tensor([0.9]), torch.tensor([0.0]), torch.tensor([1.5]), clip=0.5)
+    assert (
+        loss.tolist() == pytest.approx([0.5 * 1.0**2]) and clipped.item()
+    )  # clip holds it at 0.5: error 1.0
+    assert value_loss(torch.tensor([0.9]), torch.tensor([0.0]), torch.tensor([1.5]), None)[
+        0
+    ].item() == pytest.approx(0.5 * 0.6**2)
+
+
+def test_the_critics_gradient_is_its_value_loss_over_the_steps_tokens(make_sample) -> None:
+    """After accumulate, the critic's gradient is the undivided value loss's, written out on the padded
+    layout (rel. 1e-5); a sample without a reward adds nothing; the step's value_loss is that loss over
+    the value tokens."""
+    cfg = gae_config("trainer.micro_batch_tokens=24")
+    trainer, critic = critic_trainer(cfg)
+    groups = rewarded(make_sample, 6, seed=5)
+    samples = [s for g in groups for s in g.samples]
+    with torch.no_grad():
+        torch.nn.init.normal_(critic.model.head.weight, std=0.5)
+    trainer.score(samples)
+    assign_advantages(groups, "group", gae=(1.0, 1.0))
+    reference = copy.deepcopy(critic.model)
+    trainer.begin_step()
+    batches = trainer.prepare(samples)
+    assert len(batches) > 1
+    trainer.accumulate(batches)
+    got = torch.cat([p.grad.flatten() for p in critic.params]).double()
+    mb = collate(samples, 0)
+    old, returns, where = value_targets(samples, mb.completion_width)
+    assert (
+        where[1].sum() == 0
+        and where.sum() == sum(s.num_trained_tokens for s in samples) - samples[1].num_trained_tokens
+    )
+    per_token, _ = value_loss(reference.values(mb), old, returns, cfg.critic.value_clip)
+    total = (per_token * where).sum()
+    total.backward()
+    want = torch.cat([p.grad.flatten() for p in reference.parameters() if p.requires_grad]).double()
+    assert float((got - want).norm() / want.norm()) < 1e-5
+    metrics = trainer.finish_step(trainer.batch_divisor(samples))
+    assert metrics["value_loss"] == pytest.approx(float(total.detach()) / float(where.sum()), rel=1e-5)
+
+
+def test_micro_batches_do_not_change_the_critics_step(make_sample) -> None:
+    """The critic after one step is the same (1e-6) with one micro-batch or many: its gradient is a
+    sum over tokens divided once by the step's value tokens."""
+    results = []
+    for budget in (24, 4096):
+        trainer, critic = critic_trainer(gae_config(f"trainer.micro_batch_tokens={budget}"))
+        with torch.no_grad():
+            torch.nn.init.normal_(
+                critic.model.head.weight, generator=torch.Generator().manual_seed(0), std=0.5
+            )
+        step(trainer, gae_config(), rewarded(make_sample, 6, seed=7))
+        results.append(params(critic.model))
+    assert max(float((results[0][n] - results[1][n]).abs().max()) for n in results[0]) < 1e-6
+
+
+def test_the_critic_fits_returns_over_steps(make_sample) -> None:
+    """20 steps on one batch at critic lr 1e-3: the value loss falls below a third of the first step's
+    and the explained variance rises above 0.5."""
+    cfg = gae_config("critic.lr=1e-3", "trainer.lr=1e-6")
+    trainer, _ = critic_trainer(cfg)
+    groups = rewarded(make_sample, 8, seed=11)
+    logged = [step(trainer, cfg, groups) for _ in range(20)]
+    assert logged[-1]["value_loss"] < logged[0]["value_loss"] / 3
+    assert logged[-1]["value_explained_var"] > 0.5
+    assert all(m["critic_lr"] == 1e-3 for m in logged)
+
+
+def test_the_policy_waits_while_the_critic_warms_up(make_sample) -> None:
+    """critic.warmup_steps=2: the policy's weights stay exactly as they were for two steps (lr logged 0)
+    and move at the third; the critic moves at every step."""
+    cfg = gae_config("critic.warmup_steps=2")
+    trainer, critic = critic_trainer(cfg)
+    groups = rewarded(make_sample, 4, seed=13)
+    start_policy, critic_before = params(trainer.model), params(critic.model)
+    for i in range(3):
+        metrics = step(trainer, cfg, groups)
+        moved = any(not torch.equal(p, start_policy[n]) for n, p in params(trainer.model).items())
+        assert moved == (i == 2) and (metrics["lr"] == 0.0) == (i < 2)
+        now = params(critic.model)
+        assert any(not torch.equal(now[n], critic_before[n]) for n in now)
+        critic_before = now
+    assert trainer.version == 3
+
+
+def test_a_checkpoint_carries_the_critic(make_sample) -> None:
+    """A trainer restored from another's checkpoint state holds its critic's weights and moments: the
+    next step leaves both critics equal."""
+    cfg = gae_config("critic.lr=1e-3")
+    first, critic = critic_trainer(cfg)
+    groups = rewarded(make_sample, 4, seed=17)
+    step(first, cfg, groups)
+    state = copy.deepcopy(first.checkpoint_state())
+    assert set(state["features"]["critic"]) == {"weights", "optimizer", "scheduler"}
+    weights = copy.deepcopy({n: p.detach() for n, p in first.named_weights()})
+    resumed, other = critic_trainer(cfg)
+    resumed.load_checkpoint_state(weights, state)
+    assert all(torch.equal(p, params(critic.model)[n]) for n, p in params(other.model).items())
+    for trainer in (first, resumed):
+        step(trainer, cfg, copy.deepcopy(groups))
+    assert all(torch.equal(p, params(critic.model)[n]) for n, p in params(other.model).items())
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        (["trainer.ranks=2", "runtime.kind=local"], "trainer.ranks"),
+        (["algorithm.beta=0.1", "algorithm.kl_in_reward=true"], "algorithm.kl_in_reward"),
+        (["algorithm.reward_aggregation=normalize_then_sum"], "algorithm.reward_aggregation"),
+        (["rollout.group_size=4", "pivot.branches=2"], "pivot.branches"),
+        (["rollout.group_size=4", "algorithm.drop_equal_rewards=true"], "algorithm.drop_equal_rewards"),
+    ],
+)
+def test_settings_the_critic_cannot_be_used_with_are_refused_by_name(extra: list[str], key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        gae_config(*extra)
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ([], "multi_agent.policies"),
+        (
+            [
+                "multi_agent.roles=[{name: solver, prompt: 'solve:'}, {name: verifier, prompt: 'check:'}]",
+                "multi_agent.policies=[]",
+                "multi_agent.advantage=role_turn",
+            ],
+            "multi_agent.advantage",
+        ),
+    ],
+)
+def test_multi_agent_settings_the_critic_cannot_be_used_with_are_refused_by_name(
+    extra: list[str], key: str
+) -> None:
+    verify = Path(__file__).parents[3] / "examples" / "verify.yaml"
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(verify, ["algorithm.advantage=gae", *extra])
+
+
+def test_a_group_of_one_is_enough_for_gae() -> None:
+    assert gae_config().rollout.group_size == 1
+    with pytest.raises(ConfigError, match=r"advantage_scale=group needs rollout\.group_size >= 2"):
+        load_config(None, ["rollout.group_size=1"])
+
+
+def test_a_run_trains_its_critic_and_its_books_reconcile(tmp_path: Path) -> None:
+    """A 3-step sync run of the built-in example with a critic (groups of one): every step logs the
+    critic's loss over its trained tokens, its rate and gradient, and the run's books reconcile."""
+    cfg = load_config(
+        None, [*short_run(3, prompts=8, group_size=1), "algorithm.advantage=gae", "critic.lr=3e-4"]
+    )
+    summary = train(cfg, tmp_path / "run")
+    assert summary["accounting"]["reconciles"] and summary["accounting"]["trained"] == 24
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["value_loss"] > 0 and r["critic_lr"] == 3e-4 and r["critic_grad_norm"] > 0
+        assert 0 <= r["value_clip_frac"] <= 1 and r["trained_tokens"] > 0
+    assert rows[0]["value_mean"] == 0.0  # the head starts at zeros
+    assert rows[-1]["value_mean"] != 0.0
+
+
+@pytest.mark.multiprocess
+def test_an_async_run_with_a_critic_in_the_trainers_process(tmp_path: Path) -> None:
+    """The async schedule (local runtime: the critic lives in the trainer worker's process): 4 steps,
+    tokens up to 2 versions stale, the books reconcile and every step trains the critic."""
+    overrides = [
+        *short_run(4, prompts=4, group_size=2),
+        "schedule=async",
+        "algorithm.advantage=gae",
+        *ONE_THREAD_EACH,
+    ]
+    summary = train(load_config(None, overrides), tmp_path / "run")
+    assert summary["accounting"]["reconciles"] and summary["runtime"] == "local"
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert len(rows) == 4 and all(r["value_loss"] > 0 and r["critic_grad_norm"] > 0 for r in rows)
+
+
+RESUMED = [
+    *short_run(6, prompts=4, group_size=2),
+    "algorithm.advantage=gae",
+    "critic.lr=1e-3",
+    "runtime.kind=inline",
+]
+
+
+@pytest.mark.slow  # three subprocess runs; the critic's checkpoint state: test_a_checkpoint_carries_the_critic
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_a_stopped_run_resumes_its_critic_exactly(tmp_path: Path) -> None:
+    """A run stopped by SIGTERM after 3 of 6 steps and resumed ends with the straight run's policy and
+    logs the same value losses step by step: the checkpoint carried the critic."""
+    saved = straight_and_stopped(tmp_path / "a", tmp_path / "b", RESUMED, 3, timeout=300)
+    assert "critic" in checkpoints.load_trainer_state(saved)[1]["features"]
+    train_to_end("--resume", str(tmp_path / "b"), timeout=300)
+    assert max_abs_diff(final_weights(tmp_path / "a"), final_weights(tmp_path / "b")) == 0.0
+    logged = [[r["value_loss"] for r in read_jsonl(tmp_path / d / "metrics.jsonl")] for d in "ab"]
+    assert logged[0] == logged[1] and len(logged[0]) == 6
