@@ -299,8 +299,6 @@ def critic_problems(cfg: Config) -> list[str]:
     if cfg.algorithm.advantage != "gae":
         return []
     reasons = {
-        "trainer.ranks": cfg.trainer.ranks > 1
-        and f"the critic is trained in one trainer process (trainer.ranks={cfg.trainer.ranks})",
         "multi_agent.policies": bool(cfg.multi_agent.policies) and "one critic values one policy's samples",
         "multi_agent.advantage": cfg.multi_agent.advantage == "role_turn"
         and "role_turn gives each turn its group's advantage; the critic gives every token its own",

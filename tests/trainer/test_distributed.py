@@ -274,6 +274,10 @@ def fsdp2_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
         # Keep Routing: every rank forces its share's recorded experts (tests/features/routing/test_routing.py).
         pytest.param("ddp", "tiny:moe", (), marks=pytest.mark.slow),
         pytest.param("fsdp2", "tiny:moe", (), marks=pytest.mark.slow),
+        # PPO's critic: rank 0 values the whole step; each rank trains the critic's copy on its share,
+        # and the ranks' critic gradients are summed before its step.
+        pytest.param("ddp", "tiny:1m", ("algorithm.advantage=gae",), marks=pytest.mark.slow),
+        pytest.param("fsdp2", "tiny:1m", ("algorithm.advantage=gae",), marks=pytest.mark.slow),
         # Load balancing: one sample per micro-batch, so each rank's losses are the single process's.
         pytest.param(
             "ddp",
@@ -322,6 +326,9 @@ def test_two_ranks_match_one_process(
             assert got_m[key] == pytest.approx(ref_m[key], rel=1e-4, abs=1e-6), key
         if "router_aux_loss" in ref_m:  # each rank's share of the sums, added up
             assert got_m["router_aux_loss"] == pytest.approx(ref_m["router_aux_loss"], rel=1e-5)
+        for key in ("value_loss", "value_mean", "critic_grad_norm"):  # the critic's, summed over ranks
+            if key in ref_m:
+                assert got_m[key] == pytest.approx(ref_m[key], rel=1e-4, abs=1e-6), key
         if model.endswith("moe"):
             # Every rank compares the routes of what it forwards (a prompt split across ranks is
             # forwarded by each) and the counts are summed; the random routes are rarely the live
@@ -344,12 +351,22 @@ def test_two_ranks_give_a_stopped_step_up_together(fsdp2_ranks: dict) -> None:
 
 @pytest.mark.slow  # two ranks: test_two_ranks_match_one_process; exact resume: test_checkpoint
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("parallel", ["fsdp2", pytest.param("ddp", marks=pytest.mark.slow)])
-def test_two_ranks_resume_from_a_checkpoint_exactly(tmp_path: Path, parallel: str) -> None:
+@pytest.mark.parametrize(
+    ("parallel", "extra"),
+    [
+        ("fsdp2", ()),
+        pytest.param("ddp", (), marks=pytest.mark.slow),
+        # The critic's copy on every rank takes the checkpoint's weights and moments (rank 0's, sent to all).
+        pytest.param("ddp", ("algorithm.advantage=gae",), marks=pytest.mark.slow),
+    ],
+)
+def test_two_ranks_resume_from_a_checkpoint_exactly(
+    tmp_path: Path, parallel: str, extra: tuple[str, ...]
+) -> None:
     """Sharded optimizer state survives a checkpoint: restored ranks take step 2 exactly as before."""
-    straight = run_ranks(2, parallel, "tiny:1m", tmp_path / "save.pt", script="save")
+    straight = run_ranks(2, parallel, "tiny:1m", tmp_path / "save.pt", script="save", extra=extra)
     assert (tmp_path / "checkpoint" / "trainer_state.pt").is_file()
-    resumed = run_ranks(2, parallel, "tiny:1m", tmp_path / "restore.pt", script="restore")
+    resumed = run_ranks(2, parallel, "tiny:1m", tmp_path / "restore.pt", script="restore", extra=extra)
     assert straight["version"] == resumed["version"] == 2
     diff = max(
         float((straight["weights"][n] - resumed["weights"][n]).abs().max()) for n in straight["weights"]

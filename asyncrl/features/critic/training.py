@@ -24,6 +24,12 @@ held (``holds_policy``): its gradients are computed and dropped, its optimizer a
 A sample without returns (no reward, or no trained token) is out of the value loss. The
 critic's weights, optimizer and schedule are part of every checkpoint (``state``), so a resumed
 run continues exactly.
+
+On trainer ranks the critic is a whole copy on every rank (whatever ``trainer.parallel``): the
+first rank scores the whole step alone (as the KL reference scores ``algorithm.kl_in_reward``),
+each rank trains the critic on its share of the micro-batches, and the step sums the ranks'
+gradients (:func:`sum_over_ranks`) before dividing by the step's value tokens over all ranks, so
+M ranks take the single process's critic step.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 
 from asyncrl.config import Config, TrainerConfig
 from asyncrl.features.critic.model import ValueModel
@@ -82,6 +89,27 @@ def value_loss(
         return 0.5 * error, torch.zeros_like(error, dtype=torch.bool)
     clipped = (old + (values - old).clamp(-clip, clip) - returns) ** 2
     return 0.5 * torch.maximum(error, clipped), clipped > error
+
+
+def sum_over_ranks(params: list[torch.nn.Parameter], bucket_elements: int = 1 << 24) -> None:
+    """On trainer ranks (a default process group of several), every rank's gradients of ``params``
+    summed into each rank's, in buckets of at most ``bucket_elements``: the critic is a whole copy on
+    every rank, each rank's gradient is of its share of the step's micro-batches, and all ranks call
+    this once per optimizer step. A parameter without a gradient on a rank takes part as zeros."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    bucket: list[torch.Tensor] = []
+    for i, p in enumerate(params):
+        bucket.append(p.grad)
+        if i == len(params) - 1 or sum(g.numel() for g in bucket) + params[i + 1].numel() > bucket_elements:
+            flat = torch.cat([g.flatten() for g in bucket])
+            dist.all_reduce(flat)
+            for g, reduced in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
+                g.copy_(reduced.view_as(g))
+            bucket = []
 
 
 class Critic(TrainingFeature):
@@ -161,7 +189,9 @@ class Critic(TrainingFeature):
         return dict(zip(sums, figures, strict=True))
 
     def stepped(self, sums: dict[str, float]) -> dict[str, float]:
-        """The critic's optimizer step: its gradient divided by the step's value tokens, clipped."""
+        """The critic's optimizer step: its gradient summed over the trainer ranks, divided by the
+        step's value tokens (``sums`` are every rank's), clipped."""
+        sum_over_ranks(self.params)
         grads = [p.grad for p in self.params if p.grad is not None]
         if grads:
             divide_gradients(grads, max(sums.get("value_tokens", 0.0), 1.0))

@@ -207,7 +207,6 @@ def test_a_checkpoint_carries_the_critic(make_sample) -> None:
 @pytest.mark.parametrize(
     ("extra", "key"),
     [
-        (["trainer.ranks=2", "runtime.kind=local"], "trainer.ranks"),
         (["algorithm.beta=0.1", "algorithm.kl_in_reward=true"], "algorithm.kl_in_reward"),
         (["algorithm.reward_aggregation=normalize_then_sum"], "algorithm.reward_aggregation"),
         (["rollout.group_size=4", "pivot.branches=2"], "pivot.branches"),
