@@ -26,11 +26,12 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from losses import WINDOW, step_at_target  # bench/ is this script's directory
+
 from asyncrl.config import load_config
 from asyncrl.control.run import train
 from asyncrl.reports.jsonl import read_jsonl
 
-WINDOW = 10
 GAE = ["algorithm.advantage=gae"]
 VARIANTS = {
     "grpo": [],
@@ -44,14 +45,6 @@ VARIANTS = {
     ],
     "gae_async": [*GAE, "schedule=async"],
 }
-
-
-def step_at_target(rows: list[dict], target: float) -> int | None:
-    for i in range(WINDOW, len(rows) + 1):
-        window = rows[i - WINDOW : i]
-        if statistics.fmean(r["reward_mean"] for r in window) >= target:
-            return window[-1]["step"]
-    return None
 
 
 def last_mean(rows: list[dict], key: str) -> float | None:
