@@ -20,7 +20,8 @@ engine's tokens reach the trainer's forwards on their own (:mod:`asyncrl.models.
   forward and backward of a micro-batch after the policy's, with its sums; ``holds_policy``,
   whether an optimizer step leaves the policy as it is; ``stepped``, its own optimizer step
   after the policy's, given the step's sums; ``state`` and ``load_state``, its part of a
-  checkpoint. ``keeps_every_sample``: its work needs every sample, whatever its advantage.
+  checkpoint; ``unallocated_bytes``, the memory its training allocates at the first step.
+  ``keeps_every_sample``: its work needs every sample, whatever its advantage.
 """
 
 from __future__ import annotations
@@ -80,6 +81,11 @@ class TrainingFeature:
     def state(self) -> dict | None:
         """Its part of a checkpoint (None: nothing to keep)."""
         return None
+
+    def unallocated_bytes(self) -> int:
+        """Device memory its model's training allocates at the first step (gradients, optimizer
+        moments), which ``trainer.micro_batch_tokens=auto`` sets aside."""
+        return 0
 
     def load_state(self, state: dict | None) -> None:
         """Restore :meth:`state` (None: a checkpoint that holds none of it)."""
@@ -145,6 +151,9 @@ class TrainingFeatures:
 
     def stepped(self, sums: dict[str, float]) -> dict[str, float]:
         return {k: v for f in self.members for k, v in f.stepped(sums).items()}
+
+    def unallocated_bytes(self) -> int:
+        return sum(f.unallocated_bytes() for f in self.members)
 
     def state(self) -> dict[str, dict]:
         """Each feature's part of a checkpoint, by its name (those that keep one)."""

@@ -88,10 +88,12 @@ def resolve_micro_batch_tokens(
     chunk_tokens: int,
     activation_checkpointing: bool,
     autocast_dtype: torch.dtype | None = None,
+    also_reserved: int = 0,
 ) -> int:
     """``setting`` itself, or for ``'auto'`` the budget that fits ``device`` now (logged once per call).
 
     ``autocast_dtype``: the dtype activations have under mixed precision (else the parameters').
+    ``also_reserved``: bytes more that the step allocates later (a critic's gradients and moments).
     """
     if setting != "auto":
         return int(setting)
@@ -103,7 +105,7 @@ def resolve_micro_batch_tokens(
     params = list(model.parameters())
     trained = [p for p in params if p.requires_grad]
     # Gradients and AdamW's two moments, allocated at the first step.
-    reserved = sum(3 * p.numel() * p.element_size() for p in trained)
+    reserved = sum(3 * p.numel() * p.element_size() for p in trained) + also_reserved
     activation_bytes = (autocast_dtype or params[0].dtype).itemsize
     tokens = auto_micro_batch_tokens(
         free,

@@ -131,6 +131,7 @@ class Trainer:
             chunk_tokens=trainer_cfg.logprob_chunk_tokens,
             activation_checkpointing=trainer_cfg.activation_checkpointing,
             autocast_dtype=self.compute_dtype if self.autocast else None,
+            also_reserved=self.features.unallocated_bytes(),
         )
         # After the reference copy (it stays whole) and before the optimizer sees the parameters.
         self._parallelize()

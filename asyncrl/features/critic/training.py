@@ -222,6 +222,10 @@ class Critic(TrainingFeature):
             figures["value_explained_var"] = 1.0 - var_residual / var_return
         return figures
 
+    def unallocated_bytes(self) -> int:
+        """Its gradients and AdamW's two moments."""
+        return sum(3 * p.numel() * p.element_size() for p in self.params)
+
     # -- checkpoints -----------------------------------------------------------------------
 
     def state(self) -> dict:

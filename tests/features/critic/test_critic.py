@@ -299,3 +299,20 @@ def test_a_stopped_run_resumes_its_critic_exactly(tmp_path: Path) -> None:
     assert max_abs_diff(final_weights(tmp_path / "a"), final_weights(tmp_path / "b")) == 0.0
     logged = [[r["value_loss"] for r in read_jsonl(tmp_path / d / "metrics.jsonl")] for d in "ab"]
     assert logged[0] == logged[1] and len(logged[0]) == 6
+
+
+def test_auto_micro_batches_set_the_critics_training_memory_aside(monkeypatch: pytest.MonkeyPatch) -> None:
+    """trainer.micro_batch_tokens=auto is told of the critic's gradients and AdamW moments (three
+    float32 copies of its trained parameters), which its first step allocates."""
+    import asyncrl.trainer.trainer as trainer_module
+
+    seen = {}
+
+    def resolve(setting, model, device, **kwargs):
+        seen.update(kwargs)
+        return 8192
+
+    monkeypatch.setattr(trainer_module, "resolve_micro_batch_tokens", resolve)
+    _, critic = critic_trainer(gae_config("trainer.micro_batch_tokens=auto"))
+    trained = sum(p.numel() for p in critic.model.parameters() if p.requires_grad)
+    assert seen["also_reserved"] == critic.unallocated_bytes() == 3 * 4 * trained > 0
