@@ -177,13 +177,13 @@ def critic_advantages(
     ``advantage`` is the mean of its trained tokens' (what its records show). A sample without a
     reward (no function could score it) or without a trained token gets advantage 0 on every token
     and no returns: neither the policy nor the critic trains on it."""
-    unscored = [s for s in samples if s.values is None]
+    scored = [s for s in samples if s.reward is not None and any(s.loss_mask)]
+    unscored = [s for s in scored if s.values is None]
     if unscored:
         raise ValueError(
             f"{unscored[0]._label()} of group {unscored[0].group_id} has no critic values for its advantages "
             "(algorithm.advantage=gae): the trainer scores it before advantages"
         )
-    scored = [s for s in samples if s.reward is not None and any(s.loss_mask)]
     for s in samples:
         s.advantage, s.token_advantages, s.returns = 0.0, [0.0] * len(s.completion_ids), None
     if not scored:

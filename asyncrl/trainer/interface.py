@@ -14,9 +14,9 @@ divided by the step's divisor — per policy for a :class:`PolicySet` — clippe
 steps, ``version`` advances by one). ``train_batch`` takes a batch's further optimizer steps
 (PPO epochs) at once. With ``algorithm.kl_in_reward``, ``score_reference_kl`` comes first, on
 the first rank alone: the reference's KL of every sample, taken from its reward before the
-step's advantages, and so does ``score``: what the training features score of the samples
-(a critic's values, for ``algorithm.advantage=gae``). ``version`` is the run's policy version: the number of optimizer steps
-taken; it never goes back except by ``load_checkpoint_state``.
+step's advantages; and so does ``score``: what the training features score of the samples (a
+critic's values, for ``algorithm.advantage=gae``). ``version`` is the run's policy version: the
+number of optimizer steps taken; it never goes back except by ``load_checkpoint_state``.
 """
 
 from __future__ import annotations

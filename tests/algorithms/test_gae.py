@@ -116,6 +116,7 @@ def test_critic_advantages_per_sample(make_sample) -> None:
     b = scored(make_sample, 3.0, [0.0, 0.5], mask=[1, 0])
     none = scored(make_sample, None, [0.1, 0.2])
     untrained = scored(make_sample, 1.0, [0.3], mask=[0])
+    untrained.values = None  # the trainer scores only samples with a trained token (all stale here)
     critic_advantages([a, b, none, untrained], 1.0, 1.0, clip=(-2.0, 2.0))
     assert a.token_advantages == pytest.approx([0.5, 0.75, 0.25])
     assert a.returns == pytest.approx([1.0, 1.0, 1.0])
