@@ -193,8 +193,9 @@ class Sample(Tokens):
     reward_components: dict[str, float | None] | None = None
     advantage: float | None = None
     # algorithm.kl_in_reward: the completion's KL to the reference summed over its trained tokens,
-    # set by the trainer before its advantage is taken (None: not scored).
+    # and at each of its tokens (0 where untrained), set by the trainer before its advantage is taken.
     reference_kl: float | None = None
+    reference_kls: list[float] | None = None
     # Multi-turn episodes: [start, end) of each model turn in the completion, and the step
     # reward each turn got (None: none given). None for single-turn completions.
     turn_spans: list[tuple[int, int]] | None = None
@@ -232,7 +233,7 @@ class Sample(Tokens):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("loss_mask", "teacher_logprobs", "values", "returns"):
+        for name in ("loss_mask", "teacher_logprobs", "values", "returns", "reference_kls"):
             values = getattr(self, name)
             if values is not None and len(values) != len(self.completion_ids):
                 raise ValueError(

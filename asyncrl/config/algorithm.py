@@ -144,7 +144,8 @@ class AlgorithmConfig(Section):
         description="Where the KL penalty goes: false, a loss term on every trained token (GRPO); true, "
         "subtracted from each completion's reward before its advantage is taken (after reward_clip): "
         "reward - beta x the completion's KL summed over its trained tokens, the behaviour log-probs "
-        "against the reference's (TRL's RLOOTrainer beta with kl_estimator k1; verl's use_kl_in_reward). "
+        "against the reference's (TRL's RLOOTrainer beta with kl_estimator k1; verl's use_kl_in_reward); "
+        "with advantage=gae each trained token's reward loses beta x its own KL (TRL's PPOTrainer kl_coef). "
         "The reference scores the whole step on the first trainer rank before the samples are split "
         "across ranks. The logged rewards stay as scored; kl_ref is the per-token mean.",
     )

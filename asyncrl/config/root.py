@@ -302,9 +302,6 @@ def critic_problems(cfg: Config) -> list[str]:
         "multi_agent.policies": bool(cfg.multi_agent.policies) and "one critic values one policy's samples",
         "multi_agent.advantage": cfg.multi_agent.advantage == "role_turn"
         and "role_turn gives each turn its group's advantage; the critic gives every token its own",
-        "algorithm.kl_in_reward": cfg.algorithm.kl_in_reward
-        and "the KL in the reward is one number per completion, not a reward per token; use the loss term "
-        "(algorithm.beta with kl_in_reward=false)",
         "algorithm.reward_aggregation": cfg.algorithm.reward_aggregation == "normalize_then_sum"
         and "it normalises rewards within groups, which GAE does not take advantages over",
         "pivot.branches": cfg.pivot.enabled and "branch groups take their advantages within the group",

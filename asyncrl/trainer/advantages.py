@@ -78,6 +78,7 @@ def assign_advantages(
             normalize=normalize,
             clip=clip,
             step_rewards=step_rewards,
+            kl_coef=kl_coef,
         )
     else:
         _group_advantages(
@@ -168,11 +169,15 @@ def critic_advantages(
     normalize: bool = False,
     clip: tuple[float, float] | None = None,
     step_rewards: str = "ignore",
+    kl_coef: float = 0.0,
 ) -> None:
     """``algorithm.advantage=gae``: every sample's ``token_advantages`` and ``returns`` by GAE
     (:func:`asyncrl.algorithms.gae.gae`) from its reward (clamped to ``clip``) and its critic's
     ``values``, which the trainer has set; with ``step_rewards="return_to_go"`` each turn's step
-    reward is earned at that turn's end (:func:`~asyncrl.algorithms.gae.token_rewards`).
+    reward is earned at that turn's end (:func:`~asyncrl.algorithms.gae.token_rewards`). ``kl_coef``
+    (``algorithm.kl_in_reward``): every trained token's reward also loses ``kl_coef`` x its KL to
+    the reference (``reference_kls``, which the trainer has set), as TRL's PPOTrainer and verl's
+    ``use_kl_in_reward`` penalise each token.
     ``normalize``: the advantages whitened over every trained token of ``samples``. A sample's
     ``advantage`` is the mean of its trained tokens' (what its records show). A sample without a
     reward (no function could score it) or without a trained token gets advantage 0 on every token
@@ -192,7 +197,10 @@ def critic_advantages(
     for s in scored:
         reward = s.reward if clip is None else min(max(s.reward, clip[0]), clip[1])
         steps = s.turn_rewards if step_rewards == "return_to_go" else None
-        rows.append(token_rewards(len(s.completion_ids), s.loss_mask, reward, s.turn_spans, steps))
+        row = token_rewards(len(s.completion_ids), s.loss_mask, reward, s.turn_spans, steps)
+        if kl_coef:
+            row = [r - kl_coef * k for r, k in zip(row, _token_kls(s), strict=True)]
+        rows.append(row)
     width = max(len(s.completion_ids) for s in scored)
 
     def padded(name: str) -> torch.Tensor:
@@ -261,6 +269,15 @@ def _reference_kls(samples: list[Sample]) -> torch.Tensor:
             "(algorithm.kl_in_reward): the trainer scores it before advantages"
         )
     return torch.tensor([s.reference_kl for s in samples], dtype=torch.float64)
+
+
+def _token_kls(sample: Sample) -> list[float]:
+    if sample.reference_kls is None:
+        raise ValueError(
+            f"{sample._label()} of group {sample.group_id} has no per-token reference KL to take from its rewards "
+            "(algorithm.kl_in_reward): the trainer scores it before advantages"
+        )
+    return sample.reference_kls
 
 
 def _with_own(samples: list, weights: Mapping[str, float]) -> dict[str, float]:

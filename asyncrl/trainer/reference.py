@@ -52,15 +52,18 @@ class KLReference:
 
     def sequence_kls(
         self, policy: torch.nn.Module, batches: list[MicroBatch], temperature: float, chunk_tokens: int
-    ) -> dict[int, float]:
+    ) -> dict[int, tuple[float, list[float]]]:
         """``algorithm.kl_in_reward``: each sample's KL to the reference summed over its trained
-        tokens, keyed by ``id(sample)``: ``kl_estimator`` of its behaviour log-probs (the policy that
-        sampled it, the one whose KL the estimate is unbiased for) against the reference's."""
+        tokens, and at each completion position of its micro-batch row (0 where not trained), keyed by
+        ``id(sample)``: ``kl_estimator`` of its behaviour log-probs (the policy that sampled it, the one
+        whose KL the estimate is unbiased for) against the reference's."""
         out = {}
         for mb in batches:
             ref = self.logprobs(policy, mb, temperature, chunk_tokens)
             kl = losses.kl_penalty(mb.behaviour_logprobs, ref, self.estimator) * mb.mask
-            out.update(zip(map(id, mb.samples), kl.sum(-1).tolist(), strict=True))
+            out.update(
+                zip(map(id, mb.samples), zip(kl.sum(-1).tolist(), kl.tolist(), strict=True), strict=True)
+            )
         return out
 
     def after_step(self, policy: torch.nn.Module, version: int) -> None:

@@ -204,9 +204,10 @@ class Trainer:
         return kept
 
     def score_reference_kl(self, samples: list[Sample]) -> None:
-        """``algorithm.kl_in_reward``: set each sample's ``reference_kl`` before its advantage is
-        taken (:meth:`KLReference.sequence_kls`). No collective runs: the reference is whole on
-        every rank, so the first scores a whole step alone. A sample with no trained token has 0."""
+        """``algorithm.kl_in_reward``: set each sample's ``reference_kl`` (and ``reference_kls``, per
+        completion token) before its advantage is taken (:meth:`KLReference.sequence_kls`). No
+        collective runs: the reference is whole on every rank, so the first scores a whole step
+        alone. A sample with no trained token has 0."""
         trained = [s for s in samples if any(s.loss_mask)]
         unscored = [dataclasses.replace(s, advantage=0.0) for s in trained]  # collation wants one
         with torch.no_grad(), eval_mode(self.model), self.compute():
@@ -214,9 +215,11 @@ class Trainer:
                 self.model, self._collated(unscored), self.temperature, self.cfg.logprob_chunk_tokens
             )
         for sample in samples:
-            sample.reference_kl = 0.0
+            sample.reference_kl, sample.reference_kls = 0.0, [0.0] * len(sample.completion_ids)
         for sample, copy in zip(trained, unscored, strict=True):
-            sample.reference_kl = kls[id(copy)]
+            sample.reference_kl, row = kls[id(copy)]
+            span = trained_span(sample)
+            sample.reference_kls = row[:span] + [0.0] * (len(sample.completion_ids) - span)
 
     def score(self, samples: list[Sample]) -> None:
         """What the training features score of a step's samples before their advantages (a critic's

@@ -141,7 +141,7 @@ class PolicySet:
             member = self.members[name]
             if not member.train:
                 for sample in own:
-                    sample.reference_kl = 0.0
+                    sample.reference_kl, sample.reference_kls = 0.0, [0.0] * len(sample.completion_ids)
                 continue
             with member.active():
                 member.trainer.score_reference_kl(own)

@@ -207,7 +207,6 @@ def test_a_checkpoint_carries_the_critic(make_sample) -> None:
 @pytest.mark.parametrize(
     ("extra", "key"),
     [
-        (["algorithm.beta=0.1", "algorithm.kl_in_reward=true"], "algorithm.kl_in_reward"),
         (["algorithm.reward_aggregation=normalize_then_sum"], "algorithm.reward_aggregation"),
         (["rollout.group_size=4", "pivot.branches=2"], "pivot.branches"),
         (["rollout.group_size=4", "algorithm.drop_equal_rewards=true"], "algorithm.drop_equal_rewards"),
@@ -316,3 +315,33 @@ def test_auto_micro_batches_set_the_critics_training_memory_aside(monkeypatch: p
     _, critic = critic_trainer(gae_config("trainer.micro_batch_tokens=auto"))
     trained = sum(p.numel() for p in critic.model.parameters() if p.requires_grad)
     assert seen["also_reserved"] == critic.unallocated_bytes() == 3 * 4 * trained > 0
+
+
+def test_the_kl_in_the_reward_is_taken_per_token(make_sample) -> None:
+    """algorithm.kl_in_reward with the critic: the reference scores each sample's KL per completion
+    token (their sum is its reference_kl), and each step's returns are the reward at the end less beta
+    x the KL from each token on (gamma = lam = 1: a token's return is the rewards to go)."""
+    cfg = gae_config("algorithm.beta=0.5", "algorithm.kl_in_reward=true", "trainer.lr=1e-3")
+    trainer, _ = critic_trainer(cfg)
+    groups = rewarded(make_sample, 4, seed=19)
+    step(trainer, cfg, groups)  # the policy moves off its reference
+    samples = [s for g in groups for s in g.samples]
+    trainer.score_reference_kl(samples)
+    trainer.score(samples)
+    assign_advantages(groups, "group", gae=(1.0, 1.0), kl_coef=0.5)
+    for s in samples:
+        assert len(s.reference_kls) == len(s.completion_ids) and s.reference_kl == pytest.approx(
+            sum(s.reference_kls), abs=1e-5
+        )
+        assert any(k != 0 for k in s.reference_kls) and all(
+            k == 0 for k, m in zip(s.reference_kls, s.loss_mask, strict=True) if not m
+        )
+        if s.returns is None:
+            continue
+        last = max(t for t, m in enumerate(s.loss_mask) if m)
+        for t in (t for t, m in enumerate(s.loss_mask) if m):
+            to_go = (s.reward if t <= last else 0.0) - 0.5 * sum(s.reference_kls[t:])
+            assert s.returns[t] == pytest.approx(to_go, abs=1e-5)
+    samples[0].reference_kls = None
+    with pytest.raises(ValueError, match=r"no per-token reference KL.*algorithm\.kl_in_reward"):
+        assign_advantages(groups, "group", gae=(1.0, 1.0), kl_coef=0.5)
