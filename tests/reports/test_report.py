@@ -71,6 +71,11 @@ def fake_run(root: Path, name: str, slope: float, *, with_is: bool = False, step
             "policy/verifier/trained_tokens": 100 + slope * step,
             "role/solver/reward_mean": r,
             "role/verifier/reward_mean": r / 3,
+            "value_loss": 0.2 - slope * step / 10,
+            "value_clip_frac": slope,
+            "value_mean": r - 0.1,
+            "return_mean": r,
+            "value_explained_var": slope * step,
         }
         if with_is:
             record |= {"is_weight_mean": 1.0, "is_weight_max": 1.5, "is_clipped_frac": 0.02}
