@@ -96,20 +96,22 @@ def sum_over_ranks(params: list[torch.nn.Parameter], bucket_elements: int = 1 <<
     summed into each rank's, in buckets of at most ``bucket_elements``: the critic is a whole copy on
     every rank, each rank's gradient is of its share of the step's micro-batches, and all ranks call
     this once per optimizer step. A parameter without a gradient on a rank takes part as zeros."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_initialized():
         return
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     bucket: list[torch.Tensor] = []
+    size = 0
     for i, p in enumerate(params):
         bucket.append(p.grad)
-        if i == len(params) - 1 or sum(g.numel() for g in bucket) + params[i + 1].numel() > bucket_elements:
+        size += p.numel()
+        if i == len(params) - 1 or size + params[i + 1].numel() > bucket_elements:
             flat = torch.cat([g.flatten() for g in bucket])
             dist.all_reduce(flat)
             for g, reduced in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
                 g.copy_(reduced.view_as(g))
-            bucket = []
+            bucket, size = [], 0
 
 
 class Critic(TrainingFeature):

@@ -345,3 +345,28 @@ def test_the_kl_in_the_reward_is_taken_per_token(make_sample) -> None:
     samples[0].reference_kls = None
     with pytest.raises(ValueError, match=r"no per-token reference KL.*algorithm\.kl_in_reward"):
         assign_advantages(groups, "group", gae=(1.0, 1.0), kl_coef=0.5)
+
+
+def test_the_ranks_critic_gradients_are_summed_bucket_by_bucket() -> None:
+    """sum_over_ranks over a one-rank group in small buckets: every gradient comes back as it was (a
+    missing one as zeros), whatever the bucket boundaries; without a process group nothing is done."""
+    import torch.distributed as dist
+
+    from asyncrl.features.critic.training import sum_over_ranks
+
+    g = torch.Generator().manual_seed(0)
+    params = [
+        torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in [(3, 4), (5,), (2, 2, 2), (7,)]
+    ]
+    for p in params[:3]:
+        p.grad = torch.randn(p.shape, generator=g)
+    before = [p.grad.clone() for p in params[:3]]
+    sum_over_ranks(params, bucket_elements=9)
+    assert params[3].grad is None  # no group: nothing happened
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        sum_over_ranks(params, bucket_elements=9)  # four buckets: 12 (alone, over the bound), 5, 8, 7
+    finally:
+        dist.destroy_process_group()
+    assert all(torch.equal(p.grad, b) for p, b in zip(params, before, strict=False))
+    assert torch.equal(params[3].grad, torch.zeros(7))
