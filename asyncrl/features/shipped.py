@@ -11,7 +11,7 @@ at the start, and with ``distill.top_k`` a term of the trainer's loss), several 
 routes (:mod:`.routing`: its record of each token, :data:`~asyncrl.models.token_records.TOKEN_RECORDS`,
 its part of the trainer's work, :data:`~asyncrl.trainer.features.TRAINING_FEATURES`, and its
 check at the start, :data:`~asyncrl.control.features.START_CHECKS`), PPO's value model (:mod:`.critic`: its part
-of the trainer's work and the trainer worker's advantages). Each builder returns
+of the trainer's work and the trainer worker's advantages, and its check at the start). Each builder returns
 None when the run's config does not use it. Each feature's panels of a run report are
 registered apart, by :mod:`asyncrl.features.report_panels`, which ``asyncrl report`` loads
 without the rest. A new feature is a package beside these and its
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from asyncrl.control.features import FEATURES, START_CHECKS
 from asyncrl.features.critic.parts import critic_advantages
+from asyncrl.features.critic.start import critic_fits
 from asyncrl.features.critic.training import critic
 from asyncrl.features.distillation.books import teacher_queue
 from asyncrl.features.distillation.parts import teacher_signal
@@ -63,4 +64,5 @@ TRAINING_FEATURES.register("critic", critic)
 START_CHECKS.register("routing", routers_fit)
 START_CHECKS.register("teacher", teacher_fits)
 START_CHECKS.register("policies", policy_models_fit)
+START_CHECKS.register("critic", critic_fits)
 STAGES.register("teacher", TeacherStage())

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from asyncrl import checkpoints
+from asyncrl.cli import main
 from asyncrl.config import Config, load_config
 from asyncrl.control.run import train
 from asyncrl.errors import ConfigError
@@ -28,6 +29,7 @@ from tests.helpers import (
     ONE_THREAD_EACH,
     final_weights,
     max_abs_diff,
+    sets,
     short_run,
     straight_and_stopped,
     train_to_end,
@@ -370,3 +372,26 @@ def test_the_ranks_critic_gradients_are_summed_bucket_by_bucket() -> None:
         dist.destroy_process_group()
     assert all(torch.equal(p.grad, b) for p, b in zip(params, before, strict=False))
     assert torch.equal(params[3].grad, torch.zeros(7))
+
+
+def test_a_critic_of_another_model_is_checked_before_the_run_starts(tmp_path: Path, capsys) -> None:
+    """critic.path of another tokenizer, or one that does not exist, stops `asyncrl train` before any
+    process starts with one line naming critic.path; one of the policy's tokenizer trains."""
+    other = tmp_path / "other"
+    policy = load_policy("builtin:arith", device="cpu", dtype="float32", seed=0)
+    policy.tokenizer.add_tokens(["<tool>"])
+    policy.model.save_pretrained(other)
+    policy.tokenizer.save_pretrained(other)
+    capsys.readouterr()  # the loading's own lines
+    base = [*sets(short_run(1, prompts=2, group_size=2)), "--set", "algorithm.advantage=gae"]
+    for path, needle in [
+        (other, "is not the policy's (model.path=builtin:arith"),
+        (tmp_path / "absent", "absent"),
+    ]:
+        code = main(["train", *base, "--set", f"critic.path={path}", "--run-dir", str(tmp_path / "run")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and err[0].startswith(f"asyncrl: error: critic.path='{path}'"), err
+        assert needle in err[0] and not (tmp_path / "run").exists()
+    assert (
+        main(["train", *base, "--set", "critic.path=builtin:chain", "--run-dir", str(tmp_path / "run")]) == 0
+    )
