@@ -72,6 +72,9 @@ SCHEDULES: dict[str, list[str]] = {
         "schedule.max_staleness=1",
         "schedule.interrupt=batch",
     ],
+    # PPO's critic: each streamed group is valued by the critic as it was before the step.
+    "sync_gae": ["schedule=sync", "algorithm.old_logprobs=recompute", "algorithm.advantage=gae"],
+    "periodic_gae": ["schedule=periodic", "algorithm.old_logprobs=recompute", "algorithm.advantage=gae"],
 }
 # Every schedule but sync runs in worker processes. sync, periodic and async are the quick tier;
 # the other three are slow: a staleness bound of 1 and the batch interrupt are asserted again on them.
@@ -183,6 +186,23 @@ def test_periodic_equals_sync(schedule_run) -> None:
     # Not vacuous: training moved the weights far more than the tolerance.
     initial = dict(load_policy("builtin:arith", device="cpu", dtype="float32").model.state_dict())
     assert max_abs_diff(final_sync, {k: initial[k] for k in final_sync}) > 1e-4
+
+
+@pytest.mark.slow  # periodic == sync: test_periodic_equals_sync; the critic's step: tests/features/critic
+@pytest.mark.multiprocess
+def test_periodic_equals_sync_with_a_critic(schedule_run) -> None:
+    """With the critic the two schedules also train on the same rollouts: the same rewards, the same
+    value losses (its values of a streamed group are those the whole step would have had) and the
+    same final weights within the float noise of test_periodic_equals_sync."""
+    sync, periodic = schedule_run("sync_gae"), schedule_run("periodic_gae")
+    for key in ("reward_mean", "tokens_generated"):
+        assert [r[key] for r in periodic.metrics] == [r[key] for r in sync.metrics], key
+    for a, b in zip(sync.metrics, periodic.metrics, strict=True):
+        assert a["value_loss"] == pytest.approx(b["value_loss"], rel=1e-4)
+        assert a["value_mean"] == pytest.approx(b["value_mean"], rel=1e-4, abs=1e-6)
+    final_sync, final_periodic = final_weights(sync.run_dir), final_weights(periodic.run_dir)
+    diffs = torch.cat([(final_sync[k] - final_periodic[k]).abs().flatten() for k in final_sync])
+    assert float(diffs.quantile(0.999)) <= 1e-7 and float(diffs.max()) <= 1e-4
 
 
 # -- 2. staleness bound and accounting --------------------------------------------------------
