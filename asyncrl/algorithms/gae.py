@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-ADVANTAGE_EPS = 1e-4  # as the group advantages' (asyncrl.algorithms.advantages)
+from asyncrl.algorithms.advantages import ADVANTAGE_EPS
 
 
 def token_rewards(

@@ -24,7 +24,8 @@ from asyncrl.algorithms.advantages import (
     turn_advantages,
     whitened,
 )
-from asyncrl.algorithms.gae import gae, token_rewards, whitened_tokens
+from asyncrl.algorithms.gae import gae as estimate_gae
+from asyncrl.algorithms.gae import token_rewards, whitened_tokens
 from asyncrl.trainer.batching import ragged_rows
 from asyncrl.types import Group, Sample
 
@@ -206,7 +207,7 @@ def critic_advantages(
     def padded(name: str) -> torch.Tensor:
         return ragged_rows([getattr(s, name) for s in scored], width, 0, torch.float64)
 
-    adv, ret = gae(
+    adv, ret = estimate_gae(
         ragged_rows(rows, width, 0, torch.float64), padded("values"), padded("loss_mask"), gamma, lam
     )
     advantages = [a[: len(s.completion_ids)] for s, a in zip(scored, adv.tolist(), strict=True)]
