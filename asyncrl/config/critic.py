@@ -24,6 +24,13 @@ class CriticConfig(Section):
         "tiny: name, seeded with run.seed), its decoder under a fresh value head of zeros (every value starts "
         "at 0). null = model.path: the critic starts as the initial policy's decoder (verl's default).",
     )
+    lora_rank: int = Field(
+        0,
+        ge=0,
+        description="LoRA adapters of this rank on the critic's decoder (lora.alpha, lora.rslora, lora.dropout "
+        "and lora.target_modules, as the policy's would be; verl's critic lora_rank): its base frozen in "
+        "model.dtype, the adapters and the value head trained. 0 = the whole critic is trained.",
+    )
     lr: float | None = Field(
         None, gt=0, description="The critic's peak learning rate (AdamW). null = trainer.lr."
     )

@@ -9,8 +9,9 @@ run in float32 on the final hidden states, whatever the compute dtype.
 
 The LM is loaded as the policy is (:func:`asyncrl.models.loading.load_policy`): from
 ``critic.path`` or, by default, ``model.path`` — the initial policy's weights, as verl starts
-its critic. Its output layer is never run; when it is a weight of its own (not tied to the
-input embedding) it is frozen, so the optimizer holds no state for it.
+its critic — and with ``critic.lora_rank`` wrapped in LoRA adapters on a frozen base. Its output
+layer is never run; when it is a weight of its own (not tied to the input embedding) it is
+frozen, so the optimizer holds no state for it.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ from asyncrl.trainer.logprobs import predicting_hidden
 class ValueModel(torch.nn.Module):
     """``lm``'s decoder under ``head``; :meth:`values` of a micro-batch's completion positions."""
 
-    def __init__(self, lm: PreTrainedModel) -> None:
+    def __init__(self, lm: PreTrainedModel, head_dtype: torch.dtype | None = None) -> None:
+        """``head_dtype``: the value head's (default: the LM's parameters')."""
         super().__init__()
         self.lm = lm
         hidden = lm.config.get_text_config().hidden_size
-        dtype = next(lm.parameters()).dtype
-        self.head = torch.nn.Linear(hidden, 1, device=lm.device, dtype=dtype)
+        first = next(lm.parameters())
+        self.head = torch.nn.Linear(hidden, 1, device=first.device, dtype=head_dtype or first.dtype)
         with torch.no_grad():
             self.head.weight.zero_()
             self.head.bias.zero_()

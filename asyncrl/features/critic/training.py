@@ -44,6 +44,7 @@ from asyncrl.features.critic.model import ValueModel
 from asyncrl.models.activation_checkpointing import enable_activation_checkpointing
 from asyncrl.models.dropout import disable_dropout
 from asyncrl.models.loading import DTYPES, load_policy, resolve_dtype
+from asyncrl.models.lora import apply_lora
 from asyncrl.trainer.batching import MicroBatch, ragged_rows, trained_span
 from asyncrl.trainer.features import TrainedModel, TrainingFeature
 from asyncrl.trainer.optimizer import (
@@ -135,10 +136,11 @@ class Critic(TrainingFeature):
         self._lr_factor = lr_lambda(trainer.lr_schedule, trainer.warmup_steps, run.run.steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         device = next(model.parameters()).device
-        master = next(model.parameters()).dtype
+        # Mixed precision, as the trainer's: the forwards run under autocast when what is trained is
+        # held in another dtype than the compute dtype.
         self.compute = (
             (lambda: torch.autocast(device.type, dtype=compute))
-            if compute != master
+            if any(p.dtype != compute for p in self.params)
             else contextlib.nullcontext
         )
 
@@ -231,8 +233,11 @@ class Critic(TrainingFeature):
     # -- checkpoints -----------------------------------------------------------------------
 
     def state(self) -> dict:
+        """Its trained weights (a frozen base or output layer never changes: not kept), AdamW's state
+        and the schedule."""
+        trained = {name: p.detach().cpu() for name, p in self.model.named_parameters() if p.requires_grad}
         return {
-            "weights": {name: t.detach().cpu() for name, t in self.model.state_dict().items()},
+            "weights": trained,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
         }
@@ -241,7 +246,16 @@ class Critic(TrainingFeature):
         """Restore :meth:`state`; a checkpoint without a critic leaves this one as it started."""
         if state is None:
             return
-        self.model.load_state_dict(state["weights"])
+        own = dict(self.model.named_parameters())
+        trained = {name for name, p in own.items() if p.requires_grad}
+        if set(state["weights"]) != trained:
+            raise ValueError(
+                f"the checkpoint's critic trains {len(state['weights'])} tensors and this one {len(trained)}: "
+                "resume with the critic settings (critic.path, critic.lora_rank) the checkpoint was taken with"
+            )
+        with torch.no_grad():
+            for name, tensor in state["weights"].items():
+                own[name].copy_(tensor)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         take_this_runs_settings(self.optimizer, self.scheduler, self.optimizer_cfg, self._lr_factor)
@@ -249,17 +263,23 @@ class Critic(TrainingFeature):
 
 def critic(trained: TrainedModel) -> Critic | None:
     """The critic of a run with ``algorithm.advantage=gae`` (None: without, or outside a run), on
-    the policy's device, held in ``trainer.master_dtype`` and run in ``model.dtype``."""
+    the policy's device, held in ``trainer.master_dtype`` (with ``critic.lora_rank`` its adapters and
+    head; the frozen base in ``model.dtype``) and run in ``model.dtype``."""
     run = trained.run
     if run is None or run.algorithm.advantage != "gae":
         return None
     device = next(trained.model.parameters()).device
-    master = DTYPES[run.trainer.master_dtype]
-    lm = load_policy(
-        run.critic.path or run.model.path, device=str(device), dtype=master, seed=run.run.seed
-    ).model
+    master, compute = DTYPES[run.trainer.master_dtype], resolve_dtype(run.model.dtype, device)
+    rank = run.critic.lora_rank
+    source = run.critic.path or run.model.path
+    lm = load_policy(source, device=str(device), dtype=compute if rank else master, seed=run.run.seed).model
+    if rank:  # a frozen base in the compute dtype, its adapters trained in the master dtype
+        lm = apply_lora(lm, run.lora.model_copy(update={"rank": rank}), seed=run.run.seed)
+        for p in lm.parameters():
+            if p.requires_grad:
+                p.data = p.data.to(master)
     if trained.cfg.disable_dropout:
         disable_dropout(lm)
     if trained.cfg.activation_checkpointing:
         enable_activation_checkpointing(lm)
-    return Critic(ValueModel(lm), trained.cfg, run, resolve_dtype(run.model.dtype, device))
+    return Critic(ValueModel(lm, head_dtype=master), trained.cfg, run, compute)

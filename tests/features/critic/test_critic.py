@@ -395,3 +395,40 @@ def test_a_critic_of_another_model_is_checked_before_the_run_starts(tmp_path: Pa
     assert (
         main(["train", *base, "--set", "critic.path=builtin:chain", "--run-dir", str(tmp_path / "run")]) == 0
     )
+
+
+def test_a_lora_critic_trains_its_adapters_and_head_alone(make_sample) -> None:
+    """critic.lora_rank=4: only the adapters and the value head are trained (and kept by checkpoints),
+    the base stays as loaded; a checkpoint restores it exactly; a checkpoint of a full critic is refused
+    naming the settings."""
+    cfg = gae_config("critic.lora_rank=4", "critic.lr=1e-3")
+    trainer, critic = critic_trainer(cfg)
+    trained = {n for n, p in critic.model.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_" in n or n.startswith("head.") for n in trained)
+    assert {"head.weight", "head.bias"} <= trained
+    before = params(critic.model)
+    groups = rewarded(make_sample, 4, seed=23)
+    metrics = step(trainer, cfg, groups)
+    assert metrics["value_loss"] > 0
+    after = params(critic.model)
+    moved = {n for n in after if not torch.equal(after[n], before[n])}
+    assert moved and moved <= trained
+    state = copy.deepcopy(trainer.checkpoint_state())
+    assert set(state["features"]["critic"]["weights"]) == trained
+    resumed, other = critic_trainer(cfg)
+    resumed.load_checkpoint_state(copy.deepcopy({n: p.detach() for n, p in trainer.named_weights()}), state)
+    assert all(torch.equal(p, after[n]) for n, p in params(other.model).items())
+    full, _ = critic_trainer(gae_config())
+    with pytest.raises(ValueError, match=r"critic trains \d+ tensors and this one \d+.*critic\.lora_rank"):
+        full.load_checkpoint_state(copy.deepcopy({n: p.detach() for n, p in trainer.named_weights()}), state)
+
+
+def test_a_lora_critic_in_mixed_precision_holds_its_base_in_the_compute_dtype(make_sample) -> None:
+    """model.dtype=bfloat16: the LoRA critic's frozen base is held in bfloat16, its adapters and head in
+    float32 (trainer.master_dtype), its forwards run under autocast, and a step trains it."""
+    cfg = gae_config("critic.lora_rank=4", "model.dtype=bfloat16")
+    trainer, critic = critic_trainer(cfg)
+    dtypes = {p.requires_grad: p.dtype for p in critic.model.parameters()}
+    assert dtypes == {False: torch.bfloat16, True: torch.float32}
+    metrics = step(trainer, cfg, rewarded(make_sample, 4, seed=29))
+    assert metrics["value_loss"] > 0 and metrics["critic_grad_norm"] > 0
