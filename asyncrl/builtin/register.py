@@ -1,4 +1,5 @@
-"""asyncrl's toy world as a plugin: its tasks, games, episode, reward and shipped models, registered.
+"""asyncrl's toy world as a plugin: its tasks, games, episode and shipped models, registered (its
+reward function registers itself, asyncrl.builtin.rewards).
 
 Imported once, by :func:`asyncrl.plugins.load_plugins`, the first time any registry is read;
 nothing below this package imports it.
@@ -10,13 +11,12 @@ import functools
 from pathlib import Path
 
 from asyncrl.builtin.arithmetic import ArithmeticTask
-from asyncrl.builtin.chains import ChainTask, chain_match
+from asyncrl.builtin.chains import ChainTask
 from asyncrl.builtin.games import Calculator, GuessingGame, GuessTask
 from asyncrl.builtin.verify import verify_episode
 from asyncrl.episodes.resolve import ENVIRONMENTS, EPISODES
 from asyncrl.models.loading import SHIPPED_MODELS
 from asyncrl.prompts.sources import GENERATED_TASKS
-from asyncrl.rewards.registry import REWARDS
 
 # The shipped warm starts (``builtin:NAME``), each made by ``asyncrl sft --task ...``
 # (:mod:`asyncrl.builtin.warm_start`).
@@ -56,6 +56,5 @@ GENERATED_TASKS.register("guess", lambda task, seed: GuessTask(task.guess_max, s
 ENVIRONMENTS.register("calculator", lambda max_turns: Calculator)
 ENVIRONMENTS.register("guess", lambda max_turns: functools.partial(GuessingGame, max_turns=max_turns))
 EPISODES.register("verify", verify_episode)
-REWARDS.register("chain_match", chain_match)
 for _name, _directory in BUILTIN_MODELS.items():
     SHIPPED_MODELS.register(_name, _directory)

@@ -38,9 +38,10 @@ from asyncrl.rewards.library import format_regex, math_verify, overlong_penalty
 from asyncrl.rewards.reward_model import reward_model
 
 RewardFn = Callable[..., Any]
-# The named reward functions: the general ones below, and a plugin's own (the chain task's
-# chain_match, registered by asyncrl.builtin.register).
-REWARDS: Registry[RewardFn] = Registry("reward")
+# The named reward functions: the general ones below, and the toy world's (the chain task's
+# chain_match), which asyncrl.builtin.rewards registers: only that module fills this registry, so
+# a lookup imports no model code.
+REWARDS: Registry[RewardFn] = Registry("reward", filled_by=("asyncrl.builtin.rewards",))
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
