@@ -6,6 +6,7 @@ Imported as ``from tests.helpers import ...``, like the other cross-file imports
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib
 import importlib.util
@@ -310,6 +311,22 @@ def survivors_of_a_killed_parent(script: str, timeout: float = 120) -> tuple[lis
         run.wait(timeout)
         run.stdin.close()
         run.stdout.close()
+
+
+def model_code_imported(script: str) -> tuple[list[str], str]:
+    """Run ``script`` (Python statements on one line) in a child Python: (which of torch and
+    transformers it imported, what it printed before)."""
+    check = "; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys; " + script + check],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(),
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    *printed, last = out.stdout.strip().splitlines()
+    return ast.literal_eval(last), "\n".join(printed)
 
 
 def train_groups(trainer, groups: list) -> list[dict]:

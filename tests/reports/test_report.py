@@ -11,7 +11,6 @@ import json
 import math
 import shutil
 import subprocess
-import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from matplotlib.image import imread
 from asyncrl.cli import main
 from asyncrl.reports.html import RUN_COLORS
 from asyncrl.reports.panels import PANELS, REPORT_PANELS, Panel, report_panels
-from tests.helpers import child_env
+from tests.helpers import model_code_imported
 
 
 def fake_run(root: Path, name: str, slope: float, *, with_is: bool = False, steps: int = 40) -> Path:
@@ -197,16 +196,11 @@ def test_the_report_loads_no_model_code(tmp_path: Path) -> None:
     """The features' panels come from their light registry: a report of a run imports neither
     torch nor transformers (every feature's models would take seconds to import)."""
     run = fake_run(tmp_path, "run-a", 0.02, steps=3)
-    script = (
-        "import sys; from asyncrl.cli import main; "
-        f"assert main(['report', {str(run)!r}, '-o', {str(tmp_path / 'r.html')!r}]) == 0; "
-        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    imported, _ = model_code_imported(
+        "from asyncrl.cli import main; "
+        f"assert main(['report', {str(run)!r}, '-o', {str(tmp_path / 'r.html')!r}]) == 0"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=child_env()
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert imported == []
 
 
 @pytest.mark.parametrize("metrics", ["empty", "absent"])

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 import threading
 from pathlib import Path
@@ -22,7 +20,7 @@ from asyncrl.rewards.pool_service import local_reward_pool
 from asyncrl.rewards.scoring import ScoringStopped
 from asyncrl.rewards.task_rewards import build_reward
 from asyncrl.types import Prompt
-from tests.helpers import child_env, child_pids, short_run, survivors_of_a_killed_parent, wait_dead
+from tests.helpers import child_pids, model_code_imported, short_run, survivors_of_a_killed_parent, wait_dead
 from tests.pool_rewards import PIDS_DIR, failing_reward, wait_for
 
 
@@ -63,17 +61,11 @@ def test_a_pool_worker_builds_named_rewards_without_model_code(name: str) -> Non
     """What a pool worker runs at its start (the task's reward set, its functions looked up by
     name: a general one, or the toy world's chain_match) imports neither torch nor transformers,
     so the pool starts in about a second rather than several per worker."""
-    script = (
-        "import sys; from asyncrl.config import load_config; "
-        "from asyncrl.rewards.task_rewards import reward_set; "
-        f"rewards = reward_set(load_config(None, ['task.reward={name}'])); "
-        "print(rewards.labels, sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    imported, printed = model_code_imported(
+        "from asyncrl.config import load_config; from asyncrl.rewards.task_rewards import reward_set; "
+        f"print(reward_set(load_config(None, ['task.reward={name}'])).labels)"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=child_env()
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == f"[{name!r}] []"
+    assert (imported, printed) == ([], f"[{name!r}]")
 
 
 def test_a_failing_function_stops_scoring_from_the_pool_naming_it(tmp_path: Path) -> None:

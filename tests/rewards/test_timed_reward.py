@@ -25,7 +25,17 @@ from asyncrl.errors import RewardFailing
 from asyncrl.rewards.scoring import RewardSet, RewardTerm, ScoringStopped, score
 from asyncrl.rewards.timed import RewardRaised, RewardTimeout, TimedReward
 from asyncrl.types import Prompt
-from tests.helpers import REPO, child_env, child_pids, cli, sets, short_run, signalled_when, wait_dead
+from tests.helpers import (
+    REPO,
+    child_env,
+    child_pids,
+    cli,
+    model_code_imported,
+    sets,
+    short_run,
+    signalled_when,
+    wait_dead,
+)
 
 pytestmark = pytest.mark.multiprocess  # every reward call here runs in the reward's own process
 
@@ -529,12 +539,7 @@ def test_a_reward_process_imports_no_model_code() -> None:
     """What a reward process imports to call a user's module:function (the timed proxy's child, the
     registry, the scoring and its prompts) loads neither torch nor transformers: a process starts
     in about half a second instead of several (the shipped reward_model loads them at its first call)."""
-    script = (
-        "import sys; import asyncrl.rewards.timed, asyncrl.rewards.registry, asyncrl.rewards.scoring; "
-        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    imported, _ = model_code_imported(
+        "import asyncrl.rewards.timed, asyncrl.rewards.registry, asyncrl.rewards.scoring"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=child_env()
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert imported == []
