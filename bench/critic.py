@@ -1,4 +1,5 @@
-"""PPO with a learned critic (GAE) against GRPO's group advantages on the default example.
+"""PPO with a learned critic (GAE), and REINFORCE++ without one, against GRPO's group advantages
+on the default example.
 
     python bench/critic.py [--runs grpo gae ...] [--steps 150] [--target 0.8] [--set KEY=VALUE ...]
 
@@ -15,7 +16,12 @@ Variants (``--runs``):
 * ``gae_whiten``: the same, advantages whitened over each step's trained tokens
   (``algorithm.normalize_advantages``, as verl does for GAE);
 * ``gae_single``: groups of one (PPO's usual sampling), 256 prompts per step, whitened;
-* ``gae_async``: ``gae`` under the async schedule (tokens up to 2 versions stale).
+* ``gae_async``: ``gae`` under the async schedule (tokens up to 2 versions stale);
+* ``reinforce_pp``: ``algorithm.advantage=reinforce_plus_plus`` (each token's rewards to go,
+  whitened over the step's tokens; no critic, the group ignored);
+* ``reinforce_pp_single``: ``reinforce_pp`` on groups of one, 256 prompts per step;
+* ``reinforce_pp_baseline``: ``reinforce_plus_plus_baseline`` (each reward less its group's
+  mean, whitened over the step's tokens).
 """
 
 from __future__ import annotations
@@ -44,6 +50,13 @@ VARIANTS = {
         "rollout.prompts_per_step=256",
     ],
     "gae_async": [*GAE, "schedule=async"],
+    "reinforce_pp": ["algorithm.advantage=reinforce_plus_plus"],
+    "reinforce_pp_single": [
+        "algorithm.advantage=reinforce_plus_plus",
+        "rollout.group_size=1",
+        "rollout.prompts_per_step=256",
+    ],
+    "reinforce_pp_baseline": ["algorithm.advantage=reinforce_plus_plus_baseline"],
 }
 
 

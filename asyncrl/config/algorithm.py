@@ -12,6 +12,9 @@ from asyncrl.config.section import Section
 
 # The loss types whose policy term is PPO's clipped surrogate (asyncrl.algorithms.losses).
 CLIPPED_LOSSES: tuple[str, ...] = ("grpo", "bnpo", "dapo", "dr_grpo", "luspo")
+# The REINFORCE++ estimators of algorithm.advantage (asyncrl.trainer.advantages): no critic, and
+# advantages whitened over the step's trained tokens.
+REINFORCE_PLUS_PLUS: tuple[str, ...] = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 
 class CispoConfig(Section):
@@ -97,15 +100,37 @@ class AlgorithmConfig(Section):
         "within the group first, then summed with their weights, so that one function's spread does not "
         "drown another's signal. TRL's normalize_then_sum is this with advantage_scale=batch.",
     )
-    advantage: Literal["group", "distill", "gae"] = Field(
-        "group",
-        description="'group': advantages from the group's rewards (GRPO), plus distill.weight x the teacher's "
-        "per-token signal when a teacher is set (distill.teacher or distill.url). 'distill': the teacher's "
-        "signal alone, per token: distill.weight x (teacher log-prob - behaviour log-prob) of the sampled token "
-        "(on-policy distillation; rewards are still computed and logged). 'gae': PPO's per-token advantages "
-        "from a learned value model (the critic section; verl's adv_estimator=gae), whatever the group; "
-        "advantage_scale and advantage_baseline do not apply, normalize_advantages whitens over the step's "
-        "trained tokens.",
+    advantage: Literal["group", "distill", "gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = (
+        Field(
+            "group",
+            description="'group': advantages from the group's rewards (GRPO), plus distill.weight x the teacher's "
+            "per-token signal when a teacher is set (distill.teacher or distill.url). 'distill': the teacher's "
+            "signal alone, per token: distill.weight x (teacher log-prob - behaviour log-prob) of the sampled token "
+            "(on-policy distillation; rewards are still computed and logged). 'gae': PPO's per-token advantages "
+            "from a learned value model (the critic section; verl's adv_estimator=gae), whatever the group; "
+            "advantage_scale and advantage_baseline do not apply, normalize_advantages whitens over the step's "
+            "trained tokens. 'reinforce_plus_plus' (REINFORCE++; verl's reinforce_plus_plus): no critic and no "
+            "group: each trained token's advantage is the rewards from it on, discounted by gamma (the KL per "
+            "token with kl_in_reward), whitened over the step's trained tokens. 'reinforce_plus_plus_baseline' "
+            "(verl's reinforce_plus_plus_baseline): each reward less its group's mean, on every trained token, "
+            "whitened over the step's trained tokens. Both whiten whatever normalize_advantages says, and "
+            "advantage_scale and advantage_baseline do not apply.",
+        )
+    )
+    gamma: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="advantage=gae and reinforce_plus_plus: the discount, a reward k trained tokens later "
+        "counting gamma^k (verl's algorithm.gamma).",
+    )
+    lam: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="advantage=gae: GAE's lambda (verl's algorithm.lam); 1 takes each token's advantage as the "
+        "rewards to go less its value (Monte Carlo, verl's default); lower leans on the critic's later values "
+        "(less variance, more bias; TRL's PPOTrainer uses 0.95).",
     )
     step_rewards: Literal["ignore", "return_to_go"] = Field(
         "ignore",

@@ -14,8 +14,9 @@ class CriticConfig(Section):
 
     Used with ``algorithm.advantage=gae``: the trainer holds a second model — the decoder of a
     causal LM with a one-output value head — scores every sample of a step with it before the
-    step's advantages, and trains it on the same micro-batches towards the GAE returns, with an
-    AdamW of its own (``trainer``'s betas, weight decay and learning-rate schedule, its own rate).
+    step's advantages (GAE with ``algorithm.gamma`` and ``algorithm.lam``), and trains it on the
+    same micro-batches towards the GAE returns, with an AdamW of its own (``trainer``'s betas,
+    weight decay and learning-rate schedule, its own rate).
     """
 
     path: str | None = Field(
@@ -33,17 +34,6 @@ class CriticConfig(Section):
     )
     lr: float | None = Field(
         None, gt=0, description="The critic's peak learning rate (AdamW). null = trainer.lr."
-    )
-    gamma: float = Field(
-        1.0, ge=0, le=1, description="GAE's discount: a reward k trained tokens later counts gamma^k."
-    )
-    lam: float = Field(
-        1.0,
-        ge=0,
-        le=1,
-        description="GAE's lambda: 1 takes each token's advantage as the rewards to go less its value (Monte "
-        "Carlo, verl's default); lower leans on the critic's later values (less variance, more bias; TRL's "
-        "PPOTrainer uses 0.95).",
     )
     value_clip: float | None = Field(
         0.5,

@@ -7,7 +7,7 @@ import os
 from pydantic import Field, model_validator
 
 from asyncrl.config.agents import BUILTIN_TEAMS, MultiAgentConfig, RoleSpec
-from asyncrl.config.algorithm import AlgorithmConfig
+from asyncrl.config.algorithm import REINFORCE_PLUS_PLUS, AlgorithmConfig
 from asyncrl.config.critic import CriticConfig
 from asyncrl.config.data import EpisodeConfig, JudgeConfig, ModelConfig, TaskConfig
 from asyncrl.config.distill import DistillConfig
@@ -86,7 +86,13 @@ class Config(Section):
                 "algorithm.reward_aggregation=normalize_then_sum normalises each of task.rewards' functions; "
                 "an episode's reward comes from its environment (episode.environment): use sum_then_normalize"
             )
-        grouped = self.algorithm.advantage != "gae"  # GAE's advantages come from the critic, not the group
+        # GAE's and REINFORCE++'s advantages are not the group's; its baseline variant has no scale.
+        grouped = self.algorithm.advantage not in ("gae", *REINFORCE_PLUS_PLUS)
+        if self.algorithm.advantage == "reinforce_plus_plus_baseline" and self.rollout.group_size < 2:
+            raise ValueError(
+                "algorithm.advantage=reinforce_plus_plus_baseline needs rollout.group_size >= 2 (a group of "
+                "one is its own baseline: every advantage would be 0)"
+            )
         if grouped and self.algorithm.advantage_baseline == "leave_one_out" and self.rollout.group_size < 2:
             raise ValueError(
                 "algorithm.advantage_baseline=leave_one_out needs rollout.group_size >= 2 (a completion "
@@ -166,6 +172,11 @@ class Config(Section):
                 "algorithm.advantage_scale=batch needs the whole batch before training; it cannot be used "
                 "with schedule.streaming=true (use advantage_scale=group or none)"
             )
+        if self.schedule.streaming and self.algorithm.advantage in REINFORCE_PLUS_PLUS:
+            raise ValueError(
+                f"algorithm.advantage={self.algorithm.advantage} whitens over the whole step before training; it "
+                "cannot be used with schedule.streaming=true (a sync or one_step_off schedule, or streaming=false)"
+            )
         if self.schedule.streaming and self.algorithm.normalize_advantages:
             raise ValueError(
                 "algorithm.normalize_advantages=true needs the whole batch before training; it cannot be "
@@ -209,8 +220,8 @@ class Config(Section):
             "algorithm.step_rewards": self.algorithm.step_rewards != "ignore"
             and "step rewards give a group per-token advantages whatever its final rewards",
             "pivot.branches": self.pivot.enabled and "pivots are found in the failed groups it would drop",
-            "algorithm.advantage": self.algorithm.advantage == "gae"
-            and "the critic's advantages teach a group whatever its rewards",
+            "algorithm.advantage": self.algorithm.advantage in ("gae", "reinforce_plus_plus")
+            and f"{self.algorithm.advantage}'s per-token advantages teach a group whatever its rewards",
         }
         _refuse_any("algorithm.drop_equal_rewards", reasons)
 
@@ -295,19 +306,26 @@ def old_logprob_mode(algorithm: AlgorithmConfig, max_staleness: int) -> str:
 
 
 def critic_problems(cfg: Config) -> list[str]:
-    """Why ``cfg``'s critic settings cannot be used together, each naming the keys (empty: they can)."""
-    if cfg.algorithm.advantage != "gae":
+    """Why ``cfg``'s settings cannot be used with a per-token estimator that takes no group's
+    advantages (``algorithm.advantage`` gae, with its critic, or reinforce_plus_plus), each
+    naming the keys (empty: they can)."""
+    advantage = cfg.algorithm.advantage
+    if advantage not in ("gae", "reinforce_plus_plus"):
         return []
     reasons = {
-        "multi_agent.policies": bool(cfg.multi_agent.policies) and "one critic values one policy's samples",
+        "multi_agent.policies": advantage == "gae"
+        and bool(cfg.multi_agent.policies)
+        and "one critic values one policy's samples",
         "multi_agent.advantage": cfg.multi_agent.advantage == "role_turn"
-        and "role_turn gives each turn its group's advantage; the critic gives every token its own",
+        and f"role_turn gives each turn its group's advantage; {advantage} gives every token its own",
         "algorithm.reward_aggregation": cfg.algorithm.reward_aggregation == "normalize_then_sum"
-        and "it normalises rewards within groups, which GAE does not take advantages over",
+        and f"it normalises rewards within groups, which {advantage} does not take advantages over",
         "pivot.branches": cfg.pivot.enabled and "branch groups take their advantages within the group",
     }
     return [
-        f"algorithm.advantage=gae cannot be used with {key}: {why}" for key, why in reasons.items() if why
+        f"algorithm.advantage={advantage} cannot be used with {key}: {why}"
+        for key, why in reasons.items()
+        if why
     ]
 
 

@@ -43,9 +43,17 @@ def assign_advantages(
     clip: tuple[float, float] | None = None,
     kl_coef: float = 0.0,
     gae: tuple[float, float] | None = None,
+    estimator: str = "group",
+    gamma: float = 1.0,
 ) -> None:
     """Set ``sample.advantage`` for every sample, from its group's rewards (None counts as NaN),
     or with ``gae`` (gamma, lam) from its own rewards and its critic's values (:func:`critic_advantages`).
+
+    ``estimator`` (``algorithm.advantage``): ``reinforce_plus_plus`` takes each sample's
+    discounted rewards to go (``gamma``) instead (:func:`discounted_advantages`);
+    ``reinforce_plus_plus_baseline`` takes the group's advantages with the group mean as baseline
+    and no scale, whitened over the step's trained tokens (:func:`token_whitened_advantages`).
+    Other values (``group``, ``distill``, ``gae``) leave the advantages to the options below.
 
     The samples of a multi-agent group are normalised role by role (``Sample.role``); with
     ``by_turn`` each turn of a role gets its own advantage, normalised over the samples of
@@ -72,15 +80,16 @@ def assign_advantages(
     ``algorithm.kl_in_reward``, ``beta``: each reward (clamped, or with ``reward_weights`` the
     weighted sum) less ``kl_coef`` x the sample's ``reference_kl``, which the trainer has set.
     """
+    samples = [s for g in groups for s in g.samples]
     if gae is not None:
         critic_advantages(
-            [s for g in groups for s in g.samples],
-            *gae,
-            normalize=normalize,
-            clip=clip,
-            step_rewards=step_rewards,
-            kl_coef=kl_coef,
+            samples, *gae, normalize=normalize, clip=clip, step_rewards=step_rewards, kl_coef=kl_coef
         )
+    elif estimator == "reinforce_plus_plus":
+        discounted_advantages(samples, gamma, clip=clip, step_rewards=step_rewards, kl_coef=kl_coef)
+    elif estimator == "reinforce_plus_plus_baseline":
+        _group_advantages(groups, "none", step_rewards, by_turn, reward_weights, "mean", False, clip, kl_coef)
+        token_whitened_advantages(samples)
     else:
         _group_advantages(
             groups, scale, step_rewards, by_turn, reward_weights, baseline, normalize, clip, kl_coef
@@ -183,17 +192,78 @@ def critic_advantages(
     ``advantage`` is the mean of its trained tokens' (what its records show). A sample without a
     reward (no function could score it) or without a trained token gets advantage 0 on every token
     and no returns: neither the policy nor the critic trains on it."""
-    scored = [s for s in samples if s.reward is not None and any(s.loss_mask)]
+    scored = _trained_with_reward(samples)
     unscored = [s for s in scored if s.values is None]
     if unscored:
         raise ValueError(
             f"{unscored[0]._label()} of group {unscored[0].group_id} has no critic values for its advantages "
             "(algorithm.advantage=gae): the trainer scores it before advantages"
         )
-    for s in samples:
-        s.advantage, s.token_advantages, s.returns = 0.0, [0.0] * len(s.completion_ids), None
     if not scored:
         return
+    width = max(len(s.completion_ids) for s in scored)
+    values = ragged_rows([s.values for s in scored], width, 0, torch.float64)
+    adv, ret = estimate_gae(
+        _reward_rows(scored, width, clip, step_rewards, kl_coef), values, _masks(scored, width), gamma, lam
+    )
+    advantages = [a[: len(s.completion_ids)] for s, a in zip(scored, adv.tolist(), strict=True)]
+    if normalize:
+        advantages = whitened_tokens(advantages, [s.loss_mask for s in scored])
+    _set_token_advantages(scored, advantages)
+    for s, r in zip(scored, ret.tolist(), strict=True):
+        s.returns = r[: len(s.completion_ids)]
+
+
+def discounted_advantages(
+    samples: list[Sample],
+    gamma: float,
+    *,
+    clip: tuple[float, float] | None = None,
+    step_rewards: str = "ignore",
+    kl_coef: float = 0.0,
+) -> None:
+    """``algorithm.advantage=reinforce_plus_plus`` (REINFORCE++, verl's ``reinforce_plus_plus``):
+    every trained token's advantage is the sum of the rewards from it on, each k trained tokens
+    later discounted by ``gamma``^k — the token rewards of :func:`critic_advantages` (the reward,
+    clamped to ``clip``, at the last trained token; step rewards at their turns' ends; less
+    ``kl_coef`` x each token's KL) — then whitened over every trained token of ``samples``
+    (:func:`~asyncrl.algorithms.gae.whitened_tokens`). That is GAE with every value 0 and lambda 1.
+    A sample without a reward or a trained token gets advantage 0 on every token."""
+    scored = _trained_with_reward(samples)
+    if not scored:
+        return
+    width = max(len(s.completion_ids) for s in scored)
+    zeros = torch.zeros(len(scored), width, dtype=torch.float64)
+    adv, _ = estimate_gae(
+        _reward_rows(scored, width, clip, step_rewards, kl_coef), zeros, _masks(scored, width), gamma, 1.0
+    )
+    advantages = [a[: len(s.completion_ids)] for s, a in zip(scored, adv.tolist(), strict=True)]
+    _set_token_advantages(scored, whitened_tokens(advantages, [s.loss_mask for s in scored]))
+
+
+def token_whitened_advantages(samples: list[Sample]) -> None:
+    """Every sample's advantage (its ``token_advantages``, or its ``advantage`` on each token)
+    whitened over every trained token of the samples that have a reward, as verl's
+    ``reinforce_plus_plus_baseline`` whitens the group-centred rewards (a long completion weighs
+    as its tokens); a sample without a reward or a trained token keeps advantage 0."""
+    given = [s for s in samples if s.reward is not None and any(s.loss_mask)]
+    tokens = [s.token_advantages or [s.advantage] * len(s.completion_ids) for s in given]
+    _trained_with_reward(samples)
+    _set_token_advantages(given, whitened_tokens(tokens, [s.loss_mask for s in given]))
+
+
+def _trained_with_reward(samples: list[Sample]) -> list[Sample]:
+    """The samples a per-token estimator trains on, every sample's advantages reset to 0 first:
+    those with a reward (a function could score them) and a trained token."""
+    for s in samples:
+        s.advantage, s.token_advantages, s.returns = 0.0, [0.0] * len(s.completion_ids), None
+    return [s for s in samples if s.reward is not None and any(s.loss_mask)]
+
+
+def _reward_rows(
+    scored: list[Sample], width: int, clip: tuple[float, float] | None, step_rewards: str, kl_coef: float
+) -> torch.Tensor:
+    """Each sample's token rewards (:func:`~asyncrl.algorithms.gae.token_rewards`), (B, width)."""
     rows = []
     for s in scored:
         reward = s.reward if clip is None else min(max(s.reward, clip[0]), clip[1])
@@ -202,19 +272,18 @@ def critic_advantages(
         if kl_coef:
             row = [r - kl_coef * k for r, k in zip(row, _token_kls(s), strict=True)]
         rows.append(row)
-    width = max(len(s.completion_ids) for s in scored)
+    return ragged_rows(rows, width, 0, torch.float64)
 
-    def padded(name: str) -> torch.Tensor:
-        return ragged_rows([getattr(s, name) for s in scored], width, 0, torch.float64)
 
-    adv, ret = estimate_gae(
-        ragged_rows(rows, width, 0, torch.float64), padded("values"), padded("loss_mask"), gamma, lam
-    )
-    advantages = [a[: len(s.completion_ids)] for s, a in zip(scored, adv.tolist(), strict=True)]
-    if normalize:
-        advantages = whitened_tokens(advantages, [s.loss_mask for s in scored])
-    for s, a, r in zip(scored, advantages, ret.tolist(), strict=True):
-        s.token_advantages, s.returns = a, r[: len(s.completion_ids)]
+def _masks(scored: list[Sample], width: int) -> torch.Tensor:
+    return ragged_rows([s.loss_mask for s in scored], width, 0, torch.float64)
+
+
+def _set_token_advantages(scored: list[Sample], advantages: list[list[float]]) -> None:
+    """Per-token advantages, and as ``advantage`` their mean over the trained tokens (what the
+    records show)."""
+    for s, a in zip(scored, advantages, strict=True):
+        s.token_advantages = a
         s.advantage = sum(v for v, m in zip(a, s.loss_mask, strict=True) if m) / s.num_trained_tokens
 
 

@@ -262,6 +262,8 @@ class TrainerWorker:
             normalize=algorithm.normalize_advantages,
             clip=algorithm.reward_clip,
             kl_coef=algorithm.beta if algorithm.kl_in_reward else 0.0,
+            estimator=algorithm.advantage,
+            gamma=algorithm.gamma,
             **self.features.advantage_options(),
         )
         self._step_groups.update((g.group_id, g) for g in groups)

@@ -11,7 +11,7 @@ from asyncrl.workers.features import StepFeature
 
 class CriticAdvantages(StepFeature):
     """Advantages by GAE (:func:`asyncrl.trainer.advantages.critic_advantages`) with the run's
-    ``critic.gamma`` and ``critic.lam``, from the values the critic scored."""
+    ``algorithm.gamma`` and ``algorithm.lam``, from the values the critic scored."""
 
     name = "critic"
 
@@ -23,4 +23,6 @@ class CriticAdvantages(StepFeature):
 
 
 def critic_advantages(cfg: Config) -> CriticAdvantages | None:
-    return CriticAdvantages(cfg.critic.gamma, cfg.critic.lam) if cfg.algorithm.advantage == "gae" else None
+    return (
+        CriticAdvantages(cfg.algorithm.gamma, cfg.algorithm.lam) if cfg.algorithm.advantage == "gae" else None
+    )

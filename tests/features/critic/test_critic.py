@@ -65,7 +65,7 @@ def step(trainer: Trainer, cfg: Config, groups: list[Group]) -> dict[str, float]
     """One optimizer step as the trainer worker takes it: scores, advantages, then the step."""
     samples = [s for g in groups for s in g.samples]
     trainer.score(samples)
-    assign_advantages(groups, "group", gae=(cfg.critic.gamma, cfg.critic.lam))
+    assign_advantages(groups, "group", gae=(cfg.algorithm.gamma, cfg.algorithm.lam))
     trainer.begin_step()
     trainer.accumulate(trainer.prepare(samples))
     return trainer.finish_step(trainer.batch_divisor(samples))
