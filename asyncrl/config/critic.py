@@ -23,7 +23,10 @@ class CriticConfig(Section):
         None,
         description="The critic's starting weights: a local Hugging Face causal-LM directory (or a builtin: or "
         "tiny: name, seeded with run.seed), its decoder under a fresh value head of zeros (every value starts "
-        "at 0). null = model.path: the critic starts as the initial policy's decoder (verl's default).",
+        "at 0); or a one-label token- or sequence-classification model (a run's final/critic, verl's critic, "
+        "TRL's value_model or a reward model), its score layer the value head. null = model.path: the critic "
+        "starts as the initial policy's decoder (verl's default). The final critic is saved in "
+        "RUN_DIR/final/critic as a one-label token-classification model.",
     )
     lora_rank: int = Field(
         0,

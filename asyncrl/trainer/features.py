@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -89,6 +90,9 @@ class TrainingFeature:
 
     def load_state(self, state: dict | None) -> None:
         """Restore :meth:`state` (None: a checkpoint that holds none of it)."""
+
+    def save_beside(self, path: Path) -> None:
+        """Beside the final policy saved at ``path``: what it saves of its own (a critic's model)."""
 
     def loss_forward(self, mb: MicroBatch, version: int) -> dict[str, float]:
         return {}
@@ -162,6 +166,10 @@ class TrainingFeatures:
     def load_state(self, states: dict[str, dict] | None) -> None:
         for f in self.members:
             f.load_state((states or {}).get(f.name))
+
+    def save_beside(self, path: Path) -> None:
+        for f in self.members:
+            f.save_beside(path)
 
     def prepared(self, samples: list[Sample]) -> None:
         for f in self.members:

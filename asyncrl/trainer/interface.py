@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -58,6 +59,10 @@ class StepTrainer(Protocol):
     def score(self, samples: list[Sample]) -> None:
         """What its training features score of a step's samples before their advantages (a
         critic's values), on one rank (no collective)."""
+        ...
+
+    def save_beside(self, path: Path) -> None:
+        """What its training features save beside the final policy at ``path`` (a critic's model)."""
         ...
 
     def prepare(self, samples: list[Sample]) -> list[MicroBatch]: ...

@@ -30,6 +30,7 @@ import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
@@ -222,9 +223,8 @@ class Trainer:
             sample.reference_kls = row[:span] + [0.0] * (len(sample.completion_ids) - span)
 
     def score(self, samples: list[Sample]) -> None:
-        """What the training features score of a step's samples before their advantages (a critic's
-        values), on the first rank: the samples with a trained token, planned into micro-batches as
-        for training. Nothing without a feature that scores."""
+        """What the training features score of a step's samples with a trained token before their
+        advantages (a critic's values), on the first rank, in the micro-batches of training."""
         scorers = self.features.scorers
         trained = [s for s in samples if any(s.loss_mask)]
         if not scorers or not trained:
@@ -235,6 +235,9 @@ class Trainer:
             for mb in self._collated(copies):
                 for feature in scorers:
                     feature.score(mb, [own[id(c)] for c in mb.samples])
+
+    def save_beside(self, path: Path) -> None:  # what the training features save (a critic)
+        self.features.save_beside(path)
 
     def _collated(self, samples: list[Sample]) -> list[MicroBatch]:
         with collection_paused():

@@ -228,6 +228,7 @@ class TrainerWorker:
         if policy is None:
             return []
         save_policy(policy, Path(command.path))
+        self.trainer.save_beside(Path(command.path))  # a critic's model, in critic/
         if self.models is not None:  # the other policies beside the primary, each in a folder of its own
             for name, other in self.models.saved_beside().items():
                 save_policy(other, Path(command.path) / "policies" / name)

@@ -1,15 +1,18 @@
 """The critic's check at the start of a run (:data:`~asyncrl.control.features.START_CHECKS`): a
-``critic.path`` of its own must read the policy's token ids as the policy does and hold as many
-positions, checked from its tokenizer and configuration before any weight is loaded."""
+``critic.path`` of its own must read the policy's token ids as the policy does, hold as many
+positions and, when it is a classification model, have one label; checked from its tokenizer and
+configuration before any weight is loaded."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from transformers import PretrainedConfig
 
 from asyncrl.config import Config
 from asyncrl.errors import ConfigError
+from asyncrl.features.critic.model import value_checkpoint_labels
 from asyncrl.models.loading import describe_tokenizer, load_tokenizer, tokenizer_fingerprint
 
 
@@ -32,6 +35,14 @@ def critic_fits(cfg: Config, model_config: Callable[[], PretrainedConfig]) -> No
             f"the critic's tokenizer ({describe_tokenizer(critic)}) is not the policy's (model.path="
             f"{cfg.model.path}: {describe_tokenizer(policy)}): it would read the policy's token ids as other "
             "text; start the critic from a model with the policy's tokenizer",
+        )
+    labels = None if path.startswith(("tiny:", "builtin:")) else value_checkpoint_labels(Path(path))
+    if labels not in (None, 1):
+        raise ConfigError(
+            "critic.path",
+            path,
+            f"is a classification model with {labels} labels; a critic's head gives one value: start it from "
+            "a causal LM, or a token- or sequence-classification model with one label (a value or reward model)",
         )
     if positions < policy_positions:
         raise ConfigError(

@@ -35,12 +35,19 @@ M ranks take the single process's critic step.
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from transformers import PreTrainedTokenizerBase
 
 from asyncrl.config import Config, TrainerConfig
-from asyncrl.features.critic.model import ValueModel
+from asyncrl.features.critic.model import (
+    ValueModel,
+    load_score_head,
+    save_value_model,
+    value_checkpoint_labels,
+)
 from asyncrl.models.activation_checkpointing import enable_activation_checkpointing
 from asyncrl.models.dropout import disable_dropout
 from asyncrl.models.loading import DTYPES, load_policy, resolve_dtype
@@ -122,8 +129,16 @@ class Critic(TrainingFeature):
     keeps_every_sample = True  # a sample whose advantages are 0 still trains the critic
     scores = True
 
-    def __init__(self, model: ValueModel, trainer: TrainerConfig, run: Config, compute: torch.dtype) -> None:
-        self.model = model
+    def __init__(
+        self,
+        model: ValueModel,
+        trainer: TrainerConfig,
+        run: Config,
+        compute: torch.dtype,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+    ) -> None:
+        """``tokenizer``: saved with the final critic (:meth:`save_beside`; None: none saved)."""
+        self.model, self.tokenizer = model, tokenizer
         critic = run.critic
         self.clip, self.max_grad_norm, self.warmup = (
             critic.value_clip,
@@ -226,6 +241,12 @@ class Critic(TrainingFeature):
             figures["value_explained_var"] = 1.0 - var_residual / var_return
         return figures
 
+    def save_beside(self, path: Path) -> None:
+        """The final critic, in ``critic/`` beside the final policy: a one-label token-classification
+        model that ``critic.path`` (and transformers) loads (:func:`save_value_model`)."""
+        if self.tokenizer is not None:
+            save_value_model(self.model, path / "critic", self.tokenizer)
+
     def unallocated_bytes(self) -> int:
         """Its gradients and AdamW's two moments."""
         return sum(3 * p.numel() * p.element_size() for p in self.params)
@@ -272,7 +293,8 @@ def critic(trained: TrainedModel) -> Critic | None:
     master, compute = DTYPES[run.trainer.master_dtype], resolve_dtype(run.model.dtype, device)
     rank = run.critic.lora_rank
     source = run.critic.path or run.model.path
-    lm = load_policy(source, device=str(device), dtype=compute if rank else master, seed=run.run.seed).model
+    loaded = load_policy(source, device=str(device), dtype=compute if rank else master, seed=run.run.seed)
+    lm = loaded.model
     if rank:  # a frozen base in the compute dtype, its adapters trained in the master dtype
         lm = apply_lora(lm, run.lora.model_copy(update={"rank": rank}), seed=run.run.seed)
         for p in lm.parameters():
@@ -282,4 +304,7 @@ def critic(trained: TrainedModel) -> Critic | None:
         disable_dropout(lm)
     if trained.cfg.activation_checkpointing:
         enable_activation_checkpointing(lm)
-    return Critic(ValueModel(lm, head_dtype=master), trained.cfg, run, compute)
+    model = ValueModel(lm, head_dtype=master)
+    if not source.startswith(("tiny:", "builtin:")) and value_checkpoint_labels(Path(source)) is not None:
+        load_score_head(model, Path(source))  # a value or reward model's head: the critic's start
+    return Critic(model, trained.cfg, run, compute, loaded.tokenizer)

@@ -31,6 +31,7 @@ import contextlib
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -145,6 +146,10 @@ class PolicySet:
                 continue
             with member.active():
                 member.trainer.score_reference_kl(own)
+
+    def save_beside(self, path: Path) -> None:
+        """The primary policy's features' (a multi-policy run has no critic)."""
+        self.primary.trainer.save_beside(path)
 
     def score(self, samples: list[Sample]) -> None:
         """Each trained policy's training features score that policy's samples."""
