@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from asyncrl.errors import AsyncRLError, ConfigError
-from asyncrl.lifeline import STOP_SIGNALS
+from asyncrl.lifeline import STOP_SIGNALS, repeats_run_stop
 
 
 def _quiet_transformers() -> None:
@@ -330,6 +330,8 @@ class _Stopped(BaseException):
 
 
 def _raise_stopped(signum: int, frame) -> None:
+    if repeats_run_stop(signum):  # a run's own stop delivered again as it ends: it reports the stop
+        return
     raise _Stopped(signum)
 
 

@@ -50,6 +50,10 @@ STOP_SIGNALS = tuple(
     for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
     if hasattr(signal, name)
 )
+# A stop can reach the run's process twice: coreutils ``timeout`` signals its child, then the
+# child's whole process group. The same signal again within this time is that one stop; a
+# second signal later (a user pressing Ctrl-C again) stops at once.
+REPEATED_SIGNAL_S = 1.0
 WATCH_S = 0.2  # how often the watcher thread looks at the parent pid
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -156,6 +160,28 @@ def stop_signals_held() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+_run_stop: list[tuple[int, float]] = []  # this process's last run: the signal it stopped on, and when
+
+
+def note_run_stop(signum: int | None) -> None:
+    """A run's stop signal as its handler takes it (the first of the run; None: a run starts)."""
+    if signum is None:
+        _run_stop.clear()
+    elif not _run_stop:
+        _run_stop.append((signum, time.monotonic()))
+
+
+def repeats_run_stop(signum: int) -> bool:
+    """Whether ``signum`` is the last run's stop signal again within ``REPEATED_SIGNAL_S``: the same
+    stop delivered twice, which may arrive after the run's own handlers are gone (a scheduler's
+    second delivery, late under load) and must not replace the run's stop with another."""
+    return (
+        bool(_run_stop)
+        and _run_stop[0][0] == signum
+        and time.monotonic() - _run_stop[0][1] < REPEATED_SIGNAL_S
+    )
 
 
 def ignore_stop_signals() -> None:

@@ -19,7 +19,7 @@ from asyncrl.control.run_start import Resume, start_point
 from asyncrl.control.session import RunSession, default_run_dir
 from asyncrl.engine.vllm_engine import unsupported_model
 from asyncrl.errors import AsyncRLError, ConfigError
-from asyncrl.lifeline import STOP_SIGNALS
+from asyncrl.lifeline import STOP_SIGNALS, note_run_stop
 from asyncrl.models.loading import load_model_config
 from asyncrl.models.lora import check_lora_fits
 from asyncrl.prompts.sources import PromptSource
@@ -146,8 +146,10 @@ def stop_on_signals(controller: Controller):
         return
 
     def handler(signum, frame) -> None:
+        note_run_stop(signum)  # its repeat after the handlers are gone is the same stop (asyncrl.cli)
         controller.request_stop(signal.Signals(signum).name, 128 + signum)
 
+    note_run_stop(None)
     previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
     try:
         yield

@@ -30,14 +30,10 @@ from asyncrl.control.preemption import Preemption
 from asyncrl.control.session import RunSession
 from asyncrl.control.steps import StepAssembly
 from asyncrl.errors import AsyncRLError
+from asyncrl.lifeline import REPEATED_SIGNAL_S
 from asyncrl.protocol.headers import GroupHeader
 from asyncrl.protocol.messages import CheckpointSaved, SaveCheckpoint, WorkerError
 from asyncrl.types import GroupState, Prompt
-
-# A stop can reach the run's process twice: coreutils ``timeout`` signals its child, then the
-# child's whole process group. The same signal again within this time is that one stop; a
-# second signal later (a user pressing Ctrl-C again) stops at once.
-REPEATED_SIGNAL_S = 1.0
 
 
 class RunInterrupted(AsyncRLError):

@@ -68,9 +68,11 @@ def test_agentic_bench_short_form(tmp_path: Path) -> None:
         rows = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines()]
         assert row["steps"] == len(rows) == STEPS
         assert all(r["samples"] == TASKS * EPISODES for r in rows)
-        # Seconds per step of the steady window, on the run's own clock (time_s), not wall time.
-        steady = (rows[-1]["time_s"] - rows[WARMUP - 1]["time_s"]) / (STEPS - WARMUP)
-        assert row["s_per_step"] == pytest.approx(steady, rel=1e-2, abs=2e-3), (name, row, steady)
+        # Seconds per step of the steady window, from the run's own records: their wall_time, the
+        # clock of the timeline's spans the busy fractions are taken over (the records' time_s is
+        # another clock, read a moment apart: under load they differ by milliseconds).
+        steady = (rows[-1]["wall_time"] - rows[WARMUP - 1]["wall_time"]) / (STEPS - WARMUP)
+        assert row["s_per_step"] == pytest.approx(steady, abs=1e-4), (name, row, steady)
         assert 0 < row["s_per_step"] * (STEPS - WARMUP) < rows[-1]["time_s"]
         mean_reward = sum(r["reward_mean"] for r in rows) / len(rows)
         assert row["reward_mean"] == pytest.approx(mean_reward, abs=1e-4) and 0.0 <= mean_reward <= 1.0

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import checkpoints
+from asyncrl import checkpoints, lifeline
 from asyncrl.cli import main
 from tests.helpers import ONE_THREAD_EACH, sets, short_run, signalled_when, stop_after_steps, train_to_end
 
@@ -229,6 +229,46 @@ def test_a_run_under_timeout_stops_cleanly_and_resumes(tmp_path: Path) -> None:
         extra=("task.reward_workers=1",),
         resume="here",
     )
+
+
+def test_a_stop_delivered_again_as_the_run_ends_keeps_the_runs_own_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """coreutils ``timeout`` signals the run's process, then its group; on a loaded machine the second
+    delivery can arrive after the run has stopped and its handlers are gone. That is the same stop:
+    the run's one line (with its checkpoint and resume command) and exit code stand."""
+    import asyncrl.control.run as run_module
+    from asyncrl.control.saving import RunInterrupted
+
+    line = "stopped by SIGTERM at step 3; checkpoint c; continue with: asyncrl train --resume r"
+    monkeypatch.setattr(lifeline, "_run_stop", [])  # this test's stop stays its own
+
+    def a_stopped_run(*args, **kwargs):
+        lifeline.note_run_stop(None)  # the run starts, then its handler takes a SIGTERM
+        lifeline.note_run_stop(signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)  # the second delivery, after the run's handlers are gone
+        raise RunInterrupted(line, 128 + signal.SIGTERM)
+
+    monkeypatch.setattr(run_module, "train", a_stopped_run)
+    assert main(["train", "--set", "run.steps=1"]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.strip().splitlines() == [f"asyncrl: {line}"]
+
+
+def test_only_the_same_signal_soon_after_repeats_a_runs_stop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another signal, or the same one REPEATED_SIGNAL_S later, is a stop of its own; a new run
+    forgets the last one's."""
+    now = [100.0]
+    monkeypatch.setattr(lifeline, "_run_stop", [])
+    monkeypatch.setattr(lifeline.time, "monotonic", lambda: now[0])
+    lifeline.note_run_stop(None)
+    lifeline.note_run_stop(signal.SIGTERM)
+    lifeline.note_run_stop(signal.SIGINT)  # a second signal during the run: the first one counts
+    assert lifeline.repeats_run_stop(signal.SIGTERM) and not lifeline.repeats_run_stop(signal.SIGINT)
+    now[0] += lifeline.REPEATED_SIGNAL_S
+    assert not lifeline.repeats_run_stop(signal.SIGTERM)
+    now[0] -= lifeline.REPEATED_SIGNAL_S
+    lifeline.note_run_stop(None)
+    assert not lifeline.repeats_run_stop(signal.SIGTERM)
 
 
 @pytest.mark.slow  # the group stop of a local run: test_a_run_under_timeout_stops_cleanly_and_resumes

@@ -95,8 +95,8 @@ def load_score_head(model: ValueModel, path: Path) -> None:
     if "weight" not in found or found["weight"].shape != model.head.weight.shape:
         shape = None if "weight" not in found else tuple(found["weight"].shape)
         raise ValueError(
-            f"{path}: no one-label {SCORE}.weight of shape {tuple(model.head.weight.shape)} in its safetensors "
-            f"files (found {shape}): it is not a value or reward model of this decoder"
+            f"critic.path={str(path)!r}: no one-label {SCORE}.weight of shape {tuple(model.head.weight.shape)} "
+            f"in its safetensors files (found {shape}): it is not a value or reward model of this decoder"
         )
     with torch.no_grad():
         model.head.weight.copy_(found["weight"])
