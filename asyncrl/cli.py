@@ -1,8 +1,9 @@
-"""The ``asyncrl`` command line: train, sft, config, timeline, report, scale, serve."""
+"""The ``asyncrl`` command line: train, eval, sft, config, timeline, report, scale, serve."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 
 from asyncrl.errors import AsyncRLError, ConfigError
-from asyncrl.lifeline import STOP_SIGNALS, repeats_run_stop
+from asyncrl.lifeline import STOP_SIGNALS, note_run_stop, repeats_run_stop
 
 
 def _quiet_transformers() -> None:
@@ -61,6 +62,63 @@ def _train(args: argparse.Namespace) -> int:
         return exc.exit_code
     print(json.dumps({k: v for k, v in summary.items() if k != "eval"}))
     return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    if args.run and args.config:
+        raise AsyncRLError("--run RUN_DIR evaluates with that run's own config.yaml; give no CONFIG with it")
+    if args.run and not (Path(args.run) / "config.yaml").is_file():
+        raise AsyncRLError(f"--run {args.run!r}: not a run directory (no config.yaml)")
+    for flag, value in (("--samples", args.samples), ("--prompts", args.prompts)):
+        if value is not None and value < 1:
+            raise AsyncRLError(f"{flag} must be >= 1, got {value}")
+    flags = [
+        f"run.{key}={value}"
+        for key, value in (
+            ("eval_samples", args.samples),
+            ("eval_temperature", args.temperature),
+            ("eval_prompts", args.prompts),
+        )
+        if value is not None
+    ]
+    _quiet_transformers()
+    from asyncrl.workers.model_evaluation import evaluate_saved_model, evaluation_setup
+
+    cfg, target = evaluation_setup(
+        str(Path(args.run) / "config.yaml") if args.run else args.config,
+        [*args.set, *flags],
+        run_dir=Path(args.run) if args.run else None,
+        model=args.model,
+    )
+    stopped: list[int] = []
+
+    def stop_evaluation(signum: int, frame) -> None:
+        if not stopped:
+            stopped.append(signum)
+            note_run_stop(signum)
+        elif not repeats_run_stop(signum):  # another stop, not the first delivered twice: at once
+            raise _Stopped(signum)
+
+    if threading.current_thread() is threading.main_thread():
+        note_run_stop(None)
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, stop_evaluation)
+    with (
+        open(args.completions, "w", encoding="utf-8") if args.completions else contextlib.nullcontext() as out
+    ):
+        report = evaluate_saved_model(cfg, target, stop=lambda: bool(stopped), completions=out)
+    print(json.dumps({"model": target.shown, **report}), flush=True)
+    if not stopped:
+        return 0
+    print(
+        f"asyncrl: evaluation stopped by {signal.Signals(stopped[0]).name} after {report['prompts_done']} "
+        f"of {report['prompts']} prompts (the figures are theirs)",
+        file=sys.stderr,
+    )
+    return 128 + stopped[0]
 
 
 def _sft(args: argparse.Namespace) -> int:
@@ -235,6 +293,35 @@ def build_parser() -> argparse.ArgumentParser:
         "there: the same command for a job's first start and its restarts (Slurm requeue, a pod restarted)",
     )
     train.set_defaults(func=_train)
+
+    evaluate = sub.add_parser(
+        "eval",
+        help="evaluate a model (a run's final model or newest checkpoint, a model directory) on the task's "
+        "held-out prompts: the run's evaluation, with best of k (pass@k)",
+    )
+    evaluate.add_argument("config", nargs="?", help="YAML config file of the task and sampling (optional)")
+    evaluate.add_argument(
+        "--run",
+        metavar="RUN_DIR",
+        help="evaluate this run's model (final/, else its newest checkpoint) with its config.yaml",
+    )
+    evaluate.add_argument(
+        "--model",
+        help="the model to evaluate: a model directory (a checkpoint's model/; with --run, LoRA adapters of "
+        "that run) or a source as model.path (default: --run's model, else model.path)",
+    )
+    evaluate.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
+    )
+    evaluate.add_argument("--samples", type=int, help="completions per prompt (run.eval_samples)")
+    evaluate.add_argument(
+        "--temperature", type=float, help="sampling temperature, 0 = greedy (run.eval_temperature)"
+    )
+    evaluate.add_argument("--prompts", type=int, help="held-out prompts to evaluate (run.eval_prompts)")
+    evaluate.add_argument(
+        "--completions", metavar="FILE", help="write every completion, its reward and prompt, as JSON lines"
+    )
+    evaluate.set_defaults(func=_eval)
 
     sft = sub.add_parser(
         "sft",

@@ -169,6 +169,7 @@ def rollout_interface() -> set[str]:
     [
         ("workers/generator.py", "self.rollout"),
         ("workers/evaluation.py", "self.rollout"),
+        ("workers/model_evaluation.py", "rollout"),
         ("rollout/evaluation.py", "rollout"),
         ("builtin/warm_start.py", "rollout"),
     ],

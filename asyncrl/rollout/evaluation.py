@@ -10,6 +10,7 @@ per prompt also the mean of each prompt's best.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from asyncrl.rollout.interface import Rollout
@@ -39,9 +40,41 @@ def evaluation_figures(
     # Group ids (and with them the seeds of samples, episodes and environments) from 0 at every
     # evaluation, so that two evaluations of the same weights agree.
     groups = rollout.generate_groups(prompts, first_group_id=0, stop=stop)
-    outcomes = [rollout.outcomes(g) for g in groups]
-    n = rollout.group_size
-    figures = {"eval_accuracy": sum(r for o in outcomes for r in o) / max(len(prompts) * n, 1)}
+    return outcome_figures([rollout.outcomes(g) for g in groups], len(prompts), rollout.group_size)
+
+
+def outcome_figures(outcomes: list[list[float]], prompts: int, n: int) -> dict[str, float]:
+    """:func:`evaluation_figures` of the ``outcomes`` (each scored group's N rewards) of ``prompts``
+    prompts, those without outcomes counting 0."""
+    figures = {"eval_accuracy": sum(r for o in outcomes for r in o) / max(prompts * n, 1)}
     if n > 1:
-        figures["eval_best_of_n"] = sum(max(o, default=0.0) for o in outcomes) / max(len(prompts), 1)
+        figures["eval_best_of_n"] = sum(max(o, default=0.0) for o in outcomes) / max(prompts, 1)
     return figures
+
+
+def best_of_k(rewards: list[float], k: int) -> float:
+    """The expected best reward among ``k`` of ``rewards`` drawn without replacement, exactly (no
+    sampling): pass@k's unbiased estimator (Chen et al. 2021, from n samples, c correct:
+    1 - C(n-c, k) / C(n, k)) when rewards are 0 or 1, and its generalisation to graded rewards.
+
+    Sorted ascending, the i-th reward (1-based) is the best of a k-subset in C(i-1, k-1) of the
+    C(n, k) subsets (ties broken by position, which leaves the value unchanged)."""
+    n = len(rewards)
+    if not 1 <= k <= n:
+        raise ValueError(f"best of k={k} needs 1 <= k <= the {n} rewards")
+    ordered = sorted(rewards)
+    return sum(r * math.comb(i, k - 1) for i, r in enumerate(ordered)) / math.comb(n, k)
+
+
+def best_of_ks(n: int) -> list[int]:
+    """The k of the best-of-k figures of N samples per prompt: the powers of two below N, and N."""
+    return [*(2**i for i in range(max(n - 1, 0).bit_length()) if 2**i < n), n]
+
+
+def best_of_figures(outcomes: list[list[float]], prompts: int, n: int) -> dict[str, float]:
+    """``best_of_<k>`` for every k of :func:`best_of_ks`: the mean over ``prompts`` of each prompt's
+    :func:`best_of_k` (``best_of_1`` is the mean reward, mean@N); prompts without outcomes (groups
+    dropped, or not yet generated) count 0."""
+    return {
+        f"best_of_{k}": sum(best_of_k(o, k) for o in outcomes if o) / max(prompts, 1) for k in best_of_ks(n)
+    }
