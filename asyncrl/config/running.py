@@ -27,7 +27,8 @@ class RunConfig(Section):
         ge=1,
         description="Completions per held-out prompt. 1: eval_accuracy is the mean reward of one completion "
         "each; N > 1 (needs eval_temperature > 0): eval_accuracy is the mean over all N (mean@N) and "
-        "eval_best_of_n the mean over prompts of the best of their N (pass@N for 0/1 rewards).",
+        "eval_best_of_n the mean over prompts of the best of their N (pass@N for 0/1 rewards), eval_best_of_<k> "
+        "the expected best of k of them for every power of two k below N (pass@k).",
     )
     eval_temperature: float = Field(
         0.0,

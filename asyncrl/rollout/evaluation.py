@@ -30,7 +30,8 @@ def evaluation_figures(
     them (of the episodes, by their team reward, for a multi-agent rollout:
     :meth:`Rollout.outcomes`); with N = the rollout's group size > 1 (mean@N) also
     ``eval_best_of_n``: the mean over prompts of the best reward among a prompt's N (pass@N
-    when rewards are 0 or 1).
+    when rewards are 0 or 1), and ``eval_best_of_<k>`` for every power of two k below N: the
+    expected best of k of them (:func:`outcome_figures`).
 
     A sample whose reward failed counts 0, and so does a group the rollout dropped (reward
     errors under ``drop_group``). With several reward functions the reward is their weighted
@@ -45,8 +46,12 @@ def evaluation_figures(
 
 def outcome_figures(outcomes: list[list[float]], prompts: int, n: int) -> dict[str, float]:
     """:func:`evaluation_figures` of the ``outcomes`` (each scored group's N rewards) of ``prompts``
-    prompts, those without outcomes counting 0."""
+    prompts, those without outcomes counting 0: ``eval_accuracy`` (mean@N), and with N > 1
+    ``eval_best_of_<k>`` for every power of two k below N (:func:`best_of_k`, pass@k for 0/1
+    rewards) and ``eval_best_of_n``, the best of all N."""
     figures = {"eval_accuracy": sum(r for o in outcomes for r in o) / max(prompts * n, 1)}
+    for k in best_of_ks(n)[1:-1]:
+        figures[f"eval_best_of_{k}"] = sum(best_of_k(o, k) for o in outcomes if o) / max(prompts, 1)
     if n > 1:
         figures["eval_best_of_n"] = sum(max(o, default=0.0) for o in outcomes) / max(prompts, 1)
     return figures
@@ -67,14 +72,5 @@ def best_of_k(rewards: list[float], k: int) -> float:
 
 
 def best_of_ks(n: int) -> list[int]:
-    """The k of the best-of-k figures of N samples per prompt: the powers of two below N, and N."""
+    """The k of best of k among N samples per prompt: the powers of two below N, and N."""
     return [*(2**i for i in range(max(n - 1, 0).bit_length()) if 2**i < n), n]
-
-
-def best_of_figures(outcomes: list[list[float]], prompts: int, n: int) -> dict[str, float]:
-    """``best_of_<k>`` for every k of :func:`best_of_ks`: the mean over ``prompts`` of each prompt's
-    :func:`best_of_k` (``best_of_1`` is the mean reward, mean@N); prompts without outcomes (groups
-    dropped, or not yet generated) count 0."""
-    return {
-        f"best_of_{k}": sum(best_of_k(o, k) for o in outcomes if o) / max(prompts, 1) for k in best_of_ks(n)
-    }

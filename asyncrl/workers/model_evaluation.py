@@ -6,8 +6,7 @@ names, as a generator merges every version it receives. The evaluation is the ru
 (:mod:`asyncrl.rollout.evaluation`): ``run.eval_prompts`` held-out prompts, ``run.eval_samples``
 completions each at ``run.eval_temperature``, the task's reward functions or episodes, group
 ids from 0 — so the final model's figures are the run's last evaluation's — but on the engine
-``rollout.engine`` names (CUDA graphs on CUDA, or vLLM), with the best of k figures for every
-power of two k below N (pass@k for 0/1 rewards, estimated without bias from the N).
+``rollout.engine`` names (CUDA graphs on CUDA, or vLLM).
 
 Groups are written to the completions file as they are scored, so a stop loses none: the
 figures then cover the prompts that finished (``prompts_done``), and say what stopped them.
@@ -31,7 +30,7 @@ from asyncrl.config.engines import check_engines_installed
 from asyncrl.errors import AsyncRLError, ConfigError
 from asyncrl.models.directories import check_model_directory, is_directory_source
 from asyncrl.prompts.task_prompts import eval_prompts
-from asyncrl.rollout.evaluation import best_of_figures, outcome_figures
+from asyncrl.rollout.evaluation import outcome_figures
 from asyncrl.rollout.interface import Rollout
 from asyncrl.types import Group, Prompt
 from asyncrl.workers.assembly import seed_everything
@@ -227,16 +226,15 @@ def figures(
     stopped: bool,
     reward_errors: int,
 ) -> dict[str, Any]:
-    """The evaluation's report: ``eval_accuracy`` (and ``eval_best_of_n``) as a run logs them, with
-    N > 1 the best of k figures (``best_of_1`` is mean@N), and what was generated. A stopped evaluation's figures are over the
-    ``prompts_done`` it finished."""
+    """The evaluation's report: the figures a run logs (``eval_accuracy``, with N > 1
+    ``eval_best_of_<k>`` and ``eval_best_of_n``: :func:`~asyncrl.rollout.evaluation.outcome_figures`)
+    and what was generated. A stopped evaluation's figures are over the ``prompts_done`` it finished."""
     done = len(groups)
     over = done if stopped else prompts
     samples = [s for g in groups for s in g.samples]
     tokens = sum(len(s.completion_ids) for s in samples)
     report: dict[str, Any] = {
         **outcome_figures(outcomes, over, n),
-        **(best_of_figures(outcomes, over, n) if n > 1 else {}),
         "prompts": prompts,
         "prompts_done": done,
         "samples_per_prompt": n,

@@ -49,10 +49,15 @@ PROMPTS = [Prompt("a", "x"), Prompt("b", "x"), Prompt("c", "x")]
 
 
 def test_mean_and_best_of_n_by_hand() -> None:
-    """3 prompts x 4 samples, prompt c dropped (it counts 0): mean 1.5/12, best (1 + 0.5 + 0)/3."""
+    """3 prompts x 4 samples, prompt c dropped (it counts 0): mean 1.5/12, best of 2 and of 4 by hand."""
     rollout = ScoredRollout({"a": [1.0, 0.0, 0.0, 0.0], "b": [0.0, 0.5, 0.0, 0.0]}, group_size=4)
     figures = evaluation_figures(rollout, PROMPTS)
-    assert figures == {"eval_accuracy": pytest.approx(1.5 / 12), "eval_best_of_n": pytest.approx(0.5)}
+    # Best of 2: a's 1.0 is in 3 of the 6 pairs, b's 0.5 in 3 of them.
+    assert figures == {
+        "eval_accuracy": pytest.approx(1.5 / 12),
+        "eval_best_of_2": pytest.approx((0.5 + 0.25) / 3),
+        "eval_best_of_n": pytest.approx(0.5),
+    }
     one = ScoredRollout({"a": [1.0], "b": [0.0], "c": [0.25]}, group_size=1)
     assert evaluation_figures(one, PROMPTS) == {"eval_accuracy": pytest.approx(1.25 / 3)}  # no best of 1
 

@@ -16,7 +16,7 @@ import pytest
 
 from asyncrl.cli import main
 from asyncrl.reports.jsonl import read_jsonl
-from asyncrl.rollout.evaluation import best_of_figures, best_of_k, best_of_ks
+from asyncrl.rollout.evaluation import best_of_k, best_of_ks, outcome_figures
 from tests.helpers import sets
 
 SHORT_RUN = [
@@ -67,9 +67,10 @@ def test_best_of_k_is_the_mean_best_of_every_k_subset() -> None:
         [1, 2, 4, 8],
     ]
     # Three prompts, one without outcomes (dropped): it counts 0 in every figure.
-    assert best_of_figures([[1.0, 0.0], [0.0, 0.0]], prompts=3, n=2) == {
-        "best_of_1": pytest.approx(0.5 / 3),
-        "best_of_2": pytest.approx(1 / 3),
+    assert outcome_figures([[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 1.0, 0.0]], prompts=3, n=4) == {
+        "eval_accuracy": pytest.approx(3 / 12),
+        "eval_best_of_2": pytest.approx((0.5 + 5 / 6) / 3),
+        "eval_best_of_n": pytest.approx(2 / 3),
     }
 
 
@@ -89,7 +90,7 @@ def test_a_runs_final_model_scores_the_runs_last_evaluation(full_run, tmp_path: 
     assert report["model"] == str(run_dir / "final")
     assert report["eval_accuracy"] == evals[-1]["eval_accuracy"]
     assert report["prompts"] == report["prompts_done"] == 60 and report["samples_per_prompt"] == 1
-    assert "best_of_1" not in report and "stopped" not in report
+    assert "eval_best_of_n" not in report and "stopped" not in report
     records = read_jsonl(completions)
     assert len(records) == 60 and len({r["prompt_id"] for r in records}) == 60
     assert sum(r["reward"] or 0.0 for r in records) / 60 == pytest.approx(report["eval_accuracy"])
@@ -104,21 +105,21 @@ def test_a_runs_final_model_scores_the_runs_last_evaluation(full_run, tmp_path: 
 
 
 def test_sampled_evaluations_give_best_of_k_for_powers_of_two(full_run, tmp_path: Path) -> None:
-    """--samples 4 --temperature 1: mean@4 is best_of_1, best of 4 the run's eval_best_of_n, best
-    of 2 the mean over prompts of best_of_k from the written rewards; the same figures again."""
+    """--samples 4 --temperature 1: mean@4, best of 2 (the mean over prompts of best_of_k of the
+    written rewards) and best of 4, in order; the same figures again."""
     run_dir, _ = full_run
     completions = tmp_path / "sampled.jsonl"
     args = ["eval", "--run", str(run_dir), "--samples", "4", "--temperature", "1", "--prompts", "20"]
     code, report = run_cli(*args, "--completions", str(completions))
     assert code == 0 and report["samples_per_prompt"] == 4 and report["prompts"] == 20
-    assert report["best_of_1"] == pytest.approx(report["eval_accuracy"])
-    assert report["best_of_4"] == pytest.approx(report["eval_best_of_n"])
-    assert report["best_of_1"] <= report["best_of_2"] <= report["best_of_4"]
+    assert report["eval_accuracy"] <= report["eval_best_of_2"] <= report["eval_best_of_n"]
     by_prompt: dict[str, list[float]] = {}
     for r in read_jsonl(completions):
         by_prompt.setdefault(r["prompt_id"], []).append(r["reward"] or 0.0)
     assert len(by_prompt) == 20 and all(len(v) == 4 for v in by_prompt.values())
-    assert report["best_of_2"] == pytest.approx(sum(best_of_k(v, 2) for v in by_prompt.values()) / 20)
+    assert report["eval_best_of_2"] == pytest.approx(sum(best_of_k(v, 2) for v in by_prompt.values()) / 20)
+    assert report["eval_best_of_n"] == pytest.approx(sum(max(v) for v in by_prompt.values()) / 20)
+    assert report["eval_accuracy"] == pytest.approx(sum(map(sum, by_prompt.values())) / 80)
     again = run_cli(*args)[1]
     assert {k: v for k, v in again.items() if k not in ("seconds", "tokens_per_s")} == {
         k: v for k, v in report.items() if k not in ("seconds", "tokens_per_s")
