@@ -36,6 +36,12 @@ class RunConfig(Section):
         description="Sampling temperature of evaluations: 0 = greedy; above 0 with rollout.top_k/top_p/min_p, "
         "each completion seeded by the run's seed and its place, so two evaluations of the same weights agree.",
     )
+    eval_by: str | None = Field(
+        None,
+        description="A column of the held-out rows (a dataset's, e.g. data_source) whose values split each "
+        "evaluation: every figure is also logged per value, as eval_accuracy/<value> (verl's per-data-source "
+        "validation metrics). A held-out row without it is named at the first evaluation.",
+    )
     checkpoint_every: int = Field(
         50,
         ge=0,

@@ -40,6 +40,7 @@ MAY_CHANGE_ON_CONTINUING = frozenset(
         "run.eval_prompts",
         "run.eval_samples",
         "run.eval_temperature",
+        "run.eval_by",
         "runtime.start_timeout_s",
         "runtime.stall_timeout_s",
         "runtime.stop_timeout_s",

@@ -55,7 +55,7 @@ class TrainerEvaluation:
             model.eval()
         try:
             with trainer.compute():
-                return evaluation_figures(self.rollout, self._prompts, stop=stop)
+                return evaluation_figures(self.rollout, self._prompts, stop=stop, by=self.cfg.run.eval_by)
         except (ScoringStopped, GenerationStopped):
             return None  # the run is stopping: the evaluation is given up
         finally:

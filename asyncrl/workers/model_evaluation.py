@@ -30,7 +30,7 @@ from asyncrl.config.engines import check_engines_installed
 from asyncrl.errors import AsyncRLError, ConfigError
 from asyncrl.models.directories import check_model_directory, is_directory_source
 from asyncrl.prompts.task_prompts import eval_prompts
-from asyncrl.rollout.evaluation import outcome_figures
+from asyncrl.rollout.evaluation import check_split_column, outcome_figures
 from asyncrl.rollout.interface import Rollout
 from asyncrl.types import Group, Prompt
 from asyncrl.workers.assembly import seed_everything
@@ -130,10 +130,10 @@ def check_evaluable(cfg: Config) -> None:
 
 class CompletionsFile:
     """One JSON line per completion (a multi-agent episode: per role's sample), written as its
-    group is scored and flushed per group."""
+    group is scored and flushed per group; with ``by`` (``run.eval_by``) it carries that column."""
 
-    def __init__(self, handle: IO[str], decode: Callable[[list[int]], str]) -> None:
-        self.handle, self.decode = handle, decode
+    def __init__(self, handle: IO[str], decode: Callable[[list[int]], str], by: str | None) -> None:
+        self.handle, self.decode, self.by = handle, decode, by
 
     def write(self, group: Group, dropped: bool) -> None:
         for k, sample in enumerate(group.samples):
@@ -147,6 +147,8 @@ class CompletionsFile:
                 "finish_reason": sample.finish_reason,
                 "completion_tokens": len(sample.completion_ids),
             }
+            if self.by is not None:  # run.eval_by's column, which splits the figures
+                record["columns"] = {self.by: group.prompt.extra[self.by]}
             if sample.reward_components:
                 record["rewards"] = sample.reward_components
             if sample.role is not None:
@@ -175,14 +177,20 @@ def evaluate_saved_model(
             lora.load(engine, load_file(str(target.adapters / ADAPTER_WEIGHTS)), version=0)
         rollout = build_rollout(cfg, policy, engine, evaluation=True)
         prompts = eval_prompts(cfg, policy, rollout.tokenizer)
-        written = CompletionsFile(completions, policy.tokenizer.decode) if completions is not None else None
+        if cfg.run.eval_by is not None:
+            check_split_column(prompts, cfg.run.eval_by)
+        written = (
+            None
+            if completions is None
+            else CompletionsFile(completions, policy.tokenizer.decode, cfg.run.eval_by)
+        )
         started = time.perf_counter()
-        outcomes, finished, stopped = _generate(rollout, prompts, stop, written)
+        scored, stopped = _generate(rollout, prompts, stop, written)
         return figures(
-            outcomes,
-            finished,
-            prompts=len(prompts),
+            scored,
+            prompts,
             n=rollout.group_size,
+            by=cfg.run.eval_by,
             seconds=time.perf_counter() - started,
             stopped=stopped,
             reward_errors=rollout.stats.reward_errors,
@@ -195,48 +203,46 @@ def evaluate_saved_model(
 
 def _generate(
     rollout: Rollout, prompts: list[Prompt], stop: Callable[[], bool], written: CompletionsFile | None
-) -> tuple[list[list[float]], list[Group], bool]:
+) -> tuple[list[tuple[Group, list[float]]], bool]:
     """Every prompt's group, to the end or to a stop (then the groups in flight are given up):
-    (each scored group's outcomes, the groups, whether it stopped). A dropped group's outcomes are 0."""
+    (each scored group with its outcomes, whether it stopped). A dropped group's outcomes are 0."""
     # Group ids from 0, as every evaluation of a run: the seeds of its samples are the run's.
     rollout.submit(list(enumerate(prompts)))
-    outcomes: list[list[float]] = []
-    groups: list[Group] = []
+    scored: list[tuple[Group, list[float]]] = []
     while rollout.has_work:
         if stop():
             rollout.preempt()
-            return outcomes, groups, True
+            return scored, True
         ready, dropped = rollout.step()
         for group, was_dropped in [*((g, False) for g in ready), *((g, True) for g in dropped)]:
-            scored = [0.0] * group.size if was_dropped else rollout.outcomes(group)
-            outcomes.append(scored)
-            groups.append(group)
+            scored.append((group, [0.0] * group.size if was_dropped else rollout.outcomes(group)))
             if written is not None:
                 written.write(group, was_dropped)
-    return outcomes, groups, False
+    return scored, False
 
 
 def figures(
-    outcomes: list[list[float]],
-    groups: list[Group],
+    scored: list[tuple[Group, list[float]]],
+    prompts: list[Prompt],
     *,
-    prompts: int,
     n: int,
+    by: str | None,
     seconds: float,
     stopped: bool,
     reward_errors: int,
 ) -> dict[str, Any]:
     """The evaluation's report: the figures a run logs (``eval_accuracy``, with N > 1
-    ``eval_best_of_<k>`` and ``eval_best_of_n``: :func:`~asyncrl.rollout.evaluation.outcome_figures`)
-    and what was generated. A stopped evaluation's figures are over the ``prompts_done`` it finished."""
-    done = len(groups)
-    over = done if stopped else prompts
+    ``eval_best_of_<k>`` and ``eval_best_of_n``, with ``by`` each per value of that column:
+    :func:`~asyncrl.rollout.evaluation.outcome_figures`) and what was generated. A stopped
+    evaluation's figures are over the ``prompts_done`` it finished."""
+    groups = [g for g, _ in scored]
+    over = [g.prompt for g in groups] if stopped else prompts
     samples = [s for g in groups for s in g.samples]
     tokens = sum(len(s.completion_ids) for s in samples)
     report: dict[str, Any] = {
-        **outcome_figures(outcomes, over, n),
-        "prompts": prompts,
-        "prompts_done": done,
+        **outcome_figures([(g.prompt, o) for g, o in scored], over, n, by),
+        "prompts": len(prompts),
+        "prompts_done": len(groups),
         "samples_per_prompt": n,
         "completion_tokens": tokens,
         "completion_tokens_mean": tokens / max(len(samples), 1),

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
 import pytest
 
 from asyncrl.builtin.arithmetic import ArithmeticTask
+from asyncrl.cli import main
 from asyncrl.config import load_config
 from asyncrl.control.run import train
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.errors import ConfigError
 from asyncrl.models.loading import load_policy
+from asyncrl.reports.jsonl import read_jsonl
 from asyncrl.rollout.evaluation import evaluation_figures
 from asyncrl.types import Group, Prompt
 from asyncrl.workers.rollouts import build_rollout
@@ -120,3 +124,73 @@ def test_a_run_logs_both_figures_of_its_sampled_evaluations(tmp_path: Path) -> N
     assert [r["step"] for r in rows] == [0, 2]
     assert all(0.0 <= r["eval_accuracy"] <= r["eval_best_of_n"] <= 1.0 for r in rows)
     assert summary["eval"][-1]["eval_best_of_n"] == rows[-1]["eval_best_of_n"]
+
+
+def test_figures_split_by_a_column_by_hand() -> None:
+    """run.eval_by: each value's figures over its own prompts (a dropped one counts 0 in its
+    value), beside the whole evaluation's; a prompt without the column is named."""
+    prompts = [Prompt(p, "x", extra={"source": s}) for p, s in (("a", "gsm"), ("b", "gsm"), ("c", "aime"))]
+    rollout = ScoredRollout({"a": [1.0, 1.0], "b": [0.0, 1.0]}, group_size=2)  # c dropped
+    figures = evaluation_figures(rollout, prompts, by="source")
+    assert figures == {
+        "eval_accuracy": pytest.approx(3 / 6),
+        "eval_best_of_n": pytest.approx(2 / 3),
+        "eval_accuracy/aime": 0.0,
+        "eval_best_of_n/aime": 0.0,
+        "eval_accuracy/gsm": pytest.approx(3 / 4),
+        "eval_best_of_n/gsm": pytest.approx(1.0),
+    }
+    with pytest.raises(
+        ConfigError,
+        match=r"run.eval_by='level': held-out prompt 'a' has no such column \(its columns besides the prompt and answer: \['source'\]\)",
+    ):
+        evaluation_figures(rollout, prompts, by="level")
+
+
+def test_a_dataset_runs_evaluations_split_by_its_column(tmp_path: Path) -> None:
+    """A JSONL task with a 'source' column and run.eval_by=source: eval.jsonl has each source's
+    accuracy; asyncrl eval of the final model gives the run's last figures, split the same way,
+    each completion record names its source, and the sources' accuracies weighted by their
+    held-out rows make the whole."""
+    pairs = [(3, 4), (12, 7), (5, 5), (40, 2), (9, 9), (31, 17), (2, 6), (8, 1), (22, 13), (6, 3)]
+    rows = [
+        {
+            "prompt": f"{a}+{b}=",
+            "answer": str(a + b),
+            "source": "one digit" if max(a, b) < 10 else "two digits",
+        }
+        for a, b in pairs * 3
+    ]
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    overrides = [
+        *short_run(2),
+        "task.name=jsonl",
+        f"task.path={data}",
+        "task.eval_fraction=0.5",
+        "run.eval_every=2",
+        "run.eval_by=source",
+        "runtime.kind=inline",
+    ]
+    run_dir = tmp_path / "run"
+    train(load_config(None, overrides), run_dir)
+    evals = read_jsonl(run_dir / "eval.jsonl")
+    sources = ("one digit", "two digits")
+    assert [e["step"] for e in evals] == [0, 2]
+    assert all(
+        e.keys() == {"step", "time_s", "eval_accuracy", *(f"eval_accuracy/{s}" for s in sources)}
+        for e in evals
+    )
+    completions = tmp_path / "completions.jsonl"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["eval", "--run", str(run_dir), "--completions", str(completions)]) == 0
+    report = json.loads(out.getvalue())
+    for key in ("eval_accuracy", *(f"eval_accuracy/{s}" for s in sources)):
+        assert report[key] == evals[-1][key], key
+    records = read_jsonl(completions)
+    counts = {s: sum(r["columns"] == {"source": s} for r in records) for s in sources}
+    assert sum(counts.values()) == 15 and min(counts.values()) > 0  # half of the 30 rows held out
+    assert sum(counts[s] * report[f"eval_accuracy/{s}"] for s in sources) / 15 == pytest.approx(
+        report["eval_accuracy"]
+    )

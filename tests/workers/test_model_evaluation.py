@@ -17,6 +17,7 @@ import pytest
 from asyncrl.cli import main
 from asyncrl.reports.jsonl import read_jsonl
 from asyncrl.rollout.evaluation import best_of_k, best_of_ks, outcome_figures
+from asyncrl.types import Prompt
 from tests.helpers import sets
 
 SHORT_RUN = [
@@ -67,7 +68,9 @@ def test_best_of_k_is_the_mean_best_of_every_k_subset() -> None:
         [1, 2, 4, 8],
     ]
     # Three prompts, one without outcomes (dropped): it counts 0 in every figure.
-    assert outcome_figures([[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 1.0, 0.0]], prompts=3, n=4) == {
+    prompts = [Prompt(name, "x") for name in "abc"]
+    scored = [(prompts[0], [1.0, 0.0, 0.0, 0.0]), (prompts[1], [0.0, 1.0, 1.0, 0.0])]
+    assert outcome_figures(scored, prompts, n=4) == {
         "eval_accuracy": pytest.approx(3 / 12),
         "eval_best_of_2": pytest.approx((0.5 + 5 / 6) / 3),
         "eval_best_of_n": pytest.approx(2 / 3),
