@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -64,6 +63,14 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _written(path: str, flag: str):
+    """``path`` opened for writing, or the reason it cannot be, named by ``flag``."""
+    try:
+        return open(path, "w", encoding="utf-8")
+    except OSError as exc:
+        raise AsyncRLError(f"{flag} {path!r}: cannot write it: {exc.strerror or exc}") from None
+
+
 def _eval(args: argparse.Namespace) -> int:
     import signal
     import threading
@@ -106,10 +113,12 @@ def _eval(args: argparse.Namespace) -> int:
         note_run_stop(None)
         for sig in STOP_SIGNALS:
             signal.signal(sig, stop_evaluation)
-    with (
-        open(args.completions, "w", encoding="utf-8") if args.completions else contextlib.nullcontext() as out
-    ):
+    out = _written(args.completions, "--completions") if args.completions else None
+    try:
         report = evaluate_saved_model(cfg, target, stop=lambda: bool(stopped), completions=out)
+    finally:
+        if out is not None:
+            out.close()
     print(json.dumps({"model": target.shown, **report}), flush=True)
     if not stopped:
         return 0
@@ -131,10 +140,15 @@ def _sft(args: argparse.Namespace) -> int:
         seed=args.seed,
         **{k: v for k, v in given.items() if v is not None},  # else the task's default
     )
+    out = Path(args.out)
+    try:  # before the minutes of training, not after them
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise AsyncRLError(f"--out {args.out!r}: cannot write the model there: {exc.strerror or exc}") from None
     _quiet_transformers()
     from asyncrl.builtin.warm_start import run_sft
 
-    summary = run_sft(cfg, Path(args.out))
+    summary = run_sft(cfg, out)
     print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
     return 0
 

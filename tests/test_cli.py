@@ -358,6 +358,20 @@ def test_sft_without_blur_reports_final_accuracy(tmp_path: Path) -> None:
     assert (tmp_path / "noblur" / "model.safetensors").is_file()
 
 
+def test_sft_refuses_an_output_it_cannot_write_before_training(tmp_path: Path, capsys) -> None:
+    """--out that names a file (or lies under one) is one line at once, not a traceback after the training."""
+    (tmp_path / "a_file").write_text("", encoding="utf-8")
+    for out, why in (
+        (tmp_path / "a_file", "File exists"),
+        (tmp_path / "a_file" / "model", "Not a directory"),
+    ):
+        assert main(["sft", "--out", str(out)]) == 2
+        assert (
+            capsys.readouterr().err
+            == f"asyncrl: error: --out {str(out)!r}: cannot write the model there: {why}\n"
+        )
+
+
 def test_sft_command_line_picks_the_tasks_defaults(tmp_path: Path, monkeypatch, capsys) -> None:
     """``asyncrl sft`` without --task is exactly the config builtin:arith was made with;
     ``--task guess`` takes that task's defaults, and given flags replace them; an unknown task

@@ -226,6 +226,10 @@ def test_bad_input_is_one_line_naming_it(
         (["--samples", "4"], "run.eval_samples=4 with run.eval_temperature=0"),
         (["--model", str(tmp_path)], "--model=" + repr(str(tmp_path)) + ": the directory has no config.json"),
         (["examples/verify.yaml"], "multi_agent.policies=['verifier']: asyncrl eval evaluates one policy"),
+        (
+            ["--completions", str(tmp_path)],
+            f"--completions {str(tmp_path)!r}: cannot write it: Is a directory",
+        ),
     ]
     for args, message in cases:
         capsys.readouterr()
