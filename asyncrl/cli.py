@@ -144,7 +144,9 @@ def _sft(args: argparse.Namespace) -> int:
     try:  # before the minutes of training, not after them
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise AsyncRLError(f"--out {args.out!r}: cannot write the model there: {exc.strerror or exc}") from None
+        raise AsyncRLError(
+            f"--out {args.out!r}: cannot write the model there: {exc.strerror or exc}"
+        ) from None
     _quiet_transformers()
     from asyncrl.builtin.warm_start import run_sft
 

@@ -181,6 +181,7 @@ def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
             ["{tmp}/bad.jsonl, line 2: missing field(s) ['answer']", "task.skip_bad_rows=true"],
         ),
         (["--set", "task.reward=asyncrl_no_such_module:fn"], ["task.reward=", "cannot import module"]),
+        (["--set", "task.name=jsonl", "--set", "task.path={tmp}"], ["dataset file '{tmp}' is a directory"]),
     ],
     ids=[
         "unknown_key",
@@ -192,6 +193,7 @@ def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         "missing_dataset",
         "bad_dataset_row",
         "missing_reward",
+        "dataset_directory",
     ],
 )
 def test_user_errors_exit_2_with_one_line(

@@ -78,7 +78,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             loaded = yaml.safe_load(text)
             _written_scalars(yaml.compose(text), [], written)
         except (yaml.YAMLError, UnicodeDecodeError) as exc:
-            raise AsyncRLError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
+            raise AsyncRLError(f"config file {str(p)!r} is not valid YAML: {_one_line(exc)}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise AsyncRLError(
                 f"config file {str(p)!r} must hold a mapping of sections, got {type(loaded).__name__}"
@@ -172,3 +172,12 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
 
 def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def _one_line(exc: Exception) -> str:
+    """A YAML or decoding error in one line: where (line and column, 1-based) and what."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None)
+    if mark is not None and problem:
+        return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    return " ".join(str(exc).split())

@@ -7,6 +7,7 @@ imports take.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from asyncrl.errors import ConfigError
@@ -24,6 +25,10 @@ def check_model_directory(path: Path, source: str, key: str = "model.path") -> N
             "no such directory (a local Hugging Face model directory is expected; nothing is downloaded)",
         )
     if not (path / "config.json").is_file():
+        if (path / "adapter_config.json").is_file():
+            raise ConfigError(
+                key, source, f"a LoRA adapter directory (peft), not a whole model: {_adapter_hint(path)}"
+            )
         raise ConfigError(key, source, "the directory has no config.json, so it is not a Hugging Face model")
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         # transformers would build an empty tokenizer from the model config instead of failing.
@@ -33,3 +38,18 @@ def check_model_directory(path: Path, source: str, key: str = "model.path") -> N
 def is_directory_source(source: str) -> bool:
     """Whether a model source names a directory (not ``tiny:...`` or ``builtin:...``)."""
     return not source.startswith(("tiny:", "builtin:"))
+
+
+def _adapter_hint(path: Path) -> str:
+    """What to do with an adapter directory where a model is expected: its base, as it names it."""
+    try:
+        base = json.loads((path / "adapter_config.json").read_text(encoding="utf-8")).get(
+            "base_model_name_or_path"
+        )
+    except (OSError, ValueError, AttributeError):
+        base = None
+    named = f" over the base {base!r}" if base else ""
+    return (
+        f"its adapters{named} are evaluated with `asyncrl eval --run RUN_DIR` (the run that trained them), "
+        "or merged into the base with peft's merge_and_unload and saved as a model"
+    )

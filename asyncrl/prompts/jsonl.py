@@ -24,6 +24,11 @@ class JsonlDataset(RowDataset):
         self.finish(str(self.path))
 
     def _load(self) -> None:
+        if self.path.is_dir():
+            raise DatasetError(
+                f"dataset file {str(self.path)!r} is a directory (task.name=jsonl reads one JSONL file; "
+                "task.name=dataset reads a directory of data files or a save_to_disk one)"
+            )
         if not self.path.is_file():
             raise DatasetError(f"dataset file {str(self.path)!r} does not exist")
         with self.path.open("rb") as fh:

@@ -274,11 +274,20 @@ def test_missing_config_file_names_the_file(tmp_path: Path) -> None:
 
 
 def test_config_file_that_is_not_yaml_names_the_file(tmp_path: Path) -> None:
-    """A file that is not YAML (or not UTF-8) is an AsyncRLError naming the file."""
+    """A file that is not YAML (or not UTF-8) is an AsyncRLError naming the file, in one line that
+    says where the YAML went wrong."""
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer: [1, 2\nrun: {", encoding="utf-8")
-    with pytest.raises(AsyncRLError, match=r"config file '.*bad\.yaml' is not valid YAML"):
+    with pytest.raises(AsyncRLError, match=r"config file '.*bad\.yaml' is not valid YAML") as info:
         load_config(bad)
+    assert "\n" not in str(info.value)
+    tab = tmp_path / "tab.yaml"
+    tab.write_text("run:\n  steps: 3\n\tbad: 1\n", encoding="utf-8")
+    with pytest.raises(AsyncRLError) as info:
+        load_config(tab)
+    assert str(info.value) == (
+        f"config file {str(tab)!r} is not valid YAML: line 3, column 1: found character '\\t' that cannot start any token"
+    )
     binary = tmp_path / "binary.yaml"
     binary.write_bytes(b"run:\n  steps: \xff\xfe\n")
     with pytest.raises(AsyncRLError, match=r"config file '.*binary\.yaml' is not valid YAML"):

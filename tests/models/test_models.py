@@ -164,6 +164,14 @@ def test_load_policy_nonexistent_directory(tmp_path: Path) -> None:
 def test_load_policy_directory_without_config(tmp_path: Path) -> None:
     """A directory without config.json is not a Hugging Face model."""
     assert "has no config.json" in load_error(str(tmp_path))
+    (tmp_path / "adapter_config.json").write_text(
+        '{"base_model_name_or_path": "/models/base"}', encoding="utf-8"
+    )
+    assert load_error(str(tmp_path)).endswith(
+        "a LoRA adapter directory (peft), not a whole model: its adapters over the base '/models/base' are "
+        "evaluated with `asyncrl eval --run RUN_DIR` (the run that trained them), or merged into the base "
+        "with peft's merge_and_unload and saved as a model"
+    )
 
 
 def test_load_policy_model_without_tokenizer(saved_tiny, tmp_path: Path) -> None:
