@@ -26,6 +26,7 @@ PANELS = (
     Panel("reward", "Reward (mean per step)", ("reward_mean",), "reward"),
     Panel("reward_functions", "Reward per reward function", ("reward/*",), "unweighted value"),
     Panel("eval_accuracy", "Eval accuracy (held-out; best of N with N samples)", ("eval_accuracy", "eval_best_of_n"), "mean reward", "eval"),
+    Panel("eval_by", "Eval accuracy per value of run.eval_by", ("eval_accuracy/*",), "mean reward", "eval"),
     Panel("loss", "Loss", ("loss",)),
     Panel("kl", "KL", ("kl_ref", "mismatch_kl"), "nats/token"),
     Panel("entropy", "Entropy", ("entropy",), "nats/token"),

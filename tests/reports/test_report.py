@@ -80,7 +80,16 @@ def fake_run(root: Path, name: str, slope: float, *, with_is: bool = False, step
             record |= {"is_weight_mean": 1.0, "is_weight_max": 1.5, "is_clipped_frac": 0.02}
         metrics.append(record)
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
-    evals = [{"step": s, "time_s": s * 0.5, "eval_accuracy": min(1.0, 0.5 + slope * s)} for s in (0, 20, 40)]
+    evals = [
+        {
+            "step": s,
+            "time_s": s * 0.5,
+            "eval_accuracy": min(1.0, 0.5 + slope * s),
+            "eval_accuracy/gsm": min(1.0, 0.6 + slope * s),  # run.eval_by's values
+            "eval_accuracy/aime": 0.4 * slope * s,
+        }
+        for s in (0, 20, 40)
+    ]
     (run / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
     spans = []
     for step in range(steps):
