@@ -153,6 +153,13 @@ class AlgorithmConfig(Section):
         "accounting counts dropped_equal_rewards, and run.max_dropped_batches stops a run that drops nearly "
         "every group).",
     )
+    group_reward_range: tuple[float, float] | None = Field(
+        None,
+        description="[low, high]: train only groups whose mean reward (each role's, in multi-agent episodes) "
+        "lies within it, bounds included, e.g. [0.2, 0.8] with 0/1 rewards: prompts the policy always or never "
+        "solves are dropped (PRIME's accuracy filter, its data.accuracy_lower_bound and upper_bound), and another "
+        "prompt takes each one's place, as with drop_equal_rewards; the accounting counts dropped_reward_range.",
+    )
     mask_truncated: bool = Field(
         False,
         description="Keep completions cut by their token budget (rollout.max_new_tokens, an episode's "
@@ -291,6 +298,11 @@ class AlgorithmConfig(Section):
                     "reward_clip clamps the summed reward, which reward_aggregation=normalize_then_sum does not "
                     "use: set one of them"
                 )
+        if (
+            self.group_reward_range is not None
+            and not self.group_reward_range[0] <= self.group_reward_range[1]
+        ):
+            raise ValueError(f"group_reward_range {list(self.group_reward_range)}: low must not exceed high")
         if self.is_low > self.is_cap:
             raise ValueError(f"is_low ({self.is_low}) must not exceed is_cap ({self.is_cap})")
         low, high = self.entropy_coef_min, self.entropy_coef_max

@@ -210,7 +210,16 @@ class Config(Section):
             )
 
     def _equal_rewards_combinations(self) -> None:
-        if not self.algorithm.drop_equal_rewards:
+        """What the group filters (drop_equal_rewards, group_reward_range) cannot be used with."""
+        filters = [
+            key
+            for key, on in (
+                ("algorithm.drop_equal_rewards", self.algorithm.drop_equal_rewards),
+                ("algorithm.group_reward_range", self.algorithm.group_reward_range is not None),
+            )
+            if on
+        ]
+        if not filters:
             return
         reasons = {
             "rollout.group_size": self.rollout.group_size == 1
@@ -223,7 +232,8 @@ class Config(Section):
             "algorithm.advantage": self.algorithm.advantage in ("gae", "reinforce_plus_plus")
             and f"{self.algorithm.advantage}'s per-token advantages teach a group whatever its rewards",
         }
-        _refuse_any("algorithm.drop_equal_rewards", reasons)
+        for key in filters:
+            _refuse_any(key, reasons)
 
     def _multi_agent_combinations(self) -> None:
         agents = self.multi_agent

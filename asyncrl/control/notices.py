@@ -102,6 +102,11 @@ def _setting(reason: str, cfg: Config) -> str:
         )
     if reason == "dropped_equal_rewards":
         return "algorithm.drop_equal_rewards=true: every reward of each of these groups was the same"
+    if reason == "dropped_reward_range":
+        return (
+            f"algorithm.group_reward_range={list(cfg.algorithm.group_reward_range or ())}: the mean reward of "
+            "each of these groups was outside it"
+        )
     return ""
 
 

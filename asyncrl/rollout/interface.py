@@ -80,6 +80,17 @@ def equal_rewards(group: Group) -> bool:
     return all(len({rewards[i] for i in role}) == 1 for role in roles)
 
 
+def mean_reward_outside(group: Group, low: float, high: float) -> bool:
+    """The mean reward of a role's samples of ``group`` (one role: of every sample) lies outside
+    [``low``, ``high``]: too easy or too hard a prompt to train on (``algorithm.group_reward_range``,
+    PRIME's accuracy filter). A group with a failed reward is left to ``task.reward_on_error``."""
+    rewards = [s.reward for s in group.samples]
+    if any(r is None or math.isnan(r) for r in rewards):
+        return False
+    roles = role_subgroups([s.role for s in group.samples])
+    return any(not low <= sum(rewards[i] for i in role) / len(role) <= high for role in roles)
+
+
 class Rollout(ABC):
     """Turns (group id, prompt) pairs into scored groups of ``group_size`` samples on an engine.
 

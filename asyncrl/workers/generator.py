@@ -26,7 +26,7 @@ from asyncrl.protocol.messages import (
     WeightsLoaded,
 )
 from asyncrl.rewards.scoring import ScoringStopped
-from asyncrl.rollout.interface import Rollout, equal_rewards, nothing_to_train
+from asyncrl.rollout.interface import Rollout, equal_rewards, mean_reward_outside, nothing_to_train
 from asyncrl.transports.weights.broadcast import UnjoinedReceiver
 from asyncrl.transports.weights.formation import (
     FormationAbandoned,
@@ -226,14 +226,17 @@ class GeneratorWorker:
             ready, dropped = self.rollout.step(admit=not draining)
         except ScoringStopped:
             return self._flush_span()
-        # A group the trainer could not train, or (algorithm.drop_equal_rewards) one that would
-        # teach it nothing, never reaches it.
-        groups, ready, empty, equal = ready, [], [], []
+        # A group the trainer could not train, or one a filter keeps from it: one that would teach
+        # it nothing (algorithm.drop_equal_rewards), a prompt too easy or too hard (group_reward_range).
+        groups, ready, empty, equal, outside = ready, [], [], [], []
+        bounds = self.cfg.algorithm.group_reward_range
         for g in groups:
             if nothing_to_train(g):
                 empty.append(g)
             elif self.cfg.algorithm.drop_equal_rewards and equal_rewards(g):
                 equal.append(g)
+            elif bounds is not None and mean_reward_outside(g, *bounds):
+                outside.append(g)
             else:
                 if self.cfg.algorithm.mask_truncated:  # before its header counts the tokens to train
                     g.mask_truncated()
@@ -243,6 +246,7 @@ class GeneratorWorker:
         events += [GroupDropped(self.name, g.group_id, "reward_error", g.first_error) for g in dropped]
         events += [GroupDropped(self.name, g.group_id, "nothing_to_train", g.first_error) for g in empty]
         events += [GroupDropped(self.name, g.group_id, "equal_rewards", None) for g in equal]
+        events += [GroupDropped(self.name, g.group_id, "reward_range", None) for g in outside]
         if not self.rollout.has_work or time.time() - self._busy_since > SPAN_FLUSH_S:
             events += self._flush_span()
         return events

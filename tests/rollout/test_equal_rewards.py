@@ -1,4 +1,6 @@
-"""algorithm.drop_equal_rewards: groups that teach nothing are dropped and replaced (DAPO's dynamic sampling)."""
+"""The group filters: algorithm.drop_equal_rewards (groups that teach nothing, DAPO's dynamic sampling) and
+algorithm.group_reward_range (prompts too easy or too hard, PRIME's accuracy filter) drop groups, which
+other prompts replace."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from asyncrl.cli import main
 from asyncrl.config import load_config
 from asyncrl.control.run import train
 from asyncrl.errors import ConfigError
-from asyncrl.rollout.interface import equal_rewards
+from asyncrl.rollout.interface import equal_rewards, mean_reward_outside
 from asyncrl.types import Group, Prompt
 from tests.conftest import build_sample
 from tests.helpers import sets, short_run
@@ -68,3 +70,53 @@ def test_a_run_where_every_group_is_dropped_stops_naming_why(tmp_path: Path, cap
     err = capsys.readouterr().err
     assert "no step for 12 groups in a row, each ended untrained: dropped_equal_rewards 12" in err
     assert "(algorithm.drop_equal_rewards=true: every reward of each of these groups was the same)" in err
+
+
+def test_mean_reward_outside_the_range_within_each_role_by_hand() -> None:
+    assert mean_reward_outside(group([1.0, 1.0, 1.0, 1.0]), 0.2, 0.8)
+    assert mean_reward_outside(group([0.0, 0.0, 0.0, 1.0]), 0.3, 0.8)
+    assert not mean_reward_outside(group([0.0, 0.0, 0.0, 1.0]), 0.25, 0.8)  # the bounds are inside
+    assert not mean_reward_outside(group([1.0, 1.0, 1.0, 0.0]), 0.2, 0.75)
+    # Each role's mean: one role outside is enough.
+    assert mean_reward_outside(group([1.0, 0.0, 1.0, 1.0], ["a", "a", "b", "b"]), 0.2, 0.8)
+    assert not mean_reward_outside(group([1.0, 0.0, 0.0, 1.0], ["a", "a", "b", "b"]), 0.2, 0.8)
+    assert not mean_reward_outside(group([None, 1.0]), 0.2, 0.8)  # task.reward_on_error's to decide
+
+
+def test_a_reward_range_is_checked_and_refused_where_it_cannot_apply() -> None:
+    with pytest.raises(ConfigError, match=r"group_reward_range \[0.8, 0.2\]: low must not exceed high"):
+        load_config(None, ["algorithm.group_reward_range=[0.8, 0.2]"])
+    with pytest.raises(ConfigError, match=r"algorithm.group_reward_range cannot be used with pivot.branches"):
+        load_config(None, ["algorithm.group_reward_range=[0.2, 0.8]", "pivot.branches=4"])
+    with pytest.raises(
+        ConfigError, match=r"algorithm.group_reward_range cannot be used with distill.teacher"
+    ):
+        load_config(None, ["algorithm.group_reward_range=[0.2, 0.8]", "distill.teacher=tiny:1m"])
+
+
+def test_a_reward_range_trains_only_the_groups_inside_it(tmp_path: Path) -> None:
+    """Binary rewards, groups of 4, range [0.3, 0.7]: only groups with 2 of 4 right are trained, so
+    every step's mean reward is exactly 0.5; the others are dropped, replaced, and counted."""
+    cfg = load_config(None, [*short_run(3, prompts=4), "algorithm.group_reward_range=[0.3, 0.7]"])
+    summary = train(cfg, tmp_path)
+    books = summary["accounting"]
+    assert books["reconciles"] and books["trained"] == 12 and books["dropped_reward_range"] > 0
+    assert books["issued"] == books["trained"] + books["dropped_reward_range"]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward_mean"] for r in rows] == [0.5] * 3
+
+
+def test_a_run_that_drops_every_group_out_of_range_names_the_range(tmp_path: Path, capsys) -> None:
+    overrides = [
+        *short_run(4, prompts=4),
+        "algorithm.group_reward_range=[0.3, 0.7]",
+        "task.rewards=[{name: format_regex, args: {pattern: ZZZ}}]",
+        "run.max_dropped_batches=3",
+    ]
+    assert main(["train", *sets(overrides), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "no step for 12 groups in a row, each ended untrained: dropped_reward_range 12" in err
+    assert (
+        "(algorithm.group_reward_range=[0.3, 0.7]: the mean reward of each of these groups was outside it)"
+        in err
+    )
