@@ -58,18 +58,37 @@ def test_every_step_trains_its_groups_with_a_signal_and_the_books_reconcile(tmp_
     assert [r["zero_advantage_frac"] for r in rows] == [0.0] * 4
 
 
-def test_a_run_where_every_group_is_dropped_stops_naming_why(tmp_path: Path, capsys) -> None:
-    """A reward that is always 0: every group goes, and run.max_dropped_batches stops the run."""
+@pytest.mark.parametrize(
+    ("setting", "reason", "why"),
+    [
+        (
+            "algorithm.drop_equal_rewards=true",
+            "dropped_equal_rewards",
+            "algorithm.drop_equal_rewards=true: every reward of each of these groups was the same",
+        ),
+        (
+            "algorithm.group_reward_range=[0.3, 0.7]",
+            "dropped_reward_range",
+            "algorithm.group_reward_range=[0.3, 0.7]: the mean reward of each of these groups was outside it",
+        ),
+    ],
+    ids=["equal_rewards", "reward_range"],
+)
+def test_a_run_where_every_group_is_dropped_stops_naming_why(
+    tmp_path: Path, capsys, setting: str, reason: str, why: str
+) -> None:
+    """A reward that is always 0: every group goes, and run.max_dropped_batches stops the run,
+    naming the filter's setting."""
     overrides = [
         *short_run(4, prompts=4),
-        "algorithm.drop_equal_rewards=true",
+        setting,
         "task.rewards=[{name: format_regex, args: {pattern: ZZZ}}]",
         "run.max_dropped_batches=3",
     ]
     assert main(["train", *sets(overrides), "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
-    assert "no step for 12 groups in a row, each ended untrained: dropped_equal_rewards 12" in err
-    assert "(algorithm.drop_equal_rewards=true: every reward of each of these groups was the same)" in err
+    assert f"no step for 12 groups in a row, each ended untrained: {reason} 12" in err
+    assert f"({why})" in err
 
 
 def test_mean_reward_outside_the_range_within_each_role_by_hand() -> None:
@@ -104,19 +123,3 @@ def test_a_reward_range_trains_only_the_groups_inside_it(tmp_path: Path) -> None
     assert books["issued"] == books["trained"] + books["dropped_reward_range"]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["reward_mean"] for r in rows] == [0.5] * 3
-
-
-def test_a_run_that_drops_every_group_out_of_range_names_the_range(tmp_path: Path, capsys) -> None:
-    overrides = [
-        *short_run(4, prompts=4),
-        "algorithm.group_reward_range=[0.3, 0.7]",
-        "task.rewards=[{name: format_regex, args: {pattern: ZZZ}}]",
-        "run.max_dropped_batches=3",
-    ]
-    assert main(["train", *sets(overrides), "--run-dir", str(tmp_path / "run")]) == 2
-    err = capsys.readouterr().err
-    assert "no step for 12 groups in a row, each ended untrained: dropped_reward_range 12" in err
-    assert (
-        "(algorithm.group_reward_range=[0.3, 0.7]: the mean reward of each of these groups was outside it)"
-        in err
-    )
