@@ -63,14 +63,6 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _written(path: str, flag: str):
-    """``path`` opened for writing, or the reason it cannot be, named by ``flag``."""
-    try:
-        return open(path, "w", encoding="utf-8")
-    except OSError as exc:
-        raise AsyncRLError(f"{flag} {path!r}: cannot write it: {exc.strerror or exc}") from None
-
-
 def _eval(args: argparse.Namespace) -> int:
     import signal
     import threading
@@ -79,21 +71,10 @@ def _eval(args: argparse.Namespace) -> int:
         raise AsyncRLError("--run RUN_DIR evaluates with that run's own config.yaml; give no CONFIG with it")
     if args.run and not (Path(args.run) / "config.yaml").is_file():
         raise AsyncRLError(f"--run {args.run!r}: not a run directory (no config.yaml)")
-    for flag, value in (("--samples", args.samples), ("--prompts", args.prompts)):
-        if value is not None and value < 1:
-            raise AsyncRLError(f"{flag} must be >= 1, got {value}")
-    flags = [
-        f"run.{key}={value}"
-        for key, value in (
-            ("eval_samples", args.samples),
-            ("eval_temperature", args.temperature),
-            ("eval_prompts", args.prompts),
-        )
-        if value is not None
-    ]
     _quiet_transformers()
-    from asyncrl.workers.model_evaluation import evaluate_saved_model, evaluation_setup
+    from asyncrl.workers.model_evaluation import evaluate_saved_model, evaluation_flags, evaluation_setup
 
+    flags = evaluation_flags(samples=args.samples, temperature=args.temperature, prompts=args.prompts)
     cfg, target = evaluation_setup(
         str(Path(args.run) / "config.yaml") if args.run else args.config,
         [*args.set, *flags],
@@ -113,12 +94,7 @@ def _eval(args: argparse.Namespace) -> int:
         note_run_stop(None)
         for sig in STOP_SIGNALS:
             signal.signal(sig, stop_evaluation)
-    out = _written(args.completions, "--completions") if args.completions else None
-    try:
-        report = evaluate_saved_model(cfg, target, stop=lambda: bool(stopped), completions=out)
-    finally:
-        if out is not None:
-            out.close()
+    report = evaluate_saved_model(cfg, target, stop=lambda: bool(stopped), completions=args.completions)
     print(json.dumps({"model": target.shown, **report}), flush=True)
     if not stopped:
         return 0

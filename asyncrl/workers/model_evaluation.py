@@ -1,7 +1,7 @@
 """``asyncrl eval``: a saved policy's figures on the task's held-out prompts, on a generator's engine.
 
-What is evaluated is a model directory: a run's final model, its newest checkpoint's, or any
-Hugging Face model; a LoRA run's adapters (peft format) are merged into the base its config
+What is evaluated is a run's final model, its newest checkpoint's (or any checkpoint's), or
+any model a config's ``model.path`` names; a LoRA run's adapters (peft format) are merged into the base its config
 names, as a generator merges every version it receives. The evaluation is the run's own
 (:mod:`asyncrl.rollout.evaluation`): ``run.eval_prompts`` held-out prompts, ``run.eval_samples``
 completions each at ``run.eval_temperature``, the task's reward functions or episodes, group
@@ -14,6 +14,7 @@ figures then cover the prompts that finished (``prompts_done``), and say what st
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections import Counter
@@ -94,6 +95,15 @@ class ModelToEvaluate:
         return str(self.adapters) if self.adapters is not None else self.model_path
 
 
+def evaluation_flags(*, samples: int | None, temperature: float | None, prompts: int | None) -> list[str]:
+    """``asyncrl eval``'s --samples, --temperature and --prompts as the settings they stand for."""
+    for flag, value in (("--samples", samples), ("--prompts", prompts)):
+        if value is not None and value < 1:
+            raise AsyncRLError(f"{flag} must be >= 1, got {value}")
+    given = {"eval_samples": samples, "eval_temperature": temperature, "eval_prompts": prompts}
+    return [f"run.{key}={value}" for key, value in given.items() if value is not None]
+
+
 def evaluation_setup(
     source: str | None, settings: list[str], *, run_dir: Path | None = None, model: str | None = None
 ) -> tuple[Config, ModelToEvaluate]:
@@ -164,10 +174,22 @@ def evaluate_saved_model(
     target: ModelToEvaluate,
     *,
     stop: Callable[[], bool],
-    completions: IO[str] | None = None,
+    completions: str | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``target`` with ``cfg`` (whose ``model.path`` loads it: :func:`evaluation_setup`);
-    ``stop`` is asked between engine steps. Returns the figures (:func:`figures`)."""
+    ``stop`` is asked between engine steps; ``completions``: the file that gets every completion
+    (``--completions``). Returns the figures (:func:`figures`)."""
+    try:  # before the model loads: a path that cannot be written is refused at once
+        handle = open(completions, "w", encoding="utf-8") if completions else contextlib.nullcontext()  # noqa: SIM115
+    except OSError as exc:
+        raise AsyncRLError(f"--completions {completions!r}: cannot write it: {exc.strerror or exc}") from None
+    with handle as out:
+        return _evaluate(cfg, target, stop, out)
+
+
+def _evaluate(
+    cfg: Config, target: ModelToEvaluate, stop: Callable[[], bool], completions: IO[str] | None
+) -> dict[str, Any]:
     seed_everything(cfg.run.seed)
     policy, engine, lora = policy_engine(cfg, cfg.run.seed)
     rollout: Rollout | None = None
