@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from asyncrl.errors import AsyncRLError, ConfigError
-from asyncrl.lifeline import STOP_SIGNALS, note_run_stop, repeats_run_stop
+from asyncrl.lifeline import STOP_SIGNALS, note_run_stop, repeats_run_stop, stopped_by
 
 
 def _quiet_transformers() -> None:
@@ -409,7 +409,7 @@ class _Stopped(BaseException):
 
 
 def _raise_stopped(signum: int, frame) -> None:
-    if repeats_run_stop(signum):  # a run's own stop delivered again as it ends: it reports the stop
+    if stopped_by(signum):  # a run's own stop delivered again as it ends: the run reports the stop
         return
     raise _Stopped(signum)
 
@@ -420,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     import threading
 
     args = build_parser().parse_args(argv)
+    note_run_stop(None)  # this command's runs' stops only
     previous = {}
     if threading.current_thread() is threading.main_thread():
         # As Ctrl-C does for every command; train and serve put their own handlers over these.
@@ -442,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        note_run_stop(None)
 
 
 def run() -> None:

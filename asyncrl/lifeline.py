@@ -173,6 +173,14 @@ def note_run_stop(signum: int | None) -> None:
         _run_stop.append((signum, time.monotonic()))
 
 
+def stopped_by(signum: int) -> bool:
+    """Whether the last run (since :func:`note_run_stop` cleared the record) stopped on ``signum``,
+    however long ago: after a run's handlers are gone, its stop signal again is still that stop
+    (the run is over and reports it; a second delivery can come late under load, and Ray's
+    shutdown of a local instance may deliver one). The command line clears the record per command."""
+    return bool(_run_stop) and _run_stop[0][0] == signum
+
+
 def repeats_run_stop(signum: int) -> bool:
     """Whether ``signum`` is the last run's stop signal again within ``REPEATED_SIGNAL_S``: the same
     stop delivered twice, which may arrive after the run's own handlers are gone (a scheduler's

@@ -254,6 +254,33 @@ def test_a_stop_delivered_again_as_the_run_ends_keeps_the_runs_own_line(
     assert capsys.readouterr().err.strip().splitlines() == [f"asyncrl: {line}"]
 
 
+def test_a_stop_delivered_again_long_after_the_run_stopped_keeps_the_runs_own_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same signal again seconds after the run took its stop, once the run's handlers are gone
+    (a Ray run's shutdown under load, a second delivery late): still the run's one line and exit
+    code. The record ends with the command: a later command's SIGTERM is a stop of its own."""
+    import asyncrl.control.run as run_module
+    from asyncrl.control.saving import RunInterrupted
+
+    now = [100.0]
+    line = "stopped by SIGTERM at step 1; checkpoint c; continue with: asyncrl train --resume r"
+    monkeypatch.setattr(lifeline, "_run_stop", [])
+    monkeypatch.setattr(lifeline.time, "monotonic", lambda: now[0])
+
+    def a_stopped_run(*args, **kwargs):
+        lifeline.note_run_stop(None)
+        lifeline.note_run_stop(signal.SIGTERM)
+        now[0] += 10 * lifeline.REPEATED_SIGNAL_S  # the run's stop takes its time
+        signal.raise_signal(signal.SIGTERM)
+        raise RunInterrupted(line, 128 + signal.SIGTERM)
+
+    monkeypatch.setattr(run_module, "train", a_stopped_run)
+    assert main(["train", "--set", "run.steps=1"]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.strip().splitlines() == [f"asyncrl: {line}"]
+    assert not lifeline.stopped_by(signal.SIGTERM)
+
+
 def test_only_the_same_signal_soon_after_repeats_a_runs_stop(monkeypatch: pytest.MonkeyPatch) -> None:
     """Another signal, or the same one REPEATED_SIGNAL_S later, is a stop of its own; a new run
     forgets the last one's."""
