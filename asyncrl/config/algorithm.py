@@ -235,14 +235,24 @@ class AlgorithmConfig(Section):
         description="With algorithm.entropy_target: the coefficient's upper bound (TRL's entropy_coef_max).",
     )
     num_iterations: int = Field(
-        1, ge=1, description="Optimizer steps taken on each generated batch (PPO epochs)."
+        1,
+        ge=1,
+        description="Passes over each generated batch (PPO epochs), each of num_mini_batches optimizer steps.",
+    )
+    num_mini_batches: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps in each pass over a generated batch, each on an equal share of its groups "
+        "in the order they reach the trainer (TRL's num_mini_batches; verl's train_batch_size / "
+        "ppo_mini_batch_size). rollout.prompts_per_step must be a multiple of it.",
     )
     old_logprobs: Literal["auto", "behaviour", "recompute"] = Field(
         "auto",
         description="Old-policy log-probs for the ratio: the engine's behaviour log-probs, a recomputation "
         "with the trainer's weights before the first update (the proximal policy), or 'auto': recompute "
-        "when num_iterations > 1 or an IS correction is on, else behaviour when schedule.max_staleness > 0, "
-        "else the detached current log-probs (ratio exactly 1).",
+        "when a batch makes several optimizer steps (num_iterations or num_mini_batches > 1) or an IS correction "
+        "is on, else behaviour when schedule.max_staleness > 0, else the detached current log-probs (ratio "
+        "exactly 1).",
     )
     kl_ratio_correction: bool = Field(
         False, description="Multiply the per-token KL by the importance ratio (TRL's use_bias_correction_kl)."
@@ -268,6 +278,11 @@ class AlgorithmConfig(Section):
         description="AReaL's decoupled PPO: clip against the recomputed proximal policy and weight by "
         "pi_prox/pi_behaviour; sets old_logprobs=recompute and is_level=token unless given.",
     )
+
+    @property
+    def steps_per_batch(self) -> int:
+        """Optimizer steps (policy versions) each generated batch makes: epochs x mini-batches."""
+        return self.num_iterations * self.num_mini_batches
 
     @model_validator(mode="before")
     @classmethod

@@ -102,11 +102,7 @@ class Config(Section):
             raise ValueError(
                 "algorithm.advantage_scale=group needs rollout.group_size >= 2 (a group of one has no spread)"
             )
-        if self.run.steps % self.algorithm.num_iterations:
-            raise ValueError(
-                f"run.steps ({self.run.steps}) must be a multiple of algorithm.num_iterations "
-                f"({self.algorithm.num_iterations}): each generated batch gets num_iterations optimizer steps"
-            )
+        self._mini_batch_combinations()
         if self.trainer.ranks > 1 and self.runtime.kind == "inline":
             raise ValueError(
                 f"trainer.ranks={self.trainer.ranks} needs one process per rank, but runtime.kind=inline "
@@ -183,6 +179,31 @@ class Config(Section):
                 "used with schedule.streaming=true (a sync or one_step_off schedule, or streaming=false)"
             )
         return self
+
+    def _mini_batch_combinations(self) -> None:
+        """What a batch's several optimizer steps (algorithm.num_iterations, num_mini_batches) need."""
+        algorithm = self.algorithm
+        if self.run.steps % algorithm.steps_per_batch:
+            raise ValueError(
+                f"run.steps ({self.run.steps}) must be a multiple of algorithm.num_iterations x "
+                f"algorithm.num_mini_batches ({algorithm.num_iterations} x {algorithm.num_mini_batches}): "
+                "each generated batch gets that many optimizer steps"
+            )
+        mini_batches = algorithm.num_mini_batches
+        if mini_batches == 1:
+            return
+        if self.rollout.prompts_per_step % mini_batches:
+            raise ValueError(
+                f"rollout.prompts_per_step ({self.rollout.prompts_per_step}) must be a multiple of "
+                f"algorithm.num_mini_batches ({mini_batches}): each mini-batch is an equal share of the groups"
+            )
+        reasons = {
+            "pivot.branches": self.pivot.enabled
+            and "a step's branch groups are trained with its whole batch",
+            "multi_agent.policies": bool(self.multi_agent.policies)
+            and "each policy's step is over all of its own samples",
+        }
+        _refuse_any(f"algorithm.num_mini_batches={mini_batches}", reasons)
 
     def _pivot_combinations(self) -> None:
         pivot = self.pivot
@@ -310,7 +331,7 @@ def old_logprob_mode(algorithm: AlgorithmConfig, max_staleness: int) -> str:
     mode = algorithm.old_logprobs
     if mode != "auto":
         return mode
-    if algorithm.num_iterations > 1 or algorithm.is_level != "none":
+    if algorithm.steps_per_batch > 1 or algorithm.is_level != "none":
         return "recompute"
     return "behaviour" if max_staleness > 0 else "current"
 

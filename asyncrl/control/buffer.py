@@ -53,7 +53,7 @@ class AdmissionControl:
     """Depth bound on groups in flight: accepted + running < ((max_staleness + v) // K + 1) * groups_per_step.
 
     v is the policy version of the weights that will generate the group and K the optimizer
-    steps taken per batch (``versions_per_step``, algorithm.num_iterations): the group that
+    steps taken per batch (``versions_per_step``, algorithm.steps_per_batch): the group that
     starts now is trained in batch (accepted + running) // groups_per_step, i.e. at version
     K times that, and may be at most ``max_staleness`` versions older than it. With K = 1
     this is AReaL's (η + v + 1)·B.

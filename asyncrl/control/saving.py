@@ -5,7 +5,7 @@ the controller its books. They must describe the same moment, so the controller 
 ``FinishStep`` between asking and the trainer's answer, and takes the books now, for every
 version the trainer may answer with: a trainer that is stopping gives up the step in
 progress and those after it, and saves at an older version — that of a whole batch, or one
-between a batch's optimizer steps (``algorithm.num_iterations``; a batch's groups count as
+between a batch's optimizer steps (``algorithm.steps_per_batch``; a batch's groups count as
 trained at its first step, and the trainer keeps the batch to take the rest after a resume).
 At each such version the given-up batches' groups are carried (or pending, without
 ``run.checkpoint_rollouts``) instead of trained (:func:`books_by_version`).

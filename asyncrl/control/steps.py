@@ -52,7 +52,7 @@ class StepAssembly:
         self.send = send  # to the trainer
         self.ledger = ledger  # a group sent for a step is accumulated there
         self.B = cfg.rollout.prompts_per_step
-        self.iters = cfg.algorithm.num_iterations
+        self.iters = cfg.algorithm.steps_per_batch  # optimizer steps a batch makes (epochs x mini-batches)
         self.rounds = -(-cfg.run.steps // self.iters)  # batches in the run
         self.staged: list[GroupHeader] = []  # held until they can be sent (whole step, or a canonical chunk)
         self.step_groups: list[GroupHeader] = []  # sent for the step being assembled
@@ -119,15 +119,16 @@ class StepAssembly:
     def _finish(self) -> None:
         if not self.features.step_ready():
             return  # e.g. a branch group issued for this step is still generating
-        divisor = batch_divisor(
-            self.cfg.algorithm.loss_type,
-            sum(g.size for g in self.step_groups),
-            sum(g.num_trained_tokens for g in self.step_groups),
-            self.cfg.rollout.max_new_tokens,
-        )
         made = self.planned_version + self.iters
         last = made >= self.rounds * self.iters
-        finish = FinishStep(divisor, publish=not last and made % self.cfg.schedule.sync_every == 0)
+        finish = FinishStep(
+            self._divisor(self.step_groups), publish=not last and made % self.cfg.schedule.sync_every == 0
+        )
+        if (mini_batches := self.cfg.algorithm.num_mini_batches) > 1:
+            # In the order the trainer received them: its mini-batches are the same shares.
+            share = self.B // mini_batches
+            parts = [self.step_groups[k * share : (k + 1) * share] for k in range(mini_batches)]
+            finish.mini_batch_divisors = [self._divisor(part) for part in parts]
         # The features see the step being assembled: batch `handed`, from `planned_version`.
         discards = self.features.finish_step(finish, self.step_groups)
         if discards:
@@ -137,6 +138,15 @@ class StepAssembly:
         self.handed += 1
         self.unconfirmed.append(self.step_groups)
         self.step_groups = []
+
+    def _divisor(self, groups: list[GroupHeader]) -> float:
+        """The loss divisor of an optimizer step over ``groups`` (algorithm.loss_type's)."""
+        return batch_divisor(
+            self.cfg.algorithm.loss_type,
+            sum(g.size for g in groups),
+            sum(g.num_trained_tokens for g in groups),
+            self.cfg.rollout.max_new_tokens,
+        )
 
     def _send_canonical_chunks(self, running_ids: Iterable[int]) -> None:
         chunk = max(1, self.B // CANONICAL_CHUNKS)

@@ -92,6 +92,9 @@ class FinishStep:
 
     divisor: float
     publish: bool
+    # algorithm.num_mini_batches > 1: each mini-batch's divisor (equal shares of the step's groups, in
+    # the order they were sent); ``divisor`` is then the whole batch's.
+    mini_batch_divisors: list[float] | None = None
     # Several policies: each one's divisor (over its own samples); a policy missing is not trained.
     policy_divisors: dict[str, float] | None = None
     branches: list[int] = field(default_factory=list)
@@ -104,9 +107,9 @@ class FinishStep:
 class ContinueBatch:
     """After a resume inside a batch: its remaining ``iterations`` optimizer steps.
 
-    A stop may interrupt a batch between its ``algorithm.num_iterations`` optimizer steps
-    (after the first); the checkpoint then holds the batch as the trainer prepared it, and a
-    resumed run takes the steps it had left before any new batch.
+    A stop may interrupt a batch between its optimizer steps (``algorithm.num_iterations`` x
+    ``num_mini_batches``, after the first); the checkpoint then holds the batch as the trainer
+    prepared it, and a resumed run takes the steps it had left before any new batch.
     """
 
     iterations: int

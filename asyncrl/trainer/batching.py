@@ -21,13 +21,20 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
 
 from asyncrl.models.token_records import TOKEN_RECORDS, records_tensor
 from asyncrl.types import Sample
+
+if TYPE_CHECKING:
+    from asyncrl.trainer.interface import StepTrainer
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -266,6 +273,23 @@ def padded_cost(prompt_width: int, completion_width: int, rows: int) -> int:
 MICRO_BATCH_OVERHEAD_TOKENS = 256
 
 
+def mini_batch_parts(
+    items: list[T], received: int, mini_batches: int, batch_size: int
+) -> list[tuple[int, list[T]]]:
+    """``items`` (a step's next groups, after the ``received`` before them) split by the mini-batch
+    each falls in: equal shares of the ``batch_size`` groups in the order they come (the order
+    the controller takes each mini-batch's divisor in); the last takes any beyond."""
+    share = batch_size // mini_batches
+    parts = []
+    while items:
+        k = min(received // share, mini_batches - 1)
+        take = len(items) if k == mini_batches - 1 else (k + 1) * share - received
+        parts.append((k, items[:take]))
+        received += len(items[:take])
+        items = items[take:]
+    return parts
+
+
 @dataclasses.dataclass
 class BatchInProgress:
     """A batch whose optimizer steps a stop interrupted after the first of them.
@@ -275,10 +299,51 @@ class BatchInProgress:
     take after a resume are the ones an uninterrupted run takes.
     """
 
-    micro_batches: list[MicroBatch]
+    micro_batches: list[MicroBatch]  # with several mini-batches, each one's in turn
     iterations: int  # optimizer steps still to take
-    divisor: float | dict[str, float]  # per policy, for several
+    divisor: float | dict[str, float] | list[float]  # per policy, for several; per mini-batch, for several
     publish: bool  # publish the weights after the last of them
+    mini_batch_sizes: list[int] | None = None  # micro-batches in each mini-batch; None: one mini-batch
+
+    @classmethod
+    def of(
+        cls, mini_batches: list[list[MicroBatch]], steps: int, divisors: list, publish: bool
+    ) -> BatchInProgress:
+        """A batch of ``steps`` optimizer steps still to take, over ``mini_batches`` in turn
+        (algorithm.num_mini_batches), each with its divisor."""
+        flat = [mb for part in mini_batches for mb in part]
+        if len(mini_batches) == 1:
+            return cls(flat, steps, divisors[0], publish)
+        return cls(flat, steps, list(divisors), publish, [len(part) for part in mini_batches])
+
+    def next_step(self) -> tuple[list[MicroBatch], float | dict[str, float]]:
+        """The micro-batches and divisor of the next optimizer step.
+
+        The steps go through the mini-batches in turn, epoch after epoch, and a batch's step
+        count is a multiple of their number: the next is ``-iterations mod M``.
+        """
+        sizes = self.mini_batch_sizes
+        if sizes is None:
+            return self.micro_batches, self.divisor
+        k = -self.iterations % len(sizes)
+        start = sum(sizes[:k])
+        return self.micro_batches[start : start + sizes[k]], self.divisor[k]
+
+    def train(
+        self, trainer: StepTrainer, stop: Callable[[], bool] | None
+    ) -> tuple[list[dict[str, float]], BatchInProgress | None]:
+        """The optimizer steps left, each step's metrics, and what is left when ``stop`` (asked
+        between micro-batches) gives the rest up: None when every step was taken."""
+        steps: list[dict[str, float]] = []
+        batch = self
+        while batch.iterations:
+            micro_batches, divisor = batch.next_step()
+            taken = trainer.train_batch(micro_batches, divisor, 1, stop)
+            if not taken:
+                return steps, batch
+            steps += taken
+            batch = dataclasses.replace(batch, iterations=batch.iterations - 1)
+        return steps, None
 
     def state_dict(self) -> dict:
         """For ``trainer_state.pt`` (read back onto the CPU, whatever device wrote it)."""

@@ -105,7 +105,7 @@ class Trainer:
             old_logprobs = old_logprob_mode(algo_cfg, max_staleness=0)
         if old_logprobs not in ("current", "behaviour", "recompute"):
             raise ValueError(f"old_logprobs must be current, behaviour or recompute, got {old_logprobs!r}")
-        if old_logprobs == "current" and algo_cfg.num_iterations > 1:
+        if old_logprobs == "current" and algo_cfg.steps_per_batch > 1:
             raise ValueError("old_logprobs='current' gives ratio 1 only for a single update per batch")
         self.old_logprob_mode = old_logprobs
         self.device = next(model.parameters()).device

@@ -38,7 +38,7 @@ from asyncrl.protocol.messages import (
 from asyncrl.reports.completions import completion_records
 from asyncrl.rewards.task_rewards import reward_terms
 from asyncrl.trainer.advantages import assign_advantages, reference_kl_mean, zero_advantage_frac
-from asyncrl.trainer.batching import BatchInProgress, MicroBatch
+from asyncrl.trainer.batching import BatchInProgress, MicroBatch, mini_batch_parts
 from asyncrl.trainer.distributed import RankGroup, RankSpec, rank_device
 from asyncrl.trainer.interface import StepTrainer
 from asyncrl.trainer.trainer import sync_dtype
@@ -137,7 +137,8 @@ class TrainerWorker:
         # given up since the last one finished).
         self._step_groups: dict[int, Group] = {}
         self._stopping = threading.Event()  # set by abandon_work
-        self._step_batches: list[MicroBatch] = []
+        self._step_batches: list[list[MicroBatch]] = []  # the open step's, per mini-batch
+        self._step_received = 0  # groups the open step has received
         self._step_open = False
         self._in_progress: BatchInProgress | None = None  # a batch a stop interrupted between its steps
         # Evaluations (rank 0): the run's rollout, for evaluation, on an engine over the trainer's own model.
@@ -370,28 +371,35 @@ class TrainerWorker:
         start = time.time()
         if not self._step_open:
             self.trainer.begin_step()
-            self._step_batches = []
+            self._step_batches = [[] for _ in range(self.cfg.algorithm.num_mini_batches)]
+            self._step_received = 0
             self._step_open = True
-        batches = self.trainer.prepare([s for g in command.groups for s in g.samples])  # resolved by rank 0
-        for mb in batches:
-            mb.scale = command.scale
-        self._step_batches += batches
+        parts = mini_batch_parts(
+            command.groups, self._step_received, len(self._step_batches), self.cfg.rollout.prompts_per_step
+        )
+        self._step_received += len(command.groups)
         # One process gives a step up between micro-batches when the run stops; ranks do so between
         # commands only (rank 0 decides), as every rank must run the same collectives.
-        if self.ranks is None:
-            self.trainer.accumulate(batches, stop=self._stopping.is_set)
-        else:
-            self.trainer.accumulate(batches)
+        stop = self._stopping.is_set if self.ranks is None else None
+        for k, part in parts:  # the groups (resolved by rank 0) by the mini-batch each falls in
+            batches = self.trainer.prepare([s for g in part for s in g.samples])
+            for mb in batches:
+                mb.scale = command.scale
+            self._step_batches[k] += batches
+            if k == 0:  # a later mini-batch's are trained at FinishStep, with the old log-probs of now
+                self.trainer.accumulate(batches, stop=stop)
         return [Span(self.name, "train", start, time.time(), {"groups": len(command.groups)})]
 
     def _finish(self, command: FinishStep) -> list:
         if not self._step_open:
             raise RuntimeError("FinishStep without any accumulated group")
         start = time.time()
-        divisor = command.policy_divisors or command.divisor  # per policy when a feature sets them
-        steps = [self.trainer.finish_step(divisor)]
-        iterations = self.cfg.algorithm.num_iterations - 1
-        steps += self._iterate(self._step_batches, iterations, divisor, command.publish)
+        # Per policy when a feature sets them; per mini-batch with algorithm.num_mini_batches.
+        divisors = command.mini_batch_divisors or [command.policy_divisors or command.divisor]
+        steps_left = self.cfg.algorithm.steps_per_batch - 1
+        batch = BatchInProgress.of(self._step_batches, steps_left, divisors, command.publish)
+        steps = [self.trainer.finish_step(divisors[0])]  # the first mini-batch's, streamed
+        steps += self._iterate(batch)
         groups = list(self._step_groups.values())
         shared = {"zero_advantage_frac": zero_advantage_frac(groups)}
         if self.cfg.algorithm.kl_in_reward:  # the KL was taken in the rewards, not in the loss
@@ -415,13 +423,11 @@ class TrainerWorker:
             )
         start = time.time()
         self.trainer.begin_step()  # gradients of the interrupted pass are not in the checkpoint
-        steps = self._iterate(batch.micro_batches, batch.iterations, batch.divisor, batch.publish)
+        steps = self._iterate(batch)
         return self._step_events(steps, start, batch.publish and self._in_progress is None)
 
-    def _iterate(
-        self, batches: list[MicroBatch], iterations: int, divisor: float | dict[str, float], publish: bool
-    ) -> list[dict]:
-        """Up to ``iterations`` more optimizer steps on a batch's micro-batches (PPO epochs).
+    def _iterate(self, batch: BatchInProgress) -> list[dict]:
+        """The optimizer steps a batch has left (its later mini-batches, its later PPO epochs).
 
         One trainer process gives the rest up between micro-batches when the run stops; the
         batch is then kept in ``_in_progress`` for the stop's checkpoint, and the steps already
@@ -429,9 +435,7 @@ class TrainerWorker:
         step, as they must run the same collectives.
         """
         stop = self._stopping.is_set if self.ranks is None else None
-        steps = self.trainer.train_batch(batches, divisor, iterations, stop)
-        if len(steps) < iterations:
-            self._in_progress = BatchInProgress(batches, iterations - len(steps), divisor, publish)
+        steps, self._in_progress = batch.train(self.trainer, stop)
         return steps
 
     def _step_events(

@@ -201,14 +201,15 @@ def test_second_stop_request_stops_at_once(tmp_path: Path) -> None:
     assert info.value.exit_code == 130
 
 
-@pytest.mark.slow  # num_iterations=2 steps: test_trainer; checkpoints: test_checkpoints_are_periodic_complete_and_pruned
+@pytest.mark.slow  # several steps a batch: test_trainer, test_mini_batches; checkpoints: test_checkpoints_are_periodic_...
 @pytest.mark.multiprocess
-def test_several_optimizer_steps_per_batch_checkpoint_and_summarise(tmp_path: Path) -> None:
-    """num_iterations=2 on the local runtime: steps 2k carry no rewards; summary and checkpoints cope."""
-    cfg = load_config(
-        None,
-        [*BASE, "schedule=async", "algorithm.num_iterations=2", "run.steps=6", "run.checkpoint_every=2"],
-    )
+@pytest.mark.parametrize("several_steps", ["algorithm.num_iterations=2", "algorithm.num_mini_batches=2"])
+def test_several_optimizer_steps_per_batch_checkpoint_and_summarise(
+    tmp_path: Path, several_steps: str
+) -> None:
+    """Two optimizer steps a batch (two epochs, or two mini-batches) on the local runtime: steps 2k
+    carry no rewards; summary and checkpoints cope."""
+    cfg = load_config(None, [*BASE, "schedule=async", several_steps, "run.steps=6", "run.checkpoint_every=2"])
     summary = train(cfg, tmp_path)
     assert summary["steps"] == 6 and summary["accounting"]["trained"] == 3 * 4
     assert summary["reward_first"] is not None and summary["accounting"]["reconciles"]

@@ -195,40 +195,65 @@ def test_a_stop_inside_a_training_step_resumes_to_the_uninterrupted_run(
     assert max_abs_diff(final_weights(tmp_path / "straight"), final_weights(tmp_path / "stopped")) == 0.0
 
 
+@pytest.mark.parametrize(
+    ("overrides", "steps", "mini_batches"),
+    [
+        # PPO epochs: versions 3 -> 6 make batch 2; stopped in its second step, at version 4.
+        (["algorithm.num_iterations=3"], 9, 1),
+        # Two mini-batches of two groups, two epochs: versions 4 -> 8 make batch 2; stopped in its
+        # second step (the second mini-batch's first), at version 5.
+        pytest.param(
+            # Micro-batches of 4 tokens: a share of two groups still makes several of them.
+            ["algorithm.num_iterations=2", "algorithm.num_mini_batches=2", "trainer.micro_batch_tokens=4"],
+            8,
+            2,
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
 def test_a_stop_between_a_batchs_optimizer_steps_resumes_to_the_uninterrupted_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overrides: list[str], steps: int, mini_batches: int
 ) -> None:
-    """num_iterations=3, stopped inside the second optimizer step of batch 2 (versions 3 -> 6):
-    the checkpoint is at version 4, holding the batch as prepared (old log-probs of version 3);
-    the resumed run takes its 2 remaining steps first and equals a straight run."""
-    cfg = load_config(None, [*SYNC, "run.steps=9", "algorithm.num_iterations=3"])
+    """Stopped inside the second optimizer step of batch 2: the checkpoint is at the version after
+    its first, holding the batch as prepared (old log-probs of the version it started from); the
+    resumed run takes its remaining steps first and equals a straight run."""
+    cfg = load_config(None, [*SYNC, f"run.steps={steps}", *overrides])
     assert cfg.algorithm.old_logprobs in ("auto", "recompute")  # recomputed once per batch, at its start
+    per_batch = cfg.algorithm.steps_per_batch
+    stopped_at = per_batch + 1
     train(cfg, tmp_path / "straight")
-    runtime = StopDuringStep(cfg, at_step=5)
+    runtime = StopDuringStep(cfg, at_step=stopped_at + 1)
     monkeypatch.setattr(run_module, "make_runtime", lambda cfg, session: runtime)
-    with pytest.raises(RunInterrupted, match="at step 4"):
+    with pytest.raises(RunInterrupted, match=f"at step {stopped_at}"):
         train(cfg, tmp_path / "stopped")
     assert runtime.micro_batches == 2
     ckpt = checkpoint.latest(tmp_path / "stopped")
     books = checkpoint.read_controller_state(ckpt)
-    assert books["version"] == 4 and books["batches_handed"] == 2 and ckpt.name.endswith("4")
+    assert books["version"] == stopped_at and books["batches_handed"] == 2
+    assert ckpt.name.endswith(str(stopped_at))
     assert books["carried"] == [] and books["counts"]["trained"] == 8  # batch 2 counts from its first step
     state = torch.load(ckpt / checkpoint.TRAINER_FILE, weights_only=False)
     in_progress = state["batch_in_progress"]
-    assert in_progress["iterations"] == 2 and in_progress["publish"] is True
+    assert in_progress["iterations"] == per_batch - 1
+    assert in_progress["publish"] is (steps > 2 * per_batch)  # no weights go out after the run's last step
+    assert len(in_progress["mini_batch_sizes"] or [None]) == mini_batches
     metrics = [json.loads(line) for line in (tmp_path / "stopped" / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
-    # The batch's 16 samples but those that cannot move the weights (trainer.skip_zero_advantage).
+    assert [m["step"] for m in metrics] == list(range(1, stopped_at + 1))
+    # The batch's 16 samples but those that cannot move the weights (trainer.skip_zero_advantage),
+    # counted in the batch's first step.
     kept = sum(mb.completion_ids.shape[0] for mb in in_progress["micro_batches"])
     assert kept == 16 - metrics[-1]["skipped_samples"] > 0
     monkeypatch.undo()
     summary = train(cfg, tmp_path / "stopped", resume=True)
     accounting = summary["accounting"]
+    trained = steps // per_batch * 4
     assert (
-        accounting["reconciles"] and accounting["trained"] == 12 and accounting["prompts_trained_twice"] == 0
+        accounting["reconciles"]
+        and accounting["trained"] == trained
+        and accounting["prompts_trained_twice"] == 0
     )
     metrics = [json.loads(line) for line in (tmp_path / "stopped" / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == list(range(1, 10))
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     assert max_abs_diff(final_weights(tmp_path / "straight"), final_weights(tmp_path / "stopped")) == 0.0
 
 

@@ -103,22 +103,31 @@ def make_groups(seed: int, sizes: list[int], routes: bool = False) -> list[Group
     return groups
 
 
-def command_sequence(routes: bool = False) -> list:
-    """Two optimizer steps, each streamed in uneven Accumulate commands, each publishing."""
+def command_sequence(routes: bool = False, mini_batches: int = 1) -> list:
+    """Two batches, each streamed in uneven Accumulate commands, each publishing; with
+    ``mini_batches`` the FinishStep carries each mini-batch's divisor (equal shares in order)."""
     commands: list = []
     for step, sizes in enumerate([[4, 3, 4, 1], [2, 4, 4, 3]]):
         groups = make_groups(seed=10 + step, sizes=sizes, routes=routes)
-        samples = [s for g in groups for s in g.samples]
-        divisor = float(sum(s.num_trained_tokens for s in samples))  # dapo: trained tokens of the batch
         commands += [Accumulate.of(groups[:2]), Accumulate.of(groups[2:3]), Accumulate.of(groups[3:])]
-        commands.append(FinishStep(divisor, publish=True))
+        share = len(groups) // mini_batches
+        parts = [groups[k * share : (k + 1) * share] for k in range(mini_batches)]
+        finish = FinishStep(trained_tokens(groups), publish=True)  # dapo: trained tokens of the batch
+        if mini_batches > 1:
+            finish.mini_batch_divisors = [trained_tokens(part) for part in parts]
+        commands.append(finish)
     return commands
+
+
+def trained_tokens(groups: list[Group]) -> float:
+    return float(sum(s.num_trained_tokens for g in groups for s in g.samples))
 
 
 def drive(worker: TrainerWorker, channel: InProcessChannel) -> dict:
     """Rank 0's side: run the commands, return the published weights and the step metrics."""
     metrics = []
-    for command in command_sequence(routes=is_mixture_of_experts(worker.trainer.model)):
+    routes = is_mixture_of_experts(worker.trainer.model)
+    for command in command_sequence(routes, worker.cfg.algorithm.num_mini_batches):
         metrics += [e.metrics for e in worker.handle(command) if isinstance(e, StepDone)]
     return {"weights": dict(channel._tensors), "metrics": metrics}
 
@@ -278,6 +287,14 @@ def fsdp2_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
         # and the ranks' critic gradients are summed before its step.
         pytest.param("ddp", "tiny:1m", ("algorithm.advantage=gae",), marks=pytest.mark.slow),
         pytest.param("fsdp2", "tiny:1m", ("algorithm.advantage=gae",), marks=pytest.mark.slow),
+        # PPO mini-batches: a step per half of each batch, the second half's old log-probs of the
+        # batch's weights (tests/trainer/test_mini_batches.py).
+        pytest.param(
+            "fsdp2",
+            "tiny:1m",
+            ("algorithm.num_mini_batches=2", "rollout.prompts_per_step=4"),
+            marks=pytest.mark.slow,
+        ),
         # Load balancing: one sample per micro-batch, so each rank's losses are the single process's.
         pytest.param(
             "ddp",
