@@ -209,11 +209,37 @@ def signalled_when(
 
 
 def train_to_end(*args: str, timeout: float = 300) -> None:
-    """``asyncrl train ARGS`` as a child that must finish with exit code 0."""
-    done = subprocess.run(
-        cli("train", *args), capture_output=True, text=True, timeout=timeout, env=child_env()
+    """``asyncrl train ARGS`` as a child that must finish with exit code 0.
+
+    Past ``timeout`` the run is stopped as a scheduler stops a job (SIGTERM to its process group,
+    then SIGKILL), so none of its workers outlives the test, and the failure shows what it wrote.
+    """
+    proc = subprocess.Popen(
+        cli("train", *args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+        start_new_session=True,
     )
-    assert done.returncode == 0, done.stderr
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, err = proc.communicate(timeout=10)
+        raise AssertionError(
+            f"asyncrl train {' '.join(args)} did not end within {timeout:.0f}s: {err}"
+        ) from None
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    assert proc.returncode == 0, err
 
 
 def straight_and_stopped(

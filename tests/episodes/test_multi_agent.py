@@ -487,7 +487,8 @@ def test_an_async_two_policy_run_stopped_by_sigterm_resumes_with_every_policys_b
     code, err = stop_after_steps(tmp_path / "run", overrides, 2, signal.SIGTERM, timeout=300)
     assert code == 128 + signal.SIGTERM.value, err
     assert len([line for line in err.splitlines() if line.strip()]) == 1, err  # one line, no traceback
-    train_to_end("--resume", str(tmp_path / "run"), timeout=300)
+    # A resume that stalls fails naming what the controller waits for, before the test's deadline.
+    train_to_end("--resume", str(tmp_path / "run"), "--set", "runtime.stall_timeout_s=120", timeout=300)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     books = summary["accounting"]
     assert books["reconciles"] and books["policies_reconcile"] and books["prompts_trained_twice"] == 0
