@@ -23,16 +23,13 @@ import dataclasses
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from asyncrl.models.token_records import TOKEN_RECORDS, records_tensor
 from asyncrl.types import Sample
-
-if TYPE_CHECKING:
-    from asyncrl.trainer.interface import StepTrainer
 
 T = TypeVar("T")
 
@@ -330,15 +327,16 @@ class BatchInProgress:
         return self.micro_batches[start : start + sizes[k]], self.divisor[k]
 
     def train(
-        self, trainer: StepTrainer, stop: Callable[[], bool] | None
+        self, train_batch: Callable[..., list[dict[str, float]]], stop: Callable[[], bool] | None
     ) -> tuple[list[dict[str, float]], BatchInProgress | None]:
-        """The optimizer steps left, each step's metrics, and what is left when ``stop`` (asked
-        between micro-batches) gives the rest up: None when every step was taken."""
+        """The optimizer steps left, by a trainer's ``train_batch`` (``StepTrainer``'s): each step's
+        metrics, and what is left when ``stop`` (asked between micro-batches) gives the rest up,
+        None when every step was taken."""
         steps: list[dict[str, float]] = []
         batch = self
         while batch.iterations:
             micro_batches, divisor = batch.next_step()
-            taken = trainer.train_batch(micro_batches, divisor, 1, stop)
+            taken = train_batch(micro_batches, divisor, 1, stop)
             if not taken:
                 return steps, batch
             steps += taken

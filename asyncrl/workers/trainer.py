@@ -435,7 +435,7 @@ class TrainerWorker:
         step, as they must run the same collectives.
         """
         stop = self._stopping.is_set if self.ranks is None else None
-        steps, self._in_progress = batch.train(self.trainer, stop)
+        steps, self._in_progress = batch.train(self.trainer.train_batch, stop)
         return steps
 
     def _step_events(
