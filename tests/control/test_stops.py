@@ -214,6 +214,7 @@ def test_a_stop_sent_to_a_ray_runs_process_group_is_clean_and_resumes(tmp_path: 
     stop_and_resume(tmp_path / "run", "completions", "async", "ray", send="group")
 
 
+@pytest.mark.slow  # a child run's start costs ~10 s; a local run's stop: test_a_stopped_run_exits_..._[episodes-async-local]
 @pytest.mark.multiprocess
 def test_a_run_under_timeout_stops_cleanly_and_resumes(tmp_path: Path) -> None:
     """coreutils ``timeout`` signals the run's process, then its whole group: the same signal
