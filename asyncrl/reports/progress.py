@@ -25,6 +25,7 @@ class ProgressDisplay:
         self.console = Console(stderr=True)
         self._live = enabled and sys.stderr.isatty()
         self._last_plain = 0.0
+        self._reward: float | None = None  # the newest step's that scored groups
         self._progress: Progress | None = None
         if self._live:
             self._progress = Progress(
@@ -43,9 +44,15 @@ class ProgressDisplay:
     def update(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        # A batch's later optimizer steps (epochs, mini-batches) train no new groups, so log no
+        # reward: the line keeps the batch's, marked as an earlier step's.
+        if record.get("reward_mean") is not None:
+            self._reward, reward = record["reward_mean"], f"{record['reward_mean']:.3f}"
+        else:
+            reward = "-" if self._reward is None else f"{self._reward:.3f}*"
         # Throughput of both sides: after generation ends, the trainer still trains what is buffered.
         stats = (
-            f"reward {record.get('reward_mean', float('nan')):.3f}  loss {record['loss']:+.4f}  "
+            f"reward {reward}  loss {record['loss']:+.4f}  "
             f"gen {record['tokens_per_s']:.0f} tok/s  train {record.get('trained_tokens_per_s', 0.0):.0f} tok/s  "
             f"v{record['policy_version']}"
         )

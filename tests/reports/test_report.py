@@ -288,3 +288,19 @@ def test_without_a_terminal_the_last_step_is_always_printed_with_both_throughput
     assert [line.split()[1] for line in lines] == ["1", "3", "1", "2"]
     # Generation over, the trainer still trains what is buffered: both are shown.
     assert all("gen 0 tok/s  train 512 tok/s" in line for line in lines), lines
+
+
+def test_a_step_that_scored_no_groups_shows_the_reward_of_the_batch_it_trains_again(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A batch's later optimizer steps (algorithm.num_iterations, num_mini_batches) log no reward:
+    the line shows the newest one, starred, and a dash before there is any."""
+    from asyncrl.reports.progress import ProgressDisplay
+
+    display = ProgressDisplay(total_steps=1)  # every step at or past the last is printed
+    for step, reward in {1: None, 2: 0.25, 3: None}.items():
+        record = {"step": step, "loss": 0.1, "tokens_per_s": 1.0, "policy_version": step}
+        display.update(record if reward is None else {**record, "reward_mean": reward})
+    display.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split("reward ")[1].split()[0] for line in lines] == ["-", "0.250", "0.250*"]
