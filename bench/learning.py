@@ -5,8 +5,9 @@
 
 Runs ``asyncrl train`` on the built-in example once per schedule (same seed), then prints
 one JSON object: per schedule the wall time, first/last reward (10-step means), the time
-(from the start of the run, and from the first optimizer step) and the step at which the
-10-step mean reward first reaches ``--target``, and the curve.
+(from the start of the run, and from the first optimizer step) and the step (and generated
+batch) at which the 10-step mean reward first reaches ``--target``, and the curve. With several
+optimizer steps a batch the reward windows are over the steps that scored groups, one a batch.
 
 ``--stragglers`` keeps the task (1-2 digit addition, exact match, the shipped warm start)
 but makes generation long-tailed as in reasoning RL: each completion gets a log-normal
@@ -84,18 +85,23 @@ def main() -> None:
         for schedule in args.schedules:
             result = run(schedule, args.steps, extra, Path(tmp))
             rows = result["rows"]
-            t, step = time_to_target(rows, args.target)
+            # A batch's later optimizer steps (algorithm.num_iterations, num_mini_batches) score no
+            # groups: the reward windows are over the steps that did, one per generated batch.
+            scored = [r for r in rows if "reward_mean" in r]
+            t, step = time_to_target(scored, args.target)
             first_step_s = rows[0]["time_s"]
             out[schedule] = {
                 "wall_s": result["summary"]["wall_s"],
                 "s_per_step": (rows[-1]["time_s"] - rows[WINDOW - 1]["time_s"]) / (len(rows) - WINDOW),
-                "reward_first": statistics.fmean(r["reward_mean"] for r in rows[:WINDOW]),
-                "reward_last": statistics.fmean(r["reward_mean"] for r in rows[-WINDOW:]),
+                "batches": len(scored),
+                "reward_first": statistics.fmean(r["reward_mean"] for r in scored[:WINDOW]),
+                "reward_last": statistics.fmean(r["reward_mean"] for r in scored[-WINDOW:]),
                 "time_to_target_s": t,
                 "time_to_target_after_first_step_s": None if t is None else round(t - first_step_s, 3),
                 "step_at_target": step,
+                "batch_at_target": None if step is None else 1 + [r["step"] for r in scored].index(step),
                 "eval": result["summary"]["eval"],
-                "curve": [(r["time_s"], r["reward_mean"]) for r in rows],
+                "curve": [(r["time_s"], r["reward_mean"]) for r in scored],
             }
     if args.plot:
         import matplotlib
