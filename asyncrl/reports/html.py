@@ -5,7 +5,7 @@
 reward function, eval accuracy, loss, KL, entropy, clip fraction, staleness, IS weights,
 tokens/s, generator/trainer busy; :mod:`asyncrl.reports.panels`, where a feature registers
 its own), several runs overlaid in one colour each, plus every run's timeline Gantt chart. The PNGs go to ``<report>-figures/`` (with ``overview.png``, all
-panels on one image); the HTML page embeds them as data URIs, so it is one file to share.
+panels' images in one grid); the HTML page embeds them as data URIs, so it is one file to share.
 A panel whose metrics no run logged is listed as absent, not drawn empty.
 """
 
@@ -99,6 +99,25 @@ def _draw(ax, runs: list[Run], panel: Panel) -> bool:
     return drawn
 
 
+def tile_images(pngs: list[Path], out: Path, cols: int = 3) -> None:
+    """The images ``pngs`` (of one size) in a grid of ``cols`` columns, as the PNG ``out``.
+
+    The overview is the panels' own images side by side: drawing every panel again in one
+    big figure took as long as drawing them all the first time.
+    """
+    import numpy as np
+    from matplotlib import image
+
+    tiles = [np.round(image.imread(p)[..., :3] * 255).astype(np.uint8) for p in pngs]
+    height, width, channels = tiles[0].shape
+    rows = -(-len(tiles) // cols)
+    grid = np.full((rows * height, cols * width, channels), 255, dtype=np.uint8)  # white, as a figure
+    for i, tile in enumerate(tiles):
+        row, col = divmod(i, cols)
+        grid[row * height : (row + 1) * height, col * width : (col + 1) * width] = tile
+    image.imsave(out, grid)
+
+
 def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "run"
 
@@ -137,17 +156,7 @@ def write_report(run_dirs: list[Path], out: Path, *, names: list[str] | None = N
 
     drawn = [p for p in panels if p.slug in pngs]
     if drawn:  # a run stopped before its first step has none
-        cols = 3
-        rows = -(-len(drawn) // cols)
-        fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.3 * rows), squeeze=False)
-        for ax, panel in zip(axes.flat, drawn, strict=False):
-            _draw(ax, runs, panel)
-        for ax in list(axes.flat)[len(drawn) :]:
-            ax.axis("off")
-        fig.suptitle(" vs ".join(r.name for r in runs), fontsize=11)
-        fig.tight_layout()
-        fig.savefig(figures / "overview.png", dpi=90)
-        plt.close(fig)
+        tile_images([pngs[p.slug] for p in drawn], figures / "overview.png")
 
     timelines: dict[str, Path] = {}
     for run in runs:

@@ -143,8 +143,14 @@ def test_report_of_two_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
             assert colour_pixels(image, RUN_COLORS[1]) > 200, panel.slug
     is_weights = imread(figures / "is_weights.png")
     assert colour_pixels(is_weights, RUN_COLORS[0]) == 0 and colour_pixels(is_weights, RUN_COLORS[1]) > 200
+    # The overview is the panels' own images, three a row.
     overview = imread(figures / "overview.png")
-    assert overview.shape[0] > 800 and overview.shape[1] > 1200
+    rows = -(-len(panels) // 3)
+    assert overview.shape[:2] == (360 * rows, 640 * 3)
+    for i in (0, 4, len(panels) - 1):
+        row, col = divmod(i, 3)
+        tile = overview[360 * row : 360 * (row + 1), 640 * col : 640 * (col + 1), :3]
+        assert (tile == imread(figures / f"{panels[i].slug}.png")[..., :3]).all(), panels[i].slug
 
     page = Images()
     page.feed(out.read_text())
