@@ -36,7 +36,7 @@ from losses import WINDOW, step_at_target  # bench/ is this script's directory
 
 from asyncrl.config import load_config
 from asyncrl.control.run import train
-from asyncrl.reports.jsonl import read_jsonl
+from asyncrl.reports.jsonl import read_jsonl, scored_steps
 
 GAE = ["algorithm.advantage=gae"]
 VARIANTS = {
@@ -69,11 +69,12 @@ def run(name: str, steps: int, target: float, extra: list[str], out_dir: Path) -
     cfg = load_config(None, [*VARIANTS[name], f"run.steps={steps}", "run.progress=false", *extra])
     summary = train(cfg, out_dir / name)
     rows = read_jsonl(out_dir / name / "metrics.jsonl")
+    scored = scored_steps(rows)  # the reward windows are over generated batches
     evals = summary["eval"]
     return {
-        "step_at_target": step_at_target(rows, target),
-        "reward_first": round(statistics.fmean(r["reward_mean"] for r in rows[:WINDOW]), 4),
-        "reward_last": round(statistics.fmean(r["reward_mean"] for r in rows[-WINDOW:]), 4),
+        "step_at_target": step_at_target(scored, target),
+        "reward_first": round(statistics.fmean(r["reward_mean"] for r in scored[:WINDOW]), 4),
+        "reward_last": round(statistics.fmean(r["reward_mean"] for r in scored[-WINDOW:]), 4),
         "eval_accuracy_last": evals[-1]["eval_accuracy"] if evals else None,
         "value_loss_last": last_mean(rows, "value_loss"),
         "value_explained_var_last": last_mean(rows, "value_explained_var"),

@@ -29,7 +29,7 @@ from pathlib import Path
 from asyncrl.builtin.arithmetic import ArithmeticTask
 from asyncrl.config import load_config
 from asyncrl.control.run import train
-from asyncrl.reports.jsonl import read_jsonl
+from asyncrl.reports.jsonl import read_jsonl, scored_steps
 
 WINDOW = 10
 
@@ -85,9 +85,7 @@ def main() -> None:
         for schedule in args.schedules:
             result = run(schedule, args.steps, extra, Path(tmp))
             rows = result["rows"]
-            # A batch's later optimizer steps (algorithm.num_iterations, num_mini_batches) score no
-            # groups: the reward windows are over the steps that did, one per generated batch.
-            scored = [r for r in rows if "reward_mean" in r]
+            scored = scored_steps(rows)  # the reward windows are over generated batches
             t, step = time_to_target(scored, args.target)
             first_step_s = rows[0]["time_s"]
             out[schedule] = {

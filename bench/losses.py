@@ -24,7 +24,7 @@ from pathlib import Path
 from asyncrl.algorithms.losses import LOSS_TYPES
 from asyncrl.config import load_config
 from asyncrl.control.run import train
-from asyncrl.reports.jsonl import read_jsonl
+from asyncrl.reports.jsonl import read_jsonl, scored_steps
 
 WINDOW = 10
 ASYNC = ["schedule=async", "schedule.max_staleness=2", "algorithm.old_logprobs=behaviour"]
@@ -45,11 +45,12 @@ def run(loss_type: str, steps: int, target: float, extra: list[str], out_dir: Pa
     cfg = load_config(None, [*overrides, f"run.steps={steps}", "run.progress=false", *extra])
     summary = train(cfg, out_dir / loss_type)
     rows = read_jsonl(out_dir / loss_type / "metrics.jsonl")
+    scored = scored_steps(rows)  # the reward windows are over generated batches
     evals = summary["eval"]
     return {
-        "step_at_target": step_at_target(rows, target),
-        "reward_first": round(statistics.fmean(r["reward_mean"] for r in rows[:WINDOW]), 4),
-        "reward_last": round(statistics.fmean(r["reward_mean"] for r in rows[-WINDOW:]), 4),
+        "step_at_target": step_at_target(scored, target),
+        "reward_first": round(statistics.fmean(r["reward_mean"] for r in scored[:WINDOW]), 4),
+        "reward_last": round(statistics.fmean(r["reward_mean"] for r in scored[-WINDOW:]), 4),
         "clip_frac_mean": round(statistics.fmean(r["clip_frac"] for r in rows), 5),
         "ratio_mean": round(statistics.fmean(r["ratio_mean"] for r in rows), 5),
         "kl_ref_last": round(statistics.fmean(r["kl_ref"] for r in rows[-WINDOW:]), 6),

@@ -18,7 +18,7 @@ from typing import Any
 
 from asyncrl.config import Config, dump_config
 from asyncrl.errors import AsyncRLError
-from asyncrl.reports.jsonl import JsonlWriter, append_record, read_jsonl
+from asyncrl.reports.jsonl import JsonlWriter, append_record, read_jsonl, scored_steps
 from asyncrl.reports.progress import ProgressDisplay
 from asyncrl.reports.trackers import build_trackers
 
@@ -135,8 +135,7 @@ class RunSession:
             tracker.log_completions(step, records)
 
     def summary(self) -> dict[str, Any]:
-        # With several optimizer steps per batch, only a batch's first step carries its rewards.
-        rewards = [r["reward_mean"] for r in self.history if "reward_mean" in r]
+        rewards = [r["reward_mean"] for r in scored_steps(self.history)]
         window = max(1, min(10, len(rewards) // 5 or 1))
         return {
             "steps": self.step,

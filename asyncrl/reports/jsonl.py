@@ -59,6 +59,13 @@ class JsonlWriter:
         self._fh.close()
 
 
+def scored_steps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The metrics rows of the steps that scored groups, one per generated batch: a batch's later
+    optimizer steps (algorithm.num_iterations, num_mini_batches) train its groups again and log
+    no reward."""
+    return [r for r in rows if "reward_mean" in r]
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The records of a JSON-lines file.
 
