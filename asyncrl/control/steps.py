@@ -26,7 +26,7 @@ from asyncrl.control.clocks import PolicyClocks
 from asyncrl.control.features import Features
 from asyncrl.control.lifecycle import GroupLedger
 from asyncrl.protocol.headers import GroupHeader
-from asyncrl.protocol.messages import Accumulate, ContinueBatch, Discard, FinishStep
+from asyncrl.protocol.messages import Accumulate, ContinueBatch, Discard, FinishStep, mini_batch_parts
 from asyncrl.types import GroupState
 
 CANONICAL_CHUNKS = 4  # a reproducible streaming step is sent in this many fixed chunks
@@ -125,10 +125,9 @@ class StepAssembly:
             self._divisor(self.step_groups), publish=not last and made % self.cfg.schedule.sync_every == 0
         )
         if (mini_batches := self.cfg.algorithm.num_mini_batches) > 1:
-            # In the order the trainer received them: its mini-batches are the same shares.
-            share = self.B // mini_batches
-            parts = [self.step_groups[k * share : (k + 1) * share] for k in range(mini_batches)]
-            finish.mini_batch_divisors = [self._divisor(part) for part in parts]
+            # In the order the trainer received them, cut by the trainer's rule.
+            parts = mini_batch_parts(self.step_groups, 0, mini_batches, self.B)
+            finish.mini_batch_divisors = [self._divisor(part) for _, part in parts]
         # The features see the step being assembled: batch `handed`, from `planned_version`.
         discards = self.features.finish_step(finish, self.step_groups)
         if discards:

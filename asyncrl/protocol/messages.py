@@ -14,7 +14,7 @@ trainer resolves an ``Accumulate``'s group ids from its inbox.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from asyncrl.errors import AsyncRLError
 from asyncrl.protocol.headers import GroupHeader, PartialHeader, group_header, partial_header
@@ -101,6 +101,27 @@ class FinishStep:
     branch_divisor: float = 1.0
     branch_weight: float = 1.0
     branch_min_version: Versions | None = None
+
+
+T = TypeVar("T")
+
+
+def mini_batch_parts(
+    items: list[T], received: int, mini_batches: int, batch_size: int
+) -> list[tuple[int, list[T]]]:
+    """``items`` (a step's next groups, after the ``received`` before them) split by the mini-batch
+    each falls in: equal shares of the ``batch_size`` groups in the order they come; the last
+    takes any beyond. The one rule of both sides: the controller cuts a step's groups by it for
+    ``FinishStep.mini_batch_divisors``, the trainer each ``Accumulate`` as it arrives."""
+    share = batch_size // mini_batches
+    parts = []
+    while items:
+        k = min(received // share, mini_batches - 1)
+        take = len(items) if k == mini_batches - 1 else (k + 1) * share - received
+        parts.append((k, items[:take]))
+        received += len(items[:take])
+        items = items[take:]
+    return parts
 
 
 @dataclass

@@ -23,15 +23,12 @@ import dataclasses
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import numpy as np
 import torch
 
 from asyncrl.models.token_records import TOKEN_RECORDS, records_tensor
 from asyncrl.types import Sample
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -268,23 +265,6 @@ def padded_cost(prompt_width: int, completion_width: int, rows: int) -> int:
 # planner counts it as this many padded tokens when it weighs one more micro-batch against
 # more padding.
 MICRO_BATCH_OVERHEAD_TOKENS = 256
-
-
-def mini_batch_parts(
-    items: list[T], received: int, mini_batches: int, batch_size: int
-) -> list[tuple[int, list[T]]]:
-    """``items`` (a step's next groups, after the ``received`` before them) split by the mini-batch
-    each falls in: equal shares of the ``batch_size`` groups in the order they come (the order
-    the controller takes each mini-batch's divisor in); the last takes any beyond."""
-    share = batch_size // mini_batches
-    parts = []
-    while items:
-        k = min(received // share, mini_batches - 1)
-        take = len(items) if k == mini_batches - 1 else (k + 1) * share - received
-        parts.append((k, items[:take]))
-        received += len(items[:take])
-        items = items[take:]
-    return parts
 
 
 @dataclasses.dataclass

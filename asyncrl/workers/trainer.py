@@ -34,11 +34,12 @@ from asyncrl.protocol.messages import (
     Span,
     StepDone,
     Stop,
+    mini_batch_parts,
 )
 from asyncrl.reports.completions import completion_records
 from asyncrl.rewards.task_rewards import reward_terms
 from asyncrl.trainer.advantages import assign_advantages, reference_kl_mean, zero_advantage_frac
-from asyncrl.trainer.batching import BatchInProgress, MicroBatch, mini_batch_parts
+from asyncrl.trainer.batching import BatchInProgress, MicroBatch
 from asyncrl.trainer.distributed import RankGroup, RankSpec, rank_device
 from asyncrl.trainer.interface import StepTrainer
 from asyncrl.trainer.trainer import sync_dtype

@@ -13,9 +13,9 @@ import torch
 
 from asyncrl.config import load_config
 from asyncrl.errors import ConfigError
-from asyncrl.protocol.messages import Accumulate, FinishStep, StepDone
+from asyncrl.protocol.messages import Accumulate, FinishStep, StepDone, mini_batch_parts
 from asyncrl.trainer.advantages import assign_advantages
-from asyncrl.trainer.batching import BatchInProgress, mini_batch_parts
+from asyncrl.trainer.batching import BatchInProgress
 from asyncrl.transports.weights.inprocess import InProcessChannel
 from asyncrl.workers.trainer import TrainerWorker
 from tests.trainer.test_distributed import make_groups, rank_config, trained_tokens
