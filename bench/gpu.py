@@ -335,10 +335,12 @@ def build_trainer(device: torch.device, quick: bool, **settings) -> tuple[Traine
     ``trainer.*`` settings as given) and one step's samples: groups of completions of random
     tokens, advantages +-1 (none skipped)."""
     from asyncrl.config import AlgorithmConfig, TrainerConfig
+    from asyncrl.models.attention import use_attention
     from asyncrl.trainer.trainer import Trainer
     from asyncrl.types import Sample
 
     model = build_model(quick, device, torch.float32).train()
+    use_attention(model, settings.get("attention", "auto"))  # as a run's trainer does (trainer.attention)
     trainer = Trainer(
         model,
         pad_token_id=0,
@@ -397,12 +399,17 @@ def trainer_step(trainer: Trainer, samples: list[Sample], device: torch.device) 
 
 
 # Trainer settings tried after the default one (issue 41: what moves the MFU): bigger
-# micro-batches (fewer, larger matmuls), the budget sized from free memory, no packing.
+# micro-batches (fewer, larger matmuls), the budget sized from free memory, no packing, the
+# flat layout (no padding; SDPA with a dense mask).
 TRAINER_VARIANTS = (
     {"micro_batch_tokens": 32768},
     {"micro_batch_tokens": "auto"},
     {"packing": "off"},
+    {"packing": "flat"},
 )
+# On CUDA only: the flat layout with FlexAttention's block-sparse mask (it compiles its kernel,
+# which on a CPU takes longer than the rest of the quick bench).
+CUDA_TRAINER_VARIANTS = ({"packing": "flat", "attention": "flex_attention"},)
 
 
 def time_trainer(device: torch.device, quick: bool, steps: int, **settings) -> dict:
@@ -451,7 +458,7 @@ def trainer_part(device: torch.device, quick: bool, out: dict, emit) -> None:
     out.update(time_trainer(device, quick, steps))
     emit()
     variants = out.setdefault("variants", [])
-    for settings in TRAINER_VARIANTS:
+    for settings in TRAINER_VARIANTS + (CUDA_TRAINER_VARIANTS if device.type == "cuda" else ()):
         try:
             measured = time_trainer(device, quick, 1 if quick else 2, **settings)
         except Exception as exc:  # e.g. out of memory: the next variant still runs

@@ -267,15 +267,29 @@ class TrainerConfig(Section):
             raise ValueError(f"must be a positive number of tokens or 'auto', got {tokens}")
         return tokens
 
-    packing: Literal["tree", "prompts", "off"] = Field(
+    packing: Literal["tree", "prompts", "off", "flat"] = Field(
         "tree",
         description="How a micro-batch's inputs are laid out. 'tree': every token prefix that samples "
         "share (a group's prompt, a system prompt common to several groups, a multi-turn history, "
         "identical first completion tokens) is forwarded once, level by level against the KV cache of "
         "the level above; 'prompts': only identical prompts are shared (two levels); 'off': one padded "
-        "row per sample. Packing is exact (the same log-probs and gradients as 'off') and is used per "
+        "row per sample; 'flat': the samples end to end in one row without padding (TRL's padding_free), "
+        "attention kept within each sample by the position ids — per sample with trainer.attention "
+        "flash_attention_2/3 or flex_attention, through a dense (tokens x tokens) mask with sdpa or eager. "
+        "Every layout is exact (the same log-probs and gradients as 'off'); the tree is used per "
         "micro-batch only where its saved tokens outweigh its extra forward passes. Replaces "
         "share_prompts (true = 'prompts', false = 'off'). See docs/packing.md.",
+    )
+    attention: Literal[
+        "auto", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"
+    ] = Field(
+        "auto",
+        description="The attention implementation of the trainer's forwards (transformers' "
+        "attn_implementation: the policy, its KL reference and a critic): 'auto' keeps the model's own "
+        "(sdpa unless its config says otherwise). flex_attention compiles its kernel (torch.compile) "
+        "on first use and needs a GPU (torch has no FlexAttention backward on the CPU); flash_attention_2/3 "
+        "need the flash-attn package and a GPU; each is refused at start where it cannot train. The "
+        "engines' attention is their own. See docs/packing.md.",
     )
     skip_zero_advantage: bool = Field(
         True,

@@ -12,6 +12,8 @@ model input is laid out:
 * **prefix tree** (:mod:`asyncrl.trainer.packing`): every token prefix that samples share
   — a group's prompt, a system prompt, a multi-turn history — is forwarded once, level by
   level, each level against the KV cache of the one above; exact, like the padded layout.
+* **flat** (:mod:`asyncrl.trainer.flat`): the samples' inputs end to end in one row, no
+  padding, position ids restarting at each sample, attention kept within each sample.
 
 Which layout a micro-batch gets and how samples are cut into micro-batches:
 :mod:`asyncrl.trainer.planning`.
@@ -66,6 +68,19 @@ class TreeInputs:
 
 
 @dataclass
+class FlatInputs:
+    """Where the flat layout's single row predicts completion tokens."""
+
+    # (B, R) the row's position that predicts each completion token, -1 past a sample's span.
+    positions: torch.Tensor
+    keep: torch.Tensor  # (N,) the predicting positions, in order: the rows logits are computed for
+    logit_index: torch.Tensor  # (B, R) each token's row among ``keep`` (0 past a sample's span)
+
+    def to(self, device: torch.device) -> FlatInputs:
+        return FlatInputs(*(t.to(device) for t in (self.positions, self.keep, self.logit_index)))
+
+
+@dataclass
 class MicroBatch:
     samples: list[Sample]
     completion_ids: torch.Tensor  # (B, R)
@@ -81,6 +96,8 @@ class MicroBatch:
     # (asyncrl.models.token_records): (B, P + R - 1, width) each, its fill where none (padding).
     input_records: dict[str, torch.Tensor] = field(default_factory=dict)
     tree: TreeInputs | None = None  # the prefix-tree layout
+    # The flat layout: input_ids and position_ids are its one row (1, T), no attention_mask.
+    flat: FlatInputs | None = None
     # Keep Sampling Mask: (B, R, S) kept token ids per position, -1 padded; None when not recorded.
     support_ids: torch.Tensor | None = None
     # On this micro-batch's undivided loss: 1, or for a step's branch groups (pivot resampling)
@@ -126,6 +143,8 @@ class MicroBatch:
         self.input_records = {k: v.to(device) for k, v in self.input_records.items()}
         if self.tree is not None:
             self.tree.to(device)
+        if self.flat is not None:
+            self.flat = self.flat.to(device)
         return self
 
 

@@ -46,9 +46,19 @@ def predicting_logits(model: PreTrainedModel, batch: MicroBatch) -> tuple[torch.
 
     Padded layout: the last R positions of every row, N = B·R. Prefix tree: the kept
     positions of every level; a position several samples share (a prompt's last token
-    predicts the first token of each of its completions) is one row. Working on these rows
-    rather than on a (B, R, V) copy saves copying the largest tensor of the step.
+    predicts the first token of each of its completions) is one row. Flat layout: the
+    positions of its row that predict a token. Working on these rows rather than on a
+    (B, R, V) copy saves copying the largest tensor of the step.
     """
+    if batch.flat is not None:
+        with forward_with(model, batch.input_records):
+            out = model(
+                input_ids=batch.input_ids,
+                position_ids=batch.position_ids,
+                logits_to_keep=batch.flat.keep,
+                use_cache=False,
+            )
+        return out.logits[0], batch.flat.logit_index
     if batch.tree is None:
         with forward_with(model, batch.input_records):
             out = model(
@@ -150,6 +160,17 @@ def predicting_hidden(model: PreTrainedModel, batch: MicroBatch) -> tuple[torch.
     """
     none = _NO_POSITION.to(batch.completion_ids.device)
     with _final_hidden(model) as hidden:
+        if batch.flat is not None:
+            with forward_with(model, batch.input_records):
+                # Without an attention mask, transformers keeps attention within each sample
+                # by the position ids (asyncrl.trainer.flat).
+                model(
+                    input_ids=batch.input_ids,
+                    position_ids=batch.position_ids,
+                    logits_to_keep=none,
+                    use_cache=False,
+                )
+            return hidden()[0, batch.flat.keep], batch.flat.logit_index
         if batch.tree is None:
             with forward_with(model, batch.input_records):
                 model(

@@ -38,11 +38,17 @@ from asyncrl.trainer.batching import (
     ragged_rows,
     trained_span,
 )
+from asyncrl.trainer.flat import collate_flat, input_length
 from asyncrl.trainer.prefix_tree import PrefixTree, prefix_tree, prompt_tree
 from asyncrl.types import Sample
 
-Packing = Literal["tree", "prompts", "off"]
-PACKINGS: tuple[str, ...] = ("tree", "prompts", "off")
+Packing = Literal["tree", "prompts", "off", "flat"]
+PACKINGS: tuple[str, ...] = ("tree", "prompts", "off", "flat")
+# Layers whose attention the flat layout keeps within each sample (transformers masks them by
+# the position ids); any other layer (a state-space one) would carry state across samples.
+FLAT_LAYERS = {"full_attention", "sliding_attention"}
+# Attention implementations that keep a flat row's samples apart by a dense mask over the row.
+DENSE_ATTENTION = {"sdpa", "eager"}
 
 
 def packing_for(config: PretrainedConfig, packing: Packing) -> Packing:
@@ -56,6 +62,8 @@ def packing_for(config: PretrainedConfig, packing: Packing) -> Packing:
     if packing not in PACKINGS:
         raise ValueError(f"trainer.packing must be one of {', '.join(PACKINGS)}; got {packing!r}")
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if packing == "flat":
+        return _flat_for(layer_types, getattr(config, "_attn_implementation", None))
     if packing != "off" and (layer_types != {"full_attention"} or getattr(config, "sliding_window", None)):
         warnings.warn(
             f"trainer.packing={packing!r} needs global attention in every layer; this model has "
@@ -65,6 +73,34 @@ def packing_for(config: PretrainedConfig, packing: Packing) -> Packing:
         )
         return "off"
     return packing
+
+
+def _flat_for(layer_types: set[str], attention: str | None) -> Packing:
+    """``flat``, or ``off`` (with a warning) where transformers cannot keep attention within
+    each sample of a row (a version that does not read sample boundaries from the position
+    ids) or a layer is not attention. With an attention that masks densely, ``flat`` with a
+    warning of what that costs."""
+    import transformers.masking_utils as masking
+
+    reason = None
+    if not hasattr(masking, "find_packed_sequence_indices"):
+        reason = "this transformers version does not read sample boundaries from position ids"
+    elif not layer_types <= FLAT_LAYERS:
+        reason = f"this model has {sorted(layer_types - FLAT_LAYERS)} layers, which would carry state across samples"
+    if reason is not None:
+        warnings.warn(
+            f"trainer.packing='flat': {reason}, so micro-batches use the padded layout", stacklevel=3
+        )
+        return "off"
+    if attention in DENSE_ATTENTION:
+        warnings.warn(
+            f"trainer.packing='flat' with {attention} attention keeps samples apart by a dense (tokens x tokens) "
+            "mask: a micro-batch's attention costs the square of all its tokens (measured 2.4-4x slower than the "
+            "padded layout on the CPU, docs/packing.md); the flat layout pays with trainer.attention "
+            "flex_attention or flash_attention_2 on a GPU",
+            stacklevel=3,
+        )
+    return "flat"
 
 
 def model_input(sample: Sample) -> list[int]:
@@ -150,11 +186,13 @@ def collate_tree(samples: list[Sample], pad_token_id: int, tree: PrefixTree | No
 
 @dataclass(frozen=True)
 class Layout:
-    """A micro-batch's layout: a prefix tree, or the padded layout when ``tree`` is None."""
+    """A micro-batch's layout: a prefix tree, the flat row, or the padded layout when ``tree``
+    is None and ``flat`` false."""
 
     tree: PrefixTree | None
     tokens: int  # token positions forwarded, padding included
     passes: int
+    flat: bool = False
 
     @property
     def cost(self) -> int:
@@ -177,6 +215,8 @@ def choose_layout(samples: list[Sample], packing: Packing, token_budget: int | N
     """
     if packing not in PACKINGS:
         raise ValueError(f"packing must be one of {', '.join(PACKINGS)}; got {packing!r}")
+    if packing == "flat":
+        return Layout(None, sum(input_length(s) for s in samples), 1, flat=True)
     p = max(len(s.prompt_ids) for s in samples)
     r = max(trained_span(s) for s in samples)
     candidates = [Layout(None, padded_cost(p, r, len(samples)), 1)]
@@ -207,5 +247,11 @@ def collate_best(
     samples: list[Sample], pad_token_id: int, packing: Packing = "tree", token_budget: int | None = None
 ) -> MicroBatch:
     """The micro-batch in the layout :func:`choose_layout` picks."""
-    tree = choose_layout(samples, packing, token_budget).tree
-    return collate(samples, pad_token_id) if tree is None else collate_tree(samples, pad_token_id, tree)
+    layout = choose_layout(samples, packing, token_budget)
+    if layout.flat:
+        return collate_flat(samples, pad_token_id)
+    return (
+        collate(samples, pad_token_id)
+        if layout.tree is None
+        else collate_tree(samples, pad_token_id, layout.tree)
+    )

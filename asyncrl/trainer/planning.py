@@ -18,6 +18,7 @@ from asyncrl.trainer.batching import (
     padded_cost,
     trained_span,
 )
+from asyncrl.trainer.flat import collate_flat, plan_flat
 from asyncrl.trainer.packing import Layout, Packing, choose_layout, collate_tree
 from asyncrl.types import Sample
 
@@ -46,7 +47,10 @@ def plan_micro_batches(
 def plan_layouts(
     samples: list[Sample], token_budget: int, packing: Packing = "off"
 ) -> list[tuple[list[Sample], Layout]]:
-    """:func:`plan_micro_batches` with the layout chosen for each micro-batch."""
+    """:func:`plan_micro_batches` with the layout chosen for each micro-batch; with ``flat``
+    the micro-batches of :func:`~asyncrl.trainer.flat.plan_flat`."""
+    if packing == "flat":
+        return [(chunk, choose_layout(chunk, "flat")) for chunk in plan_flat(samples, token_budget)]
     plan, cost = _plan(_length_units(samples, token_budget), token_budget, packed=False)
     if packing == "off":
         return [(chunk, choose_layout(chunk, "off")) for chunk in plan]
@@ -78,6 +82,8 @@ def collection_paused() -> Iterator[None]:
 
 
 def collate_layout(samples: list[Sample], layout: Layout, pad_token_id: int) -> MicroBatch:
+    if layout.flat:
+        return collate_flat(samples, pad_token_id)
     if layout.tree is None:
         return collate(samples, pad_token_id)
     return collate_tree(samples, pad_token_id, layout.tree)

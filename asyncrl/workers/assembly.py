@@ -15,6 +15,7 @@ import torch
 from asyncrl.config import Config
 from asyncrl.engine.vllm_adapters import VllmAdapters
 from asyncrl.engine.vllm_engine import VllmEngine, VllmSettings
+from asyncrl.models.attention import use_attention
 from asyncrl.models.dropout import disable_dropout
 from asyncrl.models.head import use_float32_head
 from asyncrl.models.loading import (
@@ -133,8 +134,10 @@ def build_trainer(
 ) -> Trainer:
     """The single-process trainer, or with ``ranks`` this rank of a ``trainer.parallel`` trainer;
     ``adapter``: the one it trains of a model carrying several."""
-    if cfg.trainer.disable_dropout:  # before the trainer copies the policy as its KL reference
+    # Both before the trainer copies the policy as its KL reference.
+    if cfg.trainer.disable_dropout:
         disable_dropout(policy.model)
+    use_attention(policy.model, cfg.trainer.attention)
     kwargs = dict(
         pad_token_id=policy.pad_token_id,
         trainer_cfg=cfg.trainer,

@@ -61,12 +61,14 @@ def test_gpu_bench_quick_mode_reports_every_part_on_the_cpu() -> None:
         '{"micro_batch_tokens": 32768}',
         '{"micro_batch_tokens": "auto"}',
         '{"packing": "off"}',
+        '{"packing": "flat"}',
     ]
     for variant in variants.values():
         assert "error" not in variant, variant
         assert variant["tokens"] == trainer["tokens"] and variant["s_per_step"] > 0
     assert variants['{"micro_batch_tokens": "auto"}']["micro_batch_tokens"] == 8192  # "auto" on the CPU
     assert variants['{"packing": "off"}']["packing"] == "off"
+    assert variants['{"packing": "flat"}']["packing"] == "flat"
     # A budget holding the whole step is one micro-batch (the quick step is 8 samples of 96 tokens).
     assert variants['{"micro_batch_tokens": 32768}']["micro_batches"] == 1
     sync = result["weight_sync"]

@@ -74,6 +74,7 @@ def test_unknown_names_are_refused_with_what_is_registered() -> None:
         resolve_reward("no_such_reward")
 
 
+@pytest.mark.slow  # a fresh interpreter importing a low layer (7 s); lookups in this process: the tests above
 def test_a_lookup_loads_the_plugin_that_no_lower_layer_imports() -> None:
     """In a fresh interpreter, a low layer alone: the toy world is not imported until a name is read."""
     script = textwrap.dedent(

@@ -134,7 +134,7 @@ def test_overrides_win_over_file(tmp_path: Path) -> None:
             ["task.name=csv"],
             ["task.name='csv'", "'arithmetic', 'chain', 'jsonl', 'dataset', 'guess' or 'environment'"],
         ),
-        (["trainer.packing=dense"], ["trainer.packing='dense'", "'tree', 'prompts' or 'off'"]),
+        (["trainer.packing=dense"], ["trainer.packing='dense'", "'tree', 'prompts', 'off' or 'flat'"]),
         (["trainer.share_prompts=maybe"], ["trainer.share_prompts='maybe'", "true or false", "'prompts'"]),
         (
             ["trainer.share_prompts=true", "trainer.packing=tree"],

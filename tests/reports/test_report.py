@@ -207,6 +207,7 @@ def test_a_feature_unknown_to_the_core_brings_its_own_panel(tmp_path: Path) -> N
     assert [p.slug for p in report_panels()][: len(PANELS)] == [p.slug for p in PANELS]
 
 
+@pytest.mark.slow  # a fresh interpreter (5 s); the report itself: the other tests here
 def test_the_report_loads_no_model_code(tmp_path: Path) -> None:
     """The features' panels come from their light registry: a report of a run imports neither
     torch nor transformers (every feature's models would take seconds to import)."""

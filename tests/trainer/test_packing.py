@@ -22,6 +22,7 @@ from asyncrl.trainer.batching import (
     padded_cost,
     trained_span,
 )
+from asyncrl.trainer.flat import collate_flat
 from asyncrl.trainer.logprobs import completion_logits, completion_logprobs
 from asyncrl.trainer.packing import build_tree, choose_layout, collate_best, collate_tree, packing_for
 from asyncrl.trainer.planning import collate_layout, plan_layouts, plan_micro_batches
@@ -386,7 +387,7 @@ def test_sliding_window_models_fall_back_to_padded() -> None:
 # --- planning -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("packing", ["prompts", "tree"])
+@pytest.mark.parametrize("packing", ["prompts", "tree", "flat"])
 @pytest.mark.parametrize("budget", [1, 30, 100, 300, 1000, 10**6])
 def test_plan_keeps_samples_and_respects_budget_in_the_real_layout(
     make_sample, budget: int, packing: str
@@ -477,7 +478,7 @@ def trainer_samples(make_sample) -> list[Sample]:
 def test_trainer_gradient_is_the_same_with_and_without_packing(
     tiny_policy: Policy, make_sample, loss_type: str
 ) -> None:
-    """packing tree, prompts and off give the same step loss and gradient (rel. 1e-4), packed layouts in use."""
+    """packing tree, prompts, flat and off give the same step loss and gradient (rel. 1e-4), packed layouts in use."""
     pad = tiny_policy.pad_token_id
     samples = trainer_samples(make_sample)
     behaviour_near_policy(tiny_policy.model, samples, pad, seed=12)
@@ -499,9 +500,14 @@ def test_trainer_gradient_is_the_same_with_and_without_packing(
     loss_off, grad_off, batches_off = step("off")
     assert all(mb.tree is None for mb in batches_off)
     assert grad_off.norm() > 0
-    for packing in ("prompts", "tree"):
+    for packing in ("prompts", "tree", "flat"):
         loss, grad, batches = step(packing)
-        assert {mb.tree is not None for mb in batches} == {True, False}, "both layouts should be exercised"
+        if packing == "flat":
+            assert all(mb.flat is not None for mb in batches)
+        else:
+            assert {mb.tree is not None for mb in batches} == {True, False}, (
+                "both layouts should be exercised"
+            )
         assert sum(mb.padded_tokens for mb in batches) < sum(mb.padded_tokens for mb in batches_off)
         assert loss == pytest.approx(loss_off, rel=1e-4)
         assert rel_diff(grad, grad_off) <= GRAD_BOUND
@@ -557,6 +563,7 @@ LAYOUTS: dict[str, Callable[[list[Sample], int], MicroBatch]] = {
     "padded": collate,
     "prompts": lambda samples, pad: collate_tree(samples, pad, build_tree(samples, "prompts", -1)),
     "tree": lambda samples, pad: collate_tree(samples, pad, build_tree(samples, "tree", -1)),
+    "flat": collate_flat,
 }
 
 

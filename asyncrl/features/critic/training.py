@@ -49,6 +49,7 @@ from asyncrl.features.critic.model import (
     value_checkpoint_labels,
 )
 from asyncrl.models.activation_checkpointing import enable_activation_checkpointing
+from asyncrl.models.attention import use_attention
 from asyncrl.models.dropout import disable_dropout
 from asyncrl.models.loading import DTYPES, load_policy, resolve_dtype
 from asyncrl.models.lora import apply_lora
@@ -302,6 +303,7 @@ def critic(trained: TrainedModel) -> Critic | None:
                 p.data = p.data.to(master)
     if trained.cfg.disable_dropout:
         disable_dropout(lm)
+    use_attention(lm, trained.cfg.attention)
     if trained.cfg.activation_checkpointing:
         enable_activation_checkpointing(lm)
     model = ValueModel(lm, head_dtype=master)

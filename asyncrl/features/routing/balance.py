@@ -39,7 +39,9 @@ COEFFICIENT_KEY = "trainer.router_aux_loss_coef"
 def forward_token_masks(mb: MicroBatch) -> list[torch.Tensor]:
     """Per forward the loss forward over ``mb`` runs, which of the tokens its routers see are
     real (1) or padding (0), flattened as the routers see them: one forward in the padded
-    layout, one per level (its own columns) in the prefix tree."""
+    layout, one per level (its own columns) in the prefix tree; the flat layout has no padding."""
+    if mb.flat is not None:
+        return [torch.ones(mb.input_ids.numel(), dtype=torch.long, device=mb.input_ids.device)]
     if mb.tree is None:
         return [mb.attention_mask.flatten()]
     return [level.attention_mask[:, -level.input_ids.shape[1] :].flatten() for level in mb.tree.levels]

@@ -13,6 +13,8 @@ metrics.
 
 from __future__ import annotations
 
+import torch
+
 from asyncrl.features.routing.routers import Routing, routing_of
 from asyncrl.features.routing.routes import mismatched_routes, route_bytes
 from asyncrl.trainer.batching import MicroBatch
@@ -74,17 +76,23 @@ def routing_training(trained: TrainedModel) -> RoutingTraining:
 
 
 def drift_by_lag(routing: Routing, mb: MicroBatch, version: int) -> dict[str, float]:
-    """Of the recorded routes of the completion tokens the last forward (over ``mb``, padded
-    layout) fed, sampled ``lag`` versions before ``version``: the decisions compared and those
+    """Of the recorded routes of the completion tokens the last forward (over ``mb``, padded or
+    flat layout) fed, sampled ``lag`` versions before ``version``: the decisions compared and those
     the current router makes otherwise, as ``routing_lag{LAG}_decisions`` / ``_drifted`` sums."""
     if routing.drifted is None or mb.tree is not None:
         return {}
     b, r = mb.completion_ids.shape
-    width = mb.input_records["routes"].shape[1]
-    start = width - (r - 1)  # the input column of the first completion token fed back in
-    drifted = routing.drifted.view(b, width)[:, start:]
-    compared = routing.compared.view(b, width)[:, start:]
     lag = (version - mb.versions[:, : r - 1]).clamp(min=0, max=LAG_BUCKETS - 1)
+    if mb.flat is not None:
+        # Completion token j is fed where token j + 1 is predicted; -1 past the span: nothing fed.
+        fed = mb.flat.positions[:, 1:]
+        drifted = torch.where(fed >= 0, routing.drifted.flatten()[fed.clamp(min=0)], 0)
+        compared = torch.where(fed >= 0, routing.compared.flatten()[fed.clamp(min=0)], 0)
+    else:
+        width = mb.input_records["routes"].shape[1]
+        start = width - (r - 1)  # the input column of the first completion token fed back in
+        drifted = routing.drifted.view(b, width)[:, start:]
+        compared = routing.compared.view(b, width)[:, start:]
     out = {}
     for bucket, name in enumerate(LAGS):
         at = lag == bucket

@@ -18,6 +18,7 @@ from asyncrl.features.routing.routes import RoutingError
 from asyncrl.models.activation_checkpointing import enable_activation_checkpointing
 from asyncrl.models.loading import Policy, load_policy
 from asyncrl.trainer.batching import MicroBatch, collate
+from asyncrl.trainer.flat import collate_flat
 from asyncrl.trainer.logprobs import completion_logprobs
 from asyncrl.trainer.packing import build_tree, collate_tree
 from asyncrl.types import Sample
@@ -75,7 +76,7 @@ def transformers_loss(
 
 
 def test_the_loss_is_transformers_over_the_real_tokens_in_both_layouts(moe: Policy, make_sample) -> None:
-    """The padded layout (padding left out) gives transformers' loss with the attention mask, and
+    """The padded and flat layouts (padding left out) give transformers' loss with the attention mask, and
     the prefix tree the same over the tokens it forwards: a prompt two samples share counts once
     (1e-6). The tilted routers are far from even (k = 2); a forward without gradients keeps nothing."""
     samples = distinct_samples(make_sample, 7, seed=1)
@@ -84,6 +85,9 @@ def test_the_loss_is_transformers_over_the_real_tokens_in_both_layouts(moe: Poli
     want = transformers_loss(moe.model, padded).detach()
     assert float(want) > 2.5
     assert float(kept_loss(moe, padded).detach()) == pytest.approx(float(want), abs=LOSS_BOUND)
+    # The flat layout has no padding: the same real tokens, in one row.
+    flat = collate_flat(samples, moe.pad_token_id)
+    assert float(kept_loss(moe, flat).detach()) == pytest.approx(float(want), abs=LOSS_BOUND)
 
     twins = [copy.deepcopy(s) for s in samples]
     for twin in twins:

@@ -34,6 +34,7 @@ from asyncrl.models.activation_checkpointing import enable_activation_checkpoint
 from asyncrl.models.experts import use_capturable_experts
 from asyncrl.models.loading import Policy, load_policy
 from asyncrl.trainer.batching import MicroBatch, collate
+from asyncrl.trainer.flat import collate_flat
 from asyncrl.trainer.logprobs import completion_logprobs
 from asyncrl.trainer.packing import build_tree, collate_tree
 from asyncrl.types import Group, Prompt, Sample, Tokens
@@ -290,6 +291,25 @@ def test_forced_gate_weights_are_the_live_routers_probabilities_renormalised(moe
     assert bool((grad.abs().sum(-1) > 0).all())  # every expert's row learns
 
 
+def test_the_flat_layout_replays_the_recorded_experts_as_the_padded_layout_does(moe: Policy) -> None:
+    """Each sample's routes land on its own tokens of the one row: the padded layout's log-probs,
+    gradients and counts (every fed token compared once)."""
+    samples = with_routes(samples_of(generate_groups(moe, 3, 3)), shifted_first_layer)
+    got = {}
+    for name, mb in (
+        ("padded", collate(samples, moe.pad_token_id)),
+        ("flat", collate_flat(samples, moe.pad_token_id)),
+    ):
+        model = copy.deepcopy(moe.model)
+        logp, counts = logprobs_and_counts(model, mb, replay=True, grad=True)
+        (logp * mb.mask).sum().backward()
+        got[name] = (logp.detach() * mb.mask, {n: p.grad for n, p in model.named_parameters()}, counts)
+    assert float((got["padded"][0] - got["flat"][0]).abs().max()) < LOGPROB_BOUND
+    for n, g in got["padded"][1].items():
+        assert rel_diff(got["flat"][1][n], g) <= GRAD_BOUND, n
+    assert got["flat"][2] == got["padded"][2] and got["flat"][2]["drifted"] > 0
+
+
 def test_the_prefix_tree_replays_a_shared_prefix_once_as_the_padded_layout_does(moe: Policy) -> None:
     samples = with_routes(samples_of(generate_groups(moe, 3, 4)), shifted_first_layer)
     padded = collate(samples, moe.pad_token_id)
@@ -309,7 +329,7 @@ def test_the_prefix_tree_replays_a_shared_prefix_once_as_the_padded_layout_does(
     assert got["tree"][2]["tokens"] < got["padded"][2]["tokens"] and got["tree"][2]["mismatched"] == 0
 
 
-@pytest.mark.parametrize("layout", ["padded", "tree"])
+@pytest.mark.parametrize("layout", ["padded", "tree", "flat"])
 def test_activation_checkpointing_replays_the_forced_experts(moe: Policy, layout: str) -> None:
     """The backward's replay of a layer forces the routes its forward forced (the trainer has moved
     on by then) and does not count them again: same log-probs, gradients and counts."""
@@ -318,6 +338,8 @@ def test_activation_checkpointing_replays_the_forced_experts(moe: Policy, layout
     def collate_fn(samples: list[Sample], pad: int) -> MicroBatch:
         if layout == "padded":
             return collate(samples, pad)
+        if layout == "flat":
+            return collate_flat(samples, pad)
         return collate_tree(samples, pad, build_tree(samples, "tree", threshold=0))
 
     got = []
@@ -640,7 +662,10 @@ def test_routes_cross_processes_and_a_checkpoint_and_replay_after_the_resume(
     assert all(r["routing_compared_tokens"] > 0 and r["routing_mismatch_frac"] == 0.0 for r in rows)
 
 
-def test_route_staleness_is_counted_by_the_version_lag_of_each_completion_token(moe: Policy) -> None:
+@pytest.mark.parametrize("layout", ["padded", "flat"])
+def test_route_staleness_is_counted_by_the_version_lag_of_each_completion_token(
+    moe: Policy, layout: str
+) -> None:
     """The drift of the loss forward, split by how many versions ago each fed completion token was
     sampled; prompt tokens are not counted (they carry no version)."""
     from asyncrl.features.routing.training import drift_by_lag, routing_step_metrics
@@ -649,7 +674,7 @@ def test_route_staleness_is_counted_by_the_version_lag_of_each_completion_token(
     for s in samples:
         s.versions = [0, 1, 2, 3, 4, 4][: len(s.versions)]
     changed = with_routes(samples, shifted_first_layer)
-    mb = collate(changed, moe.pad_token_id)
+    mb = (collate if layout == "padded" else collate_flat)(changed, moe.pad_token_id)
     logprobs_and_counts(moe.model, mb, replay=False)
     sums = drift_by_lag(routing_of(moe.model), mb, version=4)
     # Fed completion tokens 0..4 of each sample: lags 4, 3, 2, 1, 0 -> buckets 3+, 3+, 2, 1, 0.
