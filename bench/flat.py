@@ -27,10 +27,9 @@ import os
 import random
 import statistics
 import time
-from dataclasses import asdict
 
 import torch
-from packing import MODEL, QUICK_MODEL, ModelShape, build_model, make_trainer
+from packing import MODEL, QUICK_MODEL, ModelShape, build_model, machine_and_model, make_trainer, timed_step
 
 from asyncrl.models.attention import use_attention
 from asyncrl.trainer.flat import input_length
@@ -70,14 +69,6 @@ def long_tailed_samples(
     return samples
 
 
-def timed(trainer, samples: list[Sample]) -> tuple[float, int, int]:
-    t0 = time.perf_counter()
-    trainer.begin_step()
-    batches = trainer.prepare(samples)
-    trainer.accumulate(batches)
-    return time.perf_counter() - t0, sum(mb.padded_tokens for mb in batches), len(batches)
-
-
 def run_setting(
     model, prompt: int, max_completion: int, groups: int, group_size: int, repeats: int, budget: int
 ) -> dict:
@@ -95,8 +86,8 @@ def run_setting(
         for name in order:
             trainer, attention = trainers[name]
             use_attention(model, attention)
-            seconds, tokens, micro_batches = timed(trainer, samples)
-            shapes[name] = (tokens, micro_batches)
+            seconds, shape = timed_step(trainer, samples)
+            shapes[name] = (shape["tokens"], shape["micro_batches"])
             if repeat:  # the first round is the warm-up
                 times[name].append(seconds)
     model.zero_grad(set_to_none=True)
@@ -148,15 +139,7 @@ def run_benchmark(
     finally:
         torch.set_num_threads(previous)
     return {
-        "machine": {
-            "cores": len(os.sched_getaffinity(0)),
-            "threads": threads,
-            "torch": torch.__version__,
-            "loadavg_before": [round(x, 2) for x in load_before],
-            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-            "wall_seconds": round(time.perf_counter() - t0, 1),
-        },
-        "model": {**asdict(shape), "params": sum(p.numel() for p in model.parameters()), "dtype": "float32"},
+        **machine_and_model(threads, load_before, t0, shape, model),
         "budget": budget,
         "repeats": repeats,
         "settings": rows,

@@ -233,6 +233,20 @@ def run_benchmark(
     finally:
         torch.set_num_threads(previous)
     return {
+        **machine_and_model(threads, load_before, t0, shape, model),
+        "budget": budget,
+        "repeats": repeats,
+        "settings": rows,
+        "targets": targets(rows),
+    }
+
+
+def machine_and_model(
+    threads: int, load_before: tuple[float, ...], t0: float, shape: ModelShape, model
+) -> dict:
+    """A benchmark's ``machine`` (cores, threads, torch, load average before and now, wall
+    seconds since ``t0``) and ``model`` records."""
+    return {
         "machine": {
             "cores": len(os.sched_getaffinity(0)),
             "threads": threads,
@@ -242,10 +256,6 @@ def run_benchmark(
             "wall_seconds": round(time.perf_counter() - t0, 1),
         },
         "model": {**asdict(shape), "params": sum(p.numel() for p in model.parameters()), "dtype": "float32"},
-        "budget": budget,
-        "repeats": repeats,
-        "settings": rows,
-        "targets": targets(rows),
     }
 
 
