@@ -30,7 +30,8 @@ result). It holds the device's name and, per part:
   MFU (6 x parameters x tokens against the GPU's dense bfloat16 peak, when known), the
   median seconds of the step's parts (prepare, accumulate, finish), its micro-batches and
   peak GPU memory; then the same under other settings (``variants``: micro-batches of 32,768
-  tokens, the budget sized from free memory, no packing);
+  tokens, the budget sized from free memory, no packing, the flat layout; on CUDA also the
+  flat layout with FlexAttention and ``trainer.compile``);
 * ``loop``: ``asyncrl train`` on the 0.5B shape with a synthetic task (random prompts of
   256 tokens, 4 groups x 8 completions of 512 tokens, a cheap regex reward), generator and
   trainer sharing the GPU: sync vs periodic vs async seconds per step after the first, and
@@ -407,9 +408,10 @@ TRAINER_VARIANTS = (
     {"packing": "off"},
     {"packing": "flat"},
 )
-# On CUDA only: the flat layout with FlexAttention's block-sparse mask (it compiles its kernel,
-# which on a CPU takes longer than the rest of the quick bench).
-CUDA_TRAINER_VARIANTS = ({"packing": "flat", "attention": "flex_attention"},)
+# On CUDA only, as both compile kernels, which on a CPU takes longer than the rest of the quick
+# bench: the flat layout with FlexAttention's block-sparse mask, and trainer.compile (the
+# layers' norms and MLPs compiled; its warm-up step pays the compilation, the timed ones not).
+CUDA_TRAINER_VARIANTS = ({"packing": "flat", "attention": "flex_attention"}, {"compile": True})
 
 
 def time_trainer(device: torch.device, quick: bool, steps: int, **settings) -> dict:

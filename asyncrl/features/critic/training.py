@@ -50,6 +50,7 @@ from asyncrl.features.critic.model import (
 )
 from asyncrl.models.activation_checkpointing import enable_activation_checkpointing
 from asyncrl.models.attention import use_attention
+from asyncrl.models.compiling import compile_decoder_parts
 from asyncrl.models.dropout import disable_dropout
 from asyncrl.models.loading import DTYPES, load_policy, resolve_dtype
 from asyncrl.models.lora import apply_lora
@@ -306,6 +307,8 @@ def critic(trained: TrainedModel) -> Critic | None:
     use_attention(lm, trained.cfg.attention)
     if trained.cfg.activation_checkpointing:
         enable_activation_checkpointing(lm)
+    if trained.cfg.compile:
+        compile_decoder_parts(lm)
     model = ValueModel(lm, head_dtype=master)
     if not source.startswith(("tiny:", "builtin:")) and value_checkpoint_labels(Path(source)) is not None:
         load_score_head(model, Path(source))  # a value or reward model's head: the critic's start
