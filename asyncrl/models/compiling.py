@@ -22,7 +22,20 @@ from __future__ import annotations
 
 import torch
 
+from asyncrl.config import TrainerConfig
+from asyncrl.models.activation_checkpointing import enable_activation_checkpointing
 from asyncrl.models.forward import base_model
+
+
+def train_layers(model: torch.nn.Module, cfg: TrainerConfig) -> None:
+    """The trainer's forms of a trained model's decoder layers (the policy's, a critic's):
+    activation checkpointing (``trainer.activation_checkpointing``), then compilation
+    (``trainer.compile``; the checkpoint's replay calls the compiled modules as its forward
+    did). Apply it after any copy of the model is taken: a compiled module does not copy."""
+    if cfg.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    if cfg.compile:
+        compile_decoder_parts(model)
 
 
 def compile_decoder_parts(model: torch.nn.Module) -> list[str]:

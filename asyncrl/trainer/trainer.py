@@ -37,8 +37,7 @@ from transformers import PreTrainedModel
 
 from asyncrl.algorithms import corrections, losses
 from asyncrl.config import AlgorithmConfig, Config, TrainerConfig, old_logprob_mode
-from asyncrl.models.activation_checkpointing import enable_activation_checkpointing
-from asyncrl.models.compiling import compile_decoder_parts
+from asyncrl.models.compiling import train_layers
 from asyncrl.models.lora import ADAPTER, is_lora, published_weights
 from asyncrl.trainer.advantages import moves_weights
 from asyncrl.trainer.batching import MicroBatch, trained_span
@@ -124,10 +123,8 @@ class Trainer:
         # The features' parts of the work on the policy (asyncrl.trainer.features), built after the
         # reference copy: whatever they set on the policy's modules is the policy's alone.
         self.features = TrainingFeatures.of(model, trainer_cfg, run_cfg)
-        if trainer_cfg.activation_checkpointing:  # the policy only: the reference computes no gradients
-            enable_activation_checkpointing(model)
-        if trainer_cfg.compile:  # after the reference copy: a compiled module does not copy
-            compile_decoder_parts(model)
+        # The policy only, after the reference copy: the reference computes no gradients.
+        train_layers(model, trainer_cfg)
         self.micro_batch_tokens = resolve_micro_batch_tokens(
             trainer_cfg.micro_batch_tokens,
             model,

@@ -48,9 +48,8 @@ from asyncrl.features.critic.model import (
     save_value_model,
     value_checkpoint_labels,
 )
-from asyncrl.models.activation_checkpointing import enable_activation_checkpointing
 from asyncrl.models.attention import use_attention
-from asyncrl.models.compiling import compile_decoder_parts
+from asyncrl.models.compiling import train_layers
 from asyncrl.models.dropout import disable_dropout
 from asyncrl.models.loading import DTYPES, load_policy, resolve_dtype
 from asyncrl.models.lora import apply_lora
@@ -305,10 +304,7 @@ def critic(trained: TrainedModel) -> Critic | None:
     if trained.cfg.disable_dropout:
         disable_dropout(lm)
     use_attention(lm, trained.cfg.attention)
-    if trained.cfg.activation_checkpointing:
-        enable_activation_checkpointing(lm)
-    if trained.cfg.compile:
-        compile_decoder_parts(lm)
+    train_layers(lm, trained.cfg)
     model = ValueModel(lm, head_dtype=master)
     if not source.startswith(("tiny:", "builtin:")) and value_checkpoint_labels(Path(source)) is not None:
         load_score_head(model, Path(source))  # a value or reward model's head: the critic's start
