@@ -144,8 +144,9 @@ def _init_ray(
 
 def check_fits(needs: list[tuple[str, RayResources]], cluster: dict) -> None:
     """The local instance a run started has what it has: actors (``needs``: each one's name and
-    resources) that need more CPUs or GPUs than ``cluster`` holds would wait for resources until
-    runtime.start_timeout_s; refused at once instead, naming what each asks."""
+    resources) that need more CPUs, GPUs or memory than ``cluster`` holds (Ray's resources:
+    memory in bytes) would wait for resources until runtime.start_timeout_s; refused at once
+    instead, naming what each asks."""
     for kind, field in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
         want = sum(getattr(res, field) for _, res in needs)
         have = cluster.get(kind, 0.0)
@@ -160,6 +161,19 @@ def check_fits(needs: list[tuple[str, RayResources]], cluster: dict) -> None:
                 f"started has {have:g}: give it more (runtime.ray.num_cpus), or ask less of each actor "
                 f"(runtime.ray.<trainer|generator|...>.{field}) or fewer generators (runtime.generators)",
             )
+    # Ray reserves memory as it is asked (runtime.ray.*.memory_gb, rounded down to whole bytes as
+    # the actors' options are); its local instance holds what the machine had free at its start.
+    want_gb = sum(int(res.memory_gb * (1 << 30)) for _, res in needs if res.memory_gb) / (1 << 30)
+    have_gb = cluster.get("memory", 0.0) / (1 << 30)
+    if want_gb > have_gb:
+        by_actor = ", ".join(f"{name} {res.memory_gb:g}" for name, res in needs if res.memory_gb)
+        raise ConfigError(
+            "runtime.ray.*.memory_gb",
+            round(want_gb, 3),
+            f"the run's actors ask for {want_gb:g} GB of memory ({by_actor}) and the local Ray "
+            f"instance it started has {have_gb:.1f} GB: ask less of each actor "
+            "(runtime.ray.<trainer|generator|...>.memory_gb) or fewer generators (runtime.generators)",
+        )
 
 
 def get_while_starting(

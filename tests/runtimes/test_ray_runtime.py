@@ -39,6 +39,7 @@ from asyncrl.protocol.messages import (
     WorkerError,
     WorkerLost,
 )
+from asyncrl.runtimes import ray_runtime
 from asyncrl.runtimes.ray_runtime import RayRuntime
 from asyncrl.runtimes.ray_start import check_fits, start_ray
 from asyncrl.transports.ports import free_port
@@ -478,10 +479,15 @@ def test_scale_command_rejects_bad_input(tmp_path: Path, capsys) -> None:
 
 @pytest.mark.ray
 @pytest.mark.multiprocess
-def test_actors_the_cluster_cannot_place_fail_the_start_within_start_timeout(tmp_path: Path) -> None:
-    """A generator asking for more memory than the machine has is never placed: the start ends
-    after runtime.start_timeout_s naming it. (CPUs and GPUs beyond a local instance's are refused
-    at once: test_actors_that_need_more_than_the_local_instance_holds_are_refused_at_once.)"""
+def test_actors_the_cluster_cannot_place_fail_the_start_within_start_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A generator asking for more memory than the cluster has is never placed: the start ends
+    after runtime.start_timeout_s naming it. The local instance's resources are not checked here,
+    as a cluster's at runtime.ray.address are not (an autoscaler may add nodes); a local instance
+    refuses CPUs, GPUs and memory beyond its own at once:
+    test_actors_that_need_more_than_the_local_instance_holds_are_refused_at_once."""
+    monkeypatch.setattr(ray_runtime, "check_fits", lambda needs, cluster: None)
     cfg = load_config(
         None,
         [
@@ -521,14 +527,38 @@ def test_actors_that_need_more_than_the_local_instance_holds_are_refused_at_once
         ConfigError, match=r"^runtime.ray.\*.num_gpus=1.0: the run's actors need 1 GPUs \(trainer 1\)"
     ):
         check_fits(gpus.needs(), {"CPU": 8.0})
+    memory = RayRuntime(
+        load_config(
+            None,
+            [
+                "runtime.kind=ray",
+                "runtime.generators=2",
+                "runtime.ray.generator.memory_gb=6",
+                "runtime.ray.trainer.memory_gb=4.5",
+            ],
+        ),
+        tmp_path,
+    )
+    check_fits(memory.needs(), {"CPU": 8.0, "memory": 16.5 * 2**30})  # 4.5 + 2 x 6
+    with pytest.raises(ConfigError) as refused:
+        check_fits(memory.needs(), {"CPU": 8.0, "memory": 16.4 * 2**30})
+    assert str(refused.value) == (
+        "runtime.ray.*.memory_gb=16.5: the run's actors ask for 16.5 GB of memory (trainer 4.5, "
+        "generator-0 6, generator-1 6) and the local Ray instance it started has 16.4 GB: ask less of "
+        "each actor (runtime.ray.<trainer|generator|...>.memory_gb) or fewer generators (runtime.generators)"
+    )
 
 
 @pytest.mark.ray
 @pytest.mark.multiprocess
-def test_a_stop_while_the_actors_start_ends_the_run_at_once(tmp_path: Path) -> None:
-    """SIGTERM once Ray is up and a generator can never be placed: the start gives up at once
-    (not after runtime.start_timeout_s), the run says it stopped before any step, and Ray and
-    every actor are gone (the fixture)."""
+def test_a_stop_while_the_actors_start_ends_the_run_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM once Ray is up and a generator can never be placed (the local instance's resources
+    unchecked, as a cluster's at an address are): the start gives up at once (not after
+    runtime.start_timeout_s), the run says it stopped before any step, and Ray and every actor
+    are gone (the fixture)."""
+    monkeypatch.setattr(ray_runtime, "check_fits", lambda needs, cluster: None)
     cfg = load_config(
         None,
         [
