@@ -123,7 +123,10 @@ class TaskConfig(Section):
     arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
     chain: ChainConfig = Field(default_factory=ChainConfig)
     guess_max: int = Field(16, ge=2, description="task.name=guess: secrets are integers in 1..guess_max.")
-    path: str | None = Field(None, description="The dataset file or directory (task.name=jsonl or dataset).")
+    path: str | None = Field(
+        None,
+        description="The dataset file or directory (task.name=jsonl or dataset; refused with another task.name).",
+    )
     split: str = Field("train", description="Split trained on (task.name=dataset).")
     eval_split: str | None = Field(
         None,
@@ -212,6 +215,13 @@ class TaskConfig(Section):
     def _path_for_datasets(self) -> TaskConfig:
         if self.name in ("jsonl", "dataset") and not self.path:
             raise ValueError(f"task.name={self.name} needs task.path")
+        if self.path and self.name not in ("jsonl", "dataset"):
+            # A file given to a generated task would be ignored: the run would train on the
+            # built-in prompts while its user believes it trains on the file.
+            raise ValueError(
+                f"task.path={self.path!r} is read only by task.name=jsonl (a JSONL file) or dataset "
+                f"(a Hugging Face dataset directory or file), and task.name is {self.name!r}: set task.name"
+            )
         if self.eval_split is not None and self.eval_fraction > 0:
             raise ValueError("give task.eval_split or task.eval_fraction, not both")
         labels = [e.label or e.name.rpartition(":")[2] for e in self.rewards]

@@ -253,6 +253,19 @@ def test_jsonl_task_needs_a_path() -> None:
     assert load_config(None, ["task.name=jsonl", "task.path=data.jsonl"]).task.path == "data.jsonl"
 
 
+@pytest.mark.parametrize("name", ["arithmetic", "chain", "guess"])
+def test_a_path_given_to_a_generated_task_is_refused_not_ignored(name: str) -> None:
+    """task.path with a task that generates its prompts would train on the built-in prompts while
+    the user believes it trains on the file: refused, naming both keys."""
+    err = config_error(f"task.name={name}", "task.path=data.jsonl")
+    assert err.key == "task"
+    assert str(err) == (
+        "task: task.path='data.jsonl' is read only by task.name=jsonl (a JSONL file) or dataset "
+        f"(a Hugging Face dataset directory or file), and task.name is '{name}': set task.name"
+    )
+    assert load_config(None, ["task.name=dataset", "task.path=data"]).task.path == "data"
+
+
 def test_min_digits_above_max_digits_is_rejected() -> None:
     """min_digits > max_digits is rejected naming both fields and their values."""
     err = config_error("task.arithmetic.min_digits=3", "task.arithmetic.max_digits=2")

@@ -936,6 +936,7 @@ def test_an_environment_that_owns_the_data_gives_every_prompt(tmp_path: Path) ->
     cfg = tool_config(
         tmp_path,
         "task.name=environment",
+        "task.path=null",
         "episode.tools=[tests.episodes.test_tools:Quiz]",
         "task.reward=null",
     )
@@ -948,7 +949,9 @@ def test_an_environment_that_owns_the_data_gives_every_prompt(tmp_path: Path) ->
     for sample in (s for g in groups for s in g.samples):
         assert tok.decode(sample.prompt_ids) == "2+3="
         assert (sample.reward, sample.reward_components, sample.reward_error) == (1.0, {"Quiz": 1.0}, None)
-    cfg = tool_config(tmp_path, "task.name=environment", f"episode.tools=[{COUNTER}]", "task.reward=null")
+    cfg = tool_config(
+        tmp_path, "task.name=environment", "task.path=null", f"episode.tools=[{COUNTER}]", "task.reward=null"
+    )
     groups, _ = run_groups(cfg, ScriptedTools, [task_prompts(cfg).get(0)])
     for sample in groups[0].samples:
         assert (
@@ -960,6 +963,7 @@ def test_an_environment_that_owns_the_data_gives_every_prompt(tmp_path: Path) ->
             tool_config(
                 tmp_path,
                 "task.name=environment",
+                "task.path=null",
                 f"episode.tools=[{COUNTER}, tests.episodes.test_tools:Quiz]",
                 "task.reward=null",
             ),
