@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncrl.config import Config
+from asyncrl.errors import ConfigError
 from asyncrl.models.loading import Policy, load_tokenizer
 from asyncrl.prompts.chat import render_prompt
 from asyncrl.prompts.hf_dataset import hold_out, load_rows
@@ -14,6 +15,23 @@ from asyncrl.prompts.sources import GENERATED_TASKS, PromptSource, PromptStream
 from asyncrl.types import Prompt
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out generated prompts come from a disjoint seed
+# A generated task's first prompts measured against the room rollout.max_new_tokens leaves (a
+# dataset measures every row): its prompts vary little in length, and one drawn later that does
+# not fit is still refused by the engine, naming the request.
+GENERATED_PROMPTS_MEASURED = 256
+
+
+def prompt_room(cfg: Config, max_positions: int) -> int:
+    """Tokens a prompt may have: the model's positions less rollout.max_new_tokens (at least one)."""
+    room = max_positions - cfg.rollout.max_new_tokens
+    if room < 1:
+        raise ConfigError(
+            "rollout.max_new_tokens",
+            cfg.rollout.max_new_tokens,
+            f"the model ({cfg.model.path}) has {max_positions} positions, which leaves no room for a "
+            f"prompt: at most {max_positions - 1}",
+        )
+    return room
 
 
 def prompt_source(
@@ -21,6 +39,7 @@ def prompt_source(
 ) -> PromptSource:
     """The training prompts, or with ``evaluation`` the held-out ones (see :func:`eval_prompts`)."""
     t = cfg.task
+    room = prompt_room(cfg, max_positions)
     generated = GENERATED_TASKS.get(t.name)
     if generated is not None:
         return generated(t, t.seed + seed_offset + (EVAL_SEED_OFFSET if evaluation else 0))
@@ -28,8 +47,8 @@ def prompt_source(
         prompt_field=t.prompt_field,
         answer_field=t.answer_field,
         skip_bad_rows=t.skip_bad_rows,
-        prompt_length=lambda text: len(tokenizer(text, add_special_tokens=False).input_ids),
-        max_prompt_tokens=max_positions - cfg.rollout.max_new_tokens,
+        prompt_length=lambda text: prompt_tokens(tokenizer, text),
+        max_prompt_tokens=room,
         render=lambda prompt: render_prompt(tokenizer, prompt),
     )
     if t.name == "jsonl":
@@ -62,6 +81,33 @@ def task_prompts(cfg: Config, rendering: Callable[[Any], Any] | None = None) -> 
     if rendering is not None:
         tokenizer = rendering(tokenizer)
     source = prompt_source(cfg, tokenizer, max_positions)
-    if cfg.task.name not in GENERATED_TASKS:  # generated: no eval split to check
+    if cfg.task.name in GENERATED_TASKS:  # no eval split to check; the prompts' lengths are
+        check_generated_lengths(cfg, source, tokenizer, max_positions)
+    else:
         prompt_source(cfg, tokenizer, max_positions, evaluation=True)  # a bad eval split fails here too
     return source
+
+
+def prompt_tokens(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def check_generated_lengths(cfg: Config, source: PromptSource, tokenizer, max_positions: int) -> None:
+    """A generated task's first prompts, rendered as the engine sees them, fit with
+    rollout.max_new_tokens in the model's positions (else a ConfigError naming the longest)."""
+    count = (
+        GENERATED_PROMPTS_MEASURED if source.size is None else min(source.size, GENERATED_PROMPTS_MEASURED)
+    )
+    lengths = [
+        (prompt_tokens(tokenizer, render_prompt(tokenizer, p)), p.prompt_id)
+        for p in map(source.get, range(count))
+    ]
+    longest, prompt_id = max(lengths, default=(0, None))
+    if longest > prompt_room(cfg, max_positions):
+        raise ConfigError(
+            "rollout.max_new_tokens",
+            cfg.rollout.max_new_tokens,
+            f"task.name={cfg.task.name}'s prompt {prompt_id!r} has {longest} tokens, and with the new tokens "
+            f"they exceed the model's ({cfg.model.path}) {max_positions} positions: at most "
+            f"{max_positions - longest}",
+        )

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.errors import DatasetError
+from asyncrl.errors import ConfigError, DatasetError
 from asyncrl.models.char_tokenizer import build_char_tokenizer
 from asyncrl.prompts.hf_dataset import HFDataset, hold_out, load_rows
-from asyncrl.prompts.task_prompts import prompt_source
+from asyncrl.prompts.task_prompts import prompt_source, task_prompts
 
 # A dependency the GPU machine lacks (it runs asyncrl from the checkout): skip there, not fail.
 datasets = pytest.importorskip("datasets", reason="task.name=dataset needs the `datasets` package")
@@ -141,3 +141,39 @@ def test_unreadable_datasets_say_why(tmp_path: Path, make, split: str, needle: s
 def test_held_out_fraction_must_leave_rows(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match="leaves none to train on"):
         hold_out(load_rows(write(tmp_path, "parquet", BAD[:1]), "train", **MAPPING), 0.5, seed=0)
+
+
+def test_a_token_budget_that_leaves_a_prompt_no_room_is_refused_naming_it(tmp_path: Path) -> None:
+    """rollout.max_new_tokens at or above the model's positions is refused for every task (a
+    dataset would otherwise call each row too long, against a negative allowance), and a generated
+    task's prompts are measured with the budget at the start, not refused by the engine mid-run."""
+    path = write(tmp_path, "disk")
+    dataset = [
+        "task.name=dataset",
+        f"task.path={path}",
+        "task.prompt_field=question",
+        "task.answer_field=solution",
+    ]
+    for task in ([], dataset):
+        with pytest.raises(ConfigError) as refused:
+            prompt_source(
+                load_config(None, [*task, "rollout.max_new_tokens=512"]), build_char_tokenizer(), 512
+            )
+        assert str(refused.value) == (
+            "rollout.max_new_tokens=512: the model (builtin:arith) has 512 positions, which leaves no "
+            "room for a prompt: at most 511"
+        )
+    # builtin:arith has 512 positions; its arithmetic prompts ('a+b=') take at most 6 tokens.
+    with pytest.raises(ConfigError) as refused:
+        task_prompts(load_config(None, ["rollout.max_new_tokens=507"]))
+    assert refused.value.key == "rollout.max_new_tokens"
+    assert str(refused.value).endswith(
+        "has 6 tokens, and with the new tokens they exceed the model's (builtin:arith) 512 positions: at most 506"
+    )
+    assert task_prompts(load_config(None, ["rollout.max_new_tokens=506"])).get(0).text.endswith("=")
+    assert (
+        prompt_source(
+            load_config(None, [*dataset, "rollout.max_new_tokens=506"]), build_char_tokenizer(), 512
+        ).size
+        == 10
+    )
