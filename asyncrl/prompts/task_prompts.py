@@ -81,7 +81,7 @@ def task_prompts(cfg: Config, rendering: Callable[[Any], Any] | None = None) -> 
     if rendering is not None:
         tokenizer = rendering(tokenizer)
     source = prompt_source(cfg, tokenizer, max_positions)
-    if cfg.task.name in GENERATED_TASKS:  # no eval split to check; the prompts' lengths are
+    if cfg.task.name in GENERATED_TASKS:  # no eval split to check, but the prompts' lengths
         check_generated_lengths(cfg, source, tokenizer, max_positions)
     else:
         prompt_source(cfg, tokenizer, max_positions, evaluation=True)  # a bad eval split fails here too
@@ -103,7 +103,7 @@ def check_generated_lengths(cfg: Config, source: PromptSource, tokenizer, max_po
         for p in map(source.get, range(count))
     ]
     longest, prompt_id = max(lengths, default=(0, None))
-    if longest > prompt_room(cfg, max_positions):
+    if longest > max_positions - cfg.rollout.max_new_tokens:  # (prompt_source checked that room is left)
         raise ConfigError(
             "rollout.max_new_tokens",
             cfg.rollout.max_new_tokens,
