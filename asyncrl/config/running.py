@@ -185,6 +185,11 @@ class RayResources(Section):
         None, gt=0, description="Memory reserved for the actor (null = no reservation)."
     )
 
+    @property
+    def memory_bytes(self) -> int:
+        """``memory_gb`` as Ray reserves it: whole bytes (0 = no reservation)."""
+        return int(self.memory_gb * (1 << 30)) if self.memory_gb else 0
+
 
 class RayConfig(Section):
     """The Ray runtime (runtime.kind=ray): every worker is a Ray actor."""

@@ -8,7 +8,7 @@ from typing import Any
 from asyncrl.config import Config
 from asyncrl.errors import ConfigError
 from asyncrl.models.loading import Policy, load_tokenizer
-from asyncrl.prompts.chat import render_prompt
+from asyncrl.prompts.chat import encode_prompt, render_prompt
 from asyncrl.prompts.hf_dataset import hold_out, load_rows
 from asyncrl.prompts.jsonl import JsonlDataset
 from asyncrl.prompts.sources import GENERATED_TASKS, PromptSource, PromptStream
@@ -47,7 +47,7 @@ def prompt_source(
         prompt_field=t.prompt_field,
         answer_field=t.answer_field,
         skip_bad_rows=t.skip_bad_rows,
-        prompt_length=lambda text: prompt_tokens(tokenizer, text),
+        prompt_length=lambda text: len(tokenizer(text, add_special_tokens=False).input_ids),
         max_prompt_tokens=room,
         render=lambda prompt: render_prompt(tokenizer, prompt),
     )
@@ -88,20 +88,13 @@ def task_prompts(cfg: Config, rendering: Callable[[Any], Any] | None = None) -> 
     return source
 
 
-def prompt_tokens(tokenizer, text: str) -> int:
-    return len(tokenizer(text, add_special_tokens=False).input_ids)
-
-
 def check_generated_lengths(cfg: Config, source: PromptSource, tokenizer, max_positions: int) -> None:
     """A generated task's first prompts, rendered as the engine sees them, fit with
     rollout.max_new_tokens in the model's positions (else a ConfigError naming the longest)."""
     count = (
         GENERATED_PROMPTS_MEASURED if source.size is None else min(source.size, GENERATED_PROMPTS_MEASURED)
     )
-    lengths = [
-        (prompt_tokens(tokenizer, render_prompt(tokenizer, p)), p.prompt_id)
-        for p in map(source.get, range(count))
-    ]
+    lengths = [(len(encode_prompt(tokenizer, p)), p.prompt_id) for p in map(source.get, range(count))]
     longest, prompt_id = max(lengths, default=(0, None))
     if longest > max_positions - cfg.rollout.max_new_tokens:  # (prompt_source checked that room is left)
         raise ConfigError(

@@ -150,8 +150,8 @@ class RayRuntime:
             "max_restarts": 0,  # restarts are the runtime's: it re-issues the lost work first
             "max_concurrency": 8,  # send, events, stop and the generators' deliveries may overlap
         }
-        if res.memory_gb:
-            options["memory"] = int(res.memory_gb * (1 << 30))
+        if res.memory_bytes:
+            options["memory"] = res.memory_bytes
         # The run's judge (asyncrl.rewards.judges) and reward pool, for reward functions in the actor.
         found = {key: os.environ[key] for key in (JUDGE_ENV, POOL_ENV) if key in os.environ}
         if found:

@@ -161,9 +161,8 @@ def check_fits(needs: list[tuple[str, RayResources]], cluster: dict) -> None:
                 f"started has {have:g}: give it more (runtime.ray.num_cpus), or ask less of each actor "
                 f"(runtime.ray.<trainer|generator|...>.{field}) or fewer generators (runtime.generators)",
             )
-    # Ray reserves memory as it is asked (runtime.ray.*.memory_gb, rounded down to whole bytes as
-    # the actors' options are); its local instance holds what the machine had free at its start.
-    want_gb = sum(int(res.memory_gb * (1 << 30)) for _, res in needs if res.memory_gb) / (1 << 30)
+    # The local instance holds the memory the machine had free as it started.
+    want_gb = sum(res.memory_bytes for _, res in needs) / (1 << 30)
     have_gb = cluster.get("memory", 0.0) / (1 << 30)
     if want_gb > have_gb:
         by_actor = ", ".join(f"{name} {res.memory_gb:g}" for name, res in needs if res.memory_gb)
