@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.algorithms.losses import entropy_from_logprobs
+from asyncrl.trainer.indexing import add_at
 
 
 def compute_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -145,8 +146,8 @@ class ChunkedLogprobs(torch.autograd.Function):
                     del z
                 # d logp[t] / dz = onehot(t) - softmax(z), or - softmax over the support where recorded.
                 on_full = g if support is None else torch.where(sup, 0.0, g)
-                row_grad = torch.zeros(stop - start, dtype=torch.float32, device=h.device).index_add_(
-                    0, r, on_full
+                row_grad = add_at(
+                    torch.zeros(stop - start, dtype=torch.float32, device=h.device), (r,), on_full
                 )
                 row_grad = row_grad.unsqueeze(-1)
                 if use_entropy:
@@ -159,12 +160,10 @@ class ChunkedLogprobs(torch.autograd.Function):
                 else:
                     grad_z = full.exp_().mul_(row_grad.neg_())
                 del full
-                grad_z.index_put_((r, t), g, accumulate=True)
+                add_at(grad_z, (r, t), g)
                 if support is not None:
-                    grad_z.index_put_(
-                        (rs.unsqueeze(-1).expand_as(ss), ss.clamp(min=0)),
-                        -g[sup].unsqueeze(-1) * q,
-                        accumulate=True,
+                    add_at(
+                        grad_z, (rs.unsqueeze(-1).expand_as(ss), ss.clamp(min=0)), -g[sup].unsqueeze(-1) * q
                     )
                 if temperature != 1.0:
                     grad_z /= temperature

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from asyncrl.algorithms.losses import entropy_from_logprobs
 from asyncrl.models.forward import base_model, with_cache
@@ -34,6 +35,7 @@ from asyncrl.models.head import Float32Head
 from asyncrl.models.token_records import forward_with
 from asyncrl.trainer.batching import MicroBatch, TreeInputs, TreeLevel
 from asyncrl.trainer.chunked import chunked_logprobs
+from asyncrl.trainer.indexing import pick
 
 # Positions whose logits are computed at once: (1024 × 151,936) float32 logits are 0.6 GB.
 DEFAULT_CHUNK_TOKENS = 1024
@@ -83,7 +85,7 @@ def _tree_levels(
         if depth:
             # Each row continues its parent's path: gathering the cache rows is differentiable,
             # so gradients reach the levels above.
-            cache.batch_select_indices(level.parent)
+            _select_cache_rows(cache, level.parent)
         with forward_with(model, level.records):
             out = with_cache(
                 model,
@@ -95,6 +97,18 @@ def _tree_levels(
                 logits_to_keep=logits_to_keep(level),
             )
         yield level, out
+
+
+def _select_cache_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
+    """Keep ``rows`` of every layer's cache, in that order (a parent row once per child), by
+    :func:`~asyncrl.trainer.indexing.pick`: the children's gradients then reach the parent's keys
+    and values summed in a fixed order (the cache's own selection indexes, whose CPU backward
+    does not). A layer type that selects more than its keys and values selects its own way."""
+    for layer in cache.layers:
+        if type(layer).batch_select_indices is not DynamicLayer.batch_select_indices:
+            layer.batch_select_indices(rows)
+        elif layer.get_seq_length() > 0:
+            layer.keys, layer.values = pick(layer.keys, rows), pick(layer.values, rows)
 
 
 def tree_logits(model: PreTrainedModel, tree: TreeInputs) -> torch.Tensor:
@@ -194,7 +208,7 @@ def predicting_hidden(model: PreTrainedModel, batch: MicroBatch) -> tuple[torch.
 def completion_logits(model: PreTrainedModel, batch: MicroBatch) -> torch.Tensor:
     """Logits that predict each completion token, shape (B, R, V), in either layout."""
     flat, index = predicting_logits(model, batch)
-    return flat[index]
+    return pick(flat, index)
 
 
 @dataclass
@@ -274,7 +288,9 @@ def policy_logprobs(
         )
         n = index.numel()
         extra = None if extra_tokens is None else logp[n:].view(extra_tokens.shape)
-        return PolicyLogprobs(logp[:n].view(index.shape), None if entropy is None else entropy[index], extra)
+        return PolicyLogprobs(
+            logp[:n].view(index.shape), None if entropy is None else pick(entropy, index), extra
+        )
     flat, index = predicting_logits(model, batch)
     flat = flat.float()
     if temperature != 1.0:  # a division of every logit, and of every gradient, saved when it is 1
@@ -282,17 +298,17 @@ def policy_logprobs(
     # One log-softmax over the vocabulary serves the tokens' log-probs and the entropy: on a CPU
     # these passes over (tokens, vocabulary) cost as much as a third of a packed step.
     full = torch.log_softmax(flat, dim=-1)
-    logp = full[index, batch.completion_ids]
+    logp = pick(full, index, batch.completion_ids)
     if batch.support_ids is not None:
         # Keep Sampling Mask: renormalise over the tokens the sampler could choose at that position.
-        kept = flat[index.unsqueeze(-1), batch.support_ids.clamp(min=0)]
+        kept = pick(flat, index.unsqueeze(-1), batch.support_ids.clamp(min=0))
         kept = kept.masked_fill(batch.support_ids < 0, float("-inf"))
-        token = flat[index, batch.completion_ids]
+        token = pick(flat, index, batch.completion_ids)
         logp = torch.where(batch.has_support, token - torch.logsumexp(kept, dim=-1), logp)
-    extra = None if extra_tokens is None else full[index.unsqueeze(-1), extra_tokens]
+    extra = None if extra_tokens is None else pick(full, index.unsqueeze(-1), extra_tokens)
     entropy = None
     if with_entropy:
         # Autocast would run the entropy's dot product (an einsum) in its low dtype.
         with torch.autocast(flat.device.type, enabled=False):
-            entropy = entropy_from_logprobs(full if entropy_grad else full.detach())[index]
+            entropy = pick(entropy_from_logprobs(full if entropy_grad else full.detach()), index)
     return PolicyLogprobs(logp, entropy, extra)

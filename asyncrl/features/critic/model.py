@@ -37,6 +37,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.models.lora import is_lora
 from asyncrl.trainer.batching import MicroBatch
+from asyncrl.trainer.indexing import pick
 from asyncrl.trainer.logprobs import predicting_hidden
 
 # What transformers names a one-label head's architecture, and its layer's weights.
@@ -67,7 +68,7 @@ class ValueModel(torch.nn.Module):
         hidden, index = predicting_hidden(self.lm, mb)
         head = self.head
         flat = F.linear(hidden.float(), head.weight.float(), head.bias.float()).squeeze(-1)
-        return flat[index]
+        return pick(flat, index)
 
 
 def value_checkpoint_labels(path: Path) -> int | None:
