@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.algorithms.losses import entropy_from_logprobs
-from asyncrl.trainer.indexing import add_at
+from asyncrl.trainer.repeatable import add_at
 
 
 def compute_dtype(weight: torch.Tensor) -> torch.dtype:

@@ -35,7 +35,7 @@ from asyncrl.models.head import Float32Head
 from asyncrl.models.token_records import forward_with
 from asyncrl.trainer.batching import MicroBatch, TreeInputs, TreeLevel
 from asyncrl.trainer.chunked import chunked_logprobs
-from asyncrl.trainer.indexing import pick
+from asyncrl.trainer.repeatable import pick
 
 # Positions whose logits are computed at once: (1024 × 151,936) float32 logits are 0.6 GB.
 DEFAULT_CHUNK_TOKENS = 1024
@@ -101,7 +101,7 @@ def _tree_levels(
 
 def _select_cache_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
     """Keep ``rows`` of every layer's cache, in that order (a parent row once per child), by
-    :func:`~asyncrl.trainer.indexing.pick`: the children's gradients then reach the parent's keys
+    :func:`~asyncrl.trainer.repeatable.pick`: the children's gradients then reach the parent's keys
     and values summed in a fixed order (the cache's own selection indexes, whose CPU backward
     does not). A layer type that selects more than its keys and values selects its own way."""
     for layer in cache.layers:

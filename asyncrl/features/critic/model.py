@@ -37,8 +37,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.models.lora import is_lora
 from asyncrl.trainer.batching import MicroBatch
-from asyncrl.trainer.indexing import pick
 from asyncrl.trainer.logprobs import predicting_hidden
+from asyncrl.trainer.repeatable import pick
 
 # What transformers names a one-label head's architecture, and its layer's weights.
 HEAD_ARCHITECTURES = ("ForTokenClassification", "ForSequenceClassification")
