@@ -184,7 +184,7 @@ def predicting_hidden(model: PreTrainedModel, batch: MicroBatch) -> tuple[torch.
                     logits_to_keep=none,
                     use_cache=False,
                 )
-            return hidden()[0, batch.flat.keep], batch.flat.logit_index
+            return pick(hidden()[0], batch.flat.keep), batch.flat.logit_index
         if batch.tree is None:
             with forward_with(model, batch.input_records):
                 model(
