@@ -1,4 +1,4 @@
-"""Gathers, scatter-adds and backward passes whose gradients do not depend on thread timing.
+"""Gathers and scatter-adds whose gradients do not depend on thread timing.
 
 A packed layout gathers rows with repeats: a prefix tree's branch point predicts the first
 token of every child, and each child's KV cache is its parent's row. The backward of such a
@@ -14,15 +14,16 @@ gather adds the repeated rows' gradients together, and torch has two ways to do 
 
 So each helper here takes, for its tensor's device, the one whose result is a function of the
 inputs alone; the values are the same either way, only the order of the additions differs (on
-the CPU the ordered one is also the faster: no contended atomics). The model's own code (a
-mixture of experts' dispatch, in transformers) indexes with repeats too, which only torch's
-deterministic mode orders: :func:`repeatable_backward` turns it on for the backward passes the
-trainer takes on the CPU.
+the CPU the ordered one is also the faster: no contended atomics).
+
+What these do not reach is the model's own code: transformers' mixture-of-experts dispatch
+(``grouped_mm``) gathers each token's row once per expert it is routed to, and with three or
+more experts per token its CPU backward adds in thread order. Only torch's process-wide
+deterministic mode orders that, and a compiled backward (``trainer.compile``) refuses to run
+under a setting its forward did not see, so the trainer leaves that setting to the user.
 """
 
 from __future__ import annotations
-
-from contextlib import contextmanager
 
 import torch
 
@@ -51,33 +52,3 @@ def add_at(target: torch.Tensor, index: tuple[torch.Tensor, ...], values: torch.
     sources = values.expand(*flat.shape, *inner).reshape(-1, *inner)
     target.view(-1, *inner).index_add_(0, flat.flatten(), sources)
     return target
-
-
-def repeatable_backward(loss: torch.Tensor) -> None:
-    """``loss.backward()``; on the CPU under torch's deterministic algorithms, so that the
-    backward of indexing with repeats anywhere in the model adds in sorted order (torch's
-    setting is process-wide: it is on for this call only, and left as it was)."""
-    if loss.device.type != "cpu":
-        loss.backward()
-        return
-    with _deterministic_algorithms():
-        loss.backward()
-
-
-@contextmanager
-def _deterministic_algorithms():
-    was_on, was_warn_only = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-    )
-    fills = torch.utils.deterministic.fill_uninitialized_memory
-    if not was_on:
-        # warn_only: an operator torch has no ordered version of runs as before, with a warning.
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        # Filling every new tensor with NaN guards reads of uninitialised memory, not the order of sums.
-        torch.utils.deterministic.fill_uninitialized_memory = False
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(was_on, warn_only=was_warn_only)
-        torch.utils.deterministic.fill_uninitialized_memory = fills

@@ -57,7 +57,6 @@ from asyncrl.trainer.optimizer import (
 from asyncrl.trainer.packing import packing_for
 from asyncrl.trainer.planning import collate_layout, collection_paused, plan_layouts
 from asyncrl.trainer.reference import KLReference
-from asyncrl.trainer.repeatable import repeatable_backward
 from asyncrl.trainer.state import optimizer_state, restore_state
 from asyncrl.types import Sample
 
@@ -292,7 +291,7 @@ class Trainer:
             if self.before_micro_batch is not None:
                 self.before_micro_batch()
             loss_sum, stats = self._micro_batch_loss(mb)
-            repeatable_backward(loss_sum)
+            loss_sum.backward()
             stats.update(self.features.trained(mb))  # a feature's own model's forward and backward
             total += stats["loss_sum"]
             for k, v in stats.items():

@@ -9,8 +9,8 @@ two busy loops beside it:
   gradients (last bits), 0 of 300 by ``index_select``;
 - a 60,000-entry scatter-add: 197 of 200 repeats, and 0 of 200 by ``index_add_``;
 - ``tiny:moe``'s forward and backward with each token routed to 4 experts (transformers'
-  grouped_mm dispatch): 100 of 100 repeats, and 0 of 100 through ``repeatable_backward``
-  (with its 2 experts: 0 of 100 either way).
+  grouped_mm dispatch, which these helpers do not reach): 100 of 100 repeats, and 0 of 100
+  under torch's deterministic mode; with its own 2 experts per token, 0 of 100 (two summands).
 A whole default run (`asyncrl train`) on that busy machine drifted from the quiet run's
 metrics somewhere between step 5 and step 54; with these both runs agree at every step. The
 tests below assert the order itself, which does not depend on the machine's load.
@@ -19,7 +19,6 @@ tests below assert the order itself, which does not depend on the machine's load
 from __future__ import annotations
 
 import copy
-import warnings
 
 import numpy as np
 import pytest
@@ -30,8 +29,8 @@ from asyncrl.features.critic.model import ValueModel
 from asyncrl.models.loading import load_policy
 from asyncrl.trainer.flat import collate_flat
 from asyncrl.trainer.logprobs import completion_logprobs
-from asyncrl.trainer.repeatable import add_at, pick, repeatable_backward
-from tests.trainer.test_chunked import TEMPERATURE, layouts, mixed_samples
+from asyncrl.trainer.repeatable import add_at, pick
+from tests.trainer.test_chunked import TEMPERATURE, layouts, logprobs_and_grads, mixed_samples
 
 
 def serial_sum(shape: tuple[int, ...], index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -87,12 +86,11 @@ def test_repeated_rows_are_summed_in_index_order_with_two_threads(two_threads) -
 
 
 class IndexPuts(TorchDispatchMode):
-    """Counts the accumulating index_put calls dispatched, and those made with torch's
-    deterministic algorithms off (the ones that add with atomics on a CPU)."""
+    """Counts the accumulating index_put calls dispatched (forward and backward)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.calls = self.unordered = 0
+        self.calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -100,71 +98,45 @@ class IndexPuts(TorchDispatchMode):
             torch.ops.aten.index_put,
             torch.ops.aten.index_put_,
             torch.ops.aten._index_put_impl_,
-        ) and kwargs.get("accumulate", args[3] if len(args) > 3 else False):
-            self.calls += 1
-            self.unordered += not torch.are_deterministic_algorithms_enabled()
+        ):
+            self.calls += bool(kwargs.get("accumulate", args[3] if len(args) > 3 else False))
         return func(*args, **kwargs)
 
 
-def trained(model: torch.nn.Module, mb, chunk: int) -> torch.Tensor:
-    """The parameters' gradient of a weighted sum of log-probs and entropies, by the trainer's backward."""
+def trained(model: torch.nn.Module, mb) -> torch.Tensor:
+    """The parameters' gradient of a weighted sum of chunked log-probs and entropies."""
     model = copy.deepcopy(model)
     logp, ent = completion_logprobs(
-        model, mb, TEMPERATURE, with_entropy=True, entropy_grad=True, chunk_tokens=chunk
+        model, mb, TEMPERATURE, with_entropy=True, entropy_grad=True, chunk_tokens=5
     )
     weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))
-    repeatable_backward((logp * weights * mb.mask).sum() + 0.3 * (ent * mb.mask).sum())
+    ((logp * weights * mb.mask).sum() + 0.3 * (ent * mb.mask).sum()).backward()
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
-@pytest.mark.parametrize(
-    "path, chunk", [("tiny:1m", 5), ("tiny:1m", 0), pytest.param("tiny:moe", 5, marks=pytest.mark.slow)]
-)
-def test_no_training_backward_adds_with_threads(make_sample, path: str, chunk: int) -> None:
-    """Padded, tree and flat layouts, the chunked and the whole-logits paths, recorded supports and an
-    entropy bonus, and a critic's values: no accumulating index_put unordered, forward or backward.
-    On the chunked path a dense model makes none at all (the helpers' ordered gathers are also
-    the faster on the CPU); a mixture of experts' dispatch (transformers' grouped_mm, top-4 routing) makes
-    some, in torch's deterministic mode."""
-    policy = load_policy(path, device="cpu", dtype="float32", seed=0)
-    for module in policy.model.modules():
-        if hasattr(module, "top_k"):
-            module.top_k = 4  # each token's row gathered 4 times: more than two summands
+def test_no_training_backward_adds_with_threads(make_sample) -> None:
+    """Padded, tree and flat layouts, recorded supports and an entropy bonus, and a critic's
+    values: no accumulating index_put, forward or backward (the whole-logits path's flat
+    layout leaves one to transformers' logits_to_keep, over rows that do not repeat)."""
+    policy = load_policy("tiny:1m", device="cpu", dtype="float32", seed=0)
     critic = ValueModel(copy.deepcopy(policy.model))
     torch.nn.init.normal_(critic.head.weight, std=0.1, generator=torch.Generator().manual_seed(2))
     samples = mixed_samples(make_sample)
     every = {**layouts(samples, policy.pad_token_id), "flat": collate_flat(samples, policy.pad_token_id)}
     for name, mb in every.items():
         assert mb.support_ids is not None and (name != "tree" or mb.tree is not None)
-        with IndexPuts() as seen, warnings.catch_warnings(record=True) as warned:
-            warnings.simplefilter("always")
-            grads = trained(policy.model, mb, chunk)
+        with IndexPuts() as seen:
+            grads = trained(policy.model, mb)
             critic.zero_grad()
-            repeatable_backward((critic.values(mb) * mb.mask).sum())
-        assert seen.unordered == 0, name
-        if path == "tiny:moe":
-            assert seen.calls > 0, name
-        elif chunk:  # (the whole-logits flat path's logits_to_keep is transformers' own gather)
-            assert seen.calls == 0, name
-        assert not [w for w in warned if "determinis" in str(w.message)], name
+            (critic.values(mb) * mb.mask).sum().backward()
+        assert seen.calls == 0, name
         assert grads.norm() > 0 and critic.head.weight.grad.norm() > 0, name
-    assert not torch.are_deterministic_algorithms_enabled()
 
 
-def test_repeatable_backward_leaves_torchs_setting_as_it_was() -> None:
-    """On for the backward only; a caller's own deterministic mode (not warn-only) is kept."""
-    x = torch.randn(3, requires_grad=True)
-    seen = []
-    x.register_hook(lambda grad: seen.append(torch.are_deterministic_algorithms_enabled()))
-    fills = torch.utils.deterministic.fill_uninitialized_memory
-    repeatable_backward((x * 2).sum())
-    assert seen == [True] and not torch.are_deterministic_algorithms_enabled()
-    assert torch.utils.deterministic.fill_uninitialized_memory == fills
-    torch.use_deterministic_algorithms(True)
-    try:
-        repeatable_backward((x * 2).sum())
-        assert torch.are_deterministic_algorithms_enabled()
-        assert not torch.is_deterministic_algorithms_warn_only_enabled()
-    finally:
-        torch.use_deterministic_algorithms(False)
-    assert seen == [True, True]
+def test_the_whole_logits_path_adds_with_no_threads_either(make_sample) -> None:
+    """trainer.logprob_chunk_tokens=0, padded and tree layouts: none either."""
+    policy = load_policy("tiny:1m", device="cpu", dtype="float32", seed=0)
+    for name, mb in layouts(mixed_samples(make_sample), policy.pad_token_id).items():
+        with IndexPuts() as seen:
+            _, _, grads = logprobs_and_grads(policy.model, mb, 0)
+        assert seen.calls == 0 and grads.norm() > 0, name

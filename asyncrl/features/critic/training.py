@@ -63,7 +63,6 @@ from asyncrl.trainer.optimizer import (
     take_this_runs_settings,
     total_norm,
 )
-from asyncrl.trainer.repeatable import repeatable_backward
 from asyncrl.types import Sample
 
 _OLD, _RETURNS, _WHERE = "critic_old_values", "critic_returns", "critic_value_mask"
@@ -193,7 +192,7 @@ class Critic(TrainingFeature):
         loss_sum = (per_token * where).sum()
         if mb.scale != 1.0:
             loss_sum = loss_sum * mb.scale
-        repeatable_backward(loss_sum)
+        loss_sum.backward()
         with torch.no_grad():
             v, residual = values.detach(), returns - values.detach()
             sums = {
