@@ -45,12 +45,22 @@ def resolve_episode(spec: str, max_turns: int, step_timeout_s: float | None = No
     target = import_named(spec, KEY)
     module_name, _, attr = spec.partition(":")
     if inspect.iscoroutinefunction(target):
+        _check_takes(spec, target, 2, f"is called as {attr}(client, task)")
         return target
     if (
         inspect.isclass(target)
         and callable(getattr(target, "step", None))
         and callable(getattr(target, "reset", None))
     ):
+        _check_takes(spec, target, 2, f"is built once per episode as {attr}(task, seed)")
+        for method, argument in (("reset", "task"), ("step", "turn")):
+            bound = isinstance(inspect.getattr_static(target, method), (staticmethod, classmethod))
+            _check_takes(
+                spec,
+                getattr(target, method),
+                1 if bound else 2,
+                f"has {method} called as {method}({argument})",
+            )
         return environment_episode(target, step_timeout_s)
     raise ConfigError(
         KEY,
@@ -58,3 +68,16 @@ def resolve_episode(spec: str, max_turns: int, step_timeout_s: float | None = No
         f"{attr!r} in {module_name!r} is neither an environment class (with reset and step) nor an "
         "`async def episode(client, task)` function",
     )
+
+
+def _check_takes(spec: str, fn: Callable, count: int, how: str) -> None:
+    """A ConfigError now, naming the signature, where ``fn`` cannot take ``count`` positional
+    arguments: else every episode would fail with a TypeError from inside the rollout."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (a builtin): the call will tell
+        return
+    try:
+        signature.bind(*([None] * count))
+    except TypeError as error:
+        raise ConfigError(KEY, spec, f"{how}, but its signature is {signature} ({error})") from None

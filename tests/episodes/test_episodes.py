@@ -46,6 +46,34 @@ def make_worker(
     )
 
 
+class NoArguments:
+    """An environment class whose constructor cannot take (task, seed)."""
+
+    def reset(self, task: Prompt) -> None:
+        return None
+
+    def step(self, turn: str) -> StepResult:
+        return StepResult(done=True)
+
+
+class ResetWithoutTask(NoArguments):
+    def __init__(self, task: Prompt, seed: int) -> None:
+        pass
+
+    def reset(self) -> None:  # type: ignore[override]
+        return None
+
+
+class StaticReset(ResetWithoutTask):
+    @staticmethod
+    def reset(task: Prompt) -> None:  # type: ignore[override]
+        return None
+
+
+async def one_argument_episode(client: object) -> float:
+    return 0.0
+
+
 class Echo:
     """Answers every turn with the same observation and a step reward; done after ``turns``."""
 
@@ -278,6 +306,21 @@ def test_episode_settings_are_checked_by_name() -> None:
     with pytest.raises(ConfigError, match="neither an environment class"):
         resolve_episode("asyncrl.builtin.games:TOOL_CALL", 4)
     assert resolve_episode("tests.episodes.test_episodes:Echo", 4).__name__ == "environment_episode(Echo)"
+    # A signature the rollout could not call is a ConfigError naming it, before any episode runs.
+    with pytest.raises(
+        ConfigError, match=r"built once per episode as NoArguments\(task, seed\), but its signature is \(\)"
+    ):
+        resolve_episode("tests.episodes.test_episodes:NoArguments", 4)
+    with pytest.raises(
+        ConfigError, match=r"has reset called as reset\(task\), but its signature is \(self\)"
+    ):
+        resolve_episode("tests.episodes.test_episodes:ResetWithoutTask", 4)
+    with pytest.raises(ConfigError, match=r"is called as one_argument_episode\(client, task\)"):
+        resolve_episode("tests.episodes.test_episodes:one_argument_episode", 4)
+    assert (
+        resolve_episode("tests.episodes.test_episodes:StaticReset", 4).__name__
+        == "environment_episode(StaticReset)"
+    )
 
 
 def test_calculator_and_guessing_game_rules() -> None:
