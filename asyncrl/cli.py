@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"asyncrl: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("asyncrl: interrupted", file=sys.stderr)
+        print("asyncrl: stopped by SIGINT", file=sys.stderr)  # as the other stop signals say
         return 130
     except _Stopped as stop:
         print(f"asyncrl: stopped by {signal.Signals(stop.signum).name}", file=sys.stderr)

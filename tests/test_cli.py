@@ -436,7 +436,7 @@ def test_ctrl_c_stops_a_command_started_with_sigint_ignored(
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, before)
-    assert capsys.readouterr().err == "asyncrl: interrupted\n" and stopped == []
+    assert capsys.readouterr().err == "asyncrl: stopped by SIGINT\n" and stopped == []
 
 
 def test_the_exit_freezes_objects_out_of_the_last_collection_unless_a_module_checks_for_leaks(
