@@ -71,6 +71,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     written: dict[str, str] = {}  # key -> the text the user wrote, for YAML's bools and nulls
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            hint = (
+                f"; a run directory: asyncrl train --resume {p}, asyncrl eval --run {p}"
+                if (p / "config.yaml").is_file()
+                else ""
+            )
+            raise AsyncRLError(f"config file {str(p)!r} is a directory, not a YAML file{hint}")
         if not p.is_file():
             raise AsyncRLError(f"config file {str(p)!r} does not exist")
         try:

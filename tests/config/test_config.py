@@ -286,6 +286,17 @@ def test_missing_config_file_names_the_file(tmp_path: Path) -> None:
         load_config(path)
 
 
+def test_a_directory_given_as_the_config_file_is_named_and_a_run_directory_pointed_at(tmp_path: Path) -> None:
+    """``asyncrl eval runs/r1`` (without --run) read as a config file that "does not exist"."""
+    with pytest.raises(AsyncRLError, match=r"config file '.*' is a directory, not a YAML file$"):
+        load_config(tmp_path)
+    (tmp_path / "config.yaml").write_text("run:\n  steps: 3\n")
+    with pytest.raises(
+        AsyncRLError, match=r"a run directory: asyncrl train --resume .*, asyncrl eval --run "
+    ):
+        load_config(tmp_path)
+
+
 def test_config_file_that_is_not_yaml_names_the_file(tmp_path: Path) -> None:
     """A file that is not YAML (or not UTF-8) is an AsyncRLError naming the file, in one line that
     says where the YAML went wrong."""
