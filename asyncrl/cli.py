@@ -72,15 +72,23 @@ def _eval(args: argparse.Namespace) -> int:
     if args.run and not (Path(args.run) / "config.yaml").is_file():
         raise AsyncRLError(f"--run {args.run!r}: not a run directory (no config.yaml)")
     _quiet_transformers()
-    from asyncrl.workers.model_evaluation import evaluate_saved_model, evaluation_flags, evaluation_setup
+    from asyncrl.workers.model_evaluation import (
+        evaluate_saved_model,
+        evaluation_flags,
+        evaluation_setup,
+        with_flag_names,
+    )
 
     flags = evaluation_flags(samples=args.samples, temperature=args.temperature, prompts=args.prompts)
-    cfg, target = evaluation_setup(
-        str(Path(args.run) / "config.yaml") if args.run else args.config,
-        [*args.set, *flags],
-        run_dir=Path(args.run) if args.run else None,
-        model=args.model,
-    )
+    try:
+        cfg, target = evaluation_setup(
+            str(Path(args.run) / "config.yaml") if args.run else args.config,
+            [*args.set, *flags],
+            run_dir=Path(args.run) if args.run else None,
+            model=args.model,
+        )
+    except AsyncRLError as exc:
+        raise with_flag_names(exc, flags) from None
     stopped: list[int] = []
 
     def stop_evaluation(signum: int, frame) -> None:

@@ -95,13 +95,31 @@ class ModelToEvaluate:
         return str(self.adapters) if self.adapters is not None else self.model_path
 
 
+# ``asyncrl eval``'s flags and the settings they stand for.
+EVALUATION_FLAGS = {
+    "--samples": "run.eval_samples",
+    "--temperature": "run.eval_temperature",
+    "--prompts": "run.eval_prompts",
+}
+
+
 def evaluation_flags(*, samples: int | None, temperature: float | None, prompts: int | None) -> list[str]:
     """``asyncrl eval``'s --samples, --temperature and --prompts as the settings they stand for."""
     for flag, value in (("--samples", samples), ("--prompts", prompts)):
         if value is not None and value < 1:
             raise AsyncRLError(f"{flag} must be >= 1, got {value}")
-    given = {"eval_samples": samples, "eval_temperature": temperature, "eval_prompts": prompts}
-    return [f"run.{key}={value}" for key, value in given.items() if value is not None]
+    given = zip(EVALUATION_FLAGS.values(), (samples, temperature, prompts), strict=True)
+    return [f"{key}={value}" for key, value in given if value is not None]
+
+
+def with_flag_names(error: AsyncRLError, settings: list[str]) -> AsyncRLError:
+    """``error`` with the flags named that set the keys it names: a user who typed --samples 8
+    reads of run.eval_samples=8 otherwise."""
+    given = {setting.partition("=")[0] for setting in settings}
+    named = [
+        f"{flag} sets {key}" for flag, key in EVALUATION_FLAGS.items() if key in given and key in str(error)
+    ]
+    return AsyncRLError(f"{error} ({', '.join(named)})") if named else error
 
 
 def evaluation_setup(

@@ -223,7 +223,14 @@ def test_bad_input_is_one_line_naming_it(
         (["--run", str(tmp_path)], f"--run {str(tmp_path)!r}: not a run directory (no config.yaml)"),
         (["--run", str(empty)], "the run saved no model yet (no final/ and no checkpoint)"),
         (["--samples", "0"], "--samples must be >= 1, got 0"),
-        (["--samples", "4"], "run.eval_samples=4 with run.eval_temperature=0"),
+        (
+            ["--samples", "4"],
+            "run.eval_temperature=0: greedy completions of one prompt are all the same; set run.eval_temperature > 0 (e.g. 1.0) or run.eval_samples=1 (--samples sets run.eval_samples)",
+        ),
+        (
+            ["--temperature", "-1"],
+            "run.eval_temperature=-1.0: Input should be greater than or equal to 0 (--temperature sets run.eval_temperature)",
+        ),
         (["--model", str(tmp_path)], "--model=" + repr(str(tmp_path)) + ": the directory has no config.json"),
         (["examples/verify.yaml"], "multi_agent.policies=['verifier']: asyncrl eval evaluates one policy"),
         (
