@@ -263,6 +263,17 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _port(text: str) -> int:
+    """A TCP port, 0 to 65535 (argparse names the flag and the value otherwise)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0 to 65535; 0 picks a free one)")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     from asyncrl.builtin.sft_settings import TASK_DEFAULTS, TASKS, SFTConfig
 
@@ -383,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default="builtin:arith", help="model source, as model.path in a config")
     serve.add_argument("--name", help="model name reported by the API (default: the source)")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on start)")
+    serve.add_argument("--port", type=_port, default=8000, help="0 picks a free port (printed on start)")
     serve.add_argument("--device", default="auto")
     serve.add_argument("--max-batch-size", type=int, default=64)
     serve.add_argument("--seed", type=int, default=0)

@@ -7,9 +7,11 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -241,6 +243,26 @@ def test_serve_user_errors_exit_2_with_one_line(
     code, err = run_cli(["serve", "--port", "0", *args], capsys)
     assert code == 2 and err.count("\n") == 1 and err.startswith("asyncrl: error: "), err
     assert needle in err and "Traceback" not in err
+
+
+def test_serve_on_a_port_it_cannot_take_is_one_line_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """A port out of range is argparse's error before anything loads; a port in use is one line
+    naming the address, with the engine loop it had started stopped again (it was a traceback)."""
+    with pytest.raises(SystemExit) as out_of_range:
+        main(["serve", "--port", "99999"])
+    assert out_of_range.value.code == 2
+    assert "argument --port: '99999' is not a port (0 to 65535" in capsys.readouterr().err
+    taken = socket.socket()
+    try:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, err = run_cli(["serve", "--port", str(port)], capsys)
+    finally:
+        taken.close()
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"asyncrl: error: cannot listen on 127.0.0.1:{port} (--host, --port): "), err
+    assert "engine-loop" not in [thread.name for thread in threading.enumerate()]
 
 
 def test_serve_on_vllm_where_it_is_not_installed_says_how_to_install_it(

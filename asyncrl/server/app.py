@@ -45,6 +45,7 @@ from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.interface import Engine
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest, RequestError
+from asyncrl.errors import AsyncRLError
 from asyncrl.models.loading import Policy, text_decoder, tokenizer_fingerprint
 from asyncrl.server.endpoints import BadRequest, chat_prompt, load_policy, logprobs, verdicts
 from asyncrl.server.engine_loop import EngineLoop, Ticket
@@ -125,7 +126,11 @@ class OpenAIServer:
             app = server
             timeout = server.idle_timeout_s  # the socket timeout of every connection
 
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        try:
+            self.httpd = ThreadingHTTPServer((host, port), Handler)
+        except (OSError, OverflowError) as exc:  # in use, not this machine's address, out of range
+            self.stop()
+            raise AsyncRLError(f"cannot listen on {host}:{port} (--host, --port): {exc}") from None
         self.httpd.daemon_threads = True
         # shutdown() returns once serve_forever next looks, every poll_interval (0.5 s by default).
         threading.Thread(
