@@ -305,7 +305,7 @@ def test_jsonl_task_with_user_reward(tmp_path: Path, monkeypatch: pytest.MonkeyP
         for a, b in [(3, 4), (12, 7), (5, 5), (40, 2), (9, 9)]
     ]
     data = tmp_path / "sums.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"prompt": "1+1="}\n', encoding="utf-8")
     (tmp_path / "asyncrl_test_cli_reward.py").write_text(
         textwrap.dedent(
             """
@@ -321,6 +321,7 @@ def test_jsonl_task_with_user_reward(tmp_path: Path, monkeypatch: pytest.MonkeyP
         "--set", "task.name=jsonl",
         "--set", f"task.path={data}",
         "--set", "task.reward=asyncrl_test_cli_reward:graded",
+        "--set", "task.skip_bad_rows=true",
         "--set", "rollout.group_size=4",
         "--set", "rollout.prompts_per_step=3",
         "--set", "rollout.max_new_tokens=5",
@@ -338,6 +339,12 @@ def test_jsonl_task_with_user_reward(tmp_path: Path, monkeypatch: pytest.MonkeyP
     evals = read_jsonl(run_dir / "eval.jsonl")
     assert [e["step"] for e in evals] == [0, 2]
     assert all(on_grid(e["eval_accuracy"], 3 * 4) for e in evals)  # 4 held-out rows, graded
+    # The row without an answer was skipped, and the run said so (once: the held-out rows are the same file's).
+    warnings = [e["warning"] for e in read_jsonl(run_dir / "events.jsonl") if "warning" in e]
+    assert warnings == [
+        f"{data}: skipped 1 of 6 rows (task.skip_bad_rows=true): {data}, line 6: missing field(s) ['answer']; "
+        "each row needs ['prompt', 'answer']"
+    ]
 
 
 SFT_TINY = SFTConfig(max_learn_steps=2, blur_steps=2, eval_every=2, eval_prompts=8, batch_size=8)

@@ -164,7 +164,9 @@ class TaskConfig(Section):
         "completion 0, or drop its whole group. The error is recorded per sample either way.",
     )
     skip_bad_rows: bool = Field(
-        False, description="Skip (and count) malformed dataset rows instead of failing."
+        False,
+        description="Skip (and count) malformed dataset rows instead of failing; the run warns how many, "
+        "naming the first.",
     )
     reward_timeout_s: float | None = Field(
         None,

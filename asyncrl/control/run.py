@@ -56,7 +56,8 @@ def train(cfg: Config, run_dir: Path | None = None, *, resume: Resume = False) -
     seed_everything(cfg.run.seed)
     # A bad model path or dataset fails here, before a run directory is made, as do a bad
     # episode.environment, or episode.tools and their template (prompts are measured listing them).
-    prompts = task_prompts(cfg, lambda tokenizer: build_episode(cfg, tokenizer)[0])
+    skipped_rows: list[str] = []  # task.skip_bad_rows' notices, told once the run has its session
+    prompts = task_prompts(cfg, lambda tokenizer: build_episode(cfg, tokenizer)[0], skipped_rows)
     model_config = functools.cache(lambda: load_model_config(cfg.model.path))  # read once, if at all
     if cfg.lora.enabled:  # adapters the model's layers cannot carry, refused before any process starts
         check_lora_fits(model_config(), cfg.lora)
@@ -75,6 +76,8 @@ def train(cfg: Config, run_dir: Path | None = None, *, resume: Resume = False) -
     session = RunSession(cfg, run_dir, resume_step=version)
     for said in changed:
         session.log(f"continued with a changed setting: {said}")
+    for notice in skipped_rows:
+        session.warn(notice)
     try:
         checkpoint.check_writable(run_dir)
         # The judge and the reward pool (on Ray: actors the runtime starts) serve before any worker

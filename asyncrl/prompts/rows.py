@@ -15,6 +15,8 @@ from asyncrl.errors import DatasetError
 from asyncrl.prompts.chat import make_prompt
 from asyncrl.types import Prompt
 
+SKIP_REASONS_SHOWN = 3  # the skipped rows a notice names, the first ones
+
 
 class RowDataset:
     """A finite prompt source built row by row; ``where`` names a row in error messages.
@@ -36,6 +38,7 @@ class RowDataset:
     ) -> None:
         """``prompt_length`` counts the tokens of a prompt's text as the policy sees it (``render``)."""
         self.name = name
+        self.source = name  # how messages name the rows: the file, and its split (:meth:`finish`)
         self.prompt_field, self.answer_field = prompt_field, answer_field
         self.skipped = 0
         self.skip_reasons: list[str] = []
@@ -87,5 +90,18 @@ class RowDataset:
         self.prompts.append(prompt)
 
     def finish(self, source: str) -> None:
+        self.source = source
         if not self.prompts:
             raise DatasetError(f"{source}: no usable rows (skipped {self.skipped})")
+
+    def skipped_notice(self) -> str | None:
+        """What ``skip_bad_rows`` left out, as one line for the run's user (None: nothing): a
+        dataset that lost most of its rows would otherwise train on the rest without a word."""
+        if not self.skipped:
+            return None
+        shown = SKIP_REASONS_SHOWN
+        first = "; ".join(self.skip_reasons[:shown]) + ("; ..." if self.skipped > shown else "")
+        return (
+            f"{self.source}: skipped {self.skipped} of {self.skipped + self.size} rows "
+            f"(task.skip_bad_rows=true): {first}"
+        )

@@ -35,9 +35,16 @@ def prompt_room(cfg: Config, max_positions: int) -> int:
 
 
 def prompt_source(
-    cfg: Config, tokenizer, max_positions: int, *, seed_offset: int = 0, evaluation: bool = False
+    cfg: Config,
+    tokenizer,
+    max_positions: int,
+    *,
+    seed_offset: int = 0,
+    evaluation: bool = False,
+    notices: list[str] | None = None,
 ) -> PromptSource:
-    """The training prompts, or with ``evaluation`` the held-out ones (see :func:`eval_prompts`)."""
+    """The training prompts, or with ``evaluation`` the held-out ones (see :func:`eval_prompts`).
+    ``notices`` gets a line for the rows ``task.skip_bad_rows`` left out, if any."""
     t = cfg.task
     room = prompt_room(cfg, max_positions)
     generated = GENERATED_TASKS.get(t.name)
@@ -55,6 +62,9 @@ def prompt_source(
         rows = JsonlDataset(t.path, **options)
     else:
         rows = load_rows(t.path, t.eval_split if evaluation and t.eval_split else t.split, **options)
+    notice = rows.skipped_notice()
+    if notices is not None and notice is not None and notice not in notices:
+        notices.append(notice)
     if t.eval_fraction > 0:
         train, held = hold_out(rows, t.eval_fraction, t.seed)
         return held if evaluation else train
@@ -71,20 +81,23 @@ def eval_prompts(cfg: Config, policy: Policy, tokenizer=None) -> list[Prompt]:
     )
 
 
-def task_prompts(cfg: Config, rendering: Callable[[Any], Any] | None = None) -> PromptSource:
+def task_prompts(
+    cfg: Config, rendering: Callable[[Any], Any] | None = None, notices: list[str] | None = None
+) -> PromptSource:
     """The training prompt source, validated against the model's tokenizer without loading weights.
     ``rendering``: from the model's tokenizer, the one rollouts render prompts with (episode.tools:
-    one that lists the tools), so that prompt lengths are measured as the engine will see them."""
+    one that lists the tools), so that prompt lengths are measured as the engine will see them.
+    ``notices`` gets a line for each split's rows ``task.skip_bad_rows`` left out."""
     tokenizer, max_positions = load_tokenizer(
         cfg.model.path, cfg.model.chat_template, cfg.model.chat_template_kwargs
     )
     if rendering is not None:
         tokenizer = rendering(tokenizer)
-    source = prompt_source(cfg, tokenizer, max_positions)
+    source = prompt_source(cfg, tokenizer, max_positions, notices=notices)
     if cfg.task.name in GENERATED_TASKS:  # no eval split to check, but the prompts' lengths
         check_generated_lengths(cfg, source, tokenizer, max_positions)
-    else:
-        prompt_source(cfg, tokenizer, max_positions, evaluation=True)  # a bad eval split fails here too
+    else:  # a bad eval split fails here too
+        prompt_source(cfg, tokenizer, max_positions, evaluation=True, notices=notices)
     return source
 
 

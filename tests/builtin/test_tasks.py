@@ -220,6 +220,15 @@ def test_jsonl_skip_bad_rows_counts_them(tmp_path: Path) -> None:
         "mixed.jsonl, line 2: not a JSON object (Expecting property name enclosed in double quotes)"
     )
     assert all(f"line {2 * (i + 1)}:" in r for i, r in enumerate(ds.skip_reasons))
+    notice = ds.skipped_notice()  # what the run warns of: the count and the first three
+    assert notice.startswith(
+        f"{path}: skipped {len(BAD_ROWS)} of {2 * len(BAD_ROWS) + 1} rows (task.skip_bad_rows=true): "
+    )
+    assert notice.count(", line ") == 3 and notice.endswith("; ...")
+    assert (
+        JsonlDataset(write_lines(tmp_path / "good.jsonl", [GOOD]), skip_bad_rows=True).skipped_notice()
+        is None
+    )
 
 
 def test_jsonl_with_no_usable_rows_errors(tmp_path: Path) -> None:
