@@ -178,44 +178,6 @@ def _scale(args: argparse.Namespace) -> int:
     return 0
 
 
-def vllm_serving(policy, *, model: str, max_batch_size: int, seed: int, overrides: list[str]):
-    """``asyncrl serve --engine vllm``: what builds a vLLM engine over ``policy`` (loaded from
-    ``model``), set up as a run's generator would be (``overrides``: ``vllm.*``,
-    ``rollout.kv_cache_gb``, ``rollout.max_seq_len``), with its scoring and the layout of the
-    weights ``POST /v1/policy`` loads (read now, before vLLM takes them):
-    :class:`~asyncrl.server.app.OpenAIServer`'s ``serving``. Bad settings are refused here."""
-    from asyncrl.config import load_config
-    from asyncrl.config.engines import VLLM_INSTALL_HINT, vllm_installed
-    from asyncrl.engine.vllm_engine import unsupported_model
-    from asyncrl.server.scoring import VllmScoring
-    from asyncrl.transports.weights.interface import WeightLayout
-    from asyncrl.workers.assembly import vllm_engine
-
-    if not vllm_installed():
-        raise ConfigError("--engine", "vllm", VLLM_INSTALL_HINT)
-    if why := unsupported_model(policy.model.config):
-        raise ConfigError("--model", model, f"with --engine vllm: {why}")
-    own = [
-        o for o in overrides if not o.startswith(("vllm.", "rollout.kv_cache_gb=", "rollout.max_seq_len="))
-    ]
-    if own:
-        raise ConfigError(
-            "--set",
-            own,
-            "asyncrl serve --engine vllm takes vllm.*, rollout.kv_cache_gb and rollout.max_seq_len",
-        )
-    cfg = load_config(
-        overrides=[
-            f"model.path={model}",
-            "rollout.engine=vllm",
-            f"rollout.max_batch_size={max_batch_size}",
-            *overrides,
-        ]
-    )
-    layout = WeightLayout.of(policy.model.named_parameters())
-    return lambda: (vllm_engine(cfg, policy, seed), VllmScoring(), layout)
-
-
 def _serve(args: argparse.Namespace) -> int:
     import signal
     import threading
@@ -229,6 +191,7 @@ def _serve(args: argparse.Namespace) -> int:
     _quiet_transformers()
     from asyncrl.models.loading import load_policy
     from asyncrl.server.app import OpenAIServer
+    from asyncrl.workers.vllm_serving import vllm_serving
 
     if args.exit_with_parent:  # a run's judge: it ends with the run, however the run ends
         from asyncrl.lifeline import exit_with_parent, ignore_stop_signals

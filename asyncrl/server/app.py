@@ -39,7 +39,6 @@ import uuid
 from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.interface import Engine
@@ -47,6 +46,7 @@ from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest, RequestError
 from asyncrl.errors import AsyncRLError
 from asyncrl.models.loading import Policy, text_decoder, tokenizer_fingerprint
+from asyncrl.server.answer_logprobs import content_logprobs, text_offsets
 from asyncrl.server.endpoints import BadRequest, chat_prompt, load_policy, logprobs, verdicts
 from asyncrl.server.engine_loop import EngineLoop, Ticket
 from asyncrl.server.scoring import ModelScoring, Scoring
@@ -79,7 +79,7 @@ class OpenAIServer:
         serving: Callable[[], Serving] | None = None,
     ) -> None:
         """``serving`` makes the engine to serve with, how it scores and the layout of the
-        weights it loads, on the engine's thread at :meth:`start` (``asyncrl.cli.vllm_serving``
+        weights it loads, on the engine's thread at :meth:`start` (``asyncrl.workers.vllm_serving``
         for vLLM); None: an embedded engine over ``policy``'s model."""
         self.policy = policy
         self.idle_timeout_s = idle_timeout_s
@@ -366,7 +366,7 @@ class _Handler(BaseHTTPRequestHandler):
                     "tokens": tokens,
                     "token_logprobs": result.logprobs,
                     "top_logprobs": None,
-                    "text_offset": _offsets(tokens),
+                    "text_offset": text_offsets(tokens),
                 }
             else:
                 choice["logprobs"] = None
@@ -401,7 +401,9 @@ class _Handler(BaseHTTPRequestHandler):
                 "index": index,
                 "message": {"role": "assistant", "content": app.text_of(result.completion_ids, sampling)},
                 "finish_reason": result.finish_reason,
-                "logprobs": {"content": _content_logprobs(app, result.completion_ids, result.logprobs)}
+                "logprobs": {
+                    "content": content_logprobs(app.policy.tokenizer, result.completion_ids, result.logprobs)
+                }
                 if want_logprobs
                 else None,
                 "asyncrl_versions": result.versions,
@@ -471,32 +473,16 @@ class _Handler(BaseHTTPRequestHandler):
                 lp = None
                 if want_logprobs and new_ids:
                     if chat:
-                        lp = {"content": _content_logprobs(app, new_ids, new_lps)}
+                        lp = {"content": content_logprobs(app.policy.tokenizer, new_ids, new_lps)}
                     else:
                         toks = [app.policy.tokenizer.decode([t]) for t in new_ids]
                         lp = {
                             "tokens": toks,
                             "token_logprobs": new_lps,
                             "top_logprobs": None,
-                            "text_offset": _offsets(toks),
+                            "text_offset": text_offsets(toks),
                         }
                 choice = {"index": i, "finish_reason": finish, "logprobs": lp}
                 choice.update({"delta": {"content": delta}} if chat else {"text": delta})
                 self._sse({**head, "choices": [choice]})
         self._end_stream()
-
-
-def _offsets(tokens: list[str]) -> list[int]:
-    out, pos = [], 0
-    for t in tokens:
-        out.append(pos)
-        pos += len(t)
-    return out
-
-
-def _content_logprobs(app: OpenAIServer, ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
-    out = []
-    for t, lp in zip(ids, logprobs, strict=True):
-        text = app.policy.tokenizer.decode([t])
-        out.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
-    return out

@@ -1,7 +1,7 @@
 """``asyncrl serve --engine vllm``: the same endpoints with vLLM as the engine.
 
 One server of the shipped ``builtin:arith`` model (float32) on vLLM's CPU build, built as the
-command builds it (:func:`asyncrl.cli.vllm_serving`), in a thread of this process on a free
+command builds it (:func:`asyncrl.workers.vllm_serving.vllm_serving`), in a thread of this process on a free
 port of 127.0.0.1. Every number is checked against a forward of the same model in this
 process: sampled tokens' log-probs, scored tokens' log-probs and top-k, verdicts, and after
 ``POST /v1/policy`` the new weights'. What vLLM cannot do is a 400 naming the parameter.
@@ -37,7 +37,7 @@ def reference() -> Policy:
 
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
-    from asyncrl.cli import vllm_serving
+    from asyncrl.workers.vllm_serving import vllm_serving
     from asyncrl.server.app import OpenAIServer
 
     policy = load_policy(MODEL, device="cpu", dtype="float32", seed=0)
