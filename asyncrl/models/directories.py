@@ -13,11 +13,19 @@ from pathlib import Path
 from asyncrl.errors import ConfigError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+# The weights transformers loads from a directory: one file, or shards with their index.
+WEIGHT_FILES = (
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model*.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
-def check_model_directory(path: Path, source: str, key: str = "model.path") -> None:
+def check_model_directory(path: Path, source: str, key: str = "model.path", weights: bool = True) -> None:
     """Refuse, naming ``key`` and ``source``, a directory that is missing or is not a
-    Hugging Face model with its tokenizer."""
+    Hugging Face model with its tokenizer (and, with ``weights``, its weights: without, a
+    directory read only for its tokenizer and configuration)."""
     if not path.is_dir():
         raise ConfigError(
             key,
@@ -30,9 +38,17 @@ def check_model_directory(path: Path, source: str, key: str = "model.path") -> N
                 key, source, f"a LoRA adapter directory (peft), not a whole model: {_adapter_hint(path)}"
             )
         raise ConfigError(key, source, "the directory has no config.json, so it is not a Hugging Face model")
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ConfigError(key, source, f"its config.json is not readable JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(key, source, f"its config.json holds a {type(config).__name__}, not an object")
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         # transformers would build an empty tokenizer from the model config instead of failing.
         raise ConfigError(key, source, f"the directory has no tokenizer (none of {list(TOKENIZER_FILES)})")
+    if weights and not any(any(path.glob(pattern)) for pattern in WEIGHT_FILES):
+        raise ConfigError(key, source, f"the directory has no weights (none of {list(WEIGHT_FILES)})")
 
 
 def is_directory_source(source: str) -> bool:

@@ -188,13 +188,21 @@ def _random_tiny(source: str, seed: int) -> Policy:
 
 
 def _from_directory(path: Path, source: str) -> Policy:
+    check_model_directory(path, source)
     tok = _checked_tokenizer(path, source)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    except Exception as exc:  # a truncated or corrupt weights file, a config transformers refuses
+        raise ConfigError("model.path", source, f"the model did not load: {_one_line(exc)}") from None
     return Policy(model, tok, source)
 
 
+def _one_line(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+
+
 def _checked_tokenizer(path: Path, source: str) -> PreTrainedTokenizerBase:
-    check_model_directory(path, source)
+    check_model_directory(path, source, weights=False)
     try:
         tok = tokenizer_from_directory(path)
     except (OSError, ValueError) as exc:

@@ -17,7 +17,7 @@ from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.errors import ConfigError
 from asyncrl.models.char_tokenizer import CHARACTERS, build_char_tokenizer
-from asyncrl.models.loading import Policy, load_policy, save_policy
+from asyncrl.models.loading import Policy, load_policy, load_tokenizer, save_policy
 from asyncrl.models.tiny import build_tiny_model, tiny_config
 from asyncrl.prompts.sources import PromptStream
 from asyncrl.rewards.registry import exact_match
@@ -180,6 +180,24 @@ def test_load_policy_model_without_tokenizer(saved_tiny, tmp_path: Path) -> None
     path = tmp_path / "no_tokenizer"
     policy.model.save_pretrained(path)
     assert "has no tokenizer" in load_error(str(path))
+
+
+def test_load_policy_unreadable_config_missing_or_corrupt_weights(saved_tiny, tmp_path: Path) -> None:
+    """A config.json that is not JSON, a directory without weights and a truncated weights file are
+    each a ConfigError naming model.path and the problem (each was a traceback from transformers)."""
+    path = copy_model(saved_tiny[1], tmp_path / "bad_config")
+    (path / "config.json").write_text("{not json", encoding="utf-8")
+    assert "its config.json is not readable JSON (Expecting property name" in load_error(str(path))
+    (path / "config.json").write_text("[1, 2]", encoding="utf-8")
+    assert load_error(str(path)).endswith("its config.json holds a list, not an object")
+    path = copy_model(saved_tiny[1], tmp_path / "no_weights")
+    (path / "model.safetensors").unlink()
+    assert "the directory has no weights (none of ['*.safetensors'" in load_error(str(path))
+    load_tokenizer(str(path))  # the tokenizer alone is read without them (a run's start checks)
+    path = copy_model(saved_tiny[1], tmp_path / "truncated")
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert "the model did not load: SafetensorError: " in load_error(str(path))
 
 
 def test_load_policy_tokenizer_without_eos(saved_tiny, tmp_path: Path) -> None:
