@@ -445,7 +445,7 @@ def test_a_teacher_that_fails_to_load_stops_the_run_with_one_line(tmp_path: Path
     )
     err = capsys.readouterr().err
     assert code != 0 and "Traceback" not in err
-    assert "the teacher failed to load" in err and f"distill.teacher={teacher}" in err
+    assert f"distill.teacher={str(teacher)!r}: the model did not load: SafetensorError: " in err
 
 
 # -- runs ------------------------------------------------------------------------------------------
