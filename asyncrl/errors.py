@@ -67,10 +67,10 @@ def describe_user_error(exc: BaseException) -> str:
     message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     if frame is None:
         return message
-    return f"{message} ({_shown(frame.filename)}:{frame.lineno} in {frame.name})"
+    return f"{message} ({shown_path(frame.filename)}:{frame.lineno} in {frame.name})"
 
 
-def _shown(filename: str) -> str:
+def shown_path(filename: str) -> str:
     """A path relative to the working directory when it lies inside it, else as it is."""
     with contextlib.suppress(ValueError, OSError):  # another drive (Windows); no working directory
         return os.path.relpath(filename) if Path(filename).resolve().is_relative_to(Path.cwd()) else filename

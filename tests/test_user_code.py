@@ -70,6 +70,30 @@ def test_the_users_own_line_is_named_not_asyncrls_nor_a_librarys() -> None:
     )
 
 
+def test_a_module_that_fails_as_it_is_imported_is_named_with_its_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user's module that raises while it is imported, or does not compile, is a ConfigError
+    naming the key, the module and the line (both were tracebacks)."""
+    (tmp_path / "asyncrl_raises_on_import.py").write_text("x = 1\nraise RuntimeError('no config')\n")
+    (tmp_path / "asyncrl_does_not_compile.py").write_text("def f(:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        user_code.import_named("asyncrl_raises_on_import:fn", "task.reward")
+    assert str(info.value) == (
+        "task.reward='asyncrl_raises_on_import:fn': importing module 'asyncrl_raises_on_import' raised "
+        "RuntimeError: no config (asyncrl_raises_on_import.py:2 in <module>)"
+    )
+    with pytest.raises(ConfigError) as info:
+        user_code.import_named("asyncrl_does_not_compile:f", "episode.tools.0")
+    assert str(info.value).startswith(
+        "episode.tools.0='asyncrl_does_not_compile:f': module 'asyncrl_does_not_compile' does not compile: "
+        "SyntaxError: "
+    )
+    assert str(info.value).endswith("(asyncrl_does_not_compile.py:1)")
+
+
 def test_a_group_with_a_sample_that_has_nothing_to_train_is_known_by_it() -> None:
     def sample(completion: list[int], error: str | None = None) -> Sample:
         return Sample(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from asyncrl.errors import ConfigError
+from asyncrl.errors import ConfigError, describe_user_error, shown_path
 
 
 def import_named(spec: str, key: str, kind: str = "") -> Any:
@@ -17,6 +17,15 @@ def import_named(spec: str, key: str, kind: str = "") -> Any:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ConfigError(key, spec, f"cannot import module {module_name!r} ({exc})") from None
+    except SyntaxError as exc:  # its own frame is not in the traceback: the error holds the place
+        where = f"{shown_path(exc.filename)}:{exc.lineno}" if exc.filename else "its source"
+        raise ConfigError(
+            key, spec, f"module {module_name!r} does not compile: {type(exc).__name__}: {exc.msg} ({where})"
+        ) from None
+    except Exception as exc:  # the module's own code, run as it is imported
+        raise ConfigError(
+            key, spec, f"importing module {module_name!r} raised {describe_user_error(exc)}"
+        ) from None
     if not hasattr(module, attr):
         raise ConfigError(key, spec, f"module {module_name!r} has no {kind + ' ' if kind else ''}{attr!r}")
     return getattr(module, attr)
