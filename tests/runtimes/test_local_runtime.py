@@ -280,12 +280,15 @@ def reward(completion, prompt, answer, **_):
 @pytest.mark.slow  # a worker's error failing the run by name: test_killed_generator_fails_the_run_naming_it
 @pytest.mark.multiprocess
 def test_worker_failing_at_start_is_reported_with_its_error(tmp_path: Path, reward_module) -> None:
-    """A reward module that raises on import only in the generator: WorkerError names generator-0 and the error."""
+    """A reward module that raises on import only in the generator: WorkerError names generator-0, the key and the error."""
     reward = reward_module("asyncrl_test_fail_reward", FAIL_IN_GENERATOR_REWARD)
     run = run_local(tmp_path / "run", [f"task.reward={reward}"])
     assert run.error is not None
     message = str(run.error)
-    assert message.startswith("generator-0 failed while starting: RuntimeError: reward backend unavailable")
+    # the worker names itself; the import error names the config key, the exception and the module's line
+    assert message.startswith("generator-0 failed while starting: ConfigError: task.reward=")
+    assert "raised RuntimeError: reward backend unavailable in this generator" in message
+    assert "asyncrl_test_fail_reward.py:5 in <module>" in message
     assert run.seconds < 120
     assert not (tmp_path / "run" / "metrics.jsonl").read_text(encoding="utf-8")
     assert run.leftover_children == []
