@@ -115,7 +115,8 @@ class RolloutConfig(Section):
         None,
         ge=1,
         description="Longest prompt + completion a sequence may have: the length of one slot of the engine's "
-        "static KV cache (null = the model's max_position_embeddings). A request that needs more is refused.",
+        "static KV cache (null = the model's max_position_embeddings). Prompts are measured against it less "
+        "max_new_tokens at the start, as against the model's positions.",
     )
     kv_cache_gb: float | None = Field(
         None,

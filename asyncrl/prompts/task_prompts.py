@@ -21,17 +21,38 @@ EVAL_SEED_OFFSET = 1_000_003  # held-out generated prompts come from a disjoint 
 GENERATED_PROMPTS_MEASURED = 256
 
 
+def sequence_limit(cfg: Config, max_positions: int) -> tuple[int, str | None]:
+    """The most tokens one prompt and its completion may have together, and the config key that sets
+    it: rollout.max_seq_len (a slot of the engine's cache) or rollout.max_tokens_in_flight (its whole
+    budget) where smaller than the model's positions, else None (the model's positions)."""
+    limit, key = max_positions, None
+    for name in ("max_seq_len", "max_tokens_in_flight"):
+        value = getattr(cfg.rollout, name)
+        if value is not None and value < limit:
+            limit, key = value, f"rollout.{name}"
+    return limit, key
+
+
 def prompt_room(cfg: Config, max_positions: int) -> int:
-    """Tokens a prompt may have: the model's positions less rollout.max_new_tokens (at least one)."""
-    room = max_positions - cfg.rollout.max_new_tokens
-    if room < 1:
+    """Tokens a prompt may have: the sequence limit (:func:`sequence_limit`) less
+    rollout.max_new_tokens (at least one, else a ConfigError naming the limit's key)."""
+    limit, key = sequence_limit(cfg, max_positions)
+    new_tokens = cfg.rollout.max_new_tokens
+    if limit - new_tokens >= 1:
+        return limit - new_tokens
+    if key is None:
         raise ConfigError(
             "rollout.max_new_tokens",
-            cfg.rollout.max_new_tokens,
+            new_tokens,
             f"the model ({cfg.model.path}) has {max_positions} positions, which leaves no room for a "
             f"prompt: at most {max_positions - 1}",
         )
-    return room
+    raise ConfigError(
+        key,
+        limit,
+        f"with rollout.max_new_tokens={new_tokens} it leaves no room for a prompt: at least "
+        f"{new_tokens + 1}, or rollout.max_new_tokens at most {limit - 1}",
+    )
 
 
 def prompt_source(
@@ -103,17 +124,29 @@ def task_prompts(
 
 def check_generated_lengths(cfg: Config, source: PromptSource, tokenizer, max_positions: int) -> None:
     """A generated task's first prompts, rendered as the engine sees them, fit with
-    rollout.max_new_tokens in the model's positions (else a ConfigError naming the longest)."""
+    rollout.max_new_tokens in the sequence limit (else a ConfigError naming the longest)."""
     count = (
         GENERATED_PROMPTS_MEASURED if source.size is None else min(source.size, GENERATED_PROMPTS_MEASURED)
     )
     lengths = [(len(encode_prompt(tokenizer, p)), p.prompt_id) for p in map(source.get, range(count))]
     longest, prompt_id = max(lengths, default=(0, None))
-    if longest > max_positions - cfg.rollout.max_new_tokens:  # (prompt_source checked that room is left)
+    room = prompt_room(cfg, max_positions)  # (prompt_source checked that it is at least one)
+    if longest <= room:
+        return
+    limit, key = sequence_limit(cfg, max_positions)
+    new_tokens = cfg.rollout.max_new_tokens
+    prompt = f"task.name={cfg.task.name}'s prompt {prompt_id!r} has {longest} tokens"
+    if key is None:
         raise ConfigError(
             "rollout.max_new_tokens",
-            cfg.rollout.max_new_tokens,
-            f"task.name={cfg.task.name}'s prompt {prompt_id!r} has {longest} tokens, and with the new tokens "
-            f"they exceed the model's ({cfg.model.path}) {max_positions} positions: at most "
-            f"{max_positions - longest}",
+            new_tokens,
+            f"{prompt}, and with the new tokens they exceed the model's ({cfg.model.path}) "
+            f"{max_positions} positions: at most {max_positions - longest}",
         )
+    fewer = f", or rollout.max_new_tokens at most {limit - longest}" if limit > longest else ""
+    raise ConfigError(
+        key,
+        limit,
+        f"{prompt}, and with rollout.max_new_tokens={new_tokens} new tokens they do not fit: at least "
+        f"{longest + new_tokens}{fewer}",
+    )

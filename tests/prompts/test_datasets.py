@@ -12,7 +12,7 @@ from asyncrl.config import load_config
 from asyncrl.errors import ConfigError, DatasetError
 from asyncrl.models.char_tokenizer import build_char_tokenizer
 from asyncrl.prompts.hf_dataset import HFDataset, hold_out, load_rows
-from asyncrl.prompts.task_prompts import prompt_source, task_prompts
+from asyncrl.prompts.task_prompts import prompt_source, sequence_limit, task_prompts
 
 # A dependency the GPU machine lacks (it runs asyncrl from the checkout): skip there, not fail.
 datasets = pytest.importorskip("datasets", reason="task.name=dataset needs the `datasets` package")
@@ -177,3 +177,45 @@ def test_a_token_budget_that_leaves_a_prompt_no_room_is_refused_naming_it(tmp_pa
         ).size
         == 10
     )
+
+
+def test_the_engines_sequence_limit_bounds_the_prompts_as_the_models_positions_do(tmp_path: Path) -> None:
+    """rollout.max_seq_len (a slot of the engine's cache) and rollout.max_tokens_in_flight (its whole
+    budget), where below the model's positions, bound prompt + rollout.max_new_tokens at the start,
+    naming the key that binds, rather than the engine refusing the first request mid-run."""
+    cfg = lambda *sets: load_config(None, list(sets))  # noqa: E731
+    assert sequence_limit(cfg(), 512) == (512, None)
+    assert sequence_limit(cfg("rollout.max_seq_len=1000"), 512) == (512, None)
+    assert sequence_limit(cfg("rollout.max_seq_len=64", "rollout.max_tokens_in_flight=32"), 512) == (
+        32,
+        "rollout.max_tokens_in_flight",
+    )
+    with pytest.raises(ConfigError) as refused:
+        task_prompts(cfg("rollout.max_seq_len=4"))  # max_new_tokens=8 leaves a prompt nothing
+    assert str(refused.value) == (
+        "rollout.max_seq_len=4: with rollout.max_new_tokens=8 it leaves no room for a prompt: at least 9, "
+        "or rollout.max_new_tokens at most 3"
+    )
+    # The arithmetic prompts take at most 6 tokens: 6 + 8 > 12.
+    with pytest.raises(ConfigError) as refused:
+        task_prompts(cfg("rollout.max_seq_len=12"))
+    assert refused.value.key == "rollout.max_seq_len"
+    assert str(refused.value).endswith(
+        "has 6 tokens, and with rollout.max_new_tokens=8 new tokens they do not fit: at least 14, "
+        "or rollout.max_new_tokens at most 6"
+    )
+    with pytest.raises(ConfigError) as refused:
+        task_prompts(cfg("rollout.max_tokens_in_flight=9"))
+    assert refused.value.key == "rollout.max_tokens_in_flight"
+    assert str(refused.value).endswith("at least 14, or rollout.max_new_tokens at most 3")
+    assert task_prompts(cfg("rollout.max_seq_len=14")).get(0).text.endswith("=")
+    # A dataset's rows are measured against the same room: '0+1=' is 4 tokens, 3 are left.
+    dataset = ["task.name=dataset", f"task.path={write(tmp_path, 'jsonl')}", "task.prompt_field=question"]
+    with pytest.raises(DatasetError, match="prompt has 4 tokens, more than the 3 allowed"):
+        prompt_source(
+            cfg(*dataset, "task.answer_field=solution", "rollout.max_seq_len=11"), build_char_tokenizer(), 512
+        )
+    source = prompt_source(
+        cfg(*dataset, "task.answer_field=solution", "rollout.max_seq_len=12"), build_char_tokenizer(), 512
+    )
+    assert source.size == 10
