@@ -138,7 +138,7 @@ def test_user_code_that_always_fails_stops_the_run_with_one_line_naming_it(
     assert "Traceback" not in err and "empty completion" not in err, err
     lines = err.strip().splitlines()
     assert lines[-1].startswith(
-        f"asyncrl: error: episode function {environment} raised {raised} ({USER_FILE}:"
+        f"asyncrl: error: episode.environment={environment} raised {raised} ({USER_FILE}:"
     )
     assert re.search(r"on prompt '[^']+' \(group \d+, episode \d\); 4 episodes failed in a row "
                      r"\(task\.reward_max_consecutive_failures=4\)$", lines[-1]), lines[-1]  # fmt: skip
@@ -160,7 +160,7 @@ def test_an_episode_that_fails_sometimes_is_warned_of_once_and_the_run_trains_th
     assert code == 0, err
     warnings = [line for line in err.splitlines() if line.startswith("asyncrl: warning:")]
     assert len(warnings) == 1, err
-    assert "episode function tests.user_code:sometimes_fails raised" in warnings[0]
+    assert "episode.environment=tests.user_code:sometimes_fails raised" in warnings[0]
     before, after = (
         line_of(user.sometimes_fails, "no model turn"),
         line_of(user.sometimes_fails, "after the turn"),
@@ -191,7 +191,8 @@ def test_a_reward_function_that_fails_sometimes_is_named_with_its_line_and_promp
     line = line_of(user.raises_on_odd_lengths, "an odd completion")
     assert len(warnings) == 1, err
     assert re.fullmatch(
-        rf"asyncrl: warning: raised ValueError: an odd completion \({USER_FILE}:{line} in raises_on_odd_lengths\) "
+        r"asyncrl: warning: reward function 'tests\.user_code:raises_on_odd_lengths': "
+        rf"raised ValueError: an odd completion \({USER_FILE}:{line} in raises_on_odd_lengths\) "
         r"on prompt '[^']+' \(group \d+\); scored 0 \(task\.reward_on_error=zero\)",
         warnings[0],
     ), warnings[0]
@@ -213,12 +214,14 @@ def test_a_run_whose_every_group_is_dropped_says_why_and_stops(
     lines = err.strip().splitlines()
     notice = re.compile(
         r"asyncrl: warning: no step for \d+ groups in a row, each ended untrained: dropped_reward_error \d+ "
-        r"\(task\.reward_on_error=drop_group\); the last error: raised ValueError"
+        r"\(task\.reward_on_error=drop_group\); the last error: reward function 'tests\.user_code:always_raises': "
+        r"raised ValueError"
     )
     assert sum(bool(notice.match(line)) for line in lines) == 1, err
     assert re.match(
         r"asyncrl: error: no step for 2\d groups in a row, each ended untrained: dropped_reward_error 2\d "
-        r"\(task\.reward_on_error=drop_group\); the last error: raised ValueError: cannot parse .* "
+        r"\(task\.reward_on_error=drop_group\); the last error: reward function 'tests\.user_code:always_raises': "
+        r"raised ValueError: cannot parse .* "
         r"\(run\.max_dropped_batches=10\)$",
         lines[-1],
     ), lines[-1]

@@ -43,7 +43,7 @@ class EpisodeOutcomes:
     def __init__(
         self, name: str, reward_on_error: str, max_consecutive_failures: int, stats: FailureCounts
     ) -> None:
-        """``name``: the episode function as the user named it (episode.environment)."""
+        """``name``: the episode code as its errors name it (the config key and value that set it)."""
         self.name = name
         self.reward_on_error = reward_on_error
         self.max_consecutive_failures = max_consecutive_failures
@@ -61,7 +61,7 @@ class EpisodeOutcomes:
         except EpisodeTruncated:
             pass
         except Exception as exc:  # agent or environment code failed: recorded like a reward error
-            return self._failed(f"episode function {self.name} raised {describe_user_error(exc)} on {where}")
+            return self._failed(f"{self.name} raised {describe_user_error(exc)} on {where}")
         if value is None:  # no reward of its own: the sum of its step rewards
             value = sum(r for record in records for r in record.turn_rewards if r is not None)
         try:
@@ -70,8 +70,7 @@ class EpisodeOutcomes:
             reward = math.nan
         if not math.isfinite(reward):
             return self._failed(
-                f"episode function {self.name} returned {type(value).__name__} {value!r}, "
-                f"expected a finite number, on {where}"
+                f"{self.name} returned {type(value).__name__} {value!r}, expected a finite number, on {where}"
             )
         self.failures_in_a_row = 0
         return reward, None

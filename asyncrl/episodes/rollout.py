@@ -113,7 +113,7 @@ class EpisodeRollout(Rollout):
         policy a role names (default: ``engine`` for all); ``adapters``: the policies served as
         adapters of their engine (a turn's request names its policy's adapter).
         ``max_consecutive_failures``: episodes failing in a row that stop the run (0: never);
-        ``name``: the episode function as the user named it (episode.environment). ``rewards``:
+        ``name``: the episode code as its errors name it (e.g. "episode.environment=mod:Env"). ``rewards``:
         the task's functions, which score the episodes (episode.tools: :mod:`.scoring`)."""
         super().__init__(group_size, EpisodeStats())
         self.engine = engine
@@ -131,7 +131,7 @@ class EpisodeRollout(Rollout):
         self.reward_on_error = reward_on_error
         self.rewards = rewards
         self.outcome = EpisodeOutcomes(
-            name or getattr(episode, "__name__", type(episode).__name__),
+            name or f"episode function {getattr(episode, '__name__', type(episode).__name__)}",
             reward_on_error,
             max_consecutive_failures,
             self.stats,

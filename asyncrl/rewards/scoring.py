@@ -223,10 +223,9 @@ class RewardSet:
             values = [(t, v[i]) for t, (v, _, _) in zip(self.terms, per_term, strict=True)]
             errors = [(t, e[i]) for t, (_, e, _) in zip(self.terms, per_term, strict=True)]
             components = {t.label: v for t, v in values}
-            failed = [(t.label, e) for t, e in errors if e is not None]
+            failed = [(t, e) for t, e in errors if e is not None]
             if failed:
-                prefix = len(self.terms) > 1
-                error = "; ".join(f"{label}: {e}" if prefix else e for label, e in failed)
+                error = "; ".join(self._named(t, e) for t, e in failed)
                 out.append(Scored(None, error, components))
                 continue
             applied = [(t.weight, v) for t, v in values if v is not None]
@@ -242,6 +241,13 @@ class RewardSet:
             reward = sum(w * v for w, v in applied)
             out.append(Scored(None if error else reward, error, components, steps))
         return out
+
+    def _named(self, term: RewardTerm, error: str) -> str:
+        """A function's error as the sample records it: by its metric label among several, else by
+        the name the config gave it (a set built from a bare function has none to give)."""
+        if len(self.terms) > 1:
+            return f"{term.label}: {error}"
+        return f"reward function {term.spec!r}: {error}" if term.spec else error
 
     def _calls(self, fn: RewardFn, calls: list[dict[str, Any]]) -> list[tuple[Any, str | None]]:
         """(value, error) of each call: concurrently where the function can, else in order."""

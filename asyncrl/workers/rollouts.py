@@ -129,7 +129,10 @@ def build_rollout(
             role_weight=cfg.multi_agent.role_weight,
             adapters=cfg.multi_agent.adapter_policies,
             max_consecutive_failures=cfg.task.reward_max_consecutive_failures,
-            name=cfg.episode.environment or f"tools {cfg.episode.tools}",
+            # errors name the config key that set the failing code
+            name=f"episode.environment={cfg.episode.environment}"
+            if cfg.episode.environment
+            else f"episode.tools={cfg.episode.tools}",
             # Tool-calling episodes have no reward of their own: the task's functions score them (with
             # none, the environments' get_reward does).
             rewards=build_reward(cfg) if cfg.episode.tools and reward_terms(cfg) else None,

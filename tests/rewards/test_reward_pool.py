@@ -84,7 +84,8 @@ def test_a_failing_function_stops_scoring_from_the_pool_naming_it(tmp_path: Path
         # 2 failures so far; the user's line is named
         assert (
             scored[0].error
-            == f"raised ValueError: cannot parse '5' (tests/pool_rewards.py:{line} in failing_reward)"
+            == "reward function 'tests.pool_rewards:failing_reward': raised ValueError: cannot parse '5' "
+            f"(tests/pool_rewards.py:{line} in failing_reward)"
         )
         with pytest.raises(
             RewardFailing, match=r"'tests\.pool_rewards:failing_reward' failed on 3 consecutive"

@@ -237,7 +237,8 @@ def test_a_batch_of_hanging_calls_costs_about_one_timeout(reward_spec: str) -> N
         # they would take (n - 2) * timeout = 14 s. Half that leaves room for a loaded machine.
         assert timeout <= elapsed < (n - 2) * timeout / 2, elapsed
         assert [s.reward for s in scored] == [None] * (n - 2) + [1.0, 0.0]
-        assert all(s.error.startswith("did not return within 1s") for s in scored[: n - 2])
+        named = f"reward function {reward_spec!r}: did not return within 1s"
+        assert all(s.error.startswith(named) for s in scored[: n - 2])
         assert fn.restarts == n - 2 and len(fn.pids) == 2  # the late processes were killed
         again = rewards.score(PROMPT, ["2"] * 4, [[0]] * 4)  # replacements answer the next batch
         assert [s.reward for s in again] == [1.0] * 4

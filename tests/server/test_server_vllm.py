@@ -37,8 +37,8 @@ def reference() -> Policy:
 
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
-    from asyncrl.workers.vllm_serving import vllm_serving
     from asyncrl.server.app import OpenAIServer
+    from asyncrl.workers.vllm_serving import vllm_serving
 
     policy = load_policy(MODEL, device="cpu", dtype="float32", seed=0)
     serving = vllm_serving(
