@@ -142,8 +142,13 @@ def test_bad_judge_settings_fail_at_start_naming_the_key(tmp_path: Path) -> None
     ):
         pass
     url = f"http://127.0.0.1:{free_port()}"
+    # Nothing listens at judge.url: the address is named, not the template or the verdict tokens.
     with (
-        pytest.raises(JudgeError, match=rf"cannot reach the judge at {url}"),
+        pytest.raises(
+            JudgeError,
+            match=rf"^cannot reach the judge at {url} \(/v1/verdicts\): .*Connection refused "
+            r"\(judge\.url: is `asyncrl serve` running there\?\)$",
+        ),
         served_judge(load_config(None, [f"judge.url={url}"]).judge, tmp_path / "judge.log", 120),
     ):
         pass

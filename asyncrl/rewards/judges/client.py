@@ -27,6 +27,10 @@ class JudgeError(AsyncRLError):
     """The judge could not be asked, or its answer could not be read."""
 
 
+class JudgeUnreachable(JudgeError):
+    """No judge answered at the URL: nothing listens there, or it did not answer in time."""
+
+
 @dataclass(frozen=True)
 class JudgeClient:
     """Scores (prompt, completion, answer) triples with a served judge model; see ``judge.*`` in the config."""
@@ -124,7 +128,7 @@ class JudgeClient:
             raise JudgeError(f"the judge at {self.url} refused {path}: HTTP {exc.code}: {detail}") from None
         except (urllib.error.URLError, TimeoutError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
-            raise JudgeError(f"cannot reach the judge at {self.url} ({path}): {reason}") from None
+            raise JudgeUnreachable(f"cannot reach the judge at {self.url} ({path}): {reason}") from None
 
 
 def judge_client() -> JudgeClient:

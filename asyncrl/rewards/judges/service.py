@@ -22,7 +22,7 @@ from pathlib import Path
 
 from asyncrl.config import JudgeConfig
 from asyncrl.lifeline import stop_signals_held
-from asyncrl.rewards.judges.client import ENV, JudgeClient, JudgeError
+from asyncrl.rewards.judges.client import ENV, JudgeClient, JudgeError, JudgeUnreachable
 from asyncrl.rewards.services import announced
 
 STOP_TIMEOUT_S = 10.0
@@ -41,7 +41,7 @@ def served_judge(cfg: JudgeConfig, log_path: Path, start_timeout_s: float) -> It
         else:
             process, url = _start(cfg, log_path, start_timeout_s)
         client = JudgeClient.from_config(cfg, url)
-        _probe(client)
+        _probe(client, given_url=cfg.url is not None)
         with announced(ENV, client.to_env()):
             yield client
     finally:
@@ -84,9 +84,12 @@ def _start(cfg: JudgeConfig, log_path: Path, timeout_s: float) -> tuple[subproce
         ) from None
 
 
-def _probe(client: JudgeClient) -> None:
+def _probe(client: JudgeClient, given_url: bool) -> None:
     try:
         client.score_many([("probe", "probe", "probe")])
+    except JudgeUnreachable as exc:  # not the template's fault: the address, or the judge is down
+        where = " (judge.url: is `asyncrl serve` running there?)" if given_url else ""
+        raise JudgeError(f"{exc}{where}") from None
     except JudgeError as exc:
         keys = "judge.yes / judge.no" if client.mode == "verdict" else "judge.template"
         raise JudgeError(f"the judge refused a first request (check {keys}): {exc}") from None
