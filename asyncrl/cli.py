@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from asyncrl.cli_args import count, device, fraction, port
 from asyncrl.errors import AsyncRLError, ConfigError
 from asyncrl.lifeline import STOP_SIGNALS, note_run_stop, repeats_run_stop, stopped_by
 
@@ -226,17 +227,6 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _port(text: str) -> int:
-    """A TCP port, 0 to 65535 (argparse names the flag and the value otherwise)."""
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0 to 65535; 0 picks a free one)")
-    return port
-
-
 def build_parser() -> argparse.ArgumentParser:
     from asyncrl.builtin.sft_settings import TASK_DEFAULTS, TASKS, SFTConfig
 
@@ -314,14 +304,14 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--model", default="tiny:1m", help="model to start from (default tiny:1m)")
     sft.add_argument(
         "--blur-steps",
-        type=int,
+        type=count(0),
         help="steps on the noisy teacher (default: the task's, "
         + ", ".join(f"{t} {TASK_DEFAULTS[t].get('blur_steps', SFTConfig.blur_steps)}" for t in TASKS)
         + ")",
     )
     sft.add_argument(
         "--answer-noise",
-        type=float,
+        type=fraction,
         help="share of the noisy teacher's answers (arithmetic, chain, verify: and of its verdicts) or "
         "episodes (calculator, tools) or turns (guess) that go wrong (default: the task's, "
         + ", ".join(f"{t} {TASK_DEFAULTS[t].get('answer_noise', SFTConfig.answer_noise)}" for t in TASKS)
@@ -357,9 +347,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default="builtin:arith", help="model source, as model.path in a config")
     serve.add_argument("--name", help="model name reported by the API (default: the source)")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=_port, default=8000, help="0 picks a free port (printed on start)")
-    serve.add_argument("--device", default="auto")
-    serve.add_argument("--max-batch-size", type=int, default=64)
+    serve.add_argument("--port", type=port, default=8000, help="0 picks a free port (printed on start)")
+    serve.add_argument(
+        "--device", type=device, default="auto", help="'auto', 'cpu', 'cuda' or 'cuda:<index>'"
+    )
+    serve.add_argument("--max-batch-size", type=count(1), default=64, help="most sequences decoded at once")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument(
         "--engine",

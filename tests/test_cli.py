@@ -245,6 +245,38 @@ def test_serve_user_errors_exit_2_with_one_line(
     assert needle in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["serve", "--device", "tpu"],
+            "argument --device: 'tpu': expected 'auto', 'cpu', 'cuda' or 'cuda:<index>'",
+        ),
+        (["serve", "--max-batch-size", "0"], "argument --max-batch-size: '0': at least 1"),
+        (["serve", "--max-batch-size", "x"], "argument --max-batch-size: 'x' is not an integer"),
+        (["sft", "--out", "unused", "--blur-steps", "-3"], "argument --blur-steps: '-3': at least 0"),
+        (
+            ["sft", "--out", "unused", "--answer-noise", "2"],
+            "argument --answer-noise: '2' is not a fraction from 0 to 1",
+        ),
+        (
+            ["sft", "--out", "unused", "--answer-noise", "nan"],
+            "argument --answer-noise: 'nan' is not a fraction",
+        ),
+    ],
+)
+def test_flags_out_of_range_are_argparses_error_before_anything_runs(
+    capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    """A flag's bad value stops the command at once with argparse's line naming flag and value (a
+    device torch does not know was a traceback; a batch of 0 served nothing; a noise of 2 trained)."""
+    with pytest.raises(SystemExit) as refused:
+        main(args)
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
 def test_serve_on_a_port_it_cannot_take_is_one_line_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
     """A port out of range is argparse's error before anything loads; a port in use is one line
     naming the address, with the engine loop it had started stopped again (it was a traceback)."""

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from asyncrl.config.device import Device
 from asyncrl.config.section import Section
 
 
@@ -22,7 +23,9 @@ class ModelConfig(Section):
         "asyncrl.builtin.verify:verify_episode), or "
         "'tiny:<size>[:<arch>]' for a random tiny model (sizes 1m, 6m; arch qwen2, llama).",
     )
-    device: str = Field("auto", description="'auto' (CUDA when available, else CPU), 'cpu', or 'cuda[:N]'.")
+    device: Device = Field(
+        "auto", description="'auto' (CUDA when available, else CPU), 'cpu', or 'cuda[:N]'."
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="Compute dtype: the generators' engines hold their weights in it, and the trainer runs "
@@ -338,7 +341,9 @@ class JudgeConfig(Section):
     timeout_s: float = Field(
         120.0, gt=0, description="Time limit of one request to the judge (a batch of completions)."
     )
-    device: str = Field("auto", description="Where the judge model runs ('auto', 'cpu', 'cuda', 'cuda:1').")
+    device: Device = Field(
+        "auto", description="Where the judge model runs ('auto', 'cpu', 'cuda', 'cuda:1')."
+    )
     max_batch_size: int = Field(64, ge=1, description="The judge engine's running batch.")
 
     @model_validator(mode="after")

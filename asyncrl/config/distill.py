@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from asyncrl.config.device import Device
 from asyncrl.config.section import Section
 
 # The most tokens a teacher gives per position (distill.top_k, and the top_k of asyncrl serve's
@@ -86,7 +87,7 @@ class DistillConfig(Section):
         "forward; 'vllm' asks a vLLM engine in the teacher's process for the prompt log-probs of the "
         "student's tokens (the vllm section's settings apply; docs/vllm.md).",
     )
-    device: str = Field(
+    device: Device = Field(
         "auto",
         description="Where a local teacher runs ('auto': CUDA when a GPU is visible; 'cpu', 'cuda:1').",
     )

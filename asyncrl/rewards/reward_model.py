@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from asyncrl.config.device import checked_device
 from asyncrl.errors import ConfigError
 
 DEFAULT_BATCH_SIZE = 16
@@ -166,8 +167,10 @@ def check_reward_model(args: dict[str, Any], key: str) -> None:
             f"a reward model has one label (num_labels: 1, one score per text); this model has {labels}",
         )
     device, dtype = str(args.get("device", "auto")), args.get("dtype", "auto")
-    if device != "auto" and device != "cpu" and not device.startswith("cuda"):
-        raise ConfigError(f"{key}.args.device", device, "must be 'auto', 'cpu' or 'cuda[:N]'")
+    try:
+        checked_device(device)
+    except ValueError as exc:
+        raise ConfigError(f"{key}.args.device", device, str(exc)) from None
     if device.startswith("cuda"):
         import torch
 

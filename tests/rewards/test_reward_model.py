@@ -71,7 +71,12 @@ def test_bad_entries_are_refused_naming_the_argument(rm_dir: Path, tmp_path: Pat
         ({"path": str(two_labels)}, "task.rewards.1.args.path", "this model has 2"),
         ({"path": str(rm_dir), "batch": 4}, "task.rewards.1.args", "not arguments of reward_model"),
         ({"path": str(rm_dir), "batch_size": 0}, "task.rewards.1.args.batch_size", "integer >= 1"),
-        ({"path": str(rm_dir), "device": "tpu"}, "task.rewards.1.args.device", "'auto', 'cpu' or 'cuda"),
+        (
+            {"path": str(rm_dir), "device": "tpu"},
+            "task.rewards.1.args.device",
+            "'auto', 'cpu', 'cuda' or 'cuda:<index>'",
+        ),
+        ({"path": str(rm_dir), "device": "cudax"}, "task.rewards.1.args.device", "expected 'auto'"),
         ({"path": str(rm_dir), "dtype": "int8"}, "task.rewards.1.args.dtype", "'auto', 'float32'"),
     ]
     if not torch.cuda.is_available():
