@@ -130,11 +130,10 @@ def check_generated_lengths(cfg: Config, source: PromptSource, tokenizer, max_po
     )
     lengths = [(len(encode_prompt(tokenizer, p)), p.prompt_id) for p in map(source.get, range(count))]
     longest, prompt_id = max(lengths, default=(0, None))
-    room = prompt_room(cfg, max_positions)  # (prompt_source checked that it is at least one)
-    if longest <= room:
-        return
-    limit, key = sequence_limit(cfg, max_positions)
+    limit, key = sequence_limit(cfg, max_positions)  # (prompt_source checked that it leaves room)
     new_tokens = cfg.rollout.max_new_tokens
+    if longest + new_tokens <= limit:
+        return
     prompt = f"task.name={cfg.task.name}'s prompt {prompt_id!r} has {longest} tokens"
     if key is None:
         raise ConfigError(
