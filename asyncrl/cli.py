@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from asyncrl.cli_args import count, device, fraction, port
+from asyncrl.cli_args import count, device, fraction, port, seconds
 from asyncrl.errors import AsyncRLError, ConfigError
 from asyncrl.lifeline import STOP_SIGNALS, note_run_stop, repeats_run_stop, stopped_by
 
@@ -180,9 +180,6 @@ def _scale(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import signal
-    import threading
-
     from asyncrl.models.directories import check_model_directory, is_directory_source
 
     if args.set and args.engine != "vllm":
@@ -192,6 +189,7 @@ def _serve(args: argparse.Namespace) -> int:
     _quiet_transformers()
     from asyncrl.models.loading import load_policy
     from asyncrl.server.app import OpenAIServer
+    from asyncrl.server.until_stopped import serve_until_stopped
     from asyncrl.workers.vllm_serving import vllm_serving
 
     if args.exit_with_parent:  # a run's judge: it ends with the run, however the run ends
@@ -214,16 +212,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     host, port = server.start(args.host, args.port)
     print(json.dumps({"listening": f"http://{host}:{port}", "model": server.model_name}), flush=True)
-    stop = threading.Event()
-    if args.exit_with_parent:
-        threading.Thread(
-            target=lambda: (sys.stdin.read(), stop.set()), name="owner-stdin", daemon=True
-        ).start()
-    else:
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    server.stop()
+    serve_until_stopped(server, args.drain_timeout_s, owned=args.exit_with_parent)
     return 0
 
 
@@ -361,6 +350,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="with --engine vllm: vllm.* settings"
+    )
+    serve.add_argument(
+        "--drain-timeout-s",
+        type=seconds,
+        default=20.0,
+        help="on a stop, how long the requests in flight get to finish before they are ended with "
+        "HTTP 503 (default 20: inside the 30 s a scheduler gives before SIGKILL); a second stop "
+        "signal ends them at once",
     )
     serve.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
     serve.set_defaults(func=_serve)

@@ -45,6 +45,17 @@ def fraction(text: str) -> float:
     return value
 
 
+def seconds(text: str) -> float:
+    """A duration in seconds, 0 or more and finite."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (0 or more)")
+    return value
+
+
 def device(text: str) -> str:
     """A device as model.device takes it, checked by the config's own rule."""
     from asyncrl.config.device import checked_device

@@ -52,6 +52,8 @@ distribution's at the temperature: what the token was actually drawn from (vLLM'
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -85,6 +87,17 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
 
     def __post_init__(self) -> None:
+        # Numbers as the engine's tensors hold them: an int temperature (0 for greedy) once reached
+        # the runner's float row as a long and failed there; a bool or a string is refused here.
+        for name in ("max_new_tokens", "top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            object.__setattr__(self, name, float(value))
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -99,6 +112,16 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be from -2 to 2 (0 = off), got {getattr(self, name)}")
+
+
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 def _masses(logp: torch.Tensor) -> torch.Tensor:

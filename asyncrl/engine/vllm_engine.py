@@ -60,6 +60,9 @@ from asyncrl.transports.weights.interface import WeightSyncError, check_checksum
 from asyncrl.types import Tokens
 
 SEED_SPACE = 1 << 63
+# A drawn seed's bound: torch.randint's ``high`` is an int64, which 1 << 63 overflows (every
+# request without a seed once failed here, and with it the server's engine).
+DRAWN_SEED_BOUND = SEED_SPACE - 1
 
 
 def unsupported_model(config) -> str | None:
@@ -306,7 +309,7 @@ class VllmEngine(Engine):
     def add_request(self, request: GenerationRequest) -> None:
         self.validate(request)
         if request.seed is None:
-            seed = int(torch.randint(0, SEED_SPACE, (1,), generator=self._seeds))
+            seed = int(torch.randint(0, DRAWN_SEED_BOUND, (1,), generator=self._seeds))
             request = GenerationRequest(
                 request.request_id,
                 request.prompt_ids,

@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import json
 import queue
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -47,8 +49,9 @@ from asyncrl.engine.types import GenerationRequest, RequestError
 from asyncrl.errors import AsyncRLError
 from asyncrl.models.loading import Policy, text_decoder, tokenizer_fingerprint
 from asyncrl.server.answer_logprobs import content_logprobs, text_offsets
-from asyncrl.server.endpoints import BadRequest, chat_prompt, load_policy, logprobs, verdicts
-from asyncrl.server.engine_loop import EngineLoop, Ticket
+from asyncrl.server.answers import Answers, ClientGone, InFlight
+from asyncrl.server.endpoints import BadRequest, chat_prompt, load_policy, logprobs, sampling_params, verdicts
+from asyncrl.server.engine_loop import EngineLoop, RequestEnded, ServerStopping, Ticket
 from asyncrl.server.scoring import ModelScoring, Scoring
 from asyncrl.transports.weights.interface import WeightLayout
 
@@ -58,6 +61,8 @@ REQUEST_TIMEOUT_S = 600.0
 CONNECTION_IDLE_S = 60.0
 # How often the accept loop looks for a stop: a stopping server answers within this.
 SHUTDOWN_POLL_S = 0.05
+# After a stop ends the requests still running, how long their handlers get to write the 503.
+ANSWER_ENDED_S = 5.0
 
 
 # What a server serves with: the engine, how it scores, the layout of the weights it loads.
@@ -110,6 +115,7 @@ class OpenAIServer:
 
         self.loop = EngineLoop(build)
         self.httpd: ThreadingHTTPServer | None = None
+        self.in_flight = InFlight()
 
     @property
     def engine(self) -> Engine:
@@ -141,53 +147,35 @@ class OpenAIServer:
         ).start()
         return self.httpd.server_address[:2]
 
-    def stop(self) -> None:
+    def stop(
+        self,
+        drain_s: float = 0.0,
+        give_up: threading.Event | None = None,
+        why: str = "the server is stopping",
+    ) -> Stopped:
+        """Stop serving: take no new connection or request (a request on an open connection is
+        told 503), give the requests being answered up to ``drain_s`` to finish (less if
+        ``give_up`` is set meanwhile), end the others with 503 ``why`` (a stream: an error
+        event), then stop the engine."""
+        in_flight = self.in_flight.close()
         if self.httpd is not None:
             self.httpd.shutdown()
             self.httpd.server_close()
+        if not self.in_flight.wait_idle(drain_s, give_up):
+            self.loop.end_all(ServerStopping(why))
+            self.in_flight.wait_idle(ANSWER_ENDED_S)
         if self.loop.stop() and self.engine is not None:  # the engine thread is done with it
             self.engine.close()
+        return Stopped(in_flight, self.in_flight.ended)
 
     # -- requests -----------------------------------------------------------------------
 
-    def sampling(self, body: dict, max_tokens_key: str) -> SamplingParams:
-        def number(key: str, default, kind=float):
-            value = body.get(key, default)
-            if value is None:
-                return default
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise BadRequest(f"'{key}' must be a number, got {value!r}", key)
-            return kind(value)
-
-        stop = body.get("stop") or []
-        stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise BadRequest("'stop' must be a string or a list of non-empty strings", "stop")
-        max_tokens = body.get(max_tokens_key)
-        max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
-        max_tokens = 16 if max_tokens is None else max_tokens
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-            raise BadRequest(f"'{max_tokens_key}' must be an integer, got {max_tokens!r}", max_tokens_key)
-        if max_tokens < 1:
-            raise BadRequest(f"'{max_tokens_key}' must be at least 1, got {max_tokens}", max_tokens_key)
-        try:
-            return SamplingParams(
-                max_new_tokens=max_tokens,
-                temperature=number("temperature", 1.0),
-                top_p=number("top_p", 1.0),
-                top_k=number("top_k", 0, int),
-                min_p=number("min_p", 0.0),
-                repetition_penalty=number("repetition_penalty", 1.0),
-                presence_penalty=number("presence_penalty", 0.0),
-                frequency_penalty=number("frequency_penalty", 0.0),
-                stop_token_ids=(self.policy.eos_token_id,),
-                stop=tuple(stop),
-            )
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from None
+    def answers(self, connection) -> Answers:
+        """A new request's choices, waited for within the request timeout while ``connection`` is open."""
+        return Answers(self.loop, connection, REQUEST_TIMEOUT_S)
 
     def submit(
-        self, prompt: str, sampling: SamplingParams, n: int, seed: int | None, base_id: str
+        self, answers: Answers, prompt: str, sampling: SamplingParams, n: int, seed: int | None, base_id: str
     ) -> list[Ticket]:
         if not isinstance(prompt, str) or not prompt:
             raise BadRequest("'prompt' must be a non-empty string or a list of them", "prompt")
@@ -198,7 +186,7 @@ class OpenAIServer:
                 f"{base_id}-{j}", ids, sampling, seed=None if seed is None else seed + j
             )
             try:
-                tickets.append(self.loop.submit(request))
+                tickets.append(answers.submit(request))
             except RequestError as exc:  # named by the request's field, as the API calls it
                 raise BadRequest(str(exc), API_PARAMS.get(exc.field, exc.field)) from None
         return tickets
@@ -214,14 +202,12 @@ class OpenAIServer:
         return text
 
 
-def _wait(ticket: Ticket):
-    deadline = time.monotonic() + REQUEST_TIMEOUT_S
-    while True:
-        kind, payload = ticket.updates.get(timeout=max(0.0, deadline - time.monotonic()))
-        if kind == "done":
-            return payload
-        if kind == "error":
-            raise RuntimeError(f"the engine failed: {payload}")
+@dataclass(frozen=True)
+class Stopped:
+    """How a stop left the requests: how many were being answered, how many it ended unfinished."""
+
+    in_flight: int
+    ended: int
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -238,14 +224,14 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
+        if self.app.in_flight.closed:  # a stopping server: the client's next request goes elsewhere
+            self.send_header("Connection", "close")
+            self.close_connection = True
         self.end_headers()
         self.wfile.write(body)
 
     def _error(self, status: int, message: str, param: str | None = None) -> None:
-        self._json(
-            status,
-            {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}},
-        )
+        self._json(status, {"error": _error_body(status, message, param)})
 
     def _body(self) -> dict:
         length = int(self.headers.get("Content-Length") or 0)
@@ -264,6 +250,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def _start_stream(self) -> None:
+        self.streaming = True
         self.send_response(HTTPStatus.OK)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -280,7 +267,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         app = self.app
         if self.path == "/health":
-            self._json(200, {"status": "ok"})
+            stopping = app.in_flight.closed
+            self._json(503 if stopping else 200, {"status": "stopping" if stopping else "ok"})
         elif self.path == "/v1/models":
             self._json(
                 200,
@@ -314,6 +302,12 @@ class _Handler(BaseHTTPRequestHandler):
         if route is None and self.path not in own:
             self._error(404, f"no route POST {self.path}")
             return
+        if not self.app.in_flight.enter():
+            self._error(503, "the server is stopping")
+            return
+        ended = False
+        self.streaming = False
+        self.stream_ended: RequestEnded | None = None  # a stream's end, told in the stream itself
         try:
             if route is not None:
                 route(self._body())
@@ -321,11 +315,25 @@ class _Handler(BaseHTTPRequestHandler):
                 self._json(200, own[self.path](self.app, self._body(), REQUEST_TIMEOUT_S))
         except BadRequest as exc:
             self._error(400, str(exc), exc.param)
-        except (queue.Empty, RuntimeError) as exc:
-            self._error(500, str(exc) or "the request timed out")
+        except RequestEnded as exc:  # stopping, timed out, the engine failed
+            ended = isinstance(exc, ServerStopping)
+            self._error(exc.status, str(exc))
+        except queue.Empty:  # a call on the engine thread that did not return in time
+            self._error(500, "the request timed out")
+        except (ClientGone, ConnectionError, TimeoutError):  # the client left, or stopped reading
+            self.close_connection = True
+        except Exception as exc:  # the server's own fault: answered, and told on stderr
+            message = f"{self.path} failed: {type(exc).__name__}: {exc}"
+            print(f"asyncrl: serve: {message}", file=sys.stderr, flush=True)
+            if self.streaming:  # a JSON answer cannot follow events: the stream ends unfinished
+                self.close_connection = True
+            else:
+                self._error(500, message)
+        finally:
+            self.app.in_flight.leave(ended or isinstance(self.stream_ended, ServerStopping))
 
     def _common(self, body: dict, max_tokens_key: str) -> tuple[SamplingParams, int, int | None, bool]:
-        sampling = self.app.sampling(body, max_tokens_key)
+        sampling = sampling_params(body, max_tokens_key, self.app.policy.eos_token_id)
         n = body.get("n", 1)
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 64:
             raise BadRequest(f"'n' must be an integer from 1 to 64, got {n!r}", "n")
@@ -345,14 +353,16 @@ class _Handler(BaseHTTPRequestHandler):
             raise BadRequest("'prompt' must be a non-empty string or a list of them", "prompt")
         want_logprobs = body.get("logprobs") is not None
         cid = f"cmpl-{uuid.uuid4().hex[:24]}"
-        tickets = [t for i, p in enumerate(prompts) for t in app.submit(p, sampling, n, seed, f"{cid}-{i}")]
         head = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": app.model_name}
-        if stream:
-            self._stream(tickets, sampling, head, chat=False, want_logprobs=want_logprobs)
-            return
+        with app.answers(self.connection) as answers:
+            for i, p in enumerate(prompts):
+                app.submit(answers, p, sampling, n, seed, f"{cid}-{i}")
+            if stream:
+                self._stream(answers, sampling, head, chat=False, want_logprobs=want_logprobs)
+                return
+            results = answers.results()
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
-        for index, ticket in enumerate(tickets):
-            result = _wait(ticket)
+        for index, (ticket, result) in enumerate(zip(answers.tickets, results, strict=True)):
             text = app.text_of(result.completion_ids, sampling)
             choice = {
                 "index": index,
@@ -383,20 +393,16 @@ class _Handler(BaseHTTPRequestHandler):
         prompt = chat_prompt(app.policy.tokenizer, body.get("messages"))
         want_logprobs = bool(body.get("logprobs"))
         cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        tickets = app.submit(prompt, sampling, n, seed, cid)
         head = {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": app.model_name}
-        if stream:
-            self._stream(
-                tickets,
-                sampling,
-                {**head, "object": "chat.completion.chunk"},
-                chat=True,
-                want_logprobs=want_logprobs,
-            )
-            return
+        with app.answers(self.connection) as answers:
+            tickets = app.submit(answers, prompt, sampling, n, seed, cid)
+            if stream:
+                chunk_head = {**head, "object": "chat.completion.chunk"}
+                self._stream(answers, sampling, chunk_head, chat=True, want_logprobs=want_logprobs)
+                return
+            results = answers.results()
         choices, completion_tokens = [], 0
-        for index, ticket in enumerate(tickets):
-            result = _wait(ticket)
+        for index, result in enumerate(results):
             choice = {
                 "index": index,
                 "message": {"role": "assistant", "content": app.text_of(result.completion_ids, sampling)},
@@ -425,46 +431,31 @@ class _Handler(BaseHTTPRequestHandler):
         )
 
     def _stream(
-        self, tickets: list[Ticket], sampling: SamplingParams, head: dict, chat: bool, want_logprobs: bool
+        self, answers: Answers, sampling: SamplingParams, head: dict, chat: bool, want_logprobs: bool
     ) -> None:
+        """Server-sent events of every choice's deltas, then ``[DONE]``. A request that ends
+        unfinished (timed out, the server stopping, the engine failing) ends its stream with an
+        error event, as the OpenAI API streams errors; a client that goes away ends it silently
+        (its choices are cancelled as the ``with`` of :class:`Answers` exits)."""
         app = self.app
         self._start_stream()
-        pending = dict(enumerate(tickets))
-        sent_text = dict.fromkeys(pending, "")
+        indices = range(len(answers.tickets))
+        sent_text = dict.fromkeys(indices, "")
         # Until a choice finishes, its last characters may be the start of a stop string that the
         # final text will cut, so they are held back rather than sent and then contradicted.
         hold = max((len(s) for s in sampling.stop), default=1) - 1
-        ids_so_far: dict[int, list[int]] = {i: [] for i in pending}
-        if chat:
-            for i in pending:
-                self._sse(
-                    {
-                        **head,
-                        "choices": [
-                            {
-                                "index": i,
-                                "delta": {"role": "assistant", "content": ""},
-                                "finish_reason": None,
-                                "logprobs": None,
-                            }
-                        ],
-                    }
-                )
-        deadline = time.monotonic() + REQUEST_TIMEOUT_S
-        while pending and time.monotonic() < deadline:
-            for i, ticket in list(pending.items()):
-                try:
-                    kind, payload = ticket.updates.get(timeout=0.01)
-                except queue.Empty:
-                    continue
+        ids_so_far: dict[int, list[int]] = {i: [] for i in indices}
+        try:
+            if chat:
+                for i in indices:
+                    role = {"index": i, "delta": {"role": "assistant", "content": ""}}
+                    self._sse({**head, "choices": [{**role, "finish_reason": None, "logprobs": None}]})
+            for i, kind, payload in answers.stream():
                 finish = None
                 if kind == "delta":
                     new_ids, new_lps = payload
-                elif kind == "done":
-                    new_ids, new_lps, finish = [], [], payload.finish_reason
-                    del pending[i]
                 else:
-                    raise RuntimeError(f"the engine failed: {payload}")
+                    new_ids, new_lps, finish = [], [], payload.finish_reason
                 ids_so_far[i] += new_ids
                 text = app.text_of(ids_so_far[i], sampling)
                 if finish is None and hold:
@@ -485,4 +476,19 @@ class _Handler(BaseHTTPRequestHandler):
                 choice = {"index": i, "finish_reason": finish, "logprobs": lp}
                 choice.update({"delta": {"content": delta}} if chat else {"text": delta})
                 self._sse({**head, "choices": [choice]})
-        self._end_stream()
+            self._end_stream()
+        except RequestEnded as exc:
+            self.stream_ended = exc
+            try:
+                self._sse({"error": _error_body(exc.status, str(exc))})
+                self._end_stream()
+            except OSError:  # the client went away too
+                self.close_connection = True
+        except OSError:  # the client went away (a broken pipe, a reset): nobody to tell
+            raise ClientGone() from None
+
+
+def _error_body(status: int, message: str, param: str | None = None) -> dict:
+    """The OpenAI API's error object."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"message": message, "type": kind, "param": param, "code": status}

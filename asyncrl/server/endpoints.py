@@ -1,6 +1,6 @@
 """asyncrl's own endpoints beside OpenAI's: judges' verdicts, a teacher's token log-probs, and new
-weights for the policy served (see :mod:`.app` for the protocol); and the request error every
-endpoint answers 400 with.
+weights for the policy served (see :mod:`.app` for the protocol); the sampling settings of a
+completion's body; and the request error every endpoint answers 400 with.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Protocol
 
 from asyncrl.engine.interface import Engine
+from asyncrl.engine.sampling import SamplingParams
 from asyncrl.models.loading import Policy
 from asyncrl.prompts.chat import render_chat
 from asyncrl.rewards.judges.verdicts import candidate_ids
@@ -33,6 +34,45 @@ class BadRequest(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+def sampling_params(body: dict, max_tokens_key: str, eos_token_id: int) -> SamplingParams:
+    """A completion's sampling settings from its body; the model's EOS always stops it."""
+
+    def number(key: str, default, kind=float):
+        value = body.get(key, default)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise BadRequest(f"'{key}' must be a number, got {value!r}", key)
+        return kind(value)
+
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest("'stop' must be a string or a list of non-empty strings", "stop")
+    max_tokens = body.get(max_tokens_key)
+    max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
+    max_tokens = 16 if max_tokens is None else max_tokens
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        raise BadRequest(f"'{max_tokens_key}' must be an integer, got {max_tokens!r}", max_tokens_key)
+    if max_tokens < 1:
+        raise BadRequest(f"'{max_tokens_key}' must be at least 1, got {max_tokens}", max_tokens_key)
+    try:
+        return SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=number("temperature", 1.0),
+            top_p=number("top_p", 1.0),
+            top_k=number("top_k", 0, int),
+            min_p=number("min_p", 0.0),
+            repetition_penalty=number("repetition_penalty", 1.0),
+            presence_penalty=number("presence_penalty", 0.0),
+            frequency_penalty=number("frequency_penalty", 0.0),
+            stop_token_ids=(eos_token_id,),
+            stop=tuple(stop),
+        )
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
 
 
 def chat_prompt(tokenizer, messages: list[dict]) -> str:

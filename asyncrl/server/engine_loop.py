@@ -13,6 +13,11 @@ from another ("thread_num == thread_num (2 vs. 1)", measured).
 A call that needs an idle engine (vLLM's scoring, :mod:`asyncrl.server.scoring`) waits for
 one: from when it arrives the loop admits no new request, steps the running ones to their
 end, runs the call(s), and then admits again; requests submitted meanwhile wait their turn.
+
+A request nobody waits for any more (its client went away, its wait timed out) is cancelled:
+its rows are freed at the next step rather than decoded to the end for no one. A stopping
+server ends every request still running with :class:`ServerStopping`, and refuses the ones
+submitted after, so no handler waits on a loop that has gone.
 """
 
 from __future__ import annotations
@@ -35,13 +40,35 @@ class EngineBuildError(AsyncRLError):
     the build's own message, on one line."""
 
 
+class RequestEnded(AsyncRLError):
+    """A request the loop ended without its result; ``status`` is the HTTP status it is answered with."""
+
+    status = 500
+
+
+class EngineFailed(RequestEnded):
+    """The engine raised while the request ran: every request, and every one after, gets it."""
+
+
+class ServerStopping(RequestEnded):
+    """The server stopped before the request finished (``asyncrl serve`` was stopped)."""
+
+    status = 503
+
+
 @dataclass
 class Ticket:
-    """A submitted request: deltas of (token ids, log-probs) arrive on ``updates``, then the result."""
+    """A submitted request: ``(index, kind, payload)`` arrive on ``updates``, the deltas of
+    (token ids, log-probs) and then the result (or an error). The tickets of one HTTP request
+    share the queue; ``index`` tells them apart."""
 
     request: GenerationRequest
     updates: queue.Queue = field(default_factory=queue.Queue)
+    index: int = 0
     sent: int = 0
+
+    def put(self, kind: str, payload: object) -> None:
+        self.updates.put((self.index, kind, payload))
 
 
 class EngineLoop:
@@ -54,6 +81,7 @@ class EngineLoop:
         self._tickets: dict[str, Ticket] = {}
         self._idle_calls: list[tuple[Callable[[Engine], object], queue.Queue]] = []
         self._stop = threading.Event()
+        self._ending: RequestEnded | None = None  # what requests get once it is set (stop, failure)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.error: BaseException | None = None
 
@@ -73,9 +101,24 @@ class EngineLoop:
             self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def submit(self, request: GenerationRequest) -> Ticket:
+    def cancel(self, tickets: list[Ticket]) -> None:
+        """Abort these tickets' requests (nobody reads their results): on the engine thread,
+        before its next step. Finished ones are left alone."""
+        self._inbox.put(("cancel", [t.request.request_id for t in tickets]))
+
+    def end_all(self, error: ServerStopping) -> None:
+        """Abort every request, running or submitted later, each ticket getting ``error``; calls
+        waiting for an idle engine get it too."""
+        self._inbox.put(("end all", error))
+
+    def submit(
+        self, request: GenerationRequest, updates: queue.Queue | None = None, index: int = 0
+    ) -> Ticket:
+        """Queue ``request``; its updates arrive on ``updates`` (a new queue when None) as ``index``'s."""
+        if self._ending is not None:
+            raise type(self._ending)(str(self._ending))
         self.engine.validate(request)  # a bad request fails in the caller's thread, with its message
-        ticket = Ticket(request)
+        ticket = Ticket(request, queue.Queue() if updates is None else updates, index)
         self._inbox.put(("generate", ticket))
         return ticket
 
@@ -110,19 +153,52 @@ class EngineLoop:
                 self._stream_partials()
                 for result in finished:
                     self._finish(result)
-        except BaseException as exc:  # reported to every waiting handler, not lost
+        except BaseException as exc:  # reported to every waiting handler and every later one, not lost
             self.error = exc
+            self._ending = EngineFailed(f"the engine failed: {type(exc).__name__}: {exc}")
             for ticket in self._tickets.values():
-                ticket.updates.put(("error", exc))
+                ticket.put("error", self._ending)
+            self._tickets.clear()
+        else:  # stopped: what is running is answered
+            self._ending = self._ending or ServerStopping("the server stopped before the request finished")
+            self._end(None, self._ending)
+        # ... and what was submitted as the loop ended.
+        for kind, payload in _take_all(self._inbox):
+            if kind == "generate":
+                payload.put("error", self._ending)
+            elif kind in ("call", "idle call"):
+                payload[1].put((False, self._ending))
+        for _, reply in self._idle_calls:
+            reply.put((False, self._ending))
+
+    def _end(self, request_ids: list[str] | None, error: RequestEnded | None) -> None:
+        """Abort these requests (all when None) and forget their tickets; each gets ``error``."""
+        self.engine.abort(request_ids)
+        for request_id in list(self._tickets) if request_ids is None else request_ids:
+            ticket = self._tickets.pop(request_id, None)
+            if ticket is not None and error is not None:
+                ticket.put("error", error)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
             item = self._inbox.get(timeout=POLL_S) if block else self._inbox.get_nowait()
             while True:
                 kind, payload = item
-                if kind == "generate":
+                if kind == "generate" and self._ending is not None:
+                    payload.put("error", self._ending)
+                elif kind == "generate":
                     self._tickets[payload.request.request_id] = payload
                     self.engine.add_request(payload.request)
+                elif kind == "cancel":
+                    self._end(payload, None)
+                elif kind == "end all":
+                    self._ending = payload
+                    self._end(None, payload)
+                    for _, reply in self._idle_calls:
+                        reply.put((False, payload))
+                    self._idle_calls = []
+                elif kind == "idle call" and self._ending is not None:
+                    payload[1].put((False, self._ending))
                 elif kind == "idle call":
                     self._idle_calls.append(payload)
                 else:
@@ -136,7 +212,7 @@ class EngineLoop:
         for request_id, (tokens, logprobs) in self.engine.partial().items():
             ticket = self._tickets.get(request_id)
             if ticket is not None and len(tokens) > ticket.sent:
-                ticket.updates.put(("delta", (tokens[ticket.sent :], logprobs[ticket.sent :])))
+                ticket.put("delta", (tokens[ticket.sent :], logprobs[ticket.sent :]))
                 ticket.sent = len(tokens)
 
     def _finish(self, result: GenerationResult) -> None:
@@ -144,10 +220,17 @@ class EngineLoop:
         if ticket is None:
             return
         if len(result.completion_ids) > ticket.sent:
-            ticket.updates.put(
-                ("delta", (result.completion_ids[ticket.sent :], result.logprobs[ticket.sent :]))
-            )
-        ticket.updates.put(("done", result))
+            ticket.put("delta", (result.completion_ids[ticket.sent :], result.logprobs[ticket.sent :]))
+        ticket.put("done", result)
+
+
+def _take_all(inbox: queue.Queue) -> list:
+    items = []
+    while True:
+        try:
+            items.append(inbox.get_nowait())
+        except queue.Empty:
+            return items
 
 
 def _answer(fn: Callable[[Engine], object], engine: Engine, reply: queue.Queue) -> None:

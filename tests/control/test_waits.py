@@ -213,24 +213,36 @@ def test_a_checkpoint_write_the_filesystem_never_finishes_fails_within_checkpoin
 # -- the OpenAI server -----------------------------------------------------------------------------
 
 
-def _ticket():
-    from asyncrl.server.engine_loop import Ticket
+class _NeverAnswers:
+    """An engine loop that takes requests and never answers them; it records what is cancelled."""
 
-    return Ticket(GenerationRequest("r-0", [1, 2, 3], SamplingParams(max_new_tokens=4)))
+    def __init__(self) -> None:
+        self.cancelled: list[str] = []
+
+    def submit(self, request: GenerationRequest, updates, index: int = 0):
+        from asyncrl.server.engine_loop import Ticket
+
+        return Ticket(request, updates, index)
+
+    def cancel(self, tickets) -> None:
+        self.cancelled += [t.request.request_id for t in tickets]
 
 
-def test_a_server_request_the_engine_never_answers_ends_at_the_request_timeout(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """asyncrl.server.app.REQUEST_TIMEOUT_S bounds a handler's wait for its result (queue.Empty,
-    answered as HTTP 500 'the request timed out')."""
-    from asyncrl.server import app
+def test_a_server_request_the_engine_never_answers_ends_at_the_request_timeout() -> None:
+    """A handler's wait for its results (asyncrl.server.answers.Answers, which the server gives
+    REQUEST_TIMEOUT_S) ends at its timeout with RequestTimedOut, answered as HTTP 500 'the
+    request timed out', and cancels its choices, so the engine does not decode them for no one."""
+    from asyncrl.server.answers import Answers, RequestTimedOut
 
-    monkeypatch.setattr(app, "REQUEST_TIMEOUT_S", 0.5)
+    loop = _NeverAnswers()
     t0 = time.monotonic()
-    with pytest.raises(queue.Empty):
-        app._wait(_ticket())
+    with pytest.raises(RequestTimedOut) as ended, Answers(loop, None, timeout_s=0.5) as answers:
+        for k in range(2):
+            answers.submit(GenerationRequest(f"r-{k}", [1, 2, 3], SamplingParams(max_new_tokens=4)))
+        answers.results()
     assert 0.5 <= time.monotonic() - t0 < 30
+    assert str(ended.value) == "the request timed out" and ended.value.status == 500
+    assert loop.cancelled == ["r-0", "r-1"]
 
 
 def test_an_engine_loop_call_that_is_never_run_ends_at_its_timeout() -> None:
@@ -273,8 +285,9 @@ def test_a_server_connection_that_sends_nothing_is_closed_after_the_idle_timeout
 def test_a_server_stream_the_engine_never_answers_ends_at_the_request_timeout(
     tiny_policy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """asyncrl.server.app.REQUEST_TIMEOUT_S bounds a streamed request: the stream ends with [DONE],
-    and the choices that never finished carry no finish_reason."""
+    """asyncrl.server.app.REQUEST_TIMEOUT_S bounds a streamed request: the stream ends with an
+    error event, as the OpenAI API streams an error, and [DONE]; the choices that never finished
+    carry no finish_reason."""
     import http.client
     import json
 
@@ -301,9 +314,12 @@ def test_a_server_stream_the_engine_never_answers_ends_at_the_request_timeout(
         server.stop()
     assert reply.status == 200
     assert events[-1] == "[DONE]"
-    chunks = [json.loads(e) for e in events[:-1]]
+    *chunks, error = (json.loads(e) for e in events[:-1])
     assert [c["choices"][0]["index"] for c in chunks] == [0, 1]  # the role of each choice, then nothing
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
+    assert error == {
+        "error": {"message": "the request timed out", "type": "server_error", "param": None, "code": 500}
+    }
     assert 0.5 <= elapsed < 15
 
 

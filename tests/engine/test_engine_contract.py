@@ -286,6 +286,32 @@ def test_bad_requests_are_refused_by_name(fresh: Engine) -> None:
     assert not fresh.has_work
 
 
+def test_integer_sampling_values_run_as_the_floats_they_stand_for(fresh: Engine) -> None:
+    """temperature=0 (greedy, as a user writes it) and top_p=1 are ints; the embedded engine's
+    float rows once refused them with torch's dtype error from inside its prefill."""
+    as_ints = GenerationRequest("ints", [5, 6, 7], SamplingParams(max_new_tokens=6, temperature=0, top_p=1))
+    as_floats = GenerationRequest("floats", [5, 6, 7], SamplingParams(max_new_tokens=6, temperature=0.0))
+    assert as_ints.sampling == as_floats.sampling and isinstance(as_ints.sampling.temperature, float)
+    ints, floats = fresh.generate([as_ints, as_floats])
+    assert ints.completion_ids == floats.completion_ids and len(ints.completion_ids) >= 1
+
+
+@pytest.mark.parametrize(
+    ("given", "refused"),
+    [
+        ({"temperature": float("nan")}, "temperature must be a finite number, got nan"),
+        ({"top_p": "0.9"}, "top_p must be a finite number, got '0.9'"),
+        ({"min_p": True}, "min_p must be a finite number, got True"),
+        ({"top_k": 2.0}, "top_k must be an integer, got 2.0"),
+        ({"max_new_tokens": 4.5}, "max_new_tokens must be an integer, got 4.5"),
+    ],
+)
+def test_sampling_values_that_are_not_numbers_are_refused_by_name(given: dict, refused: str) -> None:
+    with pytest.raises(ValueError) as error:
+        SamplingParams(**{"max_new_tokens": 4, **given})
+    assert str(error.value) == refused
+
+
 def test_generate_gives_up_when_asked(fresh: Engine) -> None:
     asked = []
 

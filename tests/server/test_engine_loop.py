@@ -1,16 +1,19 @@
 """The server's engine loop (asyncrl/server/engine_loop.py) with a scripted engine: a call that
 needs an idle engine runs once no request is running, and no request is admitted meanwhile;
-the engine is built on the loop's thread; a build that fails is raised by ``start``."""
+the engine is built on the loop's thread; a build that fails is raised by ``start``; a
+cancelled request is aborted on the engine; a stop, an end of all requests and an engine that
+fails answer every ticket, and every later submission, with the error."""
 
 from __future__ import annotations
 
+import queue
 import threading
 
 import pytest
 
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest, GenerationResult
-from asyncrl.server.engine_loop import EngineBuildError, EngineLoop
+from asyncrl.server.engine_loop import EngineBuildError, EngineFailed, EngineLoop, ServerStopping
 
 WAIT_S = 60.0
 
@@ -28,6 +31,16 @@ class ScriptedEngine:
         self.built_on = threading.current_thread().name
         self.steps = steps
         self.stepping, self.gate = threading.Event(), threading.Event()
+        self.aborted: list[str] = []
+        self.fail_at_step: int | None = None
+
+    def abort(self, request_ids=None) -> list[GenerationResult]:
+        known = [*self.steps_left, *(r.request_id for r in self.waiting)]
+        gone = [rid for rid in known if request_ids is None or rid in set(request_ids)]
+        self.aborted += gone
+        self.steps_left = {rid: n for rid, n in self.steps_left.items() if rid not in gone}
+        self.waiting = [r for r in self.waiting if r.request_id not in gone]
+        return []
 
     def validate(self, request: GenerationRequest) -> None:
         return None
@@ -50,6 +63,8 @@ class ScriptedEngine:
         self.stepping.set()
         assert self.gate.wait(WAIT_S)
         self.log.append((admit, self.num_running))
+        if self.fail_at_step == len(self.log):
+            raise RuntimeError("device lost")
         if admit:
             self.steps_left.update({r.request_id: self.steps for r in self.waiting})
             self.waiting = []
@@ -100,8 +115,8 @@ def test_an_idle_call_waits_for_the_running_requests_and_holds_admission() -> No
         # still waiting: no step after the call arrived admitted it.
         assert (seen["running"], seen["waiting"], seen["steps"]) == (0, 1, 4)
         assert engine.log[:4] == [(True, 2), (False, 2), (False, 2), (False, 1)]
-        kind, result = ticket.updates.get(timeout=WAIT_S)
-        assert kind == "done" and result.request_id == "new"
+        index, kind, result = ticket.updates.get(timeout=WAIT_S)
+        assert (index, kind, result.request_id) == (0, "done", "new")
         assert engine.log[4] == (True, 0)  # admitted at the first step after the call
     finally:
         engine.gate.set()
@@ -116,3 +131,79 @@ def test_a_build_that_fails_is_raised_by_start() -> None:
     with pytest.raises(EngineBuildError, match="no model at /nowhere"):
         loop.start()
     assert loop.stop()
+
+
+def request(request_id: str) -> GenerationRequest:
+    return GenerationRequest(request_id, [5, 6], SamplingParams(4))
+
+
+def started(running: int, steps: int, open_gate: bool = True) -> tuple[EngineLoop, ScriptedEngine]:
+    loop = EngineLoop(lambda: ScriptedEngine(running=running, steps=steps))
+    loop.start()
+    if open_gate:
+        loop.engine.gate.set()
+    return loop, loop.engine
+
+
+def update(ticket) -> tuple:
+    return ticket.updates.get(timeout=WAIT_S)
+
+
+def test_a_cancelled_request_is_aborted_and_the_others_run_on() -> None:
+    loop, engine = started(running=0, steps=1_000_000)  # nothing ends by itself
+    try:
+        shared = queue.Queue()
+        kept, dropped = (loop.submit(request(r), shared, index=i) for i, r in enumerate(["kept", "dropped"]))
+        loop.cancel([dropped])
+        ended = threading.Event()
+        loop.call(lambda e: ended.set() if e.aborted == ["dropped"] else None, timeout=WAIT_S)
+        assert ended.is_set() and set(engine.steps_left) == {"kept"}
+        loop.end_all(ServerStopping("stopping"))
+        index, kind, error = shared.get(timeout=WAIT_S)  # only the kept request hears of the end
+        assert (index, kind, str(error)) == (kept.index, "error", "stopping")
+        assert shared.empty()
+    finally:
+        assert loop.stop()
+
+
+def test_end_all_answers_every_request_and_refuses_later_ones() -> None:
+    loop, engine = started(running=0, steps=1_000_000)
+    try:
+        tickets = [loop.submit(request(f"r{k}")) for k in range(3)]
+        loop.end_all(ServerStopping("the server is stopping"))
+        for ticket in tickets:
+            _, kind, error = update(ticket)
+            assert kind == "error" and isinstance(error, ServerStopping) and error.status == 503
+        assert sorted(engine.aborted) == ["r0", "r1", "r2"] and not engine.has_work
+        with pytest.raises(ServerStopping, match="the server is stopping"):
+            loop.submit(request("late"))
+        with pytest.raises(ServerStopping):  # a call that needs an idle engine is answered too
+            loop.call(lambda e: "never", timeout=WAIT_S, idle=True)
+    finally:
+        assert loop.stop()
+
+
+def test_a_stop_answers_the_requests_still_running() -> None:
+    loop, engine = started(running=0, steps=1_000_000)
+    ticket = loop.submit(request("r0"))
+    assert loop.stop()
+    _, kind, error = update(ticket)
+    assert kind == "error" and isinstance(error, ServerStopping) and engine.aborted == ["r0"]
+    with pytest.raises(ServerStopping):
+        loop.submit(request("late"))
+
+
+def test_an_engine_that_fails_answers_every_request_and_every_later_one_at_once() -> None:
+    loop, engine = started(running=0, steps=1_000_000, open_gate=False)
+    engine.fail_at_step = 3
+    try:
+        tickets = [loop.submit(request(f"r{k}")) for k in range(2)]
+        engine.gate.set()  # both submitted before the first step, so both are running when it fails
+        for ticket in tickets:
+            _, kind, error = update(ticket)
+            assert kind == "error" and isinstance(error, EngineFailed)
+            assert str(error) == "the engine failed: RuntimeError: device lost" and error.status == 500
+        with pytest.raises(EngineFailed, match="device lost"):  # at once, not after a request timeout
+            loop.submit(request("late"))
+    finally:
+        assert loop.stop()

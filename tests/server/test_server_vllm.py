@@ -97,6 +97,14 @@ def test_completions_record_the_models_logprobs_and_version(url: str, reference:
     assert (again["text"], again["logprobs"]["token_logprobs"]) == (choice["text"], logprobs)
 
 
+def test_a_completion_without_a_seed_is_served_and_serving_goes_on(url: str) -> None:
+    """The engine draws the seed (its draw once overflowed torch's int64 bound and failed the engine)."""
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 1.0}
+    for _ in range(2):
+        status, out = post(url, "/v1/completions", body)
+        assert status == 200 and out["usage"]["completion_tokens"] >= 1, out
+
+
 def test_logprobs_and_top_k_equal_a_forward(url: str, reference: Policy) -> None:
     prompts = [ids_of(reference, p) for p in PROMPTS]
     completions = [ids_of(reference, c) for c in ("19", "7", "64")]
