@@ -176,12 +176,24 @@ class Engine(ABC):
         return [results[r.request_id] for r in requests]
 
 
+SEED_BOUND = 1 << 63  # a request's seed is an int64
+
+
 def check_fits(request: GenerationRequest, max_positions: int) -> int:
     """What every engine refuses of a request, naming it: an empty prompt, a prompt and token budget
-    longer than ``max_positions``, a prefix that already spends the budget. Returns the positions
-    the request needs (prompt + budget)."""
+    longer than ``max_positions``, a prefix that already spends the budget, a seed that is not a
+    64-bit integer (the engines hold seeds as int64: a larger one failed the engine's step, and
+    with it every request it ran). Returns the positions the request needs (prompt + budget)."""
     if not request.prompt_ids:
         raise RequestError(f"request {request.request_id!r} has an empty prompt", "prompt_ids")
+    seed = request.seed
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, int) or not -SEED_BOUND <= seed < SEED_BOUND
+    ):
+        raise RequestError(
+            f"request {request.request_id!r}: seed {seed!r} is not a 64-bit integer (-2**63 to 2**63 - 1)",
+            "seed",
+        )
     need = len(request.prompt_ids) + request.sampling.max_new_tokens
     if need > max_positions:
         raise RequestError(

@@ -234,9 +234,15 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(status, {"error": _error_body(status, message, param)})
 
     def _body(self) -> dict:
-        length = int(self.headers.get("Content-Length") or 0)
+        given = self.headers.get("Content-Length") or "0"
+        length = int(given) if given.isdigit() else -1
+        if length < 0:
+            self.close_connection = True  # where this body ends, and the next request starts, is unknown
+            raise BadRequest(f"the Content-Length header must be a byte count, got {given!r}")
         try:
             body = json.loads(self.rfile.read(length) or b"{}")
+        except UnicodeDecodeError as exc:
+            raise BadRequest(f"the body is not UTF-8: {exc}") from None
         except json.JSONDecodeError as exc:
             raise BadRequest(f"the body is not JSON: {exc}") from None
         if not isinstance(body, dict):

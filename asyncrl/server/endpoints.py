@@ -45,6 +45,8 @@ def sampling_params(body: dict, max_tokens_key: str, eos_token_id: int) -> Sampl
             return default
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise BadRequest(f"'{key}' must be a number, got {value!r}", key)
+        if kind is int and value != int(value):  # 2.5 was cut to 2 without a word
+            raise BadRequest(f"'{key}' must be an integer, got {value!r}", key)
         return kind(value)
 
     stop = body.get("stop") or []

@@ -171,6 +171,16 @@ class EngineLoop:
         for _, reply in self._idle_calls:
             reply.put((False, self._ending))
 
+    def _add(self, ticket: Ticket) -> None:
+        """Queue a ticket's request; one the engine refuses (validated already, so unforeseen) is
+        that request's error alone, not the engine's."""
+        try:
+            self.engine.add_request(ticket.request)
+        except Exception as exc:
+            ticket.put("error", RequestEnded(f"the engine refused the request: {type(exc).__name__}: {exc}"))
+            return
+        self._tickets[ticket.request.request_id] = ticket
+
     def _end(self, request_ids: list[str] | None, error: RequestEnded | None) -> None:
         """Abort these requests (all when None) and forget their tickets; each gets ``error``."""
         self.engine.abort(request_ids)
@@ -187,8 +197,7 @@ class EngineLoop:
                 if kind == "generate" and self._ending is not None:
                     payload.put("error", self._ending)
                 elif kind == "generate":
-                    self._tickets[payload.request.request_id] = payload
-                    self.engine.add_request(payload.request)
+                    self._add(payload)
                 elif kind == "cancel":
                     self._end(payload, None)
                 elif kind == "end all":

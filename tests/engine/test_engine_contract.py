@@ -277,6 +277,9 @@ def test_bad_requests_are_refused_by_name(fresh: Engine) -> None:
         fresh.add_request(GenerationRequest("empty", [], sampling))
     with pytest.raises(ValueError, match=r"'long'.*exceeds"):
         fresh.add_request(GenerationRequest("long", [5] * 510, SamplingParams(max_new_tokens=8)))
+    for seed in (1 << 63, -(1 << 63) - 1):  # int64 holds the seeds: one past it failed the engine's step
+        with pytest.raises(ValueError, match=rf"'seeded'.*seed {seed} is not a 64-bit integer"):
+            fresh.add_request(GenerationRequest("seeded", [5, 6], sampling, seed=seed))
     # Neither engine constrains here: the embedded one is built without constraints (with them:
     # tests/engine/test_constraints.py), vLLM would renormalise its log-probs over what the regex allows.
     with pytest.raises(ValueError, match=r"'regex' asks for a regex"):

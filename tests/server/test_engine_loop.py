@@ -46,6 +46,8 @@ class ScriptedEngine:
         return None
 
     def add_request(self, request: GenerationRequest) -> None:
+        if request.request_id == "unforeseen":
+            raise KeyError("no room for it")
         self.waiting.append(request)
 
     @property
@@ -205,5 +207,18 @@ def test_an_engine_that_fails_answers_every_request_and_every_later_one_at_once(
             assert str(error) == "the engine failed: RuntimeError: device lost" and error.status == 500
         with pytest.raises(EngineFailed, match="device lost"):  # at once, not after a request timeout
             loop.submit(request("late"))
+    finally:
+        assert loop.stop()
+
+
+def test_a_request_the_engine_refuses_on_adding_is_its_own_error_and_the_engine_runs_on() -> None:
+    loop, _ = started(running=0, steps=2)
+    try:
+        refused = loop.submit(request("unforeseen"))
+        _, kind, error = update(refused)
+        assert kind == "error" and str(error) == "the engine refused the request: KeyError: 'no room for it'"
+        assert error.status == 500
+        _, kind, result = update(loop.submit(request("fine")))
+        assert (kind, result.request_id) == ("done", "fine")
     finally:
         assert loop.stop()

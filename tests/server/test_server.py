@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import queue
+import socket
 import subprocess
 import sys
 import threading
@@ -362,11 +363,18 @@ def test_stop_strings_cut_the_text_streamed_or_not(server: Server) -> None:
         ({"n": 0}, "'n'"),
         ({"presence_penalty": 3}, "presence_penalty must be from -2 to 2"),
         ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty must be > 0"),
+        ({"extra_body": {"top_k": 2.5}}, "'top_k' must be an integer, got 2.5"),
+        # An engine holds seeds as int64: a larger one failed its step, and every request after it.
+        ({"seed": 2**70}, "seed 1180591620717411303424 is not a 64-bit integer"),
+        (
+            {"seed": 2**63 - 1, "n": 2},
+            "seed 9223372036854775808 is not a 64-bit integer",
+        ),  # the second choice's
     ],
 )
 def test_bad_completion_request_is_a_400_naming_the_problem(server: Server, kwargs: dict, named: str) -> None:
-    """max_tokens=0, temperature=-1, an 800-token prompt, n=0, penalties out of range: 400 with a message
-    naming it; serving goes on."""
+    """max_tokens=0, temperature=-1, an 800-token prompt, n=0, penalties out of range, a top_k that
+    is not an integer, a seed past 64 bits: 400 with a message naming it; serving goes on."""
     args = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **kwargs}
     with pytest.raises(openai.BadRequestError) as info:
         server.client.completions.create(**args)
@@ -376,11 +384,16 @@ def test_bad_completion_request_is_a_400_naming_the_problem(server: Server, kwar
 
 
 def test_non_json_body_and_unknown_routes_are_4xx_and_serving_goes_on(server: Server) -> None:
-    """A non-JSON body is 400 'not JSON'; unknown GET/POST routes are 404 naming the route; then a request works."""
+    """A body that is not JSON, not UTF-8 or of a Content-Length that is not a byte count is 400;
+    unknown GET/POST routes are 404 naming the route; then a request works."""
     status, body = http(server, "POST", "/v1/completions", b"{not json")
     assert status == 400 and "not JSON" in body["error"]["message"]
     status, body = http(server, "POST", "/v1/completions", b"[1, 2]")
     assert status == 400 and "JSON object" in body["error"]["message"]
+    status, body = http(server, "POST", "/v1/completions", b'{"prompt": "\xff"}')
+    assert status == 400 and body["error"]["message"].startswith("the body is not UTF-8")
+    assert raw_status(server, b"Content-Length: -5\r\n") == b"HTTP/1.1 400 Bad Request"
+    assert raw_status(server, b"Content-Length: many\r\n") == b"HTTP/1.1 400 Bad Request"
     status, body = http(server, "GET", "/v1/nothing")
     assert status == 404 and body["error"]["message"] == "no route GET /v1/nothing"
     status, body = http(server, "POST", "/v1/nothing", b"{}")
@@ -389,6 +402,17 @@ def test_non_json_body_and_unknown_routes_are_4xx_and_serving_goes_on(server: Se
     assert status == 400 and "'messages'" in body["error"]["message"]
     assert http(server, "GET", "/health") == (200, {"status": "ok"})
     assert_serving(server)
+
+
+def raw_status(server: Server, header: bytes) -> bytes:
+    """The status line of a POST /v1/completions with this header, sent as raw bytes."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=REQUEST_TIMEOUT_S) as connection:
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + header + b"\r\n{}")
+        reply = b""
+        while b"\r\n" not in reply and (chunk := connection.recv(4096)):
+            reply += chunk
+    return reply.split(b"\r\n", 1)[0]
 
 
 # -- policy updates ------------------------------------------------------------------------------------
