@@ -14,7 +14,13 @@ class RunConfig(Section):
     """The run as a whole."""
 
     steps: int = Field(150, ge=1, description="Optimizer steps to run.")
-    seed: int = Field(0, description="Seed for sampling, initialisation and data order.")
+    seed: int = Field(
+        0,
+        ge=-(1 << 63),
+        lt=1 << 63,
+        description="Seed for sampling, initialisation and data order (a 64-bit integer: torch's generators "
+        "take no more).",
+    )
     progress: bool = Field(True, description="Live progress display on the terminal.")
     eval_every: int = Field(
         25,

@@ -179,6 +179,14 @@ class Engine(ABC):
 SEED_BOUND = 1 << 63  # a request's seed is an int64
 
 
+def sample_seed(run_seed: int, offset: int) -> int:
+    """The seed of a run's sample ``offset``: ``run_seed`` shifted past every offset a run uses,
+    folded into 64 bits where that overflows (a run seed of 2**23 or more, a date such as
+    20261207, once made every request's seed too large for the engine). Unchanged wherever it fits."""
+    seed = (run_seed << 40) + offset
+    return seed if -SEED_BOUND <= seed < SEED_BOUND else seed % SEED_BOUND
+
+
 def check_fits(request: GenerationRequest, max_positions: int) -> int:
     """What every engine refuses of a request, naming it: an empty prompt, a prompt and token budget
     longer than ``max_positions``, a prefix that already spends the budget, a seed that is not a

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 
 from transformers import PreTrainedTokenizerBase
 
-from asyncrl.engine.interface import resume_request
+from asyncrl.engine.interface import resume_request, sample_seed
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest, GenerationResult
 from asyncrl.episodes.client import EpisodeClient, EpisodeRecord, observation_ids
@@ -191,7 +191,7 @@ class EpisodeRollout(Rollout):
             for k in range(self.group_size):
                 if k * per_episode in pending.samples:
                     continue
-                seed = (self.seed << 40) + group_id * self.group_size + k
+                seed = sample_seed(self.seed, group_id * self.group_size + k)
                 if self.roles:
                     team = Team(
                         [r.name for r in self.roles],

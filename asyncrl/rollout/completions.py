@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl.config import DEFAULT_POLICY
-from asyncrl.engine.interface import resume_request
+from asyncrl.engine.interface import resume_request, sample_seed
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest, GenerationResult
 from asyncrl.errors import DatasetError
@@ -168,9 +168,9 @@ class CompletionRollout(Rollout):
                     sampling = replace(sampling, max_new_tokens=budgets[k])
                 request_id = f"{group_id}/{k}"
                 self._sampling[request_id] = sampling
-                seed = (self.seed << 40) + group_id * self.group_size + k
+                seed = sample_seed(self.seed, group_id * self.group_size + k)
                 if pivot is not None:  # a seed space of their own: K may differ from G
-                    seed = (self.seed << 40) + (1 << 39) + group_id * size + k
+                    seed = sample_seed(self.seed, (1 << 39) + group_id * size + k)
                 prefix = prefixes[k].tokens() if k in prefixes else None
                 self.engine.add_request(
                     GenerationRequest(request_id, ids, sampling, seed=seed, prefix=prefix)

@@ -144,6 +144,10 @@ def test_overrides_win_over_file(tmp_path: Path) -> None:
         (["model.device=tpu"], ["model.device='tpu': expected 'auto', 'cpu', 'cuda' or 'cuda:<index>'"]),
         (["judge.device=gpu"], ["judge.device='gpu': expected 'auto'"]),
         (["distill.device=cuda:x"], ["distill.device='cuda:x': expected 'auto'"]),
+        (
+            ["run.seed=18446744073709551616"],
+            ["run.seed=18446744073709551616", "less than 9223372036854775808"],
+        ),
         (["trainer.lr"], ["--set", "trainer.lr", "expected key=value"]),
         (["=3"], ["--set", "empty key"]),
     ],
