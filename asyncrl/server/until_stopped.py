@@ -17,9 +17,8 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-import time
 
-from asyncrl.lifeline import REPEATED_SIGNAL_S, STOP_SIGNALS
+from asyncrl.lifeline import STOP_SIGNALS, note_run_stop, repeats_run_stop
 from asyncrl.server.app import OpenAIServer, Stopped
 
 
@@ -43,18 +42,19 @@ def serve_until_stopped(server: OpenAIServer, drain_timeout_s: float, owned: boo
 
 
 class _Stops:
-    """The stop signals as they come: the first starts the drain, another ends it."""
+    """The stop signals as they come: the first starts the drain, another ends it (the first
+    delivered again is the same stop: :func:`asyncrl.lifeline.repeats_run_stop`)."""
 
     def __init__(self) -> None:
         self.first, self.again = threading.Event(), threading.Event()
         self.signum = 0
-        self.at = 0.0
 
     def take(self, signum: int, frame) -> None:
         if not self.first.is_set():
-            self.signum, self.at = signum, time.monotonic()
+            self.signum = signum
+            note_run_stop(signum)
             self.first.set()
-        elif signum != self.signum or time.monotonic() - self.at >= REPEATED_SIGNAL_S:
+        elif not repeats_run_stop(signum):
             self.again.set()
 
 
