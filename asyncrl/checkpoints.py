@@ -122,13 +122,15 @@ def load_trainer_state(directory: Path) -> tuple[dict[str, torch.Tensor], dict[s
     weights_file = next(
         (model_dir / f for f in WEIGHT_FILES if (model_dir / f).is_file()), model_dir / WEIGHT_FILES[-1]
     )
+    reading = model_dir / "config.json"
     try:
-        weights = (
-            load_file(str(weights_file)) if not _converted_on_save(weights_file) else _converted(model_dir)
-        )
-        state = torch.load(directory / TRAINER_FILE, map_location="cpu", weights_only=False)
-    except (OSError, RuntimeError) as exc:
-        raise CheckpointError(f"cannot read the checkpoint in {str(directory)!r}: {exc}") from None
+        converted = _converted_on_save(weights_file)
+        reading = model_dir if converted else weights_file
+        weights = _converted(model_dir) if converted else load_file(str(weights_file))
+        reading = directory / TRAINER_FILE
+        state = torch.load(reading, map_location="cpu", weights_only=False)
+    except Exception as exc:  # a damaged file fails in its reader's own way: safetensors', json's, pickle's
+        raise unreadable(directory, reading, exc) from None
     rng = state.pop("rng")
     torch.set_rng_state(rng["torch"])
     if rng["cuda"] and torch.cuda.is_available():
@@ -167,8 +169,8 @@ def read_rollouts(directory: Path) -> dict[str, Any] | None:
         return None
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, pickle.UnpicklingError) as exc:
-        raise CheckpointError(f"cannot read {ROLLOUTS_FILE} in {str(directory)!r}: {exc}") from None
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+        raise unreadable(directory, path, exc) from None
 
 
 def commit(run_dir: Path, version: int, keep: int, saved: int | None = None) -> Path:
@@ -259,4 +261,24 @@ def read_controller_state(directory: Path) -> dict[str, Any]:
     try:
         return json.loads((directory / CONTROLLER_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {CONTROLLER_FILE} in {str(directory)!r}: {exc}") from None
+        raise unreadable(directory, directory / CONTROLLER_FILE, exc) from None
+
+
+def unreadable(directory: Path, path: Path, exc: BaseException) -> CheckpointError:
+    """The error for a checkpoint file that cannot be read: the file, its reader's complaint, and
+    the run's older checkpoint, if it has one, to resume from instead. The choice stays the user's:
+    resuming from the older one silently would throw the newer steps away."""
+    name = path.relative_to(directory).as_posix() if path.is_relative_to(directory) else str(path)
+    reason = str(exc) if isinstance(exc, OSError | ValueError) else f"{type(exc).__name__}: {exc}"
+    message = f"cannot read {name} in {str(directory)!r}: {reason}"
+    older = sorted(
+        p
+        for p in directory.parent.glob("step-*")
+        if p.name < directory.name and (p / CONTROLLER_FILE).is_file()
+    )
+    if directory.name.startswith("step-") and older:
+        message += (
+            f"; the run's older checkpoint {older[-1].name} is complete: move {directory.name} out of "
+            f"{str(directory.parent)!r} to resume from it"
+        )
+    return CheckpointError(message)

@@ -177,6 +177,39 @@ def test_a_resume_discards_the_temporary_directory_a_kill_left_mid_write(tmp_pat
     assert state["version"] == 3 and weights
 
 
+@pytest.mark.parametrize(
+    ("damaged", "complaint"),
+    [
+        ("model/model.safetensors", "SafetensorError: "),
+        ("model/config.json", ""),
+        ("trainer_state.pt", "RuntimeError: PytorchStreamReader"),
+        ("rollouts.pt", "RuntimeError: PytorchStreamReader"),
+        ("controller.json", ""),  # json's complaint depends on where the cut falls
+    ],
+)
+def test_a_damaged_checkpoint_names_its_file_and_the_older_checkpoint(
+    tmp_path: Path, damaged: str, complaint: str
+) -> None:
+    """A file of the newest checkpoint cut short (a copy that stopped, a disk that lost it) is named
+    with its reader's complaint and the older checkpoint the run could resume from instead, which
+    stays the user's choice; moved aside, the run resumes from that one."""
+    train(load_config(None, [*BASE, "run.steps=4", "run.checkpoint_every=2"]), tmp_path)
+    newest = tmp_path / "checkpoints" / "step-000004"
+    with (newest / damaged).open("r+b") as fh:
+        fh.truncate(100)
+    cfg = load_config(None, [*BASE, "run.steps=6", "run.checkpoint_every=2"])
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        train(cfg, tmp_path, resume=True)
+    assert str(err.value).startswith(f"cannot read {damaged} in {str(newest)!r}: {complaint}")
+    assert str(err.value).endswith(
+        f"; the run's older checkpoint step-000002 is complete: move step-000004 out of "
+        f"{str(newest.parent)!r} to resume from it"
+    )
+    newest.rename(tmp_path / "damaged")
+    summary = train(cfg, tmp_path, resume=True)
+    assert summary["steps"] == 6 and summary["accounting"]["reconciles"]
+
+
 def test_unwritable_checkpoint_directory_fails_at_start(tmp_path: Path) -> None:
     (tmp_path / "checkpoints").write_text("not a directory")
     cfg = load_config(None, BASE)
