@@ -17,8 +17,7 @@ from asyncrl.control.controller import Controller
 from asyncrl.control.features import START_CHECKS
 from asyncrl.control.run_start import Resume, start_point
 from asyncrl.control.session import RunSession, default_run_dir
-from asyncrl.engine.vllm_engine import unsupported_model
-from asyncrl.errors import AsyncRLError, ConfigError
+from asyncrl.errors import AsyncRLError
 from asyncrl.lifeline import STOP_SIGNALS, note_run_stop
 from asyncrl.models.loading import load_model_config
 from asyncrl.models.lora import check_lora_fits
@@ -30,6 +29,7 @@ from asyncrl.rewards.pool_service import local_reward_pool
 from asyncrl.runtimes.inline import InlineRuntime
 from asyncrl.runtimes.interface import Runtime
 from asyncrl.workers.assembly import seed_everything
+from asyncrl.workers.engines import check_engine_serves
 from asyncrl.workers.rollouts import build_episode
 
 
@@ -62,8 +62,7 @@ def train(cfg: Config, run_dir: Path | None = None, *, resume: Resume = False) -
     if cfg.lora.enabled:  # adapters the model's layers cannot carry, refused before any process starts
         check_lora_fits(model_config(), cfg.lora)
     check_engines_installed(cfg)
-    if cfg.rollout.engine == "vllm" and (why := unsupported_model(model_config())):
-        raise ConfigError("model.path", cfg.model.path, f"with rollout.engine=vllm: {why}")
+    check_engine_serves(cfg, model_config)
     for _, check in START_CHECKS.entries():  # the features' own (asyncrl.control.features)
         check(cfg, model_config)
     run_dir = run_dir or default_run_dir()

@@ -62,7 +62,7 @@ from transformers import PreTrainedModel
 
 from asyncrl.engine.constraints import Constraints
 from asyncrl.engine.interface import Engine, check_fits
-from asyncrl.engine.kv_cache import free_memory_bytes, kv_bytes_per_token
+from asyncrl.engine.kv_cache import attention_windows, free_memory_bytes, kv_bytes_per_token
 from asyncrl.engine.multi_lora import MultiLora
 from asyncrl.engine.plans import PrefillPlan
 from asyncrl.engine.runner import Runner, static_layout
@@ -103,6 +103,7 @@ class EmbeddedEngine(Engine):
         self.version = version
         self.decode = decode
         self.constraints = constraints  # for requests with a sampling.regex (asyncrl.engine.constraints)
+        attention_windows(model.config)  # a model whose layers the slot cache cannot serve: refused now
         self.device = next(model.parameters()).device
         # Decode steps replay as CUDA graphs (asyncrl.engine.graphs); only on CUDA devices.
         self.cuda_graphs = cuda_graphs

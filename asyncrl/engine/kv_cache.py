@@ -20,6 +20,14 @@ model takes as it is; so the stock ``sdpa`` and ``eager`` attention functions wo
 (the engine runs ``sdpa`` through :mod:`asyncrl.engine.attention`, which only changes how a
 decode step's grouped query heads meet the keys). Rows join and leave without touching any
 other row's slot.
+
+**Sliding windows.** A column is a position, so a layer that attends only to the latest
+``sliding_window`` positions (Mistral, Phi-3, Gemma 2 and 3, Qwen2 with
+``use_sliding_window``) gets a mask that also hides the columns before its window: one mask
+per kind of layer (:func:`attention_windows`), handed to the model as transformers' mapping
+from layer kind to mask where its layers differ. Without it such a model sampled with
+attention over the whole context while the trainer's forward used the window (measured: log-
+prob gaps up to 0.44 on a tiny Mistral with a window of 8).
 """
 
 from __future__ import annotations
@@ -150,20 +158,59 @@ class SlotKVCache(Cache):
         raise RuntimeError("SlotKVCache rows have their own lengths: the forward must be given position_ids")
 
 
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+class UnservedLayers(ValueError):
+    """A model whose layers the slot cache cannot serve (:func:`attention_windows`)."""
+
+
+def attention_windows(config: PretrainedConfig) -> dict[str, int | None]:
+    """Each kind of attention layer the model has, with its window: how many of the latest
+    positions a query sees, its own included (None: all of them).
+
+    transformers' rule: ``config.layer_types`` names each layer's kind; a model without it whose
+    config sets ``sliding_window`` (Mistral, Phi-3, Starcoder2) slides in every layer. A kind the
+    slot cache cannot serve is a :class:`UnservedLayers` naming it.
+    """
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None) or [SLIDING_ATTENTION if window else FULL_ATTENTION]
+    unserved = sorted(set(kinds) - {FULL_ATTENTION, SLIDING_ATTENTION})
+    if unserved:
+        raise UnservedLayers(
+            f"the embedded engine's KV cache serves full and sliding-window attention layers; this "
+            f"model has {', '.join(map(repr, unserved))} layers (config.layer_types); vLLM serves them "
+            "(rollout.engine=vllm; asyncrl serve --engine vllm)"
+        )
+    if SLIDING_ATTENTION in kinds and not (isinstance(window, int) and window > 0):
+        raise UnservedLayers(f"sliding-window layers, but config.sliding_window is {window!r}")
+    return {kind: (window if kind == SLIDING_ATTENTION else None) for kind in dict.fromkeys(kinds)}
+
+
 def length_mask(
-    starts: torch.Tensor, width: int, length: int, dtype: torch.dtype, boolean: bool
+    starts: torch.Tensor,
+    width: int,
+    length: int,
+    dtype: torch.dtype,
+    boolean: bool,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The (rows, 1, width, length) mask of a forward whose row ``i`` has its query ``j`` at
-    position ``starts[i] + j``: it sees the columns up to and including that position.
+    position ``starts[i] + j``: it sees the columns up to and including that position, and with
+    a ``window`` only the last ``window`` of them (transformers' sliding window: ``position -
+    window < column``).
 
     Boolean (True = attend) or additive (0 / dtype min); the engine passes the additive one to
     every attention function (``sdpa`` would otherwise convert a boolean mask in each layer).
     A query at a negative position (left padding) sees column 0 only, so its softmax stays
     finite; its output is never used.
     """
-    query_pos = starts.unsqueeze(-1) + torch.arange(width, device=starts.device)  # (rows, width)
+    query_pos = (starts.unsqueeze(-1) + torch.arange(width, device=starts.device)).clamp(min=0)
     cols = torch.arange(length, device=starts.device)
-    allowed = cols <= query_pos.clamp(min=0).unsqueeze(-1)  # (rows, width, length)
+    allowed = cols <= query_pos.unsqueeze(-1)  # (rows, width, length)
+    if window is not None:
+        allowed &= cols > (query_pos - window).unsqueeze(-1)
     allowed = allowed.unsqueeze(1)
     if boolean:
         return allowed

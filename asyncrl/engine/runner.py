@@ -60,7 +60,7 @@ from transformers import PreTrainedModel
 from asyncrl.engine.attention import engine_attention
 from asyncrl.engine.constraints import unpack
 from asyncrl.engine.graphs import StepRunner
-from asyncrl.engine.kv_cache import SlotKVCache, length_mask
+from asyncrl.engine.kv_cache import SlotKVCache, attention_windows, length_mask
 from asyncrl.engine.multi_lora import BASE, MultiLora
 from asyncrl.engine.plans import DecodePlan, Drawn, DrawPlan, PrefillPlan, PrefillRound
 from asyncrl.engine.sampling import Penalties, sample_tokens
@@ -94,6 +94,7 @@ class Runner:
         self.device = dev
         self.pad_token_id = pad_token_id
         self.static = static
+        self.windows = attention_windows(model.config)  # each kind of layer's, for its mask
         self.cache = SlotKVCache(model.config, n, slot_len, dtype=next(model.parameters()).dtype, device=dev)
         self.logits: torch.Tensor | None = None  # (slots, vocab), allocated at the first prefill
         self.temperature = torch.ones(n, dtype=torch.float32, device=dev)
@@ -385,9 +386,14 @@ class Runner:
         write_cols = positions.flatten() if source is None else positions.flatten()[source]
         self.cache.plan(rows, write_slots, write_cols, length, source)
         dtype = next(self.model.parameters()).dtype
-        # Additive, built once per forward and shared by every layer (SDPA would turn a boolean
-        # mask into an additive one in each layer).
-        mask = length_mask(starts, width, length, dtype, boolean=False)
+        # Additive, built once per forward and shared by every layer of its kind (SDPA would turn
+        # a boolean mask into an additive one in each layer); transformers takes a mapping from
+        # layer kind to mask where the kinds differ, and a single 4-D mask as it is.
+        masks = {
+            kind: length_mask(starts, width, length, dtype, boolean=False, window=window)
+            for kind, window in self.windows.items()
+        }
+        mask = masks if len(masks) > 1 else next(iter(masks.values()))
         recording = [recorder.record_into(input_ids.numel()) for _, recorder, _ in self.records]
         adapters = (
             contextlib.nullcontext() if self.adapters is None else self.adapters.rows(self.slot_adapter[rows])

@@ -8,20 +8,38 @@ serves unless a feature brings models of its own (:data:`~asyncrl.workers.featur
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
+from transformers import PretrainedConfig
 
 from asyncrl.config import DEFAULT_POLICY, Config
 from asyncrl.engine.constraints import Constraints
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.interface import Engine
+from asyncrl.engine.kv_cache import UnservedLayers, attention_windows
 from asyncrl.engine.lora import MergedLora
 from asyncrl.engine.multi_lora import MultiLora
+from asyncrl.engine.vllm_engine import unsupported_model
 from asyncrl.errors import ConfigError
 from asyncrl.models.loading import Policy, text_decoder
 from asyncrl.transports.weights.interface import WeightLayout
 from asyncrl.workers import assembly
+
+
+def check_engine_serves(cfg: Config, model_config: Callable[[], PretrainedConfig]) -> None:
+    """Refuse at start, naming ``model.path``, a model the engine ``rollout.engine`` names cannot
+    serve (read from the model's config, no weights loaded)."""
+    why = None
+    if cfg.rollout.engine == "vllm":
+        why = unsupported_model(model_config())
+    else:
+        try:
+            attention_windows(model_config())
+        except UnservedLayers as exc:
+            why = str(exc)
+    if why:
+        raise ConfigError("model.path", cfg.model.path, f"with rollout.engine={cfg.rollout.engine}: {why}")
 
 
 def policy_engine(

@@ -30,12 +30,13 @@ from asyncrl.config import Config, load_config
 from asyncrl.config.engines import check_engines_installed
 from asyncrl.errors import AsyncRLError, ConfigError
 from asyncrl.models.directories import check_model_directory, is_directory_source
+from asyncrl.models.loading import load_model_config
 from asyncrl.prompts.task_prompts import eval_prompts
 from asyncrl.rollout.evaluation import check_split_column, outcome_figures
 from asyncrl.rollout.interface import Rollout
 from asyncrl.types import Group, Prompt
 from asyncrl.workers.assembly import seed_everything
-from asyncrl.workers.engines import policy_engine
+from asyncrl.workers.engines import check_engine_serves, policy_engine
 from asyncrl.workers.rollouts import build_rollout
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -142,6 +143,7 @@ def evaluation_setup(
         target = ModelToEvaluate(cfg.model.path)
     cfg = load_config(source, [*settings, *target.overrides()])
     check_engines_installed(cfg)
+    check_engine_serves(cfg, lambda: load_model_config(cfg.model.path))
     return cfg, target
 
 

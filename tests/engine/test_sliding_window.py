@@ -1,0 +1,144 @@
+"""Models whose attention layers see a sliding window (Mistral, Phi-3, Gemma 2 and 3, Qwen2 with
+``use_sliding_window``): the engine masks each kind of layer as transformers does, so its
+log-probs are those of a forward over the whole sequence; layers the slot cache cannot serve
+are refused by name, at the engine and at the start of a run."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+from asyncrl.config import load_config
+from asyncrl.control.run import train
+from asyncrl.engine import embedded
+from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.kv_cache import UnservedLayers, attention_windows, length_mask
+from asyncrl.engine.sampling import SamplingParams
+from asyncrl.engine.types import GenerationRequest
+from asyncrl.errors import ConfigError
+from asyncrl.models.char_tokenizer import build_char_tokenizer
+
+VOCAB, PAD, WINDOW = 99, 0, 6
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    pad_token_id=PAD,
+    eos_token_id=1,
+)
+# Every layer sliding, by config.sliding_window alone; one full and one sliding layer, by
+# config.layer_types; Gemma 3's sliding layers beside a full one, with its own norms and scaling.
+CONFIGS = {
+    "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=WINDOW),
+    "qwen2_mixed": lambda: transformers.Qwen2Config(
+        **SMALL, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
+    ),
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **SMALL, head_dim=16, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]
+    ),
+}
+
+
+def tiny_model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = CONFIGS[name]()
+    config._attn_implementation = "sdpa"
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def forward_logprobs(model: torch.nn.Module, ids: list[int], start: int, mask: torch.Tensor | None = None):
+    """Log-probs of ``ids[start:]`` from one forward over ``ids`` without a cache: with the
+    model's own masks, or with ``mask`` (a 4-D additive mask) in every layer."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), attention_mask=mask).logits[0].float()
+    logp = torch.log_softmax(logits, -1)
+    return torch.stack([logp[k - 1, ids[k]] for k in range(start, len(ids))])
+
+
+def test_length_mask_with_a_window_sees_the_last_window_columns() -> None:
+    mask = length_mask(torch.tensor([5, 1]), width=1, length=8, dtype=torch.float32, boolean=True, window=3)
+    assert mask[:, 0, 0].int().tolist() == [[0, 0, 0, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0]]
+    # A prefill row: each query its own window; a left-padding query (position -1) sees column 0.
+    rows = length_mask(torch.tensor([-1]), width=6, length=6, dtype=torch.float32, boolean=True, window=2)
+    assert rows[0, 0].int().tolist() == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [0, 1, 1, 0, 0, 0],
+        [0, 0, 1, 1, 0, 0],
+        [0, 0, 0, 1, 1, 0],
+    ]
+
+
+def test_attention_windows_read_transformers_layer_kinds() -> None:
+    assert attention_windows(CONFIGS["mistral"]()) == {"sliding_attention": WINDOW}
+    assert attention_windows(CONFIGS["qwen2_mixed"]()) == {
+        "full_attention": None,
+        "sliding_attention": WINDOW,
+    }
+    assert attention_windows(transformers.LlamaConfig(**SMALL)) == {"full_attention": None}
+    assert attention_windows(transformers.Qwen2Config(**SMALL, sliding_window=WINDOW)) == {
+        "full_attention": None  # use_sliding_window false: transformers ignores the window
+    }
+
+
+@pytest.mark.parametrize("layout", ["cpu", "accelerator"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_engine_logprobs_equal_a_forward_that_slides(name: str, layout: str, monkeypatch) -> None:
+    """Rows of different lengths, most past the window, staggered by the batch size: every
+    log-prob equals the model's own forward over the whole sequence within 1e-5, and differs
+    from one that attends to every earlier position (what the engine computed before) by far more."""
+    if layout == "accelerator":
+        monkeypatch.setattr(embedded, "static_layout", lambda device: True)
+    model = tiny_model(name)
+    engine = EmbeddedEngine(copy.deepcopy(model), pad_token_id=PAD, max_batch_size=3, max_seq_len=64, seed=0)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (2, 5, 9, 14)]
+    sampling = SamplingParams(max_new_tokens=16, temperature=1.0)
+    results = engine.generate(
+        [GenerationRequest(f"r{i}", p, sampling, seed=i) for i, p in enumerate(prompts)]
+    )
+    widest = 0.0
+    for ids, res in zip(prompts, results, strict=True):
+        assert len(res.completion_ids) == 16
+        whole = ids + res.completion_ids
+        own = forward_logprobs(model, whole, len(ids))
+        torch.testing.assert_close(torch.tensor(res.logprobs), own, rtol=0, atol=1e-5)
+        causal = length_mask(torch.tensor([0]), len(whole), len(whole), torch.float32, boolean=False)
+        unwindowed = forward_logprobs(model, whole, len(ids), mask=causal)
+        widest = max(widest, (own - unwindowed).abs().max().item())
+    assert widest > 1e-2  # the window matters on these rows: the test would see it ignored
+
+
+def test_layers_the_slot_cache_cannot_serve_are_refused_by_name(tmp_path) -> None:
+    """A linear-attention layer (Qwen3-Next) or a chunked one (Llama 4) is refused when the engine
+    is built, and at the start of a run naming model.path, before any worker starts; vLLM is named."""
+    config = transformers.LlamaConfig(**SMALL)
+    config.layer_types = ["linear_attention", "full_attention"]
+    with pytest.raises(
+        UnservedLayers, match=r"this model has 'linear_attention' layers .*rollout.engine=vllm"
+    ):
+        attention_windows(config)
+    config.layer_types = ["chunked_attention", "full_attention"]
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SMALL))
+    model.config.layer_types = config.layer_types
+    with pytest.raises(UnservedLayers, match="'chunked_attention' layers"):
+        EmbeddedEngine(model, pad_token_id=PAD)
+
+    model.save_pretrained(tmp_path / "model")
+    build_char_tokenizer().save_pretrained(tmp_path / "model")
+    cfg = load_config(None, [f"model.path={tmp_path / 'model'}", "run.steps=1"])
+    with pytest.raises(ConfigError) as err:
+        train(cfg, tmp_path / "run")
+    assert str(err.value).startswith(
+        f"model.path={str(tmp_path / 'model')!r}: with rollout.engine=embedded: the embedded engine's KV "
+        "cache serves full and sliding-window attention layers; this model has 'chunked_attention' layers"
+    )
+    assert not (tmp_path / "run").exists()
