@@ -62,10 +62,10 @@ from transformers import PreTrainedModel
 
 from asyncrl.engine.constraints import Constraints
 from asyncrl.engine.interface import Engine, check_fits
-from asyncrl.engine.kv_cache import attention_windows, free_memory_bytes, kv_bytes_per_token
+from asyncrl.engine.kv_cache import free_memory_bytes, kv_bytes_per_token
 from asyncrl.engine.multi_lora import MultiLora
 from asyncrl.engine.plans import PrefillPlan
-from asyncrl.engine.runner import Runner, static_layout
+from asyncrl.engine.runner import Runner, probe_cache_shapes, static_layout
 from asyncrl.engine.scheduler import Scheduler
 from asyncrl.engine.types import GenerationRequest, GenerationResult, RequestError
 from asyncrl.transports.weights.interface import check_checksums
@@ -103,8 +103,11 @@ class EmbeddedEngine(Engine):
         self.version = version
         self.decode = decode
         self.constraints = constraints  # for requests with a sampling.regex (asyncrl.engine.constraints)
-        attention_windows(model.config)  # a model whose layers the slot cache cannot serve: refused now
         self.device = next(model.parameters()).device
+        self.adapters = adapters  # the adapters served (asyncrl.engine.multi_lora)
+        # What each layer caches per token, read from one forward of the model (layers the slot
+        # cache cannot serve are refused first, by name).
+        self.cache_shapes = probe_cache_shapes(model, adapters)
         # Decode steps replay as CUDA graphs (asyncrl.engine.graphs); only on CUDA devices.
         self.cuda_graphs = cuda_graphs
         self._seeds = torch.Generator().manual_seed(seed)
@@ -119,7 +122,7 @@ class EmbeddedEngine(Engine):
             budget = kv_cache_fraction * free / 2**30
             named = f"kv_cache_fraction={kv_cache_fraction} of {free / 2**30:.2f} GiB free"
         if budget is not None:
-            per_slot = self.slot_len * kv_bytes_per_token(model.config, next(model.parameters()).dtype)
+            per_slot = self.slot_len * kv_bytes_per_token(self.cache_shapes, next(model.parameters()).dtype)
             self.num_slots = min(max_batch_size, int(budget * 2**30) // per_slot)
             if self.num_slots < 1:
                 raise ValueError(
@@ -129,8 +132,7 @@ class EmbeddedEngine(Engine):
         # Bumped by every weight load: a cache prefilled under an older epoch is not shared.
         self.weights_epoch = 0
         self._base_epoch = 0  # weights_epoch at the last load of the base weights
-        # The adapters served (asyncrl.engine.multi_lora), and weights_epoch at each one's last load.
-        self.adapters = adapters
+        # weights_epoch at each served adapter's last load.
         self._adapter_epochs = dict.fromkeys(adapters.names, 0) if adapters is not None else {}
         self.stats = {
             "steps": 0,
@@ -333,6 +335,7 @@ class EmbeddedEngine(Engine):
         if self._runner is None:
             self._runner = Runner(
                 self.model,
+                cache_shapes=self.cache_shapes,
                 num_slots=self.num_slots,
                 slot_len=self.slot_len,
                 pad_token_id=self.pad_token_id,

@@ -28,6 +28,11 @@ per kind of layer (:func:`attention_windows`), handed to the model as transforme
 from layer kind to mask where its layers differ. Without it such a model sampled with
 attention over the whole context while the trainer's forward used the window (measured: log-
 prob gaps up to 0.44 on a tiny Mistral with a window of 8).
+
+**Shapes from the model.** Each layer's buffers take the (heads, width) of what that layer
+hands the cache, read from one forward of one token (:class:`ShapeProbe`), not from the config:
+DeepSeek's latent attention caches its compressed latent and its rotary key, and a config's
+``(num_key_value_heads, head_dim)`` allocated the wrong buffers (its first prefill failed).
 """
 
 from __future__ import annotations
@@ -39,18 +44,51 @@ import torch
 from transformers import Cache, PretrainedConfig
 
 
-def kv_geometry(config: PretrainedConfig) -> tuple[int, int, int]:
-    """(layers, key/value heads, head dim) of a decoder-only model config."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers, kv_heads, head_dim
+@dataclass(frozen=True)
+class LayerShapes:
+    """What one layer caches per token: its keys' and its values' (heads, width)."""
+
+    keys: tuple[int, int]
+    values: tuple[int, int]
 
 
-def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
+class ShapeProbe(Cache):
+    """A cache that records what each layer hands it (:class:`LayerShapes`) and keeps nothing.
+
+    The shapes are read from one forward of the model rather than from its config, because a
+    model may cache other things than ``(num_key_value_heads, head_dim)`` keys and values:
+    DeepSeek's multi-head latent attention caches, in transformers 5.2x, its compressed latent
+    and its rotary key, one head each and of two widths."""
+
+    def __init__(self) -> None:
+        super().__init__(layers=[])
+        self.shapes: dict[int, LayerShapes] = {}
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.shapes[layer_idx] = LayerShapes(
+            (key_states.shape[1], key_states.shape[-1]), (value_states.shape[1], value_states.shape[-1])
+        )
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def layers_seen(self) -> list[LayerShapes]:
+        """Every layer's shapes, in layer order (layers are numbered from 0 without gaps)."""
+        if sorted(self.shapes) != list(range(len(self.shapes))):
+            raise RuntimeError(f"the model cached layers {sorted(self.shapes)}, not 0..n-1")
+        return [self.shapes[i] for i in range(len(self.shapes))]
+
+
+def kv_bytes_per_token(shapes: list[LayerShapes], dtype: torch.dtype) -> int:
     """Bytes of keys plus values one token occupies over all layers."""
-    layers, kv_heads, head_dim = kv_geometry(config)
-    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    per_token = sum(k[0] * k[1] + v[0] * v[1] for k, v in ((s.keys, s.values) for s in shapes))
+    return per_token * torch.empty((), dtype=dtype).element_size()
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -72,9 +110,9 @@ class _Plan:
     rows: slice | torch.Tensor  # the slots of the forward's batch rows: a range (a view) or indices
     write_slots: torch.Tensor  # (N,) slot of every written token
     write_cols: torch.Tensor  # (N,) its column (position) in the slot
-    flat: (
-        torch.Tensor
-    )  # (N * kv_heads,) rows of the buffers viewed as (slots * kv_heads * slot_len, head_dim)
+    # By a buffer's head count: the (N * heads,) rows of the buffers viewed as
+    # (slots * heads * slot_len, width) that the tokens go to.
+    flat: dict[int, torch.Tensor]
     source: torch.Tensor | None  # (N,) index into the forward's (rows x width) tokens; None = all, width 1
     length: int  # columns returned to attention
 
@@ -84,18 +122,23 @@ class SlotKVCache(Cache):
 
     def __init__(
         self,
-        config: PretrainedConfig,
+        shapes: list[LayerShapes],
         slots: int,
         slot_len: int,
         *,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
+        """``shapes``: each layer's, as :class:`ShapeProbe` read them from the model."""
         super().__init__(layers=[])
-        layers, kv_heads, head_dim = kv_geometry(config)
-        shape = (slots, kv_heads, slot_len, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+
+        def buffer(heads_width: tuple[int, int]) -> torch.Tensor:
+            heads, width = heads_width
+            return torch.zeros((slots, heads, slot_len, width), dtype=dtype, device=device)
+
+        self.keys = [buffer(layer.keys) for layer in shapes]
+        self.values = [buffer(layer.values) for layer in shapes]
+        self._heads = sorted({buf.shape[1] for buf in (*self.keys, *self.values)})
         self.slots = slots
         self.slot_len = slot_len
         self._plan: _Plan | None = None
@@ -121,12 +164,14 @@ class SlotKVCache(Cache):
         layer then attends over the first ``length`` columns of the batch's slots."""
         if length > self.slot_len:
             raise ValueError(f"attention over {length} columns, but slots hold {self.slot_len}")
-        # Computed once per forward, shared by every layer: one index_copy_ per buffer writes all.
-        heads = self.keys[0].shape[1]
-        flat = (
-            write_slots.unsqueeze(-1) * heads + torch.arange(heads, device=write_slots.device)
-        ) * self.slot_len
-        flat = (flat + write_cols.unsqueeze(-1)).flatten()
+        # Computed once per forward (per head count: one in nearly every model), shared by every
+        # layer: one index_copy_ per buffer writes all.
+        flat = {}
+        for heads in self._heads:
+            index = (
+                write_slots.unsqueeze(-1) * heads + torch.arange(heads, device=write_slots.device)
+            ) * self.slot_len
+            flat[heads] = (index + write_cols.unsqueeze(-1)).flatten()
         self._plan = _Plan(rows, write_slots, write_cols, flat, source, length)
 
     def update(
@@ -140,7 +185,7 @@ class SlotKVCache(Cache):
             # (tokens, heads, dim): a decode step writes every row's single token.
             tokens = new[:, :, 0] if plan.source is None else new.transpose(1, 2).flatten(0, 1)[plan.source]
             buf.view(-1, buf.shape[-1]).index_copy_(
-                0, plan.flat, tokens.reshape(-1, buf.shape[-1]).to(buf.dtype)
+                0, plan.flat[buf.shape[1]], tokens.reshape(-1, buf.shape[-1]).to(buf.dtype)
             )
             # A range of slots is a view of the buffer; an index tensor gathers (prefill only).
             out.append(buf[plan.rows, :, : plan.length])

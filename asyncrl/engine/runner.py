@@ -60,7 +60,7 @@ from transformers import PreTrainedModel
 from asyncrl.engine.attention import engine_attention
 from asyncrl.engine.constraints import unpack
 from asyncrl.engine.graphs import StepRunner
-from asyncrl.engine.kv_cache import SlotKVCache, attention_windows, length_mask
+from asyncrl.engine.kv_cache import LayerShapes, ShapeProbe, SlotKVCache, attention_windows, length_mask
 from asyncrl.engine.multi_lora import BASE, MultiLora
 from asyncrl.engine.plans import DecodePlan, Drawn, DrawPlan, PrefillPlan, PrefillRound
 from asyncrl.engine.sampling import Penalties, sample_tokens
@@ -75,6 +75,48 @@ def static_layout(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
+def forward_masks(
+    windows: dict[str, int | None], starts: torch.Tensor, width: int, length: int, dtype: torch.dtype
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The attention mask of a forward (:func:`~asyncrl.engine.kv_cache.length_mask`) for each kind
+    of layer in ``windows``: additive, built once and shared by every layer of its kind (SDPA would
+    turn a boolean mask into an additive one in each layer); transformers takes a mapping from
+    layer kind to mask where the kinds differ, and a single 4-D mask as it is."""
+    masks = {
+        kind: length_mask(starts, width, length, dtype, boolean=False, window=window)
+        for kind, window in windows.items()
+    }
+    return masks if len(masks) > 1 else next(iter(masks.values()))
+
+
+@torch.inference_mode()
+def probe_cache_shapes(model: PreTrainedModel, adapters: MultiLora | None = None) -> list[LayerShapes]:
+    """What each layer of ``model`` caches per token (:class:`~asyncrl.engine.kv_cache.ShapeProbe`):
+    one forward of one token, run as the engine runs its forwards. The random state is put back
+    after it: a borrowed model in training mode (the trainer's, for evaluation) draws dropout."""
+    dev = next(model.parameters()).device
+    probe = ShapeProbe()
+    start = torch.zeros(1, dtype=torch.long, device=dev)
+    mask = forward_masks(attention_windows(model.config), start, 1, 1, next(model.parameters()).dtype)
+    rows = (
+        contextlib.nullcontext()
+        if adapters is None
+        else adapters.rows(torch.full((1,), BASE, dtype=torch.long, device=dev))
+    )
+    kept_rng = torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else [])
+    with kept_rng, rows, engine_attention(model):
+        with_cache(
+            model,
+            probe,
+            input_ids=torch.zeros((1, 1), dtype=torch.long, device=dev),
+            attention_mask=mask,
+            position_ids=start.unsqueeze(-1),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    return probe.layers_seen()
+
+
 class Runner:
     """Runs prefills, draws and decode steps for the slots of one static KV cache."""
 
@@ -82,6 +124,7 @@ class Runner:
         self,
         model: PreTrainedModel,
         *,
+        cache_shapes: list[LayerShapes],
         num_slots: int,
         slot_len: int,
         pad_token_id: int,
@@ -95,7 +138,7 @@ class Runner:
         self.pad_token_id = pad_token_id
         self.static = static
         self.windows = attention_windows(model.config)  # each kind of layer's, for its mask
-        self.cache = SlotKVCache(model.config, n, slot_len, dtype=next(model.parameters()).dtype, device=dev)
+        self.cache = SlotKVCache(cache_shapes, n, slot_len, dtype=next(model.parameters()).dtype, device=dev)
         self.logits: torch.Tensor | None = None  # (slots, vocab), allocated at the first prefill
         self.temperature = torch.ones(n, dtype=torch.float32, device=dev)
         self.top_k = torch.zeros(n, dtype=torch.long, device=dev)
@@ -386,14 +429,7 @@ class Runner:
         write_cols = positions.flatten() if source is None else positions.flatten()[source]
         self.cache.plan(rows, write_slots, write_cols, length, source)
         dtype = next(self.model.parameters()).dtype
-        # Additive, built once per forward and shared by every layer of its kind (SDPA would turn
-        # a boolean mask into an additive one in each layer); transformers takes a mapping from
-        # layer kind to mask where the kinds differ, and a single 4-D mask as it is.
-        masks = {
-            kind: length_mask(starts, width, length, dtype, boolean=False, window=window)
-            for kind, window in self.windows.items()
-        }
-        mask = masks if len(masks) > 1 else next(iter(masks.values()))
+        mask = forward_masks(self.windows, starts, width, length, dtype)
         recording = [recorder.record_into(input_ids.numel()) for _, recorder, _ in self.records]
         adapters = (
             contextlib.nullcontext() if self.adapters is None else self.adapters.rows(self.slot_adapter[rows])

@@ -12,6 +12,7 @@ import torch
 from asyncrl.engine import embedded, scheduler
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.kv_cache import SlotKVCache, kv_bytes_per_token, length_mask
+from asyncrl.engine.runner import probe_cache_shapes
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest
 from asyncrl.models.loading import Policy, load_policy
@@ -47,8 +48,8 @@ def reference_logprobs(
 
 
 def test_update_writes_each_row_at_its_own_position_in_place() -> None:
-    config = policy_for().model.config
-    cache = SlotKVCache(config, slots=4, slot_len=16, dtype=torch.float32, device=torch.device("cpu"))
+    shapes = probe_cache_shapes(policy_for().model)
+    cache = SlotKVCache(shapes, slots=4, slot_len=16, dtype=torch.float32, device=torch.device("cpu"))
     keys_before = [k.data_ptr() for k in cache.keys]
     heads, dim = cache.keys[0].shape[1], cache.keys[0].shape[3]
     # A decode step over slots 0..2 whose rows hold 5, 0 and 9 tokens: each writes at its length.
@@ -67,7 +68,7 @@ def test_update_writes_each_row_at_its_own_position_in_place() -> None:
     assert not cache.keys[0].any() and not cache.values[2].any()  # nor any other layer
     assert [k.data_ptr() for k in cache.keys] == keys_before
     assert cache.capacity_tokens == 64
-    assert kv_bytes_per_token(config, torch.float32) == 2 * 4 * heads * dim * 4
+    assert kv_bytes_per_token(shapes, torch.float32) == 2 * 4 * heads * dim * 4
 
 
 def test_length_mask_sees_each_rows_own_columns() -> None:
@@ -177,7 +178,7 @@ def test_admission_against_the_cache_budget() -> None:
     """kv_cache_gb sized for two slots of 32 tokens: at most two sequences run, the others wait; a request
     longer than a slot is refused naming itself and the budget."""
     policy = policy_for()
-    per_slot = 32 * kv_bytes_per_token(policy.model.config, torch.float32)
+    per_slot = 32 * kv_bytes_per_token(probe_cache_shapes(policy.model), torch.float32)
     engine = make_engine(policy, max_batch_size=8, max_seq_len=32, kv_cache_gb=2.5 * per_slot / 2**30)
     assert engine.num_slots == 2 and engine.stats["cache_capacity_tokens"] == 64
     with pytest.raises(ValueError, match=r"'too-long' needs 33 tokens.*max_seq_len=32; 2 slots"):
@@ -353,7 +354,7 @@ def test_cache_sized_by_a_fraction_of_free_memory(monkeypatch: pytest.MonkeyPatc
     from asyncrl.errors import ConfigError
 
     policy = policy_for()
-    per_slot = 64 * kv_bytes_per_token(policy.model.config, torch.float32)
+    per_slot = 64 * kv_bytes_per_token(probe_cache_shapes(policy.model), torch.float32)
     monkeypatch.setattr(embedded, "free_memory_bytes", lambda device: 40 * per_slot)
     engine = make_engine(policy, max_batch_size=16, max_seq_len=64, kv_cache_fraction=0.25)
     assert engine.num_slots == 10  # a quarter of 40 slots' worth

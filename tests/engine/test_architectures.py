@@ -1,7 +1,8 @@
-"""Models whose attention layers see a sliding window (Mistral, Phi-3, Gemma 2 and 3, Qwen2 with
-``use_sliding_window``): the engine masks each kind of layer as transformers does, so its
-log-probs are those of a forward over the whole sequence; layers the slot cache cannot serve
-are refused by name, at the engine and at the start of a run."""
+"""Architectures beyond the tiny Qwen2 and Llama: models whose attention layers see a sliding
+window (Mistral, Phi-3, Gemma 2 and 3, Qwen2 with ``use_sliding_window``), masked per kind of
+layer as transformers does; DeepSeek's latent attention, whose cache holds other shapes than
+(kv heads, head dim); each with log-probs equal to a forward over the whole sequence. Layers the
+slot cache cannot serve are refused by name, at the engine and at the start of a run."""
 
 from __future__ import annotations
 
@@ -15,11 +16,18 @@ from asyncrl.config import load_config
 from asyncrl.control.run import train
 from asyncrl.engine import embedded
 from asyncrl.engine.embedded import EmbeddedEngine
-from asyncrl.engine.kv_cache import UnservedLayers, attention_windows, length_mask
+from asyncrl.engine.kv_cache import (
+    LayerShapes,
+    UnservedLayers,
+    attention_windows,
+    kv_bytes_per_token,
+    length_mask,
+)
 from asyncrl.engine.sampling import SamplingParams
 from asyncrl.engine.types import GenerationRequest
 from asyncrl.errors import ConfigError
 from asyncrl.models.char_tokenizer import build_char_tokenizer
+from asyncrl.models.forward import with_cache
 
 VOCAB, PAD, WINDOW = 99, 0, 6
 SMALL = dict(
@@ -115,6 +123,64 @@ def test_engine_logprobs_equal_a_forward_that_slides(name: str, layout: str, mon
         unwindowed = forward_logprobs(model, whole, len(ids), mask=causal)
         widest = max(widest, (own - unwindowed).abs().max().item())
     assert widest > 1e-2  # the window matters on these rows: the test would see it ignored
+
+
+@pytest.mark.parametrize("layout", ["cpu", "accelerator"])
+def test_latent_attention_caches_what_the_model_hands_it(layout: str, monkeypatch) -> None:
+    """DeepSeek-V3's multi-head latent attention caches, per layer, what its transformers version
+    hands the cache (here its compressed latent and its rotary key, one head each): the slot
+    cache takes those shapes from one forward, and the engine's log-probs equal a whole forward's."""
+    if layout == "accelerator":
+        monkeypatch.setattr(embedded, "static_layout", lambda device: True)
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(
+        **{**SMALL, "num_key_value_heads": 4},
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_group=1,
+        topk_group=1,
+    )
+    config._attn_implementation = "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    engine = EmbeddedEngine(copy.deepcopy(model), pad_token_id=PAD, max_batch_size=3, max_seq_len=64, seed=0)
+    assert len(engine.cache_shapes) == config.num_hidden_layers
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (3, 8, 13)]
+    sampling = SamplingParams(max_new_tokens=12, temperature=1.0)
+    results = engine.generate(
+        [GenerationRequest(f"r{i}", p, sampling, seed=i) for i, p in enumerate(prompts)]
+    )
+    for ids, res in zip(prompts, results, strict=True):
+        own = forward_logprobs(model, ids + res.completion_ids, len(ids))
+        torch.testing.assert_close(torch.tensor(res.logprobs), own, rtol=0, atol=1e-5)
+    # The engine's buffers have the shapes transformers' own cache holds after a forward ...
+    dynamic = transformers.DynamicCache(config=config)
+    with torch.no_grad():
+        with_cache(model, dynamic, input_ids=torch.tensor([prompts[0]]), use_cache=True)
+    held = [
+        LayerShapes((lay.keys.shape[1], lay.keys.shape[3]), (lay.values.shape[1], lay.values.shape[3]))
+        for lay in dynamic.layers
+    ]
+    slots = engine._runner.cache
+    assert [
+        LayerShapes((k.shape[1], k.shape[3]), (v.shape[1], v.shape[3]))
+        for k, v in zip(slots.keys, slots.values, strict=True)
+    ] == held
+    assert engine.cache_shapes == held
+    # ... not those of (kv heads x head dim) keys and values, which a layer's cache would hold
+    # without the latent.
+    assert held != [LayerShapes((4, config.qk_head_dim), (4, config.v_head_dim))] * config.num_hidden_layers
+    assert kv_bytes_per_token(held, torch.float32) == 4 * sum(
+        k[0] * k[1] + v[0] * v[1] for k, v in ((h.keys, h.values) for h in held)
+    )
 
 
 def test_layers_the_slot_cache_cannot_serve_are_refused_by_name(tmp_path) -> None:
