@@ -40,6 +40,14 @@ class UserCodeFailing(AsyncRLError):
     ``task.reward_max_consecutive_failures`` episodes in a row: the run stops naming it."""
 
 
+def looked_in(path: str | Path) -> str:
+    """For an error about a path that is not there: where a relative one was looked for (the
+    current directory, as every path of a config is read), or nothing for an absolute one."""
+    if Path(path).is_absolute():
+        return ""
+    return f" (a relative path: looked for in the current directory, {os.getcwd()!r})"
+
+
 # Frames in these folders are not the user's: asyncrl's own (its built-in tasks and environments
 # excepted: they are plugins written as a user's would be) and Python's and the installed packages'.
 _ASYNCRL = Path(__file__).resolve().parent

@@ -19,7 +19,10 @@ import pytest
 
 from asyncrl.cli import main
 from asyncrl.config import user_code
-from asyncrl.errors import ConfigError, describe_user_error
+from asyncrl.errors import ConfigError, DatasetError, describe_user_error
+from asyncrl.models.chat_templates import load_chat_template
+from asyncrl.models.loading import load_policy
+from asyncrl.prompts.jsonl import JsonlDataset
 from asyncrl.rollout.interface import nothing_to_train
 from asyncrl.types import Group, Prompt, Sample
 from tests import user_code as user
@@ -92,6 +95,42 @@ def test_a_module_that_fails_as_it_is_imported_is_named_with_its_line(
         "SyntaxError: "
     )
     assert str(info.value).endswith("(asyncrl_does_not_compile.py:1)")
+
+
+def test_what_is_not_found_says_where_it_was_looked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every path of a config is read from the current directory, and modules are imported from it
+    and PYTHONPATH: a relative path or a module that is not found there says so, naming the
+    directory (an example run from elsewhere than the repository's root said only "does not
+    exist"). A module that is found but imports one that is not names the missing one alone."""
+    monkeypatch.chdir(tmp_path)
+    here = repr(str(tmp_path))
+    with pytest.raises(ConfigError) as info:
+        user_code.import_named("asyncrl_nowhere:fn", "task.reward")
+    assert str(info.value) == (
+        "task.reward='asyncrl_nowhere:fn': cannot import module 'asyncrl_nowhere' (No module named "
+        f"'asyncrl_nowhere'); modules are imported from the current directory, {here}, and PYTHONPATH"
+    )
+    (tmp_path / "asyncrl_needs_a_dependency.py").write_text("import asyncrl_missing_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as info:
+        user_code.import_named("asyncrl_needs_a_dependency:fn", "task.reward")
+    assert str(info.value).endswith("(No module named 'asyncrl_missing_dependency')")
+
+    looked = f" (a relative path: looked for in the current directory, {here})"
+    with pytest.raises(DatasetError) as dataset:
+        JsonlDataset("data/rows.jsonl")
+    assert str(dataset.value) == f"dataset file 'data/rows.jsonl' does not exist{looked}"
+    with pytest.raises(ConfigError) as template:
+        load_chat_template("templates/chat.jinja")
+    assert str(template.value).endswith(f"not a file, and not a template (no '{{' in it){looked}")
+    with pytest.raises(ConfigError) as model:
+        load_policy("models/policy", device="cpu")
+    assert str(model.value).endswith(f"nothing is downloaded){looked}")
+    with pytest.raises(DatasetError) as absolute:
+        JsonlDataset(tmp_path / "rows.jsonl")
+    assert str(absolute.value).endswith("does not exist")  # an absolute path was looked for where it says
 
 
 def test_a_group_with_a_sample_that_has_nothing_to_train_is_known_by_it() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 from asyncrl.errors import ConfigError, describe_user_error, shown_path
@@ -16,7 +17,11 @@ def import_named(spec: str, key: str, kind: str = "") -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(key, spec, f"cannot import module {module_name!r} ({exc})") from None
+        where = ""
+        if isinstance(exc, ModuleNotFoundError) and exc.name and f"{module_name}.".startswith(f"{exc.name}."):
+            # The module itself, not one it imports: say where it was looked for.
+            where = f"; modules are imported from the current directory, {os.getcwd()!r}, and PYTHONPATH"
+        raise ConfigError(key, spec, f"cannot import module {module_name!r} ({exc}){where}") from None
     except SyntaxError as exc:  # its own frame is not in the traceback: the error holds the place
         where = f"{shown_path(exc.filename)}:{exc.lineno}" if exc.filename else "its source"
         raise ConfigError(

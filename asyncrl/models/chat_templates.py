@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from asyncrl.errors import ConfigError
+from asyncrl.errors import ConfigError, looked_in
 
 CHAT_TEMPLATE_KWARGS = (
     "asyncrl_chat_template_kwargs"  # the tokenizer's attribute of model.chat_template_kwargs
@@ -22,7 +22,9 @@ def load_chat_template(spec: str) -> str:
     if "{" not in spec:
         path = Path(spec)
         if not path.is_file():
-            raise ConfigError("model.chat_template", spec, "not a file, and not a template (no '{' in it)")
+            raise ConfigError(
+                "model.chat_template", spec, f"not a file, and not a template (no '{{' in it){looked_in(path)}"
+            )
         return path.read_text(encoding="utf-8")
     return spec
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from asyncrl.errors import ConfigError
+from asyncrl.errors import ConfigError, looked_in
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 # The weights transformers loads from a directory: one file, or shards with their index.
@@ -30,7 +30,8 @@ def check_model_directory(path: Path, source: str, key: str = "model.path", weig
         raise ConfigError(
             key,
             source,
-            "no such directory (a local Hugging Face model directory is expected; nothing is downloaded)",
+            "no such directory (a local Hugging Face model directory is expected; nothing is downloaded)"
+            + looked_in(path),
         )
     if not (path / "config.json").is_file():
         if (path / "adapter_config.json").is_file():

@@ -18,7 +18,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from asyncrl.errors import DatasetError
+from asyncrl.errors import DatasetError, looked_in
 from asyncrl.prompts.jsonl import JsonlDataset
 from asyncrl.prompts.rows import RowDataset
 from asyncrl.types import Prompt
@@ -67,7 +67,7 @@ class HFDataset(RowDataset):
     def __init__(self, path: str | Path, split: str = "train", **options: Any) -> None:
         self.path = Path(path)
         if not self.path.exists():
-            raise DatasetError(f"dataset {str(self.path)!r} does not exist")
+            raise DatasetError(f"dataset {str(self.path)!r} does not exist{looked_in(self.path)}")
         super().__init__(f"{self.path.name}:{split}", **options)
         table = _load_split(self.path, split)
         missing = [f for f in self.required_fields if f not in table.column_names]

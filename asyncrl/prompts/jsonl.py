@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from asyncrl.errors import DatasetError
+from asyncrl.errors import DatasetError, looked_in
 from asyncrl.prompts.rows import RowDataset
 
 
@@ -30,7 +30,7 @@ class JsonlDataset(RowDataset):
                 "task.name=dataset reads a directory of data files or a save_to_disk one)"
             )
         if not self.path.is_file():
-            raise DatasetError(f"dataset file {str(self.path)!r} does not exist")
+            raise DatasetError(f"dataset file {str(self.path)!r} does not exist{looked_in(self.path)}")
         with self.path.open("rb") as fh:
             for line_no, raw in enumerate(fh, start=1):
                 if not raw.strip():
