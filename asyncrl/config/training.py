@@ -123,7 +123,8 @@ class RolloutConfig(Section):
         gt=0,
         description="Memory of the engine's static KV cache in GiB, allocated once: it holds "
         "min(max_batch_size, kv_cache_gb / slot size) sequences of max_seq_len tokens (null = "
-        "max_batch_size slots). On a GPU set it, or max_seq_len, well below the model's full context.",
+        "max_batch_size slots, or as many as fit in half the memory free when the engine starts where "
+        "they do not, with a warning). On a GPU set it, or max_seq_len, well below the model's full context.",
     )
     kv_cache_fraction: float | None = Field(
         None,

@@ -54,6 +54,7 @@ naming an adapter the engine does not serve is refused when it is added, naming 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 
@@ -69,6 +70,19 @@ from asyncrl.engine.runner import Runner, probe_cache_shapes, static_layout
 from asyncrl.engine.scheduler import Scheduler
 from asyncrl.engine.types import GenerationRequest, GenerationResult, RequestError
 from asyncrl.transports.weights.interface import check_checksums
+
+# The share of the memory free at start that an engine given no kv_cache_gb / kv_cache_fraction
+# takes at most: max_batch_size slots where they fit in it, else as many as do.
+DEFAULT_CACHE_SHARE = 0.5
+
+
+class KVCacheTooSmall(ValueError):
+    """A KV cache that holds not even one sequence of ``max_seq_len`` tokens; ``setting`` names
+    the engine argument (``kv_cache_gb``, ``kv_cache_fraction`` or ``max_seq_len``) to change."""
+
+    def __init__(self, setting: str, message: str) -> None:
+        super().__init__(message)
+        self.setting = setting
 
 
 class EmbeddedEngine(Engine):
@@ -116,18 +130,35 @@ class EmbeddedEngine(Engine):
         self.num_slots = max_batch_size
         if kv_cache_gb is not None and kv_cache_fraction is not None:
             raise ValueError("give the KV cache's size as kv_cache_gb or as kv_cache_fraction, not both")
-        budget, named = kv_cache_gb, f"kv_cache_gb={kv_cache_gb}"
+        per_slot = self.slot_len * kv_bytes_per_token(self.cache_shapes, next(model.parameters()).dtype)
+        budget, setting, named = kv_cache_gb, "kv_cache_gb", f"kv_cache_gb={kv_cache_gb}"
         if kv_cache_fraction is not None:
             free = free_memory_bytes(self.device)
-            budget = kv_cache_fraction * free / 2**30
+            budget, setting = kv_cache_fraction * free / 2**30, "kv_cache_fraction"
             named = f"kv_cache_fraction={kv_cache_fraction} of {free / 2**30:.2f} GiB free"
+        elif kv_cache_gb is None and max_batch_size * per_slot > DEFAULT_CACHE_SHARE * (
+            free := free_memory_bytes(self.device)
+        ):
+            # Unsized, a cache of every slot at the model's whole context (32k-128k positions in
+            # real checkpoints) would ask for more memory than there is: as many slots as fit in
+            # a share of what is free instead.
+            budget, setting = DEFAULT_CACHE_SHARE * free / 2**30, "max_seq_len"
+            named = f"{DEFAULT_CACHE_SHARE:g} of the {free / 2**30:.2f} GiB free (no kv_cache_gb given)"
         if budget is not None:
-            per_slot = self.slot_len * kv_bytes_per_token(self.cache_shapes, next(model.parameters()).dtype)
             self.num_slots = min(max_batch_size, int(budget * 2**30) // per_slot)
             if self.num_slots < 1:
-                raise ValueError(
-                    f"{named} holds no sequence of max_seq_len={self.slot_len} "
-                    f"({per_slot / 2**30:.3f} GiB each)"
+                raise KVCacheTooSmall(
+                    setting,
+                    f"{named} holds no sequence of max_seq_len={self.slot_len} tokens "
+                    f"({per_slot / 2**30:.3f} GiB each); set max_seq_len to the longest prompt and "
+                    "completion the run needs",
+                )
+            if setting == "max_seq_len" and self.num_slots < max_batch_size:
+                warnings.warn(
+                    f"the engine's KV cache holds {self.num_slots} of max_batch_size={max_batch_size} "
+                    f"sequences of max_seq_len={self.slot_len} tokens in {named}: set max_seq_len to the "
+                    "longest prompt and completion the run needs (rollout.max_seq_len), or kv_cache_gb",
+                    stacklevel=2,
                 )
         # Bumped by every weight load: a cache prefilled under an older epoch is not shared.
         self.weights_epoch = 0

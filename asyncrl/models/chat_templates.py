@@ -23,7 +23,9 @@ def load_chat_template(spec: str) -> str:
         path = Path(spec)
         if not path.is_file():
             raise ConfigError(
-                "model.chat_template", spec, f"not a file, and not a template (no '{{' in it){looked_in(path)}"
+                "model.chat_template",
+                spec,
+                f"not a file, and not a template (no '{{' in it){looked_in(path)}",
             )
         return path.read_text(encoding="utf-8")
     return spec

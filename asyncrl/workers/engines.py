@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 
 from asyncrl.config import DEFAULT_POLICY, Config
 from asyncrl.engine.constraints import Constraints
-from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.embedded import EmbeddedEngine, KVCacheTooSmall
 from asyncrl.engine.interface import Engine
 from asyncrl.engine.kv_cache import UnservedLayers, attention_windows
 from asyncrl.engine.lora import MergedLora
@@ -53,21 +53,37 @@ def policy_engine(
     if cfg.rollout.engine == "vllm":
         return policy, assembly.vllm_engine(cfg, policy, seed, adapters), lora
     served = MultiLora(policy.model, cfg.lora, adapters) if adapters else None
-    engine = EmbeddedEngine(
-        policy.model,
-        pad_token_id=policy.pad_token_id,
-        max_batch_size=cfg.rollout.max_batch_size,
+    engine = embedded_engine(
+        cfg,
+        policy,
         max_tokens_in_flight=cfg.rollout.max_tokens_in_flight,
-        max_seq_len=cfg.rollout.max_seq_len,
-        kv_cache_gb=cfg.rollout.kv_cache_gb,
-        kv_cache_fraction=cfg.rollout.kv_cache_fraction,
         cuda_graphs=cfg.rollout.cuda_graphs,
         seed=seed,
-        decode=text_decoder(policy.tokenizer),
         adapters=served,
-        constraints=output_constraints(cfg, policy),
     )
     return policy, engine, lora
+
+
+def embedded_engine(cfg: Config, policy: Policy, **options) -> EmbeddedEngine:
+    """An embedded engine over ``policy``'s model, its KV cache sized by ``rollout.max_batch_size``,
+    ``max_seq_len``, ``kv_cache_gb`` and ``kv_cache_fraction`` (a cache that holds no sequence is a
+    ConfigError naming the key), held to ``rollout.output_regex``; ``options``: the engine's others."""
+    try:
+        return EmbeddedEngine(
+            policy.model,
+            pad_token_id=policy.pad_token_id,
+            max_batch_size=cfg.rollout.max_batch_size,
+            max_seq_len=cfg.rollout.max_seq_len,
+            kv_cache_gb=cfg.rollout.kv_cache_gb,
+            kv_cache_fraction=cfg.rollout.kv_cache_fraction,
+            # Without it the engine matches no stop string.
+            decode=text_decoder(policy.tokenizer),
+            constraints=output_constraints(cfg, policy),
+            **options,
+        )
+    except KVCacheTooSmall as exc:
+        key = f"rollout.{exc.setting}"
+        raise ConfigError(key, getattr(cfg.rollout, exc.setting), str(exc)) from None
 
 
 def output_constraints(cfg: Config, policy: Policy) -> Constraints | None:

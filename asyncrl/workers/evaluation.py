@@ -16,13 +16,13 @@ from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.interface import Engine
 from asyncrl.engine.multi_lora import MultiLora
 from asyncrl.engine.types import GenerationStopped
-from asyncrl.models.loading import Policy, text_decoder
+from asyncrl.models.loading import Policy
 from asyncrl.prompts.task_prompts import eval_prompts
 from asyncrl.rewards.scoring import ScoringStopped
 from asyncrl.rollout.evaluation import evaluation_figures
 from asyncrl.rollout.interface import Rollout
 from asyncrl.trainer.interface import StepTrainer
-from asyncrl.workers.engines import output_constraints
+from asyncrl.workers.engines import embedded_engine
 from asyncrl.workers.features import TrainedModels
 from asyncrl.workers.rollouts import build_rollout
 
@@ -63,16 +63,14 @@ class TrainerEvaluation:
                 model.train(mode)
 
     def _engine(self, policy: Policy, adapters: MultiLora | None = None) -> EmbeddedEngine:
-        return EmbeddedEngine(
-            policy.model,
-            pad_token_id=policy.pad_token_id,
-            max_batch_size=self.cfg.rollout.max_batch_size,
+        # Sized as the generators' engines are (an evaluation of a long-context model asked for
+        # max_batch_size slots of its whole context), held to rollout.stop and output_regex too.
+        return embedded_engine(
+            self.cfg,
+            policy,
             owns_model=adapters is not None,  # a copy of the base of its own
             cuda_graphs=False,
             adapters=adapters,
-            # Without it the engine matches no stop string: evaluations stop at rollout.stop too.
-            decode=text_decoder(policy.tokenizer),
-            constraints=output_constraints(self.cfg, policy),  # held to rollout.output_regex too
         )
 
     def abandon(self) -> None:

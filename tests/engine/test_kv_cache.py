@@ -196,6 +196,49 @@ def test_admission_against_the_cache_budget() -> None:
         make_engine(policy, max_seq_len=32, kv_cache_gb=1e-9)
 
 
+def test_an_unsized_cache_takes_at_most_half_the_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without kv_cache_gb or kv_cache_fraction, max_batch_size slots where they fit in half the
+    free memory; where they do not (a real model's whole context: 32k-128k positions), as many as
+    fit there, with a warning naming max_seq_len, instead of an allocation the machine refuses at
+    the first admission; where not even one fits, a KVCacheTooSmall naming max_seq_len."""
+    policy = policy_for()
+    per_slot = 64 * kv_bytes_per_token(probe_cache_shapes(policy.model), torch.float32)
+    monkeypatch.setattr(embedded, "free_memory_bytes", lambda device: 100 * per_slot)
+    assert make_engine(policy, max_batch_size=50, max_seq_len=64).num_slots == 50  # fits: untouched
+    with pytest.warns(
+        UserWarning, match=r"holds 50 of max_batch_size=64 sequences of max_seq_len=64 tokens in 0.5"
+    ):
+        engine = make_engine(policy, max_batch_size=64, max_seq_len=64)
+    assert engine.num_slots == 50 and engine.stats["cache_capacity_tokens"] == 50 * 64
+    results = engine.generate([request(f"r{k}", prompt(4, 90 + k), 5, seed=k) for k in range(3)])
+    assert [len(r.completion_ids) for r in results] == [5, 5, 5]
+    monkeypatch.setattr(embedded, "free_memory_bytes", lambda device: per_slot)
+    with pytest.raises(embedded.KVCacheTooSmall, match=r"holds no sequence of max_seq_len=64 tokens") as err:
+        make_engine(policy, max_batch_size=64, max_seq_len=64)
+    assert err.value.setting == "max_seq_len"
+
+
+def test_a_cache_too_small_is_named_by_its_config_key_in_every_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The generators' engine and the trainer's evaluation engine are sized by the same keys
+    (the evaluation's once ignored rollout.max_seq_len and kv_cache_gb), and a cache that holds
+    no sequence is a ConfigError naming the key, not a traceback."""
+    from asyncrl.config import load_config
+    from asyncrl.errors import ConfigError
+    from asyncrl.workers.engines import embedded_engine, policy_engine
+    from asyncrl.workers.evaluation import TrainerEvaluation
+
+    cfg = load_config(None, ["model.device=cpu", "rollout.max_seq_len=48", "rollout.max_batch_size=6"])
+    policy, engine, _ = policy_engine(cfg, seed=0)
+    evaluation = TrainerEvaluation(cfg)._engine(policy)
+    assert (engine.slot_len, engine.num_slots) == (evaluation.slot_len, evaluation.num_slots) == (48, 6)
+    small = load_config(None, ["model.device=cpu", "rollout.kv_cache_gb=1e-9"])
+    with pytest.raises(ConfigError) as err:
+        embedded_engine(small, policy)
+    assert str(err.value).startswith("rollout.kv_cache_gb=1e-09: kv_cache_gb=1e-09 holds no sequence of ")
+
+
 @pytest.mark.parametrize("source", ["tiny:1m", "tiny:1m:llama"])
 def test_tokens_and_logprobs_equal_a_forward_without_cache(source: str) -> None:
     """Staggered admission, rows of different lengths, compaction: every log-prob equals that of one
