@@ -125,6 +125,73 @@ def test_engine_logprobs_equal_a_forward_that_slides(name: str, layout: str, mon
     assert widest > 1e-2  # the window matters on these rows: the test would see it ignored
 
 
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+# Other architectures' own features, without a window: QK norms (Qwen3, OLMo 2), logit and
+# residual scaling (Granite), fused projections (Phi-3, GPT-NeoX), Conv1D layers and learned
+# positions (GPT-2), partial rotary (StableLM), soft-capped attention and logits (Gemma 2, with
+# its sliding layers, on eager attention as its config asks), attention sinks (gpt-oss), and
+# mixtures of experts with and without shared experts.
+MORE = {
+    "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=16),
+    "olmo2": lambda: transformers.Olmo2Config(**SMALL),
+    "granite": lambda: transformers.GraniteConfig(
+        **SMALL,
+        logits_scaling=4.0,
+        residual_multiplier=0.5,
+        embedding_multiplier=2.0,
+        attention_multiplier=0.1,
+    ),
+    "phi3": lambda: transformers.Phi3Config(**SMALL),
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(
+        **{k: v for k, v in SMALL.items() if k != "num_key_value_heads"}
+    ),
+    "gpt2": lambda: transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256, pad_token_id=PAD, eos_token_id=1
+    ),
+    "stablelm": lambda: transformers.StableLmConfig(**SMALL),
+    "gemma2": lambda: transformers.Gemma2Config(
+        **SMALL, head_dim=16, sliding_window=WINDOW, final_logit_softcapping=30.0, attn_logit_softcapping=50.0
+    ),
+    "mixtral": lambda: transformers.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **SMALL, **MOE, num_experts=4, shared_expert_intermediate_size=32
+    ),
+    "olmoe": lambda: transformers.OlmoeConfig(**SMALL, num_experts=4, num_experts_per_tok=2),
+    "gpt_oss": lambda: transformers.GptOssConfig(
+        **SMALL, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=WINDOW
+    ),
+    "glm4_moe": lambda: transformers.Glm4MoeConfig(
+        **SMALL,
+        **MOE,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        head_dim=16,
+        n_group=1,
+        topk_group=1,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MORE))
+def test_engine_logprobs_equal_a_forward_on_other_architectures(name: str) -> None:
+    """Each architecture's engine log-probs equal the model's own forward over the whole sequence
+    within 1e-5, in its own attention implementation (sdpa, or eager where its config asks)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(MORE[name]()).eval()
+    engine = EmbeddedEngine(copy.deepcopy(model), pad_token_id=PAD, max_batch_size=2, max_seq_len=64, seed=0)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (2, 7, 11)]
+    sampling = SamplingParams(max_new_tokens=12, temperature=1.0)
+    results = engine.generate(
+        [GenerationRequest(f"r{i}", p, sampling, seed=i) for i, p in enumerate(prompts)]
+    )
+    for ids, res in zip(prompts, results, strict=True):
+        assert len(res.completion_ids) == 12
+        own = forward_logprobs(model, ids + res.completion_ids, len(ids))
+        torch.testing.assert_close(torch.tensor(res.logprobs), own, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("layout", ["cpu", "accelerator"])
 def test_latent_attention_caches_what_the_model_hands_it(layout: str, monkeypatch) -> None:
     """DeepSeek-V3's multi-head latent attention caches, per layer, what its transformers version
