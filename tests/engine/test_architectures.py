@@ -70,6 +70,28 @@ def forward_logprobs(model: torch.nn.Module, ids: list[int], start: int, mask: t
     return torch.stack([logp[k - 1, ids[k]] for k in range(start, len(ids))])
 
 
+def engine_matches_forward(
+    model: torch.nn.Module, lengths: tuple[int, ...], seed: int, new_tokens: int, batch: int
+) -> list[tuple[list[int], list[int]]]:
+    """Completions the engine samples for random prompts of ``lengths`` (``batch`` at a time,
+    so that rows join and leave), each asserted to have the log-probs of the model's own forward
+    over the whole sequence within 1e-5; returns each (prompt, completion)."""
+    engine = EmbeddedEngine(
+        copy.deepcopy(model), pad_token_id=PAD, max_batch_size=batch, max_seq_len=64, seed=0
+    )
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
+    results = engine.generate(
+        [GenerationRequest(f"r{i}", p, sampling, seed=i) for i, p in enumerate(prompts)]
+    )
+    for ids, res in zip(prompts, results, strict=True):
+        assert len(res.completion_ids) == new_tokens
+        own = forward_logprobs(model, ids + res.completion_ids, len(ids))
+        torch.testing.assert_close(torch.tensor(res.logprobs), own, rtol=0, atol=1e-5)
+    return [(ids, res.completion_ids) for ids, res in zip(prompts, results, strict=True)]
+
+
 def test_length_mask_with_a_window_sees_the_last_window_columns() -> None:
     mask = length_mask(torch.tensor([5, 1]), width=1, length=8, dtype=torch.float32, boolean=True, window=3)
     assert mask[:, 0, 0].int().tolist() == [[0, 0, 0, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0]]
@@ -106,22 +128,12 @@ def test_engine_logprobs_equal_a_forward_that_slides(name: str, layout: str, mon
     if layout == "accelerator":
         monkeypatch.setattr(embedded, "static_layout", lambda device: True)
     model = tiny_model(name)
-    engine = EmbeddedEngine(copy.deepcopy(model), pad_token_id=PAD, max_batch_size=3, max_seq_len=64, seed=0)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (2, 5, 9, 14)]
-    sampling = SamplingParams(max_new_tokens=16, temperature=1.0)
-    results = engine.generate(
-        [GenerationRequest(f"r{i}", p, sampling, seed=i) for i, p in enumerate(prompts)]
-    )
     widest = 0.0
-    for ids, res in zip(prompts, results, strict=True):
-        assert len(res.completion_ids) == 16
-        whole = ids + res.completion_ids
-        own = forward_logprobs(model, whole, len(ids))
-        torch.testing.assert_close(torch.tensor(res.logprobs), own, rtol=0, atol=1e-5)
+    for ids, completion in engine_matches_forward(model, (2, 5, 9, 14), seed=1, new_tokens=16, batch=3):
+        whole = ids + completion
         causal = length_mask(torch.tensor([0]), len(whole), len(whole), torch.float32, boolean=False)
         unwindowed = forward_logprobs(model, whole, len(ids), mask=causal)
-        widest = max(widest, (own - unwindowed).abs().max().item())
+        widest = max(widest, (forward_logprobs(model, whole, len(ids)) - unwindowed).abs().max().item())
     assert widest > 1e-2  # the window matters on these rows: the test would see it ignored
 
 
@@ -179,17 +191,7 @@ def test_engine_logprobs_equal_a_forward_on_other_architectures(name: str) -> No
     within 1e-5, in its own attention implementation (sdpa, or eager where its config asks)."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(MORE[name]()).eval()
-    engine = EmbeddedEngine(copy.deepcopy(model), pad_token_id=PAD, max_batch_size=2, max_seq_len=64, seed=0)
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (2, 7, 11)]
-    sampling = SamplingParams(max_new_tokens=12, temperature=1.0)
-    results = engine.generate(
-        [GenerationRequest(f"r{i}", p, sampling, seed=i) for i, p in enumerate(prompts)]
-    )
-    for ids, res in zip(prompts, results, strict=True):
-        assert len(res.completion_ids) == 12
-        own = forward_logprobs(model, ids + res.completion_ids, len(ids))
-        torch.testing.assert_close(torch.tensor(res.logprobs), own, rtol=0, atol=1e-5)
+    engine_matches_forward(model, (2, 7, 11), seed=3, new_tokens=12, batch=2)
 
 
 @pytest.mark.parametrize("layout", ["cpu", "accelerator"])
@@ -217,17 +219,9 @@ def test_latent_attention_caches_what_the_model_hands_it(layout: str, monkeypatc
     )
     config._attn_implementation = "sdpa"
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    prompts = [ids for ids, _ in engine_matches_forward(model, (3, 8, 13), seed=2, new_tokens=12, batch=3)]
     engine = EmbeddedEngine(copy.deepcopy(model), pad_token_id=PAD, max_batch_size=3, max_seq_len=64, seed=0)
-    assert len(engine.cache_shapes) == config.num_hidden_layers
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (3, 8, 13)]
-    sampling = SamplingParams(max_new_tokens=12, temperature=1.0)
-    results = engine.generate(
-        [GenerationRequest(f"r{i}", p, sampling, seed=i) for i, p in enumerate(prompts)]
-    )
-    for ids, res in zip(prompts, results, strict=True):
-        own = forward_logprobs(model, ids + res.completion_ids, len(ids))
-        torch.testing.assert_close(torch.tensor(res.logprobs), own, rtol=0, atol=1e-5)
+    engine.generate([GenerationRequest("r", prompts[0], SamplingParams(max_new_tokens=2), seed=0)])
     # The engine's buffers have the shapes transformers' own cache holds after a forward ...
     dynamic = transformers.DynamicCache(config=config)
     with torch.no_grad():
