@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from asyncrl.errors import DatasetError
+from asyncrl.errors import AsyncRLError, DatasetError
 from asyncrl.prompts.chat import make_prompt
 from asyncrl.types import Prompt
 
@@ -83,7 +83,14 @@ class RowDataset:
             )
             return
         if self._prompt_length is not None and self._max_prompt_tokens is not None:
-            n = self._prompt_length(self._render(prompt))
+            try:
+                text = self._render(prompt)
+            except AsyncRLError:
+                raise
+            except Exception as exc:  # the chat template's own error (raise_exception, a bad key)
+                self.bad(where, f"model.chat_template cannot render its prompt: {type(exc).__name__}: {exc}")
+                return
+            n = self._prompt_length(text)
             if n > self._max_prompt_tokens:
                 self.bad(where, f"prompt has {n} tokens, more than the {self._max_prompt_tokens} allowed")
                 return

@@ -219,3 +219,31 @@ def test_the_engines_sequence_limit_bounds_the_prompts_as_the_models_positions_d
         cfg(*dataset, "task.answer_field=solution", "rollout.max_seq_len=12"), build_char_tokenizer(), 512
     )
     assert source.size == 10
+
+
+def test_a_row_the_chat_template_cannot_render_is_named_by_file_and_line(tmp_path: Path) -> None:
+    """A chat template that refuses a row (``raise_exception``, as real templates do for roles or
+    orders they do not take) names the row's file and line and the template's message, and
+    task.skip_bad_rows skips such rows; it was a jinja traceback at start."""
+    path = write(tmp_path, "jsonl", CHAT)
+    template = tmp_path / "strict.jinja"
+    template.write_text(
+        "{%- for m in messages -%}{%- if '3+' in m['content'] -%}{{ raise_exception('no threes') }}"
+        "{%- else -%}{{ m['content'] }}{%- endif -%}{%- endfor -%}"
+    )
+    settings = [
+        "task.name=jsonl",
+        f"task.path={path}",
+        "task.prompt_field=question",
+        "task.answer_field=solution",
+        f"model.chat_template={template}",
+    ]
+    with pytest.raises(DatasetError) as info:
+        task_prompts(load_config(None, settings))
+    assert str(info.value) == (
+        f"{path}, line 4: model.chat_template cannot render its prompt: TemplateError: no threes "
+        "(set task.skip_bad_rows=true to skip such rows)"
+    )
+    notices: list[str] = []
+    source = task_prompts(load_config(None, [*settings, "task.skip_bad_rows=true"]), notices=notices)
+    assert source.size == 3 and "skipped 1 of 4 rows" in notices[0]
