@@ -65,16 +65,27 @@ def _not_users(filename: str) -> bool:
     return filename.startswith("<") or any(path.is_relative_to(lib) for lib in _LIBRARIES)
 
 
+# The file name jinja gives a compiled template's frames (transformers renders chat templates with it).
+JINJA_TEMPLATE = "<template>"
+
+
 def describe_user_error(exc: BaseException) -> str:
     """``Type: message (file:line in function)``: the exception a user's code raised and the line
     of the user's code it came from — the innermost frame of its traceback that is neither
     asyncrl's nor a library's (the innermost frame when all are)."""
     frames = traceback.extract_tb(exc.__traceback__)
-    users = [f for f in frames if not _not_users(f.filename)]
-    frame = (users or frames or [None])[-1]
+    users = [i for i, f in enumerate(frames) if not _not_users(f.filename)]
+    templates = [i for i, f in enumerate(frames) if f.filename == JINJA_TEMPLATE]
     message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    if frame is None:
+    if templates and templates[-1] > max(users, default=-1):
+        # Raised in a chat template (its raise_exception, a missing key) that the user's code, if
+        # any, called: jinja puts the template's own lines in the traceback under this name; the
+        # frames after it are the library's.
+        line = frames[templates[-1]].lineno
+        return f"{message} (the chat template, model.chat_template or the tokenizer's, line {line})"
+    if not frames:
         return message
+    frame = frames[users[-1] if users else -1]
     return f"{message} ({shown_path(frame.filename)}:{frame.lineno} in {frame.name})"
 
 

@@ -73,6 +73,20 @@ def test_the_users_own_line_is_named_not_asyncrls_nor_a_librarys() -> None:
     )
 
 
+def test_an_error_a_chat_template_raises_is_named_by_its_line() -> None:
+    """A chat template that raises while an episode renders its history (its raise_exception) is
+    named as the chat template, with the template's line, not by the library frame it raised in."""
+    from asyncrl.models.char_tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = "{%- for m in messages -%}\n{%- if m['role'] == 'tool' -%}{{ raise_exception('no tools') }}{%- endif -%}\n{%- endfor -%}"
+    with pytest.raises(Exception) as info:
+        tokenizer.apply_chat_template([{"role": "tool", "content": "1"}], tokenize=False)
+    assert describe_user_error(info.value) == (
+        "TemplateError: no tools (the chat template, model.chat_template or the tokenizer's, line 2)"
+    )
+
+
 def test_a_module_that_fails_as_it_is_imported_is_named_with_its_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
