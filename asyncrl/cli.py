@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 
 from asyncrl.cli_args import count, device, fraction, port, seconds
 from asyncrl.errors import AsyncRLError, ConfigError
+from asyncrl.exit_collection import freeze_for_exit
 from asyncrl.lifeline import STOP_SIGNALS, note_run_stop, repeats_run_stop, stopped_by
 
 
@@ -424,10 +424,8 @@ def run() -> None:
     ``python -m`` would: from the working directory first, which a console script leaves off
     ``sys.path``.
 
-    At exit the interpreter collects every object torch and transformers created at import
-    (over a second on a small CPU); nothing it would free outlives the process anyway, so
-    they are frozen out of that collection (:func:`freeze_for_exit`). Files are still closed
-    and ``atexit`` still runs.
+    At exit the interpreter collects every object torch and transformers created at import;
+    they are frozen out of that collection (:mod:`asyncrl.exit_collection`).
     """
     try:
         here = os.getcwd()
@@ -438,23 +436,6 @@ def run() -> None:
     code = main()
     freeze_for_exit()
     sys.exit(code)
-
-
-# Extension modules that count their objects still alive as the interpreter ends and print
-# each one (nanobind's leak check: triton's, which torch imports where triton is installed, as
-# with every CUDA build): objects frozen out of the last collection would be hundreds of
-# lines on stderr after the run's last one.
-LEAK_CHECKED_MODULES = ("triton",)
-
-
-def freeze_for_exit() -> bool:
-    """Freeze every object out of the interpreter's last collection, unless a module that
-    checks for leaks at exit is loaded (then the interpreter collects as usual); returns whether
-    it froze."""
-    if any(name in sys.modules for name in LEAK_CHECKED_MODULES):
-        return False
-    gc.freeze()
-    return True
 
 
 if __name__ == "__main__":

@@ -508,7 +508,7 @@ def test_the_exit_freezes_objects_out_of_the_last_collection_unless_a_module_che
     import gc
     import types
 
-    from asyncrl.cli import freeze_for_exit
+    from asyncrl.exit_collection import freeze_for_exit
 
     try:
         monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
@@ -517,3 +517,25 @@ def test_the_exit_freezes_objects_out_of_the_last_collection_unless_a_module_che
         assert freeze_for_exit() is True and gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.multiprocess
+def test_the_fork_server_alone_freezes_its_objects_out_of_its_last_collection() -> None:
+    """The local runtime's fork server imported torch and transformers: collecting them at its exit
+    kept it alive after the run's. Its first preload freezes them out, as the program does for
+    the run's process; the run's process importing the runtime does not load it."""
+    from asyncrl.runtimes.processes import PRELOAD
+
+    assert PRELOAD[0] == "asyncrl.runtimes.fork_server"
+    probe = (
+        "import atexit, gc, sys\n"
+        "import asyncrl.runtimes.local\n"
+        "print('in the run', 'asyncrl.runtimes.fork_server' in sys.modules)\n"
+        "atexit.register(lambda: print('frozen at exit', gc.get_freeze_count() > 0))  # runs after the server's\n"
+        "import asyncrl.runtimes.fork_server\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=child_env()
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["in the run False", "frozen at exit True"]

@@ -33,8 +33,14 @@ from typing import Literal
 
 StartMethod = Literal["auto", "forkserver", "spawn"]
 
-# Imported once by the fork server: everything a worker process imports to build its worker.
-PRELOAD = ["asyncrl.runtimes.local", "asyncrl.workers.generator", "asyncrl.workers.trainer"]
+# Imported once by the fork server: everything a worker process imports to build its worker, and
+# the server's own exit without the last garbage collection.
+PRELOAD = [
+    "asyncrl.runtimes.fork_server",
+    "asyncrl.runtimes.local",
+    "asyncrl.workers.generator",
+    "asyncrl.workers.trainer",
+]
 
 
 def worker_context(method: StartMethod, on_cuda: bool = False):
