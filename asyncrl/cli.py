@@ -10,8 +10,7 @@ from pathlib import Path
 
 from asyncrl.cli_args import count, device, fraction, port, seconds
 from asyncrl.errors import AsyncRLError, ConfigError
-from asyncrl.exit_collection import freeze_for_exit
-from asyncrl.lifeline import STOP_SIGNALS, note_run_stop, repeats_run_stop, stopped_by
+from asyncrl.lifeline import STOP_SIGNALS, freeze_for_exit, note_run_stop, repeats_run_stop, stopped_by
 
 
 def _quiet_transformers() -> None:
@@ -425,7 +424,7 @@ def run() -> None:
     ``sys.path``.
 
     At exit the interpreter collects every object torch and transformers created at import;
-    they are frozen out of that collection (:mod:`asyncrl.exit_collection`).
+    they are frozen out of that collection (:func:`asyncrl.lifeline.freeze_for_exit`).
     """
     try:
         here = os.getcwd()

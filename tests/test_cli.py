@@ -508,7 +508,7 @@ def test_the_exit_freezes_objects_out_of_the_last_collection_unless_a_module_che
     import gc
     import types
 
-    from asyncrl.exit_collection import freeze_for_exit
+    from asyncrl.lifeline import freeze_for_exit
 
     try:
         monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))

@@ -1,5 +1,5 @@
 """Imported by the local runtime's fork server, and only there (``processes.PRELOAD``): the
-server's exit skips the interpreter's last garbage collection (:mod:`asyncrl.exit_collection`).
+server's exit skips the interpreter's last garbage collection (:func:`asyncrl.lifeline.freeze_for_exit`).
 
 The server ends when the run's process does, as an interpreter ends, after the preloaded torch
 and transformers: collecting their objects kept it alive 1.3 s after the run's exit, 0.3 s
@@ -10,6 +10,6 @@ from __future__ import annotations
 
 import atexit
 
-from asyncrl.exit_collection import freeze_for_exit
+from asyncrl.lifeline import freeze_for_exit
 
 atexit.register(freeze_for_exit)
