@@ -330,8 +330,9 @@ class Controller:
             self.features.published(event.version)
         if self.cfg.run.eval_every and (step % self.cfg.run.eval_every == 0 or step == self.cfg.run.steps):
             self._send(TRAINER, Evaluate(step))
-        if step == self.cfg.run.steps:  # the periodic checkpoints are asked as their steps are sent
+        if step == self.cfg.run.steps:  # the periodic ones are asked as their steps are sent
             self.saving.request(self.trainer_version)
+        if step == self.cfg.run.steps:
             self._send(TRAINER, SaveModel(str(self.session.run_dir / "final")))
             self.final_save_requested = True
 
