@@ -24,7 +24,7 @@ import torch
 
 from asyncrl.config import Config
 from asyncrl.errors import AsyncRLError
-from asyncrl.protocol.messages import Accumulate, Discard, Ready, Stop, WorkerFailed
+from asyncrl.protocol.messages import Accumulate, Discard, Ready, Restore, SaveCheckpoint, Stop, WorkerFailed
 from asyncrl.transports.groups.inbox import Inbox
 from asyncrl.transports.groups.interface import GroupSender, detach_payloads
 from asyncrl.transports.weights.factory import TransportSpec, make_receiver, make_sender, weights_device
@@ -41,8 +41,12 @@ def coalesced(first, cmd_q) -> list:
 
     When groups arrive faster than the trainer takes them, one forward/backward over all of
     them costs less than one per group; the step's gradient is the same either way. The
-    Discards come first, as one: they name groups no Accumulate names (dropped, late or lost
-    ones), so they commute with everything and must not split a merge.
+    Discards go first, as one: they name groups no Accumulate names (dropped, late or lost
+    ones), so they commute with the steps and must not split a merge. They do not commute with
+    a checkpoint, which copies the groups it carries (a group dropped after the checkpoint was
+    asked is in it), nor with a resume's ``Restore``, which puts the carried groups into the
+    inbox (one the resume drops as too stale would stay there): a Discard stays after the
+    ``SaveCheckpoint`` or ``Restore`` it followed.
     """
     commands = [first]
     try:
@@ -50,10 +54,15 @@ def coalesced(first, cmd_q) -> list:
             commands.append(cmd_q.get_nowait())
     except queue.Empty:
         pass
-    discarded = [i for c in commands if isinstance(c, Discard) for i in c.group_ids]
-    merged: list = [Discard(discarded)] if discarded else []
+    merged: list = []
+    front = 0  # where this stretch's Discards go: the start, or just after the last checkpoint
     for command in commands:
         if isinstance(command, Discard):
+            head = merged[front] if front < len(merged) else None
+            if isinstance(head, Discard):
+                merged[front] = Discard(head.group_ids + command.group_ids)
+            else:
+                merged.insert(front, Discard(list(command.group_ids)))
             continue
         last = merged[-1] if merged else None
         if (
@@ -68,6 +77,8 @@ def coalesced(first, cmd_q) -> list:
             merged[-1] = Accumulate(last.group_ids + command.group_ids, command.min_version, groups=groups)
         else:
             merged.append(command)
+        if isinstance(command, SaveCheckpoint | Restore):
+            front = len(merged)
     return merged
 
 

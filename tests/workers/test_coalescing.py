@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import queue
 
-from asyncrl.protocol.messages import Accumulate, Discard, Evaluate, FinishStep, LoadWeights, Stop
+from asyncrl.protocol.messages import (
+    Accumulate,
+    Discard,
+    Evaluate,
+    FinishStep,
+    LoadWeights,
+    Restore,
+    SaveCheckpoint,
+    Stop,
+)
 from asyncrl.runtimes.serving import coalesced as _coalesced
 from asyncrl.types import Group, Prompt
 
@@ -105,3 +114,32 @@ def test_discards_go_first_as_one_and_do_not_split_a_merge() -> None:
     commands = _coalesced(Accumulate([0]), q)
     assert [type(c) for c in commands] == [Discard, Accumulate, FinishStep]
     assert commands[0].group_ids == [9, 8, 7] and commands[1].group_ids == [0, 1, 2]
+
+
+def test_a_discard_stays_after_the_checkpoint_it_followed() -> None:
+    """A checkpoint copies the groups it carries; one dropped after it was asked is among them.
+    Moved ahead of the SaveCheckpoint, the Discard took the group away first and the trainer
+    waited for it (a resume stopped at an odd step hung there). Discards before it still go first."""
+    save = SaveCheckpoint("ckpt", 4, carried=[5, 6])
+    finish = FinishStep(divisor=1.0, publish=False)
+    q = queued(Discard([9]), finish, save, Accumulate([7]), Discard([5]), Accumulate([8]), Discard([6]))
+    commands = _coalesced(Accumulate([0]), q)
+    assert [type(c) for c in commands] == [
+        Discard,
+        Accumulate,
+        FinishStep,
+        SaveCheckpoint,
+        Discard,
+        Accumulate,
+    ]
+    assert commands[0].group_ids == [9] and commands[3] is save
+    assert commands[4].group_ids == [5, 6] and commands[5].group_ids == [7, 8]
+
+
+def test_a_discard_stays_after_the_restore_it_followed() -> None:
+    """A resume's Restore puts the carried groups into the inbox; a Discard of one the resume drops
+    as too stale, applied before it, would leave that group there for the rest of the run."""
+    restore = Restore("ckpt")
+    commands = _coalesced(restore, queued(Accumulate([1]), Discard([3]), Accumulate([2])))
+    assert [type(c) for c in commands] == [Restore, Discard, Accumulate]
+    assert commands[1].group_ids == [3] and commands[2].group_ids == [1, 2]
