@@ -155,6 +155,7 @@ class Controller:
             state = checkpoint.read_controller_state(resume_from)
             version, self.steps.handed = self.books.load_state_dict(state)
             self.trainer_version = self.steps.planned_version = self.steps_done = version
+            self.saving.periodic_mark = version
             self.clocks.load_state_dict(version, state.get("policy_clocks"))
             partials = [PartialGroup.from_dict(p) for p in rollouts.get("partial", [])]
             oldest = self.clocks.oldest(version)  # what the resumed generators' weights may continue
@@ -211,6 +212,7 @@ class Controller:
                 self.generators.running_ids(),
                 may_finish=self.saving.pending is None and self.stop_signal is None,
             )
+            self.saving.request_periodic(self.trainer_version)
             self._watchdog()
         return self.accounting()
 
@@ -328,10 +330,8 @@ class Controller:
             self.features.published(event.version)
         if self.cfg.run.eval_every and (step % self.cfg.run.eval_every == 0 or step == self.cfg.run.steps):
             self._send(TRAINER, Evaluate(step))
-        every = self.cfg.run.checkpoint_every
-        if step == self.cfg.run.steps or (every and step % every == 0):
+        if step == self.cfg.run.steps:  # the periodic checkpoints are asked as their steps are sent
             self.saving.request(self.trainer_version)
-        if step == self.cfg.run.steps:
             self._send(TRAINER, SaveModel(str(self.session.run_dir / "final")))
             self.final_save_requested = True
 

@@ -118,6 +118,26 @@ class SaveProtocol:
         self.stop_signal: str | None = None
         self.stop_exit_code = 1
         self._stop_requested_at = 0.0
+        # The version of the last periodic checkpoint asked (run.checkpoint_every), or the resume's.
+        self.periodic_mark = 0
+
+    def request_periodic(self, trainer_version: int) -> None:
+        """``run.checkpoint_every``: ask for the checkpoint of every N-th version as soon as the step
+        that makes it is handed to the trainer, before the next one is.
+
+        Asked at that step's end instead, an off-policy schedule's checkpoint would be saved at the
+        version the steps sent ahead lead to (step 2's as step-000004 with two steps in flight), and
+        the next could land on the same version and replace it. The wait is the same either way:
+        the trainer saves once it has made the version, and the steps after it wait for the save.
+        The run's last version is saved at its end, with the final model.
+        """
+        every, made = self.cfg.run.checkpoint_every, self.steps.planned_version
+        if not every or self.pending is not None or self.stop_signal is not None:
+            return
+        if made // every <= self.periodic_mark // every or made >= self.cfg.run.steps:
+            return
+        self.periodic_mark = made
+        self.request(trainer_version)
 
     def request(self, trainer_version: int, stop: bool = False) -> None:
         """Ask the trainer to save at the version every FinishStep sent so far leads to (the books

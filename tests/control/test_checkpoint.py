@@ -124,6 +124,26 @@ def test_checkpoints_are_periodic_complete_and_pruned(tmp_path: Path) -> None:
     }
 
 
+@pytest.mark.parametrize(
+    "schedule", [[], ["schedule.preset=async", "schedule.max_staleness=2"]], ids=["sync", "async"]
+)
+def test_periodic_checkpoints_hold_the_steps_they_are_named_after(
+    tmp_path: Path, schedule: list[str]
+) -> None:
+    """run.checkpoint_every=2 over 7 steps keeps steps 2, 4, 6 and the last, 7, each at its own
+    version. Under an off-policy schedule the steps are sent ahead of the trainer: a checkpoint
+    asked at step 2's end was saved at the version they led to (step-000004), and the next one
+    could be saved at the same version and replace it."""
+    cfg = load_config(
+        None, [*BASE, *schedule, "run.steps=7", "run.checkpoint_every=2", "run.keep_checkpoints=9"]
+    )
+    train(cfg, tmp_path)
+    kept = sorted((tmp_path / "checkpoints").iterdir())
+    assert [p.name for p in kept] == ["step-000002", "step-000004", "step-000006", "step-000007"]
+    assert [checkpoint.read_controller_state(p)["version"] for p in kept] == [2, 4, 6, 7]
+    assert [checkpoint.load_trainer_state(p)[1]["version"] for p in kept] == [2, 4, 6, 7]
+
+
 def test_full_disk_at_a_checkpoint_fails_clearly_and_keeps_the_previous_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
