@@ -285,14 +285,17 @@ class TrainerWorker:
             raise RuntimeError(
                 f"checkpoint of version {command.version} requested, but the trainer is at {self.trainer.version}"
             )
-        # Steps given up at a stop: their groups go into the checkpoint with the carried ones.
+        # Steps given up at a stop: their groups go into the checkpoint with the carried ones, and
+        # first, as the resume trains the carried groups in the file's order: they were admitted
+        # for the step given up, which is the resume's first, and behind the groups generated
+        # after them they would wait a step longer, past the staleness bound.
         # (Unless a feature keeps it otherwise: a branch group's pivot is in the controller's books.)
         given_up = (
             [gid for gid, g in self._step_groups.items() if self.features.carries(g)]
             if command.carry_given_up
             else []
         )
-        carried = list(dict.fromkeys([*command.carried, *given_up]))
+        carried = list(dict.fromkeys([*given_up, *command.carried]))
         command = dataclasses.replace(command, carried=carried)
         start = time.time()
         policy = self._full_policy()  # every rank joins the gathers; rank 0 writes

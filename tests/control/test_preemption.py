@@ -23,7 +23,16 @@ from asyncrl.control.books import Books
 from asyncrl.control.run import train
 from asyncrl.control.saving import RunInterrupted
 from asyncrl.prompts.sources import PromptStream
-from asyncrl.protocol.messages import GroupReady, Preempt, Preempted, SaveCheckpoint, StepDone, Submit
+from asyncrl.protocol.messages import (
+    Accumulate,
+    FinishStep,
+    GroupReady,
+    Preempt,
+    Preempted,
+    SaveCheckpoint,
+    StepDone,
+    Submit,
+)
 from asyncrl.runtimes.inline import InlineRuntime
 from asyncrl.transports.weights.inprocess import InProcessChannel
 from asyncrl.types import Group, GroupState, PartialGroup, Prompt
@@ -444,6 +453,58 @@ def test_a_stop_during_an_interval_checkpoint_is_followed_by_its_own_with_the_pr
     partials = [PartialGroup.from_dict(p) for p in rollouts["partial"]]
     assert any(p.prefixes for p in partials)
     assert {p.group_id for p in partials} == {p["group_id"] for p in books["pending"] if p["partial"]}
+
+
+class StopAsAStepIsHanded(RecordingRuntime):
+    """SIGTERM raised as the FinishStep of step ``at_step`` is sent: the trainer, told first, gives
+    that step up (its groups were accumulated already) and saves at the version before it."""
+
+    def __init__(self, cfg, at_step: int | None = None) -> None:
+        super().__init__(cfg)
+        self.at_step, self.finishes = at_step, 0
+        self.accumulated: list[list[int]] = []  # the group ids of each step, as sent to the trainer
+
+    def send(self, worker: str, command) -> None:
+        if isinstance(command, Accumulate):
+            if len(self.accumulated) == self.finishes:
+                self.accumulated.append([])
+            self.accumulated[-1] += command.group_ids
+        if isinstance(command, FinishStep):
+            self.finishes += 1
+            if self.finishes == self.at_step:
+                signal.raise_signal(signal.SIGTERM)  # the run's own handler: a stop like any other
+        super().send(worker, command)
+
+
+def test_a_stop_that_gives_a_step_up_resumes_with_that_step_and_its_checkpoints_hold_their_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """async, run.checkpoint_every=2, stopped as step 4 is handed to the trainer: the checkpoint is
+    of step 3 and carries step 4's groups and those generated after them. The resume trains step
+    4's groups first, as the step they were admitted for (behind the later ones they waited a
+    step longer, and past the staleness bound they were dropped and generated again), and every
+    checkpoint, before the stop and after it, holds the version it is named after (the interval
+    one after the resume is of step 4, asked as that step is handed)."""
+    cfg = load_config(None, [*ASYNC, "run.steps=7", "run.checkpoint_every=2", "run.keep_checkpoints=9"])
+    first = StopAsAStepIsHanded(cfg, at_step=4)
+    with pytest.raises(RunInterrupted, match="at step 3"):
+        run_with(monkeypatch, cfg, tmp_path / "run", first)
+    step4 = first.accumulated[3]
+    assert len(step4) == PROMPTS
+    carried = [g["group_id"] for g in checkpoint.read_rollouts(checkpoint.latest(tmp_path / "run"))["groups"]]
+    assert carried[:PROMPTS] == step4 and len(carried) > PROMPTS  # and groups generated after them
+
+    second = StopAsAStepIsHanded(cfg)
+    acc = run_with(monkeypatch, cfg, tmp_path / "run", second, resume=True)["accounting"]
+    assert second.accumulated[0] == step4
+    assert [gid for step in second.accumulated for gid in step][: len(carried)] == carried
+    assert acc["carried_groups"] == len(carried) and acc.get("dropped_stale", 0) == 0
+    assert "discarded_stale_rollouts" not in acc
+    assert acc["trained"] == 7 * PROMPTS and acc["reconciles"] and acc["prompts_trained_twice"] == 0
+    kept = sorted((tmp_path / "run" / "checkpoints").iterdir())
+    assert [p.name for p in kept] == [f"step-{v:06d}" for v in (2, 3, 4, 6, 7)]
+    assert [checkpoint.read_controller_state(p)["version"] for p in kept] == [2, 3, 4, 6, 7]
+    assert [checkpoint.load_trainer_state(p)[1]["version"] for p in kept] == [2, 3, 4, 6, 7]
 
 
 @pytest.mark.slow  # the same in one process: test_a_stopped_async_run_resumes_without_generating_anything_again

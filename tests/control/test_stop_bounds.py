@@ -38,6 +38,7 @@ from asyncrl.rollout.completions import CompletionRollout
 from asyncrl.rollout.evaluation import evaluate
 from asyncrl.runtimes.inline import InlineRuntime
 from asyncrl.trainer.advantages import assign_advantages
+from asyncrl.transports.groups.interface import Delivery
 from asyncrl.transports.weights.inprocess import InProcessChannel
 from asyncrl.types import Group, Prompt
 from asyncrl.workers.trainer import TrainerWorker
@@ -70,14 +71,17 @@ def test_a_stopping_trainer_gives_the_step_up_and_saves_where_it_is(tmp_path: Pa
         assert worker.handle(Accumulate.of(second[1:])) == []
         assert worker.handle(FinishStep(10.0, publish=True)) == []  # no optimizer step, no publication
         assert worker.handle(Evaluate(2)) == []
-        saved = worker.handle(SaveCheckpoint(str(tmp_path), version=2, carried=[]))
+        # A group generated after them, buffered by the controller: carried too, behind them (the
+        # resume trains the file's order, and the given-up step is its first).
+        worker.inbox.put(Delivery(renumbered(make_groups(seed=3, sizes=[4]), first=20)))
+        saved = worker.handle(SaveCheckpoint(str(tmp_path), version=2, carried=[20]))
         (done,) = [e for e in saved if isinstance(e, CheckpointSaved)]
-        assert done.version == 1 and done.carried == [10, 11]
+        assert done.version == 1 and done.carried == [10, 11, 20]
         after = dict(worker.policy.model.named_parameters())
         assert all(torch.equal(before[n], after[n]) for n in before)
         rollouts = checkpoint.read_rollouts(tmp_path)
         written = [Group.from_dict(g) for g in rollouts["groups"]]
-        assert [g.group_id for g in written] == [10, 11]
+        assert [g.group_id for g in written] == [10, 11, 20]
         assert written[1].samples[0].completion_ids == second[1].samples[0].completion_ids
     finally:
         worker.close()
