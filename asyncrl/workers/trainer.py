@@ -285,11 +285,9 @@ class TrainerWorker:
             raise RuntimeError(
                 f"checkpoint of version {command.version} requested, but the trainer is at {self.trainer.version}"
             )
-        # Steps given up at a stop: their groups go into the checkpoint with the carried ones, and
-        # first, as the resume trains the carried groups in the file's order: they were admitted
-        # for the step given up, which is the resume's first, and behind the groups generated
-        # after them they would wait a step longer, past the staleness bound.
-        # (Unless a feature keeps it otherwise: a branch group's pivot is in the controller's books.)
+        # Steps given up at a stop: their groups go into the checkpoint first (the resume trains it
+        # in order, its first step is the one given up, and behind the later groups they would wait
+        # past the staleness bound). Unless a feature keeps them: a branch group's pivot is in the books.
         given_up = (
             [gid for gid, g in self._step_groups.items() if self.features.carries(g)]
             if command.carry_given_up
