@@ -55,14 +55,21 @@ def coalesced(first, cmd_q) -> list:
     except queue.Empty:
         pass
     merged: list = []
-    front = 0  # where this stretch's Discards go: the start, or just after the last checkpoint
+    stretch: list = []  # the commands since the last checkpoint or restore, which ends one
+    for command in commands:
+        stretch.append(command)
+        if isinstance(command, SaveCheckpoint | Restore):
+            merged += _discards_first_and_merged(stretch)
+            stretch = []
+    return merged + _discards_first_and_merged(stretch)
+
+
+def _discards_first_and_merged(commands: list) -> list:
+    """The commands' Discards as one, first, then the rest with consecutive Accumulates merged."""
+    discarded = [i for c in commands if isinstance(c, Discard) for i in c.group_ids]
+    merged: list = [Discard(discarded)] if discarded else []
     for command in commands:
         if isinstance(command, Discard):
-            head = merged[front] if front < len(merged) else None
-            if isinstance(head, Discard):
-                merged[front] = Discard(head.group_ids + command.group_ids)
-            else:
-                merged.insert(front, Discard(list(command.group_ids)))
             continue
         last = merged[-1] if merged else None
         if (
@@ -77,8 +84,6 @@ def coalesced(first, cmd_q) -> list:
             merged[-1] = Accumulate(last.group_ids + command.group_ids, command.min_version, groups=groups)
         else:
             merged.append(command)
-        if isinstance(command, SaveCheckpoint | Restore):
-            front = len(merged)
     return merged
 
 
