@@ -46,6 +46,7 @@ metrics.jsonl; TRL: ``on_step_end`` of a callback), so logging and bookkeeping c
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
 import statistics
@@ -120,6 +121,15 @@ class ScoredBatches:
         return rewards
 
 
+def no_activation_checkpointing(config_class: type) -> dict[str, bool]:
+    """Recomputation off, under the field's name in this transformers: ``activation_checkpointing``
+    since 5.2x (``gradient_checkpointing`` then warns that it is deprecated), only
+    ``gradient_checkpointing`` before it (the lent GPU machines run 5.17)."""
+    names = {field.name for field in dataclasses.fields(config_class)}
+    name = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    return {name: False}
+
+
 def trl_arguments(trl: ModuleType, cfg: Config, output_dir: Path, micro_batch: int, device: torch.device):
     """TRL's GRPOConfig for asyncrl's ``cfg`` (the mapping in the module docstring)."""
     batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
@@ -135,7 +145,7 @@ def trl_arguments(trl: ModuleType, cfg: Config, output_dir: Path, micro_batch: i
         disable_tqdm=True,
         use_cpu=device.type == "cpu",
         bf16=device.type == "cuda",
-        activation_checkpointing=False,
+        **no_activation_checkpointing(trl.GRPOConfig),
         seed=cfg.run.seed,
         max_steps=cfg.run.steps,
         per_device_train_batch_size=micro_batch,
