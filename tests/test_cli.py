@@ -510,11 +510,13 @@ def test_the_exit_freezes_objects_out_of_the_last_collection_unless_a_module_che
 
     from asyncrl.lifeline import freeze_for_exit
 
+    # Python 3.12 starts with objects in the permanent generation already: count what is added.
+    before = gc.get_freeze_count()
     try:
         monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
-        assert freeze_for_exit() is False and gc.get_freeze_count() == 0
+        assert freeze_for_exit() is False and gc.get_freeze_count() == before
         monkeypatch.delitem(sys.modules, "triton")
-        assert freeze_for_exit() is True and gc.get_freeze_count() > 0
+        assert freeze_for_exit() is True and gc.get_freeze_count() > before
     finally:
         gc.unfreeze()
 
@@ -534,7 +536,8 @@ def test_the_fork_server_alone_freezes_its_objects_out_of_its_last_collection() 
         "import asyncrl.runtimes.local\n"
         "from asyncrl.lifeline import LEAK_CHECKED_MODULES\n"
         "print('in the run', 'asyncrl.runtimes.fork_server' in sys.modules)\n"
-        "atexit.register(lambda: print('frozen at exit', gc.get_freeze_count() > 0))  # runs after the server's\n"
+        "before = gc.get_freeze_count()  # not 0 on Python 3.12\n"
+        "atexit.register(lambda: print('frozen at exit', gc.get_freeze_count() > before))  # runs after the server's\n"
         "import asyncrl.runtimes.fork_server\n"
         "print('leak checked', any(name in sys.modules for name in LEAK_CHECKED_MODULES))\n"
     )
