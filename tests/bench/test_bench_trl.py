@@ -100,3 +100,26 @@ def test_trl_trains_on_the_prompts_asyncrl_draws_in_order(short_report) -> None:
     assert trl["prompts_in_stream_order"] is True
     stream = PromptStream(ArithmeticTask(["+"], min_digits=1, max_digits=2, seed=0))
     assert trl["first_step_prompts"] == [p.text for p in stream.take(PROMPTS)]
+
+
+def test_recomputation_is_turned_off_under_the_name_this_transformers_has(bench) -> None:
+    """``activation_checkpointing`` where TrainingArguments has it (transformers 5.2x), else
+    ``gradient_checkpointing`` (5.17, the lent GPU machines'; the new name there is a TypeError)."""
+    import dataclasses
+    import sys
+
+    trl_grpo = sys.modules["trl_grpo"]  # bench/trl.py's helper module, imported with it
+
+    @dataclasses.dataclass
+    class Before:
+        gradient_checkpointing: bool = True
+
+    @dataclasses.dataclass
+    class Since(Before):
+        activation_checkpointing: bool = True
+
+    assert trl_grpo.no_activation_checkpointing(Before) == {"gradient_checkpointing": False}
+    assert trl_grpo.no_activation_checkpointing(Since) == {"activation_checkpointing": False}
+    assert trl_grpo.no_activation_checkpointing(trl.GRPOConfig).keys() <= {
+        f.name for f in dataclasses.fields(trl.GRPOConfig)
+    }

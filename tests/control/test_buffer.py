@@ -362,5 +362,5 @@ def run_random_ops(seed: int, capacity: int, max_staleness: int, reject: str, n_
 @pytest.mark.parametrize("seed", range(4))
 def test_buffer_invariants_over_fixed_seeds(seed: int, reject: str) -> None:
     """The property test's invariants (tests/control/test_buffer_properties.py) over fixed seeds,
-    capacities 1 to 4 and staleness bounds 0 to 2, where hypothesis is not installed too."""
+    capacities 1 to 4 and staleness bounds 0 to 2: they run where hypothesis is missing too."""
     run_random_ops(seed, capacity=1 + seed, max_staleness=seed % 3, reject=reject, n_ops=200)

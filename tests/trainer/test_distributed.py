@@ -33,7 +33,7 @@ from asyncrl.types import Group, Prompt, Sample
 from asyncrl.workers.trainer import TrainerWorker
 
 RANK_TIMEOUT_S = 120.0
-# torch before 2.13 (the lent GPU machines' 2.11) lacks the call; the trainer then refuses experts.
+# torch 2.11 (the lent GPU machines') lacks the call; the trainer then refuses experts under FSDP2.
 FSDP2_KEEPS_UNUSED_PARAMS = hasattr(FSDPModule, "set_reduce_scatter_unused_params")
 MAX_COMPLETION = 8
 
@@ -488,8 +488,6 @@ def test_two_fsdp2_ranks_with_lora_match_one_process_and_resume(tmp_path: Path) 
 def _fsdp2_without_unused_param_reduction(model_name: str, port: int) -> str:
     """Build a one-rank FSDP2 trainer on a torch whose FSDP2 lacks set_reduce_scatter_unused_params
     (removed here where this torch has it; torch 2.11 has not); return the error, or "" if it builds."""
-    from torch.distributed.fsdp import FSDPModule
-
     from asyncrl.config import AlgorithmConfig, TrainerConfig
     from asyncrl.models.loading import load_policy
     from asyncrl.trainer.distributed import RankGroup, RankSpec
