@@ -220,8 +220,8 @@ class Config(Section):
             "episode.tools": bool(self.episode.tools) and "episodes are branched by turns, not tokens",
             "task.step_delimiter": self.task.step_delimiter is not None
             and "step rewards of a branch would cover only its continuation",
-            "algorithm.advantage_scale": self.algorithm.advantage_scale == "batch"
-            and "branch groups take their advantages within the group",
+            "algorithm.advantage_scale=batch": self.algorithm.advantage_scale == "batch"
+            and "branch groups take their advantages within the group (use group or none)",
         }
         _refuse_any("pivot.branches > 0", reasons)
         if pivot.branches > self.rollout.max_batch_size:

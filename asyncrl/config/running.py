@@ -138,11 +138,17 @@ class ScheduleConfig(Section):
         "swaps, and resumes them from their prefix; 'drain' admits nothing new until the running sequences "
         "finish, then swaps; 'batch' swaps only when all submitted work is done.",
     )
-    sync_every: int = Field(1, ge=1, description="Optimizer steps between weight pushes to the generators.")
+    sync_every: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps between weight pushes to the generators. Tokens are then up to "
+        "sync_every - 1 versions old, so schedule.max_staleness must be at least that.",
+    )
     reject: Literal["group", "token"] = Field(
         "group",
         description="At consumption, tokens older than max_staleness drop their whole group (the prompt is "
-        "issued again) or are masked out of the loss.",
+        "issued again) or are masked out of the loss ('token': a group left with no trained token is "
+        "dropped; one that had none, as algorithm.mask_truncated may leave it, is trained as under 'group').",
     )
     reproducible: bool = Field(
         False,
@@ -165,9 +171,12 @@ class ScheduleConfig(Section):
     @model_validator(mode="after")
     def _knobs_consistent(self) -> ScheduleConfig:
         if self.sync_every - 1 > self.max_staleness:
+            lag = self.sync_every - 1
             raise ValueError(
-                f"sync_every={self.sync_every} makes tokens up to {self.sync_every - 1} versions old, "
-                f"more than max_staleness={self.max_staleness}"
+                f"schedule.sync_every={self.sync_every} makes tokens up to {lag} "
+                f"version{'s' if lag > 1 else ''} old, more than schedule.max_staleness={self.max_staleness}: "
+                f"raise schedule.max_staleness to at least {lag} (a schedule preset off policy), "
+                "or push weights every step (schedule.sync_every=1)"
             )
         if self.reproducible and self.max_staleness > 0:
             raise ValueError(

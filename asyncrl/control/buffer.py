@@ -10,7 +10,8 @@ Staleness is bounded by two tools that work together:
   not silently filtered out.
 * **Rejection at consumption.** :class:`RolloutBuffer` re-checks every group when the
   trainer takes it: a group whose oldest trained token is more than η versions behind is
-  dropped (``reject="group"``), or just those tokens are masked out (``reject="token"``).
+  dropped (``reject="group"``), or just those tokens are masked out (``reject="token"``; a
+  group this leaves with no trained token is dropped too).
   Every drop is counted by reason and handed to ``on_drop`` so that its prompt can be
   issued again. With several policies, each token is judged on its own policy's clock and
   bound η_p (``oldest``: :meth:`~asyncrl.control.clocks.PolicyClocks.oldest`); the depth
@@ -170,8 +171,12 @@ class RolloutBuffer:
     def _admit(self, group: Buffered, trainer_version: int) -> bool:
         oldest = self.oldest(trainer_version)
         if self.reject == "token":
-            self.stats.masked_tokens += group.mask_older_than(oldest)
-            if group.num_trained_tokens:
+            masked = group.mask_older_than(oldest)
+            self.stats.masked_tokens += masked
+            # Dropped only when staleness took its last trained tokens: a group with none to begin
+            # with (algorithm.mask_truncated on completions all cut short) is admitted, as under
+            # reject="group", for its rewards still count in the step's advantages.
+            if group.num_trained_tokens or not masked:
                 return True
         elif not group.stale_trained_tokens(oldest):
             return True

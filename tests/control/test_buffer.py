@@ -258,6 +258,22 @@ def test_token_rejection_drops_a_group_left_with_no_trainable_token() -> None:
 
 
 @pytest.mark.parametrize("reject", ["group", "token"])
+def test_a_fresh_group_with_no_trained_token_is_admitted_whatever_the_rejection(reject: str) -> None:
+    """A group none of whose tokens is trained (algorithm.mask_truncated on completions all cut
+    short) is not stale: both rejections admit it, with nothing masked or dropped. reject='token'
+    once dropped it as stale, and a run of such groups ended naming schedule.max_staleness."""
+    drops = Recorder()
+    buf = RolloutBuffer(capacity=10, max_staleness=0, reject=reject, on_drop=drops)
+    buf.put(group(0, ([4, 4], [0, 0]), ([4], [0])), timeout=1.0)
+    # Old tokens that are not trained are not stale either.
+    buf.put(group(1, ([1, 2], [0, 0])), timeout=1.0)
+    got = buf.take(10, trainer_version=4)
+    assert [g.group_id for g in got] == [0, 1]
+    assert [s.loss_mask for g in got for s in g.samples] == [[0, 0], [0], [0, 0]]
+    assert (buf.stats.masked_tokens, buf.stats.dropped, drops.calls) == (0, Counter(), [])
+
+
+@pytest.mark.parametrize("reject", ["group", "token"])
 def test_zero_staleness_accepts_only_the_trainer_version(reject: str) -> None:
     """max_staleness=0 keeps tokens of exactly the trainer version and rejects one version older."""
     drops = Recorder()
@@ -327,7 +343,8 @@ def run_random_ops(seed: int, capacity: int, max_staleness: int, reject: str, n_
                 kept = [v for s in g.samples for v, m in zip(s.versions, s.loss_mask, strict=True) if m]
                 assert all(version - v <= max_staleness for v in kept)
                 if reject == "token":
-                    assert kept, "token rejection hands out only groups with a trained token left"
+                    had = any(m for _, mask in original[g.group_id] for m in mask)
+                    assert kept or not had, "token rejection hands out no group it emptied of trained tokens"
                 for s, (versions, mask) in zip(g.samples, original[g.group_id], strict=True):
                     # token rejection only ever clears the mask of too-old tokens
                     expect = [
@@ -341,13 +358,12 @@ def run_random_ops(seed: int, capacity: int, max_staleness: int, reject: str, n_
                 ]
                 if reject == "group":
                     assert any(version - v > max_staleness for v in trained)
-                else:
-                    assert all(version - v > max_staleness for v in trained)
+                else:  # every trained token was too old, and there was one
+                    assert trained and all(version - v > max_staleness for v in trained)
             handed += [g.group_id for g in got]
         assert len(buf) <= capacity
     assert buf.stats.max_depth <= capacity
-    # A trainer version this low admits every token, so draining hands out what is left (token rejection
-    # still drops a group that never had a trained token).
+    # A trainer version this low admits every token, so draining hands out what is left.
     remaining = [g.group_id for g in buf.take(capacity, trainer_version=-1 - max_staleness)]
     assert len(buf) == 0
     dropped = [gid for gid, _ in drops.calls]

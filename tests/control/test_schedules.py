@@ -604,7 +604,10 @@ def test_cli_rejects_inconsistent_schedule_knobs(tmp_path, capsys) -> None:
     )
     assert code == 2
     err = capsys.readouterr().err
-    assert "sync_every=2" in err and "max_staleness=0" in err
+    assert (
+        "schedule.sync_every=2 makes tokens up to 1 version old, more than schedule.max_staleness=0: "
+        "raise schedule.max_staleness to at least 1"
+    ) in err
     assert not (tmp_path / "r").exists()
 
 

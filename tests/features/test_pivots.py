@@ -120,6 +120,11 @@ def test_bad_pivot_settings_name_the_key(override: str, key: str) -> None:
 def test_pivots_refuse_what_they_cannot_branch() -> None:
     with pytest.raises(ConfigError, match=r"pivot\.branches > 0 cannot be used with episode\.environment"):
         load_config(None, [*PIVOTS, "episode.environment=calculator"])
+    with pytest.raises(
+        ConfigError, match=r"cannot be used with algorithm\.advantage_scale=batch: .*\(use group or none\)$"
+    ):
+        load_config(None, [*PIVOTS, "algorithm.advantage_scale=batch"])
+    assert load_config(None, [*PIVOTS, "algorithm.advantage_scale=none"]).algorithm.advantage_scale == "none"
 
 
 # -- finding pivots, branch groups in the engine ---------------------------------------------------
@@ -351,6 +356,41 @@ def test_stale_pivots_are_given_up_at_issue_and_at_training() -> None:
     book.branch_delivered(header(100, issued["g0"][0][2].pivot, [0.0, 1.0], 4))
     assert book.take_for_step(1, 7) == [] and book.given_up == [100]  # pivot 3 < 7 - 3
     assert book.counts["branches_dropped_stale"] == 1 and book.branch_accounting()["branches_reconcile"]
+
+
+def test_token_rejection_drops_only_the_branch_groups_it_empties() -> None:
+    """schedule.reject=token: a branch group whose trained tokens are all too old is dropped; one with
+    no trained token to begin with (algorithm.mask_truncated) is taken, as the rollout buffer does."""
+    cfg = load_config(
+        None,
+        [
+            *short_run(4),
+            *PIVOTS,
+            "pivot.branches=2",
+            "pivot.max_groups=2",
+            "schedule=async",
+            "schedule.reject=token",
+        ],
+    )
+    ledger = GroupLedger()
+    book = BranchBook(cfg, ledger)
+    ids = iter(range(100, 200))
+    book.found([found_pivot(1, version=4), found_pivot(2, version=4)], step=0)
+    issued = book.issue(1, 4, ["g0"], lambda: next(ids))
+    assert [gid for gid, _, _ in issued["g0"]] == [100, 101]
+    for gid, _, _ in issued["g0"]:
+        ledger.move(gid, GroupState.GENERATING, generator="g0")
+    untrained = GroupHeader(
+        100, "p", [0.0, 1.0], 0, {}, ["length"] * 2, [3, 3], [{}, {}], issued["g0"][0][2].pivot
+    )
+    emptied = GroupHeader(
+        101, "p", [0.0, 1.0], 0, {}, ["stop"] * 2, [3, 3], [{1: 3}] * 2, issued["g0"][1][2].pivot
+    )
+    book.branch_delivered(untrained)
+    book.branch_delivered(emptied)
+    taken = book.take_for_step(1, 5)  # η = 2: tokens of versions below 3 are too old
+    assert [h.group_id for h in taken] == [100] and book.given_up == [101]
+    assert book.counts["branch_masked_tokens"] == 6 and book.counts["branches_dropped_stale"] == 1
 
 
 # -- runs ---------------------------------------------------------------------------------------------

@@ -42,3 +42,20 @@ def test_truncated_completions_leave_the_loss_and_the_others_stay(tmp_path: Path
     assert 0 < truncated < 16 and masked["truncated_frac"] == plain["truncated_frac"]
     assert masked["trained_tokens"] == plain["trained_tokens"] - 3 * truncated
     assert masked["reward_mean"] == plain["reward_mean"]
+
+
+def test_groups_all_cut_short_are_trained_under_token_rejection(tmp_path: Path) -> None:
+    """One new token per completion cuts every completion short, so no group has a trained token.
+    Under schedule.reject=token such groups were booked as stale and issued again until the run
+    ended naming schedule.max_staleness; they are trained as under reject=group, nothing dropped."""
+    overrides = [*short_run(2), "rollout.max_new_tokens=1", "algorithm.mask_truncated=true"]
+    for reject in ("group", "token"):
+        summary = train(load_config(None, [*overrides, f"schedule.reject={reject}"]), tmp_path / reject)
+        books = summary["accounting"]
+        assert books["reconciles"] and (books["issued"], books["trained"], books["cancelled_stale"]) == (
+            8,
+            8,
+            0,
+        )
+        steps = [json.loads(line) for line in (tmp_path / reject / "metrics.jsonl").read_text().splitlines()]
+        assert [(s["truncated_frac"], s["trained_tokens"]) for s in steps] == [(1.0, 0)] * 2

@@ -239,8 +239,11 @@ class BranchBook(RunFeature):
         for header in self.ready:
             stale = header.pivot.version < planned_version - self.bound
             if not stale and self.reject == "token":
-                self.counts["branch_masked_tokens"] += header.mask_older_than(oldest_token)
-                stale = header.num_trained_tokens == 0
+                masked = header.mask_older_than(oldest_token)
+                self.counts["branch_masked_tokens"] += masked
+                stale = (
+                    masked > 0 and header.num_trained_tokens == 0
+                )  # as the rollout buffer's reject="token"
             elif not stale:
                 stale = header.stale_trained_tokens(oldest_token) > 0
             if stale:
