@@ -8,7 +8,9 @@ run (no checkpoint, no logged step); ``--resume`` continues the run a directory 
 same command (Slurm's requeue, a restarted Kubernetes pod), continues it when the directory
 holds one with the same settings and starts it otherwise. Settings of how long the run goes and
 how it keeps and reports itself (``MAY_CHANGE_ON_CONTINUING``) may differ: a job whose
-``run.steps`` was raised before its next start goes on to the new end.
+``run.steps`` was raised before its next start goes on to the new end. ``--resume --set`` may
+change any other setting but what the checkpoints' weights are of (``DEFINE_THE_WEIGHTS``: the
+model, its adapters, the critic, the policies), which it refuses before anything is rewritten.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, Literal, NamedTuple
 from asyncrl import checkpoints as checkpoint
 from asyncrl.config import Config, load_config
 from asyncrl.errors import AsyncRLError
+from asyncrl.models.loading import load_model_config
 from asyncrl.reports.jsonl import read_jsonl
 
 # True: continue the run the directory holds (it must have a checkpoint); False: start a new one
@@ -45,6 +48,20 @@ MAY_CHANGE_ON_CONTINUING = frozenset(
         "runtime.stall_timeout_s",
         "runtime.stop_timeout_s",
     }
+)
+
+# What the checkpoint's weights are of: a continued run that changes one of these would load
+# them into another model (refused by name, or silently where the names agree), so --resume
+# refuses them before anything of the run is rewritten.
+DEFINE_THE_WEIGHTS = (
+    "model.path",
+    "lora.rank",
+    "lora.target_modules",
+    "lora.alpha",
+    "lora.rslora",
+    "critic.path",
+    "critic.lora_rank",
+    "multi_agent.policies",
 )
 
 
@@ -83,6 +100,26 @@ def changed_settings(cfg: Config, run_dir: Path) -> dict[str, str]:
     }
 
 
+def _moved_model(key: str, cfg: Config, run_dir: Path) -> bool:
+    """Whether a changed ``model.path`` or ``critic.path`` names a model of the same configuration
+    as the run's (a checkpoint directory moved or copied elsewhere), whose weights the run's fit."""
+    if key not in ("model.path", "critic.path"):
+        return False
+    there = _flat(load_config(str(run_dir / CONFIG_FILE), []).model_dump(mode="json")).get(key)
+    here = _flat(cfg.model_dump(mode="json")).get(key)
+    if there is None or here is None:
+        return False
+    try:
+        return _architecture(there) == _architecture(here)
+    except (OSError, ValueError):  # one that does not load is not the same; its load names it
+        return False
+
+
+def _architecture(source: str) -> dict[str, Any]:
+    fields = load_model_config(source).to_dict()
+    return {k: v for k, v in fields.items() if k not in ("_name_or_path", "transformers_version")}
+
+
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in tree.items():
@@ -98,6 +135,18 @@ def start_point(cfg: Config, run_dir: Path, resume: Resume) -> StartPoint:
     ``resume`` asks is refused with what it holds and the commands that would do."""
     if resume is True:
         found = checkpoint.latest(run_dir)
+        changed = changed_settings(cfg, run_dir)
+        refused = [
+            said
+            for key, said in changed.items()
+            if key.startswith(DEFINE_THE_WEIGHTS) and not _moved_model(key, cfg, run_dir)
+        ]
+        if refused:
+            raise AsyncRLError(
+                f"--resume: the checkpoints of {str(run_dir)!r} hold the weights of another model than "
+                f"these settings make ({'; '.join(refused)}); continue it with its own, or start a run "
+                "from its weights in another --run-dir (model.path: its final/ or checkpoints/step-N/model)"
+            )
         return StartPoint(found, checkpoint.read_controller_state(found)["version"])
     found = checkpoint.newest(run_dir)
     held = held_run(run_dir, found)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from asyncrl.config import dump_config, load_config
 from asyncrl.control.run import train
 from asyncrl.control.session import RunSession
 from asyncrl.errors import AsyncRLError
+from asyncrl.models.loading import local_directory
 from tests.helpers import sets, short_run
 
 STEPS = 4
@@ -150,3 +152,31 @@ def test_evaluation_settings_may_change_on_continuing_and_training_ones_may_not(
     assert [said.split(":")[0] for said in point.changed] == [e.split("=")[0] for e in evaluations]
     with pytest.raises(AsyncRLError, match=r"rollout\.temperature: 1\.0 there, 0\.7 here"):
         start_point(load_config(None, [*BASE, "rollout.temperature=0.7"]), run_dir, "if_exists")
+
+
+def test_resume_refuses_settings_that_make_another_model_and_rewrites_nothing(tmp_path: Path) -> None:
+    """--resume --set KEY=VALUE may change how the run goes on, not what its checkpoints' weights
+    are of: LoRA adapters asked of a run trained without them failed in the trainer's load with a
+    traceback, after the run's config.yaml had been rewritten with them (so a plain --resume failed
+    too); another tiny architecture loaded the weights whose names it shares. Both are refused,
+    naming the setting, and the directory is as it was; the same model moved elsewhere is not."""
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, [*BASE, "run.steps=2"])
+    train(cfg, run_dir)
+    before = snapshot(run_dir)
+    for change, said in (
+        ("lora.rank=4", "lora.rank: 0 there, 4 here"),
+        ("model.path=tiny:1m:llama", "model.path: 'builtin:arith' there, 'tiny:1m:llama' here"),
+    ):
+        with pytest.raises(AsyncRLError) as refused:
+            train(load_config(None, [*BASE, change]), run_dir, resume=True)
+        assert str(refused.value).startswith(
+            f"--resume: the checkpoints of {str(run_dir)!r} hold the weights of another model than "
+            f"these settings make ({said}); continue it with its own"
+        )
+        assert snapshot(run_dir) == before
+    # The same model in another directory (the shipped one copied): the run goes on from there.
+    moved = tmp_path / "moved"
+    shutil.copytree(local_directory("builtin:arith"), moved)
+    assert train(load_config(None, [*BASE, f"model.path={moved}"]), run_dir, resume=True)["steps"] == STEPS
+    assert logged_steps(run_dir) == [1, 2, 3, 4]
