@@ -21,6 +21,10 @@ def failing_reward(completion: str, **_) -> float:
     raise ValueError(f"cannot parse {completion[:3]!r}")
 
 
+def ends_its_process(completion: str, **_) -> float:
+    os._exit(7)
+
+
 def held_reward(completion: str, answer: str | None, **kw) -> float:
     """pid_reward, which first waits (bounded) until the test creates $ASYNCRL_TEST_RELEASE."""
     pid_reward(completion, answer)

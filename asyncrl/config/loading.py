@@ -86,6 +86,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             _written_scalars(yaml.compose(text), [], written)
         except (yaml.YAMLError, UnicodeDecodeError) as exc:
             raise AsyncRLError(f"config file {str(p)!r} is not valid YAML: {_one_line(exc)}") from None
+        except RecursionError:  # an anchor's value holding its own alias (a: &a [*a]) never ends
+            raise AsyncRLError(
+                f"config file {str(p)!r} holds a value that contains itself (an alias inside its own anchor)"
+            ) from None
         if loaded is not None and not isinstance(loaded, dict):
             raise AsyncRLError(
                 f"config file {str(p)!r} must hold a mapping of sections, got {type(loaded).__name__}"

@@ -22,7 +22,8 @@ def _numeric(annotation: Any) -> bool:
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan: no setting means infinity or NaN (a weight of .nan crashed the step statistics).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod

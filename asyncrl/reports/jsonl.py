@@ -71,19 +71,26 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
     A last line without its newline is a record still being written (a live run's file, read by
     ``asyncrl report`` as it trains) or one a kill tore: it is left out. Any other line that is
-    no JSON is refused, naming the file and the line.
+    not a JSON object in UTF-8 is refused, naming the file and the line.
     """
     records = []
-    with path.open(encoding="utf-8") as fh:
-        for number, line in enumerate(fh, start=1):
-            if not line.endswith("\n"):
+    with path.open("rb") as fh:  # bytes: a torn last line may end inside a character
+        for number, raw in enumerate(fh, start=1):
+            if not raw.endswith(b"\n"):
                 break  # the last line, not yet (or never to be) whole
-            if not line.strip():
+            if not raw.strip():
                 continue
+            line = raw.decode("utf-8", errors="replace")
             try:
-                records.append(json.loads(line))
-            except ValueError:
+                record = json.loads(raw.decode("utf-8"))
+            except ValueError:  # UnicodeDecodeError is one
                 raise AsyncRLError(
                     f"{str(path)!r}, line {number}: not a JSON record: {line.strip()[:80]!r}"
                 ) from None
+            if not isinstance(record, dict):
+                raise AsyncRLError(
+                    f"{str(path)!r}, line {number}: a JSON {type(record).__name__}, not a record "
+                    f"(an object): {line.strip()[:80]!r}"
+                )
+            records.append(record)
     return records

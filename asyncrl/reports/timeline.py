@@ -8,6 +8,7 @@ teacher, ``teacher queue``) gets a row of its own, drawn as a step line with its
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -49,6 +50,19 @@ def busy_fractions(events: list[dict], start: float, end: float) -> dict[str, fl
     return out
 
 
+def check_events(path: Path, events: list[dict]) -> None:
+    """Refuse, naming it, the first event without a component and a numeric start and end."""
+    for number, event in enumerate(events, start=1):
+        fields = (event.get("component"), event.get("start"), event.get("end"))
+        if not isinstance(fields[0], str) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in fields[1:]
+        ):
+            raise AsyncRLError(
+                f"{path}: event {number} is not a timeline event (a component, a numeric start and end): "
+                f"{json.dumps(event)[:120]}"
+            )
+
+
 def plot_timeline(
     run_dir: Path, out: Path, title: str | None = None, last_s: float | None = None
 ) -> dict[str, float]:
@@ -58,6 +72,7 @@ def plot_timeline(
     events = read_jsonl(path)
     if not events:
         raise AsyncRLError(f"{path} holds no events")
+    check_events(path, events)
     import matplotlib
 
     matplotlib.use("Agg")

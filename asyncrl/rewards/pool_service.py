@@ -15,6 +15,7 @@ start pipe, or with the run's process.
 from __future__ import annotations
 
 import concurrent.futures
+import concurrent.futures.process
 import json
 import multiprocessing
 import os
@@ -29,7 +30,7 @@ from asyncrl.lifeline import exit_with_parent, ignore_stop_signals, stop_signals
 from asyncrl.rewards.pool import ENV, RewardPoolError
 from asyncrl.rewards.scoring import RewardSet, Scored
 from asyncrl.rewards.services import announced
-from asyncrl.rewards.task_rewards import reward_set
+from asyncrl.rewards.task_rewards import reward_set, reward_terms
 
 STOP_TIMEOUT_S = 10.0
 
@@ -48,7 +49,7 @@ def _score_in_worker(batch: list) -> list[list[Scored]]:
     return _worker_rewards.score_groups(batch)
 
 
-def _serve_connection(conn: Connection, pool: concurrent.futures.Executor) -> None:
+def _serve_connection(conn: Connection, pool: concurrent.futures.Executor, rewards: str) -> None:
     with conn:
         while True:
             try:
@@ -57,6 +58,10 @@ def _serve_connection(conn: Connection, pool: concurrent.futures.Executor) -> No
                 return  # the generator closed its channel
             try:
                 reply = ("ok", pool.submit(_score_in_worker, batch).result())
+            except concurrent.futures.process.BrokenProcessPool:
+                # A worker's process ended under a call (os._exit, a crash in native code, the memory
+                # killer), which breaks the whole pool: named, as a reward that raised would be.
+                reply = ("error", RewardPoolError(_died(rewards)))
             except BaseException as exc:  # e.g. RewardFailing: the generator raises it, as in its own thread
                 reply = ("error", exc)
             try:
@@ -81,7 +86,10 @@ def _serve_pool(cfg_json: str, workers: int, authkey: bytes, ready: Connection) 
         raise SystemExit(1) from None
     listener = Listener(("127.0.0.1", 0), authkey=authkey)
     ready.send(("ok", listener.address))
-    threading.Thread(target=_accept, args=(listener, pool), name="reward-accept", daemon=True).start()
+    rewards = ", ".join(repr(spec) for _, spec, _, _ in reward_terms(Config.model_validate_json(cfg_json)))
+    threading.Thread(
+        target=_accept, args=(listener, pool, rewards), name="reward-accept", daemon=True
+    ).start()
     with suppress(EOFError, OSError):
         ready.recv()  # returns when the run closes its end: the run's stop
     # Workers exit between batches; exiting normally releases the pool's semaphores (a killed
@@ -89,10 +97,20 @@ def _serve_pool(cfg_json: str, workers: int, authkey: bytes, ready: Connection) 
     pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _accept(listener: Listener, pool: concurrent.futures.Executor) -> None:
+def _accept(listener: Listener, pool: concurrent.futures.Executor, rewards: str) -> None:
     while True:
         conn = listener.accept()
-        threading.Thread(target=_serve_connection, args=(conn, pool), name="reward-conn", daemon=True).start()
+        threading.Thread(
+            target=_serve_connection, args=(conn, pool, rewards), name="reward-conn", daemon=True
+        ).start()
+
+
+def _died(rewards: str) -> str:
+    return (
+        f"a reward worker's process ended while it scored with {rewards} (the function ended its "
+        "process, crashed in native code or was killed for memory), and the reward pool cannot score on: "
+        "task.reward_timeout_s runs each call in a process of its own, whose end is the call's error"
+    )
 
 
 def _ready_probe(_: int) -> bool:

@@ -11,7 +11,7 @@ import asyncio
 import inspect
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,11 @@ class ScoringStopped(Exception):
     """Scoring was abandoned because the run is stopping: no reward, and no reward error, is recorded."""
 
 
+# A reward beyond this magnitude is an error of the function: the step's statistics and group
+# advantages square rewards in float64 (overflow past 1e154) and the loss is float32 (past 3.4e38).
+REWARD_BOUND = 1e30
+
+
 def _as_reward(value: Any) -> tuple[float | None, str | None]:
     if isinstance(value, (str, bytes)):
         # float() would accept "1.0"; a string is a bug in the function (e.g. returning the completion).
@@ -46,6 +51,8 @@ def _as_reward(value: Any) -> tuple[float | None, str | None]:
             return None, f"returned a non-numeric {type(value).__name__}: {value!r}"
     if not math.isfinite(value):
         return None, f"returned a non-finite value {value!r}"
+    if abs(value) > REWARD_BOUND:
+        return None, f"returned {float(value):g}, beyond the ±{REWARD_BOUND:g} a reward may be"
     return float(value), None
 
 
@@ -82,6 +89,8 @@ async def _call_async(fn: RewardFn, kwargs: dict[str, Any]) -> tuple[Any, str | 
         return await fn(**kwargs), None
     except Exception as exc:  # as in _call: recorded for the sample
         return None, f"raised {describe_user_error(exc)}"
+    except SystemExit as exc:
+        return None, f"called sys.exit({exc.code!r})"
 
 
 async def _gather(fn: RewardFn, calls: list[dict[str, Any]]) -> list[tuple[Any, str | None]]:
@@ -97,6 +106,8 @@ def _call(fn: RewardFn, kwargs: dict[str, Any]) -> tuple[Any, str | None]:
         return None, exc.recorded
     except Exception as exc:  # a user's reward function may raise anything; it is recorded, not fatal
         return None, f"raised {describe_user_error(exc)}"
+    except SystemExit as exc:  # sys.exit() in a reward would end the run unnamed, with no checkpoint
+        return None, f"called sys.exit({exc.code!r})"
 
 
 def score(
@@ -357,6 +368,8 @@ class RewardSet:
             n = len(groups[g][1])
             if error is None:
                 try:
+                    if isinstance(result, (Mapping, Set, str, bytes)):  # list() would take its keys
+                        raise TypeError
                     result = list(result)
                 except TypeError:
                     error = f"returned {type(result).__name__}, not a list of {n} rewards"

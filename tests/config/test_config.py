@@ -325,6 +325,23 @@ def test_config_file_that_is_not_yaml_names_the_file(tmp_path: Path) -> None:
         load_config(binary)
 
 
+def test_a_value_that_contains_itself_and_a_number_that_is_not_finite_are_named(tmp_path: Path) -> None:
+    """An anchor holding its own alias once ended in a RecursionError, and a reward weight of
+    .nan in a traceback from the step's statistics."""
+    path = tmp_path / "self.yaml"
+    path.write_text("task:\n  rewards: &r [*r]\n", encoding="utf-8")
+    with pytest.raises(AsyncRLError) as info:
+        load_config(path)
+    assert str(info.value) == (
+        f"config file {str(path)!r} holds a value that contains itself (an alias inside its own anchor)"
+    )
+    for value in (".nan", ".inf", "-.inf"):
+        with pytest.raises(
+            ConfigError, match=r"^task\.rewards\.0\.weight=-?(nan|inf): Input should be a finite number"
+        ):
+            load_config(None, [f"task.rewards=[{{name: exact_match, weight: {value}}}]"])
+
+
 def test_config_file_that_is_not_a_mapping_names_the_file(tmp_path: Path) -> None:
     """A YAML file holding a list is an AsyncRLError naming the file; an empty file means the defaults."""
     path = tmp_path / "list.yaml"

@@ -33,6 +33,24 @@ def test_a_last_line_without_its_newline_is_left_out_and_a_bad_line_before_it_is
     assert str(bad.value) == f"{str(path)!r}, line 3: not a JSON record: {TORN!r}"
 
 
+def test_a_line_not_in_utf8_or_not_an_object_is_named_and_a_torn_one_in_a_character_left_out(
+    tmp_path: Path,
+) -> None:
+    """A byte that is not UTF-8 and a JSON value that is not an object once ended asyncrl report
+    and asyncrl timeline in a UnicodeDecodeError or an AttributeError, even on the torn last line."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(lines(ROWS).encode() + '{"step": 4, "x": "é'.encode()[:-1])  # torn inside the é
+    assert read_jsonl(path) == ROWS
+    path.write_bytes(lines(ROWS).encode() + b'{"step": 4, "x": "\xff"}\n')
+    with pytest.raises(AsyncRLError) as bad:
+        read_jsonl(path)
+    assert str(bad.value) == f'{str(path)!r}, line 4: not a JSON record: \'{{"step": 4, "x": "\ufffd"}}\''
+    path.write_text(lines(ROWS) + "[1, 2]\n")
+    with pytest.raises(AsyncRLError) as bad:
+        read_jsonl(path)
+    assert str(bad.value) == f"{str(path)!r}, line 4: a JSON list, not a record (an object): '[1, 2]'"
+
+
 def test_writing_after_a_torn_record_cuts_it_first(tmp_path: Path) -> None:
     """The next record starts on a line of its own (it once joined the torn one, and the file
     could no longer be read); a file that ends whole is only appended to."""

@@ -84,3 +84,17 @@ def test_plot_timeline_without_timeline_file_names_the_path(tmp_path: Path) -> N
     with pytest.raises(AsyncRLError, match="holds no events"):
         plot_timeline(tmp_path, out)
     assert not out.exists()
+
+
+def test_an_event_without_a_numeric_span_is_named_not_a_traceback(tmp_path: Path) -> None:
+    """asyncrl timeline on an edited or foreign file once ended in a TypeError from the plotting."""
+    out = tmp_path / "out.png"
+    for bad in ({"component": "trainer", "start": 0.0, "end": None}, {"start": 0.0, "end": 1.0}):
+        write_timeline(tmp_path, [EVENTS[0], bad])
+        with pytest.raises(AsyncRLError) as err:
+            plot_timeline(tmp_path, out)
+        assert str(err.value) == (
+            f"{tmp_path / 'timeline.jsonl'}: event 2 is not a timeline event (a component, a numeric "
+            f"start and end): {json.dumps(bad)}"
+        )
+    assert not out.exists()

@@ -99,6 +99,30 @@ def test_none_means_not_applicable_and_errors_are_per_sample() -> None:
     assert {s.error for s in scored(RewardSet.of(lambda completions, **_: 1.0))} == {
         "returned float, not a list of 4 rewards"
     }
+    # A dict or a set of four once passed as four rewards: list() took its keys.
+    as_dict = RewardSet.of(lambda completions, **_: {i: 1.0 for i in range(len(completions))})
+    assert {s.error for s in scored(as_dict)} == {"returned dict, not a list of 4 rewards"}
+    assert {s.error for s in scored(RewardSet.of(lambda completions, **_: {0.0, 1.0, 2.0, 3.0}))} == {
+        "returned set, not a list of 4 rewards"
+    }
+
+
+def test_rewards_past_the_bound_and_an_exit_are_errors_of_the_function() -> None:
+    """A reward of 1e308 overflowed the step's statistics (the run ended with a traceback), one
+    of 1e200 the group's advantages (trained as zero); sys.exit() in a reward ended the run with
+    its code and no word. Each is recorded for its sample instead, as a raise would be."""
+    huge = RewardSet.of(lambda completions, **_: [1e30, -1e30, 1e31, -1e308])
+    assert [s.error for s in scored(huge)] == [
+        None,
+        None,
+        "returned 1e+31, beyond the ±1e+30 a reward may be",
+        "returned -1e+308, beyond the ±1e+30 a reward may be",
+    ]
+
+    def exits(completion, **_):
+        raise SystemExit(3)
+
+    assert {s.error for s in scored(RewardSet.of(exits))} == {"called sys.exit(3)"}
 
 
 def test_batch_metrics_log_each_function() -> None:

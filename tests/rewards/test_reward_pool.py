@@ -94,6 +94,23 @@ def test_a_failing_function_stops_scoring_from_the_pool_naming_it(tmp_path: Path
         pooled.close()
 
 
+def test_a_function_that_ends_its_workers_process_is_named_not_a_broken_pool(tmp_path: Path) -> None:
+    """os._exit (or a crash in native code) in a pooled reward breaks the process pool; the run
+    once ended in a bare BrokenProcessPool traceback."""
+    cfg = load_config(None, ["task.reward=tests.pool_rewards:ends_its_process", "task.reward_workers=1"])
+    with local_reward_pool(cfg, 120):
+        pooled = build_reward(cfg)
+        with pytest.raises(RewardPoolError) as died:
+            pooled.score_groups(GROUPS[1:])
+        assert str(died.value).startswith(
+            "a reward worker's process ended while it scored with 'tests.pool_rewards:ends_its_process' "
+        )
+        assert str(died.value).endswith(
+            "task.reward_timeout_s runs each call in a process of its own, whose end is the call's error"
+        )
+        pooled.close()
+
+
 def test_a_stop_abandons_the_wait_for_the_pool_and_the_pool_stays_usable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
