@@ -53,7 +53,7 @@ def waiting_for(c) -> str:
         parts.append(f"the preemption of {sorted(c.preemption.waiting)}")
     if c.saving.pending is not None:
         parts.append(f"the checkpoint of step {c.saving.pending.version}")
-    if not c.saved:
+    if not c.saved and c.steps_done >= c.cfg.run.steps:  # before that, the steps are what it waits for
         never = "" if c.final_save_requested else ", which was never requested"
         parts.append(f"the final model{never}")
     return "; ".join(parts) or "nothing"

@@ -23,6 +23,11 @@ from asyncrl.prompts.jsonl import JsonlDataset
 from asyncrl.prompts.rows import RowDataset
 from asyncrl.types import Prompt
 
+
+class SplitError(DatasetError):
+    """The split asked for is not in the dataset (the caller names the key that asked for it)."""
+
+
 FILE_FORMATS = {".parquet": "parquet", ".json": "json", ".csv": "csv", ".jsonl": "json"}
 
 
@@ -38,7 +43,7 @@ def _load_split(path: Path, split: str):
             loaded = datasets.load_dataset(str(path))
         elif path.suffix in FILE_FORMATS:
             if split != "train":
-                raise DatasetError(
+                raise SplitError(
                     f"dataset {str(path)!r} is one file, the 'train' split; split {split!r} needs a dataset "
                     "directory with several splits (or use task.eval_fraction)"
                 )
@@ -54,10 +59,10 @@ def _load_split(path: Path, split: str):
         raise DatasetError(f"dataset {str(path)!r} cannot be read: {type(exc).__name__}: {exc}") from None
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
-            raise DatasetError(f"dataset {str(path)!r} has no split {split!r}; it has {sorted(loaded)}")
+            raise SplitError(f"dataset {str(path)!r} has no split {split!r}; it has {sorted(loaded)}")
         return loaded[split]
     if split != "train":
-        raise DatasetError(f"dataset {str(path)!r} holds a single split (used as 'train'), not {split!r}")
+        raise SplitError(f"dataset {str(path)!r} holds a single split (used as 'train'), not {split!r}")
     return loaded
 
 
@@ -102,7 +107,7 @@ def load_rows(path: str | Path, split: str, **options: Any) -> RowDataset:
     path = Path(path)
     if path.suffix == ".jsonl":
         if split != "train":
-            raise DatasetError(
+            raise SplitError(
                 f"{str(path)!r} is one JSONL file (the 'train' split); there is no split {split!r}"
             )
         return JsonlDataset(path, **options)

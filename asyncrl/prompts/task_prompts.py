@@ -6,10 +6,10 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncrl.config import Config
-from asyncrl.errors import ConfigError
+from asyncrl.errors import ConfigError, DatasetError
 from asyncrl.models.loading import Policy, load_tokenizer
 from asyncrl.prompts.chat import encode_prompt, render_prompt
-from asyncrl.prompts.hf_dataset import hold_out, load_rows
+from asyncrl.prompts.hf_dataset import SplitError, hold_out, load_rows
 from asyncrl.prompts.jsonl import JsonlDataset
 from asyncrl.prompts.sources import GENERATED_TASKS, PromptSource, PromptStream
 from asyncrl.types import Prompt
@@ -82,7 +82,13 @@ def prompt_source(
     if t.name == "jsonl":
         rows = JsonlDataset(t.path, **options)
     else:
-        rows = load_rows(t.path, t.eval_split if evaluation and t.eval_split else t.split, **options)
+        key, split = (
+            ("task.eval_split", t.eval_split) if evaluation and t.eval_split else ("task.split", t.split)
+        )
+        try:
+            rows = load_rows(t.path, split, **options)
+        except SplitError as exc:
+            raise DatasetError(f"{key}={split}: {exc}") from None
     notice = rows.skipped_notice()
     if notices is not None and notice is not None and notice not in notices:
         notices.append(notice)

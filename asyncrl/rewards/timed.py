@@ -37,6 +37,10 @@ class RewardTimeout(RewardCallError):
     """The reward function did not return within task.reward_timeout_s."""
 
 
+class RewardProcessEnded(RewardCallError):
+    """The reward function's process ended during the call (os._exit, a crash, the memory killer)."""
+
+
 class RewardRaised(RewardCallError):
     """The reward function raised in the child process (its type and message are kept)."""
 
@@ -180,12 +184,21 @@ class TimedReward:
         try:
             kind, payload = child.conn.recv()
         except (EOFError, OSError):
-            child.kill()
-            results[i] = RewardRaised(f"its process died after {time.monotonic() - child.since:.1f}s")
+            elapsed = time.monotonic() - child.since
+            child.kill()  # joins it: its exit code is known
+            results[i] = RewardProcessEnded(
+                f"ended its process (exit code {child.proc.exitcode}) {elapsed:.1f}s into the call"
+            )
             return
         except Exception as exc:  # the whole message was read, so the process can take the next call
-            kind, payload = "raised", f"its result could not be received here: {type(exc).__name__}: {exc}"
-        results[i] = RewardRaised(payload) if kind == "raised" else payload
+            kind, payload = (
+                "unreadable",
+                f"returned a result that could not be received here: {describe_user_error(exc)}",
+            )
+        if kind == "unreadable":
+            results[i] = RewardCallError(payload)
+        else:
+            results[i] = RewardRaised(payload) if kind == "raised" else payload
         self._idle.append(child)
 
     def _started(self, child: _Child, waiting: collections.deque, results: list[Any]) -> None:

@@ -133,7 +133,7 @@ def test_a_loop_with_no_progress_fails_within_the_stall_timeout_naming_what_it_w
     message = str(err.value)
     assert message.startswith("no progress for ")
     assert "waiting for step 1 of 2: 4 groups in flight on ['generator-0']" in message
-    assert "the final model, which was never requested" in message
+    assert "final model" not in message  # waited for only once the steps are done
     assert ("generator-0", "Submit") in runtime.sent
 
 

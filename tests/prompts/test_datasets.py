@@ -86,6 +86,15 @@ def test_eval_split_and_held_out_fraction(tmp_path: Path) -> None:
     assert [p.prompt_id for p in again.prompts] == [p.prompt_id for p in held.prompts]
     other = hold_out(load_rows(path, "train", **MAPPING), 0.3, seed=6)[1]
     assert [p.prompt_id for p in other.prompts] != [p.prompt_id for p in held.prompts]
+    # A split the dataset lacks is named with the key that asked for it.
+    for key, needed in (("task.eval_split", True), ("task.split", False)):
+        cfg = load_config(None, [*base, f"{key}=nosuch"])
+        with pytest.raises(DatasetError) as info:
+            prompt_source(cfg, tok, 512, evaluation=needed)
+        assert (
+            str(info.value)
+            == f"{key}=nosuch: dataset {str(path)!r} has no split 'nosuch'; it has ['test', 'train']"
+        )
 
 
 BAD = [

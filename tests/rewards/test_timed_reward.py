@@ -79,6 +79,8 @@ def reward(completion, prompt, answer, **_):
         return math.nan
     if completion == "pid":
         return os.getpid()
+    if completion == "exit":
+        os._exit(7)
     return float(completion == answer)
 
 def hangs_once(completion, prompt, answer, **_):
@@ -178,10 +180,16 @@ def test_errors_in_the_child_keep_their_type_and_bad_values_are_recorded(reward_
         pid = call(fn, "pid")[0]
         assert call(fn, "unreadable") == (
             None,
-            "raised its result could not be received here: RuntimeError: cannot be rebuilt",
+            "returned a result that could not be received here: RuntimeError: cannot be rebuilt "
+            f"({where('cannot be rebuilt', 'refuse')})",
         )
         assert call(fn, "pid")[0] == pid  # the same process takes the next call
         assert fn.restarts == 0
+        value, error = call(fn, "exit")  # os._exit: a fresh process takes the next call
+        assert value is None and re.fullmatch(
+            r"ended its process \(exit code 7\) \d+\.\ds into the call", error
+        )
+        assert call(fn, "pid")[0] != pid
     finally:
         fn.close()
     with pytest.raises(RewardRaised, match="could not be loaded"):
