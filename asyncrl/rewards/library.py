@@ -16,7 +16,7 @@ import re
 import threading
 from functools import lru_cache
 
-from asyncrl.errors import RewardError
+from asyncrl.errors import ConfigError, RewardError
 
 
 def _math_verify_module():
@@ -58,6 +58,25 @@ def format_regex(completion: str, pattern: str | None = None, search: bool = Fal
         )
     regex = _compiled(pattern)
     return float((regex.search(completion) if search else regex.fullmatch(completion)) is not None)
+
+
+def check_format_regex(args: dict[str, object], key: str) -> None:
+    """Refuse at start, naming ``key``'s argument, what would make every call of format_regex fail
+    (a misspelled argument, a pattern that is no regular expression): once a warning per
+    completion, each scored 0. A pattern may also come from each row (a dataset column)."""
+    unknown = sorted(set(args) - {"pattern", "search"})
+    if unknown:
+        raise ConfigError(f"{key}.args", unknown, "not arguments of format_regex (pattern, search)")
+    if "pattern" in args:
+        try:
+            _compiled(str(args["pattern"]))
+        except re.error as exc:
+            raise ConfigError(
+                f"{key}.args.pattern", args["pattern"], f"not a regular expression: {exc}"
+            ) from None
+
+
+format_regex.check_args = check_format_regex  # type: ignore[attr-defined]
 
 
 def overlong_penalty(

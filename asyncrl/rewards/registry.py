@@ -19,7 +19,7 @@ With ``task.step_delimiter`` a function also gets ``completion_steps`` (the comp
 steps' texts) and may return :class:`~asyncrl.rewards.step_rewards.StepRewards` (process
 rewards, :mod:`asyncrl.rewards.step_rewards`). :func:`resolve_reward` checks a function's
 signature when the run starts, naming the config key; a shipped function with a
-``check_args(args, key)`` attribute (``reward_model``) has its entry's arguments checked then too.
+``check_args(args, key)`` attribute (``reward_model``, ``format_regex``) has its entry's arguments checked then too.
 """
 
 from __future__ import annotations

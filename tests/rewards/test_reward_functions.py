@@ -10,6 +10,7 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.control.step_metrics import batch_metrics
+from asyncrl.errors import ConfigError
 from asyncrl.prompts.chat import make_prompt
 from asyncrl.protocol.headers import group_header
 from asyncrl.rewards.library import format_regex, math_verify, overlong_penalty
@@ -158,6 +159,21 @@ def test_format_regex_full_or_search() -> None:
     assert format_regex(good, pattern=pattern) == 1.0
     assert format_regex("x" + good, pattern=pattern) == 0.0
     assert format_regex("x" + good, pattern=pattern, search=True) == 1.0
+
+
+def test_format_regex_arguments_that_would_fail_every_call_are_refused_at_start() -> None:
+    """A misspelled argument or a pattern that does not compile was a warning per completion, each
+    scored 0; a pattern left out may come from each row (a dataset column), so it is not refused."""
+    for args, message in (
+        ("{patern: x}", "task.rewards.0.args=['patern']: not arguments of format_regex (pattern, search)"),
+        ("{pattern: '(['}", "task.rewards.0.args.pattern='([': not a regular expression: unterminated"),
+    ):
+        cfg = load_config(None, [f"task.rewards=[{{name: format_regex, args: {args}}}]"])
+        with pytest.raises(ConfigError) as refused:
+            build_reward(cfg)
+        assert str(refused.value).startswith(message)
+    for args in ("{pattern: '\\d+', search: true}", "{}"):
+        build_reward(load_config(None, [f"task.rewards=[{{name: format_regex, args: {args}}}]"]))
 
 
 @pytest.mark.parametrize(
