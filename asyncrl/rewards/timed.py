@@ -67,7 +67,10 @@ def _child(spec: str, conn, parent: int) -> None:
             return
         try:
             conn.send(("ok", resolved(fn(**kwargs))))
-        except Exception as exc:  # reported to the caller, who records it for the sample
+        # Reported to the caller, who records it for the sample. BaseException: this process ignores
+        # the stop signals, so a KeyboardInterrupt or SystemExit here is the function's own (it once
+        # ended the process with a traceback on the run's stderr, per call).
+        except BaseException as exc:
             conn.send(("raised", describe_user_error(exc)))
 
 

@@ -81,6 +81,8 @@ def reward(completion, prompt, answer, **_):
         return os.getpid()
     if completion == "exit":
         os._exit(7)
+    if completion == "interrupt":
+        raise KeyboardInterrupt("from the function")
     return float(completion == answer)
 
 def hangs_once(completion, prompt, answer, **_):
@@ -184,6 +186,12 @@ def test_errors_in_the_child_keep_their_type_and_bad_values_are_recorded(reward_
             f"({where('cannot be rebuilt', 'refuse')})",
         )
         assert call(fn, "pid")[0] == pid  # the same process takes the next call
+        # The function's own KeyboardInterrupt (the process ignores stop signals) is a raise like any.
+        assert call(fn, "interrupt") == (
+            None,
+            f"raised KeyboardInterrupt: from the function ({where('from the function', 'reward')})",
+        )
+        assert call(fn, "pid")[0] == pid
         assert fn.restarts == 0
         value, error = call(fn, "exit")  # os._exit: a fresh process takes the next call
         assert value is None and re.fullmatch(
