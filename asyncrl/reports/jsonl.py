@@ -80,17 +80,20 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
                 break  # the last line, not yet (or never to be) whole
             if not raw.strip():
                 continue
-            line = raw.decode("utf-8", errors="replace")
             try:
                 record = json.loads(raw.decode("utf-8"))
             except ValueError:  # UnicodeDecodeError is one
                 raise AsyncRLError(
-                    f"{str(path)!r}, line {number}: not a JSON record: {line.strip()[:80]!r}"
+                    f"{str(path)!r}, line {number}: not a JSON record: {_shown(raw)}"
                 ) from None
             if not isinstance(record, dict):
                 raise AsyncRLError(
                     f"{str(path)!r}, line {number}: a JSON {type(record).__name__}, not a record "
-                    f"(an object): {line.strip()[:80]!r}"
+                    f"(an object): {_shown(raw)}"
                 )
             records.append(record)
     return records
+
+
+def _shown(raw: bytes) -> str:
+    return repr(raw.decode("utf-8", errors="replace").strip()[:80])

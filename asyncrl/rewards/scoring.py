@@ -366,13 +366,14 @@ class RewardSet:
                 calls.append({**own, **{k: [v] * n for k, v in prompt.extra.items()}})
         for g, (result, error) in zip(slots, self._calls(term.fn, calls), strict=True):
             n = len(groups[g][1])
-            if error is None:
+            not_a_list = f"returned {type(result).__name__}, not a list of {n} rewards"
+            if error is None and isinstance(result, (Mapping, Set, str, bytes)):
+                error = not_a_list  # list() would take its keys (or characters) for the rewards
+            elif error is None:
                 try:
-                    if isinstance(result, (Mapping, Set, str, bytes)):  # list() would take its keys
-                        raise TypeError
                     result = list(result)
                 except TypeError:
-                    error = f"returned {type(result).__name__}, not a list of {n} rewards"
+                    error = not_a_list
             if error is None and len(result) != n:
                 error = f"returned {len(result)} rewards for {n} completions"
             if error is not None:

@@ -241,9 +241,8 @@ class BranchBook(RunFeature):
             if not stale and self.reject == "token":
                 masked = header.mask_older_than(oldest_token)
                 self.counts["branch_masked_tokens"] += masked
-                stale = (
-                    masked > 0 and header.num_trained_tokens == 0
-                )  # as the rollout buffer's reject="token"
+                # Dropped only when staleness took its last trained token, as the rollout buffer does.
+                stale = masked > 0 and header.num_trained_tokens == 0
             elif not stale:
                 stale = header.stale_trained_tokens(oldest_token) > 0
             if stale:
