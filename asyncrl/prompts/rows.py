@@ -99,16 +99,19 @@ class RowDataset:
     def finish(self, source: str) -> None:
         self.source = source
         if not self.prompts:
-            raise DatasetError(f"{source}: no usable rows (skipped {self.skipped})")
+            why = f": {self._first_reasons()}" if self.skipped else ""
+            raise DatasetError(f"{source}: no usable rows (skipped {self.skipped}{why})")
 
     def skipped_notice(self) -> str | None:
         """What ``skip_bad_rows`` left out, as one line for the run's user (None: nothing): a
         dataset that lost most of its rows would otherwise train on the rest without a word."""
         if not self.skipped:
             return None
-        shown = SKIP_REASONS_SHOWN
-        first = "; ".join(self.skip_reasons[:shown]) + ("; ..." if self.skipped > shown else "")
         return (
             f"{self.source}: skipped {self.skipped} of {self.skipped + self.size} rows "
-            f"(task.skip_bad_rows=true): {first}"
+            f"(task.skip_bad_rows=true): {self._first_reasons()}"
         )
+
+    def _first_reasons(self) -> str:
+        shown = SKIP_REASONS_SHOWN
+        return "; ".join(self.skip_reasons[:shown]) + ("; ..." if self.skipped > shown else "")
