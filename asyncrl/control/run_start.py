@@ -88,11 +88,12 @@ def held_run(run_dir: Path, found: Path | None) -> str | None:
 def changed_settings(cfg: Config, run_dir: Path) -> dict[str, str]:
     """Each setting in which ``cfg`` differs from the run ``run_dir`` holds, by key, as ``key:
     <its value> there, <this one> here`` (none when the directory has no config)."""
-    stored = run_dir / CONFIG_FILE
-    if not stored.is_file():
+    return _changes(*_flat_settings(cfg, run_dir))
+
+
+def _changes(there: dict[str, Any] | None, here: dict[str, Any]) -> dict[str, str]:
+    if there is None:
         return {}
-    there = _flat(load_config(str(stored), []).model_dump(mode="json"))
-    here = _flat(cfg.model_dump(mode="json"))
     return {
         key: f"{key}: {there.get(key)!r} there, {here.get(key)!r} here"
         for key in sorted(there.keys() | here.keys())
@@ -100,13 +101,16 @@ def changed_settings(cfg: Config, run_dir: Path) -> dict[str, str]:
     }
 
 
-def _moved_model(key: str, cfg: Config, run_dir: Path) -> bool:
+def _flat_settings(cfg: Config, run_dir: Path) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """The settings of the run ``run_dir`` holds (None without its config) and ``cfg``'s, by dotted key."""
+    stored = run_dir / CONFIG_FILE
+    there = _flat(load_config(str(stored), []).model_dump(mode="json")) if stored.is_file() else None
+    return there, _flat(cfg.model_dump(mode="json"))
+
+
+def _moved_model(there: Any, here: Any) -> bool:
     """Whether a changed ``model.path`` or ``critic.path`` names a model of the same configuration
     as the run's (a checkpoint directory moved or copied elsewhere), whose weights the run's fit."""
-    if key not in ("model.path", "critic.path"):
-        return False
-    there = _flat(load_config(str(run_dir / CONFIG_FILE), []).model_dump(mode="json")).get(key)
-    here = _flat(cfg.model_dump(mode="json")).get(key)
     if there is None or here is None:
         return False
     try:
@@ -135,11 +139,12 @@ def start_point(cfg: Config, run_dir: Path, resume: Resume) -> StartPoint:
     ``resume`` asks is refused with what it holds and the commands that would do."""
     if resume is True:
         found = checkpoint.latest(run_dir)
-        changed = changed_settings(cfg, run_dir)
+        there, here = _flat_settings(cfg, run_dir)
         refused = [
             said
-            for key, said in changed.items()
-            if key.startswith(DEFINE_THE_WEIGHTS) and not _moved_model(key, cfg, run_dir)
+            for key, said in _changes(there, here).items()
+            if key.startswith(DEFINE_THE_WEIGHTS)
+            and not (key in ("model.path", "critic.path") and _moved_model(there.get(key), here.get(key)))
         ]
         if refused:
             raise AsyncRLError(

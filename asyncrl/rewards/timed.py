@@ -194,12 +194,9 @@ class TimedReward:
             )
             return
         except Exception as exc:  # the whole message was read, so the process can take the next call
-            kind, payload = (
-                "unreadable",
-                f"returned a result that could not be received here: {describe_user_error(exc)}",
+            results[i] = RewardCallError(
+                f"returned a result that could not be received here: {describe_user_error(exc)}"
             )
-        if kind == "unreadable":
-            results[i] = RewardCallError(payload)
         else:
             results[i] = RewardRaised(payload) if kind == "raised" else payload
         self._idle.append(child)
